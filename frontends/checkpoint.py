@@ -1,0 +1,85 @@
+"""Hugging Face checkpoint folders: one or many *.safetensors (with model.safetensors.index.json when sharded),
+read without torch. Binding checks every weight the graph reads against the files before anything is loaded."""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from safetensors import SafetensorError, safe_open
+
+from pegainfer.errors import CheckpointError
+from pegainfer.ir.types import TensorType
+
+INDEX_FILE = "model.safetensors.index.json"
+FLOAT_DTYPES = ("BF16", "F16", "F32")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    file: Path
+    shape: tuple[int, ...]
+    dtype: str  # safetensors' spelling: BF16, F32, ...
+
+
+def scan_checkpoint(folder: Path) -> dict[str, TensorInfo]:
+    """Every tensor of the checkpoint with its file, shape and dtype, read from the headers alone."""
+    files = _shard_files(folder)
+    tensors: dict[str, TensorInfo] = {}
+    for file in files:
+        try:
+            with safe_open(file, framework="numpy") as handle:
+                for name in handle.keys():
+                    piece = handle.get_slice(name)
+                    tensors[name] = TensorInfo(file, tuple(piece.get_shape()), piece.get_dtype())
+        except (OSError, SafetensorError) as error:
+            raise CheckpointError(f"{file}: not a readable safetensors file ({error})") from None
+    return tensors
+
+
+def _shard_files(folder: Path) -> list[Path]:
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as error:
+            raise CheckpointError(f"{index}: expected a JSON object with a 'weight_map' ({error})") from None
+        files = sorted({folder / name for name in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{index}: names shard {missing[0]} which is not in {folder}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{folder}: no *.safetensors files (expected model.safetensors or shards with "
+                              f"{INDEX_FILE})")
+    return files
+
+
+def check_weights(expected: dict[str, TensorType], tensors: dict[str, TensorInfo], folder: Path) -> None:
+    """Every weight the graph reads exists with the right shape and a float dtype."""
+    for name, type_ in expected.items():
+        info = tensors.get(name)
+        if info is None:
+            where = INDEX_FILE if (folder / INDEX_FILE).is_file() else ", ".join(sorted({t.file.name for t in
+                                                                                          tensors.values()}))
+            raise CheckpointError(f"{folder}: tensor {name!r} ({type_}) is missing from {where}")
+        if info.shape != type_.shape:
+            raise CheckpointError(f"{info.file}: tensor {name!r} has shape {list(info.shape)}, "
+                                  f"expected {list(type_.shape)}")
+        if info.dtype not in FLOAT_DTYPES:
+            raise CheckpointError(f"{info.file}: tensor {name!r} has dtype {info.dtype}, expected a float type")
+
+
+def load_weights(expected: dict[str, TensorType], tensors: dict[str, TensorInfo]) -> dict[str, np.ndarray]:
+    """Loads the expected weights, cast to the graph's storage dtype. Call check_weights first."""
+    by_file: dict[Path, list[str]] = {}
+    for name in expected:
+        by_file.setdefault(tensors[name].file, []).append(name)
+    weights: dict[str, np.ndarray] = {}
+    for file, names in by_file.items():
+        with safe_open(file, framework="numpy") as handle:
+            for name in names:
+                weights[name] = handle.get_tensor(name).astype(expected[name].dtype.np_dtype, copy=False)
+    return weights
+

@@ -1,0 +1,88 @@
+"""The reference interpreter: runs any graph, before or after passes, on the CPU with NumPy.
+
+Float math is float32; each node's result is rounded to the dtype its type declares (bf16 through ml_dtypes), as
+GPU storage would round it. States (the KV cache) stay in their storage dtype and are written in place.
+It is the oracle every pass and kernel is checked against: correct, not fast.
+"""
+
+from typing import Mapping
+
+import numpy as np
+
+from pegainfer.errors import GraphError
+from pegainfer.ir.dtypes import FP32
+from pegainfer.ir.graph import REPEAT, Graph, instantiate
+from pegainfer.ir.registry import get_op
+from pegainfer.ir.types import TensorType
+
+
+def run_graph(graph: Graph, inputs: Mapping[str, np.ndarray], weights: Mapping[str, np.ndarray],
+              states: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+    """Runs `graph` on named inputs; weights and states are looked up by their expanded (per-layer) names."""
+    return _run(graph, graph, [inputs[name] for name in _require(graph, inputs)], weights, states, layer=None)
+
+
+def _require(graph: Graph, inputs: Mapping[str, np.ndarray]) -> list[str]:
+    missing = [name for name in graph.inputs if name not in inputs]
+    if missing:
+        raise GraphError(f"graph {graph.name}: inputs {missing} not given")
+    return list(graph.inputs)
+
+
+def _run(root: Graph, graph: Graph, args: list[np.ndarray], weights: Mapping[str, np.ndarray],
+         states: Mapping[str, np.ndarray], layer: int | None) -> list[np.ndarray]:
+    symbols: dict[str, int] = {}
+    env: dict[str, np.ndarray] = {}
+    for (name, type_), array in zip(graph.inputs.items(), args):
+        env[name] = store(_checked(graph, name, type_, array, symbols), type_)
+    for name, type_ in graph.params.items():
+        env[name] = store(_checked(graph, name, type_, weights[_expand(name, layer)], symbols), type_)
+    for name, type_ in graph.states.items():
+        env[name] = _checked(graph, name, type_, states[_expand(name, layer)], symbols)
+    for node in graph.nodes:
+        values = [env[name] for name in node.inputs]
+        if node.op == REPEAT:
+            results = _repeat(root, root.subgraphs[node.attrs["body"]], node.attrs["count"], values, weights, states)
+        else:
+            op = get_op(node.op)
+            produced = op.reference(*values, **node.attrs)
+            produced = produced if isinstance(produced, tuple) else (produced,)
+            in_place = len(op.mutates)
+            results = [*produced[:in_place],
+                       *(store(a, t) for a, t in zip(produced[in_place:], node.output_types[in_place:]))]
+        env.update(zip(node.outputs, results))
+    return [env[name] for name in graph.outputs]
+
+
+def _repeat(root: Graph, body: Graph, count: int, values: list[np.ndarray], weights: Mapping[str, np.ndarray],
+            states: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+    carried, invariant = values[: len(body.outputs)], values[len(body.outputs):]
+    for layer in range(count):
+        carried = _run(root, body, [*carried, *invariant], weights, states, layer)
+    return carried
+
+
+def store(array: np.ndarray, type_: TensorType) -> np.ndarray:
+    """Rounds to the declared dtype's storage, then widens floats back to float32 for the next op's math."""
+    if not type_.dtype.is_float:
+        return np.asarray(array).astype(type_.dtype.np_dtype, copy=False)
+    if type_.dtype == FP32:
+        return np.asarray(array, dtype=np.float32)
+    return np.asarray(array).astype(type_.dtype.np_dtype).astype(np.float32)
+
+
+def _expand(name: str, layer: int | None) -> str:
+    return name if layer is None else instantiate(name, layer)
+
+
+def _checked(graph: Graph, name: str, type_: TensorType, array: np.ndarray, symbols: dict[str, int]) -> np.ndarray:
+    """Checks rank and fixed dims, and binds each symbol to one size across the graph's inputs."""
+    shape = np.shape(array)
+    if len(shape) != type_.rank:
+        raise GraphError(f"graph {graph.name}: {name} expects {type_}, given shape {list(shape)}")
+    for dim, size in zip(type_.shape, shape):
+        bound = dim if isinstance(dim, int) else symbols.setdefault(dim, size)
+        if bound != size:
+            raise GraphError(f"graph {graph.name}: {name} expects {type_} with "
+                             f"{dim if isinstance(dim, int) else f'{dim}={bound}'}, given shape {list(shape)}")
+    return array

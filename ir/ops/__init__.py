@@ -1,0 +1,3 @@
+"""Built-in ops. Importing this package registers them."""
+
+from pegainfer.ir.ops import attention, basic, norm  # noqa: F401

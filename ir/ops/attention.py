@@ -1,0 +1,112 @@
+"""Rotary embedding, the paged KV-cache write and grouped-query causal attention over the paged cache.
+
+Packed layout (shared by prefill, decode and a mix of both): the step's tokens of all sequences are concatenated
+along `tokens`. Sequence b owns rows seq_starts[b] .. seq_starts[b] + query_lens[b]; after this step's write its
+cache holds context_lens[b] tokens, and its query rows are the last query_lens[b] of them, so query row i sits at
+position context_lens[b] - query_lens[b] + i and sees keys 0 .. that position (causal).
+The cache is [num_blocks, block_size, kv_heads, head_dim] per layer; token slot s lives in block s // block_size at
+offset s % block_size; block_tables[b] lists the blocks of sequence b in order. A slot of -1 is padding: not written.
+"""
+
+import numpy as np
+
+from pegainfer.ir.registry import expect, register_op
+from pegainfer.ir.types import TensorType
+
+
+def _infer_rope(x: TensorType, positions: TensorType, *, theta: float) -> TensorType:
+    expect(x.rank == 3, f"rope: input must be [tokens, heads, head_dim], found {x}")
+    expect(isinstance(x.shape[2], int) and x.shape[2] % 2 == 0, f"rope: head_dim must be even, found {x}")
+    expect(positions.rank == 1 and positions.shape[0] == x.shape[0] and not positions.dtype.is_float,
+           f"rope: positions must be integer [{x.shape[0]}], found {positions}")
+    expect(theta > 0, f"rope: theta must be positive, found {theta}")
+    return x
+
+
+def rope_cos_sin(positions: np.ndarray, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin tables [tokens, head_dim] in float32, halves repeated (the rotate-half convention)."""
+    inv_freq = 1.0 / (np.float32(theta) ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim))
+    freqs = positions.astype(np.float32)[:, None] * inv_freq[None, :].astype(np.float32)
+    angles = np.concatenate([freqs, freqs], axis=-1)
+    return np.cos(angles), np.sin(angles)
+
+
+def _rope(x: np.ndarray, positions: np.ndarray, *, theta: float) -> np.ndarray:
+    cos, sin = rope_cos_sin(positions, x.shape[-1], theta)
+    half = x.shape[-1] // 2
+    rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def _infer_kv_write(k_cache: TensorType, v_cache: TensorType, k: TensorType, v: TensorType,
+                    slot_mapping: TensorType) -> tuple[TensorType, TensorType]:
+    expect(k_cache.rank == 4 and k_cache == v_cache,
+           f"kv_write: caches must be equal [blocks, block_size, kv_heads, head_dim], found {k_cache} and {v_cache}")
+    expect(k.rank == 3 and k.shape == v.shape, f"kv_write: k and v must be equal [tokens, kv_heads, head_dim], "
+                                               f"found {k} and {v}")
+    expect(k.shape[1:] == k_cache.shape[2:], f"kv_write: k {k} does not fit cache {k_cache}")
+    expect(slot_mapping.shape == (k.shape[0],) and not slot_mapping.dtype.is_float,
+           f"kv_write: slot_mapping must be integer [{k.shape[0]}], found {slot_mapping}")
+    return k_cache, v_cache
+
+
+def _kv_write(k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.ndarray,
+              slot_mapping: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    real = slot_mapping >= 0
+    for cache, new in ((k_cache, k), (v_cache, v)):
+        flat = cache.reshape(-1, *cache.shape[2:])
+        assert np.shares_memory(flat, cache), "kv_write needs a contiguous cache to write in place"
+        flat[slot_mapping[real]] = new[real].astype(cache.dtype)
+    return k_cache, v_cache
+
+
+def _infer_attention(q: TensorType, k_cache: TensorType, v_cache: TensorType, block_tables: TensorType,
+                     seq_starts: TensorType, query_lens: TensorType, context_lens: TensorType, *,
+                     scale: float) -> TensorType:
+    expect(q.rank == 3, f"paged_attention: q must be [tokens, heads, head_dim], found {q}")
+    expect(k_cache.rank == 4 and k_cache == v_cache, f"paged_attention: caches must be equal rank-4, "
+                                                     f"found {k_cache} and {v_cache}")
+    expect(q.shape[2] == k_cache.shape[3], f"paged_attention: head_dim of q {q} and cache {k_cache} differ")
+    heads, kv_heads = q.shape[1], k_cache.shape[2]
+    expect(isinstance(heads, int) and isinstance(kv_heads, int) and heads % kv_heads == 0,
+           f"paged_attention: query heads {heads} must be a multiple of kv heads {kv_heads}")
+    expect(block_tables.rank == 2, f"paged_attention: block_tables must be [batch, max_blocks], found {block_tables}")
+    batch = block_tables.shape[0]
+    for name, t in (("seq_starts", seq_starts), ("query_lens", query_lens), ("context_lens", context_lens)):
+        expect(t.shape == (batch,) and not t.dtype.is_float, f"paged_attention: {name} must be integer [{batch}], "
+                                                             f"found {t}")
+    expect(scale > 0, f"paged_attention: scale must be positive, found {scale}")
+    return q
+
+
+def _attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray,
+               seq_starts: np.ndarray, query_lens: np.ndarray, context_lens: np.ndarray, *,
+               scale: float) -> np.ndarray:
+    out = np.zeros_like(q)
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // kv_heads
+    for b in range(block_tables.shape[0]):
+        start, q_len, ctx = int(seq_starts[b]), int(query_lens[b]), int(context_lens[b])
+        if q_len == 0:
+            continue
+        blocks = block_tables[b, : -(-ctx // block_size)]
+        keys = np.repeat(_gather(k_cache, blocks, ctx), group, axis=1)  # [ctx, heads, head_dim]
+        values = np.repeat(_gather(v_cache, blocks, ctx), group, axis=1)
+        queries = q[start:start + q_len]
+        scores = np.einsum("qhd,khd->hqk", queries, keys) * np.float32(scale)
+        query_pos = np.arange(ctx - q_len, ctx)[:, None]
+        scores = np.where(np.arange(ctx)[None, :] <= query_pos, scores, -np.inf)
+        scores = scores - scores.max(axis=-1, keepdims=True)
+        probs = np.exp(scores)
+        probs /= probs.sum(axis=-1, keepdims=True)
+        out[start:start + q_len] = np.einsum("hqk,khd->qhd", probs, values)
+    return out
+
+
+def _gather(cache: np.ndarray, blocks: np.ndarray, length: int) -> np.ndarray:
+    return cache[blocks].reshape(-1, *cache.shape[2:])[:length].astype(np.float32)
+
+
+register_op("rope", _infer_rope, _rope)
+register_op("kv_write", _infer_kv_write, _kv_write, mutates=(0, 1))
+register_op("paged_attention", _infer_attention, _attention)

@@ -1,0 +1,53 @@
+"""The step interface every model graph shares with the runtime: the names and types of one step's inputs.
+
+A step is a packed batch of sequences (prefill chunks and decode tokens alike; see ir/ops/attention.py for the
+layout). The runtime fills these inputs by name, so a DAG file declares them through this module, never by hand.
+"""
+
+from dataclasses import dataclass
+
+from pegainfer.ir.builder import GraphBuilder, Value
+from pegainfer.ir.dtypes import INT32
+
+TOKEN_INPUTS = ("input_ids", "positions", "slot_mapping")
+SEQUENCE_INPUTS = ("seq_starts", "query_lens", "context_lens")
+LOGITS_INDICES = "logits_indices"
+BLOCK_TABLES = "block_tables"
+
+
+@dataclass(frozen=True)
+class AttentionInputs:
+    """What each attention layer needs to read and write its slice of the paged KV cache."""
+    positions: Value
+    slot_mapping: Value
+    block_tables: Value
+    seq_starts: Value
+    query_lens: Value
+    context_lens: Value
+
+    def as_list(self) -> list[Value]:
+        return [self.positions, self.slot_mapping, self.block_tables, self.seq_starts, self.query_lens,
+                self.context_lens]
+
+
+def declare_attention_inputs(b: GraphBuilder) -> AttentionInputs:
+    return AttentionInputs(
+        positions=b.input("positions", INT32, ("tokens",)),
+        slot_mapping=b.input("slot_mapping", INT32, ("tokens",)),
+        block_tables=b.input(BLOCK_TABLES, INT32, ("batch", "max_blocks")),
+        seq_starts=b.input("seq_starts", INT32, ("batch",)),
+        query_lens=b.input("query_lens", INT32, ("batch",)),
+        context_lens=b.input("context_lens", INT32, ("batch",)),
+    )
+
+
+def declare_step_inputs(b: GraphBuilder) -> tuple[Value, AttentionInputs, Value]:
+    """(input_ids [tokens], attention inputs, logits_indices [samples]): the rows whose logits the step returns."""
+    input_ids = b.input("input_ids", INT32, ("tokens",))
+    attention = declare_attention_inputs(b)
+    logits_indices = b.input(LOGITS_INDICES, INT32, ("samples",))
+    return input_ids, attention, logits_indices
+
+
+def kv_cache_shape(kv_heads: int, head_dim: int) -> tuple[str, str, int, int]:
+    return ("num_blocks", "block_size", kv_heads, head_dim)

@@ -1,0 +1,109 @@
+"""The verifier: every value defined once, no dangling edges, no cycles, nodes in topological order, and every
+node's recorded output types equal to what its op's type rule gives."""
+
+import networkx as nx
+
+from pegainfer.errors import GraphError
+from pegainfer.ir.graph import LAYER_PLACEHOLDER, REPEAT, Graph, Node
+from pegainfer.ir.registry import get_op, infer_types
+from pegainfer.ir.types import TensorType
+
+
+def verify(graph: Graph, *, body: bool = False) -> None:
+    """Raises GraphError naming the graph and node at fault. A body (run by `repeat`) may name per-layer values."""
+    for body in graph.subgraphs.values():
+        if body.subgraphs:
+            raise GraphError(f"graph {body.name}: nested bodies are not supported")
+        _verify_one(body, graph)
+    _verify_one(graph, graph)
+    if body:
+        return
+    for name in (*graph.params, *graph.states):
+        if LAYER_PLACEHOLDER in name:
+            raise GraphError(f"graph {graph.name}: {name!r} uses {LAYER_PLACEHOLDER} outside a repeated body")
+
+
+def _verify_one(graph: Graph, root: Graph) -> None:
+    defined = _check_declarations(graph)
+    all_outputs = {out for node in graph.nodes for out in node.outputs}
+    for node in graph.nodes:
+        for value in node.inputs:
+            if value not in defined and value not in all_outputs:
+                raise GraphError(f"graph {graph.name}, node %{node.name} ({node.op}): input {value!r} is not defined "
+                                 f"anywhere (dangling edge)")
+    dag = graph.to_networkx()
+    if not nx.is_directed_acyclic_graph(dag):
+        cycle = " -> ".join(edge[0] for edge in nx.find_cycle(dag))
+        raise GraphError(f"graph {graph.name}: cycle through {cycle}")
+    stateful = set(graph.states)
+    for node in graph.nodes:
+        _check_mutation(graph, node, stateful)
+        missing = [v for v in node.inputs if v not in defined]
+        if missing:
+            raise GraphError(f"graph {graph.name}, node %{node.name} ({node.op}): input {missing[0]!r} is used "
+                             f"before the node that defines it")
+        expected = _expected_types(node, defined, root)
+        if expected != node.output_types:
+            raise GraphError(f"graph {graph.name}, node %{node.name} ({node.op}): recorded output types "
+                             f"{_fmt(node.output_types)} but the op's rule gives {_fmt(expected)}")
+        for out, type_ in zip(node.outputs, node.output_types):
+            if out in defined:
+                raise GraphError(f"graph {graph.name}, node %{node.name}: value {out!r} defined twice")
+            defined[out] = type_
+    for out in graph.outputs:
+        if out not in defined:
+            raise GraphError(f"graph {graph.name}: output {out!r} is not defined")
+
+
+def _check_declarations(graph: Graph) -> dict[str, TensorType]:
+    defined: dict[str, TensorType] = {}
+    for table in (graph.inputs, graph.params, graph.states):
+        for name, type_ in table.items():
+            if name in defined:
+                raise GraphError(f"graph {graph.name}: value {name!r} declared twice")
+            defined[name] = type_
+    return defined
+
+
+def _expected_types(node: Node, defined: dict[str, TensorType], root: Graph) -> tuple[TensorType, ...]:
+    input_types = [defined[v] for v in node.inputs]
+    if node.op == REPEAT:
+        return _repeat_types(node, input_types, root)
+    try:
+        return infer_types(node.op, input_types, node.attrs)
+    except (GraphError, TypeError) as error:
+        raise GraphError(f"node %{node.name} ({node.op}): {error}") from None
+
+
+def _check_mutation(graph: Graph, node: Node, stateful: set[str]) -> None:
+    """An op may write in place only into a state (or the result of an earlier write to one): writing into an
+    activation would silently change a value other nodes read."""
+    mutates = () if node.op == REPEAT else get_op(node.op).mutates
+    for position in mutates:
+        if node.inputs[position] not in stateful:
+            raise GraphError(f"graph {graph.name}, node %{node.name} ({node.op}): writes in place into "
+                             f"{node.inputs[position]!r}, which is not a state")
+    stateful.update(node.outputs[: len(mutates)])
+
+
+def _repeat_types(node: Node, input_types: list[TensorType], root: Graph) -> tuple[TensorType, ...]:
+    body = root.subgraphs.get(node.attrs.get("body", ""))
+    if body is None:
+        raise GraphError(f"node %{node.name} (repeat): no body named {node.attrs.get('body')!r}")
+    count = node.attrs.get("count")
+    if not isinstance(count, int) or count < 1:
+        raise GraphError(f"node %{node.name} (repeat): count must be a positive integer, found {count!r}")
+    expected_inputs = list(body.inputs.values())
+    if input_types != expected_inputs:
+        raise GraphError(f"node %{node.name} (repeat): body {body.name} takes {_fmt(expected_inputs)}, "
+                         f"given {_fmt(input_types)}")
+    carried = tuple(input_types[: len(body.outputs)])
+    produced = tuple(body.value_types()[out] for out in body.outputs)
+    if produced != carried:
+        raise GraphError(f"node %{node.name} (repeat): body {body.name} returns {_fmt(produced)} but its carried "
+                         f"inputs are {_fmt(carried)}")
+    return carried
+
+
+def _fmt(types) -> str:
+    return "(" + ", ".join(str(t) for t in types) + ")"

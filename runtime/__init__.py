@@ -1,0 +1,1 @@
+"""The runtime: reads the model graph and the checkpoint; executes steps, samples, schedules and serves."""

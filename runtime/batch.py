@@ -1,0 +1,63 @@
+"""Packing one step: the chunks of tokens that each sequence processes become the graph's step inputs
+(see ir/step.py and the layout described in ir/ops/attention.py)."""
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pegainfer.runtime.kv_blocks import BlockAllocator, BlockTable
+
+
+@dataclass
+class Sequence:
+    """A sequence's tokens (prompt and generated) and how many of them already have their KV in the cache."""
+    seq_id: int
+    token_ids: list[int]
+    num_cached: int = 0
+    table: BlockTable = field(default_factory=BlockTable)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """The next `num_tokens` uncached tokens of `seq`, processed in one step (a prompt piece or one decode token)."""
+    seq: Sequence
+    num_tokens: int
+
+
+def pack_step(chunks: list[Chunk], allocator: BlockAllocator, *, all_logits: bool = False) -> dict[str, np.ndarray]:
+    """Allocates KV blocks for the chunks and returns the step's inputs. Logits rows are each chunk's last token,
+    or every token with `all_logits` (for scoring a prompt)."""
+    assert chunks, "a step needs at least one chunk"
+    ids, positions, slots, starts, logits_rows = [], [], [], [], []
+    for chunk in chunks:
+        seq, start = chunk.seq, chunk.seq.num_cached
+        end = start + chunk.num_tokens
+        assert 0 < chunk.num_tokens and end <= len(seq.token_ids), \
+            f"chunk of {chunk.num_tokens} tokens at {start} overruns sequence {seq.seq_id} of {len(seq.token_ids)}"
+        allocator.grow(seq.table, end)
+        row = len(ids)
+        starts.append(row)
+        ids += seq.token_ids[start:end]
+        positions += range(start, end)
+        slots += [seq.table.slot(p, allocator.block_size) for p in range(start, end)]
+        logits_rows += range(row, row + chunk.num_tokens) if all_logits else [row + chunk.num_tokens - 1]
+    max_blocks = max(len(chunk.seq.table.blocks) for chunk in chunks)
+    tables = np.zeros((len(chunks), max_blocks), dtype=np.int32)
+    for i, chunk in enumerate(chunks):
+        tables[i, : len(chunk.seq.table.blocks)] = chunk.seq.table.blocks
+    return {
+        "input_ids": np.array(ids, dtype=np.int32),
+        "positions": np.array(positions, dtype=np.int32),
+        "slot_mapping": np.array(slots, dtype=np.int32),
+        "block_tables": tables,
+        "seq_starts": np.array(starts, dtype=np.int32),
+        "query_lens": np.array([c.num_tokens for c in chunks], dtype=np.int32),
+        "context_lens": np.array([c.seq.num_cached + c.num_tokens for c in chunks], dtype=np.int32),
+        "logits_indices": np.array(logits_rows, dtype=np.int32),
+    }
+
+
+def commit_step(chunks: list[Chunk]) -> None:
+    """Marks the chunks' tokens as cached once the step that wrote their KV has run."""
+    for chunk in chunks:
+        chunk.seq.num_cached += chunk.num_tokens

@@ -1,0 +1,45 @@
+"""Paged KV-cache bookkeeping: a pool of fixed-size blocks and each sequence's block table."""
+
+from dataclasses import dataclass, field
+
+
+class OutOfBlocks(Exception):
+    """The pool cannot hold what was asked; the scheduler decides whether to wait, preempt or reject."""
+
+
+class BlockAllocator:
+    """A free list of block ids 0 .. num_blocks-1."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        assert num_blocks > 0 and block_size > 0, f"bad pool: {num_blocks} blocks of {block_size}"
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._free = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def grow(self, table: "BlockTable", num_tokens: int) -> None:
+        """Gives `table` enough blocks to hold `num_tokens` tokens."""
+        needed = self.blocks_for(num_tokens) - len(table.blocks)
+        if needed > len(self._free):
+            raise OutOfBlocks(f"need {needed} more KV blocks, {len(self._free)} free of {self.num_blocks}")
+        for _ in range(max(needed, 0)):
+            table.blocks.append(self._free.pop())
+
+    def release(self, table: "BlockTable") -> None:
+        self._free.extend(reversed(table.blocks))
+        table.blocks.clear()
+
+
+@dataclass
+class BlockTable:
+    blocks: list[int] = field(default_factory=list)
+
+    def slot(self, position: int, block_size: int) -> int:
+        """Where the token at `position` of the sequence lives in the flat [num_blocks * block_size] pool."""
+        return self.blocks[position // block_size] * block_size + position % block_size

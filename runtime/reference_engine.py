@@ -1,0 +1,34 @@
+"""The CPU engine: runs steps of a model graph through the reference interpreter over a paged KV cache.
+It is the oracle for the GPU runtime and the `--device cpu` path of generate and serve."""
+
+import numpy as np
+
+from pegainfer.frontends.load import LoadedModel
+from pegainfer.ir.interpreter import run_graph
+from pegainfer.runtime.batch import Chunk, Sequence, commit_step, pack_step
+from pegainfer.runtime.kv_blocks import BlockAllocator
+
+DEFAULT_BLOCK_SIZE = 16
+
+
+class ReferenceEngine:
+    def __init__(self, model: LoadedModel, *, max_tokens: int = 8192, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+        """Sizes the KV pool to hold `max_tokens` tokens over all sequences."""
+        self.model = model
+        self.graph = model.spec.graph
+        self.allocator = BlockAllocator(-(-max_tokens // block_size), block_size)
+        sizes = {"num_blocks": self.allocator.num_blocks, "block_size": block_size}
+        self.states = {name: np.zeros(t.concrete(sizes), dtype=t.dtype.np_dtype)
+                       for name, t in self.graph.expanded_states().items()}
+
+    def step(self, chunks: list[Chunk], *, all_logits: bool = False) -> np.ndarray:
+        """Runs one packed step and returns float32 logits, one row per chunk (or per token with all_logits)."""
+        inputs = pack_step(chunks, self.allocator, all_logits=all_logits)
+        (logits,) = run_graph(self.graph, inputs, self.model.weights, self.states)
+        commit_step(chunks)
+        return logits.astype(np.float32)
+
+    def release(self, seq: Sequence) -> None:
+        """Frees the sequence's KV blocks; it would be recomputed from scratch if stepped again."""
+        self.allocator.release(seq.table)
+        seq.num_cached = 0
