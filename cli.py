@@ -1,0 +1,122 @@
+"""The `pegainfer` command: generate, make-checkpoint, inspect."""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from pegainfer.errors import PegainferError
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except PegainferError as error:
+        print(f"pegainfer: error: {error}", file=sys.stderr)
+        return 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pegainfer", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_generate(commands)
+    _add_make_checkpoint(commands)
+    _add_inspect(commands)
+    return parser
+
+
+def _add_generate(commands) -> None:
+    p = commands.add_parser("generate", help="generate tokens for one prompt")
+    p.add_argument("--model-path", "--model", dest="model_path", type=Path, required=True,
+                   help="Hugging Face checkpoint folder")
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text, encoded with the checkpoint's tokenizer.json")
+    prompt.add_argument("--prompt-ids", type=_token_ids, help="prompt token ids, comma-separated: 1,2,3")
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens to generate at most (default 16)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 keeps every token (default)")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--logprobs", type=int, default=None, metavar="K", help="report the top K logprobs per token")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if present, else cpu")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=run_generate)
+
+
+def _add_make_checkpoint(commands) -> None:
+    p = commands.add_parser("make-checkpoint", help="write a small random HF checkpoint (needs the test extra)")
+    p.add_argument("out", type=Path, help="folder to write")
+    p.add_argument("--arch", default="Qwen3ForCausalLM", help="config.json architecture (default Qwen3ForCausalLM)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], type=_override, metavar="KEY=JSON",
+                   help="override a config.json key, e.g. --set num_hidden_layers=4 (repeatable)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.set_defaults(run=run_make_checkpoint)
+
+
+def _add_inspect(commands) -> None:
+    p = commands.add_parser("inspect", help="print a model's graph")
+    p.add_argument("model", help="checkpoint folder, config.json, or an embedded config such as qwen3-4b")
+    p.add_argument("--show", choices=["dag"], default="dag", help="what to print (default dag)")
+    p.add_argument("--format", choices=["text", "dot"], default="text")
+    p.set_defaults(run=run_inspect)
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 1,2,3, got {text!r}") from None
+
+
+def _override(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from pegainfer.runtime.offline import generate_one
+    from pegainfer.runtime.sampler import SamplingParams
+
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                            logprobs=args.logprobs, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+    started = time.perf_counter()
+    result = generate_one(args.model_path, params, prompt=args.prompt, prompt_ids=args.prompt_ids,
+                          device=args.device)
+    print(f"pegainfer: device {result['device']} ({result['device_reason']})", file=sys.stderr)
+    if args.json:
+        print(json.dumps(result, ensure_ascii=False))
+    else:
+        print(result["text"] if result["text"] is not None else " ".join(map(str, result["token_ids"])))
+    print(f"pegainfer: {len(result['token_ids'])} tokens on {result['device']} in "
+          f"{time.perf_counter() - started:.2f} s, finish_reason={result['finish_reason']}", file=sys.stderr)
+    return 0
+
+
+def run_make_checkpoint(args: argparse.Namespace) -> int:
+    from pegainfer.fixtures.checkpoint import make_checkpoint
+
+    out = make_checkpoint(args.out, args.arch, dict(args.overrides), seed=args.seed, dtype=args.dtype)
+    print(f"pegainfer: wrote a random {args.arch} checkpoint to {out}", file=sys.stderr)
+    return 0
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    from pegainfer.frontends.load import load_spec, resolve_config_path
+    from pegainfer.ir.printer import format_graph, to_dot
+
+    spec = load_spec(resolve_config_path(args.model))
+    print(to_dot(spec.graph) if args.format == "dot" else format_graph(spec.graph), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
