@@ -35,7 +35,7 @@ def _add_generate(commands) -> None:
     prompt.add_argument("--prompt", help="prompt text, encoded with the checkpoint's tokenizer.json")
     prompt.add_argument("--prompt-ids", type=_token_ids, help="prompt token ids, comma-separated: 1,2,3")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens to generate at most (default 16)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (the default) is greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 keeps every token (default)")
     p.add_argument("--seed", type=int, default=None)

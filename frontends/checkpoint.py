@@ -44,6 +44,8 @@ def _shard_files(folder: Path) -> list[Path]:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as error:
             raise CheckpointError(f"{index}: expected a JSON object with a 'weight_map' ({error})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard file names")
         files = sorted({folder / name for name in weight_map.values()})
         missing = [f.name for f in files if not f.is_file()]
         if missing:

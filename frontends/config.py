@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from pegainfer.errors import ConfigError
+from pegainfer.ir.dtypes import dtype_from_name
 
 T = TypeVar("T")
 
@@ -61,6 +62,24 @@ def parse_config(cls: type[T], raw: dict[str, Any], source: str) -> T:
             continue
         values[field.name] = _checked(raw[field.name], hints[field.name], field.name, source)
     return cls(**values)
+
+
+def require_positive(config: Any, *names: str) -> None:
+    """For DAG files' check_config: sizes and counts that must be at least 1."""
+    for name in names:
+        value = getattr(config, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"key {name!r} must be at least 1, found {value!r}")
+
+
+def require_float_dtype(name: str) -> None:
+    """For DAG files' check_config: the checkpoint's torch_dtype must be a float type the IR knows."""
+    try:
+        dtype = dtype_from_name(name)
+    except ConfigError:
+        dtype = None
+    if dtype is None or not dtype.is_float:
+        raise ConfigError(f"key 'torch_dtype' must be bfloat16, float16 or float32, found {name!r}")
 
 
 def _checked(value: Any, hint: Any, key: str, source: str) -> Any:

@@ -3,6 +3,7 @@
 from dataclasses import dataclass
 
 from pegainfer.errors import ConfigError
+from pegainfer.frontends.config import require_float_dtype, require_positive
 from pegainfer.ir import Graph, GraphBuilder, Value, dtype_from_name
 from pegainfer.ir.step import AttentionInputs, declare_attention_inputs, declare_step_inputs, kv_cache_shape
 
@@ -34,6 +35,9 @@ class Config:
 
 
 def check_config(config: Config) -> None:
+    require_positive(config, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim")
+    require_float_dtype(config.torch_dtype)
     if config.hidden_act != "silu":
         raise ConfigError(f"hidden_act {config.hidden_act!r} is not implemented for Qwen3 (expected 'silu')")
     if config.rope_scaling is not None:

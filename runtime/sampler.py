@@ -8,11 +8,13 @@ import numpy as np
 from pegainfer.errors import RequestError
 
 MAX_LOGPROBS = 20
+GREEDY_BELOW = 1e-5  # temperatures under this sample greedily, as in vLLM: dividing by them overflows
+TOP_P_SLACK = 1e-6  # a token whose preceding mass misses top_p by rounding alone stays out
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0  # 0 is greedy
+    temperature: float = 0.0  # under GREEDY_BELOW (0, say) is greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 (or -1) keeps every token
     seed: int | None = None
@@ -28,6 +30,7 @@ class SamplingParams:
             ("top_k", self.top_k >= -1, "-1, 0 (all tokens) or a positive count"),
             ("max_tokens", self.max_tokens >= 1, ">= 1"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]"),
+            ("seed", self.seed is None or self.seed >= 0, "a non-negative integer"),
         ]
         for name, ok, allowed in checks:
             if not ok:
@@ -41,16 +44,16 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
     """One token from one row of float32 logits."""
-    if params.temperature == 0:
+    if params.temperature < GREEDY_BELOW:
         return int(np.argmax(logits))
-    probs = np.exp(log_softmax(logits / np.float32(params.temperature)))
+    probs = np.exp(log_softmax(logits.astype(np.float64) / params.temperature))
     if 0 < params.top_k < probs.size:
         cutoff = np.partition(probs, -params.top_k)[-params.top_k]
         probs = np.where(probs >= cutoff, probs, 0.0)
     if params.top_p < 1:
         order = np.argsort(-probs, kind="stable")
         before = np.cumsum(probs[order]) - probs[order]  # mass of the tokens ranked above each one
-        probs[order[before >= params.top_p * probs.sum()]] = 0.0
+        probs[order[before >= (params.top_p - TOP_P_SLACK) * probs.sum()]] = 0.0
     probs = probs / probs.sum()
     return int(rng.choice(probs.size, p=probs))
 

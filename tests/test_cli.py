@@ -201,9 +201,6 @@ def test_generate_argparse_errors(capsys, tiny_checkpoint, args, option):
     assert "error: argument" in last and option in last, last
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: --seed -1 passes SamplingParams.validate and crashes in "
-                                       "np.random.default_rng with a ValueError traceback ('expected "
-                                       "non-negative integer') instead of a one-line error naming seed")
 def test_generate_negative_seed(capsys, tiny_checkpoint):
     code, _, err = run(capsys, "generate", "--model-path", tiny_checkpoint, "--prompt-ids", PROMPT,
                        "--temperature", "1", "--seed", "-1", "--max-tokens", "2")
