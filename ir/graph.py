@@ -13,7 +13,17 @@ import networkx as nx
 from pegainfer.ir.types import TensorType
 
 REPEAT = "repeat"
+KERNEL = "kernel"  # a fusion group: attrs["nodes"] holds the primitive nodes it runs as one launch
 LAYER_PLACEHOLDER = "{layer}"
+
+
+@dataclass(frozen=True)
+class Derivation:
+    """A weight the loader makes from checkpoint tensors (their concatenation along `axis`), recorded in the graph
+    so that the mapping from Hugging Face names stays inspectable."""
+    sources: tuple[str, ...]
+    source_types: tuple[TensorType, ...]
+    axis: int = 0
 
 
 @dataclass
@@ -38,6 +48,8 @@ class Graph:
     nodes: list[Node] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)
     subgraphs: dict[str, "Graph"] = field(default_factory=dict)
+    derived: dict[str, Derivation] = field(default_factory=dict)  # params made at load time
+    buffers: dict[str, str] = field(default_factory=dict)  # value -> activation buffer, set by memory planning
 
     def value_types(self) -> dict[str, TensorType]:
         """Every value this graph defines, by name."""
@@ -74,14 +86,37 @@ class Graph:
         """Every state tensor (KV cache) the graph touches, one per layer of each repeat."""
         return self._expand(lambda graph: graph.states)
 
-    def _expand(self, pick) -> dict[str, TensorType]:
-        types = dict(pick(self))
+    def checkpoint_params(self) -> dict[str, TensorType]:
+        """The checkpoint tensors the graph needs: its params, with each derived one replaced by its sources."""
+        needed: dict[str, TensorType] = {}
+        for graph, layer in self._instances():
+            for name, type_ in graph.params.items():
+                derivation = graph.derived.get(name)
+                pairs = zip(derivation.sources, derivation.source_types) if derivation else [(name, type_)]
+                needed.update({_at(source, layer): t for source, t in pairs})
+        return needed
+
+    def derivations(self) -> dict[str, Derivation]:
+        """Derived params by expanded name, their sources expanded too."""
+        return {_at(name, layer): Derivation(tuple(_at(s, layer) for s in d.sources), d.source_types, d.axis)
+                for graph, layer in self._instances() for name, d in graph.derived.items()}
+
+    def _instances(self) -> list[tuple["Graph", int | None]]:
+        """This graph once, and each repeated body once per layer."""
+        instances: list[tuple[Graph, int | None]] = [(self, None)]
         for node in self.nodes:
             if node.op == REPEAT:
                 body = self.subgraphs[node.attrs["body"]]
-                for layer in range(node.attrs["count"]):
-                    types.update({instantiate(name, layer): t for name, t in pick(body).items()})
-        return types
+                instances += [(body, layer) for layer in range(node.attrs["count"])]
+        return instances
+
+    def _expand(self, pick) -> dict[str, TensorType]:
+        return {_at(name, layer): t for graph, layer in self._instances() for name, t in pick(graph).items()}
+
 
 def instantiate(name: str, layer: int) -> str:
     return name.replace(LAYER_PLACEHOLDER, str(layer))
+
+
+def _at(name: str, layer: int | None) -> str:
+    return name if layer is None else instantiate(name, layer)

@@ -11,7 +11,8 @@ import numpy as np
 
 from pegainfer.errors import GraphError
 from pegainfer.ir.dtypes import FP32
-from pegainfer.ir.graph import REPEAT, Graph, instantiate
+from pegainfer.ir.graph import KERNEL, REPEAT, Graph, Node, instantiate
+from pegainfer.ir.kernel import in_place_outputs, inner_nodes
 from pegainfer.ir.registry import get_op
 from pegainfer.ir.types import TensorType
 
@@ -44,14 +45,25 @@ def _run(root: Graph, graph: Graph, args: list[np.ndarray], weights: Mapping[str
         if node.op == REPEAT:
             results = _repeat(root, root.subgraphs[node.attrs["body"]], node.attrs["count"], values, weights, states)
         else:
-            op = get_op(node.op)
-            produced = op.reference(*values, **node.attrs)
-            produced = produced if isinstance(produced, tuple) else (produced,)
-            in_place = len(op.mutates)
-            results = [*produced[:in_place],
-                       *(store(a, t) for a, t in zip(produced[in_place:], node.output_types[in_place:]))]
+            results = execute(node, values)
         env.update(zip(node.outputs, results))
     return [env[name] for name in graph.outputs]
+
+
+def execute(node: Node, values: list[np.ndarray], *, rounded: bool = True) -> list[np.ndarray]:
+    """One node's results. A kernel runs its primitive nodes in float32 and rounds only what it writes out, as a
+    fused GPU kernel would; values written in place (KV cache) are returned as they are."""
+    if node.op == KERNEL:
+        local = dict(zip(node.inputs, values))
+        for inner in inner_nodes(node):
+            local.update(zip(inner.outputs, execute(inner, [local[name] for name in inner.inputs], rounded=False)))
+        produced = [local[name] for name in node.outputs]
+    else:
+        produced = get_op(node.op).reference(*values, **node.attrs)
+        produced = list(produced) if isinstance(produced, tuple) else [produced]
+    in_place = in_place_outputs(node)
+    return [array if name in in_place or not rounded else store(array, type_)
+            for name, array, type_ in zip(node.outputs, produced, node.output_types)]
 
 
 def _repeat(root: Graph, body: Graph, count: int, values: list[np.ndarray], weights: Mapping[str, np.ndarray],

@@ -17,22 +17,34 @@ InferRule = Callable[..., TensorType | tuple[TensorType, ...]]
 Reference = Callable[..., np.ndarray | tuple[np.ndarray, ...]]
 
 
+# What the fusion passes need to know of an op, whatever its name.
+ELEMENTWISE = "elementwise"  # each output row depends on the same row of the inputs alone, with no reduction
+ROW_REDUCTION = "row_reduction"  # reads whole rows (the last axis): a norm, a softmax statistic, a top-k
+VIEW = "view"  # a reshape or slice: no data moves on a GPU, so never a kernel of its own
+GEMM = "gemm"
+GATHER = "gather"
+ATTENTION = "attention"
+CACHE_WRITE = "cache_write"
+CATEGORIES = (ELEMENTWISE, ROW_REDUCTION, VIEW, GEMM, GATHER, ATTENTION, CACHE_WRITE)
+
+
 @dataclass(frozen=True)
 class OpDef:
     name: str
     infer: InferRule
     reference: Reference
-    mutates: tuple[int, ...] = ()  # input positions written in place; the op returns them as outputs
-    optional_inputs: int = 0  # how many trailing inputs may be left out (a bias, say)
+    category: str
+    mutates: tuple[int, ...] = ()  # input positions written in place; the op returns them first, in that order
 
 
 OPS: dict[str, OpDef] = {}
 
 
-def register_op(name: str, infer: InferRule, reference: Reference, *, mutates: tuple[int, ...] = (),
-                optional_inputs: int = 0) -> OpDef:
+def register_op(name: str, infer: InferRule, reference: Reference, category: str, *,
+                mutates: tuple[int, ...] = ()) -> OpDef:
     assert name not in OPS, f"op {name!r} registered twice"
-    OPS[name] = OpDef(name, infer, reference, mutates, optional_inputs)
+    assert category in CATEGORIES, f"op {name!r}: unknown category {category!r}"
+    OPS[name] = OpDef(name, infer, reference, category, mutates)
     return OPS[name]
 
 

@@ -4,8 +4,9 @@ node's recorded output types equal to what its op's type rule gives."""
 import networkx as nx
 
 from pegainfer.errors import GraphError
-from pegainfer.ir.graph import LAYER_PLACEHOLDER, REPEAT, Graph, Node
-from pegainfer.ir.registry import get_op, infer_types
+from pegainfer.ir.graph import KERNEL, LAYER_PLACEHOLDER, REPEAT, Graph, Node
+from pegainfer.ir.kernel import in_place_outputs, inner_nodes
+from pegainfer.ir.registry import infer_types
 from pegainfer.ir.types import TensorType
 
 
@@ -35,24 +36,44 @@ def _verify_one(graph: Graph, root: Graph) -> None:
     if not nx.is_directed_acyclic_graph(dag):
         cycle = " -> ".join(edge[0] for edge in nx.find_cycle(dag))
         raise GraphError(f"graph {graph.name}: cycle through {cycle}")
-    stateful = set(graph.states)
-    for node in graph.nodes:
-        _check_mutation(graph, node, stateful)
-        missing = [v for v in node.inputs if v not in defined]
-        if missing:
-            raise GraphError(f"graph {graph.name}, node %{node.name} ({node.op}): input {missing[0]!r} is used "
-                             f"before the node that defines it")
-        expected = _expected_types(node, defined, root)
-        if expected != node.output_types:
-            raise GraphError(f"graph {graph.name}, node %{node.name} ({node.op}): recorded output types "
-                             f"{_fmt(node.output_types)} but the op's rule gives {_fmt(expected)}")
-        for out, type_ in zip(node.outputs, node.output_types):
-            if out in defined:
-                raise GraphError(f"graph {graph.name}, node %{node.name}: value {out!r} defined twice")
-            defined[out] = type_
+    _verify_nodes(graph.name, graph.nodes, defined, set(graph.states), root)
     for out in graph.outputs:
         if out not in defined:
             raise GraphError(f"graph {graph.name}: output {out!r} is not defined")
+
+
+def _verify_nodes(where: str, nodes, defined: dict[str, TensorType], stateful: set[str], root: Graph) -> None:
+    """Checks nodes in order against the values defined before each; adds their outputs to `defined`."""
+    for node in nodes:
+        missing = [v for v in node.inputs if v not in defined]
+        if missing:
+            raise GraphError(f"graph {where}, node %{node.name} ({node.op}): input {missing[0]!r} is used "
+                             f"before the node that defines it")
+        if node.op == KERNEL:
+            _verify_kernel(where, node, defined, stateful, root)
+        else:
+            expected = _expected_types(node, defined, root)
+            if expected != node.output_types:
+                raise GraphError(f"graph {where}, node %{node.name} ({node.op}): recorded output types "
+                                 f"{_fmt(node.output_types)} but the op's rule gives {_fmt(expected)}")
+        _check_mutation(where, node, stateful)
+        for out, type_ in zip(node.outputs, node.output_types):
+            if out in defined:
+                raise GraphError(f"graph {where}, node %{node.name}: value {out!r} defined twice")
+            defined[out] = type_
+
+
+def _verify_kernel(where: str, node: Node, defined: dict[str, TensorType], stateful: set[str], root: Graph) -> None:
+    """A kernel's primitive nodes must check on their own, over the kernel's inputs alone."""
+    inner = inner_nodes(node)
+    if not inner or any(n.op in (KERNEL, REPEAT) for n in inner):
+        raise GraphError(f"graph {where}, kernel %{node.name}: must hold primitive nodes only")
+    local = {name: defined[name] for name in node.inputs}
+    _verify_nodes(f"{where}, kernel %{node.name}", inner, local, {v for v in node.inputs if v in stateful}, root)
+    for out, type_ in zip(node.outputs, node.output_types):
+        if local.get(out) != type_:
+            raise GraphError(f"graph {where}, kernel %{node.name}: output {out!r} is {local.get(out)} inside, "
+                             f"{type_} outside")
 
 
 def _check_declarations(graph: Graph) -> dict[str, TensorType]:
@@ -75,15 +96,14 @@ def _expected_types(node: Node, defined: dict[str, TensorType], root: Graph) -> 
         raise GraphError(f"node %{node.name} ({node.op}): {error}") from None
 
 
-def _check_mutation(graph: Graph, node: Node, stateful: set[str]) -> None:
+def _check_mutation(where: str, node: Node, stateful: set[str]) -> None:
     """An op may write in place only into a state (or the result of an earlier write to one): writing into an
     activation would silently change a value other nodes read."""
-    mutates = () if node.op == REPEAT else get_op(node.op).mutates
-    for position in mutates:
-        if node.inputs[position] not in stateful:
-            raise GraphError(f"graph {graph.name}, node %{node.name} ({node.op}): writes in place into "
-                             f"{node.inputs[position]!r}, which is not a state")
-    stateful.update(node.outputs[: len(mutates)])
+    for out, source in in_place_outputs(node).items():
+        if source not in stateful:
+            raise GraphError(f"graph {where}, node %{node.name} ({node.op}): writes in place into "
+                             f"{source!r}, which is not a state")
+        stateful.add(out)
 
 
 def _repeat_types(node: Node, input_types: list[TensorType], root: Graph) -> tuple[TensorType, ...]:

@@ -10,7 +10,7 @@ offset s % block_size; block_tables[b] lists the blocks of sequence b in order. 
 
 import numpy as np
 
-from pegainfer.ir.registry import expect, register_op
+from pegainfer.ir.registry import ATTENTION, CACHE_WRITE, ELEMENTWISE, expect, register_op
 from pegainfer.ir.types import TensorType
 
 
@@ -107,6 +107,6 @@ def _gather(cache: np.ndarray, blocks: np.ndarray, length: int) -> np.ndarray:
     return cache[blocks].reshape(-1, *cache.shape[2:])[:length].astype(np.float32)
 
 
-register_op("rope", _infer_rope, _rope)
-register_op("kv_write", _infer_kv_write, _kv_write, mutates=(0, 1))
-register_op("paged_attention", _infer_attention, _attention)
+register_op("rope", _infer_rope, _rope, ELEMENTWISE)  # pairs elements within a head: elementwise per row
+register_op("kv_write", _infer_kv_write, _kv_write, CACHE_WRITE, mutates=(0, 1))
+register_op("paged_attention", _infer_attention, _attention, ATTENTION)

@@ -2,7 +2,8 @@
 
 import numpy as np
 
-from pegainfer.ir.registry import expect, register_op
+from pegainfer.ir.registry import ELEMENTWISE, GATHER, GEMM, ROW_REDUCTION, VIEW, expect, register_op
+from pegainfer.ir.dtypes import FP32, INT32
 from pegainfer.ir.types import Dim, TensorType, same_elements
 
 
@@ -66,10 +67,50 @@ def _gather_rows(x: np.ndarray, index: np.ndarray) -> np.ndarray:
     return x[index]
 
 
-register_op("embedding", _infer_embedding, _embedding)
-register_op("linear", _infer_linear, _linear, optional_inputs=1)
-register_op("add", _infer_same, np.add)
-register_op("mul", _infer_same, np.multiply)
-register_op("silu", _infer_float, _silu)
-register_op("reshape", _infer_reshape, _reshape)
-register_op("gather_rows", _infer_gather_rows, _gather_rows)
+def _infer_split(x: TensorType, *, sizes: tuple[int, ...]) -> tuple[TensorType, ...]:
+    expect(x.rank >= 1 and x.shape[-1] == sum(sizes), f"split: sizes {list(sizes)} must add up to the last dim "
+                                                      f"of {x}")
+    return tuple(x.with_shape((*x.shape[:-1], size)) for size in sizes)
+
+
+def _split(x: np.ndarray, *, sizes: tuple[int, ...]) -> tuple[np.ndarray, ...]:
+    return tuple(np.split(x, np.cumsum(sizes)[:-1], axis=-1))
+
+
+def _zeros_like(x: np.ndarray) -> np.ndarray:
+    return np.zeros_like(x)
+
+
+def _infer_top_k(x: TensorType, *, k: int) -> tuple[TensorType, TensorType]:
+    expect(x.rank == 2 and isinstance(x.shape[1], int) and 0 < k <= x.shape[1],
+           f"top_k: input must be [rows, n] with 0 < k <= n, found {x} and k={k}")
+    return TensorType(FP32, (x.shape[0], k)), TensorType(INT32, (x.shape[0], k))
+
+
+def _top_k(x: np.ndarray, *, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k largest values of each row in descending order, ties broken by the lower index."""
+    order = np.argsort(-x, axis=-1, kind="stable")[:, :k]
+    return np.take_along_axis(x, order, axis=-1), order.astype(np.int32)
+
+
+def _infer_logsumexp(x: TensorType) -> TensorType:
+    expect(x.rank == 2 and x.dtype.is_float, f"logsumexp: input must be float [rows, n], found {x}")
+    return TensorType(FP32, (x.shape[0],))
+
+
+def _logsumexp(x: np.ndarray) -> np.ndarray:
+    peak = x.max(axis=-1)
+    return peak + np.log(np.exp(x - peak[:, None]).sum(axis=-1))
+
+
+register_op("embedding", _infer_embedding, _embedding, GATHER)
+register_op("linear", _infer_linear, _linear, GEMM)
+register_op("add", _infer_same, np.add, ELEMENTWISE)
+register_op("mul", _infer_same, np.multiply, ELEMENTWISE)
+register_op("silu", _infer_float, _silu, ELEMENTWISE)
+register_op("zeros_like", _infer_float, _zeros_like, ELEMENTWISE)
+register_op("reshape", _infer_reshape, _reshape, VIEW)
+register_op("split", _infer_split, _split, VIEW)
+register_op("gather_rows", _infer_gather_rows, _gather_rows, GATHER)
+register_op("top_k", _infer_top_k, _top_k, ROW_REDUCTION)
+register_op("logsumexp", _infer_logsumexp, _logsumexp, ROW_REDUCTION)

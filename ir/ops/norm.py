@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from pegainfer.ir.registry import expect, register_op
+from pegainfer.ir.registry import ROW_REDUCTION, expect, register_op
 from pegainfer.ir.types import TensorType
 
 
@@ -19,4 +19,4 @@ def _rms_norm(x: np.ndarray, weight: np.ndarray, *, eps: float) -> np.ndarray:
     return x / np.sqrt(variance + np.float32(eps)) * weight
 
 
-register_op("rms_norm", _infer_rms_norm, _rms_norm)
+register_op("rms_norm", _infer_rms_norm, _rms_norm, ROW_REDUCTION)
