@@ -2,7 +2,7 @@
 
 from typing import Any
 
-from pegainfer.ir.graph import Graph, Node
+from pegainfer.ir.graph import KERNEL, Graph, Node
 
 
 def format_graph(graph: Graph) -> str:
@@ -14,20 +14,37 @@ def _format_one(graph: Graph) -> str:
     sigil = _sigils(graph)
     args = ", ".join(f"%{name}: {t}" for name, t in graph.inputs.items())
     lines = [f"graph {graph.name}({args}) {{"]
-    lines += [f"  param @{name}: {t}" for name, t in graph.params.items()]
+    lines += [f"  param @{name}: {t}{_derivation(graph, name)}" for name, t in graph.params.items()]
     lines += [f"  state ${name}: {t}" for name, t in graph.states.items()]
-    lines += ["  " + format_node(node, sigil) for node in graph.nodes]
+    for node in graph.nodes:
+        lines.append("  " + format_node(node, sigil) + _buffers(graph, node))
+        lines += ["    | " + format_node(inner, sigil) for inner in node.attrs.get("nodes", ())]
     lines.append("  return " + ", ".join(sigil(name) for name in graph.outputs))
     lines.append("}")
     return "\n".join(lines)
 
 
 def format_node(node: Node, sigil=lambda name: f"%{name}") -> str:
+    """One line; a kernel prints as kernel.<kind> (its primitive nodes follow, indented, in format_graph)."""
     outputs = ", ".join(f"%{name}" for name in node.outputs)
     inputs = ", ".join(sigil(name) for name in node.inputs)
-    attrs = " {" + ", ".join(f"{k}={_format_attr(v)}" for k, v in sorted(node.attrs.items())) + "}" if node.attrs else ""
+    shown = {k: v for k, v in node.attrs.items() if k not in ("nodes", "kind")}
+    attrs = " {" + ", ".join(f"{k}={_format_attr(v)}" for k, v in sorted(shown.items())) + "}" if shown else ""
     types = ", ".join(str(t) for t in node.output_types)
-    return f"{outputs} = {node.op}({inputs}){attrs} : {types}"
+    op = f"{node.op}.{node.attrs['kind']}" if node.op == KERNEL else node.op
+    return f"{outputs} = {op}({inputs}){attrs} : {types}"
+
+
+def _derivation(graph: Graph, name: str) -> str:
+    derivation = graph.derived.get(name)
+    if derivation is None:
+        return ""
+    return f" = concat({', '.join('@' + s for s in derivation.sources)}, axis={derivation.axis})"
+
+
+def _buffers(graph: Graph, node: Node) -> str:
+    placed = [f"%{out}->{graph.buffers[out]}" for out in node.outputs if out in graph.buffers]
+    return f"  # {', '.join(placed)}" if placed else ""
 
 
 def _sigils(graph: Graph):

@@ -1,0 +1,163 @@
+"""Pattern fusions for the transformer building blocks, written over op names and categories, never over model
+names, so any architecture built from these ops gets them."""
+
+from pegainfer.ir.graph import KERNEL, REPEAT, Graph, Node
+from pegainfer.ir.kernel import inner_nodes, kernel_kind
+from pegainfer.ir.registry import ELEMENTWISE, GATHER, ROW_REDUCTION, get_op
+from pegainfer.passes.manager import PassLog
+from pegainfer.passes.rewrite import consumers, for_each_graph, fresh_name, fuse, only_reader
+
+GLU_ACTIVATIONS = ("silu", "gelu_tanh")
+TAIL_TOP_K = 64  # candidates the sampler tail keeps per row: top-k sampling and logprobs up to this many
+
+
+def split_residual_carry(graph: Graph, log: PassLog) -> Graph:
+    """Carries a repeated layer's residual as the two addends of its last add, so that add runs at the start of
+    the next layer, fused with that layer's RMSNorm (and after the last layer, with the final norm)."""
+    for node in [n for n in graph.nodes if n.op == REPEAT]:
+        body = graph.subgraphs[node.attrs["body"]]
+        last = body.producers().get(body.outputs[0]) if len(body.outputs) == 1 else None
+        if last is None or last.op != "add" or consumers(body).get(body.outputs[0]):
+            log.note(f"{body.name}: left alone: its single carried output is not a residual add read by nothing else")
+            continue
+        _split_carry(graph, node, body, last)
+        log.note(f"{body.name}: carries (%{last.inputs[0]}, %{last.inputs[1]}) instead of %{last.name}")
+    return graph
+
+
+def _split_carry(graph: Graph, repeat: Node, body: Graph, last: Node) -> None:
+    carried, carried_type = next(iter(body.inputs.items()))
+    pair = [fresh_name(body, f"{carried}.residual"), fresh_name(body, f"{carried}.delta")]
+    body.inputs = {pair[0]: carried_type, pair[1]: carried_type,
+                   **{k: v for k, v in body.inputs.items() if k != carried}}
+    body.nodes = [Node("add", tuple(pair), (carried,), (carried_type,))] + [n for n in body.nodes if n is not last]
+    body.outputs = list(last.inputs)
+    start = repeat.inputs[0]
+    zeros = fresh_name(graph, f"{start}.zeros")
+    outputs = (fresh_name(graph, f"{repeat.name}.residual"), fresh_name(graph, f"{repeat.name}.delta"))
+    at = graph.nodes.index(repeat)
+    total = Node("add", outputs, (repeat.outputs[0],), (carried_type,))
+    repeat.inputs = (start, zeros, *repeat.inputs[1:])
+    repeat.outputs, repeat.output_types = outputs, (carried_type, carried_type)
+    graph.nodes[at:at + 1] = [Node("zeros_like", (start,), (zeros,), (carried_type,)), repeat, total]
+
+
+def fuse_add_rms_norm(graph: Graph, log: PassLog) -> Graph:
+    """Fuses a residual add with the RMSNorm of its sum: one kernel writes both the new residual and the normed rows."""
+    def rewrite(g: Graph) -> None:
+        producers = g.producers()
+        for norm in [n for n in g.nodes if n.op == "rms_norm"]:
+            source = producers.get(norm.inputs[0])
+            if source is not None and source.op == "add":
+                _fuse_or_note(g, [source, norm], "add_rms_norm", log)
+    return for_each_graph(graph, rewrite)
+
+
+def fuse_qk_norm_rope_kv_write(graph: Graph, log: PassLog) -> Graph:
+    """Fuses the per-head work between the QKV projection and attention (q/k norms, RoPE) with the KV-cache write."""
+    def rewrite(g: Graph) -> None:
+        readers = consumers(g)
+        producers = g.producers()
+        for write in [n for n in g.nodes if n.op == "kv_write"]:
+            attention = [n for n in readers.get(write.outputs[0], []) if n.op == "paged_attention"]
+            k_chain = _row_chain(g, write.inputs[2], readers, producers)
+            q_chain = _row_chain(g, attention[0].inputs[0], readers, producers) if attention else []
+            ops = list(dict.fromkeys("norm" if n.op == "rms_norm" else n.op for n in k_chain))
+            kind = f"qk_{'_'.join(ops)}_kv_write" if ops else "kv_write"
+            _fuse_or_note(g, [*q_chain, *k_chain, write], kind, log)
+    return for_each_graph(graph, rewrite)
+
+
+def _row_chain(g: Graph, value: str, readers, producers, categories=(ELEMENTWISE, ROW_REDUCTION)) -> list[Node]:
+    """The chain of row-local primitive nodes that produces `value`, each read by the next alone (source first)."""
+    chain: list[Node] = []
+    node = producers.get(value)
+    while node is not None and node.op not in (KERNEL, REPEAT) and get_op(node.op).category in categories:
+        if chain and only_reader(g, node.outputs[0], readers) is not chain[0]:
+            break
+        chain.insert(0, node)
+        node = producers.get(node.inputs[0])
+    return chain
+
+
+def fuse_gemm_activation_epilogue(graph: Graph, log: PassLog) -> Graph:
+    """Fuses act(gate) x up into the epilogue of the merged gate/up GEMM: the [tokens, 2I] output never hits memory."""
+    def rewrite(g: Graph) -> None:
+        readers = consumers(g)
+        producers = g.producers()
+        for mul in [n for n in g.nodes if n.op == "mul"]:
+            members = _glu_pattern(g, mul, readers, producers)
+            if members:
+                _fuse_or_note(g, members, f"linear_{members[2].op}_mul", log)
+    return for_each_graph(graph, rewrite)
+
+
+def _glu_pattern(g: Graph, mul: Node, readers, producers) -> list[Node] | None:
+    """[linear, split, act, mul] when mul = act(split#0) * split#1 over one linear's output, else None."""
+    act = producers.get(mul.inputs[0])
+    if act is None or act.op not in GLU_ACTIVATIONS or only_reader(g, act.outputs[0], readers) is not mul:
+        return None
+    split = producers.get(act.inputs[0])
+    if split is None or split.op != "split" or split.outputs != (act.inputs[0], mul.inputs[1]):
+        return None
+    linear = producers.get(split.inputs[0])
+    if linear is None or linear.op != "linear" or only_reader(g, linear.outputs[0], readers) is not split:
+        return None
+    if only_reader(g, split.outputs[1], readers) is not mul:
+        return None
+    return [linear, split, act, mul]
+
+
+def plan_sampler_tail(graph: Graph, log: PassLog) -> Graph:
+    """Plans the final norm, the LM head and the sampler's reductions (top-k candidates, logsumexp) as one tail."""
+    logits = graph.outputs[0]
+    head = graph.producers().get(logits)
+    if head is None or head.op != "linear":
+        log.note(f"{graph.name}: left alone: the first output is not produced by a linear")
+        return graph
+    logits_type = head.output_types[0]
+    k = min(TAIL_TOP_K, logits_type.shape[-1])
+    top_k = Node("top_k", (logits,), (fresh_name(graph, "top_values"), fresh_name(graph, "top_ids")),
+                 get_op("top_k").infer(logits_type, k=k), {"k": k})
+    lse = Node("logsumexp", (logits,), (fresh_name(graph, "logsumexp"),), (get_op("logsumexp").infer(logits_type),))
+    graph.nodes += [top_k, lse]
+    graph.outputs += [*top_k.outputs, *lse.outputs]
+    readers = consumers(graph)
+    prologue = _row_chain(graph, head.inputs[0], readers, graph.producers(),
+                          categories=(ELEMENTWISE, ROW_REDUCTION, GATHER))
+    _fuse_or_note(graph, [*prologue, head, top_k, lse], "lm_head_tail", log)
+    return graph
+
+
+def fuse_norm_prologue(graph: Graph, log: PassLog) -> Graph:
+    """Fuses an RMSNorm (with its residual add) into the prologue of the GEMM that alone reads its output."""
+    def rewrite(g: Graph) -> None:
+        readers = consumers(g)
+        producers = g.producers()
+        for gemm in [n for n in g.nodes if _first_op(n) == "linear" and "norm" not in _kind(n)]:
+            norm = producers.get(_first_node(gemm).inputs[0])
+            if norm is None or not _kind(norm).endswith("rms_norm"):
+                continue
+            if only_reader(g, _first_node(gemm).inputs[0], readers) is not gemm:
+                log.note(f"{g.name}: %{norm.name} not fused into %{gemm.name}: its output is read elsewhere too")
+                continue
+            _fuse_or_note(g, [norm, gemm], f"{_kind(norm)}_{_kind(gemm)}", log)
+    return for_each_graph(graph, rewrite)
+
+
+def _kind(node: Node) -> str:
+    return kernel_kind(node) if node.op == KERNEL else node.op
+
+
+def _first_node(node: Node) -> Node:
+    return inner_nodes(node)[0] if node.op == KERNEL else node
+
+
+def _first_op(node: Node) -> str:
+    return _first_node(node).op
+
+
+def _fuse_or_note(g: Graph, members: list[Node], kind: str, log: PassLog) -> None:
+    if fuse(g, members, kind) is None:
+        log.note(f"{g.name}: could not fuse {', '.join('%' + n.name for n in members)} as {kind}: a node outside "
+                 f"the group sits between its members")

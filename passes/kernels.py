@@ -1,0 +1,64 @@
+"""Kernel formation, and reading the kernel DAG back: which kernels a step launches and what each fuses."""
+
+from dataclasses import dataclass
+
+from pegainfer.ir.graph import KERNEL, REPEAT, Graph, Node
+from pegainfer.ir.kernel import fused_ops, is_view
+from pegainfer.ir.types import TensorType
+from pegainfer.passes.manager import PassLog
+
+
+def form_kernels(graph: Graph, log: PassLog) -> Graph:
+    """Makes every op left unfused a kernel of its own (views stay views: they move no data)."""
+    for g in graph.all_graphs():
+        nodes = []
+        for node in g.nodes:
+            if node.op in (KERNEL, REPEAT) or is_view(node):
+                nodes.append(node)
+                continue
+            nodes.append(Node(KERNEL, node.inputs, node.outputs, node.output_types,
+                              {"kind": node.op, "nodes": (node,)}))
+            log.note(f"{g.name}: %{node.name} ({node.op}) is a kernel of its own")
+        g.nodes = nodes
+    return graph
+
+
+@dataclass(frozen=True)
+class KernelInfo:
+    graph: str
+    name: str
+    kind: str
+    ops: tuple[str, ...]
+    inputs: tuple[tuple[str, TensorType], ...]
+    outputs: tuple[tuple[str, TensorType], ...]
+    launches: int  # per step: the layer count for a kernel of a repeated body
+
+    def as_json(self) -> dict:
+        return {"graph": self.graph, "name": self.name, "kind": self.kind, "ops": list(self.ops),
+                "launches_per_step": self.launches,
+                "inputs": [{"name": n, "type": str(t)} for n, t in self.inputs],
+                "outputs": [{"name": n, "type": str(t)} for n, t in self.outputs]}
+
+
+def list_kernels(graph: Graph) -> list[KernelInfo]:
+    """Every kernel of a lowered graph in launch order, bodies where their repeat runs."""
+    found: list[KernelInfo] = []
+    for node in graph.nodes:
+        if node.op == REPEAT:
+            body = graph.subgraphs[node.attrs["body"]]
+            found += [_info(body, n, node.attrs["count"]) for n in body.nodes if n.op == KERNEL]
+        elif node.op == KERNEL:
+            found.append(_info(graph, node, 1))
+    return found
+
+
+def _info(graph: Graph, node: Node, launches: int) -> KernelInfo:
+    types = graph.value_types()
+    return KernelInfo(graph.name, node.name, node.attrs["kind"], tuple(fused_ops(node)),
+                      tuple((v, types[v]) for v in node.inputs), tuple(zip(node.outputs, node.output_types)),
+                      launches)
+
+
+def kernels_per_layer(graph: Graph) -> dict[str, int]:
+    """body name -> kernels it launches per layer."""
+    return {name: sum(n.op == KERNEL for n in body.nodes) for name, body in graph.subgraphs.items()}

@@ -1,0 +1,82 @@
+"""Graph surgery shared by the passes: use lists, fresh names, and grouping nodes into a kernel."""
+
+from typing import Callable
+
+import networkx as nx
+
+from pegainfer.ir.graph import KERNEL, Graph, Node
+from pegainfer.ir.kernel import in_place_outputs, inner_nodes
+
+
+def for_each_graph(graph: Graph, rewrite: Callable[[Graph], None]) -> Graph:
+    """Applies an in-place rewrite to every body and to the top graph."""
+    for g in graph.all_graphs():
+        rewrite(g)
+    return graph
+
+
+def consumers(graph: Graph) -> dict[str, list[Node]]:
+    """value -> the nodes that read it (graph outputs are not nodes: see `used_outside`)."""
+    readers: dict[str, list[Node]] = {}
+    for node in graph.nodes:
+        for value in node.inputs:
+            readers.setdefault(value, []).append(node)
+    return readers
+
+
+def only_reader(graph: Graph, value: str, readers: dict[str, list[Node]]) -> Node | None:
+    """The single node reading `value`, if exactly one does and it is not a graph output."""
+    found = readers.get(value, [])
+    return found[0] if len(found) == 1 and value not in graph.outputs else None
+
+
+def fresh_name(graph: Graph, hint: str) -> str:
+    taken = set(graph.value_types())
+    for node in graph.nodes:
+        taken.update(out for inner in inner_nodes(node) for out in inner.outputs)
+    name, suffix = hint, 1
+    while name in taken:
+        name, suffix = f"{hint}.{suffix}", suffix + 1
+    return name
+
+
+def fuse(graph: Graph, members: list[Node], kind: str) -> Node | None:
+    """Replaces `members` (primitive nodes or kernels) by one kernel node of `kind`. Its outputs are the members'
+    values read elsewhere, plus every in-place write. Returns None, leaving the graph as it was, when grouping
+    would create a cycle (some outside node sits between two members)."""
+    chosen = {id(n) for n in members}
+    ordered = [n for n in graph.nodes if id(n) in chosen]
+    inner = [i for n in ordered for i in (inner_nodes(n) if n.op == KERNEL else (n,))]
+    produced = {out for n in inner for out in n.outputs}
+    inputs = list(dict.fromkeys(v for n in inner for v in n.inputs if v not in produced))
+    rest = [n for n in graph.nodes if id(n) not in chosen]
+    read_outside = {v for n in rest for v in n.inputs} | set(graph.outputs)
+    writes = {out for n in inner for out in in_place_outputs(n)}
+    outputs = [out for n in inner for out in n.outputs if out in read_outside or out in writes]
+    types = dict(zip((o for n in inner for o in n.outputs), (t for n in inner for t in n.output_types)))
+    kernel = Node(KERNEL, tuple(inputs), tuple(outputs), tuple(types[o] for o in outputs),
+                  {"kind": kind, "nodes": tuple(inner)})
+    position = graph.nodes.index(ordered[-1]) - len(ordered) + 1
+    candidate = rest[:position] + [kernel] + rest[position:]
+    ordered_nodes = topological_order(candidate)
+    if ordered_nodes is None:
+        return None
+    graph.nodes = ordered_nodes
+    return kernel
+
+
+def topological_order(nodes: list[Node]) -> list[Node] | None:
+    """The nodes in a topological order as close as possible to the given one; None if they hold a cycle."""
+    index = {node.name: i for i, node in enumerate(nodes)}
+    producer = {out: node.name for node in nodes for out in node.outputs}
+    dag = nx.DiGraph()
+    dag.add_nodes_from(index)
+    dag.add_edges_from((producer[v], node.name) for node in nodes for v in node.inputs if v in producer)
+    if not nx.is_directed_acyclic_graph(dag):
+        return None
+    by_name = {node.name: node for node in nodes}
+    return [by_name[name] for name in nx.lexicographical_topological_sort(dag, key=index.__getitem__)]
+
+
+def primitive(node: Node, op: str | tuple[str, ...]) -> bool:
+    return node.op == op if isinstance(op, str) else node.op in op

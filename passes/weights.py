@@ -1,0 +1,64 @@
+"""Weight transforms, applied by the loader and recorded in the graph as derived params."""
+
+import os
+
+from pegainfer.ir.graph import Derivation, Graph, Node
+from pegainfer.ir.types import TensorType
+from pegainfer.passes.manager import PassLog
+from pegainfer.passes.rewrite import consumers, for_each_graph, fresh_name
+
+
+def merge_sibling_linears(graph: Graph, log: PassLog) -> Graph:
+    """Merges linears that read the same input (Q/K/V, gate/up) into one GEMM over concatenated weights + a split."""
+    def rewrite(g: Graph) -> None:
+        for value, readers in list(consumers(g).items()):
+            siblings = [n for n in readers if _mergeable(g, n, value)]
+            groups: dict[bool, list[Node]] = {}
+            for node in siblings:
+                groups.setdefault(len(node.inputs) == 3, []).append(node)  # with and without bias apart
+            for group in groups.values():
+                if len(group) > 1:
+                    _merge(g, group, log)
+                elif len([n for n in readers if n.op == "linear"]) > 1:
+                    log.note(f"{g.name}: %{group[0].name} left alone: its siblings differ in weights or bias")
+    return for_each_graph(graph, rewrite)
+
+
+def _mergeable(g: Graph, node: Node, value: str) -> bool:
+    return (node.op == "linear" and node.inputs[0] == value
+            and all(p in g.params and p not in g.derived for p in node.inputs[1:]))
+
+
+def _merge(g: Graph, group: list[Node], log: PassLog) -> None:
+    sizes = tuple(node.output_types[0].shape[-1] for node in group)
+    weight = _derive(g, [node.inputs[1] for node in group])
+    inputs = [group[0].inputs[0], weight]
+    if len(group[0].inputs) == 3:
+        inputs.append(_derive(g, [node.inputs[2] for node in group]))
+    out_type = group[0].output_types[0]
+    merged_type = out_type.with_shape((*out_type.shape[:-1], sum(sizes)))
+    merged = fresh_name(g, "+".join(node.name for node in group))
+    linear = Node("linear", tuple(inputs), (merged,), (merged_type,))
+    split = Node("split", (merged,), tuple(out for node in group for out in node.outputs),
+                 tuple(node.output_types[0] for node in group), {"sizes": sizes})
+    first = g.nodes.index(group[0])
+    g.nodes = g.nodes[:first] + [linear, split] + [n for n in g.nodes[first:] if n not in group]
+    read = {v for node in g.nodes for v in node.inputs}
+    for source in [v for node in group for v in node.inputs[1:]]:
+        if source not in read:  # the merged weight replaces it (a tied weight read elsewhere stays)
+            g.params.pop(source, None)
+    log.note(f"{g.name}: merged {', '.join('%' + n.name for n in group)} into %{merged} over @{weight}")
+
+
+def _derive(g: Graph, sources: list[str]) -> str:
+    """Declares the concatenation (rows) of `sources` as a derived param named after them."""
+    prefix = os.path.commonprefix(sources)
+    prefix = prefix[: prefix.rfind(".") + 1]
+    suffix = os.path.commonprefix([s[::-1] for s in sources])[::-1]
+    suffix = suffix[suffix.find("."):] if "." in suffix else ""
+    name = prefix + "+".join(s[len(prefix): len(s) - len(suffix)] for s in sources) + suffix
+    types = [g.params[s] for s in sources]
+    rows = sum(t.shape[0] for t in types)
+    g.params[name] = TensorType(types[0].dtype, (rows, *types[0].shape[1:]))
+    g.derived[name] = Derivation(tuple(sources), tuple(types), axis=0)
+    return name
