@@ -9,6 +9,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from pegainfer.errors import CheckpointError
+from pegainfer.ir.graph import Derivation
 from pegainfer.ir.types import TensorType
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -71,6 +72,12 @@ def check_weights(expected: dict[str, TensorType], tensors: dict[str, TensorInfo
                                   f"expected {list(type_.shape)}")
         if info.dtype not in FLOAT_DTYPES:
             raise CheckpointError(f"{info.file}: tensor {name!r} has dtype {info.dtype}, expected a float type")
+
+
+def derive_weights(derivations: dict[str, Derivation], weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The weights a lowered graph reads: `weights` plus each derived param (a concatenation of checkpoint tensors)."""
+    derived = {name: np.concatenate([weights[s] for s in d.sources], axis=d.axis) for name, d in derivations.items()}
+    return {**weights, **derived}
 
 
 def load_weights(expected: dict[str, TensorType], tensors: dict[str, TensorInfo]) -> dict[str, np.ndarray]:

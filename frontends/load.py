@@ -77,7 +77,7 @@ def load_model(folder: Path) -> LoadedModel:
     if not folder.is_dir():
         raise ConfigError(f"{folder}: not a checkpoint folder")
     spec = load_spec(folder / "config.json")
-    expected = spec.graph.expanded_params()
+    expected = spec.graph.checkpoint_params()
     tensors = scan_checkpoint(folder)
     check_weights(expected, tensors, folder)
     return LoadedModel(spec, folder, load_weights(expected, tensors))

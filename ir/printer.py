@@ -88,7 +88,10 @@ def _dot_body(graph: Graph, prefix: str) -> list[str]:
         lines.append(f"    {_quote(prefix + name)} [shape=ellipse, color=grey, fontcolor=grey, label={_label(name, t)}];")
     for node in graph.nodes:
         types = ", ".join(str(t) for t in node.output_types)
-        lines.append(f"    {_quote(prefix + node.name)} [shape=box, label={_label(node.op, types)}];")
+        title = node.op
+        if node.op == KERNEL:
+            title = f"{node.attrs['kind']}\\n(" + " + ".join(n.op for n in node.attrs["nodes"]) + ")"
+        lines.append(f"    {_quote(prefix + node.name)} [shape=box, label={_label(title, types)}];")
         for value in node.inputs:
             lines.append(f"    {_quote(prefix + producer.get(value, value))} -> {_quote(prefix + node.name)};")
     return lines

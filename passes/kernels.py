@@ -62,3 +62,19 @@ def _info(graph: Graph, node: Node, launches: int) -> KernelInfo:
 def kernels_per_layer(graph: Graph) -> dict[str, int]:
     """body name -> kernels it launches per layer."""
     return {name: sum(n.op == KERNEL for n in body.nodes) for name, body in graph.subgraphs.items()}
+
+
+def format_kernels(graph: Graph) -> str:
+    """The kernel table `pegainfer inspect --show kernels` prints."""
+    kernels = list_kernels(graph)
+    per_layer = kernels_per_layer(graph)
+    launches = sum(k.launches for k in kernels)
+    lines = [f"{graph.name}: {launches} kernel launches per step; per layer: "
+             + ", ".join(f"{n} kernels in {body}" for body, n in per_layer.items()),
+             "Decode steps (tokens = batch) and prefill steps (tokens = prompt tokens) launch the same kernels; "
+             "shapes are symbolic.",
+             f"{'#':>3}  {'graph':<14} {'kernel':<30} {'x':>3}  fuses -> writes"]
+    for index, k in enumerate(kernels, start=1):
+        writes = ", ".join(f"{name}:{t}" for name, t in k.outputs)
+        lines.append(f"{index:>3}  {k.graph:<14} {k.kind:<30} {k.launches:>3}  {'+'.join(k.ops)} -> {writes}")
+    return "\n".join(lines) + "\n"

@@ -43,6 +43,7 @@ class PassRecord:
     summary: str
     notes: tuple[str, ...]
     text: str  # the graph after the pass
+    graph: Graph = field(repr=False, compare=False)  # the graph after the pass, for equivalence checks
 
     def dump(self) -> str:
         header = [f"# after pass {self.index}: {self.name} ({self.phase}): {self.summary}"]
@@ -65,7 +66,7 @@ def run_passes(graph: Graph, passes: list[Pass]) -> tuple[Graph, list[PassRecord
         except GraphError as error:
             raise GraphError(f"after pass {step.name}: {error}") from None
         records.append(PassRecord(index, step.name, step.phase, step.summary, tuple(log.notes),
-                                  format_graph(graph)))
+                                  format_graph(graph), graph))
     return graph, records
 
 

@@ -3,7 +3,9 @@ It is the oracle for the GPU runtime and the `--device cpu` path of generate and
 
 import numpy as np
 
+from pegainfer.frontends.checkpoint import derive_weights
 from pegainfer.frontends.load import LoadedModel
+from pegainfer.ir.graph import Graph
 from pegainfer.ir.interpreter import run_graph
 from pegainfer.runtime.batch import Chunk, Sequence, commit_step, pack_step
 from pegainfer.runtime.kv_blocks import BlockAllocator
@@ -12,10 +14,13 @@ DEFAULT_BLOCK_SIZE = 16
 
 
 class ReferenceEngine:
-    def __init__(self, model: LoadedModel, *, max_tokens: int = 8192, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
-        """Sizes the KV pool to hold `max_tokens` tokens over all sequences."""
+    def __init__(self, model: LoadedModel, *, max_tokens: int = 8192, block_size: int = DEFAULT_BLOCK_SIZE,
+                 graph: Graph | None = None) -> None:
+        """Sizes the KV pool to hold `max_tokens` tokens over all sequences. `graph` (the model's own graph by
+        default) may be a lowered one: its derived weights are made from the checkpoint's."""
         self.model = model
-        self.graph = model.spec.graph
+        self.graph = graph or model.spec.graph
+        self.weights = derive_weights(self.graph.derivations(), model.weights)
         self.allocator = BlockAllocator(-(-max_tokens // block_size), block_size)
         sizes = {"num_blocks": self.allocator.num_blocks, "block_size": block_size}
         self.states = {name: np.zeros(t.concrete(sizes), dtype=t.dtype.np_dtype)
@@ -24,7 +29,7 @@ class ReferenceEngine:
     def step(self, chunks: list[Chunk], *, all_logits: bool = False) -> np.ndarray:
         """Runs one packed step and returns float32 logits, one row per chunk (or per token with all_logits)."""
         inputs = pack_step(chunks, self.allocator, all_logits=all_logits)
-        (logits,) = run_graph(self.graph, inputs, self.model.weights, self.states)
+        logits = run_graph(self.graph, inputs, self.weights, self.states)[0]  # a lowered graph adds sampler outputs
         commit_step(chunks)
         return logits.astype(np.float32)
 

@@ -210,19 +210,19 @@ def test_generate_negative_seed(capsys, tiny_checkpoint):
 # --- inspect ----------------------------------------------------------------------------------------------------
 
 def test_inspect_text(capsys):
-    code, out, _ = run(capsys, "inspect", "qwen3-4b")
+    code, out, _ = run(capsys, "inspect", "qwen3-4b", "--show", "graph")
     assert code == 0
     assert "repeat" in out and "count=36" in out
     assert "graph qwen3_layer" in out and "graph qwen3(" in out
 
 
 def test_inspect_dot(capsys):
-    code, out, _ = run(capsys, "inspect", "Qwen3-4B", "--format", "dot")
+    code, out, _ = run(capsys, "inspect", "Qwen3-4B", "--show", "graph", "--format", "dot")
     assert code == 0 and out.startswith("digraph") and out.rstrip().endswith("}")
 
 
 def test_inspect_checkpoint_folder(capsys, tiny_checkpoint):
-    code, out, _ = run(capsys, "inspect", tiny_checkpoint)
+    code, out, _ = run(capsys, "inspect", tiny_checkpoint, "--show", "graph")
     assert code == 0 and "count=2" in out
 
 

@@ -9,6 +9,7 @@ import transformers
 
 from golden_configs import QWEN3_CONFIGS
 from pegainfer.frontends.load import load_model
+from pegainfer.passes.pipeline import lower
 from pegainfer.runtime.batch import Chunk, Sequence
 from pegainfer.runtime.generate import Request, generate
 from pegainfer.runtime.reference_engine import ReferenceEngine
@@ -45,13 +46,16 @@ def hf_greedy(model, prompt: list[int], steps: int) -> tuple[list[int], list[np.
     return tokens[len(prompt):], logits
 
 
+@pytest.mark.parametrize("lowered", [False, True], ids=["declared", "lowered"])
 @pytest.mark.parametrize("name", sorted(QWEN3_CONFIGS))
-def test_prefill_and_decode_match_hf(checkpoint_factory, name):
+def test_prefill_and_decode_match_hf(checkpoint_factory, name, lowered):
+    """The graph as declared, and the kernel DAG the pass pipeline makes of it (merged weights derived at load)."""
     folder = checkpoint_factory(name)
     ours = load_model(folder)
     theirs = hf_model(folder)
     prompts = make_prompts(ours.spec.config.vocab_size)
-    engine = ReferenceEngine(ours, max_tokens=sum(PROMPT_LENGTHS) + len(PROMPT_LENGTHS) * DECODE_STEPS + 64)
+    engine = ReferenceEngine(ours, max_tokens=sum(PROMPT_LENGTHS) + len(PROMPT_LENGTHS) * DECODE_STEPS + 64,
+                             graph=lower(ours.spec.graph)[0] if lowered else None)
     seqs = [Sequence(i, list(p)) for i, p in enumerate(prompts)]
 
     prefill = engine.step([Chunk(s, len(s.token_ids)) for s in seqs], all_logits=True)
