@@ -1,0 +1,104 @@
+"""Runs a kernel DAG with its planned Triton launches under Triton's CPU interpreter (torch tensors on the CPU).
+It walks the graph exactly as the GPU runtime will: views are views, kernels are launches of the planned
+variant with arguments packed by the parameter ABI. Tests compare it with the reference interpreter."""
+
+import ml_dtypes
+import numpy as np
+import torch
+
+from pegainfer.backends.spec import KernelSpec, LaunchSpec
+from pegainfer.backends.triton.loader import load_kernel_module, triton_interpret
+from pegainfer.ir.graph import KERNEL, REPEAT, Graph, Node, instantiate
+from pegainfer.ir.kernel import in_place_outputs
+from pegainfer.ir.types import TensorType
+
+_TORCH = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32, "i32": torch.int32,
+          "i64": torch.int64}
+
+
+def to_torch(array: np.ndarray) -> torch.Tensor:
+    if array.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(np.ascontiguousarray(array).view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(array))
+
+
+def to_numpy(tensor: torch.Tensor) -> np.ndarray:
+    return tensor.float().numpy() if tensor.is_floating_point() else tensor.numpy()
+
+
+class InterpretedExecutor:
+    def __init__(self, graph: Graph, specs: dict[tuple[str, str], KernelSpec]) -> None:
+        self.graph = graph
+        self.specs = specs
+
+    def run(self, inputs: dict[str, np.ndarray], weights: dict[str, np.ndarray],
+            states: dict[str, torch.Tensor]) -> list[np.ndarray]:
+        sizes = step_sizes(self.graph, inputs, states)
+        args = [to_torch(inputs[name]) for name in self.graph.inputs]
+        return [to_numpy(t) for t in self._run(self.graph, args, weights, states, sizes, None)]
+
+    def _run(self, graph: Graph, args: list[torch.Tensor], weights, states, sizes, layer) -> list[torch.Tensor]:
+        at = (lambda name: name) if layer is None else (lambda name: instantiate(name, layer))
+        env = dict(zip(graph.inputs, args))
+        env.update({name: to_torch(weights[at(name)]) for name in graph.params})
+        env.update({name: states[at(name)] for name in graph.states})
+        for node in graph.nodes:
+            if node.op == REPEAT:
+                body = self.graph.subgraphs[node.attrs["body"]]
+                values = [env[v] for v in node.inputs]
+                carried = values[: len(body.outputs)]
+                for index in range(node.attrs["count"]):
+                    carried = self._run(body, [*carried, *values[len(body.outputs):]], weights, states, sizes, index)
+                env.update(zip(node.outputs, carried))
+            elif node.op == KERNEL:
+                env.update(self._launch(self.specs[(graph.name, node.name)], node, env, sizes))
+            else:
+                env.update(zip(node.outputs, _view(node, env[node.inputs[0]])))
+        return [env[name] for name in graph.outputs]
+
+    def _launch(self, spec: KernelSpec, node: Node, env: dict, sizes: dict[str, int]) -> dict[str, torch.Tensor]:
+        in_place = in_place_outputs(node)
+        local = dict(env)
+        for name, type_ in zip(node.outputs, node.output_types):
+            local[name] = env[in_place[name]] if name in in_place else _poisoned(type_, sizes)
+        for launch in spec.variant_for(sizes).launches:
+            _run_launch(launch, local, sizes)
+        return {name: local[name] for name in node.outputs}
+
+
+def _run_launch(launch: LaunchSpec, env: dict[str, torch.Tensor], sizes: dict[str, int]) -> None:
+    module = load_kernel_module(launch.source, launch.module, interpret=True)
+    args = {}
+    for param in launch.params:
+        kind, _, value = param.value.partition(":") if param.kind == "int" else ("tensor", "", param.value)
+        args[param.name] = env[value] if kind == "tensor" else env[value].stride(0) if kind == "stride" \
+            else sizes[value]
+    grid = tuple(dim.size(sizes) for dim in launch.grid)
+    with triton_interpret(True):
+        getattr(module, launch.function)[grid](**args, **launch.constexprs)
+
+
+def _poisoned(type_: TensorType, sizes: dict[str, int]) -> torch.Tensor:
+    """A fresh output filled with NaN (or -1), so that an element the kernel forgot to write shows."""
+    shape = type_.concrete(sizes)
+    dtype = _TORCH[type_.dtype.name]
+    return torch.full(shape, float("nan") if dtype.is_floating_point else -1, dtype=dtype)
+
+
+def _view(node: Node, source: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    if node.op == "reshape":
+        return (source.view([d if isinstance(d, int) else -1 for d in node.attrs["shape"]]),)
+    if node.op == "split":
+        return tuple(torch.split(source, list(node.attrs["sizes"]), dim=-1))
+    raise AssertionError(f"node %{node.name} ({node.op}) is neither a kernel nor a view")
+
+
+def step_sizes(graph: Graph, inputs: dict[str, np.ndarray], states: dict[str, torch.Tensor]) -> dict[str, int]:
+    """Every symbol's size in this step, read off the inputs and the states, plus the launch-only sizes."""
+    sizes: dict[str, int] = {}
+    for name, type_ in graph.inputs.items():
+        sizes.update({d: s for d, s in zip(type_.shape, np.shape(inputs[name])) if isinstance(d, str)})
+    for name, type_ in graph.expanded_states().items():
+        sizes.update({d: s for d, s in zip(type_.shape, states[name].shape) if isinstance(d, str)})
+    sizes["max_query_len"] = int(np.max(inputs["query_lens"])) if len(inputs["query_lens"]) else 0
+    return sizes

@@ -1,0 +1,1 @@
+"""Triton kernel templates, specialised per kernel node by constexprs. Never imported by the serving process."""

@@ -1,0 +1,103 @@
+"""Per-head q/k RMSNorm + RoPE + the paged KV write, and grouped-query causal attention over the paged cache
+(layouts: ir/ops/attention.py). One program per (token, head) for the first; per (sequence, kv head, query tile)
+for attention, which keeps an online softmax over key tiles gathered through the block table."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _norm_rope(x_ptr, w_ptr, pos, offs, mask, HD: tl.constexpr, EPS: tl.constexpr, NORM: tl.constexpr,
+               THETA: tl.constexpr):
+    half: tl.constexpr = HD // 2
+    x1 = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + half + offs, mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HD + EPS)
+        x1 = x1 * rstd * tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        x2 = x2 * rstd * tl.load(w_ptr + half + offs, mask=mask, other=0.0).to(tl.float32)
+    inv_freq = 1.0 / tl.exp2((2.0 * offs.to(tl.float32) / HD) * tl.log2(THETA))
+    angle = pos * inv_freq
+    cos = tl.cos(angle)
+    sin = tl.sin(angle)
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit
+def qk_rope_kv_write_kernel(q_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, slot_ptr, q_out_ptr,
+                            k_cache_ptr, v_cache_ptr, stride_q, stride_k, stride_v, stride_q_out,
+                            HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HD: tl.constexpr, EPS: tl.constexpr,
+                            NORM: tl.constexpr, THETA: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    half: tl.constexpr = HD // 2
+    offs = tl.arange(0, BLOCK_HALF)
+    mask = offs < half
+    pos = tl.load(pos_ptr + token).to(tl.float32)
+    if head < HEADS:
+        o1, o2 = _norm_rope(q_ptr + token * stride_q + head * HD, q_norm_ptr, pos, offs, mask, HD, EPS, NORM, THETA)
+        dst = q_out_ptr + token * stride_q_out + head * HD
+        tl.store(dst + offs, o1.to(q_out_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + half + offs, o2.to(q_out_ptr.dtype.element_ty), mask=mask)
+    else:
+        kv_head = head - HEADS
+        slot = tl.load(slot_ptr + token)
+        write = mask & (slot >= 0)
+        o1, o2 = _norm_rope(k_ptr + token * stride_k + kv_head * HD, k_norm_ptr, pos, offs, mask, HD, EPS, NORM,
+                            THETA)
+        dst = (slot * KV_HEADS + kv_head) * HD
+        tl.store(k_cache_ptr + dst + offs, o1.to(k_cache_ptr.dtype.element_ty), mask=write)
+        tl.store(k_cache_ptr + dst + half + offs, o2.to(k_cache_ptr.dtype.element_ty), mask=write)
+        src = v_ptr + token * stride_v + kv_head * HD
+        v1 = tl.load(src + offs, mask=mask, other=0.0)
+        v2 = tl.load(src + half + offs, mask=mask, other=0.0)
+        tl.store(v_cache_ptr + dst + offs, v1.to(v_cache_ptr.dtype.element_ty), mask=write)
+        tl.store(v_cache_ptr + dst + half + offs, v2.to(v_cache_ptr.dtype.element_ty), mask=write)
+
+
+@triton.jit
+def paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, starts_ptr, q_lens_ptr, ctx_lens_ptr,
+                           out_ptr, stride_q, stride_out, stride_tables,
+                           SCALE: tl.constexpr, KV_HEADS: tl.constexpr, HD: tl.constexpr, GROUP: tl.constexpr,
+                           CACHE_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_P2: tl.constexpr,
+                           BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    q_tile = tl.program_id(2)
+    start = tl.load(starts_ptr + seq)
+    q_len = tl.load(q_lens_ptr + seq)
+    ctx = tl.load(ctx_lens_ptr + seq)
+    rows = tl.arange(0, BLOCK_Q * GROUP_P2)
+    q_index = q_tile * BLOCK_Q + rows // GROUP_P2
+    head = kv_head * GROUP + rows % GROUP_P2
+    row_ok = (q_index < q_len) & (rows % GROUP_P2 < GROUP)
+    q_pos = ctx - q_len + q_index
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HD
+    q = tl.load(q_ptr + (start + q_index)[:, None] * stride_q + head[:, None] * HD + offs_d[None, :],
+                mask=row_ok[:, None] & mask_d[None, :], other=0.0)
+    m_i = tl.full([BLOCK_Q * GROUP_P2], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_Q * GROUP_P2], tl.float32)
+    acc = tl.zeros([BLOCK_Q * GROUP_P2, BLOCK_D], tl.float32)
+    kv_end = tl.minimum(ctx, ctx - q_len + (q_tile + 1) * BLOCK_Q)
+    for kv_start in range(0, kv_end, BLOCK_KV):
+        pos = kv_start + tl.arange(0, BLOCK_KV)
+        pos_ok = pos < kv_end
+        block = tl.load(tables_ptr + seq * stride_tables + pos // CACHE_BLOCK, mask=pos_ok, other=0)
+        addr = ((block * CACHE_BLOCK + pos % CACHE_BLOCK) * KV_HEADS + kv_head) * HD
+        kv_mask = pos_ok[:, None] & mask_d[None, :]
+        k = tl.load(k_cache_ptr + addr[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * SCALE
+        visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet stay at zero
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(scores - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + addr[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + (start + q_index)[:, None] * stride_out + head[:, None] * HD + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & mask_d[None, :])

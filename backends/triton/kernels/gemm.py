@@ -1,0 +1,79 @@
+"""The GEMM family: y = x @ W^T with an optional prologue (residual add, row gather, RMSNorm folded in as a row
+scale) and epilogue (bias, act(gate) * up over a merged [2N, K] weight). One template, specialised by constexprs."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _load_rows(x_ptr, x2_ptr, rows, stride_x, stride_x2, offs_k, mask_m, mask_k, ADD: tl.constexpr):
+    mask = mask_m[:, None] & mask_k[None, :]
+    a = tl.load(x_ptr + rows[:, None] * stride_x + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+    if ADD:
+        a += tl.load(x2_ptr + rows[:, None] * stride_x2 + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+    return a
+
+
+@triton.jit
+def _activate(gate, ACT: tl.constexpr):
+    if ACT == 1:  # silu
+        out = gate / (1.0 + tl.exp(-gate))
+    else:  # gelu with the tanh approximation
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        out = 0.5 * gate * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0))
+    return out
+
+
+@triton.jit
+def linear_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, sum_ptr,
+                  M, stride_x, stride_x2, stride_out, stride_sum,
+                  N: tl.constexpr, K: tl.constexpr, EPS: tl.constexpr,
+                  ADD: tl.constexpr, GATHER: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr,
+                  ACT: tl.constexpr, WRITE_SUM: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    if GATHER:
+        rows = tl.load(rows_ptr + offs_m, mask=mask_m, other=0)
+    else:
+        rows = offs_m
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if NORM:  # first pass over the rows: their mean square (and the residual sum, written once)
+        squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < K
+            a = _load_rows(x_ptr, x2_ptr, rows, stride_x, stride_x2, offs_k, mask_m, mask_k, ADD)
+            if WRITE_SUM:
+                tl.store(sum_ptr + offs_m[:, None] * stride_sum + offs_k[None, :],
+                         a.to(sum_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_k[None, :] & (pid_n == 0))
+            squares += tl.sum(a * a, axis=1)
+        rstd = 1.0 / tl.sqrt(squares / K + EPS)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        a = _load_rows(x_ptr, x2_ptr, rows, stride_x, stride_x2, offs_k, mask_m, mask_k, ADD)
+        if NORM:
+            weight = tl.load(norm_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+            a = a * rstd[:, None] * weight[None, :]
+        a = a.to(w_ptr.dtype.element_ty)
+        w_mask = mask_n[:, None] & mask_k[None, :]
+        w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
+        acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+        if ACT != 0:
+            w_up = tl.load(w_ptr + (N + offs_n[:, None]) * K + offs_k[None, :], mask=w_mask, other=0.0)
+            up = tl.dot(a, tl.trans(w_up), up, input_precision="ieee")
+    if BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        if ACT != 0:
+            up += tl.load(bias_ptr + N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    if ACT != 0:
+        acc = _activate(acc, ACT) * up
+    tl.store(out_ptr + offs_m[:, None] * stride_out + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=mask_m[:, None] & mask_n[None, :])

@@ -1,0 +1,259 @@
+"""Planning: each kernel node of the kernel DAG -> the Triton launches that run it (a template specialised by
+constexprs, or a generated row kernel), their parameter ABI, grid rule and row-count variants."""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from pegainfer.backends.spec import GridDim, KernelSpec, LaunchSpec, Param, VariantSpec
+from pegainfer.backends.triton import rowwise
+from pegainfer.errors import PegainferError
+from pegainfer.ir.graph import Graph, Node
+from pegainfer.ir.kernel import fused_ops
+from pegainfer.ir.types import TensorType
+
+KERNELS = Path(__file__).parent / "kernels"
+SMALL_ROWS = 16  # up to this many rows a GEMM uses its decode-shaped tiles
+_TRITON_TYPES = {"bf16": "bf16", "f16": "fp16", "f32": "fp32", "i32": "i32", "i64": "i64"}
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    block_size: int = 16  # KV-cache block size: a compile-time constant of the attention kernel
+
+
+def plan_kernel(graph: Graph, node: Node, options: PlanOptions) -> KernelSpec:
+    ops = fused_ops(node)
+    if "paged_attention" in ops:
+        return _plan_attention(graph, node, options)
+    if "kv_write" in ops:
+        return _plan_rope_kv_write(graph, node)
+    if "linear" in ops:
+        return _plan_gemm(graph, node)
+    if ops == ["embedding"]:
+        return _plan_embedding(graph, node)
+    if rowwise.supports(node.attrs["nodes"]):
+        return _plan_row_kernel(graph, node)
+    raise PegainferError(f"kernel {node.name} ({node.attrs['kind']}: {' + '.join(ops)}) has no Triton template")
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+class _Params:
+    """Collects a launch's runtime parameters and the constexpr Nones that stand for absent pointers."""
+
+    def __init__(self, types: dict[str, TensorType]) -> None:
+        self.types = types
+        self.params: list[Param] = []
+        self.constexprs: dict = {}
+
+    def tensor(self, name: str, value: str | None) -> None:
+        if value is None:
+            self.constexprs[name] = None
+        else:
+            self.params.append(Param(name, "tensor", value, "*" + _TRITON_TYPES[self.types[value].dtype.name]))
+
+    def stride(self, name: str, value: str | None) -> None:
+        if value is None:
+            self.constexprs[name] = 0
+        else:
+            self.params.append(Param(name, "int", f"stride:{value}", "i32"))
+
+    def dim(self, name: str, symbol: str) -> None:
+        self.params.append(Param(name, "int", f"dim:{symbol}", "i32"))
+
+
+def _launch(template: str, function: str, params: _Params, constexprs: dict, grid: tuple[GridDim, ...],
+            num_warps: int = 4, num_stages: int = 2) -> LaunchSpec:
+    grid = tuple(grid) + (GridDim(),) * (3 - len(grid))
+    return LaunchSpec(function, template, (KERNELS / template).read_text(), params.params,
+                      {**params.constexprs, **constexprs}, grid, num_warps, num_stages)
+
+
+def _spec(graph: Graph, node: Node, row_symbol: str, variants: list[VariantSpec]) -> KernelSpec:
+    return KernelSpec(graph.name, node.name, node.attrs["kind"], fused_ops(node), row_symbol, variants)
+
+
+def _plan_gemm(graph: Graph, node: Node) -> KernelSpec:
+    roles = _gemm_roles(node)
+    types = graph.value_types() | {o: t for n in node.attrs["nodes"] for o, t in zip(n.outputs, n.output_types)}
+    rows = roles["rows"]
+    row_symbol = types[rows].shape[0] if rows else types[roles["x"]].shape[0]
+    n, k = roles["n"], types[roles["weight"]].shape[1]
+    variants = []
+    for name, max_rows, block_m, block_n, block_k, warps, stages in (
+            ("small_rows", SMALL_ROWS, 16, 64, 128, 4, 3), ("many_rows", None, 64, 64 if roles["act"] else 128, 64, 4, 3)):
+        p = _Params(types)
+        for param in ("x", "x2", "rows", "norm", "weight", "bias", "out", "sum"):
+            p.tensor(f"{param if param != 'weight' else 'w'}_ptr", roles[param])
+        p.dim("M", row_symbol)
+        for param in ("x", "x2", "out", "sum"):
+            p.stride(f"stride_{param}", roles[param])
+        block_n, block_k = max(16, min(block_n, next_pow2(n))), max(16, min(block_k, next_pow2(k)))
+        constexprs = dict(N=n, K=k, EPS=roles["eps"], ADD=roles["x2"] is not None, GATHER=rows is not None,
+                          NORM=roles["norm"] is not None, BIAS=roles["bias"] is not None, ACT=roles["act"],
+                          WRITE_SUM=roles["sum"] is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+        grid = (GridDim((row_symbol,), block_m), GridDim((n,), block_n))
+        launches = [_launch("gemm.py", "linear_kernel", p, constexprs, grid, warps, stages)]
+        if roles["top_k"] is not None:
+            launches.append(_plan_tail_reduction(types, roles))
+        variants.append(VariantSpec(name, max_rows, launches))
+    return _spec(graph, node, row_symbol, variants)
+
+
+def _gemm_roles(node: Node) -> dict:
+    """Reads the kernel's primitive nodes in order: [add] [gather_rows] [rms_norm] linear [split act mul |
+    top_k logsumexp]. Anything else has no template."""
+    inner = [n for n in node.attrs["nodes"]]
+    ops = [n.op for n in inner]
+    roles: dict = dict(x=None, x2=None, rows=None, norm=None, eps=1e-6, bias=None, sum=None, act=0, top_k=None,
+                       lse=None)
+    index = 0
+    if ops[index] == "add":
+        roles["x"], roles["x2"] = inner[index].inputs
+        if inner[index].outputs[0] in node.outputs:
+            roles["sum"] = inner[index].outputs[0]
+        index += 1
+    if ops[index] == "gather_rows":
+        roles["x"] = roles["x"] or inner[index].inputs[0]
+        roles["rows"] = inner[index].inputs[1]
+        index += 1
+    if ops[index] == "rms_norm":
+        roles["x"] = roles["x"] or inner[index].inputs[0]
+        roles["norm"], roles["eps"] = inner[index].inputs[1], inner[index].attrs["eps"]
+        index += 1
+    linear = inner[index]
+    if linear.op != "linear" or (roles["sum"] and roles["rows"]):
+        raise PegainferError(f"kernel {node.name}: no GEMM template for {' + '.join(ops)}")
+    roles["x"] = roles["x"] or linear.inputs[0]
+    roles["weight"] = linear.inputs[1]
+    roles["bias"] = linear.inputs[2] if len(linear.inputs) == 3 else None
+    roles["out"] = linear.outputs[0]
+    rest = ops[index + 1:]
+    if rest[:1] == ["split"] and len(rest) == 3 and rest[2] == "mul":
+        roles["act"] = {"silu": 1, "gelu_tanh": 2}[rest[1]]
+        roles["out"] = inner[-1].outputs[0]
+    elif rest == ["top_k", "logsumexp"]:
+        roles["top_k"], roles["lse"] = inner[-2], inner[-1]
+    elif rest:
+        raise PegainferError(f"kernel {node.name}: no GEMM epilogue for {' + '.join(rest)}")
+    n_total = linear.output_types[0].shape[-1]
+    roles["n"] = n_total // 2 if roles["act"] else n_total
+    return roles
+
+
+def _plan_tail_reduction(types: dict[str, TensorType], roles: dict) -> LaunchSpec:
+    logits = roles["out"]
+    values, ids = roles["top_k"].outputs
+    k = roles["top_k"].attrs["k"]
+    vocab = types[logits].shape[-1]
+    p = _Params(types)
+    for name, value in (("logits_ptr", logits), ("values_ptr", values), ("ids_ptr", ids),
+                        ("lse_ptr", roles["lse"].outputs[0])):
+        p.tensor(name, value)
+    p.stride("stride_logits", logits)
+    k_p2 = next_pow2(k)
+    block = max(k_p2, min(2048, next_pow2(vocab)))
+    return _launch("sampling.py", "top_k_logsumexp_kernel", p, dict(VOCAB=vocab, K=k, K_P2=k_p2, BLOCK=block),
+                   (GridDim((types[logits].shape[0],)),), num_warps=8)
+
+
+def _plan_rope_kv_write(graph: Graph, node: Node) -> KernelSpec:
+    inner = list(node.attrs["nodes"])
+    produced = {out: n for n in inner for out in n.outputs}
+    write = next(n for n in inner if n.op == "kv_write")
+    k_cache, v_cache, k_final, v_heads, slots = write.inputs
+    ropes = [n for n in inner if n.op == "rope"]
+    k_rope = produced.get(k_final)
+    q_ropes = [r for r in ropes if r is not k_rope]
+    if k_rope is None or k_rope.op != "rope" or len(q_ropes) != 1 or len(inner) not in (3, 5):
+        raise PegainferError(f"kernel {node.name}: the rope/KV-write template needs rope on q and k before the "
+                             f"write, found {' + '.join(n.op for n in inner)}")
+    q_rope = q_ropes[0]
+    q_norm, k_norm = produced.get(q_rope.inputs[0]), produced.get(k_rope.inputs[0])
+    norm = q_norm is not None and k_norm is not None
+    types = graph.value_types()
+    q_heads = q_norm.inputs[0] if norm else q_rope.inputs[0]
+    k_heads = k_norm.inputs[0] if norm else k_rope.inputs[0]
+    heads, head_dim = types[q_heads].shape[1], types[q_heads].shape[2]
+    kv_heads = types[k_cache].shape[2]
+    p = _Params(types | {q_rope.outputs[0]: q_rope.output_types[0]})
+    for name, value in (("q_ptr", q_heads), ("k_ptr", k_heads), ("v_ptr", v_heads),
+                        ("q_norm_ptr", q_norm.inputs[1] if norm else None),
+                        ("k_norm_ptr", k_norm.inputs[1] if norm else None), ("pos_ptr", q_rope.inputs[1]),
+                        ("slot_ptr", slots), ("q_out_ptr", q_rope.outputs[0]), ("k_cache_ptr", k_cache),
+                        ("v_cache_ptr", v_cache)):
+        p.tensor(name, value)
+    for name, value in (("stride_q", q_heads), ("stride_k", k_heads), ("stride_v", v_heads),
+                        ("stride_q_out", q_rope.outputs[0])):
+        p.stride(name, value)
+    constexprs = dict(HEADS=heads, KV_HEADS=kv_heads, HD=head_dim, EPS=q_norm.attrs["eps"] if norm else 1e-6,
+                      NORM=norm, THETA=float(q_rope.attrs["theta"]), BLOCK_HALF=next_pow2(head_dim // 2))
+    row_symbol = types[q_heads].shape[0]
+    launch = _launch("attention.py", "qk_rope_kv_write_kernel", p, constexprs,
+                     (GridDim((row_symbol,)), GridDim((heads + kv_heads,))), num_warps=1)
+    return _spec(graph, node, row_symbol, [VariantSpec("default", None, [launch])])
+
+
+def _plan_attention(graph: Graph, node: Node, options: PlanOptions) -> KernelSpec:
+    (attention,) = node.attrs["nodes"]
+    q, k_cache, v_cache, tables, starts, q_lens, ctx_lens = attention.inputs
+    types = graph.value_types()
+    heads, head_dim = types[q].shape[1], types[q].shape[2]
+    kv_heads = types[k_cache].shape[2]
+    group = heads // kv_heads
+    group_p2 = next_pow2(group)
+    block_q = max(1, 16 // group_p2)
+    p = _Params(types | {attention.outputs[0]: attention.output_types[0]})
+    for name, value in (("q_ptr", q), ("k_cache_ptr", k_cache), ("v_cache_ptr", v_cache), ("tables_ptr", tables),
+                        ("starts_ptr", starts), ("q_lens_ptr", q_lens), ("ctx_lens_ptr", ctx_lens),
+                        ("out_ptr", attention.outputs[0])):
+        p.tensor(name, value)
+    for name, value in (("stride_q", q), ("stride_out", attention.outputs[0]), ("stride_tables", tables)):
+        p.stride(name, value)
+    constexprs = dict(SCALE=float(attention.attrs["scale"]), KV_HEADS=kv_heads, HD=head_dim, GROUP=group,
+                      CACHE_BLOCK=options.block_size, BLOCK_D=max(16, next_pow2(head_dim)), GROUP_P2=group_p2,
+                      BLOCK_Q=block_q, BLOCK_KV=max(16, options.block_size))
+    batch = types[starts].shape[0]
+    grid = (GridDim((batch,)), GridDim((kv_heads,)), GridDim(("max_query_len",), block_q))
+    launch = _launch("attention.py", "paged_attention_kernel", p, constexprs, grid, num_warps=4)
+    return _spec(graph, node, batch, [VariantSpec("default", None, [launch])])
+
+
+def _plan_embedding(graph: Graph, node: Node) -> KernelSpec:
+    (embedding,) = node.attrs["nodes"]
+    types = graph.value_types() | {embedding.outputs[0]: embedding.output_types[0]}
+    ids, table = embedding.inputs
+    hidden = types[table].shape[1]
+    block = min(1024, next_pow2(hidden))
+    p = _Params(types)
+    for name, value in (("ids_ptr", ids), ("table_ptr", table), ("out_ptr", embedding.outputs[0])):
+        p.tensor(name, value)
+    p.stride("stride_out", embedding.outputs[0])
+    row_symbol = types[ids].shape[0]
+    launch = _launch("embedding.py", "embedding_kernel", p, dict(HIDDEN=hidden, BLOCK=block),
+                     (GridDim((row_symbol,)), GridDim((hidden,), block)))
+    return _spec(graph, node, row_symbol, [VariantSpec("default", None, [launch])])
+
+
+def _plan_row_kernel(graph: Graph, node: Node) -> KernelSpec:
+    types = graph.value_types() | {o: t for n in node.attrs["nodes"] for o, t in zip(n.outputs, n.output_types)}
+    function = f"row_{node.attrs['kind']}"
+    source = rowwise.generate_row_kernel(function, node, types, set(graph.params))
+    p = _Params(types)
+    values = [*node.inputs, *node.outputs]
+    local = {value: f"v{i}" for i, value in enumerate(dict.fromkeys(
+        [*node.inputs, *(out for n in node.attrs["nodes"] for out in n.outputs)]))}
+    for value in values:
+        p.tensor(f"{local[value]}_ptr", value)
+    for value in values:
+        if value not in graph.params:
+            p.stride(f"stride_{local[value]}", value)
+    out_type = node.output_types[0]
+    width, inner = out_type.shape[-1], rowwise.inner_rows(out_type)
+    row_symbol = out_type.shape[0]
+    launch = LaunchSpec(function, f"{function}.py", source, p.params,
+                        {**p.constexprs, "D": width, "INNER": inner, "BLOCK_D": next_pow2(width)},
+                        (GridDim((row_symbol, inner)), GridDim(), GridDim()), num_warps=1)
+    return _spec(graph, node, row_symbol, [VariantSpec("default", None, [launch])])
