@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -61,18 +62,24 @@ def _add_make_checkpoint(commands) -> None:
 def _add_inspect(commands) -> None:
     p = commands.add_parser("inspect", help="print a model's graph, its passes or its kernels")
     p.add_argument("model", help=MODEL_HELP)
-    p.add_argument("--show", choices=["graph", "passes", "dag", "kernels"], default="kernels",
-                   help="graph: as declared; passes: the graph after each pass; dag: the kernel DAG; "
-                        "kernels: the kernels a step launches (default)")
+    p.add_argument("--show", choices=["graph", "passes", "dag", "kernels", "source", "ptx", "sass", "resources"],
+                   default="kernels", help="graph: as declared; passes: the graph after each pass; dag: the "
+                   "kernel DAG; kernels: the kernels a step launches (default); with --sm: source, ptx, sass, "
+                   "resources of the compiled kernels")
+    p.add_argument("--sm", type=int, help="the SM whose compiled kernels to show (compiled first if needed)")
+    p.add_argument("--kernel", help="one kernel, by node name or kind (default: all)")
+    p.add_argument("--cache-dir", type=Path, default=None, help=CACHE_HELP)
     p.add_argument("--format", choices=["text", "dot"], default="text", help="for graph and dag")
     p.add_argument("--json", action="store_true", help="for kernels: one JSON object")
     p.set_defaults(run=run_inspect)
 
 
 def _add_compile(commands) -> None:
-    p = commands.add_parser("compile", help="lower a model through the pass pipeline")
-    p.add_argument("model", help=MODEL_HELP)
-    p.add_argument("--sm", help="target SMs, e.g. 90 or 80,90 (code generation is not built yet)")
+    p = commands.add_parser("compile", help="lower a model and compile its kernels to cubins, ahead of time")
+    p.add_argument("model", help=MODEL_HELP + " (no weights needed)")
+    p.add_argument("--sm", help="target SMs, e.g. 90 or 80,90,120 (default: the visible GPU's)")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiler processes (default: all cores)")
+    p.add_argument("--cache-dir", type=Path, default=None, help=CACHE_HELP)
     p.add_argument("--dump-after", metavar="PASS", help="write the graph after PASS (or after each: all)")
     p.add_argument("--dump-dir", type=Path, default=Path("pegainfer-dumps"),
                    help="where --dump-after writes (default ./pegainfer-dumps)")
@@ -80,6 +87,7 @@ def _add_compile(commands) -> None:
 
 
 MODEL_HELP = "checkpoint folder, config.json, or an embedded config such as qwen3-4b"
+CACHE_HELP = "cubin cache (default: $PEGAINFER_CACHE, aot_cache/ of a checkout, or ~/.cache/pegainfer)"
 
 
 def _token_ids(text: str) -> list[int]:
@@ -133,6 +141,8 @@ def run_inspect(args: argparse.Namespace) -> int:
     from pegainfer.passes.pipeline import lower
 
     spec = load_spec(resolve_config_path(args.model))
+    if args.show in ("source", "ptx", "sass", "resources"):
+        return _inspect_compiled(spec, args)
     if args.show == "graph":
         print(to_dot(spec.graph) if args.format == "dot" else format_graph(spec.graph), end="")
         return 0
@@ -149,25 +159,55 @@ def run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _inspect_compiled(spec, args: argparse.Namespace) -> int:
+    if args.sm is None:
+        raise PegainferError(f"--show {args.show} needs --sm: the SM whose compiled kernels to show")
+    build = _import_build()
+    from pegainfer.backends.report import show
+
+    report = build.build_model(spec, build.parse_sms(str(args.sm)), jobs=os.cpu_count() or 1,
+                               cache_dir=args.cache_dir, quiet=True)
+    print(show(report.manifests[0], args.kernel, args.show), end="")
+    return 0
+
+
 def run_compile(args: argparse.Namespace) -> int:
     from pegainfer.frontends.load import load_spec, resolve_config_path
-    from pegainfer.passes.kernels import list_kernels
     from pegainfer.passes.manager import write_dumps
     from pegainfer.passes.pipeline import lower
 
-    started = time.perf_counter()
     spec = load_spec(resolve_config_path(args.model))
-    lowered, records = lower(spec.graph)
+    sms = _target_sms(args.sm)
     if args.dump_after:
-        written = write_dumps(records, args.dump_dir, args.dump_after)
+        written = write_dumps(lower(spec.graph)[1], args.dump_dir, args.dump_after)
         print(f"pegainfer: wrote {len(written)} dumps to {args.dump_dir}", file=sys.stderr)
-    launches = sum(k.launches for k in list_kernels(lowered))
-    print(f"pegainfer: lowered {spec.architecture} ({spec.config_path}) through {len(records)} passes to "
-          f"{launches} kernel launches per step in {time.perf_counter() - started:.2f} s", file=sys.stderr)
-    if args.sm:
-        raise PegainferError(f"--sm {args.sm}: code generation is not built yet (the Triton backend is issue 4); "
-                             f"stopped after the pass pipeline")
+    build = _import_build()
+    report = build.build_model(spec, sms, jobs=args.jobs, cache_dir=args.cache_dir)
+    print(f"pegainfer: {spec.architecture} ({spec.config_path}): {report.summary()}", file=sys.stderr)
+    for path in report.manifests:
+        print(f"pegainfer: manifest {path}", file=sys.stderr)
     return 0
+
+
+def _target_sms(text: str | None) -> list[int]:
+    from pegainfer.runtime.device import visible_sm
+
+    if text:
+        return _import_build().parse_sms(text)
+    sm = visible_sm()
+    if sm is None:
+        raise PegainferError("no GPU is visible here: name the target with --sm, e.g. --sm 90 (H100/H200) or "
+                             "--sm 80,90,120")
+    return [sm]
+
+
+def _import_build():
+    try:
+        from pegainfer.backends import build
+    except ImportError as error:
+        raise PegainferError(f"compiling needs the compile extra ({error.name} is missing): "
+                             f"pip install -e '.[compile]'") from None
+    return build
 
 
 if __name__ == "__main__":

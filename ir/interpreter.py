@@ -17,10 +17,14 @@ from pegainfer.ir.registry import get_op
 from pegainfer.ir.types import TensorType
 
 
+Trace = list[tuple[str, Node, int | None, dict[str, np.ndarray], list[np.ndarray]]]
+
+
 def run_graph(graph: Graph, inputs: Mapping[str, np.ndarray], weights: Mapping[str, np.ndarray],
-              states: Mapping[str, np.ndarray]) -> list[np.ndarray]:
-    """Runs `graph` on named inputs; weights and states are looked up by their expanded (per-layer) names."""
-    return _run(graph, graph, [inputs[name] for name in _require(graph, inputs)], weights, states, layer=None)
+              states: Mapping[str, np.ndarray], trace: Trace | None = None) -> list[np.ndarray]:
+    """Runs `graph` on named inputs; weights and states are looked up by their expanded (per-layer) names.
+    With `trace`, every kernel node appends (graph name, node, layer, copies of its inputs, its outputs)."""
+    return _run(graph, graph, [inputs[name] for name in _require(graph, inputs)], weights, states, None, trace)
 
 
 def _require(graph: Graph, inputs: Mapping[str, np.ndarray]) -> list[str]:
@@ -31,7 +35,7 @@ def _require(graph: Graph, inputs: Mapping[str, np.ndarray]) -> list[str]:
 
 
 def _run(root: Graph, graph: Graph, args: list[np.ndarray], weights: Mapping[str, np.ndarray],
-         states: Mapping[str, np.ndarray], layer: int | None) -> list[np.ndarray]:
+         states: Mapping[str, np.ndarray], layer: int | None, trace: Trace | None) -> list[np.ndarray]:
     symbols: dict[str, int] = {}
     env: dict[str, np.ndarray] = {}
     for (name, type_), array in zip(graph.inputs.items(), args):
@@ -43,9 +47,13 @@ def _run(root: Graph, graph: Graph, args: list[np.ndarray], weights: Mapping[str
     for node in graph.nodes:
         values = [env[name] for name in node.inputs]
         if node.op == REPEAT:
-            results = _repeat(root, root.subgraphs[node.attrs["body"]], node.attrs["count"], values, weights, states)
+            results = _repeat(root, root.subgraphs[node.attrs["body"]], node.attrs["count"], values, weights, states,
+                              trace)
         else:
+            seen = {name: np.copy(v) for name, v in zip(node.inputs, values)} if trace is not None else {}
             results = execute(node, values)
+            if trace is not None and node.op == KERNEL:
+                trace.append((graph.name, node, layer, seen, [np.copy(r) for r in results]))
         env.update(zip(node.outputs, results))
     return [env[name] for name in graph.outputs]
 
@@ -67,10 +75,10 @@ def execute(node: Node, values: list[np.ndarray], *, rounded: bool = True) -> li
 
 
 def _repeat(root: Graph, body: Graph, count: int, values: list[np.ndarray], weights: Mapping[str, np.ndarray],
-            states: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+            states: Mapping[str, np.ndarray], trace: Trace | None) -> list[np.ndarray]:
     carried, invariant = values[: len(body.outputs)], values[len(body.outputs):]
     for layer in range(count):
-        carried = _run(root, body, [*carried, *invariant], weights, states, layer)
+        carried = _run(root, body, [*carried, *invariant], weights, states, layer, trace)
     return carried
 
 

@@ -17,6 +17,18 @@ def cuda_device_count() -> int:
     return count if status == driver.CUresult.CUDA_SUCCESS else 0
 
 
+def visible_sm() -> int | None:
+    """The first visible GPU's compute capability as an SM number (90 for an H200), or None without one."""
+    if not cuda_device_count():
+        return None
+    from cuda.bindings import driver
+
+    attribute = driver.CUdevice_attribute
+    _, major = driver.cuDeviceGetAttribute(attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, 0)
+    _, minor = driver.cuDeviceGetAttribute(attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, 0)
+    return major * 10 + minor
+
+
 def choose_device(requested: str | None) -> tuple[str, str]:
     """(device, why) for `--device` given or left out."""
     if requested == "cuda":

@@ -51,19 +51,22 @@ class InterpretedExecutor:
                     carried = self._run(body, [*carried, *values[len(body.outputs):]], weights, states, sizes, index)
                 env.update(zip(node.outputs, carried))
             elif node.op == KERNEL:
-                env.update(self._launch(self.specs[(graph.name, node.name)], node, env, sizes))
+                env.update(launch_kernel(self.specs[(graph.name, node.name)], node, env, sizes))
             else:
                 env.update(zip(node.outputs, _view(node, env[node.inputs[0]])))
         return [env[name] for name in graph.outputs]
 
-    def _launch(self, spec: KernelSpec, node: Node, env: dict, sizes: dict[str, int]) -> dict[str, torch.Tensor]:
-        in_place = in_place_outputs(node)
-        local = dict(env)
-        for name, type_ in zip(node.outputs, node.output_types):
-            local[name] = env[in_place[name]] if name in in_place else _poisoned(type_, sizes)
-        for launch in spec.variant_for(sizes).launches:
-            _run_launch(launch, local, sizes)
-        return {name: local[name] for name in node.outputs}
+
+def launch_kernel(spec: KernelSpec, node: Node, env: dict[str, torch.Tensor],
+                  sizes: dict[str, int]) -> dict[str, torch.Tensor]:
+    """Runs one kernel node's planned launches on the tensors `env` names; returns its outputs."""
+    in_place = in_place_outputs(node)
+    local = dict(env)
+    for name, type_ in zip(node.outputs, node.output_types):
+        local[name] = env[in_place[name]] if name in in_place else _poisoned(type_, sizes)
+    for launch in spec.variant_for(sizes).launches:
+        _run_launch(launch, local, sizes)
+    return {name: local[name] for name in node.outputs}
 
 
 def _run_launch(launch: LaunchSpec, env: dict[str, torch.Tensor], sizes: dict[str, int]) -> None:
@@ -74,8 +77,11 @@ def _run_launch(launch: LaunchSpec, env: dict[str, torch.Tensor], sizes: dict[st
         args[param.name] = env[value] if kind == "tensor" else env[value].stride(0) if kind == "stride" \
             else sizes[value]
     grid = tuple(dim.size(sizes) for dim in launch.grid)
+    constexprs = dict(launch.constexprs)
+    if "UPCAST_DOT" in constexprs:
+        constexprs["UPCAST_DOT"] = True  # the interpreter's bf16 tl.dot is wrong; see kernels/gemm.py
     with triton_interpret(True):
-        getattr(module, launch.function)[grid](**args, **launch.constexprs)
+        getattr(module, launch.function)[grid](**args, **constexprs)
 
 
 def _poisoned(type_: TensorType, sizes: dict[str, int]) -> torch.Tensor:

@@ -82,8 +82,9 @@ def _plan_gemm(graph: Graph, node: Node) -> KernelSpec:
     row_symbol = types[rows].shape[0] if rows else types[roles["x"]].shape[0]
     n, k = roles["n"], types[roles["weight"]].shape[1]
     variants = []
-    for name, max_rows, block_m, block_n, block_k, warps, stages in (
-            ("small_rows", SMALL_ROWS, 16, 64, 128, 4, 3), ("many_rows", None, 64, 64 if roles["act"] else 128, 64, 4, 3)):
+    tiles = (("small_rows", SMALL_ROWS, 16, 64, 128, 4, 3),  # name, max rows, M, N, K tiles, warps, stages
+             ("many_rows", None, 64, 64 if roles["act"] else 128, 64, 8, 3))  # 8 warps: no spills at 255 regs
+    for name, max_rows, block_m, block_n, block_k, warps, stages in tiles:
         p = _Params(types)
         for param in ("x", "x2", "rows", "norm", "weight", "bias", "out", "sum"):
             p.tensor(f"{param if param != 'weight' else 'w'}_ptr", roles[param])
@@ -93,7 +94,8 @@ def _plan_gemm(graph: Graph, node: Node) -> KernelSpec:
         block_n, block_k = max(16, min(block_n, next_pow2(n))), max(16, min(block_k, next_pow2(k)))
         constexprs = dict(N=n, K=k, EPS=roles["eps"], ADD=roles["x2"] is not None, GATHER=rows is not None,
                           NORM=roles["norm"] is not None, BIAS=roles["bias"] is not None, ACT=roles["act"],
-                          WRITE_SUM=roles["sum"] is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+                          WRITE_SUM=roles["sum"] is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                          UPCAST_DOT=False)
         grid = (GridDim((row_symbol,), block_m), GridDim((n,), block_n))
         launches = [_launch("gemm.py", "linear_kernel", p, constexprs, grid, warps, stages)]
         if roles["top_k"] is not None:
@@ -214,7 +216,7 @@ def _plan_attention(graph: Graph, node: Node, options: PlanOptions) -> KernelSpe
         p.stride(name, value)
     constexprs = dict(SCALE=float(attention.attrs["scale"]), KV_HEADS=kv_heads, HD=head_dim, GROUP=group,
                       CACHE_BLOCK=options.block_size, BLOCK_D=max(16, next_pow2(head_dim)), GROUP_P2=group_p2,
-                      BLOCK_Q=block_q, BLOCK_KV=max(16, options.block_size))
+                      BLOCK_Q=block_q, BLOCK_KV=max(16, options.block_size), UPCAST_DOT=False)
     batch = types[starts].shape[0]
     grid = (GridDim((batch,)), GridDim((kv_heads,)), GridDim(("max_query_len",), block_q))
     launch = _launch("attention.py", "paged_attention_kernel", p, constexprs, grid, num_warps=4)

@@ -24,6 +24,16 @@ def _norm_rope(x_ptr, w_ptr, pos, offs, mask, HD: tl.constexpr, EPS: tl.constexp
 
 
 @triton.jit
+def _dot(a, b, acc, UPCAST: tl.constexpr):
+    """As gemm.dot: float32 products under the CPU interpreter, whose bf16 dot is wrong in Triton 3.6."""
+    if UPCAST:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
 def qk_rope_kv_write_kernel(q_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, slot_ptr, q_out_ptr,
                             k_cache_ptr, v_cache_ptr, stride_q, stride_k, stride_v, stride_q_out,
                             HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HD: tl.constexpr, EPS: tl.constexpr,
@@ -36,23 +46,23 @@ def qk_rope_kv_write_kernel(q_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, pos_ptr
     pos = tl.load(pos_ptr + token).to(tl.float32)
     if head < HEADS:
         o1, o2 = _norm_rope(q_ptr + token * stride_q + head * HD, q_norm_ptr, pos, offs, mask, HD, EPS, NORM, THETA)
-        dst = q_out_ptr + token * stride_q_out + head * HD
-        tl.store(dst + offs, o1.to(q_out_ptr.dtype.element_ty), mask=mask)
-        tl.store(dst + half + offs, o2.to(q_out_ptr.dtype.element_ty), mask=mask)
+        q_dst = q_out_ptr + token * stride_q_out + head * HD
+        tl.store(q_dst + offs, o1.to(q_out_ptr.dtype.element_ty), mask=mask)
+        tl.store(q_dst + half + offs, o2.to(q_out_ptr.dtype.element_ty), mask=mask)
     else:
         kv_head = head - HEADS
         slot = tl.load(slot_ptr + token)
         write = mask & (slot >= 0)
         o1, o2 = _norm_rope(k_ptr + token * stride_k + kv_head * HD, k_norm_ptr, pos, offs, mask, HD, EPS, NORM,
                             THETA)
-        dst = (slot * KV_HEADS + kv_head) * HD
-        tl.store(k_cache_ptr + dst + offs, o1.to(k_cache_ptr.dtype.element_ty), mask=write)
-        tl.store(k_cache_ptr + dst + half + offs, o2.to(k_cache_ptr.dtype.element_ty), mask=write)
+        cache_offset = (slot.to(tl.int64) * KV_HEADS + kv_head) * HD
+        tl.store(k_cache_ptr + cache_offset + offs, o1.to(k_cache_ptr.dtype.element_ty), mask=write)
+        tl.store(k_cache_ptr + cache_offset + half + offs, o2.to(k_cache_ptr.dtype.element_ty), mask=write)
         src = v_ptr + token * stride_v + kv_head * HD
         v1 = tl.load(src + offs, mask=mask, other=0.0)
         v2 = tl.load(src + half + offs, mask=mask, other=0.0)
-        tl.store(v_cache_ptr + dst + offs, v1.to(v_cache_ptr.dtype.element_ty), mask=write)
-        tl.store(v_cache_ptr + dst + half + offs, v2.to(v_cache_ptr.dtype.element_ty), mask=write)
+        tl.store(v_cache_ptr + cache_offset + offs, v1.to(v_cache_ptr.dtype.element_ty), mask=write)
+        tl.store(v_cache_ptr + cache_offset + half + offs, v2.to(v_cache_ptr.dtype.element_ty), mask=write)
 
 
 @triton.jit
@@ -60,7 +70,7 @@ def paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, starts_p
                            out_ptr, stride_q, stride_out, stride_tables,
                            SCALE: tl.constexpr, KV_HEADS: tl.constexpr, HD: tl.constexpr, GROUP: tl.constexpr,
                            CACHE_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_P2: tl.constexpr,
-                           BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr):
+                           BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, UPCAST_DOT: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     q_tile = tl.program_id(2)
@@ -84,10 +94,10 @@ def paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, starts_p
         pos = kv_start + tl.arange(0, BLOCK_KV)
         pos_ok = pos < kv_end
         block = tl.load(tables_ptr + seq * stride_tables + pos // CACHE_BLOCK, mask=pos_ok, other=0)
-        addr = ((block * CACHE_BLOCK + pos % CACHE_BLOCK) * KV_HEADS + kv_head) * HD
+        addr = ((block.to(tl.int64) * CACHE_BLOCK + pos % CACHE_BLOCK) * KV_HEADS + kv_head) * HD
         kv_mask = pos_ok[:, None] & mask_d[None, :]
         k = tl.load(k_cache_ptr + addr[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * SCALE
+        scores = _dot(q, tl.trans(k), tl.zeros([BLOCK_Q * GROUP_P2, BLOCK_KV], tl.float32), UPCAST_DOT) * SCALE
         visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -96,7 +106,7 @@ def paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, starts_p
         p = tl.exp(scores - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + addr[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], UPCAST_DOT)
         m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + (start + q_index)[:, None] * stride_out + head[:, None] * HD + offs_d[None, :],

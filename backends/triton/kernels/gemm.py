@@ -6,6 +6,17 @@ import triton.language as tl
 
 
 @triton.jit
+def dot(a, b, acc, UPCAST: tl.constexpr):
+    """acc + a @ b. UPCAST (set only under Triton's CPU interpreter, whose bf16 dot is wrong in 3.6) multiplies in
+    float32, which gives the same sums: a product of two bf16 values is exact in float32."""
+    if UPCAST:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
 def _load_rows(x_ptr, x2_ptr, rows, stride_x, stride_x2, offs_k, mask_m, mask_k, ADD: tl.constexpr):
     mask = mask_m[:, None] & mask_k[None, :]
     a = tl.load(x_ptr + rows[:, None] * stride_x + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -30,7 +41,7 @@ def linear_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, s
                   N: tl.constexpr, K: tl.constexpr, EPS: tl.constexpr,
                   ADD: tl.constexpr, GATHER: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr,
                   ACT: tl.constexpr, WRITE_SUM: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -62,13 +73,14 @@ def linear_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, s
         if NORM:
             weight = tl.load(norm_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
             a = a * rstd[:, None] * weight[None, :]
-        a = a.to(w_ptr.dtype.element_ty)
+        if not UPCAST_DOT:  # the tensor cores take the weights' type (the interpreter's casts truncate: skip)
+            a = a.to(w_ptr.dtype.element_ty)
         w_mask = mask_n[:, None] & mask_k[None, :]
         w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
-        acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+        acc = dot(a, tl.trans(w), acc, UPCAST_DOT)
         if ACT != 0:
             w_up = tl.load(w_ptr + (N + offs_n[:, None]) * K + offs_k[None, :], mask=w_mask, other=0.0)
-            up = tl.dot(a, tl.trans(w_up), up, input_precision="ieee")
+            up = dot(a, tl.trans(w_up), up, UPCAST_DOT)
     if BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         if ACT != 0:

@@ -1,0 +1,72 @@
+"""The content-addressed cubin cache: one folder per SM; an entry's key covers the kernel's IR, its generated
+source, the backend and its version, the compile options and the SM. Every entry records its cubin's sha256, so a
+corrupt or truncated cubin is found before it is loaded, and rebuilt."""
+
+import hashlib
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+import pegainfer
+from pegainfer.backends.spec import LaunchSpec
+
+CACHE_ENV = "PEGAINFER_CACHE"
+
+
+def cache_root(override: Path | None = None) -> Path:
+    """--cache-dir, else $PEGAINFER_CACHE, else aot_cache/ of a source checkout, else ~/.cache/pegainfer."""
+    if override is not None:
+        return Path(override)
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    checkout = Path(pegainfer.__file__).resolve().parent
+    if (checkout / "pyproject.toml").is_file() and (checkout / "aot_cache").is_dir():
+        return checkout / "aot_cache"
+    return Path.home() / ".cache" / "pegainfer"
+
+
+def sm_folder(root: Path, sm: int) -> Path:
+    return root / f"sm_{sm}"
+
+
+def launch_key(kernel_ir: str, launch: LaunchSpec, sm: int, backend: str, backend_version: str) -> str:
+    blob = json.dumps({"ir": kernel_ir, "source": launch.source, "function": launch.function,
+                       "constexprs": repr(sorted(launch.constexprs.items())),
+                       "params": [asdict(p) for p in launch.params], "grid": repr(launch.grid),
+                       "options": {"num_warps": launch.num_warps, "num_stages": launch.num_stages},
+                       "backend": backend, "version": backend_version, "sm": sm}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def sha256_of(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def read_entry(folder: Path, key: str) -> dict | None:
+    """The entry's metadata if its cubin is present and matches its recorded hash; None means build it."""
+    meta_path, cubin_path = folder / f"{key}.json", folder / f"{key}.cubin"
+    if not meta_path.is_file() or not cubin_path.is_file():
+        return None
+    try:
+        meta = json.loads(meta_path.read_text())
+    except json.JSONDecodeError:
+        return None
+    return meta if sha256_of(cubin_path.read_bytes()) == meta.get("sha256") else None
+
+
+def write_entry(folder: Path, key: str, cubin: bytes, files: dict[str, str], meta: dict) -> dict:
+    """Writes the cubin, its text companions (ptx, source) and the metadata last, each atomically."""
+    folder.mkdir(parents=True, exist_ok=True)
+    _write_atomic(folder / f"{key}.cubin", cubin)
+    for suffix, text in files.items():
+        _write_atomic(folder / f"{key}.{suffix}", text.encode())
+    meta = {**meta, "key": key, "cubin": f"{key}.cubin", "sha256": sha256_of(cubin)}
+    _write_atomic(folder / f"{key}.json", json.dumps(meta, indent=1).encode())
+    return meta
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary.write_bytes(data)
+    temporary.replace(path)

@@ -1,0 +1,78 @@
+"""`pegainfer inspect --sm`: each compiled launch's source, PTX, SASS and resources, read from the cubin cache
+with the disassembler and assembler that Triton's package carries."""
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+from pegainfer.errors import PegainferError
+
+SHOWS = ("source", "ptx", "sass", "resources")
+
+
+def compiled_launches(manifest: Path, kernel: str | None) -> list[tuple[dict, dict, dict]]:
+    """(kernel, variant, launch) records of the manifest, for one kernel (by node name or kind) or all."""
+    kernels = json.loads(manifest.read_text())["kernels"]
+    chosen = [k for k in kernels if kernel in (None, k["node"], k["kind"])]
+    if not chosen:
+        names = sorted({k["node"] for k in kernels} | {k["kind"] for k in kernels})
+        raise PegainferError(f"--kernel {kernel}: no such kernel; kernels: {', '.join(names)}")
+    return [(k, v, launch) for k in chosen for v in k["variants"] for launch in v["launches"]]
+
+
+def show(manifest: Path, kernel: str | None, what: str) -> str:
+    folder = manifest.parent.parent
+    parts = []
+    if what == "resources":
+        return resources_table(folder, compiled_launches(manifest, kernel))
+    for k, variant, launch in compiled_launches(manifest, kernel):
+        header = (f"// kernel %{k['node']} ({k['kind']}: {' + '.join(k['ops'])}), variant {variant['name']}, "
+                  f"launch {launch['symbol']}, cubin {launch['cubin']}")
+        parts.append(header + "\n" + _text(folder, launch, what))
+    return "\n".join(parts)
+
+
+def _text(folder: Path, launch: dict, what: str) -> str:
+    key = launch["key"]
+    if what == "source":
+        return (folder / f"{key}.py").read_text()
+    if what == "ptx":
+        return (folder / f"{key}.ptx").read_text()
+    return _run_tool("cuobjdump", "-sass", str(folder / f"{key}.cubin"))
+
+
+def resources_table(folder: Path, launches: list[tuple[dict, dict, dict]]) -> str:
+    lines = [f"{'kernel':<30} {'variant':<11} {'regs':>5} {'spill st':>9} {'spill ld':>9} {'stack':>6} "
+             f"{'local':>6} {'smem static':>12} {'smem dyn':>9} {'warps':>5}"]
+    for k, variant, launch in launches:
+        usage = resource_usage(folder / f"{launch['key']}.cubin", folder / f"{launch['key']}.ptx")
+        lines.append(f"{k['node'] + ' ' + k['kind']:<30.30} {variant['name']:<11} {usage['registers']:>5} "
+                     f"{usage['spill_stores']:>9} {usage['spill_loads']:>9} {usage['stack']:>6} {usage['local']:>6} "
+                     f"{usage['shared']:>12} {launch['shared']:>9} {launch['num_warps']:>5}")
+    return "\n".join(lines) + "\n"
+
+
+def resource_usage(cubin: Path, ptx: Path) -> dict[str, int]:
+    """Registers, stack, local and static shared memory from the cubin; spills from ptxas's own report."""
+    usage_text = _run_tool("cuobjdump", "-res-usage", str(cubin))
+    fields = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", usage_text))
+    target = re.search(r"^\.target\s+(\S+)", ptx.read_text(), re.M).group(1)
+    assembler = "ptxas-blackwell" if int(re.sub(r"\D", "", target)) >= 100 else "ptxas"
+    report = _run_tool(assembler, "-v", f"--gpu-name={target}", str(ptx), "-o", "/dev/null")
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    return {"registers": int(fields.get("REG", 0)), "stack": int(fields.get("STACK", 0)),
+            "shared": int(fields.get("SHARED", 0)), "local": int(fields.get("LOCAL", 0)),
+            "spill_stores": int(spills.group(1)) if spills else 0, "spill_loads": int(spills.group(2)) if spills else 0}
+
+
+def _run_tool(name: str, *args: str) -> str:
+    try:
+        import triton
+    except ImportError:
+        raise PegainferError(f"{name} comes with Triton: pip install -e '.[compile]'") from None
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+    result = subprocess.run([str(tool), *args], capture_output=True, text=True)
+    if result.returncode != 0:
+        raise PegainferError(f"{name} {' '.join(args)} failed: {result.stderr.strip()}")
+    return result.stdout + result.stderr

@@ -1,0 +1,44 @@
+"""Ahead-of-time compilation of one planned launch to PTX and a cubin for one SM, with no GPU present."""
+
+from dataclasses import dataclass
+
+from pegainfer.backends.spec import LaunchSpec
+from pegainfer.backends.triton.loader import load_kernel_module, triton_interpret
+
+
+@dataclass
+class CompiledLaunch:
+    function: str  # the kernel's symbol in the cubin
+    cubin: bytes
+    ptx: str
+    shared: int  # bytes of dynamic shared memory the launch needs
+    num_warps: int
+    scratch: dict[str, int]  # Triton's trailing pointer parameters: global and profile scratch, size and alignment
+    triton_version: str
+
+
+def triton_version() -> str:
+    import triton
+    return triton.__version__
+
+
+def compile_launch(launch: LaunchSpec, sm: int) -> CompiledLaunch:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    with triton_interpret(False):
+        module = load_kernel_module(launch.source, launch.module, interpret=False)
+        function = getattr(module, launch.function)
+        types = {p.name: p.dtype for p in launch.params}
+        missing = [a for a in function.arg_names if a not in types and a not in launch.constexprs]
+        assert not missing, f"{launch.function}: arguments {missing} are neither parameters nor constexprs"
+        signature = {a: types.get(a, "constexpr") for a in function.arg_names}
+        source = ASTSource(function, signature=signature, constexprs=dict(launch.constexprs))
+        compiled = triton.compile(source, target=GPUTarget("cuda", sm, 32),
+                                  options={"num_warps": launch.num_warps, "num_stages": launch.num_stages})
+    meta = compiled.metadata
+    scratch = {"global_scratch_size": meta.global_scratch_size, "global_scratch_align": meta.global_scratch_align,
+               "profile_scratch_size": meta.profile_scratch_size, "profile_scratch_align": meta.profile_scratch_align}
+    return CompiledLaunch(meta.name, compiled.asm["cubin"], compiled.asm["ptx"], meta.shared, meta.num_warps,
+                          scratch, triton.__version__)
