@@ -204,6 +204,7 @@ def _target_sms(text: str | None) -> list[int]:
 def _import_build():
     try:
         from pegainfer.backends import build
+        build.triton_version()
     except ImportError as error:
         raise PegainferError(f"compiling needs the compile extra ({error.name} is missing): "
                              f"pip install -e '.[compile]'") from None

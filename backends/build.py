@@ -101,18 +101,21 @@ def _kernel_ir(node) -> str:
 
 
 def _compile_all(todo: dict[tuple[int, str], LaunchSpec], jobs: int, progress: Progress | None):
-    if jobs <= 1 or len(todo) <= 1:
-        for (sm, key), launch in todo.items():
-            yield (sm, key), compile_launch(launch, sm)
-            if progress:
-                progress.advance()
+    """Compiles in fresh processes: Triton decides once per process, when it is imported, whether its kernels
+    are compiled or interpreted, so the compiler never shares a process with the CPU interpreter."""
+    if not todo:
         return
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+    with ProcessPoolExecutor(max_workers=max(1, min(jobs, len(todo))), mp_context=multiprocessing.get_context("spawn"),
+                             initializer=_compiler_process) as pool:
         futures = {pool.submit(compile_launch, launch, sm): (sm, key) for (sm, key), launch in todo.items()}
         for future in futures:
             yield futures[future], future.result()
             if progress:
                 progress.advance()
+
+
+def _compiler_process() -> None:
+    os.environ["TRITON_INTERPRET"] = "0"
 
 
 def _entry_meta(compiled, launch: LaunchSpec) -> dict:

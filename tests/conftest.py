@@ -1,6 +1,11 @@
 """Shared fixtures: small random checkpoints made once per session (they need torch and transformers)."""
 
+import os
 from pathlib import Path
+
+# Triton fixes at import whether @triton.jit compiles or interprets. The tests interpret kernels on the CPU, in
+# this process; `pegainfer compile` compiles in processes of its own.
+os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest
 

@@ -18,8 +18,13 @@ class CompiledLaunch:
 
 
 def triton_version() -> str:
-    import triton
-    return triton.__version__
+    """Read from the package metadata: importing triton would fix this process's compile-or-interpret mode."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("triton")
+    except PackageNotFoundError:
+        raise ImportError("triton is not installed", name="triton") from None
 
 
 def compile_launch(launch: LaunchSpec, sm: int) -> CompiledLaunch:
