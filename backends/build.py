@@ -1,7 +1,6 @@
 """`pegainfer compile`: lower a model, plan every kernel, compile each launch for each SM in parallel processes
 (or take it from the cache), and write one manifest per SM that the runtime reads without any compiler."""
 
-import hashlib
 import json
 import multiprocessing
 import os
@@ -10,7 +9,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pegainfer.backends.cache import cache_root, launch_key, read_entry, sm_folder, write_entry
+from pegainfer.backends.cache import cache_root, launch_key, manifest_path, model_id, read_entry, sm_folder, write_entry
 from pegainfer.backends.spec import KernelSpec, LaunchSpec
 from pegainfer.backends.triton.compiler import compile_launch, triton_version
 from pegainfer.backends.triton.plan import PlanOptions, plan_kernel
@@ -121,15 +120,6 @@ def _compiler_process() -> None:
 def _entry_meta(compiled, launch: LaunchSpec) -> dict:
     return {"function": compiled.function, "shared": compiled.shared, "num_warps": compiled.num_warps,
             "scratch": compiled.scratch, "triton_version": compiled.triton_version, "source": launch.module}
-
-
-def model_id(spec: ModelSpec) -> str:
-    digest = hashlib.sha256(json.dumps(spec.raw_config, sort_keys=True).encode()).hexdigest()[:12]
-    return f"{spec.architecture}-{digest}"
-
-
-def manifest_path(root: Path, sm: int, spec: ModelSpec) -> Path:
-    return sm_folder(root, sm) / "manifests" / f"{model_id(spec)}.json"
 
 
 def _write_manifest(spec: ModelSpec, sm: int, root: Path, kernels: list[KernelSpec], entries: dict,

@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 from dataclasses import asdict
+from typing import Any
 from pathlib import Path
 
 import pegainfer
@@ -28,6 +29,16 @@ def cache_root(override: Path | None = None) -> Path:
 
 def sm_folder(root: Path, sm: int) -> Path:
     return root / f"sm_{sm}"
+
+
+def model_id(spec: Any) -> str:
+    """Names a model by its parsed config, so the same model saved by another transformers version matches."""
+    digest = hashlib.sha256(json.dumps(asdict(spec.config), sort_keys=True).encode()).hexdigest()[:12]
+    return f"{spec.architecture}-{digest}"
+
+
+def manifest_path(root: Path, sm: int, spec: Any) -> Path:
+    return sm_folder(root, sm) / "manifests" / f"{model_id(spec)}.json"
 
 
 def launch_key(kernel_ir: str, launch: LaunchSpec, sm: int, backend: str, backend_version: str) -> str:

@@ -24,6 +24,7 @@ class Param:
     kind: str
     value: str
     dtype: str  # Triton's signature type: *bf16, *fp32, *i32, i32
+    aligned: bool = False  # a pointer the runtime guarantees 16-byte aligned (compiled with that hint)
 
 
 @dataclass

@@ -25,7 +25,7 @@ class Buffer:
 def plan_memory(graph: Graph, log: PassLog) -> Graph:
     """Assigns every activation a buffer, reusing one once the value it held is read for the last time."""
     for g in graph.all_graphs():
-        buffers = _plan(g)
+        buffers = _plan(g, carried=set(g.outputs) if g is not graph else set())
         check_buffers(g)
         values = sum(len(b.holders) for b in buffers)
         log.note(f"{g.name}: {values} activations in {len(buffers)} buffers: "
@@ -33,7 +33,9 @@ def plan_memory(graph: Graph, log: PassLog) -> Graph:
     return graph
 
 
-def _plan(g: Graph) -> list[Buffer]:
+def _plan(g: Graph, carried: set[str]) -> list[Buffer]:
+    """A body's outputs are the next layer's inputs: each gets a buffer of its own (`carry` buffers), which the
+    runtime keeps twice and alternates by layer, so no layer overwrites what it is still reading."""
     root = _alias_roots(g)
     last_use = _last_uses(g, root)
     buffers: list[Buffer] = []
@@ -43,7 +45,8 @@ def _plan(g: Graph) -> list[Buffer]:
     types = g.value_types()
     for index, node in enumerate(g.nodes):
         for value in [v for v, end in last_use.items() if end < index and v in live]:
-            free.append(live.pop(value))
+            if value not in carried:
+                free.append(live.pop(value))
             del last_use[value]
         if is_view(node):
             continue
@@ -51,7 +54,9 @@ def _plan(g: Graph) -> list[Buffer]:
         for out in node.outputs:
             if out in writes:
                 continue
-            buffer = _take(free, buffers, types[out])
+            buffer = _take([] if out in carried else free, buffers, types[out])
+            if out in carried:
+                buffer.name = f"carry{sum(b.name.startswith('carry') for b in buffers)}"
             buffer.holders.append(out)
             live[out] = buffer
     g.buffers = {value: _buffer_of(value, root, buffers) for value in root if _buffer_of(value, root, buffers)}

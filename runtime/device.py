@@ -1,5 +1,4 @@
-"""Which device a command runs on. The GPU runtime (issue 5) is not built yet, so every path runs on the CPU and
-says why; asking for cuda explicitly fails with a clear message rather than silently using the CPU."""
+"""Which device a command runs on: cuda when a GPU is visible, else cpu, saying why."""
 
 from pegainfer.errors import PegainferError
 
@@ -8,9 +7,9 @@ def cuda_device_count() -> int:
     """Visible CUDA devices through the driver API; 0 when cuda-bindings or a driver is missing."""
     try:
         from cuda.bindings import driver
-    except ImportError:
+        (status,) = driver.cuInit(0)
+    except (ImportError, RuntimeError):  # no cuda-bindings, or no libcuda to load
         return 0
-    (status,) = driver.cuInit(0)
     if status != driver.CUresult.CUDA_SUCCESS:
         return 0
     status, count = driver.cuDeviceGetCount()
@@ -31,10 +30,12 @@ def visible_sm() -> int | None:
 
 def choose_device(requested: str | None) -> tuple[str, str]:
     """(device, why) for `--device` given or left out."""
-    if requested == "cuda":
-        raise PegainferError("--device cuda is not available yet: the GPU runtime is not built; use --device cpu")
     if requested == "cpu":
         return "cpu", "asked for"
+    if requested == "cuda":
+        if not cuda_device_count():
+            raise PegainferError("--device cuda: no CUDA device is visible (and cuda-bindings must be installed)")
+        return "cuda", "asked for"
     if cuda_device_count():
-        return "cpu", "a CUDA device is present but the GPU runtime is not built yet"
+        return "cuda", "a CUDA device is visible"
     return "cpu", "no CUDA device found"

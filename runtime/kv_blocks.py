@@ -10,11 +10,12 @@ class OutOfBlocks(Exception):
 class BlockAllocator:
     """A free list of block ids 0 .. num_blocks-1."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        assert num_blocks > 0 and block_size > 0, f"bad pool: {num_blocks} blocks of {block_size}"
-        self.num_blocks = num_blocks
+    def __init__(self, num_blocks: int, block_size: int, reserved: int = 0) -> None:
+        """Blocks 0 .. reserved-1 are never handed out (the GPU engine's padding block)."""
+        assert num_blocks > reserved >= 0 and block_size > 0, f"bad pool: {num_blocks} blocks of {block_size}"
+        self.num_blocks = num_blocks - reserved
         self.block_size = block_size
-        self._free = list(range(num_blocks - 1, -1, -1))
+        self._free = list(range(num_blocks - 1, reserved - 1, -1))
 
     @property
     def num_free(self) -> int:

@@ -30,7 +30,7 @@ def generate_one(model_path: Path, params: SamplingParams, *, prompt: str | None
                            f"(max_position_embeddings {max_model_len})")
     if max_model_len is not None:
         params = replace(params, max_tokens=min(params.max_tokens, max_model_len - len(ids)))
-    engine = ReferenceEngine(model, max_tokens=len(ids) + params.max_tokens)
+    engine = _engine(model, device, len(ids) + params.max_tokens)
     eos = tokenizer.eos_token_ids if tokenizer else eos_token_ids(model_path)
     (completion,) = generate(engine, [Request(ids, params)], eos)
     return {
@@ -43,4 +43,18 @@ def generate_one(model_path: Path, params: SamplingParams, *, prompt: str | None
         "logprobs": None if completion.logprobs is None else
         [{str(token): logprob for token, logprob in step.items()} for step in completion.logprobs],
     }
+
+
+def _engine(model, device: str, tokens: int):
+    if device == "cpu":
+        return ReferenceEngine(model, max_tokens=tokens)
+    from pegainfer.backends.cache import cache_root, manifest_path
+    from pegainfer.runtime.device import visible_sm
+    from pegainfer.runtime.gpu.engine import EngineOptions, GpuEngine, missing_manifest
+
+    manifest = manifest_path(cache_root(), visible_sm(), model.spec)
+    if not manifest.is_file():
+        raise missing_manifest(manifest, str(model.folder))
+    options = EngineOptions(max_tokens=max(tokens, 16), max_batch=8, max_model_len=tokens + 16, kv_tokens=tokens + 16)
+    return GpuEngine(model, manifest, options)
 

@@ -7,8 +7,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from pegainfer.backends.triton.execute import InterpretedExecutor, launch_kernel, step_sizes, to_numpy, to_torch
-from pegainfer.backends.triton.plan import PlanOptions, plan_kernel
+from pegainfer.backends.triton.execute import (InterpretedExecutor, launch_kernel, step_sizes, to_numpy, to_torch,
+                                               with_row_stride)
+from pegainfer.backends.triton.plan import PlanOptions, plan_kernel, static_layout
 from pegainfer.ir import FP32, GraphBuilder
 from pegainfer.ir.graph import KERNEL
 from pegainfer.ir.interpreter import run_graph
@@ -76,12 +77,14 @@ def test_every_generated_kernel_matches_its_reference(model):
         outputs = run_graph(model.lowered, inputs, model.weights, states, trace=trace)
         sizes = step_sizes(model.lowered, inputs, states)
         types = {g.name: g.value_types() for g in model.lowered.all_graphs()}
+        layouts = {g.name: static_layout(g) for g in model.lowered.all_graphs()}
         for graph_name, node, layer, seen, expected in trace:
             if layer not in (None, 0):
                 continue
             stored = {name: value.astype(types[graph_name][name].dtype.np_dtype) for name, value in seen.items()}
             got = launch_kernel(model.specs[(graph_name, node.name)], node,
-                                {name: to_torch(value) for name, value in stored.items()}, sizes)
+                                {name: with_row_stride(value, layouts[graph_name][name][0])
+                                 for name, value in stored.items()}, sizes)
             _compare(model, node, {n: to_numpy(t) for n, t in got.items()}, dict(zip(node.outputs, expected)),
                      seen)
             checked.add(node.attrs["kind"])

@@ -39,7 +39,9 @@ def compile_launch(launch: LaunchSpec, sm: int) -> CompiledLaunch:
         missing = [a for a in function.arg_names if a not in types and a not in launch.constexprs]
         assert not missing, f"{launch.function}: arguments {missing} are neither parameters nor constexprs"
         signature = {a: types.get(a, "constexpr") for a in function.arg_names}
-        source = ASTSource(function, signature=signature, constexprs=dict(launch.constexprs))
+        aligned = {p.name for p in launch.params if p.aligned}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(function.arg_names) if a in aligned}
+        source = ASTSource(function, signature=signature, constexprs=dict(launch.constexprs), attrs=attrs)
         compiled = triton.compile(source, target=GPUTarget("cuda", sm, 32),
                                   options={"num_warps": launch.num_warps, "num_stages": launch.num_stages})
     meta = compiled.metadata

@@ -22,6 +22,18 @@ def to_torch(array: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array))
 
 
+def with_row_stride(array: np.ndarray, stride: int | None) -> torch.Tensor:
+    """`array` as a torch tensor whose leading dim steps `stride` elements (a view into a wider buffer), the layout
+    a kernel compiled for that static stride expects."""
+    tensor = to_torch(array)
+    row = int(np.prod(array.shape[1:]))
+    if stride is None or array.ndim < 2 or stride == row:
+        return tensor
+    base = torch.zeros((array.shape[0], stride), dtype=tensor.dtype)
+    base[:, :row] = tensor.reshape(array.shape[0], row)
+    return base[:, :row].view(array.shape)
+
+
 def to_numpy(tensor: torch.Tensor) -> np.ndarray:
     return tensor.float().numpy() if tensor.is_floating_point() else tensor.numpy()
 

@@ -2,6 +2,8 @@
 constexprs, or a generated row kernel), their parameter ABI, grid rule and row-count variants."""
 
 from dataclasses import dataclass
+from itertools import accumulate
+from math import prod
 from pathlib import Path
 
 from pegainfer.backends.spec import GridDim, KernelSpec, LaunchSpec, Param, VariantSpec
@@ -40,11 +42,30 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-class _Params:
-    """Collects a launch's runtime parameters and the constexpr Nones that stand for absent pointers."""
+def static_layout(graph: Graph) -> dict[str, tuple[int | None, int]]:
+    """value -> (row stride in elements, or None when it depends on a step size; byte offset from the start of
+    its allocation). Views keep their source's stride; a split moves the offset by the columns before it."""
+    layout: dict[str, tuple[int | None, int]] = {}
+    for name, t in graph.value_types().items():
+        inner = t.shape[1:]
+        layout[name] = (prod(inner) if all(isinstance(d, int) for d in inner) else None, 0)
+    for node in graph.nodes:
+        if node.op == "reshape":
+            layout[node.outputs[0]] = layout[node.inputs[0]]
+        elif node.op == "split":
+            stride, offset = layout[node.inputs[0]]
+            itemsize = node.output_types[0].dtype.itemsize
+            for out, start in zip(node.outputs, [0, *accumulate(node.attrs["sizes"])]):
+                layout[out] = (stride, offset + start * itemsize)
+    return layout
 
-    def __init__(self, types: dict[str, TensorType]) -> None:
-        self.types = types
+
+class _Params:
+    """Collects a launch's runtime parameters, and the constexprs that stand for absent pointers and for row
+    strides, which are static for every value but the block tables (so the compiler sees them, and vectorises)."""
+
+    def __init__(self, types: dict[str, TensorType], layout: dict[str, tuple[int | None, int]]) -> None:
+        self.types, self.layout = types, layout
         self.params: list[Param] = []
         self.constexprs: dict = {}
 
@@ -52,11 +73,14 @@ class _Params:
         if value is None:
             self.constexprs[name] = None
         else:
-            self.params.append(Param(name, "tensor", value, "*" + _TRITON_TYPES[self.types[value].dtype.name]))
+            aligned = self.layout[value][1] % 16 == 0
+            self.params.append(Param(name, "tensor", value, "*" + _TRITON_TYPES[self.types[value].dtype.name],
+                                     aligned))
 
     def stride(self, name: str, value: str | None) -> None:
-        if value is None:
-            self.constexprs[name] = 0
+        static = self.layout[value][0] if value is not None else 0
+        if static is not None:
+            self.constexprs[name] = static
         else:
             self.params.append(Param(name, "int", f"stride:{value}", "i32"))
 
@@ -85,7 +109,7 @@ def _plan_gemm(graph: Graph, node: Node) -> KernelSpec:
     tiles = (("small_rows", SMALL_ROWS, 16, 64, 128, 4, 3),  # name, max rows, M, N, K tiles, warps, stages
              ("many_rows", None, 64, 64 if roles["act"] else 128, 64, 8, 3))  # 8 warps: no spills at 255 regs
     for name, max_rows, block_m, block_n, block_k, warps, stages in tiles:
-        p = _Params(types)
+        p = _Params(types, static_layout(graph))
         for param in ("x", "x2", "rows", "norm", "weight", "bias", "out", "sum"):
             p.tensor(f"{param if param != 'weight' else 'w'}_ptr", roles[param])
         p.dim("M", row_symbol)
@@ -99,7 +123,7 @@ def _plan_gemm(graph: Graph, node: Node) -> KernelSpec:
         grid = (GridDim((row_symbol,), block_m), GridDim((n,), block_n))
         launches = [_launch("gemm.py", "linear_kernel", p, constexprs, grid, warps, stages)]
         if roles["top_k"] is not None:
-            launches.append(_plan_tail_reduction(types, roles))
+            launches.append(_plan_tail_reduction(types, roles, static_layout(graph)))
         variants.append(VariantSpec(name, max_rows, launches))
     return _spec(graph, node, row_symbol, variants)
 
@@ -145,12 +169,12 @@ def _gemm_roles(node: Node) -> dict:
     return roles
 
 
-def _plan_tail_reduction(types: dict[str, TensorType], roles: dict) -> LaunchSpec:
+def _plan_tail_reduction(types: dict[str, TensorType], roles: dict, layout: dict) -> LaunchSpec:
     logits = roles["out"]
     values, ids = roles["top_k"].outputs
     k = roles["top_k"].attrs["k"]
     vocab = types[logits].shape[-1]
-    p = _Params(types)
+    p = _Params(types, layout)
     for name, value in (("logits_ptr", logits), ("values_ptr", values), ("ids_ptr", ids),
                         ("lse_ptr", roles["lse"].outputs[0])):
         p.tensor(name, value)
@@ -180,7 +204,7 @@ def _plan_rope_kv_write(graph: Graph, node: Node) -> KernelSpec:
     k_heads = k_norm.inputs[0] if norm else k_rope.inputs[0]
     heads, head_dim = types[q_heads].shape[1], types[q_heads].shape[2]
     kv_heads = types[k_cache].shape[2]
-    p = _Params(types | {q_rope.outputs[0]: q_rope.output_types[0]})
+    p = _Params(types | {q_rope.outputs[0]: q_rope.output_types[0]}, static_layout(graph))
     for name, value in (("q_ptr", q_heads), ("k_ptr", k_heads), ("v_ptr", v_heads),
                         ("q_norm_ptr", q_norm.inputs[1] if norm else None),
                         ("k_norm_ptr", k_norm.inputs[1] if norm else None), ("pos_ptr", q_rope.inputs[1]),
@@ -207,7 +231,7 @@ def _plan_attention(graph: Graph, node: Node, options: PlanOptions) -> KernelSpe
     group = heads // kv_heads
     group_p2 = next_pow2(group)
     block_q = max(1, 16 // group_p2)
-    p = _Params(types | {attention.outputs[0]: attention.output_types[0]})
+    p = _Params(types | {attention.outputs[0]: attention.output_types[0]}, static_layout(graph))
     for name, value in (("q_ptr", q), ("k_cache_ptr", k_cache), ("v_cache_ptr", v_cache), ("tables_ptr", tables),
                         ("starts_ptr", starts), ("q_lens_ptr", q_lens), ("ctx_lens_ptr", ctx_lens),
                         ("out_ptr", attention.outputs[0])):
@@ -229,7 +253,7 @@ def _plan_embedding(graph: Graph, node: Node) -> KernelSpec:
     ids, table = embedding.inputs
     hidden = types[table].shape[1]
     block = min(1024, next_pow2(hidden))
-    p = _Params(types)
+    p = _Params(types, static_layout(graph))
     for name, value in (("ids_ptr", ids), ("table_ptr", table), ("out_ptr", embedding.outputs[0])):
         p.tensor(name, value)
     p.stride("stride_out", embedding.outputs[0])
@@ -243,7 +267,7 @@ def _plan_row_kernel(graph: Graph, node: Node) -> KernelSpec:
     types = graph.value_types() | {o: t for n in node.attrs["nodes"] for o, t in zip(n.outputs, n.output_types)}
     function = f"row_{node.attrs['kind']}"
     source = rowwise.generate_row_kernel(function, node, types, set(graph.params))
-    p = _Params(types)
+    p = _Params(types, static_layout(graph))
     values = [*node.inputs, *node.outputs]
     local = {value: f"v{i}" for i, value in enumerate(dict.fromkeys(
         [*node.inputs, *(out for n in node.attrs["nodes"] for out in n.outputs)]))}

@@ -1,0 +1,132 @@
+"""Thin, checked wrappers over cuda.bindings.driver. Every call's status is checked; a failure names the call
+and, for launches, the kernel and its grid."""
+
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+
+from pegainfer.errors import PegainferError
+
+
+class CudaError(PegainferError):
+    pass
+
+
+def _driver():
+    from cuda.bindings import driver
+    return driver
+
+
+def check(result, what: str):
+    """cuda.bindings returns (status, *values): raise on a bad status, return the values."""
+    driver = _driver()
+    status, *values = result if isinstance(result, tuple) else (result,)
+    if status != driver.CUresult.CUDA_SUCCESS:
+        _, name = driver.cuGetErrorName(status)
+        raise CudaError(f"{what} failed: {name.decode() if isinstance(name, bytes) else name}")
+    return values[0] if len(values) == 1 else tuple(values) if values else None
+
+
+@dataclass
+class Context:
+    device: int
+    context: object
+    stream: object
+
+    @classmethod
+    def create(cls, ordinal: int = 0) -> "Context":
+        driver = _driver()
+        check(driver.cuInit(0), "cuInit")
+        device = check(driver.cuDeviceGet(ordinal), "cuDeviceGet")
+        context = check(driver.cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain")
+        check(driver.cuCtxSetCurrent(context), "cuCtxSetCurrent")
+        stream = check(driver.cuStreamCreate(1), "cuStreamCreate")  # non-blocking
+        return cls(ordinal, context, stream)
+
+    def synchronize(self) -> None:
+        check(_driver().cuStreamSynchronize(self.stream), "cuStreamSynchronize")
+
+    def name(self) -> str:
+        raw = check(_driver().cuDeviceGetName(256, self.device), "cuDeviceGetName")
+        return raw.split(b"\0")[0].decode()
+
+
+def alloc(nbytes: int) -> int:
+    return int(check(_driver().cuMemAlloc(max(nbytes, 1)), f"cuMemAlloc({nbytes})"))
+
+
+def free(ptr: int) -> None:
+    check(_driver().cuMemFree(ptr), "cuMemFree")
+
+
+def alloc_pinned(nbytes: int) -> np.ndarray:
+    """Page-locked host memory as a uint8 array (freed with the process)."""
+    ptr = int(check(_driver().cuMemHostAlloc(max(nbytes, 1), 0), f"cuMemHostAlloc({nbytes})"))
+    return np.ctypeslib.as_array((ctypes.c_uint8 * max(nbytes, 1)).from_address(ptr))
+
+
+def copy_to_device(dst: int, src: np.ndarray, stream=None) -> None:
+    src = np.ascontiguousarray(src)
+    if stream is None:
+        check(_driver().cuMemcpyHtoD(dst, src.ctypes.data, src.nbytes), "cuMemcpyHtoD")
+    else:
+        check(_driver().cuMemcpyHtoDAsync(dst, src.ctypes.data, src.nbytes, stream), "cuMemcpyHtoDAsync")
+
+
+def copy_to_host(dst: np.ndarray, src: int, stream=None) -> np.ndarray:
+    assert dst.flags.c_contiguous
+    if stream is None:
+        check(_driver().cuMemcpyDtoH(dst.ctypes.data, src, dst.nbytes), "cuMemcpyDtoH")
+    else:
+        check(_driver().cuMemcpyDtoHAsync(dst.ctypes.data, src, dst.nbytes, stream), "cuMemcpyDtoHAsync")
+    return dst
+
+
+def memset(ptr: int, nbytes: int, stream) -> None:
+    check(_driver().cuMemsetD8Async(ptr, 0, nbytes, stream), "cuMemsetD8Async")
+
+
+def load_function(cubin: bytes, symbol: str, shared: int):
+    driver = _driver()
+    module = check(driver.cuModuleLoadData(cubin), f"cuModuleLoadData({symbol})")
+    function = check(driver.cuModuleGetFunction(module, symbol.encode()), f"cuModuleGetFunction({symbol})")
+    if shared > 48 * 1024:
+        attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        check(driver.cuFuncSetAttribute(function, attribute, shared), f"cuFuncSetAttribute({symbol})")
+    return module, function
+
+
+def launch(function, symbol: str, grid: tuple[int, int, int], threads: int, shared: int, stream,
+           params_address: int) -> None:
+    """`params_address`: the address of an array of pointers to each argument's value (kernelParams)."""
+    result = _driver().cuLaunchKernel(function, *grid, threads, 1, 1, shared, stream, params_address, 0)
+    check(result, f"cuLaunchKernel({symbol}, grid={grid}, block={threads})")
+
+
+def device_memory() -> tuple[int, int]:
+    """(free, total) bytes."""
+    return check(_driver().cuMemGetInfo(), "cuMemGetInfo")
+
+
+class Graph:
+    """A CUDA graph captured from the stream's launches, replayed with one call."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+        self.exec = None
+
+    def __enter__(self) -> "Graph":
+        driver = _driver()
+        mode = driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+        check(driver.cuStreamBeginCapture(self.stream, mode), "cuStreamBeginCapture")
+        return self
+
+    def __exit__(self, kind, value, traceback) -> None:
+        driver = _driver()
+        graph = check(driver.cuStreamEndCapture(self.stream), "cuStreamEndCapture")
+        if kind is None:
+            self.exec = check(driver.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+
+    def replay(self) -> None:
+        check(_driver().cuGraphLaunch(self.exec, self.stream), "cuGraphLaunch")

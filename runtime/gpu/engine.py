@@ -1,0 +1,110 @@
+"""The GPU engine: the same step interface as the reference engine (chunks in, logits out), on the GPU, with
+decode steps replayed from CUDA graphs captured per batch bucket."""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from pegainfer.errors import PegainferError
+from pegainfer.frontends.checkpoint import derive_weights
+from pegainfer.frontends.load import LoadedModel
+from pegainfer.passes.pipeline import lower
+from pegainfer.runtime.batch import Chunk, Sequence, commit_step, pack_step
+from pegainfer.runtime.cuda import driver
+from pegainfer.runtime.gpu.executor import GpuExecutor, Limits
+from pegainfer.runtime.kv_blocks import BlockAllocator
+
+PADDING_BLOCK = 0  # a KV block no sequence owns: padding slots of captured decode steps point here
+
+
+def decode_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then every 8 up to max_batch."""
+    return sorted({b for b in (1, 2, 4, 8) if b <= max_batch} | set(range(8, max_batch + 1, 8)) | {max_batch})
+
+
+def bucket_for(batch: int, buckets: list[int]) -> int:
+    return next(b for b in buckets if b >= batch)
+
+
+@dataclass
+class EngineOptions:
+    max_tokens: int = 2048
+    max_batch: int = 64
+    max_model_len: int = 4096
+    kv_tokens: int = 65536
+    block_size: int = 16
+    cuda_graphs: bool = True
+
+
+class GpuEngine:
+    def __init__(self, model: LoadedModel, manifest: Path, options: EngineOptions = EngineOptions()) -> None:
+        self.model, self.options = model, options
+        self.ctx = driver.Context.create()
+        lowered, _ = lower(model.spec.graph)
+        num_blocks = -(-options.kv_tokens // options.block_size) + 1
+        self.allocator = BlockAllocator(num_blocks, options.block_size, reserved=PADDING_BLOCK + 1)
+        limits = Limits(options.max_tokens, options.max_batch, -(-options.max_model_len // options.block_size),
+                        num_blocks, options.block_size)
+        self.executor = GpuExecutor(self.ctx, lowered, manifest, derive_weights(lowered.derivations(), model.weights),
+                                    limits)
+        self.buckets = decode_buckets(options.max_batch)
+        self.graphs: dict[int, tuple[driver.Graph, dict]] = {}
+
+    def step(self, chunks: list[Chunk], *, all_logits: bool = False) -> np.ndarray:
+        """Runs one step and returns float32 logits, one row per chunk (or per token with all_logits)."""
+        rows = sum(c.num_tokens for c in chunks) if all_logits else len(chunks)
+        outputs = self.run(chunks, all_logits=all_logits)
+        return self.executor.fetch(outputs["logits"])[:rows].astype(np.float32)
+
+    def run(self, chunks: list[Chunk], *, all_logits: bool = False) -> dict:
+        decode = self.options.cuda_graphs and not all_logits and all(c.num_tokens == 1 for c in chunks)
+        step = pack_step(chunks, self.allocator, all_logits=all_logits)
+        if decode:
+            outputs = self._replay(pad_decode_step(step, bucket_for(len(chunks), self.buckets)))
+        else:
+            outputs = self.executor.run(self.executor.upload_step(step))
+        commit_step(chunks)
+        return outputs
+
+    def _replay(self, step: dict[str, np.ndarray]) -> dict:
+        bucket = len(step["query_lens"])
+        sizes = self.executor.upload_step(step)
+        if bucket not in self.graphs:
+            self.ctx.synchronize()
+            with driver.Graph(self.ctx.stream) as graph:
+                outputs = self.executor.run(sizes)
+            self.graphs[bucket] = (graph, outputs)
+        graph, outputs = self.graphs[bucket]
+        graph.replay()
+        return outputs
+
+    def release(self, seq: Sequence) -> None:
+        self.allocator.release(seq.table)
+        seq.num_cached = 0
+
+
+def pad_decode_step(step: dict[str, np.ndarray], bucket: int) -> dict[str, np.ndarray]:
+    """Pads a decode step to `bucket` sequences of one token. A padding sequence writes nowhere (slot -1) and
+    attends to one token of the padding block, so it can never touch a real sequence's KV."""
+    real = len(step["query_lens"])
+    extra = bucket - real
+    if extra == 0:
+        return step
+    rows = np.arange(real, bucket, dtype=np.int32)
+    tables = np.full((bucket, step["block_tables"].shape[1]), PADDING_BLOCK, dtype=np.int32)
+    tables[:real] = step["block_tables"]
+    return {
+        "input_ids": np.concatenate([step["input_ids"], np.zeros(extra, np.int32)]),
+        "positions": np.concatenate([step["positions"], np.zeros(extra, np.int32)]),
+        "slot_mapping": np.concatenate([step["slot_mapping"], np.full(extra, -1, np.int32)]),
+        "block_tables": tables,
+        "seq_starts": np.concatenate([step["seq_starts"], rows]),
+        "query_lens": np.concatenate([step["query_lens"], np.ones(extra, np.int32)]),
+        "context_lens": np.concatenate([step["context_lens"], np.ones(extra, np.int32)]),
+        "logits_indices": np.concatenate([step["logits_indices"], rows]),
+    }
+
+
+def missing_manifest(path: Path, model: str) -> PegainferError:
+    return PegainferError(f"no compiled kernels for this model at {path}: run `pegainfer compile {model}` first")

@@ -1,0 +1,187 @@
+"""Runs a lowered model graph on the GPU: the manifest's cubins over device buffers laid out by the memory plan.
+Walks the graph as the reference interpreter does: views are pointer arithmetic, kernels are launches of the
+variant for the step's row count, a repeated body runs once per layer with that layer's weights and KV cache."""
+
+import json
+from dataclasses import dataclass
+from math import prod
+from pathlib import Path
+
+import numpy as np
+
+from pegainfer.backends.cache import sha256_of
+from pegainfer.errors import PegainferError
+from pegainfer.ir.graph import KERNEL, REPEAT, Graph, instantiate
+from pegainfer.ir.kernel import in_place_outputs
+from pegainfer.ir.types import TensorType
+from pegainfer.runtime.cuda import driver
+from pegainfer.runtime.gpu.abi import DeviceTensor, grid_of, pack_arguments
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_tokens: int  # tokens in one step
+    max_batch: int  # sequences in one step, and rows of logits
+    max_blocks_per_seq: int
+    num_blocks: int
+    block_size: int
+
+    def sizes(self) -> dict[str, int]:
+        return {"tokens": self.max_tokens, "batch": self.max_batch, "samples": self.max_batch,
+                "max_blocks": self.max_blocks_per_seq, "num_blocks": self.num_blocks,
+                "block_size": self.block_size, "max_query_len": self.max_tokens}
+
+
+class GpuExecutor:
+    def __init__(self, ctx: driver.Context, graph: Graph, manifest_path: Path, weights: dict[str, np.ndarray],
+                 limits: Limits) -> None:
+        self.ctx, self.graph, self.limits = ctx, graph, limits
+        manifest = json.loads(manifest_path.read_text())
+        if manifest["block_size"] != limits.block_size:
+            raise PegainferError(f"{manifest_path}: compiled for KV blocks of {manifest['block_size']} tokens, "
+                                 f"asked for {limits.block_size}")
+        self.kernels = {(k["graph"], k["node"]): k for k in manifest["kernels"]}
+        self.functions = self._load_functions(manifest_path.parent.parent)
+        self.weights = {name: self._upload(array) for name, array in weights.items()
+                        if name in graph.expanded_params()}
+        sizes = limits.sizes()
+        self.states = {name: DeviceTensor.contiguous(driver.alloc(_nbytes(t, sizes)), t.concrete(sizes), t.dtype)
+                       for name, t in graph.expanded_states().items()}
+        for state in self.states.values():
+            driver.memset(state.ptr, prod(state.shape) * state.dtype.itemsize, ctx.stream)
+        self.buffers = self._allocate_buffers(sizes)
+        self.inputs, self.staging, self.input_region = self._allocate_inputs(sizes)
+
+    def _load_functions(self, folder: Path) -> dict[str, tuple]:
+        functions = {}
+        for kernel in self.kernels.values():
+            for variant in kernel["variants"]:
+                for launch in variant["launches"]:
+                    cubin = (folder / launch["cubin"]).read_bytes()
+                    if sha256_of(cubin) != launch["sha256"]:
+                        raise PegainferError(f"{folder / launch['cubin']}: sha256 differs from the manifest; "
+                                             f"run pegainfer compile again")
+                    functions[launch["key"]] = driver.load_function(cubin, launch["symbol"], launch["shared"])
+        return functions
+
+    def _upload(self, array: np.ndarray) -> int:
+        ptr = driver.alloc(array.nbytes)
+        driver.copy_to_device(ptr, array)
+        return ptr
+
+    def _allocate_buffers(self, sizes: dict[str, int]) -> dict[tuple[str, str], list[int]]:
+        """(graph, buffer) -> device pointers: one, or two for a body's carry buffers (alternated by layer)."""
+        allocated: dict[tuple[str, str], list[int]] = {}
+        for g in self.graph.all_graphs():
+            types = g.value_types()
+            need: dict[str, int] = {}
+            for value, buffer in g.buffers.items():
+                need[buffer] = max(need.get(buffer, 0), _nbytes(types[value], sizes))
+            for buffer, nbytes in need.items():
+                copies = 2 if buffer.startswith("carry") else 1
+                allocated[(g.name, buffer)] = [driver.alloc(nbytes) for _ in range(copies)]
+        return allocated
+
+    def _allocate_inputs(self, sizes: dict[str, int]):
+        """One device region and one pinned host region hold every step input, so a step uploads once."""
+        layout, offset = {}, 0
+        for name, t in self.graph.inputs.items():
+            layout[name] = (offset, t)
+            offset += -(-_nbytes(t, sizes) // 256) * 256
+        region = driver.alloc(offset)
+        staging = driver.alloc_pinned(offset)
+        return layout, staging, region
+
+    def upload_step(self, step: dict[str, np.ndarray]) -> dict[str, int]:
+        """Copies the step's inputs up in one transfer; returns the step's sizes."""
+        sizes = {"num_blocks": self.limits.num_blocks, "block_size": self.limits.block_size,
+                 "max_blocks": self.limits.max_blocks_per_seq}
+        end = 0
+        for name, (offset, t) in self.inputs.items():
+            array = np.ascontiguousarray(step[name], dtype=t.dtype.np_dtype)
+            if name == "block_tables":  # fixed width, so the row stride never changes (CUDA graphs)
+                padded = np.zeros((array.shape[0], self.limits.max_blocks_per_seq), dtype=array.dtype)
+                padded[:, : array.shape[1]] = array
+                array = padded
+            sizes.update({d: s for d, s in zip(t.shape, array.shape) if isinstance(d, str)})
+            self.staging[offset: offset + array.nbytes] = array.view(np.uint8).reshape(-1)
+            end = max(end, offset + array.nbytes)
+        sizes["max_query_len"] = int(step["query_lens"].max())
+        self._check(sizes)
+        driver.copy_to_device(self.input_region, self.staging[:end], self.ctx.stream)
+        return sizes
+
+    def _check(self, sizes: dict[str, int]) -> None:
+        for name, limit in (("tokens", self.limits.max_tokens), ("batch", self.limits.max_batch),
+                            ("samples", self.limits.max_batch)):
+            if sizes[name] > limit:
+                raise PegainferError(f"a step of {sizes[name]} {name} exceeds this engine's {limit}")
+
+    def run(self, sizes: dict[str, int]) -> dict[str, DeviceTensor]:
+        """Launches the whole graph for the uploaded step on the stream; returns its outputs (on the device)."""
+        env = {name: DeviceTensor.contiguous(self.input_region + offset, t.concrete(sizes), t.dtype)
+               for name, (offset, t) in self.inputs.items()}
+        env["block_tables"] = DeviceTensor(env["block_tables"].ptr, env["block_tables"].shape,
+                                           env["block_tables"].dtype, self.limits.max_blocks_per_seq)
+        outputs = self._run(self.graph, env, sizes, None)
+        return dict(zip(self.graph.outputs, outputs))
+
+    def _run(self, g: Graph, env: dict[str, DeviceTensor], sizes: dict[str, int], layer: int | None) -> list:
+        at = (lambda name: name) if layer is None else (lambda name: instantiate(name, layer))
+        types = g.value_types()
+        env.update({name: DeviceTensor.contiguous(self.weights[at(name)], t.shape, t.dtype)
+                    for name, t in g.params.items()})
+        env.update({name: self.states[at(name)] for name in g.states})
+        for node in g.nodes:
+            if node.op == REPEAT:
+                body = self.graph.subgraphs[node.attrs["body"]]
+                values = [env[v] for v in node.inputs]
+                carried, invariant = values[: len(body.outputs)], values[len(body.outputs):]
+                for index in range(node.attrs["count"]):
+                    body_env = dict(zip(body.inputs, [*carried, *invariant]))
+                    carried = self._run(body, body_env, sizes, index)
+                env.update(zip(node.outputs, carried))
+            elif node.op == KERNEL:
+                in_place = in_place_outputs(node)
+                for out in node.outputs:
+                    env[out] = env[in_place[out]] if out in in_place else self._buffer(g, out, types[out], sizes, layer)
+                self._launch(self.kernels[(g.name, node.name)], env, sizes)
+            elif node.op == "reshape":
+                source = env[node.inputs[0]]
+                env[node.outputs[0]] = source.reshape(types[node.outputs[0]].concrete(sizes))
+            elif node.op == "split":
+                source, start = env[node.inputs[0]], 0
+                for out, width in zip(node.outputs, node.attrs["sizes"]):
+                    env[out] = source.columns(start, width)
+                    start += width
+            else:
+                raise AssertionError(f"node %{node.name} ({node.op}) is neither a kernel nor a view")
+        return [env[name] for name in g.outputs]
+
+    def _buffer(self, g: Graph, value: str, type_: TensorType, sizes: dict[str, int],
+                layer: int | None) -> DeviceTensor:
+        pointers = self.buffers[(g.name, g.buffers[value])]
+        ptr = pointers[(layer or 0) % len(pointers)]
+        return DeviceTensor.contiguous(ptr, type_.concrete(sizes), type_.dtype)
+
+    def _launch(self, kernel: dict, env: dict[str, DeviceTensor], sizes: dict[str, int]) -> None:
+        rows = sizes[kernel["row_symbol"]]
+        variant = next(v for v in kernel["variants"] if v["max_rows"] is None or rows <= v["max_rows"])
+        for launch in variant["launches"]:
+            _, function = self.functions[launch["key"]]
+            args = pack_arguments(launch["params"], env, sizes)  # the driver copies them at the call
+            driver.launch(function, launch["symbol"], grid_of(launch, sizes), 32 * launch["num_warps"],
+                          launch["shared"], self.ctx.stream, args.address)
+
+    def fetch(self, tensor: DeviceTensor) -> np.ndarray:
+        host = np.empty(tensor.shape, dtype=tensor.dtype.np_dtype)
+        assert tensor.row_stride == prod(tensor.shape[1:]), "fetch reads contiguous tensors"
+        driver.copy_to_host(host, tensor.ptr, self.ctx.stream)
+        self.ctx.synchronize()
+        return host
+
+
+def _nbytes(t: TensorType, sizes: dict[str, int]) -> int:
+    return t.dtype.itemsize * prod(t.concrete(sizes))
+
+

@@ -1,0 +1,188 @@
+"""On the lent GPU (scripts/gpu/run.sh): the GPU engine against the CPU reference and Hugging Face bf16 on a
+small random Qwen3, and the decode benchmark on the full Qwen3-4B shape with random weights. Prints a table last;
+every number also goes to $OUT/results.json."""
+
+import argparse
+import json
+import time
+import traceback
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from pegainfer.backends.cache import cache_root, manifest_path
+from pegainfer.frontends.load import LoadedModel, embedded_configs, load_model, load_spec
+from pegainfer.runtime.batch import Chunk, Sequence
+from pegainfer.runtime.gpu.engine import EngineOptions, GpuEngine
+from pegainfer.runtime.reference_engine import ReferenceEngine
+
+HBM_BYTES_PER_S = 4.29e12  # measured device-to-device copy on this card type (shared/reference/H200.md)
+SM = 90
+
+
+def relative_error(ours: np.ndarray, theirs: np.ndarray) -> float:
+    return float(np.linalg.norm(ours.astype(np.float64) - theirs) / np.linalg.norm(theirs.astype(np.float64)))
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def teacher_forced(engine, prompts: list[list[int]], continuations: list[list[int]]) -> list[np.ndarray]:
+    """Logits at the last prompt position and after each forced token, per prompt: [steps + 1, vocab]."""
+    seqs = [Sequence(i, list(p)) for i, p in enumerate(prompts)]
+    rows = [[] for _ in prompts]
+    logits = engine.step([Chunk(s, len(s.token_ids)) for s in seqs])
+    for step in range(len(continuations[0]) + 1):
+        for i in range(len(seqs)):
+            rows[i].append(logits[i])
+        if step == len(continuations[0]):
+            break
+        for seq, tokens in zip(seqs, continuations):
+            seq.token_ids.append(tokens[step])
+        logits = engine.step([Chunk(s, 1) for s in seqs])
+    for seq in seqs:
+        engine.release(seq)
+    return [np.stack(r) for r in rows]
+
+
+def hf_gate(folder: Path, prompts, steps: int, ours_fn, results: dict) -> None:
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda().eval()
+    continuations, hf_rows = [], []
+    with torch.no_grad():
+        for prompt in prompts:
+            tokens = list(prompt)
+            for _ in range(steps):
+                tokens.append(int(model(torch.tensor([tokens]).cuda()).logits[0, -1].argmax()))
+            logits = model(torch.tensor([tokens]).cuda()).logits[0].float().cpu().numpy()
+            continuations.append(tokens[len(prompt):])
+            hf_rows.append(logits[len(prompt) - 1:])
+    ours = ours_fn(prompts, continuations)
+    regrets, deltas = [], []
+    for theirs, mine in zip(hf_rows, ours):
+        hf_lp, our_lp = log_softmax(theirs), log_softmax(mine)
+        for h, o in zip(hf_lp, our_lp):
+            regrets.append(h.max() - h[o.argmax()])
+            top8 = np.argsort(-h)[:8]
+            deltas += list(np.abs(o[top8] - h[top8]))
+    deltas = np.array(deltas)
+    results["hf_gate"] = {"argmax_regret_max": float(max(regrets)), "mean_abs_dlogprob_top8": float(deltas.mean()),
+                          "p99_abs_dlogprob_top8": float(np.percentile(deltas, 99)),
+                          "max_abs_dlogprob_top8": float(deltas.max()), "positions": len(regrets)}
+
+
+def check_small(folder: Path, results: dict) -> None:
+    model = load_model(folder)
+    manifest = manifest_path(cache_root(), SM, model.spec)
+    options = EngineOptions(max_tokens=512, max_batch=32, max_model_len=256, kv_tokens=32 * 256)
+    gpu = GpuEngine(model, manifest, options)
+    cpu = ReferenceEngine(model, max_tokens=32 * 256)
+    rng = np.random.default_rng(0)
+    vocab = model.spec.config.vocab_size
+    prompts = [rng.integers(0, vocab, n).tolist() for n in (5, 17, 1, 33)]
+
+    seqs_g = [Sequence(i, list(p)) for i, p in enumerate(prompts)]
+    seqs_c = [Sequence(i, list(p)) for i, p in enumerate(prompts)]
+    g = gpu.step([Chunk(s, len(s.token_ids)) for s in seqs_g], all_logits=True)
+    c = cpu.step([Chunk(s, len(s.token_ids)) for s in seqs_c], all_logits=True)
+    results["small_prefill_rel_err_vs_cpu"] = relative_error(g, c)
+    for seq in [*seqs_g]:
+        gpu.release(seq)
+    for seq in seqs_c:
+        cpu.release(seq)
+
+    forced = [rng.integers(0, vocab, 16).tolist() for _ in prompts]
+    ours = teacher_forced(gpu, prompts, forced)
+    reference = teacher_forced(cpu, prompts, forced)
+    results["small_decode_graphs_rel_err_vs_cpu"] = max(relative_error(o, r) for o, r in zip(ours, reference))
+    results["small_decode_argmax_agreement"] = float(np.mean([(o.argmax(-1) == r.argmax(-1)).mean()
+                                                              for o, r in zip(ours, reference)]))
+    first = teacher_forced(gpu, prompts[:1], forced[:1])[0]
+    second = teacher_forced(gpu, prompts[:1], forced[:1])[0]
+    results["small_batch1_replay_bit_identical"] = bool(np.array_equal(first, second))
+    for batch in (9, 17):
+        batch_prompts = [rng.integers(0, vocab, int(rng.integers(1, 40))).tolist() for _ in range(batch)]
+        batch_forced = [rng.integers(0, vocab, 4).tolist() for _ in range(batch)]
+        ours = teacher_forced(gpu, batch_prompts, batch_forced)
+        reference = teacher_forced(cpu, batch_prompts, batch_forced)
+        results[f"small_graph_batch{batch}_rel_err_vs_cpu"] = max(relative_error(o, r) for o, r in zip(ours, reference))
+    hf_gate(folder, prompts, 16, lambda p, cont: teacher_forced(gpu, p, cont), results)
+
+
+def random_weights(types: dict, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random bf16 weights (a 32 MB random block tiled): decode speed does not depend on the values."""
+    block = (np.random.default_rng(seed).standard_normal(1 << 24) * 0.02).astype(ml_dtypes.bfloat16)
+    return {name: np.resize(block, t.shape) for name, t in types.items()}
+
+
+def bench_decode(results: dict, steps: int = 20) -> None:
+    spec = load_spec(embedded_configs()["qwen3-4b"])
+    started = time.perf_counter()
+    model = LoadedModel(spec, Path("."), random_weights(spec.graph.checkpoint_params()))
+    options = EngineOptions(max_tokens=1024, max_batch=64, max_model_len=1280, kv_tokens=64 * 1152)
+    engine = GpuEngine(model, manifest_path(cache_root(), SM, spec), options)
+    results["qwen3_4b_engine_start_s"] = time.perf_counter() - started
+    config = spec.config
+    weight_bytes = sum(np.prod(t.shape) * 2 for t in spec.graph.checkpoint_params().values())
+    table = {}
+    for graphs in (True, False):
+        for batch in (1, 8, 32, 64):
+            for context in (128, 1024):
+                if not graphs and (batch, context) != (1, 128):
+                    continue
+                engine.options.cuda_graphs = graphs
+                seqs = [Sequence(i, [1] * (context + steps + 8)) for i in range(batch)]
+                for seq in seqs:
+                    engine.allocator.grow(seq.table, context)
+                    seq.num_cached = context
+                times = []
+                for step in range(steps + 3):
+                    began = time.perf_counter()
+                    engine.run([Chunk(s, 1) for s in seqs])
+                    engine.ctx.synchronize()
+                    if step >= 3:
+                        times.append(time.perf_counter() - began)
+                for seq in seqs:
+                    engine.release(seq)
+                ms = float(np.median(times) * 1e3)
+                kv_bytes = batch * (context + 10) * config.num_hidden_layers * config.num_key_value_heads * \
+                    config.dims_per_head * 2 * 2
+                floor_ms = (weight_bytes + kv_bytes) / HBM_BYTES_PER_S * 1e3
+                table[f"{'graphs' if graphs else 'eager'} b{batch} ctx{context}"] = {
+                    "ms_per_step": ms, "tokens_per_s": batch / ms * 1e3, "floor_ms": floor_ms,
+                    "achieved_GB_per_s": (weight_bytes + kv_bytes) / ms / 1e6}
+    results["qwen3_4b_decode"] = table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--small", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--skip", nargs="*", default=[])
+    args = parser.parse_args()
+    results: dict = {}
+    for name, run in (("small", lambda: check_small(args.small, results)), ("bench", lambda: bench_decode(results))):
+        if name in args.skip:
+            continue
+        try:
+            run()
+        except Exception:  # noqa: BLE001  report every section, whatever fails
+            results[f"{name}_error"] = traceback.format_exc()
+            print(results[f"{name}_error"])
+        (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    for key, value in results.items():
+        if isinstance(value, dict):
+            for sub, figure in value.items():
+                print(f"{key:>28} {sub:<28} {json.dumps(figure)}")
+        elif not key.endswith("_error"):
+            print(f"{key:>28} {value}")
+
+
+if __name__ == "__main__":
+    main()
