@@ -21,7 +21,8 @@ from pegainfer.runtime.kv_blocks import BlockAllocator
 from random_models import BLOCK_SIZE, random_qwen3_config, random_weights
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2}  # relative error in norm
-STEPS = {"prefill": [5, 1, 9], "mixed": [1, 1, 3], "decode": [1, 1, 1]}  # tokens each sequence adds per step
+# tokens each sequence adds per step; the last step decodes one sequence alone (the one-row GEMV variant)
+STEPS = {"prefill": [5, 1, 9], "mixed": [1, 1, 3], "decode": [1, 1, 1], "single": [1]}
 
 
 @dataclasses.dataclass

@@ -74,6 +74,8 @@ def launch_kernel(spec: KernelSpec, node: Node, env: dict[str, torch.Tensor],
     """Runs one kernel node's planned launches on the tensors `env` names; returns its outputs."""
     in_place = in_place_outputs(node)
     local = dict(env)
+    for name, (dtype, shape) in spec.scratch.items():
+        local[name] = torch.empty([d if isinstance(d, int) else sizes[d] for d in shape], dtype=_TORCH[dtype])
     for name, type_ in zip(node.outputs, node.output_types):
         local[name] = env[in_place[name]] if name in in_place else _poisoned(type_, sizes)
     for launch in spec.variant_for(sizes).launches:

@@ -9,12 +9,14 @@ from pathlib import Path
 from pegainfer.backends.spec import GridDim, KernelSpec, LaunchSpec, Param, VariantSpec
 from pegainfer.backends.triton import rowwise
 from pegainfer.errors import PegainferError
+from pegainfer.ir.dtypes import dtype_from_name
 from pegainfer.ir.graph import Graph, Node
 from pegainfer.ir.kernel import fused_ops
 from pegainfer.ir.types import TensorType
 
 KERNELS = Path(__file__).parent / "kernels"
 SMALL_ROWS = 16  # up to this many rows a GEMM uses its decode-shaped tiles
+GEMV_PROGRAMS = 528  # a decode GEMV aims for at least this many programs: 4 per SM of an H100/H200
 _TRITON_TYPES = {"bf16": "bf16", "f16": "fp16", "f32": "fp32", "i32": "i32", "i64": "i64"}
 
 
@@ -106,9 +108,12 @@ def _plan_gemm(graph: Graph, node: Node) -> KernelSpec:
     row_symbol = types[rows].shape[0] if rows else types[roles["x"]].shape[0]
     n, k = roles["n"], types[roles["weight"]].shape[1]
     variants = []
-    tiles = (("small_rows", SMALL_ROWS, 16, 64, 128, 4, 3),  # name, max rows, M, N, K tiles, warps, stages
-             ("many_rows", None, 64, 64 if roles["act"] else 128, 64, 8, 3))  # 8 warps: no spills at 255 regs
-    for name, max_rows, block_m, block_n, block_k, warps, stages in tiles:
+    gemv_n = max(1, min(16, 1 << max(0, (n // GEMV_PROGRAMS).bit_length() - 1)))  # enough programs to fill the SMs
+    tiles = (("one_row", 1, 1, gemv_n, 512, 4, 3, "gemv_kernel"),  # name, max rows, M, N, K tiles, warps, stages
+             ("few_rows", 4, 4, gemv_n, 128, 4, 3, "gemv_kernel"),
+             ("small_rows", SMALL_ROWS, 16, 64, 128, 4, 3, "linear_kernel"),
+             ("many_rows", None, 64, 64 if roles["act"] else 128, 64, 8, 3, "linear_kernel"))  # no spills at 8 warps
+    for name, max_rows, block_m, block_n, block_k, warps, stages, function in tiles:
         p = _Params(types, static_layout(graph))
         for param in ("x", "x2", "rows", "norm", "weight", "bias", "out", "sum"):
             p.tensor(f"{param if param != 'weight' else 'w'}_ptr", roles[param])
@@ -116,16 +121,22 @@ def _plan_gemm(graph: Graph, node: Node) -> KernelSpec:
         for param in ("x", "x2", "out", "sum"):
             p.stride(f"stride_{param}", roles[param])
         block_n, block_k = max(16, min(block_n, next_pow2(n))), max(16, min(block_k, next_pow2(k)))
+        if function == "gemv_kernel":
+            block_n = min(gemv_n, next_pow2(n))
         constexprs = dict(N=n, K=k, EPS=roles["eps"], ADD=roles["x2"] is not None, GATHER=rows is not None,
                           NORM=roles["norm"] is not None, BIAS=roles["bias"] is not None, ACT=roles["act"],
                           WRITE_SUM=roles["sum"] is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                           UPCAST_DOT=False)
         grid = (GridDim((row_symbol,), block_m), GridDim((n,), block_n))
-        launches = [_launch("gemm.py", "linear_kernel", p, constexprs, grid, warps, stages)]
+        launches = [_launch("gemm.py", function, p, constexprs, grid, warps, stages)]
+        scratch = {}
         if roles["top_k"] is not None:
-            launches.append(_plan_tail_reduction(types, roles, static_layout(graph)))
+            tail, scratch = _plan_tail_reduction(types, roles, static_layout(graph))
+            launches += tail
         variants.append(VariantSpec(name, max_rows, launches))
-    return _spec(graph, node, row_symbol, variants)
+    spec = _spec(graph, node, row_symbol, variants)
+    spec.scratch = {name: (t.dtype.name, t.shape) for name, t in scratch.items()}
+    return spec
 
 
 def _gemm_roles(node: Node) -> dict:
@@ -169,20 +180,32 @@ def _gemm_roles(node: Node) -> dict:
     return roles
 
 
-def _plan_tail_reduction(types: dict[str, TensorType], roles: dict, layout: dict) -> LaunchSpec:
+def _plan_tail_reduction(types: dict[str, TensorType], roles: dict, layout: dict) -> list[LaunchSpec]:
+    """Two launches: per-chunk partial top-k and logsumexp over many programs, then a merge per row."""
     logits = roles["out"]
     values, ids = roles["top_k"].outputs
     k = roles["top_k"].attrs["k"]
-    vocab = types[logits].shape[-1]
-    p = _Params(types, layout)
-    for name, value in (("logits_ptr", logits), ("values_ptr", values), ("ids_ptr", ids),
-                        ("lse_ptr", roles["lse"].outputs[0])):
-        p.tensor(name, value)
-    p.stride("stride_logits", logits)
+    rows_symbol, vocab = types[logits].shape
     k_p2 = next_pow2(k)
-    block = max(k_p2, min(2048, next_pow2(vocab)))
-    return _launch("sampling.py", "top_k_logsumexp_kernel", p, dict(VOCAB=vocab, K=k, K_P2=k_p2, BLOCK=block),
-                   (GridDim((types[logits].shape[0],)),), num_warps=8)
+    chunk = max(k_p2, min(4096, next_pow2(vocab)))
+    chunks = -(-vocab // chunk)
+    scratch = {"tail.keys": TensorType(dtype_from_name("i64"), (rows_symbol, chunks * k_p2)),
+               "tail.stats": TensorType(dtype_from_name("f32"), (rows_symbol, chunks * 2))}
+    types, layout = types | scratch, layout | {name: (t.shape[1], 0) for name, t in scratch.items()}
+    partial = _Params(types, layout)
+    for name, value in (("logits_ptr", logits), ("keys_ptr", "tail.keys"), ("stats_ptr", "tail.stats")):
+        partial.tensor(name, value)
+    partial.stride("stride_logits", logits)
+    merge = _Params(types, layout)
+    for name, value in (("keys_ptr", "tail.keys"), ("stats_ptr", "tail.stats"), ("values_ptr", values),
+                        ("ids_ptr", ids), ("lse_ptr", roles["lse"].outputs[0])):
+        merge.tensor(name, value)
+    return [_launch("sampling.py", "top_k_partial_kernel", partial,
+                    dict(VOCAB=vocab, K_P2=k_p2, CHUNK=chunk, CHUNKS=chunks, BLOCK=min(chunk, 1024)),
+                    (GridDim((rows_symbol,)), GridDim((chunks,))), num_warps=4),
+            _launch("sampling.py", "top_k_merge_kernel", merge,
+                    dict(K=k, K_P2=k_p2, CHUNKS=chunks, CHUNKS_P2=next_pow2(chunks)),
+                    (GridDim((rows_symbol,)),), num_warps=8)], scratch
 
 
 def _plan_rope_kv_write(graph: Graph, node: Node) -> KernelSpec:

@@ -109,6 +109,17 @@ def device_memory() -> tuple[int, int]:
     return check(_driver().cuMemGetInfo(), "cuMemGetInfo")
 
 
+class Event:
+    def __init__(self) -> None:
+        self.event = check(_driver().cuEventCreate(0), "cuEventCreate")
+
+    def record(self, stream) -> None:
+        check(_driver().cuEventRecord(self.event, stream), "cuEventRecord")
+
+    def seconds_since(self, start: "Event") -> float:
+        return check(_driver().cuEventElapsedTime(start.event, self.event), "cuEventElapsedTime") / 1e3
+
+
 class Graph:
     """A CUDA graph captured from the stream's launches, replayed with one call."""
 

@@ -11,6 +11,7 @@ import numpy as np
 
 from pegainfer.backends.cache import sha256_of
 from pegainfer.errors import PegainferError
+from pegainfer.ir.dtypes import dtype_from_name
 from pegainfer.ir.graph import KERNEL, REPEAT, Graph, instantiate
 from pegainfer.ir.kernel import in_place_outputs
 from pegainfer.ir.types import TensorType
@@ -50,6 +51,10 @@ class GpuExecutor:
         for state in self.states.values():
             driver.memset(state.ptr, prod(state.shape) * state.dtype.itemsize, ctx.stream)
         self.buffers = self._allocate_buffers(sizes)
+        self.scratch = {key: {name: DeviceTensor.contiguous(driver.alloc(_nbytes(t, sizes)), t.concrete(sizes), t.dtype)
+                              for name, t in _scratch_types(kernel).items()}
+                        for key, kernel in self.kernels.items() if kernel.get("scratch")}
+        self.profile: list[tuple[str, driver.Event, driver.Event]] | None = None  # set to a list to time launches
         self.inputs, self.staging, self.input_region = self._allocate_inputs(sizes)
 
     def _load_functions(self, folder: Path) -> dict[str, tuple]:
@@ -145,7 +150,7 @@ class GpuExecutor:
                 in_place = in_place_outputs(node)
                 for out in node.outputs:
                     env[out] = env[in_place[out]] if out in in_place else self._buffer(g, out, types[out], sizes, layer)
-                self._launch(self.kernels[(g.name, node.name)], env, sizes)
+                self._launch(self.kernels[(g.name, node.name)], env | self.scratch.get((g.name, node.name), {}), sizes)
             elif node.op == "reshape":
                 source = env[node.inputs[0]]
                 env[node.outputs[0]] = source.reshape(types[node.outputs[0]].concrete(sizes))
@@ -170,8 +175,14 @@ class GpuExecutor:
         for launch in variant["launches"]:
             _, function = self.functions[launch["key"]]
             args = pack_arguments(launch["params"], env, sizes)  # the driver copies them at the call
+            if self.profile is not None:
+                events = (driver.Event(), driver.Event())
+                events[0].record(self.ctx.stream)
             driver.launch(function, launch["symbol"], grid_of(launch, sizes), 32 * launch["num_warps"],
                           launch["shared"], self.ctx.stream, args.address)
+            if self.profile is not None:
+                events[1].record(self.ctx.stream)
+                self.profile.append((f"{kernel['kind']}/{variant['name']}/{launch['symbol']}", *events))
 
     def fetch(self, tensor: DeviceTensor) -> np.ndarray:
         host = np.empty(tensor.shape, dtype=tensor.dtype.np_dtype)
@@ -179,6 +190,10 @@ class GpuExecutor:
         driver.copy_to_host(host, tensor.ptr, self.ctx.stream)
         self.ctx.synchronize()
         return host
+
+
+def _scratch_types(kernel: dict) -> dict[str, TensorType]:
+    return {name: TensorType(dtype_from_name(dtype), tuple(shape)) for name, (dtype, shape) in kernel["scratch"].items()}
 
 
 def _nbytes(t: TensorType, sizes: dict[str, int]) -> int:

@@ -80,7 +80,7 @@ def hf_gate(folder: Path, prompts, steps: int, ours_fn, results: dict) -> None:
 def check_small(folder: Path, results: dict) -> None:
     model = load_model(folder)
     manifest = manifest_path(cache_root(), SM, model.spec)
-    options = EngineOptions(max_tokens=512, max_batch=32, max_model_len=256, kv_tokens=32 * 256)
+    options = EngineOptions(max_tokens=512, max_batch=64, max_model_len=256, kv_tokens=32 * 256)
     gpu = GpuEngine(model, manifest, options)
     cpu = ReferenceEngine(model, max_tokens=32 * 256)
     rng = np.random.default_rng(0)
@@ -158,6 +158,27 @@ def bench_decode(results: dict, steps: int = 20) -> None:
                     "ms_per_step": ms, "tokens_per_s": batch / ms * 1e3, "floor_ms": floor_ms,
                     "achieved_GB_per_s": (weight_bytes + kv_bytes) / ms / 1e6}
     results["qwen3_4b_decode"] = table
+    for context in (128, 1024):
+        results[f"qwen3_4b_kernels_b1_ctx{context}_us"] = kernel_breakdown(engine, context)
+
+
+def kernel_breakdown(engine: GpuEngine, context: int) -> dict[str, float]:
+    """Microseconds per decode step in each kernel (summed over layers), from events around each launch."""
+    seq = Sequence(0, [1] * (context + 8))
+    engine.allocator.grow(seq.table, context)
+    seq.num_cached = context
+    engine.options.cuda_graphs = False
+    engine.run([Chunk(seq, 1)])
+    engine.executor.profile = []
+    engine.run([Chunk(seq, 1)])
+    engine.ctx.synchronize()
+    totals: dict[str, float] = {}
+    for name, start, end in engine.executor.profile:
+        totals[name] = totals.get(name, 0.0) + end.seconds_since(start) * 1e6
+    engine.executor.profile = None
+    engine.release(seq)
+    totals["sum of kernels"] = sum(totals.values())
+    return {k: round(v, 1) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
 
 
 def main() -> None:

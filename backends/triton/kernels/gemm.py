@@ -89,3 +89,61 @@ def linear_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, s
         acc = _activate(acc, ACT) * up
     tl.store(out_ptr + offs_m[:, None] * stride_out + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def gemv_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, sum_ptr,
+                M, stride_x, stride_x2, stride_out, stride_sum,
+                N: tl.constexpr, K: tl.constexpr, EPS: tl.constexpr,
+                ADD: tl.constexpr, GATHER: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr,
+                ACT: tl.constexpr, WRITE_SUM: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """linear_kernel for a few rows (decode): no tensor cores, narrow column tiles so that every SM streams
+    weights, products summed in registers. Same parameters and semantics as linear_kernel."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    if GATHER:
+        rows = tl.load(rows_ptr + offs_m, mask=mask_m, other=0)
+    else:
+        rows = offs_m
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if NORM:
+        squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < K
+            a = _load_rows(x_ptr, x2_ptr, rows, stride_x, stride_x2, offs_k, mask_m, mask_k, ADD)
+            if WRITE_SUM:
+                tl.store(sum_ptr + offs_m[:, None] * stride_sum + offs_k[None, :],
+                         a.to(sum_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_k[None, :] & (pid_n == 0))
+            squares += tl.sum(a * a, axis=1)
+        rstd = 1.0 / tl.sqrt(squares / K + EPS)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        a = _load_rows(x_ptr, x2_ptr, rows, stride_x, stride_x2, offs_k, mask_m, mask_k, ADD)
+        if NORM:
+            weight = tl.load(norm_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+            a = a * rstd[:, None] * weight[None, :]
+        if not UPCAST_DOT:  # round the activation as the tensor-core path does
+            a = a.to(w_ptr.dtype.element_ty).to(tl.float32)
+        w_mask = mask_n[:, None] & mask_k[None, :]
+        w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0).to(tl.float32)
+        acc += tl.sum(a[:, None, :] * w[None, :, :], axis=2)
+        if ACT != 0:
+            w_up = tl.load(w_ptr + (N + offs_n[:, None]) * K + offs_k[None, :], mask=w_mask, other=0.0)
+            up += tl.sum(a[:, None, :] * w_up.to(tl.float32)[None, :, :], axis=2)
+    if BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        if ACT != 0:
+            up += tl.load(bias_ptr + N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    if ACT != 0:
+        acc = _activate(acc, ACT) * up
+    tl.store(out_ptr + offs_m[:, None] * stride_out + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=mask_m[:, None] & mask_n[None, :])
