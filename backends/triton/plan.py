@@ -109,8 +109,9 @@ def _plan_gemm(graph: Graph, node: Node) -> KernelSpec:
     n, k = roles["n"], types[roles["weight"]].shape[1]
     variants = []
     gemv_n = max(1, min(16, 1 << max(0, (n // GEMV_PROGRAMS).bit_length() - 1)))  # enough programs to fill the SMs
-    tiles = (("one_row", 1, 1, gemv_n, 512, 4, 3, "gemv_kernel"),  # name, max rows, M, N, K tiles, warps, stages
-             ("few_rows", 4, 4, gemv_n, 128, 4, 3, "gemv_kernel"),
+    one_row_k = 512 if roles["act"] else 1024  # measured on the H200: 1024 helps QKV, spills with two weight tiles
+    tiles = (("one_row", 1, 1, gemv_n, one_row_k, 4, 3, "gemv_kernel"),  # name, max rows, M, N, K tiles, warps, stages
+             ("few_rows", 4, 4, gemv_n, 64, 4, 3, "gemv_kernel"),
              ("small_rows", SMALL_ROWS, 16, 64, 128, 4, 3, "linear_kernel"),
              ("many_rows", None, 64, 64 if roles["act"] else 128, 64, 8, 3, "linear_kernel"))  # no spills at 8 warps
     for name, max_rows, block_m, block_n, block_k, warps, stages, function in tiles:

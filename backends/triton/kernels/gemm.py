@@ -122,8 +122,10 @@ def gemv_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, sum
                          a.to(sum_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_k[None, :] & (pid_n == 0))
             squares += tl.sum(a * a, axis=1)
         rstd = 1.0 / tl.sqrt(squares / K + EPS)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # Products accumulate per lane across the K loop and are reduced once at the end: a reduction per
+    # iteration would synchronise the warps on every tile.
+    acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    up3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
@@ -135,10 +137,12 @@ def gemv_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, sum
             a = a.to(w_ptr.dtype.element_ty).to(tl.float32)
         w_mask = mask_n[:, None] & mask_k[None, :]
         w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0).to(tl.float32)
-        acc += tl.sum(a[:, None, :] * w[None, :, :], axis=2)
+        acc3 += a[:, None, :] * w[None, :, :]
         if ACT != 0:
             w_up = tl.load(w_ptr + (N + offs_n[:, None]) * K + offs_k[None, :], mask=w_mask, other=0.0)
-            up += tl.sum(a[:, None, :] * w_up.to(tl.float32)[None, :, :], axis=2)
+            up3 += a[:, None, :] * w_up.to(tl.float32)[None, :, :]
+    acc = tl.sum(acc3, axis=2)
+    up = tl.sum(up3, axis=2)
     if BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         if ACT != 0:
