@@ -7,13 +7,14 @@ from math import prod
 
 @dataclass(frozen=True)
 class GridDim:
-    """cdiv(product of factors, block); factors are ints or step-size symbols (tokens, batch, max_query_len...)."""
+    """cdiv(product of factors, block) * times; factors are ints or step-size symbols (tokens, batch...)."""
     factors: tuple[str | int, ...] = (1,)
     block: int = 1
+    times: int = 1
 
     def size(self, sizes: dict[str, int]) -> int:
         total = prod(f if isinstance(f, int) else sizes[f] for f in self.factors)
-        return -(-total // self.block)
+        return -(-total // self.block) * self.times
 
 
 @dataclass(frozen=True)

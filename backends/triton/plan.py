@@ -16,6 +16,8 @@ from pegainfer.ir.types import TensorType
 
 KERNELS = Path(__file__).parent / "kernels"
 SMALL_ROWS = 16  # up to this many rows a GEMM uses its decode-shaped tiles
+SPLIT_KV = 16  # key slices per sequence for attention at small batch
+SPLIT_KV_MAX_BATCH = 16  # up to this many sequences attention splits the keys
 GEMV_PROGRAMS = 528  # a decode GEMV aims for at least this many programs: 4 per SM of an H100/H200
 _TRITON_TYPES = {"bf16": "bf16", "f16": "fp16", "f32": "fp32", "i32": "i32", "i64": "i64"}
 
@@ -112,7 +114,8 @@ def _plan_gemm(graph: Graph, node: Node) -> KernelSpec:
     one_row_k = 512 if roles["act"] else 1024  # measured on the H200: 1024 helps QKV, spills with two weight tiles
     tiles = (("one_row", 1, 1, gemv_n, one_row_k, 4, 3, "gemv_kernel"),  # name, max rows, M, N, K tiles, warps, stages
              ("few_rows", 4, 4, gemv_n, 64, 4, 3, "gemv_kernel"),
-             ("small_rows", SMALL_ROWS, 16, 64, 128, 4, 3, "linear_kernel"),
+             ("small_rows", SMALL_ROWS, 16, 16, 256, 4, 3, "linear_kernel"),  # narrow N tiles: many programs
+             ("mid_rows", 64, 64, 32, 128, 4, 3, "linear_kernel"),
              ("many_rows", None, 64, 64 if roles["act"] else 128, 64, 8, 3, "linear_kernel"))  # no spills at 8 warps
     for name, max_rows, block_m, block_n, block_k, warps, stages, function in tiles:
         p = _Params(types, static_layout(graph))
@@ -255,7 +258,8 @@ def _plan_attention(graph: Graph, node: Node, options: PlanOptions) -> KernelSpe
     group = heads // kv_heads
     group_p2 = next_pow2(group)
     block_q = max(1, 16 // group_p2)
-    p = _Params(types | {attention.outputs[0]: attention.output_types[0]}, static_layout(graph))
+    layout = static_layout(graph)
+    p = _Params(types | {attention.outputs[0]: attention.output_types[0]}, layout)
     for name, value in (("q_ptr", q), ("k_cache_ptr", k_cache), ("v_cache_ptr", v_cache), ("tables_ptr", tables),
                         ("starts_ptr", starts), ("q_lens_ptr", q_lens), ("ctx_lens_ptr", ctx_lens),
                         ("out_ptr", attention.outputs[0])):
@@ -268,7 +272,42 @@ def _plan_attention(graph: Graph, node: Node, options: PlanOptions) -> KernelSpe
     batch = types[starts].shape[0]
     grid = (GridDim((batch,)), GridDim((kv_heads,)), GridDim(("max_query_len",), block_q))
     launch = _launch("attention.py", "paged_attention_kernel", p, constexprs, grid, num_warps=4)
-    return _spec(graph, node, batch, [VariantSpec("default", None, [launch])])
+    split_launches, scratch = _plan_split_attention(types, layout, attention, constexprs, heads, head_dim)
+    spec = _spec(graph, node, batch, [VariantSpec("split_kv", SPLIT_KV_MAX_BATCH, split_launches),
+                                      VariantSpec("default", None, [launch])])
+    spec.scratch = {name: (t.dtype.name, t.shape) for name, t in scratch.items()}
+    return spec
+
+
+def _plan_split_attention(types: dict, layout: dict, attention: Node, constexprs: dict, heads: int, head_dim: int):
+    """Few sequences (decode at small batch) leave most SMs idle with one program per KV head: split each
+    sequence's keys over SPLIT_KV programs and merge their partial softmaxes."""
+    q, k_cache, v_cache, tables, starts, q_lens, ctx_lens = attention.inputs
+    tokens = types[q].shape[0]
+    scratch = {"attention.part_out": TensorType(dtype_from_name("f32"), (tokens, heads * SPLIT_KV * head_dim)),
+               "attention.part_lse": TensorType(dtype_from_name("f32"), (tokens, heads * SPLIT_KV))}
+    types = types | scratch | {attention.outputs[0]: attention.output_types[0]}
+    layout = layout | {name: (t.shape[1], 0) for name, t in scratch.items()}
+    split = _Params(types, layout)
+    for name, value in (("q_ptr", q), ("k_cache_ptr", k_cache), ("v_cache_ptr", v_cache), ("tables_ptr", tables),
+                        ("starts_ptr", starts), ("q_lens_ptr", q_lens), ("ctx_lens_ptr", ctx_lens),
+                        ("part_out_ptr", "attention.part_out"), ("part_lse_ptr", "attention.part_lse")):
+        split.tensor(name, value)
+    split.stride("stride_q", q)
+    split.stride("stride_tables", tables)
+    split_constexprs = {**constexprs, "HEADS": heads, "SPLITS": SPLIT_KV}
+    batch = types[starts].shape[0]
+    kv_heads = constexprs["KV_HEADS"]
+    grid = (GridDim((batch,)), GridDim((kv_heads,)), GridDim(("max_query_len",), constexprs["BLOCK_Q"], SPLIT_KV))
+    merge = _Params(types, layout)
+    for name, value in (("part_out_ptr", "attention.part_out"), ("part_lse_ptr", "attention.part_lse"),
+                        ("out_ptr", attention.outputs[0])):
+        merge.tensor(name, value)
+    merge.stride("stride_out", attention.outputs[0])
+    merge_constexprs = dict(HEADS=heads, HD=head_dim, BLOCK_D=constexprs["BLOCK_D"], SPLITS=SPLIT_KV)
+    return [_launch("attention.py", "paged_attention_split_kernel", split, split_constexprs, grid, num_warps=4),
+            _launch("attention.py", "attention_merge_kernel", merge, merge_constexprs,
+                    (GridDim((tokens,)), GridDim((heads,))), num_warps=4)], scratch
 
 
 def _plan_embedding(graph: Graph, node: Node) -> KernelSpec:

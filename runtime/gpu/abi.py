@@ -61,5 +61,5 @@ def grid_of(launch: dict, sizes: dict[str, int]) -> tuple[int, int, int]:
     dims = []
     for dim in launch["grid"]:
         total = prod(f if isinstance(f, int) else sizes[f] for f in dim["factors"])
-        dims.append(max(1, -(-total // dim["block"])))
+        dims.append(max(1, -(-total // dim["block"]) * dim.get("times", 1)))
     return tuple(dims)

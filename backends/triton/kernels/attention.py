@@ -111,3 +111,75 @@ def paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, starts_p
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + (start + q_index)[:, None] * stride_out + head[:, None] * HD + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & mask_d[None, :])
+
+
+@triton.jit
+def paged_attention_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, starts_ptr, q_lens_ptr, ctx_lens_ptr,
+                                 part_out_ptr, part_lse_ptr, stride_q, stride_tables,
+                                 SCALE: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+                                 HD: tl.constexpr, GROUP: tl.constexpr, CACHE_BLOCK: tl.constexpr,
+                                 BLOCK_D: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr,
+                                 BLOCK_KV: tl.constexpr, SPLITS: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """paged_attention_kernel over one of SPLITS slices of the visible keys (flash decoding): writes each row's
+    normalised partial output and its log-sum-exp; attention_merge_kernel combines the slices."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    q_tile = tl.program_id(2) // SPLITS
+    split = tl.program_id(2) % SPLITS
+    start = tl.load(starts_ptr + seq)
+    q_len = tl.load(q_lens_ptr + seq)
+    ctx = tl.load(ctx_lens_ptr + seq)
+    rows = tl.arange(0, BLOCK_Q * GROUP_P2)
+    q_index = q_tile * BLOCK_Q + rows // GROUP_P2
+    head = kv_head * GROUP + rows % GROUP_P2
+    row_ok = (q_index < q_len) & (rows % GROUP_P2 < GROUP)
+    q_pos = ctx - q_len + q_index
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HD
+    q = tl.load(q_ptr + (start + q_index)[:, None] * stride_q + head[:, None] * HD + offs_d[None, :],
+                mask=row_ok[:, None] & mask_d[None, :], other=0.0)
+    m_i = tl.full([BLOCK_Q * GROUP_P2], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_Q * GROUP_P2], tl.float32)
+    acc = tl.zeros([BLOCK_Q * GROUP_P2, BLOCK_D], tl.float32)
+    kv_end = tl.minimum(ctx, ctx - q_len + (q_tile + 1) * BLOCK_Q)
+    span = tl.cdiv(tl.cdiv(kv_end, SPLITS), BLOCK_KV) * BLOCK_KV
+    for kv_start in range(split * span, tl.minimum(kv_end, (split + 1) * span), BLOCK_KV):
+        pos = kv_start + tl.arange(0, BLOCK_KV)
+        pos_ok = pos < kv_end
+        block = tl.load(tables_ptr + seq * stride_tables + pos // CACHE_BLOCK, mask=pos_ok, other=0)
+        addr = ((block.to(tl.int64) * CACHE_BLOCK + pos % CACHE_BLOCK) * KV_HEADS + kv_head) * HD
+        kv_mask = pos_ok[:, None] & mask_d[None, :]
+        k = tl.load(k_cache_ptr + addr[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        scores = _dot(q, tl.trans(k), tl.zeros([BLOCK_Q * GROUP_P2, BLOCK_KV], tl.float32), UPCAST_DOT) * SCALE
+        scores = tl.where((pos[None, :] <= q_pos[:, None]) & pos_ok[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(scores - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + addr[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], UPCAST_DOT)
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i)))
+    slot = ((start + q_index) * HEADS + head) * SPLITS + split
+    tl.store(part_out_ptr + slot[:, None] * HD + offs_d[None, :], out, mask=row_ok[:, None] & mask_d[None, :])
+    tl.store(part_lse_ptr + slot, lse, mask=row_ok)
+
+
+@triton.jit
+def attention_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_out, HEADS: tl.constexpr,
+                           HD: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
+    """One program per (token, head): the softmax-weighted sum of its SPLITS partial outputs."""
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS)
+    offs_d = tl.arange(0, BLOCK_D)
+    base = (token * HEADS + head) * SPLITS
+    lse = tl.load(part_lse_ptr + base + splits)
+    peak = tl.max(lse, axis=0)
+    weights = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - peak))
+    parts = tl.load(part_out_ptr + (base + splits)[:, None] * HD + offs_d[None, :],
+                    mask=(lse != float("-inf"))[:, None] & (offs_d < HD)[None, :], other=0.0)
+    out = tl.sum(parts * weights[:, None], axis=0) / tl.sum(weights, axis=0)
+    tl.store(out_ptr + token * stride_out + head * HD + offs_d, out.to(out_ptr.dtype.element_ty), mask=offs_d < HD)
