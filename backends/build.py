@@ -35,9 +35,9 @@ class BuildReport:
     manifests: list[Path] = field(default_factory=list)
 
     def summary(self) -> str:
-        return (f"{self.kernels} kernels, {self.launches} launches per SM (variants included) for "
-                f"sm_{', sm_'.join(map(str, self.sms))}: {self.built} compiled, {self.hits} cache hits, "
-                f"in {self.seconds:.1f} s; cache {self.cache}")
+        return (f"{self.kernels} kernels, {self.launches} launches per SM over their variants, "
+                f"{self.built + self.hits} distinct cubins for sm_{', sm_'.join(map(str, self.sms))}: "
+                f"{self.built} compiled, {self.hits} cache hits, in {self.seconds:.1f} s; cache {self.cache}")
 
 
 def parse_sms(text: str) -> list[int]:
