@@ -32,6 +32,7 @@ class Model:
     declared: object
     lowered: object
     specs: dict
+    plain_attention: dict  # the attention kernels planned without the split-KV variant
     weights: dict
 
 
@@ -47,7 +48,9 @@ def model(request) -> Model:
     weights |= {n: np.concatenate([weights[s] for s in d.sources]) for n, d in lowered.derivations().items()}
     specs = {(g.name, n.name): plan_kernel(g, n, PlanOptions(block_size=BLOCK_SIZE))
              for g in lowered.all_graphs() for n in g.nodes if n.op == KERNEL}
-    return Model(request.param, config, declared, lowered, specs, weights)
+    plain = {(g.name, n.name): plan_kernel(g, n, PlanOptions(block_size=BLOCK_SIZE, split_kv_max_batch=0))
+             for g in lowered.all_graphs() for n in g.nodes if n.op == KERNEL and n.attrs["kind"] == "paged_attention"}
+    return Model(request.param, config, declared, lowered, specs, plain, weights)
 
 
 def relative_error(ours: np.ndarray, theirs: np.ndarray) -> float:
@@ -83,11 +86,12 @@ def test_every_generated_kernel_matches_its_reference(model):
             if layer not in (None, 0):
                 continue
             stored = {name: value.astype(types[graph_name][name].dtype.np_dtype) for name, value in seen.items()}
-            got = launch_kernel(model.specs[(graph_name, node.name)], node,
-                                {name: with_row_stride(value, layouts[graph_name][name][0])
-                                 for name, value in stored.items()}, sizes)
-            _compare(model, node, {n: to_numpy(t) for n, t in got.items()}, dict(zip(node.outputs, expected)),
-                     seen)
+            inputs = {name: with_row_stride(value, layouts[graph_name][name][0]) for name, value in stored.items()}
+            for specs in (model.specs, model.plain_attention):
+                if (graph_name, node.name) in specs:
+                    got = launch_kernel(specs[(graph_name, node.name)], node, dict(inputs), sizes)
+                    _compare(model, node, {n: to_numpy(t) for n, t in got.items()},
+                             dict(zip(node.outputs, expected)), seen)
             checked.add(node.attrs["kind"])
         return outputs
 

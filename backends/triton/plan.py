@@ -17,7 +17,6 @@ from pegainfer.ir.types import TensorType
 KERNELS = Path(__file__).parent / "kernels"
 SMALL_ROWS = 16  # up to this many rows a GEMM uses its decode-shaped tiles
 SPLIT_KV = 16  # key slices per sequence for attention at small batch
-SPLIT_KV_MAX_BATCH = 16  # up to this many sequences attention splits the keys
 GEMV_PROGRAMS = 528  # a decode GEMV aims for at least this many programs: 4 per SM of an H100/H200
 _TRITON_TYPES = {"bf16": "bf16", "f16": "fp16", "f32": "fp32", "i32": "i32", "i64": "i64"}
 
@@ -25,6 +24,7 @@ _TRITON_TYPES = {"bf16": "bf16", "f16": "fp16", "f32": "fp32", "i32": "i32", "i6
 @dataclass(frozen=True)
 class PlanOptions:
     block_size: int = 16  # KV-cache block size: a compile-time constant of the attention kernel
+    split_kv_max_batch: int = 16  # up to this many sequences attention splits each one's keys over programs
 
 
 def plan_kernel(graph: Graph, node: Node, options: PlanOptions) -> KernelSpec:
@@ -273,8 +273,9 @@ def _plan_attention(graph: Graph, node: Node, options: PlanOptions) -> KernelSpe
     grid = (GridDim((batch,)), GridDim((kv_heads,)), GridDim(("max_query_len",), block_q))
     launch = _launch("attention.py", "paged_attention_kernel", p, constexprs, grid, num_warps=4)
     split_launches, scratch = _plan_split_attention(types, layout, attention, constexprs, heads, head_dim)
-    spec = _spec(graph, node, batch, [VariantSpec("split_kv", SPLIT_KV_MAX_BATCH, split_launches),
-                                      VariantSpec("default", None, [launch])])
+    variants = [VariantSpec("split_kv", options.split_kv_max_batch, split_launches)] \
+        if options.split_kv_max_batch else []
+    spec = _spec(graph, node, batch, [*variants, VariantSpec("default", None, [launch])])
     spec.scratch = {name: (t.dtype.name, t.shape) for name, t in scratch.items()}
     return spec
 

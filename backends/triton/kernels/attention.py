@@ -66,14 +66,9 @@ def qk_rope_kv_write_kernel(q_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, pos_ptr
 
 
 @triton.jit
-def paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, starts_ptr, q_lens_ptr, ctx_lens_ptr,
-                           out_ptr, stride_q, stride_out, stride_tables,
-                           SCALE: tl.constexpr, KV_HEADS: tl.constexpr, HD: tl.constexpr, GROUP: tl.constexpr,
-                           CACHE_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_P2: tl.constexpr,
-                           BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, UPCAST_DOT: tl.constexpr):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    q_tile = tl.program_id(2)
+def _query_tile(q_ptr, starts_ptr, q_lens_ptr, ctx_lens_ptr, stride_q, seq, kv_head, q_tile, HD: tl.constexpr,
+                GROUP: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """The tile's rows: BLOCK_Q queries of the sequence times the GROUP heads sharing this KV head, and q."""
     start = tl.load(starts_ptr + seq)
     q_len = tl.load(q_lens_ptr + seq)
     ctx = tl.load(ctx_lens_ptr + seq)
@@ -81,25 +76,32 @@ def paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, starts_p
     q_index = q_tile * BLOCK_Q + rows // GROUP_P2
     head = kv_head * GROUP + rows % GROUP_P2
     row_ok = (q_index < q_len) & (rows % GROUP_P2 < GROUP)
-    q_pos = ctx - q_len + q_index
+    offs_d = tl.arange(0, BLOCK_D)
+    q = tl.load(q_ptr + (start + q_index)[:, None] * stride_q + head[:, None] * HD + offs_d[None, :],
+                mask=row_ok[:, None] & (offs_d < HD)[None, :], other=0.0)
+    kv_end = tl.minimum(ctx, ctx - q_len + (q_tile + 1) * BLOCK_Q)  # the last query of the tile sees this far
+    return q, start + q_index, head, row_ok, ctx - q_len + q_index, kv_end
+
+
+@triton.jit
+def _attend(q, q_pos, k_cache_ptr, v_cache_ptr, tables_ptr, stride_tables, seq, kv_head, lo, hi, kv_end,
+            SCALE: tl.constexpr, KV_HEADS: tl.constexpr, HD: tl.constexpr, CACHE_BLOCK: tl.constexpr,
+            BLOCK_D: tl.constexpr, ROWS: tl.constexpr, BLOCK_KV: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """Online softmax over the keys lo .. hi, gathered through the block table: (unnormalised out, max, sum)."""
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HD
-    q = tl.load(q_ptr + (start + q_index)[:, None] * stride_q + head[:, None] * HD + offs_d[None, :],
-                mask=row_ok[:, None] & mask_d[None, :], other=0.0)
-    m_i = tl.full([BLOCK_Q * GROUP_P2], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_Q * GROUP_P2], tl.float32)
-    acc = tl.zeros([BLOCK_Q * GROUP_P2, BLOCK_D], tl.float32)
-    kv_end = tl.minimum(ctx, ctx - q_len + (q_tile + 1) * BLOCK_Q)
-    for kv_start in range(0, kv_end, BLOCK_KV):
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    for kv_start in range(lo, hi, BLOCK_KV):
         pos = kv_start + tl.arange(0, BLOCK_KV)
         pos_ok = pos < kv_end
         block = tl.load(tables_ptr + seq * stride_tables + pos // CACHE_BLOCK, mask=pos_ok, other=0)
         addr = ((block.to(tl.int64) * CACHE_BLOCK + pos % CACHE_BLOCK) * KV_HEADS + kv_head) * HD
         kv_mask = pos_ok[:, None] & mask_d[None, :]
         k = tl.load(k_cache_ptr + addr[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        scores = _dot(q, tl.trans(k), tl.zeros([BLOCK_Q * GROUP_P2, BLOCK_KV], tl.float32), UPCAST_DOT) * SCALE
-        visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
-        scores = tl.where(visible, scores, float("-inf"))
+        scores = _dot(q, tl.trans(k), tl.zeros([ROWS, BLOCK_KV], tl.float32), UPCAST_DOT) * SCALE
+        scores = tl.where((pos[None, :] <= q_pos[:, None]) & pos_ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet stay at zero
         alpha = tl.exp(m_i - m_safe)
@@ -108,9 +110,25 @@ def paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, starts_p
         v = tl.load(v_cache_ptr + addr[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], UPCAST_DOT)
         m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, starts_ptr, q_lens_ptr, ctx_lens_ptr,
+                           out_ptr, stride_q, stride_out, stride_tables,
+                           SCALE: tl.constexpr, KV_HEADS: tl.constexpr, HD: tl.constexpr, GROUP: tl.constexpr,
+                           CACHE_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_P2: tl.constexpr,
+                           BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    seq, kv_head, q_tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    q, token, head, row_ok, q_pos, kv_end = _query_tile(q_ptr, starts_ptr, q_lens_ptr, ctx_lens_ptr, stride_q, seq,
+                                                        kv_head, q_tile, HD, GROUP, BLOCK_D, GROUP_P2, BLOCK_Q)
+    acc, m_i, l_i = _attend(q, q_pos, k_cache_ptr, v_cache_ptr, tables_ptr, stride_tables, seq, kv_head, 0, kv_end,
+                            kv_end, SCALE, KV_HEADS, HD, CACHE_BLOCK, BLOCK_D, BLOCK_Q * GROUP_P2, BLOCK_KV,
+                            UPCAST_DOT)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(out_ptr + (start + q_index)[:, None] * stride_out + head[:, None] * HD + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & mask_d[None, :])
+    offs_d = tl.arange(0, BLOCK_D)
+    tl.store(out_ptr + token[:, None] * stride_out + head[:, None] * HD + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_d < HD)[None, :])
 
 
 @triton.jit
@@ -122,48 +140,19 @@ def paged_attention_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, st
                                  BLOCK_KV: tl.constexpr, SPLITS: tl.constexpr, UPCAST_DOT: tl.constexpr):
     """paged_attention_kernel over one of SPLITS slices of the visible keys (flash decoding): writes each row's
     normalised partial output and its log-sum-exp; attention_merge_kernel combines the slices."""
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    q_tile = tl.program_id(2) // SPLITS
-    split = tl.program_id(2) % SPLITS
-    start = tl.load(starts_ptr + seq)
-    q_len = tl.load(q_lens_ptr + seq)
-    ctx = tl.load(ctx_lens_ptr + seq)
-    rows = tl.arange(0, BLOCK_Q * GROUP_P2)
-    q_index = q_tile * BLOCK_Q + rows // GROUP_P2
-    head = kv_head * GROUP + rows % GROUP_P2
-    row_ok = (q_index < q_len) & (rows % GROUP_P2 < GROUP)
-    q_pos = ctx - q_len + q_index
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < HD
-    q = tl.load(q_ptr + (start + q_index)[:, None] * stride_q + head[:, None] * HD + offs_d[None, :],
-                mask=row_ok[:, None] & mask_d[None, :], other=0.0)
-    m_i = tl.full([BLOCK_Q * GROUP_P2], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_Q * GROUP_P2], tl.float32)
-    acc = tl.zeros([BLOCK_Q * GROUP_P2, BLOCK_D], tl.float32)
-    kv_end = tl.minimum(ctx, ctx - q_len + (q_tile + 1) * BLOCK_Q)
+    seq, kv_head = tl.program_id(0), tl.program_id(1)
+    q_tile, split = tl.program_id(2) // SPLITS, tl.program_id(2) % SPLITS
+    q, token, head, row_ok, q_pos, kv_end = _query_tile(q_ptr, starts_ptr, q_lens_ptr, ctx_lens_ptr, stride_q, seq,
+                                                        kv_head, q_tile, HD, GROUP, BLOCK_D, GROUP_P2, BLOCK_Q)
     span = tl.cdiv(tl.cdiv(kv_end, SPLITS), BLOCK_KV) * BLOCK_KV
-    for kv_start in range(split * span, tl.minimum(kv_end, (split + 1) * span), BLOCK_KV):
-        pos = kv_start + tl.arange(0, BLOCK_KV)
-        pos_ok = pos < kv_end
-        block = tl.load(tables_ptr + seq * stride_tables + pos // CACHE_BLOCK, mask=pos_ok, other=0)
-        addr = ((block.to(tl.int64) * CACHE_BLOCK + pos % CACHE_BLOCK) * KV_HEADS + kv_head) * HD
-        kv_mask = pos_ok[:, None] & mask_d[None, :]
-        k = tl.load(k_cache_ptr + addr[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        scores = _dot(q, tl.trans(k), tl.zeros([BLOCK_Q * GROUP_P2, BLOCK_KV], tl.float32), UPCAST_DOT) * SCALE
-        scores = tl.where((pos[None, :] <= q_pos[:, None]) & pos_ok[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(scores - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + addr[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], UPCAST_DOT)
-        m_i = m_new
+    acc, m_i, l_i = _attend(q, q_pos, k_cache_ptr, v_cache_ptr, tables_ptr, stride_tables, seq, kv_head,
+                            split * span, tl.minimum(kv_end, (split + 1) * span), kv_end, SCALE, KV_HEADS, HD,
+                            CACHE_BLOCK, BLOCK_D, BLOCK_Q * GROUP_P2, BLOCK_KV, UPCAST_DOT)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i)))
-    slot = ((start + q_index) * HEADS + head) * SPLITS + split
-    tl.store(part_out_ptr + slot[:, None] * HD + offs_d[None, :], out, mask=row_ok[:, None] & mask_d[None, :])
+    slot = (token * HEADS + head) * SPLITS + split
+    offs_d = tl.arange(0, BLOCK_D)
+    tl.store(part_out_ptr + slot[:, None] * HD + offs_d[None, :], out, mask=row_ok[:, None] & (offs_d < HD)[None, :])
     tl.store(part_lse_ptr + slot, lse, mask=row_ok)
 
 

@@ -1,5 +1,6 @@
 """The GEMM family: y = x @ W^T with an optional prologue (residual add, row gather, RMSNorm folded in as a row
-scale) and epilogue (bias, act(gate) * up over a merged [2N, K] weight). One template, specialised by constexprs."""
+scale) and epilogue (bias, act(gate) * up over a merged [2N, K] weight), specialised by constexprs. Two kernels
+share the prologue and epilogue: linear_kernel on the tensor cores, gemv_kernel for one to four rows (decode)."""
 
 import triton
 import triton.language as tl
@@ -36,51 +37,48 @@ def _activate(gate, ACT: tl.constexpr):
 
 
 @triton.jit
-def linear_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, sum_ptr,
-                  M, stride_x, stride_x2, stride_out, stride_sum,
-                  N: tl.constexpr, K: tl.constexpr, EPS: tl.constexpr,
-                  ADD: tl.constexpr, GATHER: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr,
-                  ACT: tl.constexpr, WRITE_SUM: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+def _tile_rows(rows_ptr, M, GATHER: tl.constexpr, BLOCK_M: tl.constexpr):
+    """This program's output rows, their mask, and the input rows they read (gathered, for the LM-head tail)."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
     if GATHER:
         rows = tl.load(rows_ptr + offs_m, mask=mask_m, other=0)
     else:
         rows = offs_m
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if NORM:  # first pass over the rows: their mean square (and the residual sum, written once)
-        squares = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < K
-            a = _load_rows(x_ptr, x2_ptr, rows, stride_x, stride_x2, offs_k, mask_m, mask_k, ADD)
-            if WRITE_SUM:
-                tl.store(sum_ptr + offs_m[:, None] * stride_sum + offs_k[None, :],
-                         a.to(sum_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_k[None, :] & (pid_n == 0))
-            squares += tl.sum(a * a, axis=1)
-        rstd = 1.0 / tl.sqrt(squares / K + EPS)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    return offs_m, mask_m, rows
+
+
+@triton.jit
+def _inverse_rms(x_ptr, x2_ptr, sum_ptr, rows, offs_m, mask_m, stride_x, stride_x2, stride_sum,
+                 K: tl.constexpr, EPS: tl.constexpr, ADD: tl.constexpr, WRITE_SUM: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A first pass over the rows: 1/rms of each (and the residual sum, written by the first column tile)."""
+    squares = tl.zeros([BLOCK_M], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
         a = _load_rows(x_ptr, x2_ptr, rows, stride_x, stride_x2, offs_k, mask_m, mask_k, ADD)
-        if NORM:
-            weight = tl.load(norm_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-            a = a * rstd[:, None] * weight[None, :]
-        if not UPCAST_DOT:  # the tensor cores take the weights' type (the interpreter's casts truncate: skip)
-            a = a.to(w_ptr.dtype.element_ty)
-        w_mask = mask_n[:, None] & mask_k[None, :]
-        w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
-        acc = dot(a, tl.trans(w), acc, UPCAST_DOT)
-        if ACT != 0:
-            w_up = tl.load(w_ptr + (N + offs_n[:, None]) * K + offs_k[None, :], mask=w_mask, other=0.0)
-            up = dot(a, tl.trans(w_up), up, UPCAST_DOT)
+        if WRITE_SUM:
+            tl.store(sum_ptr + offs_m[:, None] * stride_sum + offs_k[None, :], a.to(sum_ptr.dtype.element_ty),
+                     mask=mask_m[:, None] & mask_k[None, :] & (tl.program_id(1) == 0))
+        squares += tl.sum(a * a, axis=1)
+    return 1.0 / tl.sqrt(squares / K + EPS)
+
+
+@triton.jit
+def _activation_tile(x_ptr, x2_ptr, norm_ptr, rows, rstd, stride_x, stride_x2, offs_k, mask_m, mask_k,
+                     ADD: tl.constexpr, NORM: tl.constexpr):
+    a = _load_rows(x_ptr, x2_ptr, rows, stride_x, stride_x2, offs_k, mask_m, mask_k, ADD)
+    if NORM:
+        weight = tl.load(norm_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        a = a * rstd[:, None] * weight[None, :]
+    return a
+
+
+@triton.jit
+def _store(acc, up, bias_ptr, out_ptr, offs_m, mask_m, offs_n, mask_n, stride_out, N: tl.constexpr,
+           BIAS: tl.constexpr, ACT: tl.constexpr):
+    """The epilogue: bias, act(gate) * up for a merged gate/up weight, and the store."""
     if BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         if ACT != 0:
@@ -92,47 +90,61 @@ def linear_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, s
 
 
 @triton.jit
+def linear_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, sum_ptr,
+                  M, stride_x, stride_x2, stride_out, stride_sum,
+                  N: tl.constexpr, K: tl.constexpr, EPS: tl.constexpr,
+                  ADD: tl.constexpr, GATHER: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr,
+                  ACT: tl.constexpr, WRITE_SUM: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    offs_m, mask_m, rows = _tile_rows(rows_ptr, M, GATHER, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if NORM:
+        rstd = _inverse_rms(x_ptr, x2_ptr, sum_ptr, rows, offs_m, mask_m, stride_x, stride_x2, stride_sum, K, EPS,
+                            ADD, WRITE_SUM, BLOCK_M, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        a = _activation_tile(x_ptr, x2_ptr, norm_ptr, rows, rstd, stride_x, stride_x2, offs_k, mask_m, mask_k,
+                             ADD, NORM)
+        if not UPCAST_DOT:  # the tensor cores take the weights' type (the interpreter's casts truncate: skip)
+            a = a.to(w_ptr.dtype.element_ty)
+        w_mask = mask_n[:, None] & mask_k[None, :]
+        w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
+        acc = dot(a, tl.trans(w), acc, UPCAST_DOT)
+        if ACT != 0:
+            w_up = tl.load(w_ptr + (N + offs_n[:, None]) * K + offs_k[None, :], mask=w_mask, other=0.0)
+            up = dot(a, tl.trans(w_up), up, UPCAST_DOT)
+    _store(acc, up, bias_ptr, out_ptr, offs_m, mask_m, offs_n, mask_n, stride_out, N, BIAS, ACT)
+
+
+@triton.jit
 def gemv_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, sum_ptr,
                 M, stride_x, stride_x2, stride_out, stride_sum,
                 N: tl.constexpr, K: tl.constexpr, EPS: tl.constexpr,
                 ADD: tl.constexpr, GATHER: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr,
                 ACT: tl.constexpr, WRITE_SUM: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr):
-    """linear_kernel for a few rows (decode): no tensor cores, narrow column tiles so that every SM streams
-    weights, products summed in registers. Same parameters and semantics as linear_kernel."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < M
-    if GATHER:
-        rows = tl.load(rows_ptr + offs_m, mask=mask_m, other=0)
-    else:
-        rows = offs_m
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    """linear_kernel for a few rows: no tensor cores, narrow column tiles so that every SM streams weights.
+    Products accumulate per lane across the K loop and are reduced once at the end: a reduction per iteration
+    would synchronise the warps on every tile."""
+    offs_m, mask_m, rows = _tile_rows(rows_ptr, M, GATHER, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if NORM:
-        squares = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < K
-            a = _load_rows(x_ptr, x2_ptr, rows, stride_x, stride_x2, offs_k, mask_m, mask_k, ADD)
-            if WRITE_SUM:
-                tl.store(sum_ptr + offs_m[:, None] * stride_sum + offs_k[None, :],
-                         a.to(sum_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_k[None, :] & (pid_n == 0))
-            squares += tl.sum(a * a, axis=1)
-        rstd = 1.0 / tl.sqrt(squares / K + EPS)
-    # Products accumulate per lane across the K loop and are reduced once at the end: a reduction per
-    # iteration would synchronise the warps on every tile.
+        rstd = _inverse_rms(x_ptr, x2_ptr, sum_ptr, rows, offs_m, mask_m, stride_x, stride_x2, stride_sum, K, EPS,
+                            ADD, WRITE_SUM, BLOCK_M, BLOCK_K)
     acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     up3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
-        a = _load_rows(x_ptr, x2_ptr, rows, stride_x, stride_x2, offs_k, mask_m, mask_k, ADD)
-        if NORM:
-            weight = tl.load(norm_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-            a = a * rstd[:, None] * weight[None, :]
+        a = _activation_tile(x_ptr, x2_ptr, norm_ptr, rows, rstd, stride_x, stride_x2, offs_k, mask_m, mask_k,
+                             ADD, NORM)
         if not UPCAST_DOT:  # round the activation as the tensor-core path does
             a = a.to(w_ptr.dtype.element_ty).to(tl.float32)
         w_mask = mask_n[:, None] & mask_k[None, :]
@@ -141,13 +153,5 @@ def gemv_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, sum
         if ACT != 0:
             w_up = tl.load(w_ptr + (N + offs_n[:, None]) * K + offs_k[None, :], mask=w_mask, other=0.0)
             up3 += a[:, None, :] * w_up.to(tl.float32)[None, :, :]
-    acc = tl.sum(acc3, axis=2)
-    up = tl.sum(up3, axis=2)
-    if BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        if ACT != 0:
-            up += tl.load(bias_ptr + N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    if ACT != 0:
-        acc = _activate(acc, ACT) * up
-    tl.store(out_ptr + offs_m[:, None] * stride_out + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=mask_m[:, None] & mask_n[None, :])
+    _store(tl.sum(acc3, axis=2), tl.sum(up3, axis=2), bias_ptr, out_ptr, offs_m, mask_m, offs_n, mask_n, stride_out,
+           N, BIAS, ACT)
