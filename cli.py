@@ -26,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_make_checkpoint(commands)
     _add_inspect(commands)
     _add_compile(commands)
+    _add_bench(commands)
     return parser
 
 
@@ -87,6 +88,31 @@ def _add_compile(commands) -> None:
 
 
 MODEL_HELP = "checkpoint folder, config.json, or an embedded config such as qwen3-4b"
+
+
+def _add_bench(commands) -> None:
+    p = commands.add_parser("bench", help="time decode steps or a prefill on the GPU, against the floor")
+    p.add_argument("what", choices=["decode", "prefill"])
+    p.add_argument("model", help=MODEL_HELP + " (without weights: random bf16 weights)")
+    p.add_argument("--batch", type=_int_list, default=[1, 8, 32, 64], help="decode batch sizes (default 1,8,32,64)")
+    p.add_argument("--context", type=_int_list, default=[128, 1024], help="decode contexts (default 128,1024)")
+    p.add_argument("--prompt-len", type=_int_list, default=[1024, 4096, 8192], help="prefill prompt lengths")
+    p.add_argument("--steps", type=int, default=20, help="timed decode steps per point (default 20)")
+    p.add_argument("--no-graphs", action="store_true", help="decode eagerly instead of replaying CUDA graphs")
+    p.add_argument("--breakdown", action="store_true", help="also time each launch of a batch-1 decode step")
+    p.add_argument("--cache-dir", type=Path, default=None, help=CACHE_HELP)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=run_bench)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 1,8,32, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
 CACHE_HELP = "cubin cache (default: $PEGAINFER_CACHE, aot_cache/ of a checkout, or ~/.cache/pegainfer)"
 
 
@@ -168,6 +194,37 @@ def _inspect_compiled(spec, args: argparse.Namespace) -> int:
     report = build.build_model(spec, build.parse_sms(str(args.sm)), jobs=os.cpu_count() or 1,
                                cache_dir=args.cache_dir, quiet=True)
     print(show(report.manifests[0], args.kernel, args.show), end="")
+    return 0
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from pegainfer.backends.cache import cache_root, manifest_path
+    from pegainfer.runtime import bench
+    from pegainfer.runtime.device import visible_sm
+    from pegainfer.runtime.gpu.engine import missing_manifest
+
+    sm = visible_sm()
+    if sm is None:
+        raise PegainferError("pegainfer bench needs a visible GPU (and cuda-bindings: pip install -e '.[cuda]')")
+    model = bench.bench_model(args.model)
+    manifest = manifest_path(cache_root(args.cache_dir), sm, model.spec)
+    if not manifest.is_file():
+        raise missing_manifest(manifest, f"{args.model} --sm {sm}")
+    if args.what == "decode":
+        engine = bench.engine_for(model, manifest, max_tokens=max(args.batch), max_batch=max(args.batch),
+                                  max_model_len=max(args.context) + args.steps + 16)
+        rows = bench.bench_decode(engine, args.batch, args.context, args.steps, graphs=not args.no_graphs)
+        report = {"decode": bench.as_json(rows)}
+        text = bench.format_decode(rows)
+        if args.breakdown:
+            report["breakdown_us"] = bench.kernel_breakdown(engine, args.context[0])
+            text += "".join(f"{us:>9.0f} us  {name}\n" for name, us in report["breakdown_us"].items())
+    else:
+        engine = bench.engine_for(model, manifest, max_tokens=max(args.prompt_len), max_batch=1,
+                                  max_model_len=max(args.prompt_len) + 16)
+        rows = bench.bench_prefill(engine, args.prompt_len)
+        report, text = {"prefill": bench.as_json(rows)}, bench.format_prefill(rows)
+    print(json.dumps(report, indent=1) if args.json else text, end="\n" if args.json else "")
     return 0
 
 

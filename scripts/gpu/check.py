@@ -8,16 +8,15 @@ import time
 import traceback
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 
 from pegainfer.backends.cache import cache_root, manifest_path
-from pegainfer.frontends.load import LoadedModel, embedded_configs, load_model, load_spec
+from pegainfer.frontends.load import embedded_configs, load_model
+from pegainfer.runtime import bench
 from pegainfer.runtime.batch import Chunk, Sequence
 from pegainfer.runtime.gpu.engine import EngineOptions, GpuEngine
 from pegainfer.runtime.reference_engine import ReferenceEngine
 
-HBM_BYTES_PER_S = 4.29e12  # measured device-to-device copy on this card type (shared/reference/H200.md)
 SM = 90
 
 
@@ -115,70 +114,53 @@ def check_small(folder: Path, results: dict) -> None:
     hf_gate(folder, prompts, 16, lambda p, cont: teacher_forced(gpu, p, cont), results)
 
 
-def random_weights(types: dict, seed: int = 0) -> dict[str, np.ndarray]:
-    """Random bf16 weights (a 32 MB random block tiled): decode speed does not depend on the values."""
-    block = (np.random.default_rng(seed).standard_normal(1 << 24) * 0.02).astype(ml_dtypes.bfloat16)
-    return {name: np.resize(block, t.shape) for name, t in types.items()}
-
-
-def bench_decode(results: dict, steps: int = 20) -> None:
-    spec = load_spec(embedded_configs()["qwen3-4b"])
+def bench_4b(results: dict) -> None:
+    """`pegainfer bench decode` and `prefill` on the Qwen3-4B shape, and Hugging Face eager decode beside it."""
     started = time.perf_counter()
-    model = LoadedModel(spec, Path("."), random_weights(spec.graph.checkpoint_params()))
-    options = EngineOptions(max_tokens=1024, max_batch=64, max_model_len=1280, kv_tokens=64 * 1152)
-    engine = GpuEngine(model, manifest_path(cache_root(), SM, spec), options)
+    model = bench.bench_model("qwen3-4b")
+    manifest = manifest_path(cache_root(), SM, model.spec)
+    engine = bench.engine_for(model, manifest, max_tokens=64, max_batch=64, max_model_len=1280)
     results["qwen3_4b_engine_start_s"] = time.perf_counter() - started
-    config = spec.config
-    weight_bytes = sum(np.prod(t.shape) * 2 for t in spec.graph.checkpoint_params().values())
-    table = {}
-    for graphs in (True, False):
-        for batch in (1, 8, 32, 64):
-            for context in (128, 1024):
-                if not graphs and (batch, context) != (1, 128):
-                    continue
-                engine.options.cuda_graphs = graphs
-                seqs = [Sequence(i, [1] * (context + steps + 8)) for i in range(batch)]
-                for seq in seqs:
-                    engine.allocator.grow(seq.table, context)
-                    seq.num_cached = context
-                times = []
-                for step in range(steps + 3):
-                    began = time.perf_counter()
-                    engine.run([Chunk(s, 1) for s in seqs])
-                    engine.ctx.synchronize()
-                    if step >= 3:
-                        times.append(time.perf_counter() - began)
-                for seq in seqs:
-                    engine.release(seq)
-                ms = float(np.median(times) * 1e3)
-                kv_bytes = batch * (context + 10) * config.num_hidden_layers * config.num_key_value_heads * \
-                    config.dims_per_head * 2 * 2
-                floor_ms = (weight_bytes + kv_bytes) / HBM_BYTES_PER_S * 1e3
-                table[f"{'graphs' if graphs else 'eager'} b{batch} ctx{context}"] = {
-                    "ms_per_step": ms, "tokens_per_s": batch / ms * 1e3, "floor_ms": floor_ms,
-                    "achieved_GB_per_s": (weight_bytes + kv_bytes) / ms / 1e6}
-    results["qwen3_4b_decode"] = table
+    rows = bench.bench_decode(engine, [1, 8, 32, 64], [128, 1024])
+    rows += bench.bench_decode(engine, [1], [128], graphs=False)
+    results["qwen3_4b_decode"] = bench.as_json(rows)
+    print(bench.format_decode(rows))
     for context in (128, 1024):
-        results[f"qwen3_4b_kernels_b1_ctx{context}_us"] = kernel_breakdown(engine, context)
+        results[f"qwen3_4b_kernels_b1_ctx{context}_us"] = {k: round(v, 1) for k, v in
+                                                           bench.kernel_breakdown(engine, context).items()}
+    del engine
+    prefill = bench.engine_for(model, manifest, max_tokens=8192, max_batch=1, max_model_len=8208)
+    rows = bench.bench_prefill(prefill, [1024, 4096, 8192])
+    results["qwen3_4b_prefill"] = bench.as_json(rows)
+    print(bench.format_prefill(rows))
 
 
-def kernel_breakdown(engine: GpuEngine, context: int) -> dict[str, float]:
-    """Microseconds per decode step in each kernel (summed over layers), from events around each launch."""
-    seq = Sequence(0, [1] * (context + 8))
-    engine.allocator.grow(seq.table, context)
-    seq.num_cached = context
-    engine.options.cuda_graphs = False
-    engine.run([Chunk(seq, 1)])
-    engine.executor.profile = []
-    engine.run([Chunk(seq, 1)])
-    engine.ctx.synchronize()
-    totals: dict[str, float] = {}
-    for name, start, end in engine.executor.profile:
-        totals[name] = totals.get(name, 0.0) + end.seconds_since(start) * 1e6
-    engine.executor.profile = None
-    engine.release(seq)
-    totals["sum of kernels"] = sum(totals.values())
-    return {k: round(v, 1) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
+def hf_decode(results: dict, steps: int = 16) -> None:
+    """Hugging Face transformers eager, dynamic cache, bf16, random Qwen3-4B: ms per decode step after a
+    128-token prompt, at batch 1 and 8."""
+    import torch
+    import transformers
+
+    config = transformers.AutoConfig.for_model(**{k: v for k, v in json.loads(
+        embedded_configs()["qwen3-4b"].read_text()).items() if k not in ("architectures", "torch_dtype")})
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).cuda().eval()
+    table = {}
+    with torch.no_grad():
+        for batch in (1, 8):
+            ids = torch.randint(0, config.vocab_size, (batch, 128), device="cuda")
+            out = model(ids, use_cache=True)
+            past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            times = []
+            for step in range(steps + 3):
+                torch.cuda.synchronize()
+                began = time.perf_counter()
+                out = model(token, past_key_values=past, use_cache=True)
+                past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                torch.cuda.synchronize()
+                if step >= 3:
+                    times.append(time.perf_counter() - began)
+            table[f"b{batch} ctx128"] = float(np.median(times) * 1e3)
+    results["hf_eager_decode_ms"] = table
 
 
 def main() -> None:
@@ -188,7 +170,9 @@ def main() -> None:
     parser.add_argument("--skip", nargs="*", default=[])
     args = parser.parse_args()
     results: dict = {}
-    for name, run in (("small", lambda: check_small(args.small, results)), ("bench", lambda: bench_decode(results))):
+    sections = (("small", lambda: check_small(args.small, results)), ("bench", lambda: bench_4b(results)),
+                ("hf", lambda: hf_decode(results)))
+    for name, run in sections:
         if name in args.skip:
             continue
         try:
@@ -198,6 +182,8 @@ def main() -> None:
             print(results[f"{name}_error"])
         (args.out / "results.json").write_text(json.dumps(results, indent=1))
     for key, value in results.items():
+        if isinstance(value, list):
+            continue  # printed as tables above
         if isinstance(value, dict):
             for sub, figure in value.items():
                 print(f"{key:>28} {sub:<28} {json.dumps(figure)}")

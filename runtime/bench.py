@@ -1,0 +1,160 @@
+"""`pegainfer bench`: decode ms/step by batch and context, and time to first token of one prompt, on the GPU,
+each against the memory or tensor-core floor. A model without weights (an embedded config or a config.json)
+gets random bf16 weights: speed does not depend on the values."""
+
+import time
+from dataclasses import asdict, dataclass
+from math import prod
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from pegainfer.frontends.load import LoadedModel, ModelSpec, load_model, load_spec, resolve_config_path
+from pegainfer.runtime.batch import Chunk, Sequence
+from pegainfer.runtime.gpu.engine import EngineOptions, GpuEngine
+
+HBM_BYTES_PER_S = 4.29e12  # H200 device-to-device copy, measured (shared/reference/H200.md)
+TENSOR_FLOP_PER_S = 790e12  # H200 bf16 matmul through PyTorch, measured (same page)
+WARMUP = 3
+
+
+@dataclass
+class DecodeRow:
+    graphs: bool
+    batch: int
+    context: int
+    ms_per_step: float
+    tokens_per_s: float
+    floor_ms: float
+    achieved_tb_per_s: float
+
+
+@dataclass
+class PrefillRow:
+    prompt_tokens: int
+    ttft_ms: float
+    floor_ms: float
+
+
+def bench_model(model: str) -> LoadedModel:
+    """A checkpoint folder as it is; an embedded config or a config.json with random bf16 weights."""
+    path = Path(model)
+    if path.is_dir() and any(path.glob("*.safetensors")):
+        return load_model(path)
+    spec = load_spec(resolve_config_path(model))
+    return LoadedModel(spec, path, random_weights(spec))
+
+
+def random_weights(spec: ModelSpec, seed: int = 0) -> dict[str, np.ndarray]:
+    block = (np.random.default_rng(seed).standard_normal(1 << 24) * 0.02).astype(ml_dtypes.bfloat16)
+    return {name: np.resize(block, t.shape).astype(t.dtype.np_dtype, copy=False)
+            for name, t in spec.graph.checkpoint_params().items()}
+
+
+def weight_bytes(spec: ModelSpec) -> int:
+    return sum(prod(t.shape) * t.dtype.itemsize for t in spec.graph.checkpoint_params().values())
+
+
+def kv_bytes_per_token(spec: ModelSpec) -> int:
+    return sum(prod(t.shape[2:]) * t.dtype.itemsize for t in spec.graph.expanded_states().values())
+
+
+def bench_decode(engine: GpuEngine, batches: list[int], contexts: list[int], steps: int = 20,
+                 graphs: bool = True) -> list[DecodeRow]:
+    spec = engine.model.spec
+    rows = []
+    for batch in batches:
+        for context in contexts:
+            engine.options.cuda_graphs = graphs
+            seqs = _sequences(engine, batch, context, steps + WARMUP)
+            times = []
+            for step in range(steps + WARMUP):
+                began = time.perf_counter()
+                engine.run([Chunk(s, 1) for s in seqs])
+                engine.ctx.synchronize()
+                if step >= WARMUP:
+                    times.append(time.perf_counter() - began)
+            for seq in seqs:
+                engine.release(seq)
+            ms = float(np.median(times) * 1e3)
+            moved = weight_bytes(spec) + batch * (context + steps // 2) * kv_bytes_per_token(spec)
+            rows.append(DecodeRow(graphs, batch, context, ms, batch / ms * 1e3, moved / HBM_BYTES_PER_S * 1e3,
+                                  moved / ms / 1e9))
+    return rows
+
+
+def _sequences(engine: GpuEngine, batch: int, context: int, steps: int) -> list[Sequence]:
+    """Sequences whose first `context` tokens count as cached (their KV content does not matter for speed)."""
+    seqs = [Sequence(i, [1] * (context + steps + 1)) for i in range(batch)]
+    for seq in seqs:
+        engine.allocator.grow(seq.table, context)
+        seq.num_cached = context
+    return seqs
+
+
+def bench_prefill(engine: GpuEngine, prompt_lengths: list[int], repeats: int = 3) -> list[PrefillRow]:
+    """Time to first token: one prompt's prefill step, from its upload to its logits on the host."""
+    spec = engine.model.spec
+    rows = []
+    for length in prompt_lengths:
+        times = []
+        for _ in range(repeats + 1):
+            seq = Sequence(0, list(np.random.default_rng(length).integers(0, spec.config.vocab_size, length)))
+            began = time.perf_counter()
+            engine.step([Chunk(seq, length)])
+            times.append(time.perf_counter() - began)
+            engine.release(seq)
+        rows.append(PrefillRow(length, float(np.median(times[1:]) * 1e3),
+                               prefill_flops(spec, length) / TENSOR_FLOP_PER_S * 1e3))
+    return rows
+
+
+def prefill_flops(spec: ModelSpec, tokens: int) -> float:
+    """2 x weights x tokens for the GEMMs (the LM head for the last token only) plus causal attention."""
+    config = spec.config
+    head = config.vocab_size * config.hidden_size
+    gemm = 2 * (weight_bytes(spec) // 2 - head) * tokens + 2 * head
+    attention = 2 * 2 * config.num_hidden_layers * config.num_attention_heads * config.dims_per_head * tokens ** 2 / 2
+    return gemm + attention
+
+
+def kernel_breakdown(engine: GpuEngine, context: int) -> dict[str, float]:
+    """Microseconds per batch-1 decode step in each launch kind (summed over layers), from CUDA events around
+    every launch of an eager step (the events add gaps of their own)."""
+    (seq,) = _sequences(engine, 1, context, 2)
+    engine.options.cuda_graphs = False
+    engine.run([Chunk(seq, 1)])
+    engine.executor.profile = []
+    engine.run([Chunk(seq, 1)])
+    engine.ctx.synchronize()
+    totals: dict[str, float] = {}
+    for name, start, end in engine.executor.profile:
+        totals[name] = totals.get(name, 0.0) + end.seconds_since(start) * 1e6
+    engine.executor.profile = None
+    engine.release(seq)
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
+def format_decode(rows: list[DecodeRow]) -> str:
+    lines = [f"{'mode':<7} {'batch':>5} {'context':>7} {'ms/step':>8} {'tok/s':>8} {'floor ms':>8} {'TB/s':>5}"]
+    lines += [f"{'graphs' if r.graphs else 'eager':<7} {r.batch:>5} {r.context:>7} {r.ms_per_step:>8.2f} "
+              f"{r.tokens_per_s:>8.0f} {r.floor_ms:>8.2f} {r.achieved_tb_per_s:>5.2f}" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def format_prefill(rows: list[PrefillRow]) -> str:
+    lines = [f"{'prompt':>7} {'TTFT ms':>8} {'floor ms':>8}"]
+    lines += [f"{r.prompt_tokens:>7} {r.ttft_ms:>8.1f} {r.floor_ms:>8.1f}" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def as_json(rows) -> list[dict]:
+    return [asdict(r) for r in rows]
+
+
+def engine_for(model: LoadedModel, manifest: Path, *, max_tokens: int, max_batch: int,
+               max_model_len: int) -> GpuEngine:
+    return GpuEngine(model, manifest, EngineOptions(max_tokens=max_tokens, max_batch=max_batch,
+                                                    max_model_len=max_model_len,
+                                                    kv_tokens=max_batch * max_model_len))
