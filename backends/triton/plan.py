@@ -333,8 +333,7 @@ def _plan_row_kernel(graph: Graph, node: Node) -> KernelSpec:
     source = rowwise.generate_row_kernel(function, node, types, set(graph.params))
     p = _Params(types, static_layout(graph))
     values = [*node.inputs, *node.outputs]
-    local = {value: f"v{i}" for i, value in enumerate(dict.fromkeys(
-        [*node.inputs, *(out for n in node.attrs["nodes"] for out in n.outputs)]))}
+    local = rowwise.local_names(node)
     for value in values:
         p.tensor(f"{local[value]}_ptr", value)
     for value in values:

@@ -29,8 +29,7 @@ def generate_row_kernel(name: str, kernel: Node, types: dict[str, TensorType], p
         if shape[-1] != width or (value not in params and shape[:-1] != kernel.output_types[0].shape[:-1]):
             raise PegainferError(f"kernel {kernel.name}: the Triton row kernel needs one row shape, found "
                                  f"{value}: {types[value]} beside {kernel.output_types[0]}")
-    local = {value: f"v{i}" for i, value in enumerate(dict.fromkeys(
-        [*kernel.inputs, *(out for n in inner for out in n.outputs)]))}
+    local = local_names(kernel)
     args = [f"{local[v]}_ptr" for v in [*kernel.inputs, *kernel.outputs]]
     strides = [f"stride_{local[v]}" for v in [*kernel.inputs, *kernel.outputs] if v not in params]
     body = [f"    {local[v]} = tl.load({local[v]}_ptr + offs, mask=mask, other=0.0).to(tl.float32)"
@@ -58,6 +57,12 @@ def generate_row_kernel(name: str, kernel: Node, types: dict[str, TensorType], p
         "    offs = tl.arange(0, BLOCK_D)",
         "    mask = offs < D",
         *body, ""])
+
+
+def local_names(kernel: Node) -> dict[str, str]:
+    """Graph value -> the identifier the generated source gives it (v0, v1, ...): parameters are `<name>_ptr`."""
+    values = [*kernel.inputs, *(out for node in kernel.attrs["nodes"] for out in node.outputs)]
+    return {value: f"v{i}" for i, value in enumerate(dict.fromkeys(values))}
 
 
 def inner_rows(type_: TensorType) -> int:
