@@ -70,7 +70,8 @@ def _add_inspect(commands) -> None:
     p.add_argument("--sm", type=int, help="the SM whose compiled kernels to show (compiled first if needed)")
     p.add_argument("--kernel", help="one kernel, by node name or kind (default: all)")
     p.add_argument("--cache-dir", type=Path, default=None, help=CACHE_HELP)
-    p.add_argument("--format", choices=["text", "dot"], default="text", help="for graph and dag")
+    p.add_argument("--format", choices=["text", "dot", "svg"], default="text",
+                   help="for graph and dag: text, Graphviz source, or SVG (needs Graphviz's dot on the PATH)")
     p.add_argument("--json", action="store_true", help="for kernels: one JSON object")
     p.set_defaults(run=run_inspect)
 
@@ -162,7 +163,6 @@ def run_make_checkpoint(args: argparse.Namespace) -> int:
 
 def run_inspect(args: argparse.Namespace) -> int:
     from pegainfer.frontends.load import load_spec, resolve_config_path
-    from pegainfer.ir.printer import format_graph, to_dot
     from pegainfer.passes.kernels import format_kernels, list_kernels
     from pegainfer.passes.pipeline import lower
 
@@ -170,19 +170,35 @@ def run_inspect(args: argparse.Namespace) -> int:
     if args.show in ("source", "ptx", "sass", "resources"):
         return _inspect_compiled(spec, args)
     if args.show == "graph":
-        print(to_dot(spec.graph) if args.format == "dot" else format_graph(spec.graph), end="")
+        print(_drawing(spec.graph, args.format), end="")
         return 0
     lowered, records = lower(spec.graph)
     if args.show == "passes":
         print("\n".join(record.dump() for record in records), end="")
     elif args.show == "dag":
-        print(to_dot(lowered) if args.format == "dot" else format_graph(lowered), end="")
+        print(_drawing(lowered, args.format), end="")
     elif args.json:
         print(json.dumps({"model": spec.architecture, "dag_file": spec.dag_file,
                           "kernels": [k.as_json() for k in list_kernels(lowered)]}, indent=1))
     else:
         print(format_kernels(lowered), end="")
     return 0
+
+
+def _drawing(graph, form: str) -> str:
+    import shutil
+    import subprocess
+
+    from pegainfer.ir.printer import format_graph, to_dot
+
+    if form == "text":
+        return format_graph(graph)
+    if form == "dot":
+        return to_dot(graph)
+    if shutil.which("dot") is None:
+        raise PegainferError("--format svg needs Graphviz's `dot` on the PATH (apt-get install graphviz); "
+                             "--format dot prints the source it would render")
+    return subprocess.run(["dot", "-Tsvg"], input=to_dot(graph), capture_output=True, text=True, check=True).stdout
 
 
 def _inspect_compiled(spec, args: argparse.Namespace) -> int:

@@ -271,3 +271,12 @@ def test_console_script_matches_in_process(capsys, tiny_checkpoint, tmp_path):
     bad = subprocess.run([*command, *args, "--top-p", "0"], capture_output=True, text=True, cwd=tmp_path,
                          timeout=120)
     assert bad.returncode == 1 and one_line_error(bad.stderr) and "top_p" in bad.stderr
+
+
+def test_inspect_dag_as_svg_renders_or_says_what_is_missing(capsys):
+    import shutil
+    code, out, err = run(capsys, "inspect", "qwen3-0.6b", "--show", "dag", "--format", "svg")
+    if shutil.which("dot"):
+        assert code == 0 and "<svg" in out and "add_rms_norm_linear" in out
+    else:
+        assert code == 1 and "needs Graphviz's `dot` on the PATH" in one_line_error(err)

@@ -43,8 +43,8 @@ class GpuExecutor:
                                  f"asked for {limits.block_size}")
         self.kernels = {(k["graph"], k["node"]): k for k in manifest["kernels"]}
         self.functions = self._load_functions(manifest_path.parent.parent)
-        self.weights = {name: self._upload(array) for name, array in weights.items()
-                        if name in graph.expanded_params()}
+        read = graph.expanded_params()
+        self.weights = {name: self._upload(array) for name, array in weights.items() if name in read}
         sizes = limits.sizes()
         self.states = {name: DeviceTensor.contiguous(driver.alloc(_nbytes(t, sizes)), t.concrete(sizes), t.dtype)
                        for name, t in graph.expanded_states().items()}
