@@ -57,6 +57,7 @@ def _add_make_checkpoint(commands) -> None:
                    help="override a config.json key, e.g. --set num_hidden_layers=4 (repeatable)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--logit-std", type=float, default=6.0, help="spread of the next-token logits (default 6)")
     p.set_defaults(run=run_make_checkpoint)
 
 
@@ -156,7 +157,8 @@ def run_generate(args: argparse.Namespace) -> int:
 def run_make_checkpoint(args: argparse.Namespace) -> int:
     from pegainfer.fixtures.checkpoint import make_checkpoint
 
-    out = make_checkpoint(args.out, args.arch, dict(args.overrides), seed=args.seed, dtype=args.dtype)
+    out = make_checkpoint(args.out, args.arch, dict(args.overrides), seed=args.seed, dtype=args.dtype,
+                          logit_std=args.logit_std)
     print(f"pegainfer: wrote a random {args.arch} checkpoint to {out}", file=sys.stderr)
     return 0
 

@@ -112,6 +112,13 @@ def check_small(folder: Path, results: dict) -> None:
         reference = teacher_forced(cpu, batch_prompts, batch_forced)
         results[f"small_graph_batch{batch}_rel_err_vs_cpu"] = max(relative_error(o, r) for o, r in zip(ours, reference))
     hf_gate(folder, prompts, 16, lambda p, cont: teacher_forced(gpu, p, cont), results)
+    soft = folder.with_name(folder.name + "_soft")
+    if soft.is_dir():
+        soft_model = load_model(soft)
+        soft_gpu = GpuEngine(soft_model, manifest_path(cache_root(), SM, soft_model.spec), options)
+        gate: dict = {}
+        hf_gate(soft, prompts, 16, lambda p, cont: teacher_forced(soft_gpu, p, cont), gate)
+        results["hf_gate_logit_std_2"] = gate["hf_gate"]
 
 
 def bench_4b(results: dict) -> None:
