@@ -2,6 +2,7 @@
 read without torch. Binding checks every weight the graph reads against the files before anything is loaded."""
 
 import json
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,6 +79,26 @@ def derive_weights(derivations: dict[str, Derivation], weights: dict[str, np.nda
     """The weights a lowered graph reads: `weights` plus each derived param (a concatenation of checkpoint tensors)."""
     derived = {name: np.concatenate([weights[s] for s in d.sources], axis=d.axis) for name, d in derivations.items()}
     return {**weights, **derived}
+
+
+class LazyWeights(Mapping[str, np.ndarray]):
+    """The expected weights, each read from its file when asked for (cast to the graph's storage dtype), so that
+    an uploader holds one tensor at a time in host memory, not the whole checkpoint."""
+
+    def __init__(self, expected: dict[str, TensorType], tensors: dict[str, TensorInfo]) -> None:
+        self.expected, self.tensors = expected, tensors
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self.expected:
+            raise KeyError(name)
+        with safe_open(self.tensors[name].file, framework="numpy") as handle:
+            return handle.get_tensor(name).astype(self.expected[name].dtype.np_dtype, copy=False)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.expected)
+
+    def __len__(self) -> int:
+        return len(self.expected)
 
 
 def load_weights(expected: dict[str, TensorType], tensors: dict[str, TensorInfo]) -> dict[str, np.ndarray]:

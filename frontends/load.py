@@ -5,12 +5,12 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
 from pegainfer.errors import ConfigError
-from pegainfer.frontends.checkpoint import check_weights, load_weights, scan_checkpoint
+from pegainfer.frontends.checkpoint import LazyWeights, check_weights, load_weights, scan_checkpoint
 from pegainfer.frontends.config import architecture_of, parse_config, read_config
 from pegainfer.frontends.registry import dag_module_for
 from pegainfer.ir import Graph
@@ -35,7 +35,7 @@ class ModelSpec:
 class LoadedModel:
     spec: ModelSpec
     folder: Path
-    weights: dict[str, np.ndarray]
+    weights: Mapping[str, np.ndarray]
 
 
 def embedded_configs() -> dict[str, Path]:
@@ -71,8 +71,9 @@ def load_spec(config_path: Path) -> ModelSpec:
     return ModelSpec(config_path, raw, architecture, dag, config, dag.build_graph(config))
 
 
-def load_model(folder: Path) -> LoadedModel:
-    """A checkpoint folder: config.json, the DAG file it names, and every weight the graph reads, checked."""
+def load_model(folder: Path, *, lazy: bool = False) -> LoadedModel:
+    """A checkpoint folder: config.json, the DAG file it names, and every weight the graph reads, checked.
+    `lazy` reads each weight from disk only when it is used (the GPU uploader's way)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ConfigError(f"{folder}: not a checkpoint folder")
@@ -80,4 +81,5 @@ def load_model(folder: Path) -> LoadedModel:
     expected = spec.graph.checkpoint_params()
     tensors = scan_checkpoint(folder)
     check_weights(expected, tensors, folder)
-    return LoadedModel(spec, folder, load_weights(expected, tensors))
+    weights = LazyWeights(expected, tensors) if lazy else load_weights(expected, tensors)
+    return LoadedModel(spec, folder, weights)

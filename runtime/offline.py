@@ -19,7 +19,7 @@ def generate_one(model_path: Path, params: SamplingParams, *, prompt: str | None
     assert (prompt is None) != (prompt_ids is None), "give exactly one of prompt and prompt_ids"
     params.validate()
     device, reason = choose_device(device)
-    model = load_model(model_path)
+    model = load_model(model_path, lazy=device == "cuda")
     tokenizer = load_tokenizer(model_path) if prompt is not None or (model_path / "tokenizer.json").is_file() \
         else None
     ids = tokenizer.encode(prompt) if prompt is not None else list(prompt_ids)

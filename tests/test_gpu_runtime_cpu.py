@@ -63,3 +63,14 @@ def test_serving_imports_no_compiler_and_no_torch():
             "'cutlass', 'cupy') if m in sys.modules])")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+def test_lazy_weights_read_the_same_tensors_as_the_eager_load(tiny_checkpoint):
+    import numpy as np
+
+    from pegainfer.frontends.load import load_model
+
+    eager, lazy = load_model(tiny_checkpoint).weights, load_model(tiny_checkpoint, lazy=True).weights
+    assert sorted(lazy) == sorted(eager) and len(lazy) == len(eager)
+    for name in eager:
+        assert lazy[name].dtype == eager[name].dtype and np.array_equal(lazy[name], eager[name])

@@ -7,7 +7,6 @@ from pathlib import Path
 import numpy as np
 
 from pegainfer.errors import PegainferError
-from pegainfer.frontends.checkpoint import derive_weights
 from pegainfer.frontends.load import LoadedModel
 from pegainfer.passes.pipeline import lower
 from pegainfer.runtime.batch import Chunk, Sequence, commit_step, pack_step
@@ -46,8 +45,7 @@ class GpuEngine:
         self.allocator = BlockAllocator(num_blocks, options.block_size, reserved=PADDING_BLOCK + 1)
         limits = Limits(options.max_tokens, options.max_batch, -(-options.max_model_len // options.block_size),
                         num_blocks, options.block_size)
-        self.executor = GpuExecutor(self.ctx, lowered, manifest, derive_weights(lowered.derivations(), model.weights),
-                                    limits)
+        self.executor = GpuExecutor(self.ctx, lowered, manifest, model.weights, limits)
         self.buckets = decode_buckets(options.max_batch)
         self.graphs: dict[int, tuple[driver.Graph, dict]] = {}
 

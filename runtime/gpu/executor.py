@@ -3,6 +3,7 @@ Walks the graph as the reference interpreter does: views are pointer arithmetic,
 variant for the step's row count, a repeated body runs once per layer with that layer's weights and KV cache."""
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from math import prod
 from pathlib import Path
@@ -34,8 +35,10 @@ class Limits:
 
 
 class GpuExecutor:
-    def __init__(self, ctx: driver.Context, graph: Graph, manifest_path: Path, weights: dict[str, np.ndarray],
+    def __init__(self, ctx: driver.Context, graph: Graph, manifest_path: Path, weights: Mapping[str, np.ndarray],
                  limits: Limits) -> None:
+        """`weights` holds the checkpoint's tensors (read lazily is best); derived params are assembled on the
+        device from their sources, one host tensor at a time."""
         self.ctx, self.graph, self.limits = ctx, graph, limits
         manifest = json.loads(manifest_path.read_text())
         if manifest["block_size"] != limits.block_size:
@@ -43,8 +46,7 @@ class GpuExecutor:
                                  f"asked for {limits.block_size}")
         self.kernels = {(k["graph"], k["node"]): k for k in manifest["kernels"]}
         self.functions = self._load_functions(manifest_path.parent.parent)
-        read = graph.expanded_params()
-        self.weights = {name: self._upload(array) for name, array in weights.items() if name in read}
+        self.weights = self._upload_weights(graph, weights)
         sizes = limits.sizes()
         self.states = {name: DeviceTensor.contiguous(driver.alloc(_nbytes(t, sizes)), t.concrete(sizes), t.dtype)
                        for name, t in graph.expanded_states().items()}
@@ -69,10 +71,19 @@ class GpuExecutor:
                     functions[launch["key"]] = driver.load_function(cubin, launch["symbol"], launch["shared"])
         return functions
 
-    def _upload(self, array: np.ndarray) -> int:
-        ptr = driver.alloc(array.nbytes)
-        driver.copy_to_device(ptr, array)
-        return ptr
+    def _upload_weights(self, graph: Graph, weights: Mapping[str, np.ndarray]) -> dict[str, int]:
+        derivations = graph.derivations()
+        uploaded = {}
+        for name, t in graph.expanded_params().items():
+            ptr = driver.alloc(t.dtype.itemsize * prod(t.shape))
+            offset = 0
+            assert name not in derivations or derivations[name].axis == 0, f"{name}: only row concatenation"
+            for source in derivations[name].sources if name in derivations else (name,):
+                array = np.ascontiguousarray(weights[source])  # concatenation along rows: consecutive bytes
+                driver.copy_to_device(ptr + offset, array)
+                offset += array.nbytes
+            uploaded[name] = ptr
+        return uploaded
 
     def _allocate_buffers(self, sizes: dict[str, int]) -> dict[tuple[str, str], list[int]]:
         """(graph, buffer) -> device pointers: one, or two for a body's carry buffers (alternated by layer)."""
