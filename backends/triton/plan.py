@@ -115,7 +115,7 @@ def _plan_gemm(graph: Graph, node: Node) -> KernelSpec:
     tiles = (("one_row", 1, 1, gemv_n, one_row_k, 4, 3, "gemv_kernel"),  # name, max rows, M, N, K tiles, warps, stages
              ("few_rows", 4, 4, gemv_n, 64, 4, 3, "gemv_kernel"),
              ("small_rows", SMALL_ROWS, 16, 16, 256, 4, 3, "linear_kernel"),  # narrow N tiles: many programs
-             ("mid_rows", 64, 64, 32, 128, 4, 3, "linear_kernel"),
+             ("mid_rows", 64, 32, 16, 256, 4, 3, "linear_kernel"),
              ("many_rows", None, 64, 64 if roles["act"] else 128, 64, 8, 3, "linear_kernel"))  # no spills at 8 warps
     for name, max_rows, block_m, block_n, block_k, warps, stages, function in tiles:
         p = _Params(types, static_layout(graph))
