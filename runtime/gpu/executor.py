@@ -3,6 +3,8 @@ Walks the graph as the reference interpreter does: views are pointer arithmetic,
 variant for the step's row count, a repeated body runs once per layer with that layer's weights and KV cache."""
 
 import json
+import sys
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from math import prod
@@ -16,6 +18,7 @@ from pegainfer.ir.dtypes import dtype_from_name
 from pegainfer.ir.graph import KERNEL, REPEAT, Graph, instantiate
 from pegainfer.ir.kernel import in_place_outputs
 from pegainfer.ir.types import TensorType
+from pegainfer.progress import Progress
 from pegainfer.runtime.cuda import driver
 from pegainfer.runtime.gpu.abi import DeviceTensor, grid_of, pack_arguments
 
@@ -72,9 +75,13 @@ class GpuExecutor:
         return functions
 
     def _upload_weights(self, graph: Graph, weights: Mapping[str, np.ndarray]) -> dict[str, int]:
+        """One tensor at a time (a progress bar, and the load rate in GB/s at the end, on stderr)."""
         derivations = graph.derivations()
+        params = graph.expanded_params()
+        progress = Progress("loading weights", len(params))
+        started, total = time.perf_counter(), 0
         uploaded = {}
-        for name, t in graph.expanded_params().items():
+        for name, t in params.items():
             ptr = driver.alloc(t.dtype.itemsize * prod(t.shape))
             offset = 0
             assert name not in derivations or derivations[name].axis == 0, f"{name}: only row concatenation"
@@ -83,6 +90,11 @@ class GpuExecutor:
                 driver.copy_to_device(ptr + offset, array)
                 offset += array.nbytes
             uploaded[name] = ptr
+            total += offset
+            progress.advance()
+        seconds = time.perf_counter() - started
+        print(f"pegainfer: loaded {total / 1e9:.2f} GB of weights in {seconds:.1f} s "
+              f"({total / 1e9 / max(seconds, 1e-9):.2f} GB/s)", file=sys.stderr)
         return uploaded
 
     def _allocate_buffers(self, sizes: dict[str, int]) -> dict[tuple[str, str], list[int]]:

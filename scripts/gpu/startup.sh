@@ -15,5 +15,5 @@ time pg make-checkpoint /tmp/qwen3-4b-random --dtype bfloat16 --logit-std 2 $SHA
 for run in cold warm; do
     echo "== start-up, $run page cache"
     /usr/bin/time -v python3 -m pegainfer.cli generate --model-path /tmp/qwen3-4b-random --prompt-ids 1,2,3,4 \
-        --max-tokens 1 --device cuda 2>&1 | grep -E "Elapsed|Maximum resident|tokens on|error"
+        --max-tokens 1 --device cuda 2>&1 | grep -E "Elapsed|Maximum resident|tokens on|loaded|error"
 done
