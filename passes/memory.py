@@ -41,7 +41,7 @@ def _plan(g: Graph, carried: set[str]) -> list[Buffer]:
     buffers: list[Buffer] = []
     free: list[Buffer] = []
     live: dict[str, Buffer] = {}
-    g.buffers = {}
+    live_or_freed: dict[str, Buffer] = {}  # every value that got a buffer, and which
     types = g.value_types()
     for index, node in enumerate(g.nodes):
         for value in [v for v, end in last_use.items() if end < index and v in live]:
@@ -58,8 +58,8 @@ def _plan(g: Graph, carried: set[str]) -> list[Buffer]:
             if out in carried:
                 buffer.name = f"carry{sum(b.name.startswith('carry') for b in buffers)}"
             buffer.holders.append(out)
-            live[out] = buffer
-    g.buffers = {value: _buffer_of(value, root, buffers) for value in root if _buffer_of(value, root, buffers)}
+            live[out] = live_or_freed[out] = buffer
+    g.buffers = {value: live_or_freed[root[value]].name for value in root if root[value] in live_or_freed}
     return buffers
 
 
@@ -74,10 +74,6 @@ def _take(free: list[Buffer], buffers: list[Buffer], type_: TensorType) -> Buffe
     buffer = Buffer(f"b{len(buffers)}", symbols, size)
     buffers.append(buffer)
     return buffer
-
-
-def _buffer_of(value: str, root: dict[str, str], buffers: list[Buffer]) -> str | None:
-    return next((b.name for b in buffers if root[value] in b.holders), None)
 
 
 def _alias_roots(g: Graph) -> dict[str, str]:
