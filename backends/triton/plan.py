@@ -109,6 +109,7 @@ def _plan_gemm(graph: Graph, node: Node) -> KernelSpec:
     rows = roles["rows"]
     row_symbol = types[rows].shape[0] if rows else types[roles["x"]].shape[0]
     n, k = roles["n"], types[roles["weight"]].shape[1]
+    layout = static_layout(graph)
     variants = []
     gemv_n = max(1, min(16, 1 << max(0, (n // GEMV_PROGRAMS).bit_length() - 1)))  # enough programs to fill the SMs
     one_row_k = 512 if roles["act"] else 1024  # measured on the H200: 1024 helps QKV, spills with two weight tiles
@@ -118,7 +119,7 @@ def _plan_gemm(graph: Graph, node: Node) -> KernelSpec:
              ("mid_rows", 64, 32, 16, 256, 4, 3, "linear_kernel"),
              ("many_rows", None, 64, 64 if roles["act"] else 128, 64, 8, 3, "linear_kernel"))  # no spills at 8 warps
     for name, max_rows, block_m, block_n, block_k, warps, stages, function in tiles:
-        p = _Params(types, static_layout(graph))
+        p = _Params(types, layout)
         for param in ("x", "x2", "rows", "norm", "weight", "bias", "out", "sum"):
             p.tensor(f"{param if param != 'weight' else 'w'}_ptr", roles[param])
         p.dim("M", row_symbol)
@@ -135,7 +136,7 @@ def _plan_gemm(graph: Graph, node: Node) -> KernelSpec:
         launches = [_launch("gemm.py", function, p, constexprs, grid, warps, stages)]
         scratch = {}
         if roles["top_k"] is not None:
-            tail, scratch = _plan_tail_reduction(types, roles, static_layout(graph))
+            tail, scratch = _plan_tail_reduction(types, roles, layout)
             launches += tail
         variants.append(VariantSpec(name, max_rows, launches))
     spec = _spec(graph, node, row_symbol, variants)
