@@ -90,6 +90,7 @@ def _add_compile(commands) -> None:
 
 
 MODEL_HELP = "checkpoint folder, config.json, or an embedded config such as qwen3-4b"
+CACHE_HELP = "cubin cache (default: $PEGAINFER_CACHE, aot_cache/ of a checkout, or ~/.cache/pegainfer)"
 
 
 def _add_bench(commands) -> None:
@@ -107,22 +108,19 @@ def _add_bench(commands) -> None:
     p.set_defaults(run=run_bench)
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 1,8,32, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-CACHE_HELP = "cubin cache (default: $PEGAINFER_CACHE, aot_cache/ of a checkout, or ~/.cache/pegainfer)"
-
-
 def _token_ids(text: str) -> list[int]:
     try:
         return [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 1,2,3, got {text!r}") from None
+
+
+def _int_list(text: str) -> list[int]:
+    """Sizes for bench: comma-separated like token ids, and each at least 1."""
+    values = _token_ids(text)
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
 
 
 def _override(text: str) -> tuple[str, object]:
