@@ -13,8 +13,13 @@ class GridDim:
     times: int = 1
 
     def size(self, sizes: dict[str, int]) -> int:
+        """At least 1: an empty step still launches one program, which its masks keep idle."""
         total = prod(f if isinstance(f, int) else sizes[f] for f in self.factors)
-        return -(-total // self.block) * self.times
+        return max(1, -(-total // self.block) * self.times)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "GridDim":
+        return cls(tuple(data["factors"]), data["block"], data.get("times", 1))
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,11 @@ class LaunchSpec:
     num_stages: int = 2
 
 
+def fits(max_rows: int | None, rows: int) -> bool:
+    """Whether a variant made for at most `max_rows` rows (None: any number) serves a step of `rows` rows."""
+    return max_rows is None or rows <= max_rows
+
+
 @dataclass
 class VariantSpec:
     name: str
@@ -60,7 +70,7 @@ class KernelSpec:
     def variant_for(self, sizes: dict[str, int]) -> VariantSpec:
         rows = sizes[self.row_symbol]
         for variant in self.variants:
-            if variant.max_rows is None or rows <= variant.max_rows:
+            if fits(variant.max_rows, rows):
                 return variant
         raise AssertionError(f"kernel {self.node}: no variant for {self.row_symbol}={rows}")
 

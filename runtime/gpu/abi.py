@@ -5,6 +5,7 @@ import ctypes
 from dataclasses import dataclass
 from math import prod
 
+from pegainfer.backends.spec import GridDim
 from pegainfer.ir.dtypes import DType
 
 
@@ -58,8 +59,5 @@ def pack_arguments(params: list[dict], tensors: dict[str, DeviceTensor], sizes: 
 
 
 def grid_of(launch: dict, sizes: dict[str, int]) -> tuple[int, int, int]:
-    dims = []
-    for dim in launch["grid"]:
-        total = prod(f if isinstance(f, int) else sizes[f] for f in dim["factors"])
-        dims.append(max(1, -(-total // dim["block"]) * dim.get("times", 1)))
-    return tuple(dims)
+    """The launch's grid for this step, by the rule the manifest records (backends/spec.GridDim)."""
+    return tuple(GridDim.from_json(dim).size(sizes) for dim in launch["grid"])

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from pegainfer.backends.cache import sha256_of
+from pegainfer.backends.spec import fits
 from pegainfer.errors import PegainferError
 from pegainfer.ir.dtypes import dtype_from_name
 from pegainfer.ir.graph import KERNEL, REPEAT, Graph, instantiate
@@ -194,7 +195,7 @@ class GpuExecutor:
 
     def _launch(self, kernel: dict, env: dict[str, DeviceTensor], sizes: dict[str, int]) -> None:
         rows = sizes[kernel["row_symbol"]]
-        variant = next(v for v in kernel["variants"] if v["max_rows"] is None or rows <= v["max_rows"])
+        variant = next(v for v in kernel["variants"] if fits(v["max_rows"], rows))
         for launch in variant["launches"]:
             _, function = self.functions[launch["key"]]
             args = pack_arguments(launch["params"], env, sizes)  # the driver copies them at the call
