@@ -57,6 +57,12 @@ def pack_step(chunks: list[Chunk], allocator: BlockAllocator, *, all_logits: boo
     }
 
 
+def release_sequence(allocator: BlockAllocator, seq: Sequence) -> None:
+    """Frees the sequence's KV blocks; stepped again, it would be recomputed from its first token."""
+    allocator.release(seq.table)
+    seq.num_cached = 0
+
+
 def commit_step(chunks: list[Chunk]) -> None:
     """Marks the chunks' tokens as cached once the step that wrote their KV has run."""
     for chunk in chunks:

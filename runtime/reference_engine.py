@@ -7,7 +7,7 @@ from pegainfer.frontends.checkpoint import derive_weights
 from pegainfer.frontends.load import LoadedModel
 from pegainfer.ir.graph import Graph
 from pegainfer.ir.interpreter import run_graph
-from pegainfer.runtime.batch import Chunk, Sequence, commit_step, pack_step
+from pegainfer.runtime.batch import Chunk, Sequence, commit_step, pack_step, release_sequence
 from pegainfer.runtime.kv_blocks import BlockAllocator
 
 DEFAULT_BLOCK_SIZE = 16
@@ -34,6 +34,4 @@ class ReferenceEngine:
         return logits.astype(np.float32)
 
     def release(self, seq: Sequence) -> None:
-        """Frees the sequence's KV blocks; it would be recomputed from scratch if stepped again."""
-        self.allocator.release(seq.table)
-        seq.num_cached = 0
+        release_sequence(self.allocator, seq)

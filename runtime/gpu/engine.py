@@ -9,7 +9,7 @@ import numpy as np
 from pegainfer.errors import PegainferError
 from pegainfer.frontends.load import LoadedModel
 from pegainfer.passes.pipeline import lower
-from pegainfer.runtime.batch import Chunk, Sequence, commit_step, pack_step
+from pegainfer.runtime.batch import Chunk, Sequence, commit_step, pack_step, release_sequence
 from pegainfer.runtime.cuda import driver
 from pegainfer.runtime.gpu.executor import GpuExecutor, Limits
 from pegainfer.runtime.kv_blocks import BlockAllocator
@@ -78,8 +78,7 @@ class GpuEngine:
         return outputs
 
     def release(self, seq: Sequence) -> None:
-        self.allocator.release(seq.table)
-        seq.num_cached = 0
+        release_sequence(self.allocator, seq)
 
 
 def pad_decode_step(step: dict[str, np.ndarray], bucket: int) -> dict[str, np.ndarray]:

@@ -16,18 +16,13 @@ from pegainfer.runtime import bench
 from pegainfer.runtime.batch import Chunk, Sequence
 from pegainfer.runtime.gpu.engine import EngineOptions, GpuEngine
 from pegainfer.runtime.reference_engine import ReferenceEngine
+from pegainfer.runtime.sampler import log_softmax
 
 SM = 90
 
 
 def relative_error(ours: np.ndarray, theirs: np.ndarray) -> float:
     return float(np.linalg.norm(ours.astype(np.float64) - theirs) / np.linalg.norm(theirs.astype(np.float64)))
-
-
-def log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64)
-    x = x - x.max(-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
 def teacher_forced(engine, prompts: list[list[int]], continuations: list[list[int]]) -> list[np.ndarray]:
@@ -65,7 +60,7 @@ def hf_gate(folder: Path, prompts, steps: int, ours_fn, results: dict) -> None:
     ours = ours_fn(prompts, continuations)
     regrets, deltas = [], []
     for theirs, mine in zip(hf_rows, ours):
-        hf_lp, our_lp = log_softmax(theirs), log_softmax(mine)
+        hf_lp, our_lp = log_softmax(theirs.astype(np.float64)), log_softmax(mine.astype(np.float64))
         for h, o in zip(hf_lp, our_lp):
             regrets.append(h.max() - h[o.argmax()])
             top8 = np.argsort(-h)[:8]
