@@ -17,7 +17,8 @@ from pegainfer.ir.types import TensorType
 KERNELS = Path(__file__).parent / "kernels"
 SMALL_ROWS = 16  # up to this many rows a GEMM uses its decode-shaped tiles
 SPLIT_KV = 16  # key slices per sequence for attention at small batch
-GEMV_PROGRAMS = 528  # a decode GEMV aims for at least this many programs: 4 per SM of an H100/H200
+GEMV_PROGRAMS = 528  # a few-rows GEMV aims for at least this many programs: 4 per SM of an H100/H200
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension (the GEMMs' column tiles)
 _TRITON_TYPES = {"bf16": "bf16", "f16": "fp16", "f32": "fp32", "i32": "i32", "i64": "i64"}
 
 
@@ -111,23 +112,13 @@ def _plan_gemm(graph: Graph, node: Node) -> KernelSpec:
     n, k = roles["n"], types[roles["weight"]].shape[1]
     layout = static_layout(graph)
     variants = []
-    gemv_n = max(1, min(16, 1 << max(0, (n // GEMV_PROGRAMS).bit_length() - 1)))  # enough programs to fill the SMs
-    one_row_k = 512 if roles["act"] else 1024  # measured on the H200: 1024 helps QKV, spills with two weight tiles
-    tiles = (("one_row", 1, 1, gemv_n, one_row_k, 4, 3, "gemv_kernel"),  # name, max rows, M, N, K tiles, warps, stages
-             ("few_rows", 4, 4, gemv_n, 64, 4, 3, "gemv_kernel"),
-             ("small_rows", SMALL_ROWS, 16, 16, 256, 4, 3, "linear_kernel"),  # narrow N tiles: many programs
-             ("mid_rows", 64, 32, 16, 256, 4, 3, "linear_kernel"),
-             ("many_rows", None, 64, 64 if roles["act"] else 128, 64, 8, 3, "linear_kernel"))  # no spills at 8 warps
-    for name, max_rows, block_m, block_n, block_k, warps, stages, function in tiles:
+    for name, max_rows, block_m, block_n, block_k, warps, stages, function in _gemm_tiles(n, k, bool(roles["act"])):
         p = _Params(types, layout)
         for param in ("x", "x2", "rows", "norm", "weight", "bias", "out", "sum"):
             p.tensor(f"{param if param != 'weight' else 'w'}_ptr", roles[param])
         p.dim("M", row_symbol)
         for param in ("x", "x2", "out", "sum"):
             p.stride(f"stride_{param}", roles[param])
-        block_n, block_k = max(16, min(block_n, next_pow2(n))), max(16, min(block_k, next_pow2(k)))
-        if function == "gemv_kernel":
-            block_n = min(gemv_n, next_pow2(n))
         constexprs = dict(N=n, K=k, EPS=roles["eps"], ADD=roles["x2"] is not None, GATHER=rows is not None,
                           NORM=roles["norm"] is not None, BIAS=roles["bias"] is not None, ACT=roles["act"],
                           WRITE_SUM=roles["sum"] is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
@@ -142,6 +133,37 @@ def _plan_gemm(graph: Graph, node: Node) -> KernelSpec:
     spec = _spec(graph, node, row_symbol, variants)
     spec.scratch = {name: (t.dtype.name, t.shape) for name, t in scratch.items()}
     return spec
+
+
+def _gemm_tiles(n: int, k: int, act: bool) -> list[tuple]:
+    """(variant, max rows, M, N and K tiles, warps, stages, kernel) of a GEMM, by the step's row count."""
+    gemv_n = max(1, min(16, 1 << max(0, (n // GEMV_PROGRAMS).bit_length() - 1)))  # enough programs to fill the SMs
+    row_n, row_k, row_warps = one_row_tile(n, k, act)
+
+    def mma(block_n: int, block_k: int) -> tuple[int, int]:  # tensor-core tiles are at least 16 wide
+        return max(16, min(block_n, next_pow2(n))), max(16, min(block_k, next_pow2(k)))
+
+    return [("one_row", 1, 1, min(row_n, next_pow2(n)), min(row_k, max(16, next_pow2(k))), row_warps, 1,
+             "gemv_row_kernel"),
+            ("few_rows", 4, 4, min(gemv_n, next_pow2(n)), mma(0, 64)[1], 4, 3, "gemv_kernel"),
+            ("small_rows", SMALL_ROWS, 16, *mma(16, 256), 4, 3, "linear_kernel"),  # narrow N tiles: many programs
+            ("mid_rows", 64, 32, *mma(16, 256), 4, 3, "linear_kernel"),
+            ("many_rows", None, 64, *mma(64 if act else 128, 64), 8, 3, "linear_kernel")]  # no spills at 8 warps
+
+
+def one_row_tile(n: int, k: int, act: bool) -> tuple[int, int, int]:
+    """(columns, K tile, warps) of the batch-1 GEMV, from a search on the H200 over Qwen3-4B's shapes
+    (scripts/gpu/tune_gemv.py, docs/BENCHMARKS.md): few columns want one column per program and long K tiles
+    (thousands of programs), a merged gate/up two columns over two weight tiles, wide ones four columns."""
+    if act:
+        tile = (2, 512, 2)
+    elif n <= 4096:
+        tile = (1, 2048, 8) if k >= 4096 else (1, 1024, 2)
+    else:
+        tile = (4, 256, 2)
+    while -(-n // tile[0]) > MAX_GRID_Y:
+        tile = (tile[0] * 2, *tile[1:])
+    return tile
 
 
 def _gemm_roles(node: Node) -> dict:

@@ -1,6 +1,7 @@
 """The GEMM family: y = x @ W^T with an optional prologue (residual add, row gather, RMSNorm folded in as a row
 scale) and epilogue (bias, act(gate) * up over a merged [2N, K] weight), specialised by constexprs. Two kernels
-share the prologue and epilogue: linear_kernel on the tensor cores, gemv_kernel for one to four rows (decode)."""
+share the prologue and epilogue: linear_kernel on the tensor cores, gemv_kernel for a few rows (decode), and
+gemv_row_kernel for one row per program (batch-1 decode)."""
 
 import triton
 import triton.language as tl
@@ -155,3 +156,58 @@ def gemv_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, sum
             up3 += a[:, None, :] * w_up.to(tl.float32)[None, :, :]
     _store(tl.sum(acc3, axis=2), tl.sum(up3, axis=2), bias_ptr, out_ptr, offs_m, mask_m, offs_n, mask_n, stride_out,
            N, BIAS, ACT)
+
+
+@triton.jit
+def gemv_row_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, sum_ptr,
+                    M, stride_x, stride_x2, stride_out, stride_sum,
+                    N: tl.constexpr, K: tl.constexpr, EPS: tl.constexpr,
+                    ADD: tl.constexpr, GATHER: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr,
+                    ACT: tl.constexpr, WRITE_SUM: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """gemv_kernel with one row per program (BLOCK_M must be 1) and two-dimensional tiles: the activation is
+    loaded straight into the weight tile's column layout, so no layout change (a round trip through shared
+    memory and a barrier) sits in the K loop that streams the weights."""
+    m = tl.program_id(0)
+    valid = m < M
+    row = tl.load(rows_ptr + m, mask=valid, other=0) if GATHER else m
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    rstd = 1.0
+    if NORM:
+        squares = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            a = _load_row(x_ptr, x2_ptr, row, stride_x, stride_x2, offs_k, valid & (offs_k < K), ADD)
+            if WRITE_SUM:
+                tl.store(sum_ptr + m * stride_sum + offs_k, a.to(sum_ptr.dtype.element_ty),
+                         mask=valid & (offs_k < K) & (tl.program_id(1) == 0))
+            squares += a * a
+        rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + EPS)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        a = _load_row(x_ptr, x2_ptr, row, stride_x, stride_x2, offs_k, valid & mask_k, ADD)
+        if NORM:
+            a = a * rstd * tl.load(norm_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        if not UPCAST_DOT:  # round the activation as the tensor-core path does
+            a = a.to(w_ptr.dtype.element_ty).to(tl.float32)
+        w_mask = mask_n[:, None] & mask_k[None, :]
+        w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
+        acc += w.to(tl.float32) * a[None, :]
+        if ACT != 0:
+            w_up = tl.load(w_ptr + (N + offs_n[:, None]) * K + offs_k[None, :], mask=w_mask, other=0.0)
+            up += w_up.to(tl.float32) * a[None, :]
+    offs_m = tl.full([1], 0, tl.int32) + m
+    _store(tl.sum(acc, axis=1)[None, :], tl.sum(up, axis=1)[None, :], bias_ptr, out_ptr, offs_m, offs_m < M,
+           offs_n, mask_n, stride_out, N, BIAS, ACT)
+
+
+@triton.jit
+def _load_row(x_ptr, x2_ptr, row, stride_x, stride_x2, offs_k, mask, ADD: tl.constexpr):
+    a = tl.load(x_ptr + row * stride_x + offs_k, mask=mask, other=0.0).to(tl.float32)
+    if ADD:
+        a += tl.load(x2_ptr + row * stride_x2 + offs_k, mask=mask, other=0.0).to(tl.float32)
+    return a

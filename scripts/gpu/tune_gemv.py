@@ -1,0 +1,243 @@
+"""Tile search for the decode GEMMs of a model (the measurement behind backends/triton/plan.py's GEMV tiles).
+
+Here, with no GPU: `python scripts/gpu/tune_gemv.py prepare --out .gpu/tune` compiles, for every GEMM kernel of
+Qwen3-4B, the plan's own decode variants plus candidate tiles of gemv_kernel and gemv_row_kernel, to sm_90 cubins.
+On the GPU: `python scripts/gpu/tune_gemv.py run --dir .gpu/tune --out $OUT` launches each candidate on random
+bf16 data, checks its output against the plan's variant, and times it in a CUDA graph that cycles through enough
+copies of the weight to defeat the L2, printing microseconds and TB/s per candidate (best first per shape)."""
+
+import argparse
+import json
+import multiprocessing
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+SM = 90
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension
+L2_DEFEAT_BYTES = 256 << 20  # cycle through this many bytes of weight copies (the H200's L2 holds 50 MB)
+
+
+def candidates(launch, act: bool) -> list[tuple[str, object]]:
+    """(label, LaunchSpec) for each tile to try at this row count."""
+    out = []
+    tiles = [(1, 1024, 2), (2, 512, 2), (2, 1024, 2), (4, 256, 2), (1, 1024, 4), (2, 1024, 4), (4, 512, 4),
+             (4, 1024, 4), (8, 256, 4), (8, 512, 4), (16, 256, 4), (1, 2048, 8), (2, 2048, 8), (4, 1024, 8)]
+    for bn, bk, warps in tiles:
+        programs = -(-launch.constexprs["N"] // bn)
+        if bn * bk * (2 if act else 1) // (32 * warps) > 64 or programs > MAX_GRID_Y:
+            continue
+        out.append((f"row n{bn} k{bk} w{warps}", _tile(launch, "gemv_row_kernel", 1, bn, bk, warps, 1)))
+    return out
+
+
+def _tile(launch, function: str, block_m: int, bn: int, bk: int, warps: int, stages: int):
+    constexprs = dict(launch.constexprs, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk)
+    grid = (replace(launch.grid[0], block=block_m), replace(launch.grid[1], block=bn), launch.grid[2])
+    return replace(launch, function=function, constexprs=constexprs, grid=grid, num_warps=warps, num_stages=stages)
+
+
+def _out_f32(launch) -> bool:
+    return next(p.dtype for p in launch.params if p.name == "out_ptr") == "*fp32"
+
+
+def _compile(item):
+    from pegainfer.backends.triton.compiler import compile_launch
+
+    key, launch = item
+    try:
+        compiled = compile_launch(launch, SM)
+    except Exception as error:  # a tile that does not compile is reported, not fatal
+        return key, None, f"{type(error).__name__}: {str(error)[:200]}"
+    return key, compiled, None
+
+
+def prepare(out: Path) -> None:
+    from pegainfer.backends.build import plan_model
+    from pegainfer.backends.triton.plan import PlanOptions
+    from pegainfer.frontends.load import embedded_configs, load_spec
+
+    spec = load_spec(embedded_configs()["qwen3-4b"])
+    _, kernels = plan_model(spec, PlanOptions())
+    todo, index = {}, []
+    for kernel in kernels:
+        variants = {v.name: v for v in kernel.variants}
+        if "one_row" not in variants:
+            continue
+        for rows, baseline in ((1, "one_row"),):
+            base = variants[baseline].launches[0]
+            act = bool(base.constexprs["ACT"])
+            entries = [(f"plan {baseline}", base)] + candidates(variants["one_row"].launches[0], act)
+            for label, launch in entries:
+                key = f"{kernel.node}.m{rows}.{len(todo)}"
+                todo[key] = launch
+                index.append(dict(key=key, kernel=kernel.node, rows=rows, label=label, function=launch.function,
+                                  params=[p.name for p in launch.params], out_f32=_out_f32(launch),
+                                  constexprs=launch.constexprs,
+                                  grid=[[list(g.factors), g.block, g.times] for g in launch.grid]))
+    out.mkdir(parents=True, exist_ok=True)
+    failed = {}
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(2, mp_context=context) as pool:
+        for key, compiled, error in pool.map(_compile, todo.items()):
+            if compiled is None:
+                failed[key] = error
+                continue
+            (out / f"{key}.cubin").write_bytes(compiled.cubin)
+            entry = next(e for e in index if e["key"] == key)
+            entry.update(symbol=compiled.function, shared=compiled.shared, warps=compiled.num_warps,
+                         scratch=compiled.scratch)
+    index = [e for e in index if e["key"] not in failed]
+    (out / "index.json").write_text(json.dumps(index, indent=1))
+    print(f"{len(index)} candidates compiled, {len(failed)} failed", *failed.items(), sep="\n")
+
+
+def run(folder: Path, out: Path) -> None:
+    import ctypes
+
+    import numpy as np
+
+    from pegainfer.runtime.cuda import driver as cu
+
+    ctx = cu.Context.create(0)
+    out.mkdir(parents=True, exist_ok=True)
+    index = json.loads((folder / "index.json").read_text())
+    rng = np.random.default_rng(0)
+    results, buffers = [], {}
+    for (kernel, rows), group in _groups(index).items():
+        c = group[0]["constexprs"]
+        n, k, act = c["N"], c["K"], c["ACT"]
+        w_rows = n * (2 if act else 1)
+        w_bytes = w_rows * k * 2
+        copies = max(2, -(-L2_DEFEAT_BYTES // w_bytes))
+        if kernel not in buffers:
+            buffers[kernel] = [_upload(rng.standard_normal((w_rows, k), dtype=np.float32) * 0.02) for _ in range(copies)]
+        weights = buffers[kernel]
+        x = _upload(rng.standard_normal((rows, k), dtype=np.float32))
+        x2 = _upload(rng.standard_normal((rows, k), dtype=np.float32))
+        norm = _upload(1 + 0.1 * rng.standard_normal(k, dtype=np.float32))
+        ids = cu.alloc(4 * rows)
+        cu.copy_to_device(ids, np.arange(rows, dtype=np.int32))
+        summed = cu.alloc(rows * k * 2)
+        reference = None
+        for entry in group:
+            result = cu.alloc(rows * n * 4)
+            _, function = cu.load_function((folder / f"{entry['key']}.cubin").read_bytes(), entry["symbol"],
+                                           entry["shared"])
+            grid = tuple(-(-_size(f, rows) // b) * t for f, b, t in entry["grid"])
+            values = dict(x_ptr=x, x2_ptr=x2, rows_ptr=ids, norm_ptr=norm, bias_ptr=0, out_ptr=result,
+                          sum_ptr=summed, M=rows, stride_x=k, stride_x2=k, stride_out=n, stride_sum=k)
+            scratch = _scratch(entry, grid)
+            packed = [_pack(entry["params"], values | {"w_ptr": w}, scratch) for w in weights]
+
+            def launch(args):
+                cu.launch(function, entry["symbol"], grid, 32 * entry["warps"], entry["shared"], ctx.stream,
+                          ctypes.addressof(args[1]))
+
+            launch(packed[0])
+            ctx.synchronize()
+            got = _read(result, rows * n, entry["out_f32"])
+            reference = got if reference is None else reference
+            error = float(np.abs(got - reference).max() / (np.abs(reference).max() + 1e-9))
+            seconds = _time(ctx, lambda: [launch(args) for args in packed], len(packed))
+            results.append(dict(kernel=kernel, rows=rows, label=entry["label"], us=seconds * 1e6,
+                                tbps=w_bytes / seconds / 1e12, rel_err=error, grid=grid))
+            cu.free(result)
+        (out / "tune_gemv.json").write_text(json.dumps(results, indent=1))
+    _table(results)
+
+
+def _groups(index: list[dict]) -> dict:
+    groups: dict = {}
+    for entry in index:
+        groups.setdefault((entry["kernel"], entry["rows"]), []).append(entry)
+    return groups
+
+
+def _size(factors, rows: int) -> int:
+    total = 1
+    for f in factors:
+        total *= f if isinstance(f, int) else rows
+    return total
+
+
+def _scratch(entry: dict, grid: tuple[int, int, int]) -> list[int]:
+    """Triton's two trailing scratch pointers (global, profile): a buffer per program when the kernel asks."""
+    from pegainfer.runtime.cuda import driver as cu
+
+    programs = grid[0] * grid[1] * grid[2]
+    sizes = entry["scratch"]
+    return [cu.alloc(sizes[f"{name}_size"] * programs) if sizes[f"{name}_size"] else 0
+            for name in ("global_scratch", "profile_scratch")]
+
+
+def _pack(params: list[str], values: dict, scratch: list[int]):
+    """ctypes storage of each argument in order, and the kernelParams array pointing at them."""
+    import ctypes
+
+    ints = ("M", "stride_x", "stride_x2", "stride_out", "stride_sum")
+    args = [ctypes.c_int32(values[p]) if p in ints else ctypes.c_uint64(values[p]) for p in params]
+    args += [ctypes.c_uint64(ptr) for ptr in scratch]
+    return args, (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+
+
+def _upload(array) -> int:
+    import ml_dtypes
+    import numpy as np
+
+    from pegainfer.runtime.cuda import driver as cu
+
+    data = np.ascontiguousarray(array.astype(ml_dtypes.bfloat16))
+    ptr = cu.alloc(data.nbytes)
+    cu.copy_to_device(ptr, data)
+    return ptr
+
+
+def _read(ptr: int, count: int, f32: bool):
+    import ml_dtypes
+    import numpy as np
+
+    from pegainfer.runtime.cuda import driver as cu
+
+    host = np.empty(count, dtype=np.float32 if f32 else ml_dtypes.bfloat16)
+    cu.copy_to_host(host, ptr)
+    return host.astype(np.float32)
+
+
+def _time(ctx, launch_all, per_replay: int, replays: int = 20) -> float:
+    from pegainfer.runtime.cuda import driver as cu
+
+    with cu.Graph(ctx.stream) as graph:
+        for _ in range(4):
+            launch_all()
+    graph.replay()
+    ctx.synchronize()
+    start, end = cu.Event(), cu.Event()
+    start.record(ctx.stream)
+    for _ in range(replays):
+        graph.replay()
+    end.record(ctx.stream)
+    ctx.synchronize()
+    return end.seconds_since(start) / (replays * 4 * per_replay)
+
+
+def _table(results: list[dict]) -> None:
+    print(f"\n{'kernel':<14}{'rows':>5}  {'candidate':<26}{'us':>8}{'TB/s':>7}{'rel err':>10}")
+    for (kernel, rows), group in _groups(results).items():
+        plan = next(r for r in group if r["label"].startswith("plan"))
+        for r in sorted(group, key=lambda r: r["us"])[:5] + [plan]:
+            print(f"{kernel:<14}{rows:>5}  {r['label']:<26}{r['us']:>8.1f}{r['tbps']:>7.2f}{r['rel_err']:>10.1e}")
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("mode", choices=("prepare", "run"))
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--dir", type=Path, default=Path(".gpu/tune"))
+    args = parser.parse_args(argv)
+    prepare(args.out) if args.mode == "prepare" else run(args.dir, args.out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
