@@ -119,7 +119,8 @@ def _compiler_process() -> None:
 
 def _entry_meta(compiled, launch: LaunchSpec) -> dict:
     return {"function": compiled.function, "shared": compiled.shared, "num_warps": compiled.num_warps,
-            "scratch": compiled.scratch, "triton_version": compiled.triton_version, "source": launch.module}
+            "scratch": compiled.scratch, "triton_version": compiled.triton_version, "source": launch.module,
+            "pdl": compiled.pdl}
 
 
 def _write_manifest(spec: ModelSpec, sm: int, root: Path, kernels: list[KernelSpec], entries: dict,
@@ -132,7 +133,7 @@ def _write_manifest(spec: ModelSpec, sm: int, root: Path, kernels: list[KernelSp
                 key = launch_key(ir_text[(kernel.graph, kernel.node)], spec_launch, sm, "triton", version)
                 entry = entries[(sm, key)]
                 launch.update(key=key, cubin=entry["cubin"], sha256=entry["sha256"], symbol=entry["function"],
-                              shared=entry["shared"], num_warps=entry["num_warps"],
+                              shared=entry["shared"], num_warps=entry["num_warps"], pdl=entry.get("pdl", False),
                               params=launch["params"] + _scratch_params(entry["scratch"]))
         records.append(record)
     manifest = {"model": spec.architecture, "model_id": model_id(spec), "config": str(spec.config_path),

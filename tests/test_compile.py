@@ -54,6 +54,19 @@ def test_manifest_abi_matches_the_ptx_entry(built):
         assert [p["kind"] for p in launch["params"][-2:]] == ["scratch", "scratch"]
 
 
+def test_programmatic_dependent_launch_only_where_the_sm_has_it(built):
+    """sm_90 and later: the kernels that wait on their predecessor (griddepcontrol) say so in the manifest."""
+    _, _, report = built
+    for manifest in report.manifests:
+        sm = json.loads(manifest.read_text())["sm"]
+        for kernel, launch in launches(manifest):
+            ptx = (manifest.parent.parent / f"{launch['key']}.ptx").read_text()
+            assert launch["pdl"] == ("griddepcontrol.wait" in ptx), f"sm_{sm} {kernel['node']} {launch['symbol']}"
+            if sm < 90:
+                assert not launch["pdl"]
+        assert sm < 90 or any(launch["pdl"] for _, launch in launches(manifest))
+
+
 def test_second_compile_is_all_cache_hits_and_a_corrupt_cubin_is_rebuilt(built):
     spec, cache, first = built
     second = build_model(spec, SMS, jobs=2, cache_dir=cache, quiet=True)

@@ -94,8 +94,11 @@ def _run_launch(launch: LaunchSpec, env: dict[str, torch.Tensor], sizes: dict[st
     constexprs = dict(launch.constexprs)
     if "UPCAST_DOT" in constexprs:
         constexprs["UPCAST_DOT"] = True  # the interpreter's bf16 tl.dot is wrong; see kernels/gemm.py
+    function = getattr(module, launch.function)
+    if "PDL" in function.arg_names:
+        constexprs["PDL"] = False  # the interpreter runs launches one after another (and has no griddepcontrol)
     with triton_interpret(True):
-        getattr(module, launch.function)[grid](**args, **constexprs)
+        function[grid](**args, **constexprs)
 
 
 def _poisoned(type_: TensorType, sizes: dict[str, int]) -> torch.Tensor:

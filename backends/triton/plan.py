@@ -123,6 +123,8 @@ def _plan_gemm(graph: Graph, node: Node) -> KernelSpec:
                           NORM=roles["norm"] is not None, BIAS=roles["bias"] is not None, ACT=roles["act"],
                           WRITE_SUM=roles["sum"] is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                           UPCAST_DOT=False)
+        if function == "gemv_row_kernel":  # the RMSNorm prologue in at most a few chunks of 32 values a lane
+            constexprs["RMS_BLOCK"] = min(max(16, next_pow2(k)), 1024 * warps)
         grid = (GridDim((row_symbol,), block_m), GridDim((n,), block_n))
         launches = [_launch("gemm.py", function, p, constexprs, grid, warps, stages)]
         scratch = {}
@@ -153,14 +155,14 @@ def _gemm_tiles(n: int, k: int, act: bool) -> list[tuple]:
 
 def one_row_tile(n: int, k: int, act: bool) -> tuple[int, int, int]:
     """(columns, K tile, warps) of the batch-1 GEMV, from a search on the H200 over Qwen3-4B's shapes
-    (scripts/gpu/tune_gemv.py, docs/BENCHMARKS.md): few columns want one column per program and long K tiles
-    (thousands of programs), a merged gate/up two columns over two weight tiles, wide ones four columns."""
+    (scripts/gpu/tune_gemv.py, docs/BENCHMARKS.md): few columns want one or two columns per program and long K
+    tiles (thousands of programs); more columns, four or eight per program at four warps."""
     if act:
-        tile = (2, 512, 2)
+        tile = (4, 512, 4)
     elif n <= 4096:
-        tile = (1, 2048, 8) if k >= 4096 else (1, 1024, 2)
+        tile = (2, 1024, 4) if k >= 8192 else (1, 2048, 8)
     else:
-        tile = (4, 256, 2)
+        tile = (8, 256, 4)
     while -(-n // tile[0]) > MAX_GRID_Y:
         tile = (tile[0] * 2, *tile[1:])
     return tile
@@ -319,7 +321,9 @@ def _plan_split_attention(types: dict, layout: dict, attention: Node, constexprs
         split.tensor(name, value)
     split.stride("stride_q", q)
     split.stride("stride_tables", tables)
-    split_constexprs = {**constexprs, "HEADS": heads, "SPLITS": SPLIT_KV}
+    # each slice's keys in one or two tiles: a decode program's time is its chain of dependent gathers
+    split_constexprs = {**constexprs, "HEADS": heads, "SPLITS": SPLIT_KV,
+                        "BLOCK_KV": max(64, constexprs["BLOCK_KV"])}
     batch = types[starts].shape[0]
     kv_heads = constexprs["KV_HEADS"]
     grid = (GridDim((batch,)), GridDim((kv_heads,)), GridDim(("max_query_len",), constexprs["BLOCK_Q"], SPLIT_KV))

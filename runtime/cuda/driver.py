@@ -98,10 +98,31 @@ def load_function(cubin: bytes, symbol: str, shared: int):
 
 
 def launch(function, symbol: str, grid: tuple[int, int, int], threads: int, shared: int, stream,
-           params_address: int) -> None:
-    """`params_address`: the address of an array of pointers to each argument's value (kernelParams)."""
-    result = _driver().cuLaunchKernel(function, *grid, threads, 1, 1, shared, stream, params_address, 0)
-    check(result, f"cuLaunchKernel({symbol}, grid={grid}, block={threads})")
+           params_address: int, *, pdl: bool = False) -> None:
+    """`params_address`: the address of an array of pointers to each argument's value (kernelParams). `pdl`:
+    programmatic dependent launch, for a kernel that waits on its predecessor itself (griddepcontrol.wait): it may
+    start while that one drains, which hides the launch gap between them."""
+    driver = _driver()
+    if not pdl:
+        result = driver.cuLaunchKernel(function, *grid, threads, 1, 1, shared, stream, params_address, 0)
+    else:
+        result = driver.cuLaunchKernelEx(_pdl_config(grid, threads, shared, stream), function, params_address, 0)
+    check(result, f"cuLaunchKernel({symbol}, grid={grid}, block={threads}{', pdl' if pdl else ''})")
+
+
+def _pdl_config(grid: tuple[int, int, int], threads: int, shared: int, stream):
+    driver = _driver()
+    attribute = driver.CUlaunchAttribute()
+    attribute.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attribute.value.programmaticStreamSerializationAllowed = 1
+    config = driver.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = grid
+    config.blockDimX, config.blockDimY, config.blockDimZ = threads, 1, 1
+    config.sharedMemBytes = shared
+    config.hStream = stream
+    config.attrs = [attribute]
+    config.numAttrs = 1
+    return config
 
 
 def device_memory() -> tuple[int, int]:
@@ -115,6 +136,9 @@ class Event:
 
     def record(self, stream) -> None:
         check(_driver().cuEventRecord(self.event, stream), "cuEventRecord")
+
+    def synchronize(self) -> None:
+        check(_driver().cuEventSynchronize(self.event), "cuEventSynchronize")
 
     def seconds_since(self, start: "Event") -> float:
         return check(_driver().cuEventElapsedTime(start.event, self.event), "cuEventElapsedTime") / 1e3

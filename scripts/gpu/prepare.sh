@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
-rm -rf .gpu && mkdir -p .gpu
+rm -rf .gpu/small .gpu/small_soft && mkdir -p .gpu  # the cubin cache is content-addressed: kept
 SHAPE="--set hidden_size=256 --set intermediate_size=704 --set num_hidden_layers=4 --set num_attention_heads=8
        --set num_key_value_heads=2 --set head_dim=64 --set vocab_size=1000"
 "$PY" -m pegainfer.cli make-checkpoint .gpu/small --dtype bfloat16 --seed 3 $SHAPE

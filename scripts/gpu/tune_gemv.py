@@ -34,6 +34,8 @@ def candidates(launch, act: bool) -> list[tuple[str, object]]:
 
 def _tile(launch, function: str, block_m: int, bn: int, bk: int, warps: int, stages: int):
     constexprs = dict(launch.constexprs, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk)
+    if function == "gemv_row_kernel":
+        constexprs["RMS_BLOCK"] = min(1 << (launch.constexprs["K"] - 1).bit_length(), 1024 * warps)
     grid = (replace(launch.grid[0], block=block_m), replace(launch.grid[1], block=bn), launch.grid[2])
     return replace(launch, function=function, constexprs=constexprs, grid=grid, num_warps=warps, num_stages=stages)
 

@@ -4,6 +4,7 @@ for attention, which keeps an online softmax over key tiles gathered through the
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -37,7 +38,10 @@ def _dot(a, b, acc, UPCAST: tl.constexpr):
 def qk_rope_kv_write_kernel(q_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, slot_ptr, q_out_ptr,
                             k_cache_ptr, v_cache_ptr, stride_q, stride_k, stride_v, stride_q_out,
                             HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HD: tl.constexpr, EPS: tl.constexpr,
-                            NORM: tl.constexpr, THETA: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                            NORM: tl.constexpr, THETA: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # programmatic dependent launch: the next kernel may start; this one waits for the last's writes
+        gdc_launch_dependents()
+        gdc_wait()
     token = tl.program_id(0)
     head = tl.program_id(1)
     half: tl.constexpr = HD // 2
@@ -118,7 +122,10 @@ def paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, starts_p
                            out_ptr, stride_q, stride_out, stride_tables,
                            SCALE: tl.constexpr, KV_HEADS: tl.constexpr, HD: tl.constexpr, GROUP: tl.constexpr,
                            CACHE_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_P2: tl.constexpr,
-                           BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, UPCAST_DOT: tl.constexpr):
+                           BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, UPCAST_DOT: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # programmatic dependent launch: the next kernel may start; this one waits for the last's writes
+        gdc_launch_dependents()
+        gdc_wait()
     seq, kv_head, q_tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q, token, head, row_ok, q_pos, kv_end = _query_tile(q_ptr, starts_ptr, q_lens_ptr, ctx_lens_ptr, stride_q, seq,
                                                         kv_head, q_tile, HD, GROUP, BLOCK_D, GROUP_P2, BLOCK_Q)
@@ -137,9 +144,13 @@ def paged_attention_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, st
                                  SCALE: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
                                  HD: tl.constexpr, GROUP: tl.constexpr, CACHE_BLOCK: tl.constexpr,
                                  BLOCK_D: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr,
-                                 BLOCK_KV: tl.constexpr, SPLITS: tl.constexpr, UPCAST_DOT: tl.constexpr):
+                                 BLOCK_KV: tl.constexpr, SPLITS: tl.constexpr, UPCAST_DOT: tl.constexpr,
+                                 PDL: tl.constexpr):
     """paged_attention_kernel over one of SPLITS slices of the visible keys (flash decoding): writes each row's
     normalised partial output and its log-sum-exp; attention_merge_kernel combines the slices."""
+    if PDL:  # programmatic dependent launch: the next kernel may start; this one waits for the last's writes
+        gdc_launch_dependents()
+        gdc_wait()
     seq, kv_head = tl.program_id(0), tl.program_id(1)
     q_tile, split = tl.program_id(2) // SPLITS, tl.program_id(2) % SPLITS
     q, token, head, row_ok, q_pos, kv_end = _query_tile(q_ptr, starts_ptr, q_lens_ptr, ctx_lens_ptr, stride_q, seq,
@@ -158,8 +169,11 @@ def paged_attention_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, st
 
 @triton.jit
 def attention_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_out, HEADS: tl.constexpr,
-                           HD: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
+                           HD: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
     """One program per (token, head): the softmax-weighted sum of its SPLITS partial outputs."""
+    if PDL:  # programmatic dependent launch: the next kernel may start; this one waits for the last's writes
+        gdc_launch_dependents()
+        gdc_wait()
     token = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS)

@@ -2,10 +2,15 @@
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
-def embedding_kernel(ids_ptr, table_ptr, out_ptr, stride_out, HIDDEN: tl.constexpr, BLOCK: tl.constexpr):
+def embedding_kernel(ids_ptr, table_ptr, out_ptr, stride_out, HIDDEN: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
+    if PDL:  # programmatic dependent launch: the next kernel may start; this one waits for the last's writes
+        gdc_launch_dependents()
+        gdc_wait()
     token = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < HIDDEN

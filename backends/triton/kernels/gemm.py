@@ -5,6 +5,7 @@ gemv_row_kernel for one row per program (batch-1 decode)."""
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -96,7 +97,11 @@ def linear_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, s
                   N: tl.constexpr, K: tl.constexpr, EPS: tl.constexpr,
                   ADD: tl.constexpr, GATHER: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr,
                   ACT: tl.constexpr, WRITE_SUM: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
+                  PDL: tl.constexpr):
+    if PDL:  # programmatic dependent launch: the next kernel may start; this one waits for the last's writes
+        gdc_launch_dependents()
+        gdc_wait()
     offs_m, mask_m, rows = _tile_rows(rows_ptr, M, GATHER, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -128,10 +133,14 @@ def gemv_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, sum
                 N: tl.constexpr, K: tl.constexpr, EPS: tl.constexpr,
                 ADD: tl.constexpr, GATHER: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr,
                 ACT: tl.constexpr, WRITE_SUM: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
+                PDL: tl.constexpr):
     """linear_kernel for a few rows: no tensor cores, narrow column tiles so that every SM streams weights.
     Products accumulate per lane across the K loop and are reduced once at the end: a reduction per iteration
     would synchronise the warps on every tile."""
+    if PDL:  # programmatic dependent launch: the next kernel may start; this one waits for the last's writes
+        gdc_launch_dependents()
+        gdc_wait()
     offs_m, mask_m, rows = _tile_rows(rows_ptr, M, GATHER, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -163,21 +172,27 @@ def gemv_row_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr,
                     M, stride_x, stride_x2, stride_out, stride_sum,
                     N: tl.constexpr, K: tl.constexpr, EPS: tl.constexpr,
                     ADD: tl.constexpr, GATHER: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr,
-                    ACT: tl.constexpr, WRITE_SUM: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr):
+                    ACT: tl.constexpr, WRITE_SUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, RMS_BLOCK: tl.constexpr, UPCAST_DOT: tl.constexpr, PDL: tl.constexpr):
     """gemv_kernel with one row per program (BLOCK_M must be 1) and two-dimensional tiles: the activation is
     loaded straight into the weight tile's column layout, so no layout change (a round trip through shared
-    memory and a barrier) sits in the K loop that streams the weights."""
+    memory and a barrier) sits in the K loop that streams the weights. The next weight tile is loaded one step
+    ahead, and the first before waiting on the previous kernel: weights never depend on it."""
+    if PDL:
+        gdc_launch_dependents()
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    w, w_up = _weight_tiles(w_ptr, offs_n, mask_n, 0, N, K, ACT, BLOCK_K)
+    if PDL:  # only now read what the previous kernel wrote
+        gdc_wait()
     m = tl.program_id(0)
     valid = m < M
     row = tl.load(rows_ptr + m, mask=valid, other=0) if GATHER else m
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
     rstd = 1.0
-    if NORM:
-        squares = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
+    if NORM:  # in wide chunks: each chunk's loads wait for the last, so few chunks keep this prologue short
+        squares = tl.zeros([RMS_BLOCK], dtype=tl.float32)
+        for k0 in range(0, K, RMS_BLOCK):
+            offs_k = k0 + tl.arange(0, RMS_BLOCK)
             a = _load_row(x_ptr, x2_ptr, row, stride_x, stride_x2, offs_k, valid & (offs_k < K), ADD)
             if WRITE_SUM:
                 tl.store(sum_ptr + m * stride_sum + offs_k, a.to(sum_ptr.dtype.element_ty),
@@ -194,15 +209,27 @@ def gemv_row_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr,
             a = a * rstd * tl.load(norm_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
         if not UPCAST_DOT:  # round the activation as the tensor-core path does
             a = a.to(w_ptr.dtype.element_ty).to(tl.float32)
-        w_mask = mask_n[:, None] & mask_k[None, :]
-        w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
+        w_next, w_up_next = _weight_tiles(w_ptr, offs_n, mask_n, k0 + BLOCK_K, N, K, ACT, BLOCK_K)
         acc += w.to(tl.float32) * a[None, :]
         if ACT != 0:
-            w_up = tl.load(w_ptr + (N + offs_n[:, None]) * K + offs_k[None, :], mask=w_mask, other=0.0)
             up += w_up.to(tl.float32) * a[None, :]
+        w, w_up = w_next, w_up_next
     offs_m = tl.full([1], 0, tl.int32) + m
     _store(tl.sum(acc, axis=1)[None, :], tl.sum(up, axis=1)[None, :], bias_ptr, out_ptr, offs_m, offs_m < M,
            offs_n, mask_n, stride_out, N, BIAS, ACT)
+
+
+@triton.jit
+def _weight_tiles(w_ptr, offs_n, mask_n, k0, N: tl.constexpr, K: tl.constexpr, ACT: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] weight tile at column k0 (past K: masked, nothing read), and its up half."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    mask = mask_n[:, None] & (offs_k < K)[None, :]
+    w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=mask, other=0.0)
+    w_up = w
+    if ACT != 0:
+        w_up = tl.load(w_ptr + (N + offs_n[:, None]) * K + offs_k[None, :], mask=mask, other=0.0)
+    return w, w_up
 
 
 @triton.jit
