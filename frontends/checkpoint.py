@@ -10,6 +10,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from pegainfer.errors import CheckpointError
+from pegainfer.ir.dtypes import dtype_from_name
 from pegainfer.ir.graph import Derivation
 from pegainfer.ir.types import TensorType
 
@@ -18,10 +19,20 @@ FLOAT_DTYPES = ("BF16", "F16", "F32")
 
 
 @dataclass(frozen=True)
+class FileSpan:
+    """A tensor's bytes in a file, stored exactly as the graph wants them (no cast)."""
+    file: Path
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
 class TensorInfo:
     file: Path
     shape: tuple[int, ...]
     dtype: str  # safetensors' spelling: BF16, F32, ...
+    offset: int = -1  # where its bytes start in the file (-1: unknown)
+    nbytes: int = 0
 
 
 def scan_checkpoint(folder: Path) -> dict[str, TensorInfo]:
@@ -31,12 +42,23 @@ def scan_checkpoint(folder: Path) -> dict[str, TensorInfo]:
     for file in files:
         try:
             with safe_open(file, framework="numpy") as handle:
+                spans = _data_spans(file)
                 for name in handle.keys():
                     piece = handle.get_slice(name)
-                    tensors[name] = TensorInfo(file, tuple(piece.get_shape()), piece.get_dtype())
+                    tensors[name] = TensorInfo(file, tuple(piece.get_shape()), piece.get_dtype(), *spans[name])
         except (OSError, SafetensorError) as error:
             raise CheckpointError(f"{file}: not a readable safetensors file ({error})") from None
     return tensors
+
+
+def _data_spans(file: Path) -> dict[str, tuple[int, int]]:
+    """name -> (offset in the file, byte count), from the header: an 8-byte length, then JSON with each tensor's
+    data_offsets relative to the end of the header (safe_open has already validated it)."""
+    with open(file, "rb") as handle:
+        length = int.from_bytes(handle.read(8), "little")
+        header = json.loads(handle.read(length))
+    return {name: (8 + length + entry["data_offsets"][0], entry["data_offsets"][1] - entry["data_offsets"][0])
+            for name, entry in header.items() if name != "__metadata__"}
 
 
 def _shard_files(folder: Path) -> list[Path]:
@@ -93,6 +115,14 @@ class LazyWeights(Mapping[str, np.ndarray]):
             raise KeyError(name)
         with safe_open(self.tensors[name].file, framework="numpy") as handle:
             return handle.get_tensor(name).astype(self.expected[name].dtype.np_dtype, copy=False)
+
+    def span(self, name: str) -> FileSpan | None:
+        """Where the tensor's bytes lie in its file, when they are stored as the graph wants them (an uploader
+        then reads them straight into pinned memory); None when they need a cast."""
+        info = self.tensors[name]
+        if info.offset < 0 or info.dtype not in FLOAT_DTYPES or dtype_from_name(info.dtype) != self.expected[name].dtype:
+            return None
+        return FileSpan(info.file, info.offset, info.nbytes)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.expected)

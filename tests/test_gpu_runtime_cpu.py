@@ -5,11 +5,15 @@ import ctypes
 import subprocess
 import sys
 
+import numpy as np
+import pytest
 
+from pegainfer.errors import PegainferError
 from pegainfer.ir import BF16, INT32
 from pegainfer.runtime.batch import Chunk, Sequence, pack_step
 from pegainfer.runtime.gpu.abi import DeviceTensor, grid_of, pack_arguments
 from pegainfer.runtime.gpu.engine import PADDING_BLOCK, bucket_for, decode_buckets, pad_decode_step
+from pegainfer.runtime.gpu.memory import kv_blocks_for_memory
 from pegainfer.runtime.kv_blocks import BlockAllocator
 
 
@@ -74,3 +78,33 @@ def test_lazy_weights_read_the_same_tensors_as_the_eager_load(tiny_checkpoint):
     assert sorted(lazy) == sorted(eager) and len(lazy) == len(eager)
     for name in eager:
         assert lazy[name].dtype == eager[name].dtype and np.array_equal(lazy[name], eager[name])
+
+
+def test_file_spans_hold_each_tensors_bytes(tiny_checkpoint):
+    """The GPU uploader reads a tensor's bytes straight from its file when no cast is needed: the span must be
+    exactly the tensor's data."""
+    from pegainfer.frontends.load import load_model
+
+    model = load_model(tiny_checkpoint, lazy=True)
+    checked = 0
+    for name in model.weights:
+        span = model.weights.span(name)
+        if span is None:
+            continue
+        with open(span.file, "rb") as handle:
+            handle.seek(span.offset)
+            raw = handle.read(span.nbytes)
+        array = model.weights[name]
+        assert raw == np.ascontiguousarray(array).tobytes(), name
+        checked += 1
+    assert checked == len(model.weights)
+
+
+def test_kv_cache_sized_from_gpu_memory_utilization():
+    gb = 1 << 30
+    # 140 GB device, 120 GB free after weights and activations, 0.9 -> 106 GB for the KV cache
+    assert kv_blocks_for_memory(0.9, gb, free=120 * gb, total=140 * gb) == 106
+    with pytest.raises(PegainferError, match="leaves no room for the KV cache"):
+        kv_blocks_for_memory(0.1, gb, free=120 * gb, total=140 * gb)
+    with pytest.raises(PegainferError, match="must be in"):
+        kv_blocks_for_memory(1.5, gb, free=120 * gb, total=140 * gb)

@@ -3,10 +3,8 @@ Walks the graph as the reference interpreter does: views are pointer arithmetic,
 variant for the step's row count, a repeated body runs once per layer with that layer's weights and KV cache."""
 
 import json
-import sys
-import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from math import prod
 from pathlib import Path
 
@@ -19,9 +17,10 @@ from pegainfer.ir.dtypes import dtype_from_name
 from pegainfer.ir.graph import KERNEL, REPEAT, Graph, instantiate
 from pegainfer.ir.kernel import in_place_outputs
 from pegainfer.ir.types import TensorType
-from pegainfer.progress import Progress
 from pegainfer.runtime.cuda import driver
 from pegainfer.runtime.gpu.abi import DeviceTensor, grid_of, pack_arguments
+from pegainfer.runtime.gpu.memory import ALIGN, Arena, aligned
+from pegainfer.runtime.gpu.upload import params_bytes, upload_weights
 
 
 @dataclass(frozen=True)
@@ -50,18 +49,28 @@ class GpuExecutor:
                                  f"asked for {limits.block_size}")
         self.kernels = {(k["graph"], k["node"]): k for k in manifest["kernels"]}
         self.functions = self._load_functions(manifest_path.parent.parent)
-        self.weights = self._upload_weights(graph, weights)
+        arena = Arena(params_bytes(graph) + ALIGN * len(graph.expanded_params()), "weights")
+        self.weights = upload_weights(graph, weights, ctx.stream, arena)
         sizes = limits.sizes()
-        self.states = {name: DeviceTensor.contiguous(driver.alloc(_nbytes(t, sizes)), t.concrete(sizes), t.dtype)
-                       for name, t in graph.expanded_states().items()}
-        for state in self.states.values():
-            driver.memset(state.ptr, prod(state.shape) * state.dtype.itemsize, ctx.stream)
-        self.buffers = self._allocate_buffers(sizes)
-        self.scratch = {key: {name: DeviceTensor.contiguous(driver.alloc(_nbytes(t, sizes)), t.concrete(sizes), t.dtype)
-                              for name, t in _scratch_types(kernel).items()}
-                        for key, kernel in self.kernels.items() if kernel.get("scratch")}
+        self.buffers, self.scratch = self._allocate_activations(sizes)
+        self.states: dict[str, DeviceTensor] = {}  # the KV cache: allocate_kv, once the engine knows its size
         self.profile: list[tuple[str, driver.Event, driver.Event]] | None = None  # set to a list to time launches
+        self.pdl_max_tokens = 1  # programmatic dependent launch for steps of at most this many tokens (0: never)
         self.inputs, self.staging, self.input_region = self._allocate_inputs(sizes)
+
+    def kv_bytes_per_block(self) -> int:
+        one = {"num_blocks": 1, "block_size": self.limits.block_size}
+        return sum(aligned(_nbytes(t, one)) for t in self.graph.expanded_states().values())
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        """The paged KV cache (every state of the graph) for `num_blocks` blocks, zeroed."""
+        assert not self.states, "the KV cache is allocated once"
+        self.limits = replace(self.limits, num_blocks=num_blocks)
+        sizes = self.limits.sizes()
+        arena = Arena(self.kv_bytes_per_block() * num_blocks, "KV cache")
+        self.states = {name: DeviceTensor.contiguous(arena.take(_nbytes(t, sizes)), t.concrete(sizes), t.dtype)
+                       for name, t in self.graph.expanded_states().items()}
+        driver.memset(arena.base, arena.size, self.ctx.stream)
 
     def _load_functions(self, folder: Path) -> dict[str, tuple]:
         functions = {}
@@ -75,41 +84,23 @@ class GpuExecutor:
                     functions[launch["key"]] = driver.load_function(cubin, launch["symbol"], launch["shared"])
         return functions
 
-    def _upload_weights(self, graph: Graph, weights: Mapping[str, np.ndarray]) -> dict[str, int]:
-        """One tensor at a time (a progress bar, and the load rate in GB/s at the end, on stderr)."""
-        derivations = graph.derivations()
-        params = graph.expanded_params()
-        progress = Progress("loading weights", len(params))
-        started, total = time.perf_counter(), 0
-        uploaded = {}
-        for name, t in params.items():
-            ptr = driver.alloc(t.dtype.itemsize * prod(t.shape))
-            offset = 0
-            assert name not in derivations or derivations[name].axis == 0, f"{name}: only row concatenation"
-            for source in derivations[name].sources if name in derivations else (name,):
-                array = np.ascontiguousarray(weights[source])  # concatenation along rows: consecutive bytes
-                driver.copy_to_device(ptr + offset, array)
-                offset += array.nbytes
-            uploaded[name] = ptr
-            total += offset
-            progress.advance()
-        seconds = time.perf_counter() - started
-        print(f"pegainfer: loaded {total / 1e9:.2f} GB of weights in {seconds:.1f} s "
-              f"({total / 1e9 / max(seconds, 1e-9):.2f} GB/s)", file=sys.stderr)
-        return uploaded
-
-    def _allocate_buffers(self, sizes: dict[str, int]) -> dict[tuple[str, str], list[int]]:
-        """(graph, buffer) -> device pointers: one, or two for a body's carry buffers (alternated by layer)."""
-        allocated: dict[tuple[str, str], list[int]] = {}
+    def _allocate_activations(self, sizes: dict[str, int]) -> tuple[dict, dict]:
+        """From one pool: (graph, buffer) -> device pointers (one, or two for a body's carry buffers, alternated
+        by layer), and each kernel's scratch tensors."""
+        need: dict[tuple[str, str], int] = {}
         for g in self.graph.all_graphs():
             types = g.value_types()
-            need: dict[str, int] = {}
             for value, buffer in g.buffers.items():
-                need[buffer] = max(need.get(buffer, 0), _nbytes(types[value], sizes))
-            for buffer, nbytes in need.items():
-                copies = 2 if buffer.startswith("carry") else 1
-                allocated[(g.name, buffer)] = [driver.alloc(nbytes) for _ in range(copies)]
-        return allocated
+                need[(g.name, buffer)] = max(need.get((g.name, buffer), 0), _nbytes(types[value], sizes))
+        copies = {key: 2 if key[1].startswith("carry") else 1 for key in need}
+        scratch_types = {key: _scratch_types(kernel) for key, kernel in self.kernels.items() if kernel.get("scratch")}
+        total = sum(aligned(n) * copies[key] for key, n in need.items())
+        total += sum(aligned(_nbytes(t, sizes)) for types in scratch_types.values() for t in types.values())
+        arena = Arena(total, "activations")
+        buffers = {key: [arena.take(n) for _ in range(copies[key])] for key, n in need.items()}
+        scratch = {key: {name: DeviceTensor.contiguous(arena.take(_nbytes(t, sizes)), t.concrete(sizes), t.dtype)
+                         for name, t in types.items()} for key, types in scratch_types.items()}
+        return buffers, scratch
 
     def _allocate_inputs(self, sizes: dict[str, int]):
         """One device region and one pinned host region hold every step input, so a step uploads once."""
@@ -203,7 +194,8 @@ class GpuExecutor:
                 events = (driver.Event(), driver.Event())
                 events[0].record(self.ctx.stream)
             driver.launch(function, launch["symbol"], grid_of(launch, sizes), 32 * launch["num_warps"],
-                          launch["shared"], self.ctx.stream, args.address)
+                          launch["shared"], self.ctx.stream, args.address,
+                          pdl=launch.get("pdl", False) and sizes["tokens"] <= self.pdl_max_tokens)
             if self.profile is not None:
                 events[1].record(self.ctx.stream)
                 self.profile.append((f"{kernel['kind']}/{variant['name']}/{launch['symbol']}", *events))
