@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from pegainfer.backends.cache import cache_root, manifest_path
-from pegainfer.frontends.load import embedded_configs, load_model
+from pegainfer.frontends.load import LoadedModel, embedded_configs, load_model
 from pegainfer.runtime import bench
 from pegainfer.runtime.batch import Chunk, Sequence
 from pegainfer.runtime.gpu.engine import EngineOptions, GpuEngine
@@ -48,6 +48,13 @@ def hf_gate(folder: Path, prompts, steps: int, ours_fn, results: dict) -> None:
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda().eval()
+    results["hf_gate"] = gate_against(model, prompts, steps, ours_fn)
+
+
+def gate_against(model, prompts, steps: int, ours_fn) -> dict:
+    """Teacher-forced on HF's greedy tokens: argmax regret and |delta logprob| over HF's top 8, per position."""
+    import torch
+
     continuations, hf_rows = [], []
     with torch.no_grad():
         for prompt in prompts:
@@ -66,9 +73,9 @@ def hf_gate(folder: Path, prompts, steps: int, ours_fn, results: dict) -> None:
             top8 = np.argsort(-h)[:8]
             deltas += list(np.abs(o[top8] - h[top8]))
     deltas = np.array(deltas)
-    results["hf_gate"] = {"argmax_regret_max": float(max(regrets)), "mean_abs_dlogprob_top8": float(deltas.mean()),
-                          "p99_abs_dlogprob_top8": float(np.percentile(deltas, 99)),
-                          "max_abs_dlogprob_top8": float(deltas.max()), "positions": len(regrets)}
+    return {"argmax_regret_max": float(max(regrets)), "mean_abs_dlogprob_top8": float(deltas.mean()),
+            "p99_abs_dlogprob_top8": float(np.percentile(deltas, 99)), "max_abs_dlogprob_top8": float(deltas.max()),
+            "positions": len(regrets)}
 
 
 def check_small(folder: Path, results: dict) -> None:
@@ -127,6 +134,10 @@ def bench_4b(results: dict) -> None:
     rows += bench.bench_decode(engine, [1], [128], graphs=False)
     results["qwen3_4b_decode"] = bench.as_json(rows)
     print(bench.format_decode(rows))
+    engine.executor.pdl_max_tokens, engine.graphs = 0, {}  # the same without programmatic dependent launch
+    no_pdl = bench.bench_decode(engine, [1, 8], [128])
+    results["qwen3_4b_decode_no_pdl"] = bench.as_json(no_pdl)
+    engine.executor.pdl_max_tokens, engine.graphs = engine.options.pdl_max_tokens, {}
     for context in (128, 1024):
         results[f"qwen3_4b_kernels_b1_ctx{context}_us"] = {k: round(v, 1) for k, v in
                                                            bench.kernel_breakdown(engine, context).items()}
@@ -137,14 +148,54 @@ def bench_4b(results: dict) -> None:
     print(bench.format_prefill(rows))
 
 
+def gate_4b(results: dict, logit_std: float = 2.0) -> None:
+    """The golden gate on the full Qwen3-4B shape: Hugging Face's random init (bf16, on this GPU), its final norm
+    scaled so that the logits spread `logit_std` (as the small checkpoints are), and the same weights handed to
+    our engine; teacher-forced at batch 4 (prompts of different lengths) and at batch 1 replayed twice."""
+    import ml_dtypes
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(qwen3_4b_hf_config(), dtype=torch.bfloat16).cuda().eval()
+    vocab = hf.config.vocab_size
+    with torch.no_grad():
+        spread = hf(torch.randint(0, vocab, (1, 64), device="cuda")).logits.float().std().item()
+        hf.model.norm.weight.mul_(logit_std / spread)
+    spec = bench.bench_model("qwen3-4b").spec
+    wanted = spec.graph.checkpoint_params()
+    weights = {name: t.detach().cpu().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+               for name, t in hf.state_dict().items() if name in wanted}
+    missing = sorted(set(wanted) - set(weights))
+    assert not missing, f"Hugging Face's state dict lacks {missing[:3]}"
+    engine = bench.engine_for(LoadedModel(spec, Path("qwen3-4b"), weights), manifest_path(cache_root(), SM, spec),
+                              max_tokens=256, max_batch=16, max_model_len=512)
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, vocab, n).tolist() for n in (7, 30, 1, 61)]
+    gate = {"logits_std_before_scaling": spread}
+    gate["batch4"] = gate_against(hf, prompts, 16, lambda p, cont: teacher_forced(engine, p, cont))
+    gate["batch1"] = gate_against(hf, prompts[:1], 16, lambda p, cont: teacher_forced(engine, p, cont))
+    first = teacher_forced(engine, prompts[:1], [[1] * 8])[0]
+    gate["batch1_replay_bit_identical"] = bool(np.array_equal(first, teacher_forced(engine, prompts[:1], [[1] * 8])[0]))
+    batch9 = [rng.integers(0, vocab, int(rng.integers(1, 40))).tolist() for _ in range(9)]
+    gate["graph_batch9"] = gate_against(hf, batch9, 4, lambda p, cont: teacher_forced(engine, p, cont))
+    results["qwen3_4b_hf_gate"] = gate
+
+
+def qwen3_4b_hf_config():
+    import transformers
+
+    return transformers.AutoConfig.for_model(**{k: v for k, v in json.loads(
+        embedded_configs()["qwen3-4b"].read_text()).items() if k not in ("architectures", "torch_dtype")})
+
+
 def hf_decode(results: dict, steps: int = 16) -> None:
     """Hugging Face transformers eager, dynamic cache, bf16, random Qwen3-4B: ms per decode step after a
     128-token prompt, at batch 1 and 8."""
     import torch
     import transformers
 
-    config = transformers.AutoConfig.for_model(**{k: v for k, v in json.loads(
-        embedded_configs()["qwen3-4b"].read_text()).items() if k not in ("architectures", "torch_dtype")})
+    config = qwen3_4b_hf_config()
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).cuda().eval()
     table = {}
     with torch.no_grad():
@@ -173,7 +224,7 @@ def main() -> None:
     args = parser.parse_args()
     results: dict = {}
     sections = (("small", lambda: check_small(args.small, results)), ("bench", lambda: bench_4b(results)),
-                ("hf", lambda: hf_decode(results)))
+                ("gate4b", lambda: gate_4b(results)), ("hf", lambda: hf_decode(results)))
     for name, run in sections:
         if name in args.skip:
             continue
