@@ -41,6 +41,7 @@ class PrefixCache:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # refs 0, least recently used first
         self.queries = 0  # prompt tokens looked up
         self.hits = 0  # of them, tokens found
+        self.evictions = 0  # blocks
 
     @property
     def num_evictable(self) -> int:
@@ -105,8 +106,10 @@ class PrefixCache:
             block, _ = self._evictable.popitem(last=False)
             del self._block_of[self._hash_of.pop(block)], self._refs[block]
             freed.append(block)
-        self.allocator.release(BlockTable(freed))
-        return len(freed)
+        count = len(freed)
+        self.evictions += count
+        self.allocator.release(BlockTable(freed))  # empties `freed`
+        return count
 
     def clear(self) -> None:
         """Frees every unreferenced block (blocks still held stay cached)."""
