@@ -449,3 +449,70 @@ def test_bench_serve_reports_failed_requests(server, capsys):
     captured = capsys.readouterr()
     assert code == 1 and json.loads(captured.out)["completed"] == 0
     assert "2 requests failed" in captured.err and "HTTP 404" in captured.err
+
+
+def test_a_client_that_gives_up_on_a_whole_response_has_its_requests_aborted(server):
+    before = server.metrics()
+    with pytest.raises(httpx.ReadTimeout):  # 16 choices x 500 tokens: far more than a second of work
+        httpx.post(server.url + COMPLETIONS, json={"prompt": [5, 6, 7], "max_tokens": 500, "n": 16,
+                                                    "temperature": 1.0, "ignore_eos": True},
+                   headers={"Authorization": f"Bearer {KEY}"}, timeout=1.0)
+    deadline = time.monotonic() + 10
+    while (metrics := server.metrics())["vllm:num_requests_running"] or metrics["pegainfer:kv_blocks_in_use"]:
+        assert time.monotonic() < deadline, metrics
+        time.sleep(0.1)
+    assert metrics["vllm:request_success_total:abort"] - before["vllm:request_success_total:abort"] == 16
+    assert metrics["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] < 16 * 500
+
+
+# --- a failed engine -----------------------------------------------------------------------------------------------
+
+class BrokenEngine:
+    """The reference engine's pool, and steps that raise as a GPU engine's do after a CUDA error."""
+
+    def __init__(self, engine) -> None:
+        self.allocator, self._engine = engine.allocator, engine
+
+    def step(self, chunks, **kwargs):
+        raise RuntimeError("CUDA_ERROR_ILLEGAL_ADDRESS")
+
+    def release(self, seq) -> None:
+        self._engine.release(seq)
+
+
+def test_a_failed_engine_answers_503_and_health_says_so(tiny_checkpoint):
+    from pegainfer.frontends.load import load_model
+    from pegainfer.runtime.chat import load_chat_template
+    from pegainfer.runtime.engine_loop import EngineLoop
+    from pegainfer.runtime.reference_engine import ReferenceEngine
+    from pegainfer.runtime.scheduler import Scheduler
+    from pegainfer.runtime.tokenizer import load_tokenizer
+    from pegainfer.server.app import ServerContext, build_app
+    from pegainfer.server.metrics import Metrics
+
+    tokenizer = load_tokenizer(tiny_checkpoint)
+    engine = BrokenEngine(ReferenceEngine(load_model(tiny_checkpoint), max_tokens=512))
+    loop = EngineLoop(Scheduler(engine, tokenizer.eos_token_ids)).start()
+    ctx = ServerContext(loop, tokenizer, load_chat_template(tiny_checkpoint), NAME, str(tiny_checkpoint), 256, 512,
+                        Metrics(NAME))
+
+    async def scenario() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=build_app(ctx))
+        async with httpx.AsyncClient(transport=transport, base_url="http://pegainfer") as client:
+            healthy = await client.get("/health")
+            failed = await client.post(COMPLETIONS, json={"prompt": "x", "max_tokens": 2})
+            streamed = await client.post(CHAT, json={"messages": USER, "stream": True})
+            return [healthy, failed, streamed, await client.get("/health"), await client.get("/metrics")]
+    healthy, failed, streamed, health, metrics = asyncio.run(scenario())
+    loop.stop()
+    assert healthy.status_code == 200
+    assert failed.status_code == 503 and "CUDA_ERROR_ILLEGAL_ADDRESS" in failed.json()["error"]["message"]
+    assert streamed.status_code == 503  # refused before streaming starts: the engine is known dead
+    assert health.status_code == 503 and "engine has failed" in health.json()["error"]["message"]
+    assert "pegainfer:engine_healthy{model_name=\"tiny\"} 0" in metrics.text
+
+
+def test_serve_refuses_a_max_model_len_past_the_model(capsys, tiny_checkpoint):
+    code = main(["serve", "--model-path", str(tiny_checkpoint), "--device", "cpu", "--max-model-len", "100000"])
+    err = capsys.readouterr().err
+    assert code == 1 and "--max-model-len 100000" in err and "max_position_embeddings 2048" in err
