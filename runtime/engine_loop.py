@@ -17,8 +17,11 @@ class EngineDead(PegainferError):
 
 
 class EngineLoop:
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: Scheduler, thread_init: Callable[[], None] | None = None) -> None:
+        """`thread_init` runs first in the engine thread: a GPU engine makes its CUDA context current there (a
+        context is current per thread, and the engine was built in another one)."""
         self.scheduler = scheduler
+        self._thread_init = thread_init
         self.error: BaseException | None = None
         self._wake = threading.Condition()
         self._inbox: list[tuple] = []
@@ -56,6 +59,8 @@ class EngineLoop:
 
     def _run(self) -> None:
         try:
+            if self._thread_init is not None:
+                self._thread_init()
             while True:
                 with self._wake:
                     while not (self._inbox or self._stopping or self.scheduler.has_work()):

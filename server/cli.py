@@ -112,7 +112,7 @@ def run_serve(args: argparse.Namespace) -> int:
     engine = build_engine(model, device, args, max_model_len, step_tokens)
     config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=step_tokens,
                              max_model_len=max_model_len, prefix_cache=args.prefix_cache)
-    loop = EngineLoop(Scheduler(engine, tokenizer.eos_token_ids, config)).start()
+    loop = EngineLoop(Scheduler(engine, tokenizer.eos_token_ids, config), engine_thread_init(engine)).start()
     name = args.served_model_name or args.model_path.resolve().name
     ctx = ServerContext(loop, tokenizer, load_chat_template(args.model_path), name, str(args.model_path),
                         max_model_len, model.spec.config.vocab_size, Metrics(name), args.api_key,
@@ -151,6 +151,21 @@ def build_engine(model, device: str, args: argparse.Namespace, max_model_len: in
     options = EngineOptions(max_tokens=step_tokens, max_batch=args.max_num_seqs, max_model_len=max_model_len,
                             kv_tokens=kv_tokens)
     return GpuEngine(model, manifest, options)
+
+
+def engine_thread_init(engine):
+    """For the GPU engine: make its CUDA context current in the engine loop's thread."""
+    ctx = getattr(engine, "ctx", None)
+    if ctx is None:
+        return None
+
+    def bind() -> None:
+        from cuda.bindings import driver as cuda
+
+        from pegainfer.runtime.cuda.driver import check
+
+        check(cuda.cuCtxSetCurrent(ctx.context), "cuCtxSetCurrent")
+    return bind
 
 
 def gpu_kv_tokens(model, utilization: float, step_tokens: int) -> int:
