@@ -78,7 +78,10 @@ class _State:
 
 class Scheduler:
     def __init__(self, engine, eos_ids: frozenset[int], config: SchedulerConfig = SchedulerConfig()) -> None:
-        assert config.max_num_seqs >= 1 and config.max_num_batched_tokens >= 1 and config.max_model_len >= 2, config
+        assert config.max_num_seqs >= 1 and config.max_model_len >= 2, config
+        if config.max_num_batched_tokens < config.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be at least max_num_seqs "
+                             f"({config.max_num_seqs}): every running sequence's decode token must fit in a step")
         self.engine, self.eos_ids, self.config = engine, eos_ids, config
         self.allocator = engine.allocator
         self.block_size = self.allocator.block_size

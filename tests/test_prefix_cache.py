@@ -131,7 +131,7 @@ def test_concurrent_sharers_and_eviction_under_pressure_keep_outputs(model):
     expected = [serve(reference, EngineRequest(f"r{i}", ids, params)) for i, ids in enumerate(batch)]
     # 12 blocks: the sequences do not all fit at once, cached blocks must be evicted and sequences preempted
     scheduler = Scheduler(ReferenceEngine(model, max_tokens=192), frozenset(),
-                          SchedulerConfig(max_num_batched_tokens=48))
+                          SchedulerConfig(max_num_batched_tokens=48, max_num_seqs=8))
     for i, ids in enumerate(batch):
         scheduler.add(EngineRequest(f"r{i}", ids, params))
     got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(batch))}

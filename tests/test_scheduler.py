@@ -147,6 +147,11 @@ def test_a_request_that_cannot_fit_yet_waits(model):
     assert list(done) == ["a", "b"] and scheduler.stats.preemptions == 0
 
 
+def test_the_token_budget_must_hold_a_decode_token_of_every_sequence(model):
+    with pytest.raises(ValueError, match="max_num_batched_tokens \\(8\\) must be at least max_num_seqs \\(9\\)"):
+        make(model, max_num_batched_tokens=8, max_num_seqs=9)
+
+
 def test_a_request_that_can_never_fit_is_refused_with_its_numbers(model):
     scheduler, _ = make(model, kv_tokens=64, max_model_len=1000)
     with pytest.raises(RequestError) as error:
@@ -180,7 +185,7 @@ def test_eos_and_stop_token_ids_finish_with_stop(model):
 
 
 def test_abort_frees_blocks_at_once(model):
-    scheduler, _ = make(model, max_num_batched_tokens=16)
+    scheduler, _ = make(model, max_num_batched_tokens=16, max_num_seqs=16)
     for i, ids in enumerate(prompts(4, seed=3, low=30, high=40)):
         scheduler.add(EngineRequest(f"r{i}", ids, replace(GREEDY, max_tokens=50)))
     for _ in range(4):
