@@ -67,7 +67,7 @@ PY
 kill $pid; wait $pid
 for start in first second; do
     echo "== Qwen3-4B shape: $start start"
-    pg serve --model-path "$MODEL" --device cuda --port 8000 --served-model-name qwen3-4b \
+    pg serve --model-path "$MODEL" --device cuda --port 8000 --served-model-name qwen3-4b --max-num-seqs 128 \
         >"$OUT/serve_4b_$start.log" 2>&1 &
     pid=$!
     ready http://127.0.0.1:8000 || { tail -30 "$OUT/serve_4b_$start.log"; exit 1; }
