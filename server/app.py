@@ -281,7 +281,7 @@ async def respond(ctx: ServerContext, request: Request, body: _Sampling, prepare
     else:
         body_choices = [fmt.completion_choice(ctx.tokenizer, c, echo[c.index // n], top is not None)
                         for c in choices]
-    return JSONResponse({**base, "choices": body_choices, "usage": fmt.usage(prompt_tokens, choices)})
+    return JSONResponse({**base, "choices": body_choices, "usage": fmt.usage(prompt_tokens, choices, n)})
 
 
 async def _drain(deltas: AsyncIterator[Delta]) -> None:
@@ -331,7 +331,7 @@ async def stream_events(ctx: ServerContext, prepared: Prepared, request_id: str,
         yield _sse(error_body(status, str(error)))
     else:
         if include_usage:
-            yield _sse({**base, "choices": [], "usage": fmt.usage(prompt_tokens, choices)})
+            yield _sse({**base, "choices": [], "usage": fmt.usage(prompt_tokens, choices, n)})
     yield "data: [DONE]\n\n"
 
 

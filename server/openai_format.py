@@ -8,9 +8,11 @@ from pegainfer.runtime.tokenizer import TextTokenizer
 from pegainfer.server.generation import Choice, Delta
 
 
-def usage(prompt_tokens: int, choices: list[Choice]) -> dict[str, Any]:
+def usage(prompt_tokens: int, choices: list[Choice], n: int) -> dict[str, Any]:
+    """Prompt tokens count once per prompt (not per choice), and so do the cached ones: the most any of the
+    prompt's n choices found in the prefix cache."""
     completion = sum(len(c.token_ids) for c in choices)
-    cached = max((c.num_cached_tokens for c in choices), default=0)
+    cached = sum(max(c.num_cached_tokens for c in choices[i:i + n]) for i in range(0, len(choices), n))
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
             "total_tokens": prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached}}
 

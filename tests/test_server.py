@@ -456,7 +456,7 @@ def test_a_client_that_gives_up_on_a_whole_response_has_its_requests_aborted(ser
     with pytest.raises(httpx.ReadTimeout):  # 16 choices x 500 tokens: far more than a second of work
         httpx.post(server.url + COMPLETIONS, json={"prompt": [5, 6, 7], "max_tokens": 500, "n": 16,
                                                     "temperature": 1.0, "ignore_eos": True},
-                   headers={"Authorization": f"Bearer {KEY}"}, timeout=1.0)
+                   headers={"Authorization": f"Bearer {KEY}"}, timeout=httpx.Timeout(30, read=1.5))
     deadline = time.monotonic() + 10
     while (metrics := server.metrics())["vllm:num_requests_running"] or metrics["pegainfer:kv_blocks_in_use"]:
         assert time.monotonic() < deadline, metrics
