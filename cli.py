@@ -1,4 +1,4 @@
-"""The `pegainfer` command: generate, make-checkpoint, inspect."""
+"""The `pegainfer` command: generate, serve, make-checkpoint, inspect, compile, bench."""
 
 import argparse
 import json
@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from pegainfer.errors import PegainferError
+from pegainfer.server.cli import add_bench_serve_args, add_serve, run_bench_serve
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pegainfer", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(commands)
+    add_serve(commands)
     _add_make_checkpoint(commands)
     _add_inspect(commands)
     _add_compile(commands)
@@ -94,9 +96,11 @@ CACHE_HELP = "cubin cache (default: $PEGAINFER_CACHE, aot_cache/ of a checkout, 
 
 
 def _add_bench(commands) -> None:
-    p = commands.add_parser("bench", help="time decode steps or a prefill on the GPU, against the floor")
-    p.add_argument("what", choices=["decode", "prefill"])
-    p.add_argument("model", help=MODEL_HELP + " (without weights: random bf16 weights)")
+    p = commands.add_parser("bench", help="time decode steps or a prefill on the GPU, against the floor; or load a "
+                            "running server (serve)")
+    p.add_argument("what", choices=["decode", "prefill", "serve"])
+    p.add_argument("model", nargs="?", help=MODEL_HELP + " (without weights: random bf16 weights); for serve: the "
+                   "served model's name")
     p.add_argument("--batch", type=_int_list, default=[1, 8, 32, 64], help="decode batch sizes (default 1,8,32,64)")
     p.add_argument("--context", type=_int_list, default=[128, 1024], help="decode contexts (default 128,1024)")
     p.add_argument("--prompt-len", type=_int_list, default=[1024, 4096, 8192], help="prefill prompt lengths")
@@ -105,6 +109,7 @@ def _add_bench(commands) -> None:
     p.add_argument("--breakdown", action="store_true", help="also time each launch of a batch-1 decode step")
     p.add_argument("--cache-dir", type=Path, default=None, help=CACHE_HELP)
     p.add_argument("--json", action="store_true")
+    add_bench_serve_args(p)
     p.set_defaults(run=run_bench)
 
 
@@ -214,6 +219,10 @@ def _inspect_compiled(spec, args: argparse.Namespace) -> int:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if args.what == "serve":
+        return run_bench_serve(args)
+    if args.model is None:
+        raise PegainferError(f"bench {args.what} needs a MODEL: {MODEL_HELP}")
     from pegainfer.backends.cache import cache_root, manifest_path
     from pegainfer.runtime import bench
     from pegainfer.runtime.device import visible_sm

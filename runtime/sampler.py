@@ -1,4 +1,4 @@
-"""Sampling on the CPU: greedy, temperature, top-k, top-p, a per-request seed, and top-K logprobs.
+"""Sampling on the CPU: greedy, temperature, top-k, top-p, min-p, a per-request seed, and top-K logprobs.
 The GPU sampler kernels (issue 5) are checked against this."""
 
 from dataclasses import dataclass
@@ -17,6 +17,7 @@ class SamplingParams:
     temperature: float = 0.0  # under GREEDY_BELOW (0, say) is greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 (or -1) keeps every token
+    min_p: float = 0.0  # drops tokens less likely than min_p times the most likely one; 0 keeps every token
     seed: int | None = None
     logprobs: int | None = None  # how many top tokens to report per generated token
     max_tokens: int = 16
@@ -28,6 +29,7 @@ class SamplingParams:
             ("temperature", self.temperature >= 0 and np.isfinite(self.temperature), ">= 0"),
             ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
             ("top_k", self.top_k >= -1, "-1, 0 (all tokens) or a positive count"),
+            ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
             ("max_tokens", self.max_tokens >= 1, ">= 1"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]"),
             ("seed", self.seed is None or self.seed >= 0, "a non-negative integer"),
@@ -50,6 +52,8 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator)
     if 0 < params.top_k < probs.size:
         cutoff = np.partition(probs, -params.top_k)[-params.top_k]
         probs = np.where(probs >= cutoff, probs, 0.0)
+    if params.min_p > 0:
+        probs = np.where(probs >= params.min_p * probs.max(), probs, 0.0)
     if params.top_p < 1:
         order = np.argsort(-probs, kind="stable")
         before = np.cumsum(probs[order]) - probs[order]  # mass of the tokens ranked above each one

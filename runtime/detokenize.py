@@ -1,0 +1,89 @@
+"""Text out of a token stream: incremental detokenization that never cuts a UTF-8 character, stop strings matched
+across token boundaries, and each token's own text and bytes for logprobs."""
+
+from functools import lru_cache
+
+from pegainfer.runtime.tokenizer import TextTokenizer
+
+REPLACEMENT = "\ufffd"  # what decoding gives for bytes that are not (yet) a whole character
+
+
+class IncrementalDetokenizer:
+    """Decodes a window of recent tokens instead of the whole output each time: `prefix` tokens (already emitted,
+    kept for context) and the tokens after them. New text is released only once it no longer ends in a partial
+    character, so a character split over several byte tokens comes out whole, in the chunk of its last byte."""
+
+    def __init__(self, tokenizer: TextTokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.token_ids: list[int] = []
+        self._prefix = 0  # first token of the decode window
+        self._read = 0  # tokens before this one have been emitted
+
+    def add(self, token_id: int) -> str:
+        self.token_ids.append(token_id)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """What is still held back, at the end of the stream (a partial character then stays a U+FFFD)."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        emitted = self.tokenizer.decode(self.token_ids[self._prefix:self._read])
+        window = self.tokenizer.decode(self.token_ids[self._prefix:])
+        if len(window) <= len(emitted) or (window.endswith(REPLACEMENT) and not final):
+            return ""
+        self._prefix, self._read = self._read, len(self.token_ids)
+        return window[len(emitted):]
+
+
+class StopChecker:
+    """Holds back text that might be the start of a stop string; cuts the text before the first stop string found.
+    Emitted text never contains the start of a stop string that could still complete, so only held-back text needs
+    searching."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+        self.stopped = False
+
+    def feed(self, text: str) -> str:
+        """Returns the text that is safe to emit now; sets `stopped` once a stop string has appeared."""
+        assert not self.stopped, "fed after a stop string was found"
+        self.pending += text
+        found = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if found:
+            self.stopped = True
+            out, self.pending = self.pending[:min(found)], ""
+            return out
+        hold = max((n for s in self.stops for n in range(min(len(s) - 1, len(self.pending)), 0, -1)
+                    if self.pending.endswith(s[:n])), default=0)
+        out, self.pending = self.pending[:len(self.pending) - hold], self.pending[len(self.pending) - hold:]
+        return out
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+@lru_cache(maxsize=1)
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE spells each byte as one printable character: printable Latin-1 bytes as themselves, the
+    others (controls, space, ...) as the characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    alphabet = {chr(b): b for b in printable}
+    others = [b for b in range(256) if b not in set(printable)]
+    alphabet.update({chr(0x100 + i): b for i, b in enumerate(others)})
+    return alphabet
+
+
+def token_text(tokenizer: TextTokenizer, token_id: int) -> str:
+    return tokenizer.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def token_bytes(tokenizer: TextTokenizer, token_id: int) -> bytes:
+    """The token's bytes: exact for byte-level BPE (a token may hold part of a character), else its text's."""
+    piece = tokenizer.tokenizer.id_to_token(token_id)
+    alphabet = _byte_level_alphabet()
+    if type(tokenizer.tokenizer.decoder).__name__ == "ByteLevel" and piece and all(c in alphabet for c in piece):
+        return bytes(alphabet[c] for c in piece)
+    return token_text(tokenizer, token_id).encode()

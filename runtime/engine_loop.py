@@ -1,0 +1,102 @@
+"""The engine loop: one thread owns the engine and the scheduler, so that steps never race with each other.
+Requests and aborts come in through an inbox that is read between steps; each request's tokens go out through the
+callback it was submitted with (the server turns that into an asyncio queue). If a step raises, the loop stops for
+good: every request in flight gets the error, later submissions are refused, and `error` says what happened."""
+
+import threading
+from collections.abc import Callable
+
+from pegainfer.errors import PegainferError, RequestError
+from pegainfer.runtime.scheduler import EngineRequest, Scheduler, TokenOutput
+
+Sink = Callable[[TokenOutput | Exception], None]
+
+
+class EngineDead(PegainferError):
+    """The engine failed; no request can be served any more."""
+
+
+class EngineLoop:
+    def __init__(self, scheduler: Scheduler, thread_init: Callable[[], None] | None = None) -> None:
+        """`thread_init` runs first in the engine thread: a GPU engine makes its CUDA context current there (a
+        context is current per thread, and the engine was built in another one)."""
+        self.scheduler = scheduler
+        self._thread_init = thread_init
+        self.error: BaseException | None = None
+        self._wake = threading.Condition()
+        self._inbox: list[tuple] = []
+        self._sinks: dict[str, Sink] = {}
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="pegainfer-engine", daemon=True)
+
+    def start(self) -> "EngineLoop":
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        self._thread.join(timeout)
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None and self._thread.is_alive()
+
+    def submit(self, request: EngineRequest, sink: Sink) -> None:
+        """Queues a request; `sink` gets its TokenOutputs in order, or one exception (RequestError, EngineDead),
+        called from the engine thread."""
+        with self._wake:
+            if self.error is not None:
+                raise self._dead()
+            self._inbox.append(("add", request, sink))
+            self._wake.notify()
+
+    def abort(self, request_id: str) -> None:
+        with self._wake:
+            self._inbox.append(("abort", request_id))
+            self._wake.notify()
+
+    def _run(self) -> None:
+        try:
+            if self._thread_init is not None:
+                self._thread_init()
+            while True:
+                with self._wake:
+                    while not (self._inbox or self._stopping or self.scheduler.has_work()):
+                        self._wake.wait()
+                    if self._stopping:
+                        return
+                    inbox, self._inbox = self._inbox, []
+                for item in inbox:
+                    self._apply(item)
+                for output in self.scheduler.step():
+                    sink = self._sinks.get(output.request_id)
+                    if output.finish_reason is not None:
+                        self._sinks.pop(output.request_id, None)
+                    if sink is not None:
+                        sink(output)
+        except BaseException as error:  # noqa: BLE001  whatever broke the engine, every waiter must hear of it
+            with self._wake:
+                self.error = error
+                pending = [item[2] for item in self._inbox if item[0] == "add"]
+                self._inbox = []
+            for sink in [*self._sinks.values(), *pending]:
+                sink(self._dead())
+            self._sinks.clear()
+
+    def _apply(self, item: tuple) -> None:
+        if item[0] == "abort":
+            self.scheduler.abort(item[1])
+            self._sinks.pop(item[1], None)
+            return
+        _, request, sink = item
+        try:
+            self.scheduler.add(request)
+        except RequestError as error:
+            sink(error)
+            return
+        self._sinks[request.request_id] = sink
+
+    def _dead(self) -> EngineDead:
+        return EngineDead(f"the engine has failed: {type(self.error).__name__}: {self.error}")

@@ -1,0 +1,289 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each.
+
+Every step packs, under a token budget (max_num_batched_tokens), one decode token of each running sequence that
+is decoding, then prompt chunks of running sequences still prefilling (chunked prefill), then new requests
+admitted from the waiting queue. A sequence is one `Sequence` whose tokens are prompt and generated tokens alike,
+so a prefill chunk, a decode token and the recompute of a preempted sequence are the same thing: its next uncached
+tokens. The engine is anything with `step(chunks) -> logits`, `release(seq)` and `.allocator` (the reference
+engine on the CPU, the GPU engine).
+
+KV memory: a request whose prompt and max_tokens can never fit the pool is refused when added, with its numbers.
+A waiting request is admitted only when its whole uncached sequence fits beside what the step already takes; it
+waits otherwise, in arrival order. When a running sequence needs a block and none is left (after evicting
+unreferenced prefix-cache blocks), the newest running sequence not yet in the step is preempted: its blocks are
+released and it goes back to the head of the queue, to be recomputed from its tokens later. An abort frees a
+request's blocks at once.
+"""
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pegainfer.errors import RequestError
+from pegainfer.runtime.batch import Chunk, Sequence
+from pegainfer.runtime.prefix_cache import ROOT, PrefixCache, chain_hashes
+from pegainfer.runtime.sampler import SamplingParams, sample, top_logprobs
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    prefix_cache: bool = True
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop_token_ids: frozenset[int] = frozenset()
+    arrival: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True)
+class TokenOutput:
+    """One generated token of a request; the last one carries its finish_reason ("stop" or "length")."""
+    request_id: str
+    token_id: int
+    logprobs: dict[int, float] | None
+    finish_reason: str | None
+    num_cached_tokens: int  # prompt tokens the prefix cache supplied when the request was first admitted
+    time: float
+
+
+@dataclass
+class SchedulerStats:
+    prompt_tokens: int = 0  # prompt tokens of admitted requests, cached or not
+    generation_tokens: int = 0
+    prefill_tokens: int = 0  # tokens computed in prefill chunks, recomputes after preemption included
+    preemptions: int = 0
+    steps: int = 0
+
+
+@dataclass
+class _State:
+    request: EngineRequest
+    seq: Sequence
+    rng: np.random.Generator
+    block_hashes: list[bytes] = field(default_factory=list)  # of the sequence's full, computed blocks
+    num_generated: int = 0
+    num_cached_tokens: int = 0
+    admitted: bool = False
+
+
+class Scheduler:
+    def __init__(self, engine, eos_ids: frozenset[int], config: SchedulerConfig = SchedulerConfig()) -> None:
+        assert config.max_num_seqs >= 1 and config.max_model_len >= 2, config
+        if config.max_num_batched_tokens < config.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be at least max_num_seqs "
+                             f"({config.max_num_seqs}): every running sequence's decode token must fit in a step")
+        self.engine, self.eos_ids, self.config = engine, eos_ids, config
+        self.allocator = engine.allocator
+        self.block_size = self.allocator.block_size
+        self.cache = PrefixCache(self.allocator) if config.prefix_cache else None
+        self.waiting: deque[_State] = deque()
+        self.running: list[_State] = []
+        self.stats = SchedulerStats()
+        self._states: dict[str, _State] = {}
+        self._by_seq: dict[int, _State] = {}
+        self._seq_ids = itertools.count()
+        self._reserved = 0
+
+    # --- requests in and out ---------------------------------------------------------------------------------
+
+    def check(self, prompt_len: int, max_tokens: int) -> None:
+        """Refuses a request that could never run, whatever else is running; the numbers say why."""
+        limit = self.config.max_model_len
+        if prompt_len >= limit:
+            raise RequestError(f"the prompt has {prompt_len} tokens; the maximum context length is {limit} tokens, "
+                               f"so a prompt may have at most {limit - 1}")
+        total = min(prompt_len + max_tokens, limit)
+        blocks = self.allocator.blocks_for(total)
+        if blocks > self.allocator.num_blocks:
+            raise RequestError(
+                f"the request needs {blocks} KV blocks ({prompt_len} prompt + {total - prompt_len} generated tokens, "
+                f"{self.block_size} tokens a block) and the KV cache holds {self.allocator.num_blocks} blocks in "
+                f"all: it can never fit")
+
+    def add(self, request: EngineRequest) -> None:
+        assert request.request_id not in self._states, f"request id {request.request_id!r} is already in use"
+        request.params.validate()
+        self.check(len(request.prompt_ids), request.params.max_tokens)
+        seq = Sequence(next(self._seq_ids), list(request.prompt_ids))
+        state = _State(request, seq, np.random.default_rng(request.params.seed))
+        self._states[request.request_id] = state
+        self._by_seq[seq.seq_id] = state
+        self.waiting.append(state)
+
+    def abort(self, request_id: str) -> bool:
+        """Drops a request (its client is gone); its KV blocks are free when this returns."""
+        state = self._states.get(request_id)
+        if state is None:
+            return False
+        if state in self.running:
+            self.running.remove(state)
+            self._free(state)
+        else:
+            self.waiting.remove(state)
+        self._forget(state)
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def blocks_in_use(self) -> int:
+        """Blocks some request holds; free and evictable cached blocks are not in use."""
+        evictable = self.cache.num_evictable if self.cache else 0
+        return self.allocator.num_blocks - self.allocator.num_free - evictable
+
+    # --- one step --------------------------------------------------------------------------------------------
+
+    def step(self) -> list[TokenOutput]:
+        """Schedules, runs the engine once and samples; returns the tokens made (none when idle)."""
+        chunks = self.schedule()
+        if not chunks:
+            return []
+        logits = self.engine.step(chunks)
+        self.stats.steps += 1
+        return self._process(chunks, logits)
+
+    def schedule(self) -> list[Chunk]:
+        budget, self._reserved = self.config.max_num_batched_tokens, 0
+        chunks: list[Chunk] = []
+        scheduled: set[int] = set()
+        preempted = False
+        for decoding in (True, False):
+            for state in list(self.running):
+                uncached = len(state.seq.token_ids) - state.seq.num_cached
+                if state not in self.running or (uncached == 1) != decoding or budget == 0:
+                    continue
+                count = min(uncached, budget)
+                if not self._room_for(state, count, scheduled):
+                    preempted = True
+                    continue
+                chunks.append(Chunk(state.seq, count))
+                scheduled.add(state.seq.seq_id)
+                budget -= count
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
+            count = self._admit(self.waiting[0], budget)
+            if count == 0:
+                break
+            state = self.waiting.popleft()
+            self.running.append(state)
+            chunks.append(Chunk(state.seq, count))
+            budget -= count
+        for chunk in chunks:
+            state = self._by_seq[chunk.seq.seq_id]
+            if not (state.num_generated > 0 and chunk.num_tokens == 1):
+                self.stats.prefill_tokens += chunk.num_tokens
+        return chunks
+
+    def _room_for(self, state: _State, count: int, scheduled: set[int]) -> bool:
+        """Reserves the blocks `count` more tokens of a running sequence need, preempting the newest running
+        sequences not yet in this step while there are none; False when `state` itself had to go."""
+        need = self._blocks_needed(state.seq, count)
+        while not self._reserve(need):
+            victim = next(s for s in reversed(self.running) if s.seq.seq_id not in scheduled)
+            self._preempt(victim)
+            if victim is state:
+                return False
+        return True
+
+    def _admit(self, state: _State, budget: int) -> int:
+        """Takes the waiting request's prefix-cache hit and reserves its first chunk's blocks when its whole
+        sequence fits now; returns the chunk's token count, or 0 to leave it waiting."""
+        seq, tokens = state.seq, state.seq.token_ids
+        blocks, hashes = self.cache.lookup(tokens, (len(tokens) - 1) // self.block_size) if self.cache else ([], [])
+        evictable = self.cache.num_evictable - self.cache.count_evictable(blocks) if self.cache else 0
+        available = self.allocator.num_free - self._reserved + evictable
+        if self.allocator.blocks_for(len(tokens)) - len(blocks) > available:
+            return 0
+        cached = len(blocks) * self.block_size
+        if self.cache:
+            self.cache.acquire(blocks)
+            self.cache.record_query(len(tokens), cached)
+        seq.table.blocks, seq.num_cached, state.block_hashes = list(blocks), cached, list(hashes)
+        if not state.admitted:
+            state.admitted, state.num_cached_tokens = True, cached
+            self.stats.prompt_tokens += len(tokens)
+        count = min(len(tokens) - cached, budget)
+        assert self._reserve(self._blocks_needed(seq, count)), "admission checked that the sequence fits"
+        return count
+
+    def _blocks_needed(self, seq: Sequence, count: int) -> int:
+        return max(self.allocator.blocks_for(seq.num_cached + count) - len(seq.table.blocks), 0)
+
+    def _reserve(self, need: int) -> bool:
+        """Makes `need` more blocks free for this step (evicting unreferenced cached blocks first)."""
+        short = self._reserved + need - self.allocator.num_free
+        if short > 0 and self.cache:
+            self.cache.evict(short)
+        if self._reserved + need > self.allocator.num_free:
+            return False
+        self._reserved += need
+        return True
+
+    def _preempt(self, state: _State) -> None:
+        self.running.remove(state)
+        self._free(state)
+        self.waiting.appendleft(state)
+        self.stats.preemptions += 1
+
+    def _free(self, state: _State) -> None:
+        """Cached blocks lose a reference and stay cached; the sequence's own blocks go back to the pool."""
+        if self.cache:
+            state.seq.table.blocks = self.cache.release(state.seq.table.blocks)
+        self.engine.release(state.seq)
+        state.block_hashes = []
+
+    def _forget(self, state: _State) -> None:
+        del self._states[state.request.request_id], self._by_seq[state.seq.seq_id]
+
+    # --- after the step --------------------------------------------------------------------------------------
+
+    def _process(self, chunks: list[Chunk], logits: np.ndarray) -> list[TokenOutput]:
+        outputs, now = [], time.monotonic()
+        for row, chunk in enumerate(chunks):
+            state = self._by_seq[chunk.seq.seq_id]
+            self._cache_full_blocks(state)
+            if state.seq.num_cached < len(state.seq.token_ids):
+                continue  # a prompt chunk short of the prompt's end: its logits are not a next token
+            outputs.append(self._sample(state, logits[row], now))
+        return outputs
+
+    def _cache_full_blocks(self, state: _State) -> None:
+        if self.cache is None:
+            return
+        seq, known = state.seq, len(state.block_hashes)
+        full = seq.num_cached // self.block_size
+        if full <= known:
+            return
+        parent = state.block_hashes[-1] if known else ROOT
+        new = chain_hashes(seq.token_ids, self.block_size, parent, known, full)
+        for block, block_hash in zip(seq.table.blocks[known:full], new):
+            self.cache.insert(block, block_hash)
+        state.block_hashes += new
+
+    def _sample(self, state: _State, row: np.ndarray, now: float) -> TokenOutput:
+        params, seq = state.request.params, state.seq
+        token = sample(row, params, state.rng)
+        seq.token_ids.append(token)
+        state.num_generated += 1
+        self.stats.generation_tokens += 1
+        finish = None
+        if (token in self.eos_ids and not params.ignore_eos) or token in state.request.stop_token_ids:
+            finish = "stop"
+        elif state.num_generated >= params.max_tokens or len(seq.token_ids) >= self.config.max_model_len:
+            finish = "length"
+        logprobs = None if params.logprobs is None else top_logprobs(row, params.logprobs, token)
+        if finish:
+            self.running.remove(state)
+            self._free(state)
+            self._forget(state)
+        return TokenOutput(state.request.request_id, token, logprobs, finish, state.num_cached_tokens, now)

@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# On the GPU machine (device tool, carry [".gpu"]), after scripts/gpu/prepare.sh and scripts/gpu/serve_wheels.sh
+# here. `bash scripts/gpu/serve.sh pegainfer`: a greedy completion through `pegainfer serve --device cuda` equal to
+# `pegainfer generate --device cuda` on the small checkpoint; start-up to HTTP ready (second start: warm cubins and
+# page cache) and idle resident memory of a full-size random Qwen3-4B, from the server's own /metrics; then
+# `pegainfer bench serve` at each concurrency of $CONC. `bash scripts/gpu/serve.sh hf`: the same request stream
+# against `transformers serve --continuous-batching`. Reports go to $OUT (serve_*.json, hf_*.json, logs).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+TARGET=${1:-pegainfer}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .gpu/wheels/*.whl || exit 1
+mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/pegainfer
+export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1 PEGAINFER_CACHE="$PWD/.gpu/aot_cache"
+export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+CONC=${CONC:-"1 8 32 64 128"}; INPUT_LEN=${INPUT_LEN:-1024}; OUTPUT_LEN=${OUTPUT_LEN:-128}
+MODEL=/tmp/qwen3-4b-random
+pg() { python3 -m pegainfer.cli "$@"; }
+ready() {  # waits for $1/health, up to 10 minutes
+    python3 - "$1" <<'PY'
+import sys, time, httpx
+for _ in range(1200):
+    try:
+        if httpx.get(sys.argv[1] + "/health", timeout=2).status_code == 200:
+            sys.exit(0)
+    except httpx.TransportError:
+        pass
+    time.sleep(0.5)
+sys.exit(1)
+PY
+}
+metric() { python3 -c "import sys, httpx; print(next(l.split()[-1] for l in httpx.get(sys.argv[1] + '/metrics').text.splitlines() if l.startswith(sys.argv[2] + '{')))" "$1" "$2"; }
+sweep() {  # $1: base URL, $2: model name, $3: report prefix
+    for c in $CONC; do
+        n=$(( c * 2 > 16 ? c * 2 : 16 ))
+        pg bench serve --base-url "$1" --model "$2" --tokenizer "$MODEL" --input-len "$INPUT_LEN" \
+            --output-len "$OUTPUT_LEN" --num-prompts "$n" --max-concurrency "$c" --seed 0 \
+            --result-file "$OUT/$3_c$c.json" 2>&1 | tee -a "$OUT/$3_bench.log"
+    done
+}
+if [ ! -d "$MODEL" ]; then
+    SHAPE=$(python3 -c "import json; c = json.load(open('models/configs/qwen3-4b.json')); print(' '.join(f'--set {k}={json.dumps(c[k])}' for k in ('hidden_size', 'intermediate_size', 'num_hidden_layers', 'num_attention_heads', 'num_key_value_heads', 'head_dim', 'vocab_size', 'tie_word_embeddings', 'rope_theta', 'max_position_embeddings')))")
+    pg make-checkpoint "$MODEL" --dtype bfloat16 --logit-std 2 $SHAPE
+fi
+if [ "$TARGET" = hf ]; then
+    transformers serve "$MODEL" --continuous-batching --device cuda:0 --dtype bfloat16 --host 127.0.0.1 \
+        --port 8001 >"$OUT/hf_serve.log" 2>&1 &
+    pid=$!
+    ready http://127.0.0.1:8001 || { echo "transformers serve did not start"; tail -30 "$OUT/hf_serve.log"; }
+    sweep http://127.0.0.1:8001 "$MODEL" hf
+    kill $pid; wait $pid
+    exit 0
+fi
+echo "== greedy through the server against generate, small checkpoint"
+pg generate --model-path .gpu/small --prompt "The inference server" --max-tokens 12 --ignore-eos --device cuda --json \
+    | tee "$OUT/serve_generate.json"
+pg serve --model-path .gpu/small --device cuda --port 8000 --served-model-name small >"$OUT/serve_small.log" 2>&1 &
+pid=$!
+ready http://127.0.0.1:8000 && python3 - <<'PY' | tee "$OUT/serve_small.json"
+import json, os, httpx
+body = {"model": "small", "prompt": "The inference server", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+result = httpx.post("http://127.0.0.1:8000/v1/completions", json=body, timeout=120).json()
+expected = json.load(open(os.environ["OUT"] + "/serve_generate.json"))
+print(json.dumps({"server_text": result["choices"][0]["text"], "generate_text": expected["text"],
+                  "equal": result["choices"][0]["text"] == expected["text"], "usage": result["usage"]}))
+PY
+kill $pid; wait $pid
+for start in first second; do
+    echo "== Qwen3-4B shape: $start start"
+    pg serve --model-path "$MODEL" --device cuda --port 8000 --served-model-name qwen3-4b --max-num-seqs 128 \
+        >"$OUT/serve_4b_$start.log" 2>&1 &
+    pid=$!
+    ready http://127.0.0.1:8000 || { tail -30 "$OUT/serve_4b_$start.log"; exit 1; }
+    sleep 2
+    echo "startup_seconds $(metric http://127.0.0.1:8000 pegainfer:startup_seconds)" \
+         "resident_bytes_idle $(metric http://127.0.0.1:8000 process_resident_memory_bytes)" \
+         "kv_blocks $(metric http://127.0.0.1:8000 pegainfer:kv_blocks_total)" | tee -a "$OUT/serve_startup.txt"
+    [ "$start" = second ] || { kill $pid; wait $pid; }
+done
+sweep http://127.0.0.1:8000 qwen3-4b serve
+curl -s http://127.0.0.1:8000/metrics >"$OUT/serve_metrics.txt" 2>/dev/null || true
+kill $pid; wait $pid

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Here (CPU machine): the wheels `pegainfer serve` and `transformers serve` need that the GPU image lacks (it has
+# httpx, anyio, h11, uvloop, click, jinja2, tqdm), for its Python 3.12, into .gpu/wheels (carried with .gpu).
+# Pinned to releases whose own needs the image meets (newer fastapi wants opentelemetry-api, newer openai httpx2).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+PY=${PY:-.venv/bin/python}
+mkdir -p .gpu/wheels
+PLATFORMS="--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
+           --platform manylinux2014_x86_64 --platform manylinux1_x86_64"
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $PLATFORMS \
+    -d .gpu/wheels fastapi==0.115.12 starlette==0.46.2 uvicorn==0.34.3 pydantic==2.11.7 pydantic-core==2.33.2 \
+    annotated-types==0.7.0 typing-inspection==0.4.1 openai==1.99.9 distro==1.9.0 \
+    jiter==0.10.0 sniffio==1.3.1
+ls .gpu/wheels

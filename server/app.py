@@ -1,0 +1,339 @@
+"""The OpenAI-compatible HTTP API over the engine loop: /v1/completions, /v1/chat/completions, /v1/models,
+/health, /metrics, /tokenize, /detokenize."""
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from pegainfer.errors import RequestError
+from pegainfer.runtime.chat import ChatTemplate
+from pegainfer.runtime.engine_loop import EngineDead, EngineLoop
+from pegainfer.runtime.sampler import SamplingParams
+from pegainfer.runtime.scheduler import EngineRequest
+from pegainfer.runtime.tokenizer import TextTokenizer
+from pegainfer.server import openai_format as fmt
+from pegainfer.server.errors import ApiError, api_error_handler, error_body, validation_error_handler
+from pegainfer.server.generation import Choice, Delta, run_choice
+from pegainfer.server.guard import Guard
+from pegainfer.server.metrics import Metrics
+from pegainfer.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, \
+    TokenizeRequest, _Sampling
+
+# Known OpenAI fields pegainfer does not implement, with the value that means "not used".
+UNSUPPORTED = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "logit_bias": None,
+               "suffix": None, "tools": None, "response_format": None}
+
+
+@dataclass
+class ServerContext:
+    engine: EngineLoop
+    tokenizer: TextTokenizer
+    chat_template: ChatTemplate | None
+    model_name: str
+    model_root: str
+    max_model_len: int
+    vocab_size: int
+    metrics: Metrics
+    api_key: str | None = None
+    max_request_bytes: int = 8 << 20
+
+
+@dataclass
+class Prepared:
+    """A validated request: its prompts as ids, and what each choice needs."""
+    prompts: list[list[int]]
+    prompt_texts: list[str]
+    params: list[SamplingParams]  # one per choice of each prompt
+    stops: list[str]
+    stop_token_ids: frozenset[int]
+
+
+def build_app(ctx: ServerContext, on_ready: Callable[[], None] | None = None) -> Guard:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if on_ready is not None:
+            on_ready()
+        yield
+
+    app = FastAPI(title="pegainfer", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.add_exception_handler(ApiError, api_error_handler)
+    app.add_exception_handler(RequestValidationError, validation_error_handler)
+    app.state.ctx = ctx
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not ctx.engine.healthy:
+            reason = f"{type(ctx.engine.error).__name__}: {ctx.engine.error}" if ctx.engine.error else "stopped"
+            return JSONResponse(error_body(503, f"the engine has failed: {reason}"), status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        text = ctx.metrics.render(ctx.engine.scheduler, ctx.engine.healthy)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": ctx.model_name, "object": "model", "created": 0,
+                                             "owned_by": "pegainfer", "root": ctx.model_root,
+                                             "max_model_len": ctx.max_model_len}]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        check_model(ctx, body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "give exactly one of prompt and messages", "prompt")
+        ids = ctx.tokenizer.encode(body.prompt) if body.prompt is not None else \
+            ctx.tokenizer.encode(render_chat(ctx, body.messages, body.add_generation_prompt,
+                                             body.chat_template_kwargs))
+        return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        check_model(ctx, body.model)
+        check_ids(ctx, body.tokens, "tokens")
+        return {"prompt": ctx.tokenizer.decode(body.tokens)}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        prepared = prepare_completion(ctx, body)
+        echo = prepared.prompt_texts if body.echo else [""] * len(prepared.prompts)
+        return await respond(ctx, request, body, prepared, chat=False, echo=echo, top=body.logprobs)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        prepared = prepare_chat(ctx, body)
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        return await respond(ctx, request, body, prepared, chat=True, echo=[""], top=top)
+
+    return Guard(app, ctx)
+
+
+# --- preparing a request -----------------------------------------------------------------------------------------
+
+def check_model(ctx: ServerContext, model: str | None) -> None:
+    if model is not None and model != ctx.model_name:
+        raise ApiError(404, f"The model `{model}` does not exist; this server serves `{ctx.model_name}`",
+                       "model", "model_not_found")
+
+
+def check_ids(ctx: ServerContext, ids: list[int], param: str) -> None:
+    bad = [t for t in ids if not 0 <= t < ctx.vocab_size]
+    if bad:
+        raise ApiError(400, f"token id {bad[0]} is out of range: the vocabulary has ids 0..{ctx.vocab_size - 1}",
+                       param)
+
+
+def check_common(ctx: ServerContext, body: _Sampling) -> None:
+    check_model(ctx, body.model)
+    for name, unused in UNSUPPORTED.items():
+        if getattr(body, name, unused) not in (unused, [], {}):
+            raise ApiError(400, f"{name} is not supported by pegainfer: leave it out", name)
+    if body.best_of not in (None, 1, body.n):
+        raise ApiError(400, "best_of is not supported by pegainfer: leave it out or equal to n", "best_of")
+    if body.stream_options is not None and not body.stream:
+        raise ApiError(400, "stream_options is only allowed with stream: true", "stream_options")
+    check_ids(ctx, body.stop_token_ids or [], "stop_token_ids")
+
+
+def resolve_max_tokens(ctx: ServerContext, prompt_len: int, requested: int | None, param: str,
+                       prompt_param: str) -> int:
+    limit = ctx.max_model_len
+    if prompt_len >= limit:
+        raise ApiError(400, f"This model's maximum context length is {limit} tokens; the prompt has {prompt_len} "
+                            f"tokens, which leaves none to generate. Shorten the prompt.", prompt_param)
+    if requested is None:
+        return limit - prompt_len
+    if prompt_len + requested > limit:
+        raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                            f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the "
+                            f"completion). Reduce the prompt or {param}.", param)
+    return requested
+
+
+def sampling_params(ctx: ServerContext, body: _Sampling, prompt_len: int, max_tokens: int | None,
+                    max_tokens_param: str, prompt_param: str, logprobs: int | None) -> list[SamplingParams]:
+    max_tokens = resolve_max_tokens(ctx, prompt_len, max_tokens, max_tokens_param, prompt_param)
+    try:
+        ctx.engine.scheduler.check(prompt_len, max_tokens)
+    except RequestError as error:
+        raise ApiError(400, str(error), prompt_param) from None
+    return [SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+                           seed=None if body.seed is None else (body.seed + j) % 2**63, logprobs=logprobs,
+                           max_tokens=max_tokens, ignore_eos=body.ignore_eos) for j in range(body.n)]
+
+
+def prepare_completion(ctx: ServerContext, body: CompletionRequest) -> Prepared:
+    check_common(ctx, body)
+    if body.echo and body.logprobs is not None:
+        raise ApiError(400, "echo with logprobs needs the prompt's logprobs, which pegainfer does not compute: "
+                            "use one or the other", "echo")
+    prompt = body.prompt
+    if isinstance(prompt, str) or isinstance(prompt[0], str):
+        texts = [prompt] if isinstance(prompt, str) else prompt
+        prompts = [ctx.tokenizer.encode(text) for text in texts]
+    else:
+        prompts = [prompt] if isinstance(prompt[0], int) else prompt
+        for ids in prompts:
+            check_ids(ctx, ids, "prompt")
+        texts = [ctx.tokenizer.decode(ids) for ids in prompts]
+    if any(not ids for ids in prompts):
+        raise ApiError(400, "the prompt is empty: it encodes to no tokens", "prompt")
+    params = []
+    for ids in prompts:
+        params += sampling_params(ctx, body, len(ids), body.max_tokens, "max_tokens", "prompt", body.logprobs)
+    return Prepared(prompts, texts, params, body.stop, frozenset(body.stop_token_ids or []))
+
+
+def render_chat(ctx: ServerContext, messages, add_generation_prompt: bool, kwargs: dict | None) -> str:
+    if ctx.chat_template is None:
+        raise ApiError(400, "this model's checkpoint has no chat template (tokenizer_config.json chat_template): "
+                            "use /v1/completions", "messages")
+    kwargs = kwargs or {}
+    clash = {"messages", "add_generation_prompt"} & kwargs.keys()
+    if clash:
+        raise ApiError(400, f"chat_template_kwargs may not set {sorted(clash)[0]}", "chat_template_kwargs")
+    try:
+        return ctx.chat_template.render([m.as_template_input() for m in messages],
+                                        add_generation_prompt=add_generation_prompt, **kwargs)
+    except RequestError as error:
+        raise ApiError(400, str(error), "messages") from None
+
+
+def prepare_chat(ctx: ServerContext, body: ChatCompletionRequest) -> Prepared:
+    check_common(ctx, body)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    text = render_chat(ctx, body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+    ids = ctx.tokenizer.encode(text)
+    if not ids:
+        raise ApiError(400, "the messages render to an empty prompt", "messages")
+    name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    params = sampling_params(ctx, body, len(ids), body.max_completion_tokens or body.max_tokens, name,
+                             "messages", (body.top_logprobs or 0) if body.logprobs else None)
+    return Prepared([ids], [text], params, body.stop, frozenset(body.stop_token_ids or []))
+
+
+# --- running it ----------------------------------------------------------------------------------------------------
+
+async def merged(ctx: ServerContext, prepared: Prepared, prefix: str, choices: list[Choice]) -> AsyncIterator[Delta]:
+    """Every choice of every prompt at once; deltas in the order tokens arrive."""
+    queue: asyncio.Queue = asyncio.Queue()
+    n = len(prepared.params) // len(prepared.prompts)
+
+    async def pump(index: int) -> None:
+        request = EngineRequest(f"{prefix}-{index}", prepared.prompts[index // n], prepared.params[index],
+                                prepared.stop_token_ids)
+        try:
+            async for delta in run_choice(ctx.engine, request, ctx.tokenizer, prepared.stops, index, ctx.metrics,
+                                          choices[index]):
+                queue.put_nowait(delta)
+            queue.put_nowait(None)
+        except Exception as error:  # noqa: BLE001  handed to the consumer, which answers with it
+            queue.put_nowait(error)
+
+    tasks = [asyncio.create_task(pump(i)) for i in range(len(choices))]
+    try:
+        for _ in tasks:
+            while (item := await queue.get()) is not None:
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def respond(ctx: ServerContext, request: Request, body: _Sampling, prepared: Prepared, *, chat: bool,
+                  echo: list[str], top: int | None) -> Response:
+    if not ctx.engine.healthy:
+        raise ApiError(503, f"the engine has failed: {ctx.engine.error}")
+    request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    choices = [Choice(i) for i in range(len(prepared.params))]
+    prompt_tokens = sum(len(ids) for ids in prepared.prompts)
+    n = body.n
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        events = stream_events(ctx, prepared, request_id, choices, chat, echo, top, n, include_usage, prompt_tokens)
+        return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(events.aclose))
+    task = asyncio.ensure_future(_drain(merged(ctx, prepared, request_id, choices)))
+    watcher = asyncio.ensure_future(_disconnected(request))
+    await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    watcher.cancel()
+    if not task.done():  # the client is gone: abort its requests (their KV blocks are freed) and answer nobody
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return Response(status_code=499)
+    _raise_engine_errors(task.exception())
+    base = fmt.envelope(request_id, "chat.completion" if chat else "text_completion", ctx.model_name)
+    if chat:
+        body_choices = [fmt.chat_choice(ctx.tokenizer, c, top) for c in choices]
+    else:
+        body_choices = [fmt.completion_choice(ctx.tokenizer, c, echo[c.index // n], top is not None)
+                        for c in choices]
+    return JSONResponse({**base, "choices": body_choices, "usage": fmt.usage(prompt_tokens, choices, n)})
+
+
+async def _drain(deltas: AsyncIterator[Delta]) -> None:
+    async for _ in deltas:
+        pass
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _raise_engine_errors(error: BaseException | None) -> None:
+    if error is None:
+        return
+    if isinstance(error, EngineDead):
+        raise ApiError(503, str(error))
+    if isinstance(error, RequestError):
+        raise ApiError(400, str(error))
+    raise error
+
+
+async def stream_events(ctx: ServerContext, prepared: Prepared, request_id: str, choices: list[Choice], chat: bool,
+                        echo: list[str], top: int | None, n: int, include_usage: bool,
+                        prompt_tokens: int) -> AsyncIterator[str]:
+    base = fmt.envelope(request_id, "chat.completion.chunk" if chat else "text_completion", ctx.model_name)
+    if include_usage:
+        base["usage"] = None
+    if chat:
+        for index in range(len(choices)):
+            yield _sse(fmt.chat_role_chunk(base, index))
+    echoed: set[int] = set()
+    try:
+        async for delta in merged(ctx, prepared, request_id, choices):
+            if not (delta.text or delta.finish_reason or delta.logprobs is not None):
+                continue  # held-back text with nothing else to say
+            if chat:
+                chunk = fmt.chat_chunk(ctx.tokenizer, base, delta, top)
+            else:
+                prefix = "" if delta.index in echoed else echo[delta.index // n]
+                echoed.add(delta.index)
+                offset = len(echo[delta.index // n]) + len(choices[delta.index].text) - len(delta.text)
+                chunk = fmt.completion_chunk(ctx.tokenizer, base, delta, prefix, offset)
+            yield _sse(chunk)
+    except (EngineDead, RequestError) as error:
+        status = 503 if isinstance(error, EngineDead) else 400
+        yield _sse(error_body(status, str(error)))
+    else:
+        if include_usage:
+            yield _sse({**base, "choices": [], "usage": fmt.usage(prompt_tokens, choices, n)})
+    yield "data: [DONE]\n\n"
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"

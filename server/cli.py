@@ -1,0 +1,219 @@
+"""`pegainfer serve` and `pegainfer bench serve`: their flags, and the wiring from a checkpoint folder to a
+listening server (model, tokenizer, chat template, engine, scheduler, engine loop, HTTP app)."""
+
+import argparse
+import json
+import os
+import sys
+import time
+from math import prod
+from pathlib import Path
+
+from pegainfer.errors import PegainferError
+
+CPU_KV_TOKENS = 65536  # the reference engine's default pool: NumPy arrays, sized for trying the API
+GPU_ACTIVATION_SLACK = 1 << 30  # bytes left beside weights and KV for activations, graphs and the sampler
+
+
+def add_serve(commands) -> None:
+    p = commands.add_parser("serve", help="serve a checkpoint behind an OpenAI-compatible HTTP API")
+    p.add_argument("--model-path", "--model", dest="model_path", type=Path, required=True,
+                   help="Hugging Face checkpoint folder")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--served-model-name", help="the model name clients send (default: the folder's name)")
+    p.add_argument("--api-key", default=os.environ.get("PEGAINFER_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $PEGAINFER_API_KEY, else none)")
+    p.add_argument("--max-num-seqs", type=_positive, default=64, help="sequences in a batch at most (default 64)")
+    p.add_argument("--max-model-len", type=_positive, default=None,
+                   help="prompt + completion tokens at most (default: config.json's max_position_embeddings)")
+    p.add_argument("--max-num-batched-tokens", type=_positive, default=2048,
+                   help="tokens in one engine step at most: the chunked-prefill budget (default 2048)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of GPU memory for weights, KV cache and activations (default 0.9)")
+    p.add_argument("--kv-cache-tokens", type=_positive, default=None,
+                   help=f"KV cache size in tokens, instead of sizing it from GPU memory (cpu default {CPU_KV_TOKENS} "
+                        f"or max-num-seqs x max-model-len if smaller)")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="do not share the KV blocks of common prompt prefixes")
+    p.add_argument("--max-request-bytes", type=_positive, default=8 << 20,
+                   help="largest request body accepted (default 8 MiB)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                   help="cuda: the compiled kernels; cpu: the reference executor (slow; for trying the API). "
+                        "Default: cuda if present, else cpu")
+    p.add_argument("--cache-dir", type=Path, default=None, help="cubin cache (see pegainfer compile)")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
+                   help="uvicorn's log level (default warning)")
+    p.set_defaults(run=run_serve)
+
+
+def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
+    """Flags of `pegainfer bench serve`, added to the bench subcommand (they are ignored by decode and prefill)."""
+    group = p.add_argument_group("bench serve (an OpenAI-API load generator against any compatible server)")
+    group.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (default http://127.0.0.1:8000)")
+    group.add_argument("--model", dest="served_model", help="the model name to send (default: the MODEL argument)")
+    group.add_argument("--dataset", choices=["random"], default="random", help="random token prompts")
+    group.add_argument("--input-len", type=_positive, default=1024, help="prompt tokens (default 1024)")
+    group.add_argument("--output-len", type=_positive, default=128, help="tokens per completion (default 128)")
+    group.add_argument("--num-prompts", type=_positive, default=100, help="requests to send (default 100)")
+    group.add_argument("--request-rate", type=float, default=float("inf"),
+                       help="mean requests per second, Poisson arrivals (default inf: all at once)")
+    group.add_argument("--max-concurrency", type=_positive, default=None, help="requests in flight at most")
+    group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--endpoint", choices=["/v1/completions", "/v1/chat/completions"], default="/v1/completions")
+    group.add_argument("--tokenizer", type=Path, default=None,
+                       help="checkpoint folder whose tokenizer.json turns the random prompts into text (default: "
+                            "send token ids, which /v1/completions of pegainfer and vLLM take)")
+    group.add_argument("--api-key", dest="bench_api_key", default=os.environ.get("OPENAI_API_KEY"),
+                       help="bearer key for the server (default $OPENAI_API_KEY)")
+    group.add_argument("--result-file", type=Path, default=None, help="also write the JSON report here")
+
+
+def run_bench_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from pegainfer.server.bench import BenchConfig, format_report, run_bench
+
+    model = args.served_model or args.model
+    if model is None:
+        raise PegainferError("bench serve needs the served model's name: pegainfer bench serve --model NAME")
+    config = BenchConfig(base_url=args.base_url.rstrip("/"), model=model, endpoint=args.endpoint,
+                         input_len=args.input_len, output_len=args.output_len, num_prompts=args.num_prompts,
+                         request_rate=args.request_rate, max_concurrency=args.max_concurrency, seed=args.seed,
+                         tokenizer=args.tokenizer, api_key=args.bench_api_key)
+    report = asyncio.run(run_bench(config))
+    if args.result_file:
+        args.result_file.write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps(report, indent=1) if args.json else format_report(report), end="\n" if args.json else "")
+    if report["completed"] < report["num_prompts"]:
+        print(f"pegainfer: {report['num_prompts'] - report['completed']} requests failed; first error: "
+              f"{report['errors'][0]}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from pegainfer.frontends.load import load_model
+    from pegainfer.runtime.chat import load_chat_template
+    from pegainfer.runtime.device import choose_device
+    from pegainfer.runtime.engine_loop import EngineLoop
+    from pegainfer.runtime.scheduler import Scheduler, SchedulerConfig
+    from pegainfer.runtime.tokenizer import load_tokenizer
+    from pegainfer.server.app import ServerContext, build_app
+    from pegainfer.server.metrics import Metrics
+
+    device, reason = choose_device(args.device)
+    model = load_model(args.model_path, lazy=device == "cuda")
+    tokenizer = load_tokenizer(args.model_path)
+    max_model_len = _max_model_len(model.spec.raw_config, args.max_model_len)
+    step_tokens = max(args.max_num_batched_tokens, args.max_num_seqs)
+    engine = build_engine(model, device, args, max_model_len, step_tokens)
+    config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=step_tokens,
+                             max_model_len=max_model_len, prefix_cache=args.prefix_cache)
+    loop = EngineLoop(Scheduler(engine, tokenizer.eos_token_ids, config), engine_thread_init(engine)).start()
+    name = args.served_model_name or args.model_path.resolve().name
+    ctx = ServerContext(loop, tokenizer, load_chat_template(args.model_path), name, str(args.model_path),
+                        max_model_len, model.spec.config.vocab_size, Metrics(name), args.api_key,
+                        args.max_request_bytes)
+    allocator = engine.allocator
+
+    def ready() -> None:
+        ctx.metrics.startup_seconds = process_age()
+        print(f"pegainfer: serving {name} on http://{args.host}:{args.port} (device {device}: {reason}; "
+              f"{allocator.num_blocks} KV blocks of {allocator.block_size} tokens; max_model_len {max_model_len}; "
+              f"prefix cache {'on' if args.prefix_cache else 'off'}); ready {ctx.metrics.startup_seconds:.2f} s "
+              f"after start", file=sys.stderr, flush=True)
+    try:
+        uvicorn.run(build_app(ctx, on_ready=ready), host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=5)
+    finally:
+        loop.stop()
+    return 0
+
+
+def build_engine(model, device: str, args: argparse.Namespace, max_model_len: int, step_tokens: int):
+    """The reference engine on the CPU; on the GPU, the compiled kernels, wired as runtime/offline.py wires them."""
+    if device == "cpu":
+        from pegainfer.runtime.reference_engine import ReferenceEngine
+
+        tokens = args.kv_cache_tokens or min(CPU_KV_TOKENS, args.max_num_seqs * max_model_len)
+        return ReferenceEngine(model, max_tokens=tokens)
+    from pegainfer.backends.cache import cache_root, manifest_path
+    from pegainfer.runtime.device import visible_sm
+    from pegainfer.runtime.gpu.engine import EngineOptions, GpuEngine, missing_manifest
+
+    manifest = manifest_path(cache_root(args.cache_dir), visible_sm(), model.spec)
+    if not manifest.is_file():
+        raise missing_manifest(manifest, str(model.folder))
+    kv_tokens = args.kv_cache_tokens or gpu_kv_tokens(model, args.gpu_memory_utilization, step_tokens)
+    options = EngineOptions(max_tokens=step_tokens, max_batch=args.max_num_seqs, max_model_len=max_model_len,
+                            kv_tokens=kv_tokens)
+    return GpuEngine(model, manifest, options)
+
+
+def engine_thread_init(engine):
+    """For the GPU engine: make its CUDA context current in the engine loop's thread."""
+    ctx = getattr(engine, "ctx", None)
+    if ctx is None:
+        return None
+
+    def bind() -> None:
+        from cuda.bindings import driver as cuda
+
+        from pegainfer.runtime.cuda.driver import check
+
+        check(cuda.cuCtxSetCurrent(ctx.context), "cuCtxSetCurrent")
+    return bind
+
+
+def gpu_kv_tokens(model, utilization: float, step_tokens: int) -> int:
+    """KV tokens that fit in `utilization` of the GPU beside what others use, the weights, the step's logits and
+    a slack for activations."""
+    from pegainfer.runtime.cuda import driver
+
+    if not 0 < utilization <= 1:
+        raise PegainferError(f"--gpu-memory-utilization must be in (0, 1], got {utilization}")
+    driver.Context.create()  # the primary context, which the engine then shares
+    free, total = driver.device_memory()
+    graph = model.spec.graph
+    per_token = sum(prod(t.concrete({"num_blocks": 1, "block_size": 1})) * t.dtype.itemsize
+                    for t in graph.expanded_states().values())
+    weights = sum(prod(t.shape) * t.dtype.itemsize for t in graph.checkpoint_params().values())
+    logits = step_tokens * model.spec.config.vocab_size * 4
+    budget = int(total * utilization) - (total - free) - weights - logits - GPU_ACTIVATION_SLACK
+    if budget < per_token * 16:
+        raise PegainferError(
+            f"no GPU memory left for the KV cache: {total / 2**30:.1f} GiB x {utilization} utilization, "
+            f"{(total - free) / 2**30:.1f} GiB already in use, {weights / 2**30:.1f} GiB of weights, "
+            f"{(logits + GPU_ACTIVATION_SLACK) / 2**30:.1f} GiB for activations; raise --gpu-memory-utilization")
+    return budget // per_token
+
+
+def _max_model_len(raw_config: dict, requested: int | None) -> int:
+    limit = raw_config.get("max_position_embeddings")
+    if requested is not None and limit is not None and requested > limit:
+        raise PegainferError(f"--max-model-len {requested} is past this model's max_position_embeddings {limit}")
+    return requested or limit or 2048
+
+
+def process_age() -> float:
+    """Seconds since this process started, from the kernel's own record of it (so interpreter start-up and
+    imports count)."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.process_time()
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value

@@ -1,0 +1,65 @@
+"""OpenAI error objects: `{"error": {"message", "type", "param", "code"}}` with the HTTP status, for every way a
+request can go wrong, so that a client library raises its usual exception with a message that names the
+parameter."""
+
+from typing import Any
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+         413: "invalid_request_error", 500: "server_error", 503: "server_error"}
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "function-before"}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": TYPES.get(status, "invalid_request_error"), "param": param,
+                      "code": code if code is not None else status}}
+
+
+def error_response(error: ApiError) -> JSONResponse:
+    return JSONResponse(error_body(error.status, error.message, error.param, error.code), status_code=error.status)
+
+
+async def api_error_handler(request: Request, error: ApiError) -> JSONResponse:
+    return error_response(error)
+
+
+async def validation_error_handler(request: Request, error: RequestValidationError) -> JSONResponse:
+    return error_response(validation_error(error.errors()))
+
+
+def validation_error(errors: list[dict[str, Any]]) -> ApiError:
+    """The first problem pydantic found, as a 400 naming its parameter (messages[0].content, temperature...)."""
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        detail = first.get("ctx", {}).get("error", "")
+        return ApiError(400, f"the request body is not valid JSON ({detail})")
+    loc = [part for part in first["loc"] if part != "body"]
+    if not loc:
+        return ApiError(400, f"the request body must be a JSON object: {first['msg']}")
+    param = _param(loc)
+    message = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "missing":
+        return ApiError(400, f"{param} is required", param)
+    got = first.get("input")
+    shown = f" (got {got!r})" if not isinstance(got, dict | list) or len(repr(got)) < 80 else ""
+    return ApiError(400, f"{param}: {message}{shown}", param)
+
+
+def _param(loc: list) -> str:
+    """body.messages.0.content -> messages[0].content; pydantic's union member tags (str, list[int]) left out."""
+    param = str(loc[0])
+    for part in loc[1:]:
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif part.isidentifier() and part not in _TYPE_TAGS and part[0].islower():
+            param += f".{part}"
+    return param

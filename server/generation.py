@@ -1,0 +1,104 @@
+"""The asyncio side of the engine loop: a request's tokens as an async stream, and one choice of a response as
+text deltas (incremental detokenization, stop strings), logprobs and usage. Leaving a stream early (a stop string,
+a client gone) aborts its engine request, which frees its KV blocks."""
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from pegainfer.runtime.detokenize import IncrementalDetokenizer, StopChecker
+from pegainfer.runtime.engine_loop import EngineLoop
+from pegainfer.runtime.scheduler import EngineRequest, TokenOutput
+from pegainfer.runtime.tokenizer import TextTokenizer
+from pegainfer.server.metrics import Metrics
+
+_CANCELLED = object()
+
+
+class RequestStream:
+    """A submitted engine request; `next` returns its TokenOutputs, then None once finished or cancelled."""
+
+    def __init__(self, engine: EngineLoop, request: EngineRequest) -> None:
+        self.engine, self.request_id = engine, request.request_id
+        self.finished = False
+        self._queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def sink(item: TokenOutput | Exception) -> None:
+            try:
+                loop.call_soon_threadsafe(self._queue.put_nowait, item)
+            except RuntimeError:  # the event loop is closed: the server is shutting down
+                pass
+        engine.submit(request, sink)
+
+    async def next(self) -> TokenOutput | None:
+        if self.finished:
+            return None
+        item = await self._queue.get()
+        if item is _CANCELLED:
+            return None
+        if isinstance(item, Exception):
+            self.finished = True
+            raise item
+        self.finished = item.finish_reason is not None
+        return item
+
+    def cancel(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.engine.abort(self.request_id)
+            self._queue.put_nowait(_CANCELLED)
+
+
+@dataclass
+class Delta:
+    """What one engine token adds to a choice: text (possibly empty: held back), the token, its logprobs."""
+    index: int
+    text: str
+    token_id: int
+    logprobs: dict[int, float] | None
+    finish_reason: str | None
+
+
+@dataclass
+class Choice:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+
+
+async def run_choice(engine: EngineLoop, request: EngineRequest, tokenizer: TextTokenizer, stops: list[str],
+                     index: int, metrics: Metrics, choice: Choice) -> AsyncIterator[Delta]:
+    """Yields a Delta per generated token and fills `choice` as it goes; the last Delta has the finish_reason.
+    A stop string ends the choice with "stop", cut before the stop string."""
+    detokenizer, checker = IncrementalDetokenizer(tokenizer), StopChecker(stops)
+    stream = RequestStream(engine, request)
+    last = request.arrival
+    try:
+        while (out := await stream.next()) is not None:
+            (metrics.itl if choice.token_ids else metrics.ttft).observe(out.time - last)
+            last = out.time
+            text = checker.feed(detokenizer.add(out.token_id))
+            finish = "stop" if checker.stopped else out.finish_reason
+            if finish and not checker.stopped:
+                text += checker.feed(detokenizer.flush())
+                text += "" if checker.stopped else checker.flush()
+            choice.text += text
+            choice.token_ids.append(out.token_id)
+            choice.num_cached_tokens = out.num_cached_tokens
+            if out.logprobs is not None:
+                choice.logprobs.append(out.logprobs)
+            if finish:
+                choice.finish_reason = finish
+                metrics.e2e.observe(out.time - request.arrival)
+                metrics.finished[finish] += 1
+            yield Delta(index, text, out.token_id, out.logprobs, finish)
+            if finish:
+                return
+    finally:
+        if choice.finish_reason is None:
+            metrics.finished["abort"] += 1
+        stream.cancel()

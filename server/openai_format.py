@@ -1,0 +1,82 @@
+"""Response objects of the OpenAI API (completions and chat, whole and streamed), built from choices and deltas."""
+
+import time
+from typing import Any
+
+from pegainfer.runtime.detokenize import token_bytes, token_text
+from pegainfer.runtime.tokenizer import TextTokenizer
+from pegainfer.server.generation import Choice, Delta
+
+
+def usage(prompt_tokens: int, choices: list[Choice], n: int) -> dict[str, Any]:
+    """Prompt tokens count once per prompt (not per choice), and so do the cached ones: the most any of the
+    prompt's n choices found in the prefix cache."""
+    completion = sum(len(c.token_ids) for c in choices)
+    cached = sum(max(c.num_cached_tokens for c in choices[i:i + n]) for i in range(0, len(choices), n))
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def envelope(request_id: str, kind: str, model: str, created: int | None = None) -> dict[str, Any]:
+    return {"id": request_id, "object": kind, "created": created or int(time.time()), "model": model}
+
+
+# --- completions -------------------------------------------------------------------------------------------------
+
+def completion_logprobs(tokenizer: TextTokenizer, token_ids: list[int], steps: list[dict[int, float]],
+                        offset: int) -> dict[str, Any]:
+    """The legacy completions form: parallel lists, top logprobs keyed by token text."""
+    tokens = [token_text(tokenizer, t) for t in token_ids]
+    offsets = []
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": [step[t] for t, step in zip(token_ids, steps)],
+            "top_logprobs": [{token_text(tokenizer, t): lp for t, lp in step.items()} for step in steps],
+            "text_offset": offsets}
+
+
+def completion_choice(tokenizer: TextTokenizer, choice: Choice, prefix: str, want_logprobs: bool) -> dict:
+    logprobs = completion_logprobs(tokenizer, choice.token_ids, choice.logprobs, len(prefix)) if want_logprobs \
+        else None
+    return {"index": choice.index, "text": prefix + choice.text, "logprobs": logprobs,
+            "finish_reason": choice.finish_reason}
+
+
+def completion_chunk(tokenizer: TextTokenizer, base: dict, delta: Delta, prefix: str, offset: int) -> dict:
+    logprobs = None if delta.logprobs is None else \
+        completion_logprobs(tokenizer, [delta.token_id], [delta.logprobs], offset)
+    return {**base, "choices": [{"index": delta.index, "text": prefix + delta.text, "logprobs": logprobs,
+                                 "finish_reason": delta.finish_reason}]}
+
+
+# --- chat --------------------------------------------------------------------------------------------------------
+
+def chat_logprob(tokenizer: TextTokenizer, token_id: int, step: dict[int, float], top: int) -> dict[str, Any]:
+    ranked = sorted(step.items(), key=lambda item: -item[1])[:top]
+    return {**_token_entry(tokenizer, token_id, step[token_id]),
+            "top_logprobs": [_token_entry(tokenizer, t, lp) for t, lp in ranked]}
+
+
+def _token_entry(tokenizer: TextTokenizer, token_id: int, logprob: float) -> dict[str, Any]:
+    return {"token": token_text(tokenizer, token_id), "logprob": logprob,
+            "bytes": list(token_bytes(tokenizer, token_id))}
+
+
+def chat_choice(tokenizer: TextTokenizer, choice: Choice, top: int | None) -> dict:
+    logprobs = None if top is None else {"content": [chat_logprob(tokenizer, t, step, top)
+                                                     for t, step in zip(choice.token_ids, choice.logprobs)]}
+    return {"index": choice.index, "message": {"role": "assistant", "content": choice.text},
+            "logprobs": logprobs, "finish_reason": choice.finish_reason}
+
+
+def chat_chunk(tokenizer: TextTokenizer, base: dict, delta: Delta, top: int | None) -> dict:
+    logprobs = None if top is None or delta.logprobs is None else \
+        {"content": [chat_logprob(tokenizer, delta.token_id, delta.logprobs, top)]}
+    return {**base, "choices": [{"index": delta.index, "delta": {"content": delta.text}, "logprobs": logprobs,
+                                 "finish_reason": delta.finish_reason}]}
+
+
+def chat_role_chunk(base: dict, index: int) -> dict:
+    return {**base, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                 "logprobs": None, "finish_reason": None}]}

@@ -1,0 +1,271 @@
+"""The continuous-batching scheduler on the reference engine: outputs equal offline generation whatever the
+batching (chunked prefill, token budget, preemption and recompute), the KV pool is never over-committed, requests
+that can never fit are refused with their numbers, aborts free blocks at once; and the engine loop's failure path."""
+
+import threading
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from pegainfer.errors import RequestError
+from pegainfer.frontends.load import load_model
+from pegainfer.runtime.batch import Chunk
+from pegainfer.runtime.engine_loop import EngineDead, EngineLoop
+from pegainfer.runtime.generate import Request, generate
+from pegainfer.runtime.reference_engine import ReferenceEngine
+from pegainfer.runtime.sampler import SamplingParams
+from pegainfer.runtime.scheduler import EngineRequest, Scheduler, SchedulerConfig
+
+GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_checkpoint):
+    return load_model(tiny_checkpoint)
+
+
+def prompts(count: int, seed: int = 0, low: int = 3, high: int = 40) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 500, int(rng.integers(low, high))).tolist() for _ in range(count)]
+
+
+def offline(model, prompt_ids: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+    """Each prompt alone through runtime.generate: the outputs batching must not change."""
+    params = params if isinstance(params, list) else [params] * len(prompt_ids)
+    return [generate(ReferenceEngine(model, max_tokens=256), [Request(ids, p)], frozenset())[0].token_ids
+            for ids, p in zip(prompt_ids, params)]
+
+
+class Recorder:
+    """Wraps an engine: records each step's chunks and the pool's state, and checks no step over-commits."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.allocator, self.steps = engine, engine.allocator, []
+
+    def step(self, chunks: list[Chunk], **kwargs) -> np.ndarray:
+        need = sum(self.allocator.blocks_for(c.seq.num_cached + c.num_tokens) - len(c.seq.table.blocks)
+                   for c in chunks)
+        self.steps.append({"tokens": [c.num_tokens for c in chunks], "free": self.allocator.num_free, "need": need})
+        assert need <= self.allocator.num_free, f"step needs {need} blocks, {self.allocator.num_free} free"
+        return self.engine.step(chunks, **kwargs)
+
+    def release(self, seq) -> None:
+        self.engine.release(seq)
+
+
+def run_all(scheduler: Scheduler, requests: list[EngineRequest], max_steps: int = 2000) -> dict[str, list]:
+    for request in requests:
+        scheduler.add(request)
+    outputs: dict[str, list] = {r.request_id: [] for r in requests}
+    for _ in range(max_steps):
+        if not scheduler.has_work():
+            return outputs
+        for out in scheduler.step():
+            outputs[out.request_id].append(out)
+        assert scheduler.blocks_in_use <= scheduler.allocator.num_blocks
+    raise AssertionError(f"not done after {max_steps} steps")
+
+
+def make(model, *, kv_tokens: int = 4096, **config) -> tuple[Scheduler, Recorder]:
+    engine = Recorder(ReferenceEngine(model, max_tokens=kv_tokens))
+    return Scheduler(engine, frozenset(), SchedulerConfig(**{"prefix_cache": False, **config})), engine
+
+
+def requests_for(prompt_ids: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[EngineRequest]:
+    params = params if isinstance(params, list) else [params] * len(prompt_ids)
+    return [EngineRequest(f"r{i}", ids, p) for i, (ids, p) in enumerate(zip(prompt_ids, params))]
+
+
+def tokens(outputs: dict[str, list]) -> list[list[int]]:
+    return [[o.token_id for o in outs] for outs in outputs.values()]
+
+
+def test_chunked_prefill_under_a_token_budget_equals_offline(model):
+    batch = prompts(6, seed=1)
+    scheduler, engine = make(model, max_num_batched_tokens=24, max_num_seqs=4)
+    outputs = run_all(scheduler, requests_for(batch, GREEDY))
+    assert tokens(outputs) == offline(model, batch, GREEDY)
+    assert max(sum(s["tokens"]) for s in engine.steps) <= 24
+    assert max(len(s["tokens"]) for s in engine.steps) <= 4
+    # prompts longer than the budget were split, and some step mixed decode tokens with a prompt chunk
+    assert any(max(s["tokens"]) > 1 and 1 in s["tokens"] for s in engine.steps), engine.steps
+    for outs in outputs.values():
+        assert [o.finish_reason for o in outs] == [None] * 5 + ["length"]
+    assert scheduler.blocks_in_use == 0 and scheduler.allocator.num_free == scheduler.allocator.num_blocks
+
+
+def test_decode_tokens_are_scheduled_before_prompt_chunks(model):
+    scheduler, engine = make(model, max_num_batched_tokens=8, max_num_seqs=8)
+    scheduler.add(EngineRequest("short", [1, 2, 3], replace(GREEDY, max_tokens=30)))
+    scheduler.step()  # the short prompt is prefilled and starts decoding
+    scheduler.add(EngineRequest("long", list(range(5, 45)), GREEDY))
+    for _ in range(4):
+        scheduler.step()
+    # each step: the decoding sequence's one token first, then 7 tokens of the 40-token prompt
+    assert [s["tokens"] for s in engine.steps[1:5]] == [[1, 7]] * 4
+
+
+def test_preemption_under_kv_pressure_recomputes_and_keeps_outputs(model):
+    batch = prompts(6, seed=2, low=20, high=30)
+    params = [replace(GREEDY, max_tokens=20) if i % 2 else
+              SamplingParams(temperature=1.0, seed=i, max_tokens=20, ignore_eos=True) for i in range(6)]
+    # 10 blocks of 16 tokens: a sequence needs 3 at its end, six of them cannot all stay resident
+    scheduler, engine = make(model, kv_tokens=160, max_num_batched_tokens=64)
+    outputs = run_all(scheduler, requests_for(batch, params))
+    assert scheduler.stats.preemptions > 0
+    assert tokens(outputs) == offline(model, batch, params)
+    assert scheduler.blocks_in_use == 0 and scheduler.allocator.num_free == 10
+
+
+def test_the_newest_running_sequence_is_preempted(model):
+    scheduler, _ = make(model, kv_tokens=96, max_num_batched_tokens=256)  # 6 blocks
+    old = EngineRequest("old", list(range(1, 30)), replace(GREEDY, max_tokens=60))
+    new = EngineRequest("new", list(range(40, 69)), replace(GREEDY, max_tokens=60))
+    scheduler.add(old)
+    scheduler.add(new)
+    scheduler.step()
+    assert [s.request.request_id for s in scheduler.running] == ["old", "new"]
+    while scheduler.stats.preemptions == 0:
+        scheduler.step()
+    assert [s.request.request_id for s in scheduler.running] == ["old"]
+    assert [s.request.request_id for s in scheduler.waiting] == ["new"]
+    assert scheduler.waiting[0].seq.num_cached == 0 and not scheduler.waiting[0].seq.table.blocks
+
+
+def test_a_request_that_cannot_fit_yet_waits(model):
+    scheduler, _ = make(model, kv_tokens=64, max_num_batched_tokens=256)  # 4 blocks
+    scheduler.add(EngineRequest("a", list(range(1, 40)), replace(GREEDY, max_tokens=4)))  # 3 blocks
+    scheduler.add(EngineRequest("b", list(range(50, 80)), replace(GREEDY, max_tokens=4)))  # 2 blocks
+    scheduler.step()
+    assert [s.request.request_id for s in scheduler.running] == ["a"]
+    assert [s.request.request_id for s in scheduler.waiting] == ["b"]
+    done = {}
+    while scheduler.has_work():
+        for out in scheduler.step():
+            done.setdefault(out.request_id, []).append(out.token_id)
+    assert list(done) == ["a", "b"] and scheduler.stats.preemptions == 0
+
+
+def test_the_token_budget_must_hold_a_decode_token_of_every_sequence(model):
+    with pytest.raises(ValueError, match="max_num_batched_tokens \\(8\\) must be at least max_num_seqs \\(9\\)"):
+        make(model, max_num_batched_tokens=8, max_num_seqs=9)
+
+
+def test_a_request_that_can_never_fit_is_refused_with_its_numbers(model):
+    scheduler, _ = make(model, kv_tokens=64, max_model_len=1000)
+    with pytest.raises(RequestError) as error:
+        scheduler.add(EngineRequest("big", list(range(1, 60)), replace(GREEDY, max_tokens=20)))
+    message = str(error.value)
+    assert "5 KV blocks" in message and "59 prompt + 20 generated" in message and "4 blocks" in message
+    with pytest.raises(RequestError, match="at most 999"):
+        scheduler.check(1000, 1)
+    assert not scheduler.has_work()
+
+
+def test_max_model_len_ends_a_sequence_with_length(model):
+    scheduler, _ = make(model, max_model_len=12)
+    outputs = run_all(scheduler, [EngineRequest("r", list(range(1, 9)), replace(GREEDY, max_tokens=100))])
+    assert len(outputs["r"]) == 4 and outputs["r"][-1].finish_reason == "length"
+
+
+def test_eos_and_stop_token_ids_finish_with_stop(model):
+    expected = offline(model, [[7, 8, 9]], GREEDY)[0]
+    eos = expected[2]
+    engine = ReferenceEngine(model, max_tokens=512)
+    scheduler = Scheduler(engine, frozenset([eos]), SchedulerConfig())
+    outs = run_all(scheduler, [EngineRequest("eos", [7, 8, 9], replace(GREEDY, ignore_eos=False)),
+                               EngineRequest("ignored", [7, 8, 9], GREEDY),
+                               EngineRequest("stop_id", [7, 8, 9], GREEDY, stop_token_ids=frozenset([expected[1]]))])
+    assert [o.token_id for o in outs["eos"]] == expected[: expected.index(eos) + 1]
+    assert outs["eos"][-1].finish_reason == "stop"
+    assert [o.token_id for o in outs["ignored"]] == expected and outs["ignored"][-1].finish_reason == "length"
+    assert [o.token_id for o in outs["stop_id"]] == expected[: expected.index(expected[1]) + 1]
+    assert outs["stop_id"][-1].finish_reason == "stop"
+
+
+def test_abort_frees_blocks_at_once(model):
+    scheduler, _ = make(model, max_num_batched_tokens=16, max_num_seqs=16)
+    for i, ids in enumerate(prompts(4, seed=3, low=30, high=40)):
+        scheduler.add(EngineRequest(f"r{i}", ids, replace(GREEDY, max_tokens=50)))
+    for _ in range(4):
+        scheduler.step()
+    assert scheduler.running and scheduler.waiting and scheduler.blocks_in_use > 0
+    for i in range(4):
+        assert scheduler.abort(f"r{i}")
+    assert scheduler.blocks_in_use == 0 and scheduler.allocator.num_free == scheduler.allocator.num_blocks
+    assert not scheduler.has_work() and scheduler.step() == []
+    assert not scheduler.abort("r0")
+
+
+def test_logprobs_and_seeded_sampling_match_offline(model):
+    params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, seed=11, logprobs=3, max_tokens=5,
+                            ignore_eos=True)
+    scheduler, _ = make(model)
+    outs = run_all(scheduler, [EngineRequest("s", [3, 1, 4, 1, 5], params)])["s"]
+    reference = generate(ReferenceEngine(model, max_tokens=256), [Request([3, 1, 4, 1, 5], params)], frozenset())[0]
+    assert [o.token_id for o in outs] == reference.token_ids
+    for out, expected in zip(outs, reference.logprobs):
+        assert out.logprobs.keys() == expected.keys()
+        assert np.allclose(list(out.logprobs.values()), list(expected.values()))
+
+
+def test_min_p_keeps_only_tokens_near_the_top():
+    from pegainfer.runtime.sampler import sample
+
+    logits = np.log(np.array([0.5, 0.3, 0.14, 0.06]))
+    rng = np.random.default_rng(0)
+    drawn = {sample(logits, SamplingParams(temperature=1.0, min_p=0.5), rng) for _ in range(300)}
+    assert drawn == {0, 1}  # 0.14 < 0.5 * 0.5
+    with pytest.raises(RequestError, match="min_p"):
+        SamplingParams(min_p=1.5).validate()
+
+
+# --- the engine loop ---------------------------------------------------------------------------------------------
+
+def collect(loop: EngineLoop, request: EngineRequest, timeout: float = 30.0) -> list:
+    got, done = [], threading.Event()
+
+    def sink(item):
+        got.append(item)
+        if isinstance(item, Exception) or item.finish_reason:
+            done.set()
+    loop.submit(request, sink)
+    assert done.wait(timeout), got
+    return got
+
+
+def test_engine_loop_serves_requests_and_refuses_what_never_fits(model):
+    scheduler, _ = make(model, kv_tokens=64)
+    loop = EngineLoop(scheduler).start()
+    try:
+        got = collect(loop, EngineRequest("a", [1, 2, 3], GREEDY))
+        assert [o.token_id for o in got] == offline(model, [[1, 2, 3]], GREEDY)[0]
+        (error,) = collect(loop, EngineRequest("b", list(range(1, 80)), GREEDY))
+        assert isinstance(error, RequestError) and "never fit" in str(error)
+        assert loop.healthy
+    finally:
+        loop.stop()
+
+
+class BrokenEngine:
+    """An engine whose steps raise, as a GPU engine does after a CUDA error."""
+
+    def __init__(self, engine) -> None:
+        self.allocator, self._engine = engine.allocator, engine
+
+    def step(self, chunks, **kwargs):
+        raise RuntimeError("illegal memory access")
+
+    def release(self, seq) -> None:
+        self._engine.release(seq)
+
+
+def test_engine_loop_failure_reaches_every_request_and_refuses_new_ones(model):
+    loop = EngineLoop(Scheduler(BrokenEngine(ReferenceEngine(model, max_tokens=256)), frozenset())).start()
+    (error,) = collect(loop, EngineRequest("a", [1, 2, 3], GREEDY))
+    assert isinstance(error, EngineDead) and "illegal memory access" in str(error)
+    assert not loop.healthy
+    with pytest.raises(EngineDead, match="RuntimeError: illegal memory access"):
+        loop.submit(EngineRequest("b", [1], GREEDY), lambda item: None)
+    loop.stop()
