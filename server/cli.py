@@ -6,13 +6,11 @@ import json
 import os
 import sys
 import time
-from math import prod
 from pathlib import Path
 
 from pegainfer.errors import PegainferError
 
 CPU_KV_TOKENS = 65536  # the reference engine's default pool: NumPy arrays, sized for trying the API
-GPU_ACTIVATION_SLACK = 1 << 30  # bytes left beside weights and KV for activations, graphs and the sampler
 
 
 def add_serve(commands) -> None:
@@ -147,10 +145,9 @@ def build_engine(model, device: str, args: argparse.Namespace, max_model_len: in
     manifest = manifest_path(cache_root(args.cache_dir), visible_sm(), model.spec)
     if not manifest.is_file():
         raise missing_manifest(manifest, str(model.folder))
-    kv_tokens = args.kv_cache_tokens or gpu_kv_tokens(model, args.gpu_memory_utilization, step_tokens)
     options = EngineOptions(max_tokens=step_tokens, max_batch=args.max_num_seqs, max_model_len=max_model_len,
-                            kv_tokens=kv_tokens)
-    return GpuEngine(model, manifest, options)
+                            kv_tokens=args.kv_cache_tokens, gpu_memory_utilization=args.gpu_memory_utilization)
+    return GpuEngine(model, manifest, options)  # without --kv-cache-tokens: the KV cache fills the utilization
 
 
 def engine_thread_init(engine):
@@ -166,29 +163,6 @@ def engine_thread_init(engine):
 
         check(cuda.cuCtxSetCurrent(ctx.context), "cuCtxSetCurrent")
     return bind
-
-
-def gpu_kv_tokens(model, utilization: float, step_tokens: int) -> int:
-    """KV tokens that fit in `utilization` of the GPU beside what others use, the weights, the step's logits and
-    a slack for activations."""
-    from pegainfer.runtime.cuda import driver
-
-    if not 0 < utilization <= 1:
-        raise PegainferError(f"--gpu-memory-utilization must be in (0, 1], got {utilization}")
-    driver.Context.create()  # the primary context, which the engine then shares
-    free, total = driver.device_memory()
-    graph = model.spec.graph
-    per_token = sum(prod(t.concrete({"num_blocks": 1, "block_size": 1})) * t.dtype.itemsize
-                    for t in graph.expanded_states().values())
-    weights = sum(prod(t.shape) * t.dtype.itemsize for t in graph.checkpoint_params().values())
-    logits = step_tokens * model.spec.config.vocab_size * 4
-    budget = int(total * utilization) - (total - free) - weights - logits - GPU_ACTIVATION_SLACK
-    if budget < per_token * 16:
-        raise PegainferError(
-            f"no GPU memory left for the KV cache: {total / 2**30:.1f} GiB x {utilization} utilization, "
-            f"{(total - free) / 2**30:.1f} GiB already in use, {weights / 2**30:.1f} GiB of weights, "
-            f"{(logits + GPU_ACTIVATION_SLACK) / 2**30:.1f} GiB for activations; raise --gpu-memory-utilization")
-    return budget // per_token
 
 
 def _max_model_len(raw_config: dict, requested: int | None) -> int:
