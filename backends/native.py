@@ -65,3 +65,17 @@ def _run(command: list[str], name: str) -> str:
     if result.returncode != 0:
         raise PegainferError(f"{name}: {Path(command[0]).name} failed: {result.stderr.strip()[-2000:]}")
     return result.stdout + result.stderr
+
+
+def cubin_resources(cubin: bytes) -> dict[str, int]:
+    """Registers, stack, local and static shared memory of a cubin's one kernel (cuobjdump, which Triton carries)."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
+        handle.write(cubin)
+        handle.flush()
+        text = _run([str(tool), "-res-usage", handle.name], "cuobjdump")
+    fields = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", text))
+    return {"registers": int(fields.get("REG", 0)), "stack": int(fields.get("STACK", 0)),
+            "shared": int(fields.get("SHARED", 0)), "local": int(fields.get("LOCAL", 0))}
