@@ -139,7 +139,7 @@ def build_model(spec: ModelSpec, sms: list[int], *, jobs: int = 1, cache_dir: Pa
     report = BuildReport(sms, len(kernels), launches, cache=root, backends=versions, skipped=skipped)
     report.hits = len(entries)
     progress = None if quiet or not todo else Progress("compiling", len(todo))
-    for (sm, key), compiled in _compile_all(todo, jobs, progress):
+    for (sm, key), compiled in compile_many(todo, jobs, progress):
         launch = todo[(sm, key)]
         files, meta = _entry_files_and_meta(compiled, launch)
         entries[(sm, key)] = write_entry(sm_folder(root, sm), key, compiled.cubin, files, meta)
@@ -170,7 +170,7 @@ def compile_launch(launch: LaunchSpec, sm: int):
     return compile_triton(launch, sm)
 
 
-def _compile_all(todo: dict[tuple[int, str], LaunchSpec], jobs: int, progress: Progress | None):
+def compile_many(todo: dict[tuple[int, str], LaunchSpec], jobs: int, progress: Progress | None):
     """Compiles in fresh processes: Triton decides once per process, when it is imported, whether its kernels
     are compiled or interpreted, so the compiler never shares a process with the CPU interpreter."""
     if not todo:
@@ -212,6 +212,7 @@ def _write_manifest(spec: ModelSpec, sm: int, root: Path, kernels: list[KernelSp
         record["candidates"] = [_variant_record(v, sm, entries, keys) for v in supported]
         record["selection"] = selection
         used = {p["value"] for v in record["variants"] for launch in v["launches"] for p in launch["params"]}
+        record["candidate_scratch"] = record["scratch"]  # what timing every candidate needs (pegainfer tune)
         record["scratch"] = {name: shape for name, shape in record["scratch"].items() if name in used}
         records.append(record)
     manifest = {"model": spec.architecture, "model_id": model_id(spec), "config": str(spec.config_path),

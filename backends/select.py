@@ -81,6 +81,8 @@ def choose(kernel: KernelSpec, variants: list[VariantSpec], sm: int, tuning: dic
 def margin(record: dict) -> str:
     """How much the chosen variant won by, from tuning times: '1.83x over triton:many_rows'."""
     times = record.get("times_us") or {}
+    if len(record["alternatives"]) == 1 and ", " not in record["slot"]:
+        return "-"  # nothing to choose from (a conditional slot competes with falling through)
     if record["chosen"] not in times or len(times) < 2:
         return "untuned" if record["by"] == "default" else "-"
     best = times[record["chosen"]]
