@@ -70,7 +70,8 @@ def _add_inspect(commands) -> None:
                    "kernel DAG; kernels: the kernels a step launches (default), with --sm: which backend's "
                    "variant each kernel slot launches and by how much it won; with --sm: source, ptx, sass, "
                    "resources of the compiled kernels")
-    p.add_argument("--sm", type=int, help="the SM whose compiled kernels to show (compiled first if needed)")
+    p.add_argument("--sm", type=int, help="the SM whose compiled kernels to show (its manifest in the cache; "
+                   "compiled first if there is none)")
     p.add_argument("--kernel", help="one kernel, by node name or kind (default: all)")
     p.add_argument("--cache-dir", type=Path, default=None, help=CACHE_HELP)
     p.add_argument("--format", choices=["text", "dot", "svg"], default="text",
@@ -219,12 +220,17 @@ def _inspect_compiled(spec, args: argparse.Namespace) -> int:
     build = _import_build()
     from pegainfer.backends.report import selection_table, show
 
-    report = build.build_model(spec, build.parse_sms(str(args.sm)), jobs=os.cpu_count() or 1,
-                               cache_dir=args.cache_dir, quiet=True)
+    from pegainfer.backends.cache import cache_root, manifest_path
+
+    sm = build.parse_sms(str(args.sm))[0]
+    manifest = manifest_path(cache_root(args.cache_dir), sm, spec)
+    if not manifest.is_file():  # compiled first, with every installed backend; else what was compiled is shown
+        manifest = build.build_model(spec, [sm], jobs=os.cpu_count() or 1, cache_dir=args.cache_dir,
+                                     quiet=True).manifests[0]
     if args.show == "kernels":
-        print(selection_table(report.manifests[0]), end="")
+        print(selection_table(manifest), end="")
     else:
-        print(show(report.manifests[0], args.kernel, args.show), end="")
+        print(show(manifest, args.kernel, args.show), end="")
     return 0
 
 

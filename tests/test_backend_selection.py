@@ -133,3 +133,22 @@ def test_launch_shape_uses_the_recorded_block():
 def test_tune_without_a_gpu_says_so(capsys):
     assert main(["tune", "qwen3-4b"]) == 1
     assert "pegainfer tune times kernels on a GPU and none is visible here" in capsys.readouterr().err
+
+
+def test_synthetic_step_lands_in_the_slot_it_times():
+    from pegainfer.runtime.gpu.kernel_bench import synthetic_step
+    from pegainfer.runtime.gpu.tune import slot_sizes
+
+    step, sizes = synthetic_step(3, 5, 40, 16)
+    assert sizes["tokens"] == 15 and sizes["batch"] == 3 and sizes["max_query_len"] == 5
+    assert list(step["context_lens"]) == [40, 40, 40] and list(step["seq_starts"]) == [0, 5, 10]
+    assert list(step["positions"][:5]) == [35, 36, 37, 38, 39]
+    blocks = step["block_tables"]
+    assert blocks.shape == (3, 3) and len(set(blocks.ravel())) == 9 and blocks.max() < sizes["num_blocks"]
+    gemm = {"row_symbol": "tokens"}
+    assert slot_sizes(gemm, {"bound": 4, "min_sizes": {}}, 16)[1]["tokens"] == 4
+    assert slot_sizes(gemm, {"bound": None, "min_sizes": {}}, 16)[1]["tokens"] == 4096
+    attention = {"row_symbol": "batch"}
+    assert slot_sizes(attention, {"bound": 16, "min_sizes": {}}, 16)[1]["batch"] == 16
+    prefill = slot_sizes(attention, {"bound": None, "min_sizes": {"max_query_len": 64}}, 16)[1]
+    assert prefill["batch"] == 1 and prefill["max_query_len"] == 4096

@@ -75,8 +75,9 @@ def test_tilelang_sm90a_gemm_and_attention_run_on_hgmma(compiled, tmp_path):
     assert "HGMMA" not in sass(sm80.cubin, tmp_path) and "HMMA" in sass(sm80.cubin, tmp_path)
 
 
-def _evaluate(expression: str, m: int) -> int:
-    return eval(expression.replace("/", "//"), {}, {"M": m})  # the stub's C integer arithmetic, M bound
+def _evaluate(expression: str, names: list[str], m: int) -> int:
+    """The stub's C integer arithmetic with every dynamic size bound to m."""
+    return eval(expression.replace("/", "//"), {}, {name: m for name in names})
 
 
 @pytest.mark.parametrize("key", ["attn_residual/wgmma_128x128/1", "attention/flash_128x128/0"])
@@ -93,7 +94,7 @@ def test_tilelang_abi_matches_its_host_stub(compiled, key):
     symbols = {p["name"]: p["value"].partition(":")[2] for p in native.abi if p["kind"] == "int"}
     for m in (1, 129, 4096):
         sizes = {symbols[name]: m for name in symbols}
-        assert [_evaluate(e, m) for e in grid] == [GridDim.size(d, sizes) for d in launch.grid]
+        assert [_evaluate(e, list(symbols), m) for e in grid] == [GridDim.size(d, sizes) for d in launch.grid]
     assert re.search(r"config\.blockDim = dim3\((\d+), 1, 1\)", stub).group(1) == str(native.threads)
     assert int(re.search(r"config\.dynamicSmemBytes = (\d+);", stub).group(1)) == native.shared
     for param in (p for p in native.abi if p["kind"] == "tma"):
@@ -120,7 +121,7 @@ def test_cute_abi_matches_its_host_launcher(compiled):
     config = launch_config(host_ir)
     assert config["block"] == [native.threads, 1, 1] and config["shared"] == native.shared
     assert config["grid"] == [GridDim.size(d, {}) for d in todo[(90, key)].grid]
-    launcher = next(body for body in host_ir.split("llvm.func ") if "_cudaLaunchKernelEx(" in body)
+    launcher = next(body for body in host_ir.split("llvm.func ") if "llvm.call @_cudaLaunchKernelEx(" in body)
     kernel_params = re.findall(r"llvm\.alloca (%\d+) x !llvm\.ptr :", launcher)
     count = re.search(rf"{kernel_params[-1]} = llvm\.mlir\.constant\((\d+) : i32\)", launcher)
     assert count and int(count.group(1)) == len(native.abi) == len(ptx_entry(native.files["ptx"])[1])

@@ -5,7 +5,6 @@ from a synthetic step packed as the engine packs real ones, so attention reads v
 import statistics
 from math import prod
 
-import ml_dtypes
 import numpy as np
 
 from pegainfer.backends.spec import serves
@@ -72,7 +71,7 @@ class Buffers:
 
 def _random(t: TensorType, shape: tuple[int, ...]) -> np.ndarray:
     if t.dtype.is_float:
-        return np.resize(_RANDOM, shape).astype(t.dtype.np_dtype if t.dtype.name != "bf16" else ml_dtypes.bfloat16)
+        return np.resize(_RANDOM, shape).astype(t.dtype.np_dtype)
     return np.zeros(shape, dtype=t.dtype.np_dtype)
 
 
