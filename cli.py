@@ -292,21 +292,23 @@ def run_tune(args: argparse.Namespace) -> int:
     if sm is None:
         raise PegainferError("pegainfer tune times kernels on a GPU and none is visible here (it also needs "
                              "cuda-bindings); without tuning data `pegainfer compile` uses each SM's default")
-    from pegainfer.backends.build import plan_model
+    from pegainfer.backends.cache import cache_root, manifest_path
     from pegainfer.backends.report import selection_table
-    from pegainfer.backends.triton.plan import PlanOptions
+    from pegainfer.backends.select import read_tuning, reselect
+    from pegainfer.passes.pipeline import lower
     from pegainfer.runtime.cuda import driver
     from pegainfer.runtime.gpu.tune import tune
 
     spec = load_spec(resolve_config_path(args.model))
-    build = _import_build()
-    report = build.build_model(spec, [sm], jobs=args.jobs, cache_dir=args.cache_dir, quiet=True)
-    lowered, _ = plan_model(spec, PlanOptions())
-    path = tune(driver.Context.create(), report.manifests[0], lowered, report.cache, spec,
+    root = cache_root(args.cache_dir)
+    manifest = manifest_path(root, sm, spec)
+    if not manifest.is_file():  # compiled here, with the backends installed here
+        manifest = _import_build().build_model(spec, [sm], jobs=args.jobs, cache_dir=args.cache_dir).manifests[0]
+    path = tune(driver.Context.create(), manifest, lower(spec.graph)[0], root, spec,
                 log=lambda line: print(line, file=sys.stderr))
-    report = build.build_model(spec, [sm], jobs=args.jobs, cache_dir=args.cache_dir, quiet=True)
-    print(selection_table(report.manifests[0]), end="")
-    print(f"pegainfer: tuning written to {path}; manifest {report.manifests[0]}", file=sys.stderr)
+    reselect(manifest, read_tuning(root, sm, spec))  # no compiler needed: the cubins are all in the manifest
+    print(selection_table(manifest), end="")
+    print(f"pegainfer: tuning written to {path}; manifest {manifest}", file=sys.stderr)
     return 0
 
 

@@ -14,7 +14,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from pegainfer.backends.cache import cache_root, launch_key, manifest_path, model_id, read_entry, sm_folder, write_entry
-from pegainfer.backends.select import choose, read_tuning
+from pegainfer.backends.select import choose, read_tuning, used_scratch
 from pegainfer.backends.spec import KernelSpec, LaunchSpec, VariantSpec
 from pegainfer.backends.triton.compiler import triton_version
 from pegainfer.backends.triton.plan import PlanOptions, plan_kernel
@@ -211,9 +211,8 @@ def _write_manifest(spec: ModelSpec, sm: int, root: Path, kernels: list[KernelSp
         record["variants"] = [_variant_record(v, sm, entries, keys) for v in chosen]
         record["candidates"] = [_variant_record(v, sm, entries, keys) for v in supported]
         record["selection"] = selection
-        used = {p["value"] for v in record["variants"] for launch in v["launches"] for p in launch["params"]}
         record["candidate_scratch"] = record["scratch"]  # what timing every candidate needs (pegainfer tune)
-        record["scratch"] = {name: shape for name, shape in record["scratch"].items() if name in used}
+        record["scratch"] = used_scratch(record)
         records.append(record)
     manifest = {"model": spec.architecture, "model_id": model_id(spec), "config": str(spec.config_path),
                 "sm": sm, "backend": "triton", "backend_version": versions["triton"], "backends": versions,

@@ -88,3 +88,23 @@ def margin(record: dict) -> str:
     best = times[record["chosen"]]
     runner, runner_up = min(((t, label) for label, t in times.items() if label != record["chosen"]))
     return f"{runner / best:.2f}x over {runner_up}" if best > 0 else "-"
+
+
+def used_scratch(record: dict) -> dict:
+    """The scratch buffers the chosen variants' launches name (the runtime allocates these)."""
+    used = {p["value"] for v in record["variants"] for launch in v["launches"] for p in launch["params"]}
+    return {name: shape for name, shape in record["candidate_scratch"].items() if name in used}
+
+
+def reselect(manifest_path: Path, tuning: dict) -> None:
+    """Chooses again among a manifest's compiled candidates, with no compiler: what `pegainfer tune` does on a
+    GPU machine that has the cubins but not TileLang or CuTe DSL."""
+    data = json.loads(manifest_path.read_text())
+    for record in data["kernels"]:
+        kernel = KernelSpec(record["graph"], record["node"], record["kind"], record["ops"], record["row_symbol"])
+        by_label = {v["label"]: v for v in record["candidates"]}
+        variants = [VariantSpec(v["name"], v["max_rows"], [], v["backend"], v["min_sizes"]) for v in by_label.values()]
+        chosen, record["selection"] = choose(kernel, variants, data["sm"], tuning)
+        record["variants"] = [by_label[v.label] for v in chosen]
+        record["scratch"] = used_scratch(record)
+    manifest_path.write_text(json.dumps(data, indent=1))

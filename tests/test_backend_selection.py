@@ -1,8 +1,7 @@
 """Backend selection without a GPU: which variant each slot gets per SM (defaults, tuning data, conditional slots
-that fall through), the runtime's variant rule, the argument packing of TileLang's TMA descriptors and CuTe DSL's
-tensor structs, and `pegainfer tune` refusing to run without a GPU."""
+that fall through), the runtime's variant rule, the steps `pegainfer tune` times each slot with, and `pegainfer
+tune` refusing to run without a GPU."""
 
-import ctypes
 import json
 
 import pytest
@@ -10,13 +9,9 @@ import pytest
 from pegainfer.backends.build import parse_backends
 from pegainfer.backends.report import selection_table
 from pegainfer.backends.select import choose, margin
-from pegainfer.backends.spec import GridDim, KernelSpec, LaunchSpec, Param, VariantSpec, pick_variant
+from pegainfer.backends.spec import GridDim, KernelSpec, LaunchSpec, VariantSpec, pick_variant
 from pegainfer.cli import main
 from pegainfer.errors import PegainferError
-from pegainfer.ir.dtypes import dtype_from_name
-from pegainfer.runtime.gpu.abi import DeviceTensor
-from pegainfer.runtime.gpu.launch import pack_launch, shape_of
-from pegainfer.runtime.gpu.tma import TENSOR_MAP_BYTES, TiledDescriptor, resolve
 
 
 def variant(backend: str, name: str, max_rows, min_sizes=None) -> VariantSpec:
@@ -84,52 +79,6 @@ def test_selection_table_names_the_winner(tmp_path):
     assert "tilelang:wgmma" in table and "1.50x over triton:many_rows" in table and "tuned" in table
 
 
-BF16 = dtype_from_name("bf16")
-DESCRIPTOR = {"dtype": 9, "rank": 2, "dims": [2560, "tokens"], "strides": [2, 5120], "box": [64, 128],
-              "element_strides": [1, 1], "interleave": 0, "swizzle": 3, "l2_promotion": 2, "oob_fill": 0}
-
-
-def test_tma_descriptor_resolves_step_sizes_and_checks_alignment():
-    resolved = resolve(DESCRIPTOR, 0x1000, {"tokens": 300})
-    assert resolved.dims == (2560, 300) and resolved.strides == (5120,) and resolved.box == (64, 128)
-    with pytest.raises(PegainferError, match="not 16-byte aligned"):
-        resolve(DESCRIPTOR, 0x1008, {"tokens": 300})
-    with pytest.raises(PegainferError, match="multiples of 16 bytes"):
-        resolve({**DESCRIPTOR, "strides": [2, 5122]}, 0x1000, {"tokens": 300})
-    with pytest.raises(PegainferError, match="not a size of this step"):
-        resolve(DESCRIPTOR, 0x1000, {"batch": 3})
-
-
-def test_pack_launch_lays_out_tma_pointer_and_int_arguments():
-    seen: list[TiledDescriptor] = []
-
-    def encode(d: TiledDescriptor) -> bytes:
-        seen.append(d)
-        return bytes(range(TENSOR_MAP_BYTES))
-    params = [{"name": "A_desc", "kind": "tma", "value": "x", "tma": DESCRIPTOR},
-              {"name": "R", "kind": "tensor", "value": "r"},
-              {"name": "M", "kind": "int", "value": "dim:tokens"},
-              {"name": "MAXB", "kind": "int", "value": "stride:tables"}]
-    tensors = {"x": DeviceTensor.contiguous(0x10000, (300, 2560), BF16),
-               "r": DeviceTensor.contiguous(0x20000, (300, 2560), BF16),
-               "tables": DeviceTensor(0x30000, (2, 7), dtype_from_name("i32"), 64)}
-    args = pack_launch(params, tensors, {"tokens": 300}, encode=encode)
-    pointers = [args.pointers[i] for i in range(4)]
-    assert pointers[0] % 64 == 0 and ctypes.string_at(pointers[0], TENSOR_MAP_BYTES) == bytes(range(128))
-    assert seen[0].address == 0x10000 and seen[0].dims == (2560, 300)
-    assert ctypes.c_uint64.from_address(pointers[1]).value == 0x20000
-    assert ctypes.c_int32.from_address(pointers[2]).value == 300
-    assert ctypes.c_int32.from_address(pointers[3]).value == 64
-
-
-def test_launch_shape_uses_the_recorded_block():
-    launch = {"grid": [{"factors": [2560], "block": 128}, {"factors": ["tokens"], "block": 128},
-                        {"factors": [1], "block": 1}],
-              "threads": 384, "num_warps": 12, "shared": 98304}
-    shape = shape_of(launch, {"tokens": 1000})
-    assert shape.grid == (20, 8, 1) and shape.threads == 384 and shape.shared == 98304
-
-
 def test_tune_without_a_gpu_says_so(capsys):
     assert main(["tune", "qwen3-4b"]) == 1
     assert "pegainfer tune times kernels on a GPU and none is visible here" in capsys.readouterr().err
@@ -152,3 +101,27 @@ def test_synthetic_step_lands_in_the_slot_it_times():
     assert slot_sizes(attention, {"bound": 16, "min_sizes": {}}, 16)[1]["batch"] == 16
     prefill = slot_sizes(attention, {"bound": None, "min_sizes": {"max_query_len": 64}}, 16)[1]
     assert prefill["batch"] == 1 and prefill["max_query_len"] == 4096
+
+
+def test_reselect_rewrites_a_manifest_from_its_candidates(tmp_path):
+    from pegainfer.backends.select import reselect
+
+    def record(backend, name, max_rows, scratch=None):
+        params = [{"kind": "tensor", "value": scratch or "x"}]
+        return {"name": name, "label": f"{backend}:{name}", "backend": backend, "max_rows": max_rows,
+                "min_sizes": {}, "launches": [{"key": name, "params": params}]}
+    candidates = [record("triton", "one_row", 1), record("triton", "many_rows", None),
+                  record("cute", "gemv_1", 1), record("tilelang", "wgmma", None, scratch="gemm.normed")]
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps({"sm": 90, "kernels": [
+        {"graph": "body", "node": "down", "kind": "linear", "ops": ["linear"], "row_symbol": "tokens",
+         "variants": [], "candidates": candidates, "candidate_scratch": {"gemm.normed": ["bf16", ["tokens", 8]]},
+         "scratch": {}}]}))
+    reselect(path, {})
+    kernel = json.loads(path.read_text())["kernels"][0]
+    assert [v["label"] for v in kernel["variants"]] == ["cute:gemv_1", "tilelang:wgmma"]
+    assert kernel["scratch"] == {"gemm.normed": ["bf16", ["tokens", 8]]}
+    reselect(path, {"kernels": {"body/down": {"any rows": {"choice": "triton:many_rows", "times_us": {}}}}})
+    kernel = json.loads(path.read_text())["kernels"][0]
+    assert [v["label"] for v in kernel["variants"]] == ["cute:gemv_1", "triton:many_rows"]
+    assert kernel["scratch"] == {} and kernel["selection"][1]["by"] == "tuned"

@@ -7,6 +7,7 @@ Parameters are fixed whatever the flags: (x, x2, g, w, y, s, m); the plan passes
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.memory
 from cutlass import BFloat16, Float32, Int32
 from cutlass.cute.runtime import make_fake_compact_tensor
 
@@ -17,6 +18,7 @@ def gemv(ROWS: int, N: int, K: int, ACT: int, NORM: bool, ADD: bool, WRITE_SUM: 
          WARPS: int):
     iters = K // (32 * VEC)
     per_cta = COLS * WARPS
+    unroll = 2 if ROWS <= 4 else 1  # 16 rows are 32 loads an iteration already; unrolling only slows compiling
 
     @cute.jit
     def load(t: cute.Tensor, row, chunk):
@@ -44,7 +46,7 @@ def gemv(ROWS: int, N: int, K: int, ACT: int, NORM: bool, ADD: bool, WRITE_SUM: 
         bidx, _, _ = cute.arch.block_idx()
         warp = tidx // 32
         lane = tidx % 32
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         rstd = smem.allocate_tensor(Float32, cute.make_layout(ROWS), 16)
         if cutlass.const_expr(NORM):  # 1/rms of each row (its residual sum written by the first block)
             for r in cutlass.range_constexpr(ROWS):
@@ -71,7 +73,7 @@ def gemv(ROWS: int, N: int, K: int, ACT: int, NORM: bool, ADD: bool, WRITE_SUM: 
         up = cute.make_rmem_tensor((ROWS, COLS), Float32)
         up.fill(0.0)
         first = bidx * per_cta + warp * COLS
-        for it in cutlass.range(iters, unroll=2):
+        for it in cutlass.range(iters, unroll=unroll):
             chunk = lane + 32 * it
             for r in cutlass.range_constexpr(ROWS):
                 if r < m:
