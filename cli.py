@@ -1,4 +1,4 @@
-"""The `pegainfer` command: generate, serve, make-checkpoint, inspect, compile, bench."""
+"""The `pegainfer` command: generate, serve, make-checkpoint, inspect, compile, bench, tune."""
 
 import argparse
 import json
@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_inspect(commands)
     _add_compile(commands)
     _add_bench(commands)
+    _add_tune(commands)
     return parser
 
 
@@ -68,9 +69,11 @@ def _add_inspect(commands) -> None:
     p.add_argument("model", help=MODEL_HELP)
     p.add_argument("--show", choices=["graph", "passes", "dag", "kernels", "source", "ptx", "sass", "resources"],
                    default="kernels", help="graph: as declared; passes: the graph after each pass; dag: the "
-                   "kernel DAG; kernels: the kernels a step launches (default); with --sm: source, ptx, sass, "
+                   "kernel DAG; kernels: the kernels a step launches (default), with --sm: which backend's "
+                   "variant each kernel slot launches and by how much it won; with --sm: source, ptx, sass, "
                    "resources of the compiled kernels")
-    p.add_argument("--sm", type=int, help="the SM whose compiled kernels to show (compiled first if needed)")
+    p.add_argument("--sm", type=int, help="the SM whose compiled kernels to show (its manifest in the cache; "
+                   "compiled first if there is none)")
     p.add_argument("--kernel", help="one kernel, by node name or kind (default: all)")
     p.add_argument("--cache-dir", type=Path, default=None, help=CACHE_HELP)
     p.add_argument("--format", choices=["text", "dot", "svg"], default="text",
@@ -85,6 +88,8 @@ def _add_compile(commands) -> None:
     p.add_argument("--sm", help="target SMs, e.g. 90 or 80,90,120 (default: the visible GPU's)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiler processes (default: all cores)")
     p.add_argument("--cache-dir", type=Path, default=None, help=CACHE_HELP)
+    p.add_argument("--backends", default=None, help="backends whose candidates to compile, e.g. triton or "
+                   "triton,tilelang,cute (default: every one installed)")
     p.add_argument("--dump-after", metavar="PASS", help="write the graph after PASS (or after each: all)")
     p.add_argument("--dump-dir", type=Path, default=Path("pegainfer-dumps"),
                    help="where --dump-after writes (default ./pegainfer-dumps)")
@@ -111,6 +116,14 @@ def _add_bench(commands) -> None:
     p.add_argument("--json", action="store_true")
     add_bench_serve_args(p)
     p.set_defaults(run=run_bench)
+
+
+def _add_tune(commands) -> None:
+    p = commands.add_parser("tune", help="time each kernel's backend candidates on the GPU and keep the fastest")
+    p.add_argument("model", help=MODEL_HELP + " (no weights needed)")
+    p.add_argument("--cache-dir", type=Path, default=None, help=CACHE_HELP)
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiler processes (default: all cores)")
+    p.set_defaults(run=run_tune)
 
 
 def _token_ids(text: str) -> list[int]:
@@ -172,7 +185,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     from pegainfer.passes.pipeline import lower
 
     spec = load_spec(resolve_config_path(args.model))
-    if args.show in ("source", "ptx", "sass", "resources"):
+    if args.show in ("source", "ptx", "sass", "resources") or (args.show == "kernels" and args.sm is not None):
         return _inspect_compiled(spec, args)
     if args.show == "graph":
         print(_drawing(spec.graph, args.format), end="")
@@ -210,11 +223,19 @@ def _inspect_compiled(spec, args: argparse.Namespace) -> int:
     if args.sm is None:
         raise PegainferError(f"--show {args.show} needs --sm: the SM whose compiled kernels to show")
     build = _import_build()
-    from pegainfer.backends.report import show
+    from pegainfer.backends.report import selection_table, show
 
-    report = build.build_model(spec, build.parse_sms(str(args.sm)), jobs=os.cpu_count() or 1,
-                               cache_dir=args.cache_dir, quiet=True)
-    print(show(report.manifests[0], args.kernel, args.show), end="")
+    from pegainfer.backends.cache import cache_root, manifest_path
+
+    sm = build.parse_sms(str(args.sm))[0]
+    manifest = manifest_path(cache_root(args.cache_dir), sm, spec)
+    if not manifest.is_file():  # compiled first, with every installed backend; else what was compiled is shown
+        manifest = build.build_model(spec, [sm], jobs=os.cpu_count() or 1, cache_dir=args.cache_dir,
+                                     quiet=True).manifests[0]
+    if args.show == "kernels":
+        print(selection_table(manifest), end="")
+    else:
+        print(show(manifest, args.kernel, args.show), end="")
     return 0
 
 
@@ -264,10 +285,39 @@ def run_compile(args: argparse.Namespace) -> int:
         written = write_dumps(lower(spec.graph)[1], args.dump_dir, args.dump_after)
         print(f"pegainfer: wrote {len(written)} dumps to {args.dump_dir}", file=sys.stderr)
     build = _import_build()
-    report = build.build_model(spec, sms, jobs=args.jobs, cache_dir=args.cache_dir)
+    backends = build.parse_backends(args.backends) if args.backends else None
+    report = build.build_model(spec, sms, jobs=args.jobs, cache_dir=args.cache_dir, backends=backends)
     print(f"pegainfer: {spec.architecture} ({spec.config_path}): {report.summary()}", file=sys.stderr)
     for path in report.manifests:
         print(f"pegainfer: manifest {path}", file=sys.stderr)
+    return 0
+
+
+def run_tune(args: argparse.Namespace) -> int:
+    from pegainfer.frontends.load import load_spec, resolve_config_path
+    from pegainfer.runtime.device import visible_sm
+
+    sm = visible_sm()
+    if sm is None:
+        raise PegainferError("pegainfer tune times kernels on a GPU and none is visible here (it also needs "
+                             "cuda-bindings); without tuning data `pegainfer compile` uses each SM's default")
+    from pegainfer.backends.cache import cache_root, manifest_path
+    from pegainfer.backends.report import selection_table
+    from pegainfer.backends.select import read_tuning, reselect
+    from pegainfer.passes.pipeline import lower
+    from pegainfer.runtime.cuda import driver
+    from pegainfer.runtime.gpu.tune import tune
+
+    spec = load_spec(resolve_config_path(args.model))
+    root = cache_root(args.cache_dir)
+    manifest = manifest_path(root, sm, spec)
+    if not manifest.is_file():  # compiled here, with the backends installed here
+        manifest = _import_build().build_model(spec, [sm], jobs=args.jobs, cache_dir=args.cache_dir).manifests[0]
+    path = tune(driver.Context.create(), manifest, lower(spec.graph)[0], root, spec,
+                log=lambda line: print(line, file=sys.stderr))
+    reselect(manifest, read_tuning(root, sm, spec))  # no compiler needed: the cubins are all in the manifest
+    print(selection_table(manifest), end="")
+    print(f"pegainfer: tuning written to {path}; manifest {manifest}", file=sys.stderr)
     return 0
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from pegainfer.errors import PegainferError
 
 SHOWS = ("source", "ptx", "sass", "resources")
+BY = {"tuned": "tuned", "default": "default"}
 
 
 def compiled_launches(manifest: Path, kernel: str | None) -> list[tuple[dict, dict, dict]]:
@@ -36,7 +37,9 @@ def show(manifest: Path, kernel: str | None, what: str) -> str:
 def _text(folder: Path, launch: dict, what: str) -> str:
     key = launch["key"]
     if what == "source":
-        return (folder / f"{key}.py").read_text()
+        generated = folder / f"{key}.cu"  # TileLang's lowering, what nvcc compiled
+        return (folder / f"{key}.py").read_text() + (
+            f"\n// generated CUDA\n{generated.read_text()}" if generated.is_file() else "")
     if what == "ptx":
         return (folder / f"{key}.ptx").read_text()
     return _run_tool("cuobjdump", "-sass", str(folder / f"{key}.cubin"))
@@ -46,10 +49,28 @@ def resources_table(folder: Path, launches: list[tuple[dict, dict, dict]]) -> st
     lines = [f"{'kernel':<30} {'variant':<11} {'regs':>5} {'spill st':>9} {'spill ld':>9} {'stack':>6} "
              f"{'local':>6} {'smem static':>12} {'smem dyn':>9} {'warps':>5}"]
     for k, variant, launch in launches:
-        usage = resource_usage(folder / f"{launch['key']}.cubin", folder / f"{launch['key']}.ptx")
+        meta = json.loads((folder / f"{launch['key']}.json").read_text())
+        usage = {"spill_stores": 0, "spill_loads": 0, "local": 0, **meta["resources"]} if "resources" in meta \
+            else resource_usage(folder / f"{launch['key']}.cubin", folder / f"{launch['key']}.ptx")
         lines.append(f"{k['node'] + ' ' + k['kind']:<30.30} {variant['name']:<11} {usage['registers']:>5} "
                      f"{usage['spill_stores']:>9} {usage['spill_loads']:>9} {usage['stack']:>6} {usage['local']:>6} "
                      f"{usage['shared']:>12} {launch['shared']:>9} {launch['num_warps']:>5}")
+    return "\n".join(lines) + "\n"
+
+
+def selection_table(manifest: Path) -> str:
+    """Per kernel and slot: the variant the manifest launches, whether tuning or the SM's default chose it, and
+    by how much it won (from the tuning times)."""
+    from pegainfer.backends.select import margin
+
+    data = json.loads(manifest.read_text())
+    lines = [f"sm_{data['sm']}: backends {', '.join(f'{b} {v}' for b, v in data.get('backends', {}).items())}",
+             f"{'kernel':<30} {'slot':<32} {'chosen':<24} {'by':<8} {'margin':<34} alternatives"]
+    for k in data["kernels"]:
+        for record in k.get("selection", []):
+            others = [label for label in record["alternatives"] if label != record["chosen"]]
+            lines.append(f"{k['node'] + ' ' + k['kind']:<30.30} {record['slot']:<32} {record['chosen']:<24} "
+                         f"{record['by']:<8} {margin(record):<34} {', '.join(others) or '-'}")
     return "\n".join(lines) + "\n"
 
 

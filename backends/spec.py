@@ -25,7 +25,9 @@ class GridDim:
 @dataclass(frozen=True)
 class Param:
     """One kernel parameter, in order. kind 'tensor': `value` names a graph value (its pointer is passed);
-    kind 'int': `value` is 'stride:<graph value>' (its leading-dim stride, in elements) or 'dim:<symbol>'."""
+    kind 'int': `value` is 'stride:<graph value>' (its leading-dim stride, in elements) or 'dim:<symbol>'.
+    The TileLang and CuTe DSL backends name their kernel's buffers here; the ABI they record in the manifest is
+    read from the compiler's output, in its order, with kinds of its own (tma: a descriptor passed by value)."""
     name: str
     kind: str
     value: str
@@ -43,6 +45,7 @@ class LaunchSpec:
     grid: tuple[GridDim, GridDim, GridDim]
     num_warps: int = 4
     num_stages: int = 2
+    backend: str = "triton"  # which compiler builds it: triton, tilelang, cute
 
 
 def fits(max_rows: int | None, rows: int) -> bool:
@@ -50,11 +53,38 @@ def fits(max_rows: int | None, rows: int) -> bool:
     return max_rows is None or rows <= max_rows
 
 
+def serves(variant: dict, row_symbol: str, sizes: dict[str, int]) -> bool:
+    """A manifest variant serves a step when its row bound fits and every size it asks a minimum of reaches it
+    (an attention variant with 128-query tiles asks for max_query_len >= 64: prefill-shaped steps only)."""
+    return fits(variant["max_rows"], sizes[row_symbol]) and all(
+        sizes[name] >= least for name, least in variant.get("min_sizes", {}).items())
+
+
+def pick_variant(kernel: dict, sizes: dict[str, int]) -> dict:
+    """The first of a manifest kernel's variants that serves the step: the runtime's rule."""
+    for variant in kernel["variants"]:
+        if serves(variant, kernel["row_symbol"], sizes):
+            return variant
+    raise AssertionError(f"kernel {kernel['node']}: no variant for {kernel['row_symbol']}={sizes[kernel['row_symbol']]}")
+
+
 @dataclass
 class VariantSpec:
     name: str
     max_rows: int | None  # use this variant when the row count is at most this; None: otherwise
     launches: list[LaunchSpec]
+    backend: str = "triton"
+    min_sizes: dict[str, int] = field(default_factory=dict)  # other step sizes this variant needs at least
+    sms: tuple[int, ...] | None = None  # the SMs it compiles for; None: every SM the build supports
+
+    @property
+    def slot(self) -> tuple:
+        """Variants of one slot are alternatives (one per backend or tile shape); selection keeps one per slot."""
+        return (self.max_rows, tuple(sorted(self.min_sizes.items())))
+
+    @property
+    def label(self) -> str:
+        return f"{self.backend}:{self.name}"
 
 
 @dataclass
@@ -68,11 +98,10 @@ class KernelSpec:
     scratch: dict[str, tuple[str, tuple[str | int, ...]]] = field(default_factory=dict)  # name -> (dtype, shape)
 
     def variant_for(self, sizes: dict[str, int]) -> VariantSpec:
-        rows = sizes[self.row_symbol]
         for variant in self.variants:
-            if fits(variant.max_rows, rows):
+            if serves({"max_rows": variant.max_rows, "min_sizes": variant.min_sizes}, self.row_symbol, sizes):
                 return variant
-        raise AssertionError(f"kernel {self.node}: no variant for {self.row_symbol}={rows}")
+        raise AssertionError(f"kernel {self.node}: no variant for {self.row_symbol}={sizes[self.row_symbol]}")
 
     def as_json(self) -> dict:
         data = asdict(self)

@@ -1,5 +1,6 @@
 """Ahead-of-time compilation of the full-size Qwen3-4B config for sm_80, sm_90 and sm_120 on a machine with no
-GPU: cubins and manifests, a second run that is all cache hits, a corrupted cubin found and rebuilt, and the
+GPU with the Triton backend (tests/test_native_backends.py compiles the TileLang and CuTe DSL ones): cubins and
+manifests, a second run that is all cache hits, a corrupted cubin found and rebuilt, and the
 manifest's parameter ABI checked against each kernel's PTX entry."""
 
 import json
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.slow
 def built(tmp_path_factory):
     cache = tmp_path_factory.mktemp("aot_cache")
     spec = load_spec(embedded_configs()["qwen3-4b"])
-    return spec, cache, build_model(spec, SMS, jobs=2, cache_dir=cache, quiet=True)
+    return spec, cache, build_model(spec, SMS, jobs=2, cache_dir=cache, quiet=True, backends=["triton"])
 
 
 def launches(manifest: Path):
@@ -69,19 +70,19 @@ def test_programmatic_dependent_launch_only_where_the_sm_has_it(built):
 
 def test_second_compile_is_all_cache_hits_and_a_corrupt_cubin_is_rebuilt(built):
     spec, cache, first = built
-    second = build_model(spec, SMS, jobs=2, cache_dir=cache, quiet=True)
+    second = build_model(spec, SMS, jobs=2, cache_dir=cache, quiet=True, backends=["triton"])
     assert second.built == 0 and second.hits == first.built
     _, launch = next(launches(second.manifests[1]))
     cubin = second.manifests[1].parent.parent / launch["cubin"]
     cubin.write_bytes(cubin.read_bytes()[:100])  # truncated
-    third = build_model(spec, SMS, jobs=2, cache_dir=cache, quiet=True)
+    third = build_model(spec, SMS, jobs=2, cache_dir=cache, quiet=True, backends=["triton"])
     assert third.built == 1
     assert (second.manifests[1].parent.parent / launch["cubin"]).read_bytes()[:4] == b"\x7fELF"
 
 
 def test_cli_compile_and_inspect_compiled_kernels(built, capsys):
     _, cache, report = built
-    assert main(["compile", "qwen3-4b", "--sm", "90", "--cache-dir", str(cache)]) == 0
+    assert main(["compile", "qwen3-4b", "--sm", "90", "--backends", "triton", "--cache-dir", str(cache)]) == 0
     assert "0 compiled" in capsys.readouterr().err
     assert main(["inspect", "qwen3-4b", "--sm", "90", "--kernel", "down", "--show", "sass",
                  "--cache-dir", str(cache)]) == 0

@@ -11,8 +11,9 @@ import pytest
 from pegainfer.errors import PegainferError
 from pegainfer.ir import BF16, INT32
 from pegainfer.runtime.batch import Chunk, Sequence, pack_step
-from pegainfer.runtime.gpu.abi import DeviceTensor, grid_of, pack_arguments
+from pegainfer.runtime.gpu.abi import DeviceTensor, grid_of
 from pegainfer.runtime.gpu.engine import PADDING_BLOCK, bucket_for, decode_buckets, pad_decode_step
+from pegainfer.runtime.gpu.launch import pack_launch
 from pegainfer.runtime.gpu.memory import kv_blocks_for_memory
 from pegainfer.runtime.kv_blocks import BlockAllocator
 
@@ -25,7 +26,7 @@ def test_arguments_are_packed_in_abi_order_with_the_right_types():
               {"name": "stride_x", "kind": "int", "value": "stride:x"},
               {"name": "global_scratch", "kind": "scratch", "value": "0"},
               {"name": "profile_scratch", "kind": "scratch", "value": "0"}]
-    packed = pack_arguments(params, tensors, {"tokens": 5})
+    packed = pack_launch(params, tensors, {"tokens": 5})
     assert [type(v) for v in packed.values] == [ctypes.c_uint64] * 2 + [ctypes.c_int32] * 2 + [ctypes.c_uint64] * 2
     assert [v.value for v in packed.values] == [0x7000, 0x9000, 5, 192, 0, 0]
     pointers = (ctypes.c_void_p * 6).from_address(packed.address)

@@ -105,7 +105,7 @@ def _spec(graph: Graph, node: Node, row_symbol: str, variants: list[VariantSpec]
 
 
 def _plan_gemm(graph: Graph, node: Node) -> KernelSpec:
-    roles = _gemm_roles(node)
+    roles = gemm_roles(node)
     types = graph.value_types() | {o: t for n in node.attrs["nodes"] for o, t in zip(n.outputs, n.output_types)}
     rows = roles["rows"]
     row_symbol = types[rows].shape[0] if rows else types[roles["x"]].shape[0]
@@ -168,7 +168,7 @@ def one_row_tile(n: int, k: int, act: bool) -> tuple[int, int, int]:
     return tile
 
 
-def _gemm_roles(node: Node) -> dict:
+def gemm_roles(node: Node) -> dict:
     """Reads the kernel's primitive nodes in order: [add] [gather_rows] [rms_norm] linear [split act mul |
     top_k logsumexp]. Anything else has no template."""
     inner = [n for n in node.attrs["nodes"]]

@@ -87,16 +87,6 @@ def memset(ptr: int, nbytes: int, stream) -> None:
     check(_driver().cuMemsetD8Async(ptr, 0, nbytes, stream), "cuMemsetD8Async")
 
 
-def load_function(cubin: bytes, symbol: str, shared: int):
-    driver = _driver()
-    module = check(driver.cuModuleLoadData(cubin), f"cuModuleLoadData({symbol})")
-    function = check(driver.cuModuleGetFunction(module, symbol.encode()), f"cuModuleGetFunction({symbol})")
-    if shared > 48 * 1024:
-        attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        check(driver.cuFuncSetAttribute(function, attribute, shared), f"cuFuncSetAttribute({symbol})")
-    return module, function
-
-
 def launch(function, symbol: str, grid: tuple[int, int, int], threads: int, shared: int, stream,
            params_address: int, *, pdl: bool = False) -> None:
     """`params_address`: the address of an array of pointers to each argument's value (kernelParams). `pdl`:

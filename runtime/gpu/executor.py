@@ -11,14 +11,15 @@ from pathlib import Path
 import numpy as np
 
 from pegainfer.backends.cache import sha256_of
-from pegainfer.backends.spec import fits
+from pegainfer.backends.spec import pick_variant
 from pegainfer.errors import PegainferError
 from pegainfer.ir.dtypes import dtype_from_name
 from pegainfer.ir.graph import KERNEL, REPEAT, Graph, instantiate
 from pegainfer.ir.kernel import in_place_outputs
 from pegainfer.ir.types import TensorType
 from pegainfer.runtime.cuda import driver
-from pegainfer.runtime.gpu.abi import DeviceTensor, grid_of, pack_arguments
+from pegainfer.runtime.gpu.abi import DeviceTensor
+from pegainfer.runtime.gpu.launch import launch_kernel, load_function
 from pegainfer.runtime.gpu.memory import ALIGN, Arena, aligned
 from pegainfer.runtime.gpu.upload import params_bytes, upload_weights
 
@@ -81,7 +82,7 @@ class GpuExecutor:
                     if sha256_of(cubin) != launch["sha256"]:
                         raise PegainferError(f"{folder / launch['cubin']}: sha256 differs from the manifest; "
                                              f"run pegainfer compile again")
-                    functions[launch["key"]] = driver.load_function(cubin, launch["symbol"], launch["shared"])
+                    functions[launch["key"]] = load_function(cubin, launch)
         return functions
 
     def _allocate_activations(self, sizes: dict[str, int]) -> tuple[dict, dict]:
@@ -185,16 +186,13 @@ class GpuExecutor:
         return DeviceTensor.contiguous(ptr, type_.concrete(sizes), type_.dtype)
 
     def _launch(self, kernel: dict, env: dict[str, DeviceTensor], sizes: dict[str, int]) -> None:
-        rows = sizes[kernel["row_symbol"]]
-        variant = next(v for v in kernel["variants"] if fits(v["max_rows"], rows))
+        variant = pick_variant(kernel, sizes)
         for launch in variant["launches"]:
             _, function = self.functions[launch["key"]]
-            args = pack_arguments(launch["params"], env, sizes)  # the driver copies them at the call
             if self.profile is not None:
                 events = (driver.Event(), driver.Event())
                 events[0].record(self.ctx.stream)
-            driver.launch(function, launch["symbol"], grid_of(launch, sizes), 32 * launch["num_warps"],
-                          launch["shared"], self.ctx.stream, args.address,
+            launch_kernel(function, launch, env, sizes, self.ctx.stream,  # the driver copies the arguments
                           pdl=launch.get("pdl", False) and sizes["tokens"] <= self.pdl_max_tokens)
             if self.profile is not None:
                 events[1].record(self.ctx.stream)

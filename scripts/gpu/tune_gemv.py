@@ -101,6 +101,7 @@ def run(folder: Path, out: Path) -> None:
     import numpy as np
 
     from pegainfer.runtime.cuda import driver as cu
+    from pegainfer.runtime.gpu.launch import load_function
 
     ctx = cu.Context.create(0)
     out.mkdir(parents=True, exist_ok=True)
@@ -125,8 +126,7 @@ def run(folder: Path, out: Path) -> None:
         reference = None
         for entry in group:
             result = cu.alloc(rows * n * 4)
-            _, function = cu.load_function((folder / f"{entry['key']}.cubin").read_bytes(), entry["symbol"],
-                                           entry["shared"])
+            _, function = load_function((folder / f"{entry['key']}.cubin").read_bytes(), entry)
             grid = tuple(-(-_size(f, rows) // b) * t for f, b, t in entry["grid"])
             values = dict(x_ptr=x, x2_ptr=x2, rows_ptr=ids, norm_ptr=norm, bias_ptr=0, out_ptr=result,
                           sum_ptr=summed, M=rows, stride_x=k, stride_x2=k, stride_out=n, stride_sum=k)

@@ -1,0 +1,107 @@
+"""Choosing one variant per slot of each kernel among the backends' candidates, per SM. A slot is a row bound
+(and minimum step sizes): its variants are alternatives. `pegainfer tune` times them on the GPU for the model's
+shapes and writes the winner per slot into the cache; without tuning data the default below decides.
+
+Default (until tuning says otherwise): Triton on every SM, the one backend measured on a GPU so far
+(docs/BENCHMARKS.md). TileLang's and CuTe DSL's cubins are compiled beside it and win a slot only through
+`pegainfer tune`. A per-SM preference table (family -> backends in order) can change that once it is measured."""
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pegainfer.backends.cache import model_id, sm_folder
+from pegainfer.backends.spec import KernelSpec, VariantSpec
+
+DEFAULT_PREFERENCE: dict[int, dict[str, tuple[str, ...]]] = {}
+FALLBACK = ("triton",)
+
+
+def family(kernel: KernelSpec, slot: tuple) -> str:
+    """What a slot computes, for the default table: gemv (GEMMs of at most 16 rows), gemm, attention, other."""
+    if "paged_attention" in kernel.ops:
+        return "attention"
+    if "linear" in kernel.ops:
+        return "gemv" if slot[0] is not None and slot[0] <= 16 else "gemm"
+    return "other"
+
+
+def slot_key(slot: tuple) -> str:
+    rows = "any rows" if slot[0] is None else f"rows<={slot[0]}"
+    return rows + "".join(f", {name}>={least}" for name, least in slot[1])
+
+
+def tuning_path(root: Path, sm: int, spec: Any) -> Path:
+    return sm_folder(root, sm) / "tuning" / f"{model_id(spec)}.json"
+
+
+def read_tuning(root: Path, sm: int, spec: Any) -> dict:
+    path = tuning_path(root, sm, spec)
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def slots(variants: list[VariantSpec]) -> dict[tuple, list[VariantSpec]]:
+    """Slot -> its alternatives, slots ordered as the runtime tries them: conditional ones (minimum sizes) first,
+    then by row bound, unbounded last."""
+    grouped: dict[tuple, list[VariantSpec]] = {}
+    for variant in variants:
+        grouped.setdefault(variant.slot, []).append(variant)
+    order = sorted(grouped, key=lambda s: (not s[1], s[0] is None, s[0] or 0))
+    return {slot: grouped[slot] for slot in order}
+
+
+def choose(kernel: KernelSpec, variants: list[VariantSpec], sm: int, tuning: dict) -> tuple[list, list[dict]]:
+    """(the chosen variants in the runtime's order, one selection record per slot). A conditional slot may be
+    left empty (its steps fall through to the next slot) when the chosen backend has nothing there."""
+    tuned = tuning.get("kernels", {}).get(f"{kernel.graph}/{kernel.node}", {})
+    chosen, records = [], []
+    for slot, alternatives in slots(variants).items():
+        key = slot_key(slot)
+        labels = [v.label for v in alternatives]
+        record = {"slot": key, "alternatives": labels}
+        if key in tuned and tuned[key]["choice"] in labels + ["fallthrough"]:
+            pick = tuned[key]["choice"]
+            record.update(by="tuned", times_us=tuned[key].get("times_us", {}))
+        else:
+            preference = DEFAULT_PREFERENCE.get(sm, {}).get(family(kernel, slot), FALLBACK)
+            by_backend = {v.backend: v.label for v in alternatives}
+            pick = next((by_backend[b] for b in preference if b in by_backend), None)
+            if pick is None:
+                pick = "fallthrough" if slot[1] else labels[0]
+            record.update(by="default")
+        record["chosen"] = pick
+        records.append(record)
+        chosen += [v for v in alternatives if v.label == pick]
+    return chosen, records
+
+
+def margin(record: dict) -> str:
+    """How much the chosen variant won by, from tuning times: '1.83x over triton:many_rows'."""
+    times = record.get("times_us") or {}
+    if len(record["alternatives"]) == 1 and ", " not in record["slot"]:
+        return "-"  # nothing to choose from (a conditional slot competes with falling through)
+    if record["chosen"] not in times or len(times) < 2:
+        return "untuned" if record["by"] == "default" else "-"
+    best = times[record["chosen"]]
+    runner, runner_up = min(((t, label) for label, t in times.items() if label != record["chosen"]))
+    return f"{runner / best:.2f}x over {runner_up}" if best > 0 else "-"
+
+
+def used_scratch(record: dict) -> dict:
+    """The scratch buffers the chosen variants' launches name (the runtime allocates these)."""
+    used = {p["value"] for v in record["variants"] for launch in v["launches"] for p in launch["params"]}
+    return {name: shape for name, shape in record["candidate_scratch"].items() if name in used}
+
+
+def reselect(manifest_path: Path, tuning: dict) -> None:
+    """Chooses again among a manifest's compiled candidates, with no compiler: what `pegainfer tune` does on a
+    GPU machine that has the cubins but not TileLang or CuTe DSL."""
+    data = json.loads(manifest_path.read_text())
+    for record in data["kernels"]:
+        kernel = KernelSpec(record["graph"], record["node"], record["kind"], record["ops"], record["row_symbol"])
+        by_label = {v["label"]: v for v in record["candidates"]}
+        variants = [VariantSpec(v["name"], v["max_rows"], [], v["backend"], v["min_sizes"]) for v in by_label.values()]
+        chosen, record["selection"] = choose(kernel, variants, data["sm"], tuning)
+        record["variants"] = [by_label[v.label] for v in chosen]
+        record["scratch"] = used_scratch(record)
+    manifest_path.write_text(json.dumps(data, indent=1))

@@ -1,0 +1,84 @@
+"""Causal grouped-query attention for prefill-shaped steps, flash-attention style, over the packed queries and
+the paged KV cache of ir/ops/attention.py: one program per (query tile, query head, sequence), as many query
+tiles as the step has tokens (those past a sequence's queries exit at once); key tiles are
+gathered through the block table into shared memory, S = Q K^T and O += P V run on the tensor cores (wgmma on
+sm_90a), with an online softmax in base 2 between them."""
+
+import tilelang.language as T
+
+BF16 = T.bfloat16
+LOG2E = 1.4426950408889634
+
+
+def attention(HEADS: int, KV_HEADS: int, HD: int, CACHE_BLOCK: int, SCALE: float, BLOCK_M: int, BLOCK_N: int,
+              STAGES: int, THREADS: int):
+    tokens, batch, blocks, max_blocks = (T.dynamic(name) for name in ("M", "B", "NB", "MAXB"))
+    group = HEADS // KV_HEADS
+    scale = SCALE * LOG2E
+    neg_inf = -T.infinity(T.float32)
+
+    @T.prim_func
+    def attention(Q: T.Tensor((tokens, HEADS, HD), BF16), KC: T.Tensor((blocks, CACHE_BLOCK, KV_HEADS, HD), BF16),
+                  VC: T.Tensor((blocks, CACHE_BLOCK, KV_HEADS, HD), BF16),
+                  TABLES: T.Tensor((batch, max_blocks), T.int32), STARTS: T.Tensor((batch,), T.int32),
+                  Q_LENS: T.Tensor((batch,), T.int32), CTX_LENS: T.Tensor((batch,), T.int32),
+                  O: T.Tensor((tokens, HEADS, HD), BF16)):
+        with T.Kernel(T.ceildiv(tokens, BLOCK_M), HEADS, batch, threads=THREADS) as (bx, head, seq):
+            q_s = T.alloc_shared((BLOCK_M, HD), BF16)
+            k_s = T.alloc_shared((BLOCK_N, HD), BF16)
+            v_s = T.alloc_shared((BLOCK_N, HD), BF16)
+            o_s = T.alloc_shared((BLOCK_M, HD), BF16)
+            s = T.alloc_fragment((BLOCK_M, BLOCK_N), T.float32)
+            p = T.alloc_fragment((BLOCK_M, BLOCK_N), BF16)
+            acc = T.alloc_fragment((BLOCK_M, HD), T.float32)
+            m = T.alloc_fragment((BLOCK_M,), T.float32)
+            m_prev = T.alloc_fragment((BLOCK_M,), T.float32)
+            rescale = T.alloc_fragment((BLOCK_M,), T.float32)
+            row_sum = T.alloc_fragment((BLOCK_M,), T.float32)
+            l = T.alloc_fragment((BLOCK_M,), T.float32)
+            kv_head = head // group
+            tile = T.ceildiv(tokens, BLOCK_M) - 1 - bx  # the longest tiles (last queries) start first
+            start = STARTS[seq]
+            q_len = Q_LENS[seq]
+            ctx = CTX_LENS[seq]
+            q0 = tile * BLOCK_M
+            first_pos = ctx - q_len + q0  # the position of the tile's first query
+            kv_end = T.min(ctx, first_pos + BLOCK_M)
+            if q0 < q_len:
+                for i, d in T.Parallel(BLOCK_M, HD):
+                    q_s[i, d] = T.if_then_else(q0 + i < q_len, Q[start + q0 + i, head, d], T.cast(0, BF16))
+                T.fill(acc, 0)
+                T.fill(l, 0)
+                T.fill(m, neg_inf)
+                for k in T.Pipelined(T.ceildiv(kv_end, BLOCK_N), num_stages=STAGES):
+                    for j, d in T.Parallel(BLOCK_N, HD):
+                        pos = T.min(k * BLOCK_N + j, kv_end - 1)  # clamped: masked below, read in bounds
+                        k_s[j, d] = KC[TABLES[seq, pos // CACHE_BLOCK], pos % CACHE_BLOCK, kv_head, d]
+                    T.clear(s)
+                    T.gemm(q_s, k_s, s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                    for i, j in T.Parallel(BLOCK_M, BLOCK_N):
+                        s[i, j] = T.if_then_else((k * BLOCK_N + j <= first_pos + i) & (k * BLOCK_N + j < kv_end),
+                                                 s[i, j] * scale, neg_inf)
+                    T.copy(m, m_prev)
+                    T.reduce_max(s, m, dim=1, clear=False)
+                    for i in T.Parallel(BLOCK_M):
+                        rescale[i] = T.exp2(m_prev[i] - m[i])
+                    for i, j in T.Parallel(BLOCK_M, BLOCK_N):
+                        s[i, j] = T.exp2(s[i, j] - m[i])
+                    T.reduce_sum(s, row_sum, dim=1)
+                    for i in T.Parallel(BLOCK_M):
+                        l[i] = l[i] * rescale[i] + row_sum[i]
+                    for i, d in T.Parallel(BLOCK_M, HD):
+                        acc[i, d] *= rescale[i]
+                    T.copy(s, p)
+                    for j, d in T.Parallel(BLOCK_N, HD):
+                        pos = T.min(k * BLOCK_N + j, kv_end - 1)
+                        v_s[j, d] = VC[TABLES[seq, pos // CACHE_BLOCK], pos % CACHE_BLOCK, kv_head, d]
+                    T.gemm(p, v_s, acc, policy=T.GemmWarpPolicy.FullRow)
+                for i, d in T.Parallel(BLOCK_M, HD):
+                    o_s[i, d] = T.cast(acc[i, d] / l[i], BF16)
+                for i, d in T.Parallel(BLOCK_M, HD):
+                    if q0 + i < q_len:
+                        O[start + q0 + i, head, d] = o_s[i, d]
+
+    return attention

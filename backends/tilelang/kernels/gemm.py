@@ -1,0 +1,101 @@
+"""y = x @ W^T on the tensor cores, TMA loads into swizzled shared memory and wgmma on sm_90a (mma.sync and
+cp.async on sm_80), with an optional epilogue: act(gate) * up over a merged [2N, K] weight (ACT=1: SiLU), or a
+residual added to the product (RESIDUAL). The row count M is dynamic; N and K are fixed per kernel."""
+
+import tilelang.language as T
+
+BF16 = T.bfloat16
+
+
+def gemm(N: int, K: int, ACT: int, RESIDUAL: bool, BLOCK_M: int, BLOCK_N: int, BLOCK_K: int, STAGES: int,
+         THREADS: int, SWIZZLE: int):
+    M = T.dynamic("M")
+    w_rows = 2 * N if ACT else N
+
+    @T.macro
+    def tile(A, W, R, C):
+        with T.Kernel(T.ceildiv(N, BLOCK_N), T.ceildiv(M, BLOCK_M), threads=THREADS) as (bx, by):
+            a_s = T.alloc_shared((BLOCK_M, BLOCK_K), BF16)
+            w_s = T.alloc_shared((BLOCK_N, BLOCK_K), BF16)
+            acc = T.alloc_fragment((BLOCK_M, BLOCK_N), T.float32)
+            c_s = T.alloc_shared((BLOCK_M, BLOCK_N), BF16)
+            T.use_swizzle(SWIZZLE, enable=SWIZZLE > 0)
+            T.clear(acc)
+            if ACT:
+                u_s = T.alloc_shared((BLOCK_N, BLOCK_K), BF16)
+                up = T.alloc_fragment((BLOCK_M, BLOCK_N), T.float32)
+                T.clear(up)
+                for k in T.Pipelined(T.ceildiv(K, BLOCK_K), num_stages=STAGES):
+                    T.copy(A[by * BLOCK_M, k * BLOCK_K], a_s)
+                    T.copy(W[bx * BLOCK_N, k * BLOCK_K], w_s)
+                    T.copy(W[N + bx * BLOCK_N, k * BLOCK_K], u_s)
+                    T.gemm(a_s, w_s, acc, transpose_B=True)
+                    T.gemm(a_s, u_s, up, transpose_B=True)
+                for i, j in T.Parallel(BLOCK_M, BLOCK_N):  # SiLU(gate) * up, as the Triton epilogue computes it
+                    acc[i, j] = acc[i, j] / (1.0 + T.exp(-acc[i, j])) * up[i, j]
+            else:
+                for k in T.Pipelined(T.ceildiv(K, BLOCK_K), num_stages=STAGES):
+                    T.copy(A[by * BLOCK_M, k * BLOCK_K], a_s)
+                    T.copy(W[bx * BLOCK_N, k * BLOCK_K], w_s)
+                    T.gemm(a_s, w_s, acc, transpose_B=True)
+            if RESIDUAL:
+                T.copy(R[by * BLOCK_M, bx * BLOCK_N], c_s)
+                for i, j in T.Parallel(BLOCK_M, BLOCK_N):
+                    acc[i, j] += T.cast(c_s[i, j], T.float32)
+            T.copy(acc, c_s)
+            T.copy(c_s, C[by * BLOCK_M, bx * BLOCK_N])
+
+    if RESIDUAL:
+        @T.prim_func
+        def gemm_residual(A: T.Tensor((M, K), BF16), W: T.Tensor((w_rows, K), BF16), R: T.Tensor((M, N), BF16),
+                          C: T.Tensor((M, N), BF16)):
+            tile(A, W, R, C)
+        return gemm_residual
+
+    @T.prim_func
+    def gemm(A: T.Tensor((M, K), BF16), W: T.Tensor((w_rows, K), BF16), C: T.Tensor((M, N), BF16)):
+        tile(A, W, None, C)
+    return gemm
+
+
+def add_rms_norm(K: int, EPS: float, ADD: bool, WRITE_SUM: bool, THREADS: int):
+    """The GEMM's prologue as its own launch (a TMA-fed GEMM reads its operand as stored): per row, the residual
+    sum X + X2 (written to S when WRITE_SUM) and its RMSNorm times G, rounded to bf16 as the GEMM reads it."""
+    M = T.dynamic("M")
+
+    @T.macro
+    def row_kernel(X, X2, G, S, Y):
+        with T.Kernel(M, threads=THREADS) as row:
+            x = T.alloc_fragment((1, K), T.float32)
+            squares = T.alloc_fragment((1, K), T.float32)
+            total = T.alloc_fragment((1,), T.float32)
+            for i, j in T.Parallel(1, K):
+                if ADD:
+                    x[i, j] = T.cast(X[row, j], T.float32) + T.cast(X2[row, j], T.float32)
+                else:
+                    x[i, j] = T.cast(X[row, j], T.float32)
+            for i, j in T.Parallel(1, K):
+                if WRITE_SUM:
+                    S[row, j] = T.cast(x[i, j], BF16)
+                squares[i, j] = x[i, j] * x[i, j]
+            T.reduce_sum(squares, total, dim=1)
+            for i, j in T.Parallel(1, K):
+                Y[row, j] = T.cast(x[i, j] * T.rsqrt(total[i] / K + EPS) * T.cast(G[j], T.float32), BF16)
+
+    if ADD and WRITE_SUM:
+        @T.prim_func
+        def add_rms_norm(X: T.Tensor((M, K), BF16), X2: T.Tensor((M, K), BF16), G: T.Tensor((K,), BF16),
+                         S: T.Tensor((M, K), BF16), Y: T.Tensor((M, K), BF16)):
+            row_kernel(X, X2, G, S, Y)
+        return add_rms_norm
+    if ADD:
+        @T.prim_func
+        def add_rms_norm(X: T.Tensor((M, K), BF16), X2: T.Tensor((M, K), BF16), G: T.Tensor((K,), BF16),
+                         Y: T.Tensor((M, K), BF16)):
+            row_kernel(X, X2, G, None, Y)
+        return add_rms_norm
+
+    @T.prim_func
+    def rms_norm(X: T.Tensor((M, K), BF16), G: T.Tensor((K,), BF16), Y: T.Tensor((M, K), BF16)):
+        row_kernel(X, None, G, None, Y)
+    return rms_norm

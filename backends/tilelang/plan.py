@@ -1,0 +1,111 @@
+"""Planning TileLang candidates for the kernels where Hopper's own instructions pay: the GEMMs of prefill-sized
+steps (TMA + wgmma, the SiLU x up epilogue over the merged gate/up weight; an RMSNorm prologue becomes a row
+launch first, since TMA feeds the tensor cores the operand as stored) and causal attention of prefill-shaped
+steps. A kernel TileLang cannot serve gets no candidate, and the other backends' variants serve it."""
+
+from pathlib import Path
+
+from pegainfer.backends.spec import GridDim, LaunchSpec, Param, VariantSpec
+from pegainfer.backends.triton.plan import PlanOptions, gemm_roles, static_layout
+from pegainfer.ir.graph import Graph, Node
+from pegainfer.ir.kernel import fused_ops
+
+KERNELS = Path(__file__).parent / "kernels"
+SMS = (80, 86, 89, 90)  # TMA and wgmma on 90 (sm_90a); cp.async and mma.sync on the others
+MIN_ROWS = 65  # below this Triton's decode-shaped tiles serve (its mid_rows variant ends at 64)
+PREFILL_QUERIES = 64  # attention with 128-query tiles only when some sequence brings this many queries
+
+
+def candidates(graph: Graph, node: Node, options: PlanOptions) -> list[VariantSpec]:
+    ops = fused_ops(node)
+    if ops == ["paged_attention"]:
+        return _attention(graph, node, options)
+    if "linear" in ops:
+        return _gemm(graph, node)
+    return []
+
+
+def _launch(template: str, function: str, params: list[Param], constexprs: dict, grid: tuple[GridDim, ...],
+            threads: int, stages: int = 1) -> LaunchSpec:
+    grid = tuple(grid) + (GridDim(),) * (3 - len(grid))
+    return LaunchSpec(function, template, (KERNELS / template).read_text(), params, constexprs, grid,
+                      threads // 32, stages, backend="tilelang")
+
+
+def _tensor(name: str, value: str, dtype: str = "*bf16") -> Param:
+    return Param(name, "tensor", value, dtype, aligned=True)
+
+
+def _gemm(graph: Graph, node: Node) -> list[VariantSpec]:
+    """The row-unbounded slot of a GEMM kernel: [add +] RMSNorm rows, then the TMA GEMM over them."""
+    try:
+        roles = gemm_roles(node)
+    except Exception:  # an epilogue or prologue the Triton planner itself refuses: nothing to offer either
+        return []
+    types = graph.value_types() | {o: t for n in node.attrs["nodes"] for o, t in zip(n.outputs, n.output_types)}
+    layout = static_layout(graph)
+    if roles["rows"] or roles["top_k"] or roles["bias"] or roles["act"] not in (0, 1):
+        return []
+    n, k = roles["n"], types[roles["weight"]].shape[1]
+    row_symbol = types[roles["x"]].shape[0]
+    contiguous = {roles["x"]: k, roles["out"]: n} | ({roles["x2"]: k} if roles["x2"] else {}) \
+        | ({roles["sum"]: k} if roles["sum"] else {})
+    if any(types[v].dtype.name != "bf16" or layout[v] != (width, 0) for v, width in contiguous.items()) \
+            or types[roles["weight"]].dtype.name != "bf16" or k % 64 or n % 128:
+        return []  # TMA wants 16-byte aligned rows, and these tiles whole ones
+    dim = Param("M", "int", f"dim:{row_symbol}", "i32")
+    launches, operand = [], roles["x"]
+    if roles["norm"]:
+        operand = "gemm.normed"
+        params = [_tensor("X", roles["x"]), _tensor("G", roles["norm"]), _tensor("Y", operand), dim]
+        if roles["x2"]:
+            params.insert(1, _tensor("X2", roles["x2"]))
+        if roles["sum"]:
+            params.insert(3, _tensor("S", roles["sum"]))
+        launches.append(_launch("gemm.py", "add_rms_norm", params,
+                                dict(K=k, EPS=float(roles["eps"]), ADD=roles["x2"] is not None,
+                                     WRITE_SUM=roles["sum"] is not None, THREADS=128),
+                                (GridDim((row_symbol,)),), 128))
+    elif roles["x2"]:
+        return []  # an add without a norm before a GEMM: not a shape the passes make
+    variants = []
+    for sm_group, block_k, stages in (((90,), 64, 3), ((80, 86, 89), 32, 3)):
+        tiles = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=block_k, STAGES=stages, THREADS=256, SWIZZLE=10)
+        gemm = _launch("gemm.py", "gemm", [_tensor("A", operand), _tensor("W", roles["weight"]),
+                                           _tensor("C", roles["out"]), dim],
+                       dict(N=n, K=k, ACT=roles["act"], RESIDUAL=False, **tiles),
+                       (GridDim((n,), 128), GridDim((row_symbol,), 128)), 256, stages)
+        name = "wgmma_128x128" if sm_group == (90,) else "mma_128x128"
+        variants.append(VariantSpec(name, None, [*launches, gemm], "tilelang", sms=sm_group))
+    return variants
+
+
+def gemm_scratch(graph: Graph, node: Node) -> dict[str, tuple[str, tuple]]:
+    """The normed rows a GEMM with a norm prologue writes for its TMA loads: [rows, K] bf16."""
+    roles = gemm_roles(node)
+    types = graph.value_types()
+    return {"gemm.normed": ("bf16", (types[roles["x"]].shape[0], types[roles["weight"]].shape[1]))}
+
+
+def _attention(graph: Graph, node: Node, options: PlanOptions) -> list[VariantSpec]:
+    (attention,) = node.attrs["nodes"]
+    q, k_cache, v_cache, tables, starts, q_lens, ctx_lens = attention.inputs
+    out = attention.outputs[0]
+    types = graph.value_types() | {out: attention.output_types[0]}
+    layout = static_layout(graph)
+    tokens, heads, head_dim = types[q].shape
+    kv_heads = types[k_cache].shape[2]
+    batch = types[starts].shape[0]
+    if head_dim not in (64, 128) or types[q].dtype.name != "bf16" or types[k_cache].dtype.name != "bf16" \
+            or any(layout[v] != (heads * head_dim, 0) for v in (q, out)) or types[tables].dtype.name != "i32":
+        return []
+    params = [_tensor("Q", q), _tensor("KC", k_cache), _tensor("VC", v_cache), _tensor("TABLES", tables, "*i32"),
+              _tensor("STARTS", starts, "*i32"), _tensor("Q_LENS", q_lens, "*i32"),
+              _tensor("CTX_LENS", ctx_lens, "*i32"), _tensor("O", out),
+              Param("M", "int", f"dim:{tokens}", "i32"), Param("B", "int", f"dim:{batch}", "i32"),
+              Param("MAXB", "int", "stride:" + tables, "i32"), Param("NB", "int", "dim:num_blocks", "i32")]
+    constexprs = dict(HEADS=heads, KV_HEADS=kv_heads, HD=head_dim, CACHE_BLOCK=options.block_size,
+                      SCALE=float(attention.attrs["scale"]), BLOCK_M=128, BLOCK_N=128, STAGES=1, THREADS=256)
+    launch = _launch("attention.py", "attention", params, constexprs,
+                     (GridDim((tokens,), 128), GridDim((heads,)), GridDim((batch,))), 256)
+    return [VariantSpec("flash_128x128", None, [launch], "tilelang", {"max_query_len": PREFILL_QUERIES}, SMS)]

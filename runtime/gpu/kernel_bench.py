@@ -1,0 +1,110 @@
+"""Running one kernel's launches alone on the GPU, on buffers of the model's real shapes: what `pegainfer tune`
+times each candidate with. Buffers get random values; the step inputs (block tables, sequence starts...) come
+from a synthetic step packed as the engine packs real ones, so attention reads valid blocks."""
+
+import statistics
+from math import prod
+
+import numpy as np
+
+from pegainfer.backends.spec import serves
+from pegainfer.ir.dtypes import dtype_from_name
+from pegainfer.ir.graph import Graph
+from pegainfer.ir.types import TensorType
+from pegainfer.runtime.batch import Chunk, Sequence, pack_step
+from pegainfer.runtime.cuda import driver
+from pegainfer.runtime.gpu.abi import DeviceTensor
+from pegainfer.runtime.gpu.launch import launch_kernel, load_function
+from pegainfer.runtime.kv_blocks import BlockAllocator
+
+_RANDOM = (np.random.default_rng(0).standard_normal(1 << 22) * 0.5).astype(np.float32)
+
+
+def synthetic_step(batch: int, query_len: int, context: int, block_size: int) -> tuple[dict, dict[str, int]]:
+    """(step inputs, sizes) of `batch` sequences each bringing `query_len` tokens to a context of `context`."""
+    blocks_per_seq = -(-context // block_size)
+    allocator = BlockAllocator(batch * blocks_per_seq + 1, block_size)
+    chunks = []
+    for index in range(batch):
+        seq = Sequence(index, [1] * context, num_cached=context - query_len)
+        allocator.grow(seq.table, context - query_len)
+        chunks.append(Chunk(seq, query_len))
+    step = pack_step(chunks, allocator)
+    sizes = {"tokens": batch * query_len, "batch": batch, "samples": batch, "max_query_len": query_len,
+             "num_blocks": batch * blocks_per_seq + 1, "block_size": block_size,
+             "max_blocks": step["block_tables"].shape[1]}
+    return step, sizes
+
+
+def kernel_types(lowered: Graph, kernel: dict) -> dict[str, TensorType]:
+    """Every value a kernel's launches may name: its graph's values, its inner nodes' outputs, its scratch."""
+    graph = next(g for g in lowered.all_graphs() if g.name == kernel["graph"])
+    node = next(n for n in graph.nodes if n.name == kernel["node"])
+    types = graph.value_types() | {o: t for n in node.attrs["nodes"] for o, t in zip(n.outputs, n.output_types)}
+    scratch = kernel.get("candidate_scratch", kernel["scratch"])
+    return types | {name: TensorType(dtype_from_name(d), tuple(s)) for name, (d, s) in scratch.items()}
+
+
+class Buffers:
+    """Device memory for named values, made once per (value, bytes) and reused across candidates."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+        self.allocated: dict[tuple[str, int], int] = {}
+
+    def env(self, names: set[str], types: dict[str, TensorType], sizes: dict[str, int], step: dict) -> dict:
+        env = {}
+        for name in names:
+            t = types[name]
+            shape = t.concrete(sizes)
+            if name == "block_tables":
+                shape = step[name].shape
+            nbytes = max(1, prod(shape) * t.dtype.itemsize)
+            key = (name, nbytes)
+            if key not in self.allocated:
+                self.allocated[key] = driver.alloc(nbytes)
+                host = step[name] if name in step else _random(t, shape)
+                driver.copy_to_device(self.allocated[key], np.ascontiguousarray(host, dtype=t.dtype.np_dtype))
+            env[name] = DeviceTensor.contiguous(self.allocated[key], shape, t.dtype)
+        return env
+
+
+def _random(t: TensorType, shape: tuple[int, ...]) -> np.ndarray:
+    if t.dtype.is_float:
+        return np.resize(_RANDOM, shape).astype(t.dtype.np_dtype)
+    return np.zeros(shape, dtype=t.dtype.np_dtype)
+
+
+def launch_values(launches: list[dict]) -> set[str]:
+    return {p["value"] for launch in launches for p in launch["params"] if p["kind"] in ("tensor", "tma")} | \
+        {p["value"].partition(":")[2] for launch in launches for p in launch["params"]
+         if p["kind"] == "int" and p["value"].startswith("stride:")}
+
+
+def time_launches(ctx: driver.Context, folder, launches: list[dict], env: dict, sizes: dict[str, int],
+                  repeats: int = 20, functions: dict | None = None) -> float:
+    """Median microseconds of one run of the launches (after three warm-up runs)."""
+    functions = {} if functions is None else functions
+    for launch in launches:
+        if launch["key"] not in functions:
+            functions[launch["key"]] = load_function((folder / launch["cubin"]).read_bytes(), launch)[1]
+    samples = []
+    for index in range(repeats + 3):
+        start, end = driver.Event(), driver.Event()
+        start.record(ctx.stream)
+        for launch in launches:
+            launch_kernel(functions[launch["key"]], launch, env, sizes, ctx.stream)
+        end.record(ctx.stream)
+        ctx.synchronize()
+        if index >= 3:
+            samples.append(end.seconds_since(start) * 1e6)
+    return statistics.median(samples)
+
+
+def serving_variant(kernel: dict, sizes: dict[str, int], backend: str = "triton") -> dict:
+    """The first of a backend's candidates that serves these sizes, conditional slots left out: what a step
+    falls through to when a conditional slot is not chosen."""
+    for variant in kernel["candidates"]:
+        if variant["backend"] == backend and not variant["min_sizes"] and serves(variant, kernel["row_symbol"], sizes):
+            return variant
+    raise AssertionError(f"kernel {kernel['node']}: no {backend} variant serves {sizes}")

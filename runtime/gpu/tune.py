@@ -1,0 +1,58 @@
+"""`pegainfer tune`: on the GPU, time every slot's alternatives for the model's real shapes (decode buckets at a
+1k context; GEMMs and attention of a 4k-token prefill), write the winners into the cache per
+SM (sm_XX/tuning/<model>.json), and rewrite the manifest so the runtime launches them."""
+
+import json
+import time
+from pathlib import Path
+
+from pegainfer.backends.select import tuning_path
+from pegainfer.runtime.cuda import driver
+from pegainfer.runtime.gpu.kernel_bench import (Buffers, kernel_types, launch_values, serving_variant,
+                                                 synthetic_step, time_launches)
+
+PREFILL_ROWS = 4096  # the unbounded GEMM slots and prefill attention are timed at this many tokens
+DECODE_CONTEXT = 1024
+
+
+def slot_sizes(kernel: dict, slot: dict, block_size: int) -> tuple[dict, dict[str, int]]:
+    """A synthetic step that lands in the slot: its row bound (decode tokens) or a prefill when unbounded."""
+    bound = slot["bound"]
+    conditional = bool(slot["min_sizes"])
+    if kernel["row_symbol"] in ("batch", "samples") and not conditional:
+        return synthetic_step(bound or 64, 1, DECODE_CONTEXT, block_size)
+    if bound is None or conditional:
+        return synthetic_step(1, PREFILL_ROWS, PREFILL_ROWS, block_size)
+    return synthetic_step(bound, 1, DECODE_CONTEXT, block_size)
+
+
+def tune(ctx: driver.Context, manifest_path: Path, lowered, root: Path, spec, log=print) -> Path:
+    manifest = json.loads(manifest_path.read_text())
+    folder = manifest_path.parent.parent
+    buffers, functions, results = Buffers(ctx.stream), {}, {}
+    for kernel in manifest["kernels"]:
+        types = kernel_types(lowered, kernel)
+        for record in kernel["selection"]:
+            by_label = {v["label"]: v for v in kernel["candidates"]}
+            variants = [by_label[label] for label in record["alternatives"]]
+            if len(variants) < 2 and not variants[0]["min_sizes"]:
+                continue
+            step, sizes = slot_sizes(kernel, {"bound": variants[0]["max_rows"], "min_sizes": variants[0]["min_sizes"]},
+                                     manifest["block_size"])
+            if variants[0]["min_sizes"]:
+                variants = variants + [dict(serving_variant(kernel, sizes), label="fallthrough")]
+            times = {}
+            for variant in variants:
+                env = buffers.env(launch_values(variant["launches"]), types, sizes, step)
+                times[variant["label"]] = time_launches(ctx, folder, variant["launches"], env, sizes,
+                                                        functions=functions)
+            choice = min(times, key=times.get)
+            results.setdefault(f"{kernel['graph']}/{kernel['node']}", {})[record["slot"]] = {
+                "choice": choice, "times_us": times, "sizes": {k: sizes[k] for k in ("tokens", "batch")}}
+            log(f"{kernel['node']:<16} {record['slot']:<34} " + "  ".join(
+                f"{label} {us:.1f} us{' *' if label == choice else ''}" for label, us in times.items()))
+    path = tuning_path(root, manifest["sm"], spec)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"model_id": manifest["model_id"], "device": ctx.name(), "sm": manifest["sm"],
+                                "tuned_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "kernels": results}, indent=1))
+    return path

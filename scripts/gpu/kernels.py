@@ -1,0 +1,279 @@
+"""On the H200: every TileLang and CuTe DSL kernel of Qwen3-4B, loaded from the cubin cache through the runtime's
+launch path (runtime/gpu/launch.py: TMA descriptors, CuTe tensor structs), checked against a torch reference,
+then timed: prefill GEMMs (M = 1024, 4096, 8192) against cuBLAS through torch, decode GEMVs (1, 4, 16 rows)
+against the measured copy bandwidth, causal attention of one 8k prompt in TFLOP/s of useful work; Triton's
+variant of the same slot beside each. A failing case is recorded and the rest still run. Prints a table last;
+every number goes to $OUT/kernels.json.
+
+    PEGAINFER_CACHE=.gpu/aot_cache python3 scripts/gpu/kernels.py --out $OUT
+"""
+
+import argparse
+import json
+import os
+import traceback
+from pathlib import Path
+
+import torch
+
+from pegainfer.backends.cache import cache_root, manifest_path
+from pegainfer.backends.triton.plan import gemm_roles
+from pegainfer.frontends.load import embedded_configs, load_spec
+from pegainfer.ir.dtypes import dtype_from_name
+from pegainfer.ir.graph import KERNEL
+from pegainfer.passes.pipeline import lower
+from pegainfer.runtime.cuda import driver
+from pegainfer.runtime.gpu.abi import DeviceTensor
+from pegainfer.runtime.gpu.kernel_bench import synthetic_step
+from pegainfer.runtime.gpu.launch import launch_kernel, load_function
+
+SM = 90
+GEMM_KINDS = ("add_rms_norm_linear", "linear", "add_rms_norm_linear_silu_mul")
+PREFILL_M = (1024, 4096, 8192)
+DECODE_ROWS = (1, 4, 16)
+TORCH_DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32, "i64": torch.int64}
+
+
+class Runner:
+    def __init__(self, manifest: Path) -> None:
+        torch.cuda.init()
+        self.ctx = driver.Context.create()
+        self.folder = manifest.parent.parent
+        self.manifest = json.loads(manifest.read_text())
+        self.functions: dict[str, object] = {}
+
+    def kernel(self, graph: str, node: str) -> dict:
+        return next(k for k in self.manifest["kernels"] if (k["graph"], k["node"]) == (graph, node))
+
+    def run(self, launches: list[dict], env: dict[str, torch.Tensor], sizes: dict[str, int]) -> None:
+        tensors = {}
+        for name, t in env.items():
+            dtype = dtype_from_name({torch.bfloat16: "bf16", torch.float32: "f32", torch.int32: "i32",
+                                     torch.int64: "i64"}[t.dtype])
+            tensors[name] = DeviceTensor(t.data_ptr(), tuple(t.shape), dtype, t.stride(0) if t.dim() > 1 else 1)
+        for launch in launches:
+            if launch["key"] not in self.functions:
+                cubin = (self.folder / launch["cubin"]).read_bytes()
+                self.functions[launch["key"]] = load_function(cubin, launch)[1]
+            launch_kernel(self.functions[launch["key"]], launch, tensors, sizes, self.ctx.stream)
+
+    def time_us(self, launches, env, sizes, repeats: int = 20) -> float:
+        torch.cuda.synchronize()
+        for _ in range(3):
+            self.run(launches, env, sizes)
+        start, end = driver.Event(), driver.Event()
+        start.record(self.ctx.stream)
+        for _ in range(repeats):
+            self.run(launches, env, sizes)
+        end.record(self.ctx.stream)
+        self.ctx.synchronize()
+        return end.seconds_since(start) / repeats * 1e6
+
+    def sync(self) -> None:
+        self.ctx.synchronize()
+        torch.cuda.synchronize()
+
+
+def torch_time_us(fn, repeats: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats * 1e3
+
+
+def rel_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((ours.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
+
+
+def copy_bandwidth() -> float:
+    """Bytes read + written per second of a 2 GiB device-to-device copy (the H200.md ceiling's measure)."""
+    a = torch.empty(1 << 31, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    return 2 * a.numel() / (torch_time_us(lambda: b.copy_(a), 10) / 1e6)
+
+
+def variant(kernel: dict, label: str) -> dict:
+    return next(v for v in kernel["candidates"] if v["label"] == label)
+
+
+def triton_for(kernel: dict, rows: int) -> dict:
+    return next(v for v in kernel["candidates"] if v["backend"] == "triton" and not v["min_sizes"]
+                and (v["max_rows"] is None or rows <= v["max_rows"]))
+
+
+def gemm_case(runner: Runner, kernel: dict, roles: dict, k: int, rows: int, labels: list[str], timing: str):
+    """Numerics of each labelled variant at `rows` rows against torch, then timings (and cuBLAS for prefill)."""
+    n, act = roles["n"], roles["act"]
+    w_rows = 2 * n if act else n
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    bf = torch.bfloat16
+    x = torch.randn(rows, k, device="cuda", generator=gen).to(bf)
+    x2 = torch.randn(rows, k, device="cuda", generator=gen).to(bf)
+    g = (1 + 0.1 * torch.randn(k, device="cuda", generator=gen)).to(bf)
+    w = (torch.randn(w_rows, k, device="cuda", generator=gen) * k ** -0.5).to(bf)
+    a = x.float() + (x2.float() if roles["x2"] else 0)
+    if roles["norm"]:
+        a = a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + roles["eps"]) * g.float()
+    a_bf = a.to(bf)
+    y = a_bf.float() @ w.float().T
+    ref = torch.nn.functional.silu(y[:, :n]) * y[:, n:] if act else y
+    sum_ref = (x.float() + x2.float()).to(bf)
+    results = []
+    for label in labels:
+        chosen = variant(kernel, label)
+        out = torch.zeros(rows, n, device="cuda", dtype=bf)
+        total = torch.zeros(rows, k, device="cuda", dtype=bf)
+        env = {roles["x"]: x, roles["weight"]: w, roles["out"]: out, "gemm.normed": torch.empty_like(x)}
+        if roles["x2"]:
+            env[roles["x2"]] = x2
+        if roles["norm"]:
+            env[roles["norm"]] = g
+        if roles["sum"]:
+            env[roles["sum"]] = total
+        sizes = {"tokens": rows, "samples": rows, "batch": rows}
+        row = {"kernel": kernel["node"], "variant": label, "rows": rows, "n": w_rows, "k": k}
+        try:
+            torch.cuda.synchronize()
+            runner.run(chosen["launches"], env, sizes)
+            runner.sync()
+            row["rel_err"] = rel_error(out, ref)
+            if roles["sum"]:
+                row["sum_rel_err"] = rel_error(total, sum_ref)
+            row["us"] = runner.time_us(chosen["launches"], env, sizes)
+            if timing == "prefill":
+                row["tflops"] = 2 * rows * w_rows * k / row["us"] / 1e6
+            else:
+                row["tb_per_s"] = w.numel() * 2 / row["us"] / 1e6
+        except Exception as error:  # keep going: one broken kernel must not hide the others' numbers
+            row["error"] = f"{type(error).__name__}: {error}"
+            traceback.print_exc()
+        results.append(row)
+    if timing == "prefill":
+        us = torch_time_us(lambda: a_bf @ w.T)
+        results.append({"kernel": kernel["node"], "variant": "cublas (torch)", "rows": rows, "n": w_rows, "k": k,
+                        "us": us, "tflops": 2 * rows * w_rows * k / us / 1e6})
+    return results
+
+
+def attention_reference(q, k_cache, v_cache, step, scale):
+    out = torch.zeros_like(q)
+    block = k_cache.shape[1]
+    group = q.shape[1] // k_cache.shape[2]
+    for b in range(len(step["seq_starts"])):
+        start, q_len, ctx = (int(step[name][b]) for name in ("seq_starts", "query_lens", "context_lens"))
+        blocks = torch.as_tensor(step["block_tables"][b, : -(-ctx // block)], device="cuda", dtype=torch.long)
+        keys = k_cache[blocks].reshape(-1, *k_cache.shape[2:])[:ctx].repeat_interleave(group, 1)
+        values = v_cache[blocks].reshape(-1, *v_cache.shape[2:])[:ctx].repeat_interleave(group, 1)
+        mask = torch.arange(ctx, device="cuda")[None, :] <= torch.arange(ctx - q_len, ctx, device="cuda")[:, None]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q[start:start + q_len].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+            attn_mask=mask, scale=scale)
+        out[start:start + q_len] = o.transpose(0, 1)
+    return out
+
+
+def attention_case(runner: Runner, kernel: dict, node, types: dict, batch: int, q_len: int, ctx: int,
+                   labels: list[str], check: bool) -> list[dict]:
+    (inner,) = node.attrs["nodes"]
+    q_name, k_name, v_name = inner.inputs[:3]
+    heads, head_dim = inner.output_types[0].shape[1:]
+    kv_heads = types[k_name].shape[2]
+    step, sizes = synthetic_step(batch, q_len, ctx, runner.manifest["block_size"])
+    gen = torch.Generator(device="cuda").manual_seed(q_len)
+    bf = torch.bfloat16
+    q = torch.randn(sizes["tokens"], heads, head_dim, device="cuda", generator=gen).to(bf)
+    cache_shape = (sizes["num_blocks"], sizes["block_size"], kv_heads, head_dim)
+    k_cache = torch.randn(cache_shape, device="cuda", generator=gen).to(bf)
+    v_cache = torch.randn(cache_shape, device="cuda", generator=gen).to(bf)
+    env = {q_name: q, k_name: k_cache, v_name: v_cache}
+    for name in ("block_tables", "seq_starts", "query_lens", "context_lens"):
+        env[name] = torch.as_tensor(step[name], device="cuda")
+    ref = attention_reference(q, k_cache, v_cache, step, inner.attrs["scale"]) if check else None
+    visible = sum(ctx - q_len + i + 1 for i in range(q_len)) * batch
+    results = []
+    for label in labels:
+        chosen = variant(kernel, label)
+        out = torch.zeros_like(q)
+        scratch = {name: torch.empty(tuple(sizes[d] if isinstance(d, str) else d for d in shape),
+                                     dtype=TORCH_DTYPES[dtype], device="cuda")
+                   for name, (dtype, shape) in kernel.get("candidate_scratch", {}).items()}
+        row = {"kernel": "attention", "variant": label, "batch": batch, "query_len": q_len, "context": ctx}
+        try:
+            run_env = env | scratch | {inner.outputs[0]: out}
+            torch.cuda.synchronize()
+            runner.run(chosen["launches"], run_env, sizes)
+            runner.sync()
+            if check:
+                row["rel_err"] = rel_error(out, ref)
+            row["us"] = runner.time_us(chosen["launches"], run_env, sizes, repeats=10)
+            row["tflops"] = 4 * heads * head_dim * visible / row["us"] / 1e6
+        except Exception as error:
+            row["error"] = f"{type(error).__name__}: {error}"
+            traceback.print_exc()
+        results.append(row)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/out")))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    spec = load_spec(embedded_configs()["qwen3-4b"])
+    lowered, _ = lower(spec.graph)
+    runner = Runner(manifest_path(cache_root(), SM, spec))
+    report: dict = {"device": runner.ctx.name(), "copy_tb_per_s": copy_bandwidth() / 1e12, "gemm": [], "gemv": [],
+                    "attention": []}
+    print(f"{report['device']}: copy {report['copy_tb_per_s']:.2f} TB/s", flush=True)
+    for graph in lowered.all_graphs():
+        for node in (n for n in graph.nodes if n.op == KERNEL):
+            kernel = runner.kernel(graph.name, node.name)
+            labels = {v["label"] for v in kernel["candidates"]}
+            if node.attrs["kind"] in GEMM_KINDS:
+                roles = gemm_roles(node)
+                k = graph.value_types()[roles["weight"]].shape[1]
+                for m in PREFILL_M:
+                    chosen = [label for label in sorted(labels) if label.startswith("tilelang:")]
+                    chosen.append(triton_for(kernel, m)["label"])
+                    report["gemm"] += gemm_case(runner, kernel, roles, k, m, chosen, "prefill")
+                for rows in DECODE_ROWS:
+                    chosen = [f"cute:gemv_{rows}"] if f"cute:gemv_{rows}" in labels else []
+                    chosen.append(triton_for(kernel, rows)["label"])
+                    report["gemv"] += gemm_case(runner, kernel, roles, k, rows, chosen, "decode")
+            elif node.attrs["kind"] == "paged_attention":
+                flash = [label for label in sorted(labels) if label.startswith("tilelang:")]
+                report["attention"] += attention_case(runner, kernel, node, graph.value_types(), 2, 300, 700,
+                                                      flash + ["triton:default"], True)
+                report["attention"] += attention_case(runner, kernel, node, graph.value_types(), 1, 8192, 8192,
+                                                      flash + ["triton:split_kv"], True)
+            (args.out / "kernels.json").write_text(json.dumps(report, indent=1))
+    copy = report["copy_tb_per_s"]
+    cublas = {(r["kernel"], r["rows"]): r["tflops"] for r in report["gemm"] if r["variant"] == "cublas (torch)"}
+    lines = [f"{'kernel':<14} {'variant':<24} {'shape':<22} {'rel err':>9} {'us':>9} {'metric':>22}"]
+    for r in report["gemm"]:
+        ratio = f" ({r['tflops'] / cublas[(r['kernel'], r['rows'])]:.0%} cuBLAS)" if "tflops" in r else ""
+        lines.append(_line(r, f"M{r['rows']} N{r['n']} K{r['k']}", f"{r.get('tflops', 0):.0f} TF/s{ratio}"))
+    for r in report["gemv"]:
+        metric = f"{r['tb_per_s']:.2f} TB/s ({r['tb_per_s'] / copy:.0%} copy)" if "tb_per_s" in r else ""
+        lines.append(_line(r, f"rows{r['rows']} N{r['n']} K{r['k']}", metric))
+    for r in report["attention"]:
+        lines.append(_line(r, f"b{r['batch']} q{r['query_len']} ctx{r['context']}", f"{r.get('tflops', 0):.0f} TF/s"))
+    print("\n".join(lines))
+    (args.out / "kernels.json").write_text(json.dumps(report, indent=1))
+
+
+def _line(r: dict, shape: str, metric: str) -> str:
+    if "error" in r:
+        return f"{r['kernel']:<14} {r['variant']:<24} {shape:<22} ERROR {r['error'][:60]}"
+    err = f"{r['rel_err']:.2e}" if "rel_err" in r else "-"
+    return f"{r['kernel']:<14} {r['variant']:<24} {shape:<22} {err:>9} {r['us']:>9.1f} {metric:>22}"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""Every TileLang and CuTe DSL kernel of Qwen3-4B compiled on this CPU machine to cubins for sm_90a and sm_80;
+the TileLang GEMM's and attention's sm_90a SASS runs on HGMMA (and TMA loads for the GEMM); each launch ABI the
+manifest would record agrees with the DSL's own host launcher: TileLang's generated C++ stub (argument order,
+grid and block expressions, dynamic shared memory, every TMA descriptor field) and CuTe DSL's host IR (the
+launch configuration and kernelParams it builds)."""
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("tilelang")
+pytest.importorskip("cutlass")
+
+from pegainfer.backends.build import compile_many, plan_model  # noqa: E402
+from pegainfer.backends.spec import GridDim  # noqa: E402
+from pegainfer.backends.triton.plan import PlanOptions  # noqa: E402
+from pegainfer.frontends.load import embedded_configs, load_spec  # noqa: E402
+
+pytestmark = pytest.mark.slow
+SMS = (90, 80)
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    spec = load_spec(embedded_configs()["qwen3-4b"])
+    _, kernels = plan_model(spec, PlanOptions(), ("triton", "tilelang", "cute"))
+    todo, where = {}, {}
+    for kernel in kernels:
+        for variant in kernel.variants:
+            if variant.backend == "triton":
+                continue
+            for sm in SMS:
+                if sm in variant.sms:
+                    for index, launch in enumerate(variant.launches):
+                        key = f"{kernel.node}/{variant.name}/{index}"
+                        todo[(sm, key)] = launch
+                        where[(sm, key)] = (kernel, variant)
+    results = dict(compile_many(todo, 2, None))
+    return todo, where, results
+
+
+def sass(cubin: bytes, tmp_path: Path) -> str:
+    import triton
+    path = tmp_path / "k.cubin"
+    path.write_bytes(cubin)
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return subprocess.run([str(tool), "-sass", str(path)], capture_output=True, text=True, check=True).stdout
+
+
+def test_every_kernel_compiles_for_sm90a_and_sm80(compiled):
+    todo, where, results = compiled
+    for sm in SMS:
+        kinds = {(where[(s, k)][0].kind, where[(s, k)][1].backend) for (s, k) in todo if s == sm}
+        assert {("linear", "tilelang"), ("add_rms_norm_linear", "tilelang"), ("paged_attention", "tilelang"),
+                ("add_rms_norm_linear_silu_mul", "tilelang"), ("linear", "cute"),
+                ("add_rms_norm_linear", "cute"), ("add_rms_norm_linear_silu_mul", "cute")} <= kinds
+    for (sm, key), native in results.items():
+        assert native.cubin[:4] == b"\x7fELF", key
+        assert native.threads % 32 == 0 and native.abi, key
+        target = re.search(r"^\.target\s+(\S+)", native.files["ptx"], re.M).group(1)
+        assert target == ("sm_90a" if sm == 90 else "sm_80"), (key, target)
+
+
+def test_tilelang_sm90a_gemm_and_attention_run_on_hgmma(compiled, tmp_path):
+    _, where, results = compiled
+    gemm = next(n for (sm, k), n in results.items() if sm == 90 and k.startswith("down/"))
+    code = sass(gemm.cubin, tmp_path)
+    assert "HGMMA" in code and "UTMALDG" in code
+    assert [p["kind"] for p in gemm.abi] == ["tma", "tma", "tma", "int"]
+    attention = next(n for (sm, k), n in results.items() if sm == 90 and k.startswith("attention/"))
+    assert "HGMMA" in sass(attention.cubin, tmp_path)
+    sm80 = next(n for (sm, k), n in results.items() if sm == 80 and k.startswith("down/"))
+    assert "HGMMA" not in sass(sm80.cubin, tmp_path) and "HMMA" in sass(sm80.cubin, tmp_path)
+
+
+def _evaluate(expression: str, names: list[str], m: int) -> int:
+    """The stub's C integer arithmetic with every dynamic size bound to m."""
+    return eval(expression.replace("/", "//"), {}, {name: m for name in names})
+
+
+@pytest.mark.parametrize("key", ["attn_residual/wgmma_128x128/1", "attention/flash_128x128/0"])
+def test_tilelang_abi_matches_its_host_stub(compiled, key):
+    from pegainfer.backends.tilelang.compiler import host_stub
+
+    todo, _, results = compiled
+    launch, native = todo[(90, key)], results[(90, key)]
+    stub = host_stub(launch, 90)
+    symbol, args = re.search(r"cudaLaunchKernelEx\(&config, (\w+), (.*?)\);", stub).groups()
+    assert symbol == native.function
+    assert [a.strip() for a in args.split(",")] == [p["name"] for p in native.abi]
+    grid = re.search(r"config\.gridDim = dim3\((.*?)\);", stub).group(1).split(", ")
+    symbols = {p["name"]: p["value"].partition(":")[2] for p in native.abi if p["kind"] == "int"}
+    for m in (1, 129, 4096):
+        sizes = {symbols[name]: m for name in symbols}
+        assert [_evaluate(e, list(symbols), m) for e in grid] == [GridDim.size(d, sizes) for d in launch.grid]
+    assert re.search(r"config\.blockDim = dim3\((\d+), 1, 1\)", stub).group(1) == str(native.threads)
+    assert int(re.search(r"config\.dynamicSmemBytes = (\d+);", stub).group(1)) == native.shared
+    for param in (p for p in native.abi if p["kind"] == "tma"):
+        d, name = param["tma"], param["name"]
+
+        def field(what: str) -> list[str]:
+            return re.search(rf"{name}_{what}\[\d\]= \{{(.*?)\}};", stub).group(1).split(",")
+        as_text = [str(x) if isinstance(x, int) else "M" for x in d["dims"]]
+        assert field("globalDim") == as_text
+        assert field("globalStride") == [str(x) for x in d["strides"]]
+        assert field("boxDim") == [str(x) for x in d["box"]]
+        assert field("elementStrides") == [str(x) for x in d["element_strides"]]
+        assert re.search(rf"{name}_swizzle= \(CUtensorMapSwizzle\)(\d+);", stub).group(1) == str(d["swizzle"])
+        assert re.search(rf"{name}_type= \(CUtensorMapDataType\)(\d+);", stub).group(1) == str(d["dtype"])
+
+
+def test_cute_abi_matches_its_host_launcher(compiled):
+    from pegainfer.backends.cute.compiler import compile_to_files, launch_config, ptx_entry
+
+    todo, _, results = compiled
+    key = "hidden/gemv_4/0"
+    _, _, host_ir = compile_to_files(todo[(90, key)], 90)
+    native = results[(90, key)]
+    config = launch_config(host_ir)
+    assert config["block"] == [native.threads, 1, 1] and config["shared"] == native.shared
+    assert config["grid"] == [GridDim.size(d, {}) for d in todo[(90, key)].grid]
+    launcher = next(body for body in host_ir.split("llvm.func ") if "llvm.call @_cudaLaunchKernelEx(" in body)
+    kernel_params = re.findall(r"llvm\.alloca (%\d+) x !llvm\.ptr :", launcher)
+    count = re.search(rf"{kernel_params[-1]} = llvm\.mlir\.constant\((\d+) : i32\)", launcher)
+    assert count and int(count.group(1)) == len(native.abi) == len(ptx_entry(native.files["ptx"])[1])
+    assert [p["kind"] for p in native.abi] == ["tensor"] * 6 + ["int"]

@@ -1,0 +1,58 @@
+"""Launching TileLang's and CuTe DSL's cubins, the parts that need no GPU: TMA descriptors resolved for a step
+and checked as the driver would, arguments packed by the manifest ABI (a 128-byte descriptor by value, 64-byte
+aligned; pointers; sizes and strides), and the launch shape from the recorded block."""
+
+import ctypes
+
+import pytest
+
+from pegainfer.errors import PegainferError
+from pegainfer.ir.dtypes import dtype_from_name
+from pegainfer.runtime.gpu.abi import DeviceTensor
+from pegainfer.runtime.gpu.launch import pack_launch, shape_of
+from pegainfer.runtime.gpu.tma import TENSOR_MAP_BYTES, TiledDescriptor, resolve
+
+BF16 = dtype_from_name("bf16")
+DESCRIPTOR = {"dtype": 9, "rank": 2, "dims": [2560, "tokens"], "strides": [2, 5120], "box": [64, 128],
+              "element_strides": [1, 1], "interleave": 0, "swizzle": 3, "l2_promotion": 2, "oob_fill": 0}
+
+
+def test_tma_descriptor_resolves_step_sizes_and_checks_alignment():
+    resolved = resolve(DESCRIPTOR, 0x1000, {"tokens": 300})
+    assert resolved.dims == (2560, 300) and resolved.strides == (5120,) and resolved.box == (64, 128)
+    with pytest.raises(PegainferError, match="not 16-byte aligned"):
+        resolve(DESCRIPTOR, 0x1008, {"tokens": 300})
+    with pytest.raises(PegainferError, match="multiples of 16 bytes"):
+        resolve({**DESCRIPTOR, "strides": [2, 5122]}, 0x1000, {"tokens": 300})
+    with pytest.raises(PegainferError, match="not a size of this step"):
+        resolve(DESCRIPTOR, 0x1000, {"batch": 3})
+
+
+def test_pack_launch_lays_out_tma_pointer_and_int_arguments():
+    seen: list[TiledDescriptor] = []
+
+    def encode(d: TiledDescriptor) -> bytes:
+        seen.append(d)
+        return bytes(range(TENSOR_MAP_BYTES))
+    params = [{"name": "A_desc", "kind": "tma", "value": "x", "tma": DESCRIPTOR},
+              {"name": "R", "kind": "tensor", "value": "r"},
+              {"name": "M", "kind": "int", "value": "dim:tokens"},
+              {"name": "MAXB", "kind": "int", "value": "stride:tables"}]
+    tensors = {"x": DeviceTensor.contiguous(0x10000, (300, 2560), BF16),
+               "r": DeviceTensor.contiguous(0x20000, (300, 2560), BF16),
+               "tables": DeviceTensor(0x30000, (2, 7), dtype_from_name("i32"), 64)}
+    args = pack_launch(params, tensors, {"tokens": 300}, encode=encode)
+    pointers = [args.pointers[i] for i in range(4)]
+    assert pointers[0] % 64 == 0 and ctypes.string_at(pointers[0], TENSOR_MAP_BYTES) == bytes(range(128))
+    assert seen[0].address == 0x10000 and seen[0].dims == (2560, 300)
+    assert ctypes.c_uint64.from_address(pointers[1]).value == 0x20000
+    assert ctypes.c_int32.from_address(pointers[2]).value == 300
+    assert ctypes.c_int32.from_address(pointers[3]).value == 64
+
+
+def test_launch_shape_uses_the_recorded_block():
+    launch = {"grid": [{"factors": [2560], "block": 128}, {"factors": ["tokens"], "block": 128},
+                        {"factors": [1], "block": 1}],
+              "threads": 384, "num_warps": 12, "shared": 98304}
+    shape = shape_of(launch, {"tokens": 1000})
+    assert shape.grid == (20, 8, 1) and shape.threads == 384 and shape.shared == 98304
