@@ -1,15 +1,14 @@
-"""Sampling on the CPU: greedy, temperature, top-k, top-p, a per-request seed, and top-K logprobs.
-The GPU sampler kernels (issue 5) are checked against this."""
+"""Sampling parameters, and sampling on the CPU with NumPy's generator: greedy, temperature, min-p, top-k, top-p,
+a per-request seed, and top-K logprobs. Engines draw on the device instead (runtime/device_sampling.py)."""
 
 from dataclasses import dataclass
 
 import numpy as np
 
 from pegainfer.errors import RequestError
+from pegainfer.ir.ops.sampling import GREEDY_BELOW, TOP_P_SLACK  # noqa: F401  (one definition, re-exported)
 
 MAX_LOGPROBS = 20
-GREEDY_BELOW = 1e-5  # temperatures under this sample greedily, as in vLLM: dividing by them overflows
-TOP_P_SLACK = 1e-6  # a token whose preceding mass misses top_p by rounding alone stays out
 
 
 @dataclass(frozen=True)
@@ -21,6 +20,7 @@ class SamplingParams:
     logprobs: int | None = None  # how many top tokens to report per generated token
     max_tokens: int = 16
     ignore_eos: bool = False
+    min_p: float = 0.0  # keeps tokens at least this fraction as likely as the most likely one (after temperature)
 
     def validate(self) -> None:
         """Raises RequestError naming the parameter, the allowed range and what was given."""
@@ -28,6 +28,7 @@ class SamplingParams:
             ("temperature", self.temperature >= 0 and np.isfinite(self.temperature), ">= 0"),
             ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
             ("top_k", self.top_k >= -1, "-1, 0 (all tokens) or a positive count"),
+            ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
             ("max_tokens", self.max_tokens >= 1, ">= 1"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]"),
             ("seed", self.seed is None or self.seed >= 0, "a non-negative integer"),
@@ -47,6 +48,8 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator)
     if params.temperature < GREEDY_BELOW:
         return int(np.argmax(logits))
     probs = np.exp(log_softmax(logits.astype(np.float64) / params.temperature))
+    if params.min_p > 0:
+        probs = np.where(probs >= params.min_p * probs.max(), probs, 0.0)
     if 0 < params.top_k < probs.size:
         cutoff = np.partition(probs, -params.top_k)[-params.top_k]
         probs = np.where(probs >= cutoff, probs, 0.0)
