@@ -20,11 +20,12 @@ from pegainfer.ir import BF16, FP32, GraphBuilder
 from pegainfer.ir.graph import KERNEL
 from pegainfer.ir.ops.sampling import UNRESOLVED, gumbel, philox4x32, sample_row
 from pegainfer.ir.registry import get_op
-from pegainfer.ir.step import SAMPLING_INPUTS
+from pegainfer.ir.step import SAMPLING_INPUTS, sampler_outputs
 from pegainfer.passes.pipeline import lower
 from pegainfer.runtime.batch import Chunk, Sequence, pack_step
 from pegainfer.runtime.device_sampling import finish, greedy_inputs, sampling_inputs
-from pegainfer.runtime.gpu.engine import pad_decode_step
+from pegainfer.runtime.gpu.abi import DeviceTensor
+from pegainfer.runtime.gpu.engine import GpuEngine, pad_decode_step
 from pegainfer.runtime.kv_blocks import BlockAllocator
 from pegainfer.runtime.offline import generate_one
 from pegainfer.runtime.reference_engine import ReferenceEngine
@@ -352,3 +353,61 @@ def test_generate_is_reproducible_by_seed_and_reports_the_chosen_logprob(tiny_ch
     assert any(run(seed)["token_ids"] != first["token_ids"] for seed in (4, 5, 6))
     for token, step in zip(first["token_ids"], first["logprobs"]):
         assert str(token) in step and all(value <= 0 for value in step.values())
+
+
+class _DeviceStandIn:
+    """Device memory as host arrays at made-up addresses, for the GPU engine's host side: it records what comes
+    back to the host."""
+
+    def __init__(self, graph, arrays: dict[str, np.ndarray]) -> None:
+        self.graph, self.arrays, self.fetched = graph, arrays, []
+        self.tensors = {}
+        for index, (name, array) in enumerate(arrays.items()):
+            dtype = graph.value_types()[name].dtype
+            self.tensors[name] = DeviceTensor.contiguous(0x10000000 * (index + 1), array.shape, dtype)
+
+    def read(self, tensor: DeviceTensor) -> np.ndarray:
+        name = next(n for n, t in self.tensors.items() if t.ptr <= tensor.ptr < t.ptr + 0x10000000)
+        base = self.tensors[name]
+        first = (tensor.ptr - base.ptr) // (base.row_stride * base.dtype.itemsize)
+        self.fetched.append((name, tensor.shape))
+        return self.arrays[name][first: first + tensor.shape[0]]
+
+    def fetch_all(self, tensors: list[DeviceTensor]) -> list[np.ndarray]:
+        return [self.read(t) for t in tensors]
+
+    def fetch(self, tensor: DeviceTensor) -> np.ndarray:
+        return self.read(tensor)
+
+
+def test_gpu_engine_sample_downloads_tokens_and_only_the_rows_left_to_the_host(tiny_checkpoint):
+    """GpuEngine.sample over a stand-in for the device: a padded bucket of 4 rows for 3 requests; it brings back
+    the tokens and logprobs, the candidates only when a row asks for top logprobs, and one logits row for the one
+    row the kernels left unresolved, from which it draws what unlimited candidates would."""
+    model = load_model(tiny_checkpoint)
+    graph = lower(model.spec.graph)[0]
+    names = sampler_outputs(graph)
+    vocab = model.spec.config.vocab_size
+    logits = np.random.default_rng(10).normal(0, 0.01, (4, vocab)).astype(np.float32)
+    inputs = rows_of(3, top_p=0.999, seed=np.array([1, 2, 3]))
+    arrays = {"logits": logits, names["tokens"]: np.array([5, UNRESOLVED, 7, 0], np.int32),
+              names["token_logprobs"]: np.array([-1.0, np.nan, -2.0, 0.0], np.float32),
+              names["top_values"]: np.sort(logits, axis=1)[:, ::-1][:, :64].copy(),
+              names["top_ids"]: np.argsort(-logits, axis=1, kind="stable")[:, :64].astype(np.int32),
+              names["logsumexp"]: np.log(np.exp(logits.astype(np.float64)).sum(axis=1)).astype(np.float32)}
+    engine = GpuEngine.__new__(GpuEngine)
+    engine.executor = _DeviceStandIn(graph, arrays)
+    engine.rng = np.random.default_rng(0)
+    engine.run = lambda chunks, sampling: engine.executor.tensors
+    chunks = [Chunk(Sequence(i, [1]), 1) for i in range(3)]
+    params = [SamplingParams(temperature=1.0, top_p=0.999, seed=s) for s in (1, 2, 3)]
+    result = engine.sample(chunks, params, [0, 0, 0])
+    assert result.tokens == [5, sample_row(logits[1], *params_of(inputs, 1)), 7] and result.host_rows == [1]
+    assert engine.executor.fetched == [(names["tokens"], (4,)), (names["token_logprobs"], (4,)), ("logits", (1, vocab))]
+    engine.executor.fetched = []
+    params[0] = dataclasses.replace(params[0], logprobs=2)
+    result = engine.sample(chunks, params, [0, 0, 0])
+    assert [name for name, _ in engine.executor.fetched][2:5] == [names[r] for r in ("top_values", "top_ids",
+                                                                                      "logsumexp")]
+    top = np.argsort(-logits[0], kind="stable")[:2]
+    assert list(result.logprobs[0]) == [*map(int, top), 5] and result.logprobs[1] is None
