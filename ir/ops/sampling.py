@@ -25,6 +25,7 @@ GREEDY_BELOW = 1e-5  # temperatures under this sample greedily, as in vLLM: divi
 TOP_P_SLACK = 1e-6  # a token whose preceding mass misses top_p by rounding alone stays out
 FIXED_ONE = 2.0 ** 40  # top-p masses in fixed point: a weight in (0, 1] times this, truncated to an integer
 UNRESOLVED = -1  # the token of a row whose kept set reaches past the candidates
+HOST_PREFIX = 4096  # ranked tokens the host tries first for a row left to it, before the whole row
 PHILOX_ROUNDS = 10
 _PHILOX_M = (0xD2511F53, 0xCD9E8D57)  # Salmon et al. 2011, Philox4x32: multipliers
 _PHILOX_W = (0x9E3779B9, 0xBB67AE85)  # and the key schedule's Weyl constants
@@ -68,9 +69,12 @@ def _rank_keys(x: np.ndarray) -> np.ndarray:
     return np.where(bits >= 0, bits, bits ^ np.int32(0x7FFFFFFF)).astype(np.int64)
 
 
-def rank_order(x: np.ndarray) -> np.ndarray:
-    """Token ids by descending logit, ties to the lower id, compared as the kernels' sort keys."""
-    return np.argsort(-_rank_keys(x), kind="stable")
+def ranked_prefix(x: np.ndarray, length: int) -> np.ndarray:
+    """The first `length` token ids by descending logit, ties to the lower id (the kernels' key order), found
+    without sorting the whole row: the keys, with the inverted id below the float bits, are all distinct."""
+    keys = (_rank_keys(x) << 32) | (0x7FFFFFFF - np.arange(x.size, dtype=np.int64))
+    top = np.argpartition(keys, x.size - length)[x.size - length:] if length < x.size else np.arange(x.size)
+    return top[np.argsort(keys[top])[::-1]]
 
 
 def _lead(mask: np.ndarray) -> int:
@@ -124,33 +128,39 @@ def sample_row(x: np.ndarray, temperature: float, top_k: int, top_p: float, min_
 def _kept_tokens(x: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float,
                  candidates: int | None) -> np.ndarray | None:
     """The ids a row that min-p, top-k or top-p cut keeps (a prefix of the ranked tokens), or None when the
-    kernels, seeing `candidates` top tokens, cannot tell it."""
+    kernels, seeing `candidates` top tokens, cannot tell it. Without a limit, the first HOST_PREFIX ranked tokens
+    are tried before the whole row."""
     vocab = x.size
-    order = rank_order(x)
-    k_eff = int(effective_top_k(top_k, vocab))
-    n, n1 = _kept_prefix(x[order] / np.float32(temperature), k_eff, np.float32(top_p), np.float32(min_p))
-    if candidates is not None:
-        k = min(candidates, vocab)
-        n1_known = n1 < k or k_eff <= k or (k_eff == vocab and min_p <= 0)
-        if not (n1_known and (n1 <= k or n < k)):
-            return None
-    return order[:n]
+    s = x / np.float32(temperature)
+    whole_mass = np.float32(np.exp(s - s.max()).sum(dtype=np.float32)) if top_p < 1 else np.float32(1)
+    for length in (candidates,) if candidates is not None else (HOST_PREFIX, vocab):
+        order = ranked_prefix(x, min(length, vocab))
+        kept = _kept_prefix(s[order], vocab, int(effective_top_k(top_k, vocab)), np.float32(top_p),
+                            np.float32(min_p), whole_mass)
+        if kept is not None:
+            return order[:kept]
+    return None
 
 
-def _kept_prefix(ranked: np.ndarray, k_eff: int, top_p: np.float32, min_p: np.float32) -> tuple[int, int]:
-    """(n, n1) for logits / T in rank order: n1 tokens survive min-p and top-k, n of them survive top-p too."""
+def _kept_prefix(ranked: np.ndarray, vocab: int, k_eff: int, top_p: np.float32, min_p: np.float32,
+                 whole_mass: np.float32) -> int | None:
+    """How many of the first ranked tokens (logits / T of a prefix of the rank order) min-p, top-k and top-p
+    keep, or None when that may reach past the prefix. `whole_mass`: sum of exp(logits / T - max) over the
+    vocabulary, a float sum in any order as the kernels take it; every other mass is exact, in fixed point."""
+    length = ranked.size
     weights = np.exp(ranked - ranked[0])  # probability relative to the most likely token's
     fixed = (weights * np.float32(FIXED_ONE)).astype(np.int64)
-    n1 = max(1, min(k_eff, _lead(weights >= min_p)))
+    n1 = max(1, min(k_eff, _lead(weights >= min_p)))  # kept by min-p and top-k, counted within the prefix
+    whole = n1 == vocab or (k_eff == vocab and min_p <= 0)  # ... which keep every token
+    if not (n1 < length or k_eff <= length or whole):
+        return None
     if top_p >= 1:
-        return n1, n1
-    if n1 == ranked.size:  # the whole vocabulary: the kernels' mass is a float sum, in any order
-        mass = np.float32(weights.sum(dtype=np.float32)) * np.float32(FIXED_ONE)
-    else:
-        mass = np.float32(fixed[:n1].sum())
+        return n1
+    mass = whole_mass * np.float32(FIXED_ONE) if whole else np.float32(fixed[:n1].sum())
     threshold = np.int64((top_p - np.float32(TOP_P_SLACK)) * mass)
     before = np.cumsum(fixed) - fixed  # mass ranked above each token
-    return min(n1, max(1, _lead(before < threshold))), n1
+    n = min(n1, max(1, _lead(before < threshold)))
+    return None if whole and vocab > length and n >= length else n
 
 
 def logsumexp_row(x: np.ndarray) -> np.float32:
