@@ -65,7 +65,7 @@ SAMPLING_INPUTS: dict[str, TensorType] = {
     "sampling_step": TensorType(INT32, ("samples",)),  # the index of the token being drawn within its request
 }
 # What the sampler tail appends to a model graph's outputs, after the logits, in this order.
-SAMPLER_OUTPUTS = ("top_values", "top_ids", "logsumexp", "tokens", "token_logprobs")
+SAMPLER_OUTPUTS = ("top_values", "top_ids", "logsumexp", "sampled_ids", "sampled_logprobs")
 
 
 def sampler_outputs(graph) -> dict[str, str] | None:

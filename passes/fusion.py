@@ -5,6 +5,7 @@ from pegainfer.ir.graph import KERNEL, REPEAT, Graph, Node
 from pegainfer.ir.kernel import inner_nodes, kernel_kind
 from pegainfer.ir.registry import ELEMENTWISE, GATHER, ROW_REDUCTION, get_op
 from pegainfer.ir.step import SAMPLER_OUTPUTS, SAMPLING_INPUTS
+from pegainfer.ir.types import TensorType
 from pegainfer.passes.manager import PassLog
 from pegainfer.passes.rewrite import consumers, for_each_graph, fresh_name, fuse, only_reader
 
@@ -126,10 +127,12 @@ def plan_sampler_tail(graph: Graph, log: PassLog) -> Graph:
     names = [fresh_name(graph, name) for name in SAMPLER_OUTPUTS]
     top_k = Node("top_k", (logits,), tuple(names[0:2]), get_op("top_k").infer(logits_type, k=k), {"k": k})
     lse = Node("logsumexp", (logits,), (names[2],), (get_op("logsumexp").infer(logits_type),))
-    graph.inputs.update(SAMPLING_INPUTS)
+    rows = logits_type.shape[0]  # one set of sampling parameters per row of logits, whatever its symbol
+    inputs = {name: TensorType(t.dtype, (rows,)) for name, t in SAMPLING_INPUTS.items()}
+    graph.inputs.update(inputs)
     attrs = {"candidates": k, "logits_dtype": logits_type.dtype.name}
-    sample = Node("sample", (logits, *SAMPLING_INPUTS), tuple(names[3:5]),
-                  get_op("sample").infer(logits_type, *SAMPLING_INPUTS.values(), **attrs), attrs)
+    sample = Node("sample", (logits, *inputs), tuple(names[3:5]),
+                  get_op("sample").infer(logits_type, *inputs.values(), **attrs), attrs)
     graph.nodes += [top_k, lse, sample]
     graph.outputs += names
     readers = consumers(graph)

@@ -71,7 +71,7 @@ def finish(outputs: dict[str, np.ndarray], inputs: dict[str, np.ndarray], params
     rows the device left unresolved."""
     result = SampleResult([], [])
     for r, p in enumerate(params):
-        token, logprob = int(outputs["tokens"][r]), float(outputs["token_logprobs"][r])
+        token, logprob = int(outputs["sampled_ids"][r]), float(outputs["sampled_logprobs"][r])
         if token == UNRESOLVED:
             x = np.asarray(row_logits(r), dtype=np.float32)
             token = sample_row(x, *(inputs[name][r].item() for name in SAMPLING_INPUTS))

@@ -253,8 +253,8 @@ def test_kernels_draw_the_reference_tokens_for_mixed_rows(dtype, monkeypatch):
     logits[2, [40, 70]] = logits[2].max() + 1  # a tie for the top at a low temperature
     got = run_tail(tail, logits, inputs)
     tokens, logprobs = draw(logits.astype(np.float32), inputs, candidates=8)
-    np.testing.assert_array_equal(got["tokens"], tokens)
-    np.testing.assert_allclose(got["token_logprobs"], logprobs, atol=1e-5)
+    np.testing.assert_array_equal(got["sampled_ids"], tokens)
+    np.testing.assert_allclose(got["sampled_logprobs"], logprobs, atol=1e-5)
     assert tokens[5] != UNRESOLVED, "top-p settled within the candidates by the whole vocabulary's mass"
     assert (tokens[[9, 10]] == UNRESOLVED).all(), "top-k and top-p past the candidates"
     x = logits.astype(np.float64)
@@ -272,8 +272,8 @@ def test_kernels_with_the_default_64_candidates_in_one_chunk(monkeypatch):
     got = run_tail(tail, logits, inputs)
     tokens, logprobs = draw(logits, inputs, candidates=64)
     assert (tokens != UNRESOLVED).all()
-    np.testing.assert_array_equal(got["tokens"], tokens)
-    np.testing.assert_allclose(got["token_logprobs"], logprobs, atol=1e-5)
+    np.testing.assert_array_equal(got["sampled_ids"], tokens)
+    np.testing.assert_allclose(got["sampled_logprobs"], logprobs, atol=1e-5)
 
 
 def test_host_resolves_what_the_kernels_leave_with_top_logprobs(monkeypatch):
@@ -285,7 +285,7 @@ def test_host_resolves_what_the_kernels_leave_with_top_logprobs(monkeypatch):
     logits[1] *= 200  # peaked: settled within the candidates
     inputs = rows_of(2, top_p=0.995, seed=np.array([11, 12]))
     got = run_tail(tail, logits, inputs)
-    assert got["tokens"][0] == UNRESOLVED and got["tokens"][1] != UNRESOLVED
+    assert got["sampled_ids"][0] == UNRESOLVED and got["sampled_ids"][1] != UNRESOLVED
     params = [SamplingParams(temperature=1.0, top_p=0.995, logprobs=3)] * 2
     result = finish(got, inputs, params, lambda row: logits[row])
     assert result.host_rows == [0]
@@ -407,8 +407,8 @@ def test_gpu_engine_sample_downloads_tokens_and_only_the_rows_left_to_the_host(t
     vocab = model.spec.config.vocab_size
     logits = np.random.default_rng(10).normal(0, 0.01, (4, vocab)).astype(np.float32)
     inputs = rows_of(3, top_p=0.999, seed=np.array([1, 2, 3]))
-    arrays = {"logits": logits, names["tokens"]: np.array([5, UNRESOLVED, 7, 0], np.int32),
-              names["token_logprobs"]: np.array([-1.0, np.nan, -2.0, 0.0], np.float32),
+    arrays = {"logits": logits, names["sampled_ids"]: np.array([5, UNRESOLVED, 7, 0], np.int32),
+              names["sampled_logprobs"]: np.array([-1.0, np.nan, -2.0, 0.0], np.float32),
               names["top_values"]: np.sort(logits, axis=1)[:, ::-1][:, :64].copy(),
               names["top_ids"]: np.argsort(-logits, axis=1, kind="stable")[:, :64].astype(np.int32),
               names["logsumexp"]: np.log(np.exp(logits.astype(np.float64)).sum(axis=1)).astype(np.float32)}
@@ -420,7 +420,8 @@ def test_gpu_engine_sample_downloads_tokens_and_only_the_rows_left_to_the_host(t
     params = [SamplingParams(temperature=1.0, top_p=0.999, seed=s) for s in (1, 2, 3)]
     result = engine.sample(chunks, params, [0, 0, 0])
     assert result.tokens == [5, sample_row(logits[1], *params_of(inputs, 1)), 7] and result.host_rows == [1]
-    assert engine.executor.fetched == [(names["tokens"], (4,)), (names["token_logprobs"], (4,)), ("logits", (1, vocab))]
+    assert engine.executor.fetched == [(names["sampled_ids"], (4,)), (names["sampled_logprobs"], (4,)),
+                                       ("logits", (1, vocab))]
     engine.executor.fetched = []
     params[0] = dataclasses.replace(params[0], logprobs=2)
     result = engine.sample(chunks, params, [0, 0, 0])

@@ -67,7 +67,7 @@ class GpuEngine:
         sampling = sampling_inputs(params, token_index, self.rng)
         outputs = self.run(chunks, sampling=sampling)
         names = sampler_outputs(self.executor.graph)
-        wanted = ["tokens", "token_logprobs", *(("top_values", "top_ids", "logsumexp")
+        wanted = ["sampled_ids", "sampled_logprobs", *(("top_values", "top_ids", "logsumexp")
                                                  if wants_top_logprobs(params) else ())]
         fetched = self.executor.fetch_all([outputs[names[role]] for role in wanted])
         logits = outputs[self.executor.graph.outputs[0]]

@@ -38,7 +38,8 @@ def check_tokens(engine: GpuEngine, rows: int = 9, steps: int = 4, seed: int = 0
         sampling = sampling_inputs(params, [step] * rows, rng)
         outputs = engine.run(chunks, sampling=sampling)
         logits = engine.executor.fetch(outputs[engine.executor.graph.outputs[0]])[:rows].astype(np.float32)
-        tokens, logprobs = (engine.executor.fetch(outputs[names[role]])[:rows] for role in ("tokens", "token_logprobs"))
+        tokens, logprobs = (engine.executor.fetch(outputs[names[role]])[:rows]
+                            for role in ("sampled_ids", "sampled_logprobs"))
         expected, expected_logprobs = get_op("sample").reference(
             logits, *(sampling[name] for name in SAMPLING_INPUTS), candidates=TAIL_TOP_K)
         settled = expected != UNRESOLVED
