@@ -3,6 +3,7 @@ the same logits (the logits the step wrote, fetched back), for mixed per-row par
 CUDA-graph decode steps; and a decode step's time and download when it samples on the device (engine.sample)
 against bringing the logits back (engine.step)."""
 
+import dataclasses
 import time
 
 import numpy as np
@@ -61,21 +62,24 @@ def check_tokens(engine: GpuEngine, rows: int = 9, steps: int = 4, seed: int = 0
 
 
 def time_decode(engine: GpuEngine, batches: tuple[int, ...] = (1, 64), context: int = 128, steps: int = 20) -> dict:
-    """ms per decode step (CUDA graphs) and bytes downloaded: engine.step (the logits rows come back, nothing is
-    drawn) against engine.sample (top-p 0.95, top-k 50, T 0.8 drawn on the device; 8 bytes a row come back,
-    plus a logits row for each row the candidates could not settle, counted)."""
+    """ms per decode step (CUDA graphs) and bytes downloaded: `step` (engine.step: the logits rows come back,
+    nothing drawn) against engine.sample with top-p 0.95, top-k 50, T 0.8 (`sample_cut`: drawn among the
+    candidates) and with T 1 and nothing cut (`sample_full`: a Gumbel-max over every logit); 8 bytes a row come
+    back, plus a logits row for each row the candidates could not settle (counted in host_rows)."""
     vocab = engine.model.spec.config.vocab_size
     itemsize = engine.executor.graph.value_types()[engine.executor.graph.outputs[0]].dtype.itemsize
+    modes = {"step": None, "sample_cut": SamplingParams(temperature=0.8, top_p=0.95, top_k=50),
+             "sample_full": SamplingParams(temperature=1.0)}
     table = {}
     for batch in batches:
-        params = [SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=i) for i in range(batch)]
-        for mode in ("step", "sample"):
+        for mode, base in modes.items():
+            params = [dataclasses.replace(base, seed=i) for i in range(batch)] if base else []
             seqs = bench._sequences(engine, batch, context, steps + bench.WARMUP)
             times, host_rows = [], 0
             for index in range(steps + bench.WARMUP):
                 chunks = [Chunk(s, 1) for s in seqs]
                 began = time.perf_counter()
-                if mode == "step":
+                if base is None:
                     engine.step(chunks)
                 else:
                     host_rows += len(engine.sample(chunks, params, [index] * batch).host_rows)
@@ -83,9 +87,8 @@ def time_decode(engine: GpuEngine, batches: tuple[int, ...] = (1, 64), context: 
                     times.append(time.perf_counter() - began)
             for seq in seqs:
                 engine.release(seq)
-            rows = batch if mode == "sample" else bucket_for(batch, engine.buckets)
-            download = 8 * batch + host_rows * vocab * itemsize / (steps + bench.WARMUP) if mode == "sample" \
-                else rows * vocab * itemsize
+            download = bucket_for(batch, engine.buckets) * vocab * itemsize if base is None else \
+                8 * batch + host_rows * vocab * itemsize / (steps + bench.WARMUP)
             table[f"b{batch} {mode}"] = {"ms_per_step": round(float(np.median(times) * 1e3), 3),
                                          "bytes_down_per_step": int(download), "host_rows": host_rows}
     return table
