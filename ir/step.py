@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from pegainfer.ir.builder import GraphBuilder, Value
 from pegainfer.ir.dtypes import FP32, INT32, INT64
+from pegainfer.ir.graph import Graph
 from pegainfer.ir.types import TensorType
 
 TOKEN_INPUTS = ("input_ids", "positions", "slot_mapping")
@@ -55,7 +56,7 @@ def kv_cache_shape(kv_heads: int, head_dim: int) -> tuple[str, str, int, int]:
 
 
 # Per-row sampling parameters, one entry per row of logits (`samples`), which the sampler tail (passes/fusion.py's
-# plan_sampler_tail) reads. A step that only wants logits passes greedy rows (all zeros).
+# plan_sampler_tail) reads. A step that only wants logits passes greedy rows (runtime/device_sampling.greedy_inputs).
 SAMPLING_INPUTS: dict[str, TensorType] = {
     "sampling_temperature": TensorType(FP32, ("samples",)),  # under ir.ops.sampling.GREEDY_BELOW: greedy
     "sampling_top_k": TensorType(INT32, ("samples",)),  # 0 or -1: every token
@@ -68,7 +69,7 @@ SAMPLING_INPUTS: dict[str, TensorType] = {
 SAMPLER_OUTPUTS = ("top_values", "top_ids", "logsumexp", "sampled_ids", "sampled_logprobs")
 
 
-def sampler_outputs(graph) -> dict[str, str] | None:
+def sampler_outputs(graph: Graph) -> dict[str, str] | None:
     """SAMPLER_OUTPUTS role -> the graph's output name, for a graph that has the sampler tail; else None."""
     if not all(name in graph.inputs for name in SAMPLING_INPUTS) or len(graph.outputs) < 1 + len(SAMPLER_OUTPUTS):
         return None
