@@ -44,6 +44,7 @@ def _add_generate(commands) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 (the default) is greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 keeps every token (default)")
+    p.add_argument("--min-p", type=float, default=0.0, help="keep tokens at least this fraction as likely as the top")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--logprobs", type=int, default=None, metavar="K", help="report the top K logprobs per token")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
@@ -156,7 +157,8 @@ def run_generate(args: argparse.Namespace) -> int:
     from pegainfer.runtime.sampler import SamplingParams
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                            logprobs=args.logprobs, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+                            logprobs=args.logprobs, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
+                            min_p=args.min_p)
     started = time.perf_counter()
     result = generate_one(args.model_path, params, prompt=args.prompt, prompt_ids=args.prompt_ids,
                           device=args.device)

@@ -7,7 +7,9 @@ layout). The runtime fills these inputs by name, so a DAG file declares them thr
 from dataclasses import dataclass
 
 from pegainfer.ir.builder import GraphBuilder, Value
-from pegainfer.ir.dtypes import INT32
+from pegainfer.ir.dtypes import FP32, INT32, INT64
+from pegainfer.ir.graph import Graph
+from pegainfer.ir.types import TensorType
 
 TOKEN_INPUTS = ("input_ids", "positions", "slot_mapping")
 SEQUENCE_INPUTS = ("seq_starts", "query_lens", "context_lens")
@@ -51,3 +53,24 @@ def declare_step_inputs(b: GraphBuilder) -> tuple[Value, AttentionInputs, Value]
 
 def kv_cache_shape(kv_heads: int, head_dim: int) -> tuple[str, str, int, int]:
     return ("num_blocks", "block_size", kv_heads, head_dim)
+
+
+# Per-row sampling parameters, one entry per row of logits (`samples`), which the sampler tail (passes/fusion.py's
+# plan_sampler_tail) reads. A step that only wants logits passes greedy rows (runtime/device_sampling.greedy_inputs).
+SAMPLING_INPUTS: dict[str, TensorType] = {
+    "sampling_temperature": TensorType(FP32, ("samples",)),  # under ir.ops.sampling.GREEDY_BELOW: greedy
+    "sampling_top_k": TensorType(INT32, ("samples",)),  # 0 or -1: every token
+    "sampling_top_p": TensorType(FP32, ("samples",)),  # 1: no cut
+    "sampling_min_p": TensorType(FP32, ("samples",)),
+    "sampling_seed": TensorType(INT64, ("samples",)),  # the request's seed (mod 2**64): the Philox key
+    "sampling_step": TensorType(INT32, ("samples",)),  # the index of the token being drawn within its request
+}
+# What the sampler tail appends to a model graph's outputs, after the logits, in this order.
+SAMPLER_OUTPUTS = ("top_values", "top_ids", "logsumexp", "sampled_ids", "sampled_logprobs")
+
+
+def sampler_outputs(graph: Graph) -> dict[str, str] | None:
+    """SAMPLER_OUTPUTS role -> the graph's output name, for a graph that has the sampler tail; else None."""
+    if not all(name in graph.inputs for name in SAMPLING_INPUTS) or len(graph.outputs) < 1 + len(SAMPLER_OUTPUTS):
+        return None
+    return dict(zip(SAMPLER_OUTPUTS, graph.outputs[1:1 + len(SAMPLER_OUTPUTS)]))

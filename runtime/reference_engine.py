@@ -7,8 +7,12 @@ from pegainfer.frontends.checkpoint import derive_weights
 from pegainfer.frontends.load import LoadedModel
 from pegainfer.ir.graph import Graph
 from pegainfer.ir.interpreter import run_graph
+from pegainfer.ir.step import sampler_outputs
+from pegainfer.passes.fusion import TAIL_TOP_K
 from pegainfer.runtime.batch import Chunk, Sequence, commit_step, pack_step, release_sequence
+from pegainfer.runtime.device_sampling import SampleResult, finish, sampling_inputs, tail_reference
 from pegainfer.runtime.kv_blocks import BlockAllocator
+from pegainfer.runtime.sampler import SamplingParams
 
 DEFAULT_BLOCK_SIZE = 16
 
@@ -23,6 +27,7 @@ class ReferenceEngine:
         self.weights = derive_weights(self.graph.derivations(), model.weights)
         self.allocator = BlockAllocator(-(-max_tokens // block_size), block_size)
         sizes = {"num_blocks": self.allocator.num_blocks, "block_size": block_size}
+        self.rng = np.random.default_rng()  # seeds for requests that have none
         self.states = {name: np.zeros(t.concrete(sizes), dtype=t.dtype.np_dtype)
                        for name, t in self.graph.expanded_states().items()}
 
@@ -32,6 +37,19 @@ class ReferenceEngine:
         logits = run_graph(self.graph, inputs, self.weights, self.states)[0]  # a lowered graph adds sampler outputs
         commit_step(chunks)
         return logits.astype(np.float32)
+
+    def sample(self, chunks: list[Chunk], params: list[SamplingParams], token_index: list[int]) -> SampleResult:
+        """Runs one step and draws one token per chunk as the GPU does (the `sample` op, same seeds, same
+        tokens); `token_index[i]`: which generated token of its request chunk i's row draws (0 for the first)."""
+        sampling = sampling_inputs(params, token_index, self.rng)
+        inputs = pack_step(chunks, self.allocator) | sampling
+        outputs = dict(zip(self.graph.outputs, run_graph(self.graph, inputs, self.weights, self.states)))
+        commit_step(chunks)
+        logits = outputs[self.graph.outputs[0]].astype(np.float32)
+        names = sampler_outputs(self.graph)  # a lowered graph samples itself
+        tail = {role: outputs[name] for role, name in names.items()} if names else \
+            tail_reference(logits, sampling, TAIL_TOP_K)
+        return finish(tail, sampling, params, lambda row: logits[row])
 
     def release(self, seq: Sequence) -> None:
         release_sequence(self.allocator, seq)

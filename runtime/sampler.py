@@ -1,15 +1,14 @@
-"""Sampling on the CPU: greedy, temperature, top-k, top-p, min-p, a per-request seed, and top-K logprobs.
-The GPU sampler kernels (issue 5) are checked against this."""
+"""Sampling parameters, and sampling on the CPU with NumPy's generator: greedy, temperature, min-p, top-k, top-p,
+a per-request seed, and top-K logprobs. Engines draw on the device instead (runtime/device_sampling.py)."""
 
 from dataclasses import dataclass
 
 import numpy as np
 
 from pegainfer.errors import RequestError
+from pegainfer.ir.ops.sampling import GREEDY_BELOW, TOP_P_SLACK  # noqa: F401  (one definition, re-exported)
 
 MAX_LOGPROBS = 20
-GREEDY_BELOW = 1e-5  # temperatures under this sample greedily, as in vLLM: dividing by them overflows
-TOP_P_SLACK = 1e-6  # a token whose preceding mass misses top_p by rounding alone stays out
 
 
 @dataclass(frozen=True)
@@ -17,11 +16,11 @@ class SamplingParams:
     temperature: float = 0.0  # under GREEDY_BELOW (0, say) is greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 (or -1) keeps every token
-    min_p: float = 0.0  # drops tokens less likely than min_p times the most likely one; 0 keeps every token
     seed: int | None = None
     logprobs: int | None = None  # how many top tokens to report per generated token
     max_tokens: int = 16
     ignore_eos: bool = False
+    min_p: float = 0.0  # keeps tokens at least this fraction as likely as the most likely one (after temperature)
 
     def validate(self) -> None:
         """Raises RequestError naming the parameter, the allowed range and what was given."""
@@ -49,11 +48,11 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator)
     if params.temperature < GREEDY_BELOW:
         return int(np.argmax(logits))
     probs = np.exp(log_softmax(logits.astype(np.float64) / params.temperature))
+    if params.min_p > 0:
+        probs = np.where(probs >= params.min_p * probs.max(), probs, 0.0)
     if 0 < params.top_k < probs.size:
         cutoff = np.partition(probs, -params.top_k)[-params.top_k]
         probs = np.where(probs >= cutoff, probs, 0.0)
-    if params.min_p > 0:
-        probs = np.where(probs >= params.min_p * probs.max(), probs, 0.0)
     if params.top_p < 1:
         order = np.argsort(-probs, kind="stable")
         before = np.cumsum(probs[order]) - probs[order]  # mass of the tokens ranked above each one

@@ -14,6 +14,7 @@ from pegainfer.ir import FP32, GraphBuilder
 from pegainfer.ir.graph import KERNEL
 from pegainfer.ir.interpreter import run_graph
 from pegainfer.ir.kernel import in_place_outputs
+from pegainfer.ir.registry import get_op
 from pegainfer.models import qwen3
 from pegainfer.passes.pipeline import lower
 from pegainfer.runtime.batch import Chunk, Sequence, commit_step, pack_step
@@ -105,6 +106,8 @@ def _compare(model: Model, node, got: dict, expected: dict, seen: dict) -> None:
     for name, reference in expected.items():
         if name in written:  # a cache: compare the slots this step wrote; the rest must be untouched
             assert relative_error(got[name], reference.astype(np.float32)) < tolerance, f"{node.name}: {name}"
+        elif any(n.op == "sample" and name in n.outputs for n in node.attrs["nodes"]):
+            _compare_sample(node, name, got, seen)
         elif name.startswith("top_ids"):
             values = got[name.replace("top_ids", "top_values")]
             logits = got[next(n for n in node.outputs if n.startswith("logits"))]
@@ -114,6 +117,18 @@ def _compare(model: Model, node, got: dict, expected: dict, seen: dict) -> None:
         else:
             assert not np.isnan(got[name]).any(), f"{node.name}: {name} has elements no launch wrote"
             assert relative_error(got[name], reference) < tolerance, f"{node.name} ({node.attrs['kind']}): {name}"
+
+
+def _compare_sample(node, name: str, got: dict, seen: dict) -> None:
+    """The drawn tokens are those the `sample` op draws from the logits the kernel wrote (whose bf16 rounding
+    differs from the reference's now and then), exactly; their logprobs to 1e-5."""
+    sample = next(n for n in node.attrs["nodes"] if n.op == "sample")
+    tokens, logprobs = get_op("sample").reference(got[sample.inputs[0]], *(seen[v] for v in sample.inputs[1:]),
+                                                  **sample.attrs)
+    if name == sample.outputs[0]:
+        np.testing.assert_array_equal(got[name], tokens)
+    else:
+        np.testing.assert_allclose(got[name], logprobs, atol=1e-5)
 
 
 def test_steps_made_of_generated_kernels_match_the_reference(model):

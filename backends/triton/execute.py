@@ -69,17 +69,23 @@ class InterpretedExecutor:
         return [env[name] for name in graph.outputs]
 
 
-def launch_kernel(spec: KernelSpec, node: Node, env: dict[str, torch.Tensor],
-                  sizes: dict[str, int]) -> dict[str, torch.Tensor]:
-    """Runs one kernel node's planned launches on the tensors `env` names; returns its outputs."""
+def launch_kernel(spec: KernelSpec, node: Node, env: dict[str, torch.Tensor], sizes: dict[str, int], *,
+                  module: str | None = None) -> dict[str, torch.Tensor]:
+    """Runs one kernel node's planned launches on the tensors `env` names; returns its outputs. With `module`,
+    only the launches of that template file run, on outputs `env` already holds (the sampler tail's launches on
+    given logits, say)."""
     in_place = in_place_outputs(node)
     local = dict(env)
     for name, (dtype, shape) in spec.scratch.items():
         local[name] = torch.empty([d if isinstance(d, int) else sizes[d] for d in shape], dtype=_TORCH[dtype])
     for name, type_ in zip(node.outputs, node.output_types):
-        local[name] = env[in_place[name]] if name in in_place else _poisoned(type_, sizes)
+        if name in in_place:
+            local[name] = env[in_place[name]]
+        elif module is None or name not in env:
+            local[name] = _poisoned(type_, sizes)
     for launch in spec.variant_for(sizes).launches:
-        _run_launch(launch, local, sizes)
+        if module is None or launch.module == module:
+            _run_launch(launch, local, sizes)
     return {name: local[name] for name in node.outputs}
 
 

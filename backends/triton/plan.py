@@ -12,11 +12,13 @@ from pegainfer.errors import PegainferError
 from pegainfer.ir.dtypes import dtype_from_name
 from pegainfer.ir.graph import Graph, Node
 from pegainfer.ir.kernel import fused_ops
+from pegainfer.ir.ops.sampling import FIXED_ONE, GREEDY_BELOW, TOP_P_SLACK
 from pegainfer.ir.types import TensorType
 
 KERNELS = Path(__file__).parent / "kernels"
 SMALL_ROWS = 16  # up to this many rows a GEMM uses its decode-shaped tiles
 SPLIT_KV = 16  # key slices per sequence for attention at small batch
+TAIL_CHUNK = 4096  # vocabulary entries per program of the sampler tail's first launch
 GEMV_PROGRAMS = 528  # a few-rows GEMV aims for at least this many programs: 4 per SM of an H100/H200
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension (the GEMMs' column tiles)
 _TRITON_TYPES = {"bf16": "bf16", "f16": "fp16", "f32": "fp32", "i32": "i32", "i64": "i64"}
@@ -170,11 +172,11 @@ def one_row_tile(n: int, k: int, act: bool) -> tuple[int, int, int]:
 
 def gemm_roles(node: Node) -> dict:
     """Reads the kernel's primitive nodes in order: [add] [gather_rows] [rms_norm] linear [split act mul |
-    top_k logsumexp]. Anything else has no template."""
+    top_k logsumexp sample]. Anything else has no template."""
     inner = [n for n in node.attrs["nodes"]]
     ops = [n.op for n in inner]
     roles: dict = dict(x=None, x2=None, rows=None, norm=None, eps=1e-6, bias=None, sum=None, act=0, top_k=None,
-                       lse=None)
+                       lse=None, sample=None)
     index = 0
     if ops[index] == "add":
         roles["x"], roles["x2"] = inner[index].inputs
@@ -200,8 +202,8 @@ def gemm_roles(node: Node) -> dict:
     if rest[:1] == ["split"] and len(rest) == 3 and rest[2] == "mul":
         roles["act"] = {"silu": 1, "gelu_tanh": 2}[rest[1]]
         roles["out"] = inner[-1].outputs[0]
-    elif rest == ["top_k", "logsumexp"]:
-        roles["top_k"], roles["lse"] = inner[-2], inner[-1]
+    elif rest == ["top_k", "logsumexp", "sample"]:
+        roles["top_k"], roles["lse"], roles["sample"] = inner[-3:]
     elif rest:
         raise PegainferError(f"kernel {node.name}: no GEMM epilogue for {' + '.join(rest)}")
     n_total = linear.output_types[0].shape[-1]
@@ -209,31 +211,41 @@ def gemm_roles(node: Node) -> dict:
     return roles
 
 
-def _plan_tail_reduction(types: dict[str, TensorType], roles: dict, layout: dict) -> list[LaunchSpec]:
-    """Two launches: per-chunk partial top-k and logsumexp over many programs, then a merge per row."""
+def _plan_tail_reduction(types: dict[str, TensorType], roles: dict, layout: dict) -> tuple[list[LaunchSpec], dict]:
+    """Two launches: per vocabulary chunk, partial top-k, logsumexp and sampling statistics over many programs;
+    then per row, the merge that writes the top-k, the logsumexp and the sampled token (kernels/sampling.py)."""
     logits = roles["out"]
     values, ids = roles["top_k"].outputs
     k = roles["top_k"].attrs["k"]
+    sample = roles["sample"]
+    sampling = dict(zip(("temperature", "top_k", "top_p", "min_p", "seed", "step"), sample.inputs[1:]))
     rows_symbol, vocab = types[logits].shape
     k_p2 = next_pow2(k)
-    chunk = max(k_p2, min(4096, next_pow2(vocab)))
+    chunk = max(k_p2, min(TAIL_CHUNK, next_pow2(vocab)))
     chunks = -(-vocab // chunk)
     scratch = {"tail.keys": TensorType(dtype_from_name("i64"), (rows_symbol, chunks * k_p2)),
-               "tail.stats": TensorType(dtype_from_name("f32"), (rows_symbol, chunks * 2))}
-    types, layout = types | scratch, layout | {name: (t.shape[1], 0) for name, t in scratch.items()}
+               "tail.stats": TensorType(dtype_from_name("f32"), (rows_symbol, chunks * 5)),
+               "tail.best": TensorType(dtype_from_name("i32"), (rows_symbol, chunks))}
+    types = types | scratch | {o: t for o, t in zip(sample.outputs, sample.output_types)}
+    layout = layout | {name: (t.shape[1], 0) for name, t in scratch.items()}
     partial = _Params(types, layout)
-    for name, value in (("logits_ptr", logits), ("keys_ptr", "tail.keys"), ("stats_ptr", "tail.stats")):
+    for name, value in (("logits_ptr", logits), *((f"{role}_ptr", v) for role, v in sampling.items()),
+                        ("keys_ptr", "tail.keys"), ("stats_ptr", "tail.stats"), ("best_ptr", "tail.best")):
         partial.tensor(name, value)
     partial.stride("stride_logits", logits)
     merge = _Params(types, layout)
-    for name, value in (("keys_ptr", "tail.keys"), ("stats_ptr", "tail.stats"), ("values_ptr", values),
-                        ("ids_ptr", ids), ("lse_ptr", roles["lse"].outputs[0])):
+    for name, value in (("keys_ptr", "tail.keys"), ("stats_ptr", "tail.stats"), ("best_ptr", "tail.best"),
+                        ("logits_ptr", logits), *((f"{role}_ptr", v) for role, v in sampling.items()),
+                        ("values_ptr", values), ("ids_ptr", ids), ("lse_ptr", roles["lse"].outputs[0]),
+                        ("tokens_ptr", sample.outputs[0]), ("logprobs_ptr", sample.outputs[1])):
         merge.tensor(name, value)
-    return [_launch("sampling.py", "top_k_partial_kernel", partial,
-                    dict(VOCAB=vocab, K_P2=k_p2, CHUNK=chunk, CHUNKS=chunks, BLOCK=min(chunk, 1024)),
-                    (GridDim((rows_symbol,)), GridDim((chunks,))), num_warps=4),
-            _launch("sampling.py", "top_k_merge_kernel", merge,
-                    dict(K=k, K_P2=k_p2, CHUNKS=chunks, CHUNKS_P2=next_pow2(chunks)),
+    merge.stride("stride_logits", logits)
+    return [_launch("sampling.py", "tail_partial_kernel", partial,
+                    dict(VOCAB=vocab, K_P2=k_p2, CHUNK=chunk, CHUNKS=chunks, BLOCK=min(chunk, 1024),
+                         GREEDY_BELOW=GREEDY_BELOW), (GridDim((rows_symbol,)), GridDim((chunks,))), num_warps=4),
+            _launch("sampling.py", "tail_merge_kernel", merge,
+                    dict(VOCAB=vocab, K=k, K_P2=k_p2, CHUNKS=chunks, CHUNKS_P2=next_pow2(chunks),
+                         GREEDY_BELOW=GREEDY_BELOW, TOP_P_SLACK=TOP_P_SLACK, FIXED_ONE=FIXED_ONE),
                     (GridDim((rows_symbol,)),), num_warps=8)], scratch
 
 

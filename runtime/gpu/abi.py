@@ -22,6 +22,11 @@ class DeviceTensor:
     def reshape(self, shape: tuple[int, ...]) -> "DeviceTensor":
         return DeviceTensor(self.ptr, tuple(shape), self.dtype, self.row_stride)
 
+    def row(self, index: int) -> "DeviceTensor":
+        """Leading index `index` alone, as a [1, ...] tensor."""
+        return DeviceTensor(self.ptr + index * self.row_stride * self.dtype.itemsize, (1, *self.shape[1:]),
+                            self.dtype, self.row_stride)
+
     def columns(self, start: int, width: int) -> "DeviceTensor":
         """The view of columns start .. start+width of the last dim (a split)."""
         return DeviceTensor(self.ptr + start * self.dtype.itemsize, (*self.shape[:-1], width), self.dtype,

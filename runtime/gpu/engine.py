@@ -8,12 +8,16 @@ import numpy as np
 
 from pegainfer.errors import PegainferError
 from pegainfer.frontends.load import LoadedModel
+from pegainfer.ir.step import SAMPLING_INPUTS, sampler_outputs
 from pegainfer.passes.pipeline import lower
 from pegainfer.runtime.batch import Chunk, Sequence, commit_step, pack_step, release_sequence
+from pegainfer.runtime.device_sampling import (SampleResult, finish, greedy_inputs, sampling_inputs,
+                                               wants_top_logprobs)
 from pegainfer.runtime.cuda import driver
 from pegainfer.runtime.gpu.executor import GpuExecutor, Limits
 from pegainfer.runtime.gpu.memory import kv_blocks_for_memory
 from pegainfer.runtime.kv_blocks import BlockAllocator
+from pegainfer.runtime.sampler import SamplingParams
 
 PADDING_BLOCK = 0  # a KV block no sequence owns: padding slots of captured decode steps point here
 
@@ -55,6 +59,7 @@ class GpuEngine:
         self.executor.pdl_max_tokens = options.pdl_max_tokens
         self.buckets = decode_buckets(options.max_batch)
         self.graphs: dict[int, tuple[driver.Graph, dict]] = {}
+        self.rng = np.random.default_rng()  # seeds for requests that have none
 
     def _kv_blocks(self) -> int:
         """Blocks of the KV cache, the padding block included: from kv_tokens, or what the memory allows."""
@@ -76,9 +81,24 @@ class GpuEngine:
         outputs = self.run(chunks, all_logits=all_logits)
         return self.executor.fetch(outputs["logits"])[:rows].astype(np.float32)
 
-    def run(self, chunks: list[Chunk], *, all_logits: bool = False) -> dict:
+    def sample(self, chunks: list[Chunk], params: list[SamplingParams], token_index: list[int]) -> SampleResult:
+        """Runs one step and draws a token per chunk on the device (the tail's `sample` op): downloads the tokens
+        and their logprobs, the top-k candidates only when a row asks for top logprobs, and a full logits row
+        only for a row whose kept set reaches past the candidates (drawn on the host with the same noise)."""
+        sampling = sampling_inputs(params, token_index, self.rng)
+        outputs = self.run(chunks, sampling=sampling)
+        names = sampler_outputs(self.executor.graph)
+        wanted = ["sampled_ids", "sampled_logprobs", *(("top_values", "top_ids", "logsumexp")
+                                                 if wants_top_logprobs(params) else ())]
+        fetched = self.executor.fetch_all([outputs[names[role]] for role in wanted])
+        logits = outputs[self.executor.graph.outputs[0]]
+        return finish({role: array[: len(chunks)] for role, array in zip(wanted, fetched)}, sampling, params,
+                      lambda row: self.executor.fetch(logits.row(row))[0].astype(np.float32))
+
+    def run(self, chunks: list[Chunk], *, all_logits: bool = False, sampling: dict | None = None) -> dict:
+        """Launches one step; `sampling` (device_sampling.sampling_inputs) replaces the greedy defaults."""
         decode = self.options.cuda_graphs and not all_logits and all(c.num_tokens == 1 for c in chunks)
-        step = pack_step(chunks, self.allocator, all_logits=all_logits)
+        step = pack_step(chunks, self.allocator, all_logits=all_logits) | (sampling or {})
         if decode:
             outputs = self._replay(pad_decode_step(step, bucket_for(len(chunks), self.buckets)))
         else:
@@ -110,6 +130,7 @@ def pad_decode_step(step: dict[str, np.ndarray], bucket: int) -> dict[str, np.nd
     if extra == 0:
         return step
     rows = np.arange(real, bucket, dtype=np.int32)
+    greedy = greedy_inputs(extra)
     tables = np.full((bucket, step["block_tables"].shape[1]), PADDING_BLOCK, dtype=np.int32)
     tables[:real] = step["block_tables"]
     return {
@@ -121,6 +142,7 @@ def pad_decode_step(step: dict[str, np.ndarray], bucket: int) -> dict[str, np.nd
         "query_lens": np.concatenate([step["query_lens"], np.ones(extra, np.int32)]),
         "context_lens": np.concatenate([step["context_lens"], np.ones(extra, np.int32)]),
         "logits_indices": np.concatenate([step["logits_indices"], rows]),
+        **{name: np.concatenate([step[name], greedy[name]]) for name in SAMPLING_INPUTS},  # padding rows: greedy
     }
 
 

@@ -58,6 +58,7 @@ class GpuExecutor:
         self.profile: list[tuple[str, driver.Event, driver.Event]] | None = None  # set to a list to time launches
         self.pdl_max_tokens = 1  # programmatic dependent launch for steps of at most this many tokens (0: never)
         self.inputs, self.staging, self.input_region = self._allocate_inputs(sizes)
+        self.download = driver.alloc_pinned(1 << 20)  # fetch_all's landing area
 
     def kv_bytes_per_block(self) -> int:
         one = {"num_blocks": 1, "block_size": self.limits.block_size}
@@ -197,6 +198,20 @@ class GpuExecutor:
             if self.profile is not None:
                 events[1].record(self.ctx.stream)
                 self.profile.append((f"{kernel['kind']}/{variant['name']}/{launch['symbol']}", *events))
+
+    def fetch_all(self, tensors: list[DeviceTensor]) -> list[np.ndarray]:
+        """Small contiguous tensors (a step's sampled tokens) in one round trip: each copied into pinned memory
+        on the stream, one synchronisation."""
+        sizes = [prod(t.shape) * t.dtype.itemsize for t in tensors]
+        if sum(sizes) + 256 * len(sizes) > self.download.nbytes:
+            return [self.fetch(t) for t in tensors]
+        offsets = [sum(-(-n // 256) * 256 for n in sizes[:i]) for i in range(len(sizes))]
+        for tensor, offset, nbytes in zip(tensors, offsets, sizes):
+            assert tensor.row_stride == prod(tensor.shape[1:]), "fetch_all reads contiguous tensors"
+            driver.copy_to_host(self.download[offset: offset + nbytes], tensor.ptr, self.ctx.stream)
+        self.ctx.synchronize()
+        return [self.download[o: o + n].view(t.dtype.np_dtype).reshape(t.shape).copy()
+                for t, o, n in zip(tensors, offsets, sizes)]
 
     def fetch(self, tensor: DeviceTensor) -> np.ndarray:
         host = np.empty(tensor.shape, dtype=tensor.dtype.np_dtype)

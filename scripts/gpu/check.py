@@ -123,6 +123,19 @@ def check_small(folder: Path, results: dict) -> None:
         results["hf_gate_logit_std_2"] = gate["hf_gate"]
 
 
+def check_sampling(folder: Path, results: dict) -> None:
+    """The sampler tail on the GPU (scripts/gpu/sampling_check.py): the small model and the Qwen3-4B shape."""
+    import sampling_check
+
+    small_model = load_model(folder)
+    small = GpuEngine(small_model, manifest_path(cache_root(), SM, small_model.spec),
+                      EngineOptions(max_tokens=512, max_batch=64, max_model_len=256, kv_tokens=32 * 256))
+    large_model = bench.bench_model("qwen3-4b")
+    large = bench.engine_for(large_model, manifest_path(cache_root(), SM, large_model.spec), max_tokens=512,
+                             max_batch=64, max_model_len=1280)
+    sampling_check.run(small, large, results)
+
+
 def bench_4b(results: dict) -> None:
     """`pegainfer bench decode` and `prefill` on the Qwen3-4B shape, and Hugging Face eager decode beside it."""
     started = time.perf_counter()
@@ -223,7 +236,8 @@ def main() -> None:
     parser.add_argument("--skip", nargs="*", default=[])
     args = parser.parse_args()
     results: dict = {}
-    sections = (("small", lambda: check_small(args.small, results)), ("bench", lambda: bench_4b(results)),
+    sections = (("small", lambda: check_small(args.small, results)),
+                ("sampling", lambda: check_sampling(args.small, results)), ("bench", lambda: bench_4b(results)),
                 ("gate4b", lambda: gate_4b(results)), ("hf", lambda: hf_decode(results)))
     for name, run in sections:
         if name in args.skip:

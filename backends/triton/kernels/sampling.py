@@ -1,7 +1,13 @@
-"""The sampler's reductions over each row of logits: logsumexp and the top K values with their ids, in two
-launches: many programs per row each reduce a chunk of the vocabulary, then one program per row merges them.
+"""The sampler tail over each row of logits, in two launches: many programs per row each reduce a chunk of the
+vocabulary (top-K keys, logsumexp, and for rows that sample the chunk's share of what the row's draw needs), then
+one program per row merges them, writes the top-K values and ids and the logsumexp, and draws the row's token by
+the `sample` op's rule (ir/ops/sampling.py, whose NumPy reference this follows operation for operation).
 Top-k runs on 64-bit keys that pack an order-preserving form of the float with the inverted column, so one
-tl.topk keeps values and ids together and breaks ties toward the lower id, as the reference does."""
+tl.topk keeps values and ids together and breaks ties toward the lower id, as the reference does.
+
+A sampling row's token is argmax(logits / T + Gumbel noise) over the tokens it keeps. When nothing is cut the
+argmax runs over the whole vocabulary in the chunk programs; otherwise over the top-K candidates in the merge,
+which marks the row unresolved (-1) when its kept set may reach past them."""
 
 import triton
 import triton.language as tl
@@ -16,46 +22,162 @@ def _keys(x, offs, inside):
 
 
 @triton.jit
-def top_k_partial_kernel(logits_ptr, keys_ptr, stats_ptr, stride_logits,
-                         VOCAB: tl.constexpr, K_P2: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr,
-                         BLOCK: tl.constexpr):
+def _gumbel(seed, step, ids):
+    """Gumbel noise of token `ids`: Philox4x32-10 of the counter (id, step, 0, 0) under the key (seed's low and
+    high words), first word; its top 23 bits + 0.5 over 2**23 as a uniform strictly inside (0, 1)."""
+    key = seed.to(tl.uint64)
+    k0 = (key & 0xFFFFFFFF).to(tl.uint32)
+    k1 = (key >> 32).to(tl.uint32)
+    c0 = ids.to(tl.uint32)
+    c1 = c0 * 0 + step.to(tl.uint32)
+    c2 = c0 * 0
+    c3 = c0 * 0
+    for _ in tl.static_range(10):
+        p0, p2 = c0, c2
+        c0 = tl.umulhi(p2, 0xCD9E8D57) ^ c1 ^ k0
+        c2 = tl.umulhi(p0, 0xD2511F53) ^ c3 ^ k1
+        c1 = tl.mul(p2, 0xCD9E8D57, sanitize_overflow=False)
+        c3 = tl.mul(p0, 0xD2511F53, sanitize_overflow=False)
+        k0 = tl.add(k0, 0x9E3779B9, sanitize_overflow=False)
+        k1 = tl.add(k1, 0xBB67AE85, sanitize_overflow=False)
+    uniform = ((c0 >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2**-23
+    return -tl.log(-tl.log(uniform))
+
+
+@triton.jit
+def _effective_top_k(top_k, VOCAB: tl.constexpr):
+    return tl.where((top_k > 0) & (top_k < VOCAB), top_k, VOCAB)
+
+
+@triton.jit
+def tail_partial_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, step_ptr,
+                        keys_ptr, stats_ptr, best_ptr, stride_logits,
+                        VOCAB: tl.constexpr, K_P2: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr,
+                        BLOCK: tl.constexpr, GREEDY_BELOW: tl.constexpr):
+    """Per (row, chunk): the chunk's top K_P2 keys; stats (max and sum of exp of the logits; of logits / T when
+    the row's top-p needs the whole vocabulary's mass; the best logits / T + noise when nothing is cut), and the
+    id of that best."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
+    row_ptr = logits_ptr + row * stride_logits
     running_max = tl.full([1], float("-inf"), tl.float32)
     running_sum = tl.zeros([1], tl.float32)
     best = tl.full([K_P2], -9223372036854775807 - 1, tl.int64)
     for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         inside = offs < VOCAB
-        x = tl.load(logits_ptr + row * stride_logits + offs, mask=inside, other=float("-inf")).to(tl.float32)
+        x = tl.load(row_ptr + offs, mask=inside, other=float("-inf")).to(tl.float32)
         new_max = tl.maximum(running_max, tl.max(x, axis=0))
         safe = tl.where(new_max == float("-inf"), 0.0, new_max)
         running_sum = running_sum * tl.exp(running_max - safe) + tl.sum(tl.exp(x - safe), axis=0)
         running_max = new_max
         best = tl.topk(tl.reshape(tl.join(best, tl.topk(_keys(x, offs, inside), K_P2)), [2 * K_P2]), K_P2)
+
+    temperature = tl.load(temperature_ptr + row)
+    top_p = tl.load(top_p_ptr + row)
+    min_p = tl.load(min_p_ptr + row)
+    whole_vocab = (temperature >= GREEDY_BELOW) & (_effective_top_k(tl.load(top_k_ptr + row), VOCAB) == VOCAB)
+    t_max = tl.full([1], float("-inf"), tl.float32)
+    t_sum = tl.zeros([1], tl.float32)
+    best_score = tl.full([1], float("-inf"), tl.float32)
+    best_id = tl.zeros([1], tl.int32) + chunk * CHUNK
+    if whole_vocab & (top_p < 1.0):  # top-p over the whole vocabulary: its mass relative to the top logit / T
+        for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            x = tl.load(row_ptr + offs, mask=offs < VOCAB, other=float("-inf")).to(tl.float32)
+            s = tl.div_rn(x, temperature)
+            new_max = tl.maximum(t_max, tl.max(s, axis=0))
+            safe = tl.where(new_max == float("-inf"), 0.0, new_max)
+            t_sum = t_sum * tl.exp(t_max - safe) + tl.sum(tl.exp(s - safe), axis=0)
+            t_max = new_max
+    if whole_vocab & (top_p >= 1.0) & (min_p <= 0.0):  # nothing cut: Gumbel-max over the chunk
+        seed = tl.load(seed_ptr + row)
+        step = tl.load(step_ptr + row)
+        for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            inside = offs < VOCAB
+            x = tl.load(row_ptr + offs, mask=inside, other=float("-inf")).to(tl.float32)
+            score = tl.where(inside, tl.div_rn(x, temperature) + _gumbel(seed, step, offs), float("-inf"))
+            block_best = tl.max(score, axis=0)
+            better = block_best > best_score  # strictly: an earlier block (lower ids) wins a tie
+            best_id = tl.where(better, start + tl.argmax(score, axis=0, tie_break_left=True), best_id)
+            best_score = tl.where(better, block_best, best_score)
     slot = row * CHUNKS + chunk
     tl.store(keys_ptr + slot * K_P2 + tl.arange(0, K_P2), best)
-    tl.store(stats_ptr + slot * 2 + tl.arange(0, 1), running_max)
-    tl.store(stats_ptr + slot * 2 + 1 + tl.arange(0, 1), running_sum)
+    tl.store(stats_ptr + slot * 5 + tl.arange(0, 1), running_max)
+    tl.store(stats_ptr + slot * 5 + 1 + tl.arange(0, 1), running_sum)
+    tl.store(stats_ptr + slot * 5 + 2 + tl.arange(0, 1), t_max)
+    tl.store(stats_ptr + slot * 5 + 3 + tl.arange(0, 1), t_sum)
+    tl.store(stats_ptr + slot * 5 + 4 + tl.arange(0, 1), best_score)
+    tl.store(best_ptr + slot + tl.arange(0, 1), best_id)
 
 
 @triton.jit
-def top_k_merge_kernel(keys_ptr, stats_ptr, values_ptr, ids_ptr, lse_ptr,
-                       K: tl.constexpr, K_P2: tl.constexpr, CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr):
+def _leading(condition, rank, K: tl.constexpr):
+    """How many leading ranks (of K) satisfy `condition`."""
+    return tl.min(tl.where((rank < K) & (condition == 0), rank, K), axis=0)
+
+
+@triton.jit
+def _merge_stats(stats_ptr, row, field, CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr):
+    """sum over chunks of sum_c * exp(max_c - max) and that max, for the (max, sum) pair at `field`."""
+    chunks = tl.arange(0, CHUNKS_P2)
+    maxes = tl.load(stats_ptr + (row * CHUNKS + chunks) * 5 + field, mask=chunks < CHUNKS, other=float("-inf"))
+    sums = tl.load(stats_ptr + (row * CHUNKS + chunks) * 5 + field + 1, mask=chunks < CHUNKS, other=0.0)
+    peak = tl.max(maxes, axis=0)
+    safe = tl.where(peak == float("-inf"), 0.0, peak)
+    return tl.sum(sums * tl.exp(tl.where(chunks < CHUNKS, maxes - safe, float("-inf"))), axis=0), peak
+
+
+@triton.jit
+def tail_merge_kernel(keys_ptr, stats_ptr, best_ptr, logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
+                      seed_ptr, step_ptr, values_ptr, ids_ptr, lse_ptr, tokens_ptr, logprobs_ptr, stride_logits,
+                      VOCAB: tl.constexpr, K: tl.constexpr, K_P2: tl.constexpr, CHUNKS: tl.constexpr,
+                      CHUNKS_P2: tl.constexpr, GREEDY_BELOW: tl.constexpr, TOP_P_SLACK: tl.constexpr,
+                      FIXED_ONE: tl.constexpr):
     row = tl.program_id(0)
     lowest = -9223372036854775807 - 1
     offs = tl.arange(0, CHUNKS_P2 * K_P2)
     keys = tl.load(keys_ptr + row * CHUNKS * K_P2 + offs, mask=offs < CHUNKS * K_P2, other=lowest)
-    best = tl.topk(keys, K_P2)
-    ordered = (best >> 32).to(tl.int32)
+    top = tl.topk(keys, K_P2)
+    ordered = (top >> 32).to(tl.int32)
     values = tl.where(ordered >= 0, ordered, ordered ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
-    ids = 0x7FFFFFFF - (best & 0xFFFFFFFF).to(tl.int32)
-    keep = tl.arange(0, K_P2) < K
-    tl.store(values_ptr + row * K + tl.arange(0, K_P2), values, mask=keep)
-    tl.store(ids_ptr + row * K + tl.arange(0, K_P2), ids, mask=keep)
+    ids = 0x7FFFFFFF - (top & 0xFFFFFFFF).to(tl.int32)
+    rank = tl.arange(0, K_P2)
+    valid = rank < K
+    tl.store(values_ptr + row * K + rank, values, mask=valid)
+    tl.store(ids_ptr + row * K + rank, ids, mask=valid)
+    total, peak = _merge_stats(stats_ptr, row, 0, CHUNKS, CHUNKS_P2)
+    lse = peak + tl.log(total)
+    tl.store(lse_ptr + row + tl.arange(0, 1), tl.full([1], 0.0, tl.float32) + lse)
+
+    # The kept set: min-p, top-k, then top-p over what is left, each a prefix of the ranked candidates.
+    temperature = tl.load(temperature_ptr + row)
+    top_k = _effective_top_k(tl.load(top_k_ptr + row), VOCAB)
+    top_p = tl.load(top_p_ptr + row)
+    min_p = tl.load(min_p_ptr + row)
+    sampling = temperature >= GREEDY_BELOW
+    cut = (top_k < VOCAB) | (top_p < 1.0) | (min_p > 0.0)
+    s = tl.where(valid, tl.div_rn(values, tl.where(sampling, temperature, 1.0)), float("-inf"))
+    weights = tl.where(valid, tl.exp(s - tl.max(s, axis=0)), 0.0)
+    fixed = (weights * FIXED_ONE).to(tl.int64)
+    n1 = tl.maximum(tl.minimum(top_k, _leading(weights >= min_p, rank, K)), 1)
+    whole = (n1 == VOCAB) | ((top_k == VOCAB) & (min_p <= 0.0))  # min-p and top-k keep every token
+    whole_mass, _ = _merge_stats(stats_ptr, row, 2, CHUNKS, CHUNKS_P2)
+    mass = tl.where(whole, whole_mass * FIXED_ONE, tl.sum(tl.where(rank < n1, fixed, 0), axis=0).to(tl.float32))
+    threshold = ((top_p - TOP_P_SLACK) * mass).to(tl.int64)
+    before = tl.cumsum(fixed, axis=0) - fixed
+    n = tl.where(top_p < 1.0, tl.minimum(n1, tl.maximum(_leading(before < threshold, rank, K), 1)), n1)
+    unresolved = ((n1 >= K) & (top_k > K) & (whole == 0)) | (whole & (VOCAB > K) & (n >= K))
+
+    score = tl.where(rank < n, s + _gumbel(tl.load(seed_ptr + row), tl.load(step_ptr + row), ids), float("-inf"))
+    cut_token = tl.min(tl.where(score == tl.max(score, axis=0), ids, 0x7FFFFFFF), axis=0)
+    top_token = tl.min(tl.where(rank == 0, ids, 0x7FFFFFFF), axis=0)
     chunks = tl.arange(0, CHUNKS_P2)
-    maxes = tl.load(stats_ptr + (row * CHUNKS + chunks) * 2, mask=chunks < CHUNKS, other=float("-inf"))
-    sums = tl.load(stats_ptr + (row * CHUNKS + chunks) * 2 + 1, mask=chunks < CHUNKS, other=0.0)
-    peak = tl.max(maxes, axis=0)
-    total = tl.sum(sums * tl.exp(tl.where(chunks < CHUNKS, maxes - peak, float("-inf"))), axis=0)
-    tl.store(lse_ptr + row + tl.arange(0, 1), peak + tl.log(tl.full([1], 1.0, tl.float32) * total))
+    bests = tl.load(stats_ptr + (row * CHUNKS + chunks) * 5 + 4, mask=chunks < CHUNKS, other=float("-inf"))
+    full_token = tl.load(best_ptr + row * CHUNKS + tl.argmax(bests, axis=0, tie_break_left=True))
+    token = tl.where(sampling, tl.where(cut, tl.where(unresolved, -1, cut_token), full_token), top_token)
+    logit = tl.load(logits_ptr + row * stride_logits + tl.maximum(token, 0)).to(tl.float32)
+    tl.store(tokens_ptr + row + tl.arange(0, 1), tl.zeros([1], tl.int32) + token)
+    tl.store(logprobs_ptr + row + tl.arange(0, 1),
+             tl.zeros([1], tl.float32) + tl.where(token >= 0, logit - lse, float("nan")))

@@ -1,0 +1,87 @@
+"""Sampling inside the step, from the host's side: the per-row sampling inputs a step carries, and the result
+its sampler outputs make (a token per row, and logprobs when asked). The device draws each row by the `sample`
+op (ir/ops/sampling.py); a row it could not settle, because its kept set reaches past the top-k candidates, is
+drawn here from its full logits row with the same noise, so the token is the one the op defines either way."""
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from pegainfer.ir.ops.sampling import UNRESOLVED, logsumexp_row, sample_row
+from pegainfer.ir.registry import get_op
+from pegainfer.ir.step import SAMPLER_OUTPUTS, SAMPLING_INPUTS
+from pegainfer.runtime.sampler import SamplingParams
+
+_INT32_MAX = 2 ** 31 - 1
+
+
+@dataclass
+class SampleResult:
+    tokens: list[int]
+    logprobs: list[dict[int, float] | None]  # per row: the top-K tokens' logprobs, then the chosen one's (if not in)
+    host_rows: list[int] = field(default_factory=list)  # rows drawn on the host from their full logits
+
+
+def greedy_inputs(rows: int) -> dict[str, np.ndarray]:
+    """Sampling inputs for a step that only wants logits: greedy rows."""
+    inputs = {name: np.zeros(rows, dtype=t.dtype.np_dtype) for name, t in SAMPLING_INPUTS.items()}
+    inputs["sampling_top_p"][:] = 1.0
+    return inputs
+
+
+def sampling_inputs(params: list[SamplingParams], token_index: list[int],
+                    rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """One row per request: its parameters, its seed (a fresh random one when it has none) and the index of the
+    token being drawn, which together pick the row's noise."""
+    if len(params) != len(token_index):
+        raise ValueError(f"{len(params)} sampling params for {len(token_index)} token indices")
+    if any(not 0 <= i <= _INT32_MAX for i in token_index):
+        raise ValueError(f"token indices must be in [0, {_INT32_MAX}], found {token_index}")
+    seeds = [p.seed if p.seed is not None else int(rng.integers(0, 2 ** 63)) for p in params]
+    return {
+        "sampling_temperature": np.array([p.temperature for p in params], dtype=np.float32),
+        "sampling_top_k": np.array([min(max(p.top_k, 0), _INT32_MAX) for p in params], dtype=np.int32),
+        "sampling_top_p": np.array([p.top_p for p in params], dtype=np.float32),
+        "sampling_min_p": np.array([p.min_p for p in params], dtype=np.float32),
+        "sampling_seed": np.array([s % 2 ** 64 for s in seeds], dtype=np.uint64).view(np.int64),
+        "sampling_step": np.array(token_index, dtype=np.int32),
+    }
+
+
+def tail_reference(logits: np.ndarray, inputs: dict[str, np.ndarray], candidates: int) -> dict[str, np.ndarray]:
+    """The sampler tail's outputs computed on the host from float32 logits, by the ops' references: what a graph
+    without the tail (a model's declared graph) lacks."""
+    k = min(candidates, logits.shape[1])
+    values, ids = get_op("top_k").reference(logits, k=k)
+    lse = get_op("logsumexp").reference(logits)
+    tokens, logprobs = get_op("sample").reference(logits, *(inputs[name] for name in SAMPLING_INPUTS),
+                                                  candidates=k)
+    return dict(zip(SAMPLER_OUTPUTS, (values, ids, lse, tokens, logprobs)))
+
+
+def wants_top_logprobs(params: list[SamplingParams]) -> bool:
+    return any(p.logprobs for p in params)
+
+
+def finish(outputs: dict[str, np.ndarray], inputs: dict[str, np.ndarray], params: list[SamplingParams],
+           row_logits: Callable[[int], np.ndarray]) -> SampleResult:
+    """The tokens and logprobs of a step's rows from its sampler outputs (`top_values`, `top_ids`, `logsumexp`
+    may be left out when no row asks for top logprobs). `row_logits(r)`: row r's float32 logits, fetched only for
+    rows the device left unresolved."""
+    result = SampleResult([], [])
+    for r, p in enumerate(params):
+        token, logprob = int(outputs["sampled_ids"][r]), float(outputs["sampled_logprobs"][r])
+        if token == UNRESOLVED:
+            x = np.asarray(row_logits(r), dtype=np.float32)
+            token = sample_row(x, *(inputs[name][r].item() for name in SAMPLING_INPUTS))
+            logprob = float(x[token] - logsumexp_row(x))
+            result.host_rows.append(r)
+        result.tokens.append(token)
+        if p.logprobs is None:
+            result.logprobs.append(None)
+            continue
+        top = {int(outputs["top_ids"][r, j]): float(outputs["top_values"][r, j] - outputs["logsumexp"][r])
+               for j in range(min(p.logprobs, outputs["top_ids"].shape[1]))}
+        result.logprobs.append(top | {token: top.get(token, logprob)})
+    return result
