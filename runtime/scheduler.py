@@ -4,8 +4,8 @@ Every step packs, under a token budget (max_num_batched_tokens), one decode toke
 is decoding, then prompt chunks of running sequences still prefilling (chunked prefill), then new requests
 admitted from the waiting queue. A sequence is one `Sequence` whose tokens are prompt and generated tokens alike,
 so a prefill chunk, a decode token and the recompute of a preempted sequence are the same thing: its next uncached
-tokens. The engine is anything with `step(chunks) -> logits`, `release(seq)` and `.allocator` (the reference
-engine on the CPU, the GPU engine).
+tokens. The engine is anything with `sample(chunks, params, token_index) -> SampleResult`, `release(seq)` and
+`.allocator` (the reference engine on the CPU, the GPU engine): tokens are drawn where the logits are.
 
 KV memory: a request whose prompt and max_tokens can never fit the pool is refused when added, with its numbers.
 A waiting request is admitted only when its whole uncached sequence fits beside what the step already takes; it
@@ -20,12 +20,12 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-import numpy as np
 
 from pegainfer.errors import RequestError
 from pegainfer.runtime.batch import Chunk, Sequence
 from pegainfer.runtime.prefix_cache import ROOT, PrefixCache, chain_hashes
-from pegainfer.runtime.sampler import SamplingParams, sample, top_logprobs
+from pegainfer.runtime.device_sampling import SampleResult
+from pegainfer.runtime.sampler import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,6 @@ class SchedulerStats:
 class _State:
     request: EngineRequest
     seq: Sequence
-    rng: np.random.Generator
     block_hashes: list[bytes] = field(default_factory=list)  # of the sequence's full, computed blocks
     num_generated: int = 0
     num_cached_tokens: int = 0
@@ -115,7 +114,7 @@ class Scheduler:
         request.params.validate()
         self.check(len(request.prompt_ids), request.params.max_tokens)
         seq = Sequence(next(self._seq_ids), list(request.prompt_ids))
-        state = _State(request, seq, np.random.default_rng(request.params.seed))
+        state = _State(request, seq)
         self._states[request.request_id] = state
         self._by_seq[seq.seq_id] = state
         self.waiting.append(state)
@@ -149,9 +148,10 @@ class Scheduler:
         chunks = self.schedule()
         if not chunks:
             return []
-        logits = self.engine.step(chunks)
+        states = [self._by_seq[c.seq.seq_id] for c in chunks]
+        result = self.engine.sample(chunks, [st.request.params for st in states], [st.num_generated for st in states])
         self.stats.steps += 1
-        return self._process(chunks, logits)
+        return self._process(chunks, result)
 
     def schedule(self) -> list[Chunk]:
         budget, self._reserved = self.config.max_num_batched_tokens, 0
@@ -247,14 +247,14 @@ class Scheduler:
 
     # --- after the step --------------------------------------------------------------------------------------
 
-    def _process(self, chunks: list[Chunk], logits: np.ndarray) -> list[TokenOutput]:
+    def _process(self, chunks: list[Chunk], result: SampleResult) -> list[TokenOutput]:
         outputs, now = [], time.monotonic()
         for row, chunk in enumerate(chunks):
             state = self._by_seq[chunk.seq.seq_id]
             self._cache_full_blocks(state)
             if state.seq.num_cached < len(state.seq.token_ids):
-                continue  # a prompt chunk short of the prompt's end: its logits are not a next token
-            outputs.append(self._sample(state, logits[row], now))
+                continue  # a prompt chunk short of the prompt's end: its draw is not a next token
+            outputs.append(self._append(state, result.tokens[row], result.logprobs[row], now))
         return outputs
 
     def _cache_full_blocks(self, state: _State) -> None:
@@ -270,9 +270,8 @@ class Scheduler:
             self.cache.insert(block, block_hash)
         state.block_hashes += new
 
-    def _sample(self, state: _State, row: np.ndarray, now: float) -> TokenOutput:
+    def _append(self, state: _State, token: int, logprobs: dict[int, float] | None, now: float) -> TokenOutput:
         params, seq = state.request.params, state.seq
-        token = sample(row, params, state.rng)
         seq.token_ids.append(token)
         state.num_generated += 1
         self.stats.generation_tokens += 1
@@ -281,7 +280,6 @@ class Scheduler:
             finish = "stop"
         elif state.num_generated >= params.max_tokens or len(seq.token_ids) >= self.config.max_model_len:
             finish = "length"
-        logprobs = None if params.logprobs is None else top_logprobs(row, params.logprobs, token)
         if finish:
             self.running.remove(state)
             self._free(state)

@@ -43,12 +43,12 @@ class Recorder:
     def __init__(self, engine) -> None:
         self.engine, self.allocator, self.steps = engine, engine.allocator, []
 
-    def step(self, chunks: list[Chunk], **kwargs) -> np.ndarray:
+    def sample(self, chunks: list[Chunk], params, token_index):
         need = sum(self.allocator.blocks_for(c.seq.num_cached + c.num_tokens) - len(c.seq.table.blocks)
                    for c in chunks)
         self.steps.append({"tokens": [c.num_tokens for c in chunks], "free": self.allocator.num_free, "need": need})
         assert need <= self.allocator.num_free, f"step needs {need} blocks, {self.allocator.num_free} free"
-        return self.engine.step(chunks, **kwargs)
+        return self.engine.sample(chunks, params, token_index)
 
     def release(self, seq) -> None:
         self.engine.release(seq)
@@ -254,7 +254,7 @@ class BrokenEngine:
     def __init__(self, engine) -> None:
         self.allocator, self._engine = engine.allocator, engine
 
-    def step(self, chunks, **kwargs):
+    def sample(self, chunks, params, token_index):
         raise RuntimeError("illegal memory access")
 
     def release(self, seq) -> None:

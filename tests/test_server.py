@@ -473,7 +473,7 @@ class BrokenEngine:
     def __init__(self, engine) -> None:
         self.allocator, self._engine = engine.allocator, engine
 
-    def step(self, chunks, **kwargs):
+    def sample(self, chunks, params, token_index):
         raise RuntimeError("CUDA_ERROR_ILLEGAL_ADDRESS")
 
     def release(self, seq) -> None:
