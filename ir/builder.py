@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 from pegainfer.errors import GraphError
 from pegainfer.ir.dtypes import DType
-from pegainfer.ir.graph import REPEAT, Graph, Node
+from pegainfer.ir.graph import REPEAT, Derivation, Graph, Node
 from pegainfer.ir.registry import OPS, infer_types
 from pegainfer.ir.types import Dim, TensorType
 from pegainfer.ir.verify import verify
@@ -44,6 +44,14 @@ class GraphBuilder:
     def param(self, name: str, dtype: DType, shape: tuple[Dim, ...]) -> Value:
         """A weight, named as in the checkpoint; `{layer}` in a body's param name stands for the layer index."""
         return self._declare(self.graph.params, name, TensorType(dtype, tuple(shape)))
+
+    def stacked_param(self, name: str, sources: list[str], dtype: DType, source_shape: tuple[int, ...]) -> Value:
+        """A weight the loader makes by stacking checkpoint tensors of one shape along rows (a MoE layer's experts):
+        the graph reads one tensor, the checkpoint keeps Hugging Face's names."""
+        source_type = TensorType(dtype, tuple(source_shape))
+        value = self.param(name, dtype, (len(sources) * source_shape[0], *source_shape[1:]))
+        self.graph.derived[name] = Derivation(tuple(sources), (source_type,) * len(sources), axis=0)
+        return value
 
     def state(self, name: str, dtype: DType, shape: tuple[Dim, ...]) -> Value:
         """A tensor that outlives the step (a KV cache), updated in place by mutating ops."""
