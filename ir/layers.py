@@ -1,6 +1,6 @@
 """Decoder layers of more than one kind (sliding-window and global attention, MoE and dense MLPs) in repeated
 bodies. A model whose layers are all alike is one body run once per layer. Otherwise the layer kinds are cut into
-segments, each a period of kinds repeated: Gemma 3's five local layers and one global layer become one body of six
+segments, each a period of kinds repeated: five local layers then one global, over and over, become one body of six
 layers run depth // 6 times, plus a body for the layers left over. Compile time then grows with the period, never
 with depth, and every layer's differences (window, RoPE base) stay compile-time constants of its kernels."""
 

@@ -34,7 +34,9 @@ def rope_scaling(scaling: dict[str, Any] | None) -> tuple | None:
     missing = [key for key in keys[kind] if not isinstance(scaling.get(key), (int, float))]
     if missing:
         raise ConfigError(f"rope_scaling of type {kind!r} needs numbers {missing}, found {scaling!r}")
-    return (kind, *(float(scaling[key]) for key in keys[kind])) if kind != "default" else None
+    if kind == "default":
+        return None
+    return ("by_wavelength" if kind == "llama3" else kind, *(float(scaling[key]) for key in keys[kind]))
 
 
 def glu_activation(name: str) -> str:

@@ -21,17 +21,18 @@ def _infer_rope(x: TensorType, positions: TensorType, *, theta: float, scaling: 
            f"rope: positions must be integer [{x.shape[0]}], found {positions}")
     expect(theta > 0, f"rope: theta must be positive, found {theta}")
     expect(scaling is None or (scaling[0] == "linear" and len(scaling) == 2 and scaling[1] > 0)
-           or (scaling[0] == "llama3" and len(scaling) == 5 and scaling[1] > 0 and scaling[3] > scaling[2] > 0
+           or (scaling[0] == "by_wavelength" and len(scaling) == 5 and scaling[1] > 0 and scaling[3] > scaling[2] > 0
                and scaling[4] > 0),
-           f"rope: scaling must be null, (linear, factor) or (llama3, factor, low_freq_factor, high_freq_factor, "
-           f"original_max_position), found {scaling}")
+           f"rope: scaling must be null, (linear, factor) or (by_wavelength, factor, low_freq_factor, "
+           f"high_freq_factor, original_max_position), found {scaling}")
     return x
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: tuple | None = None) -> np.ndarray:
-    """The rotation frequencies [head_dim / 2] in float32, as Hugging Face computes them for each rope_type:
-    default, linear (every frequency divided by the factor) and llama3 (low frequencies divided by the factor,
-    high ones kept, a smooth blend between)."""
+    """The rotation frequencies [head_dim / 2] in float32, as Hugging Face computes them: unscaled, linear (every
+    frequency divided by the factor) and by_wavelength (Hugging Face's rope_type of Meta's 3.1 models: frequencies
+    whose wavelength exceeds original_max_position / low_freq_factor divided by the factor, those under
+    original_max_position / high_freq_factor kept, a smooth blend between)."""
     exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
     inv_freq = (np.float32(1.0) / (np.float32(theta) ** exponents)).astype(np.float32)
     if scaling is None:

@@ -15,7 +15,7 @@ def _infer_embedding(ids: TensorType, table: TensorType, *, scale: float = 1.0) 
 
 
 def _embedding(ids: np.ndarray, table: np.ndarray, *, scale: float = 1.0) -> np.ndarray:
-    """Rows of the table, times `scale` (Gemma scales its embeddings by sqrt(hidden))."""
+    """Rows of the table, times `scale` (some models scale their embeddings by sqrt(hidden))."""
     rows = table[ids]
     return rows if scale == 1.0 else rows * np.float32(scale)
 

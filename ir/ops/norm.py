@@ -14,8 +14,8 @@ def _infer_rms_norm(x: TensorType, weight: TensorType, *, eps: float, offset: fl
 
 
 def _rms_norm(x: np.ndarray, weight: np.ndarray, *, eps: float, offset: float = 0.0) -> np.ndarray:
-    """Normalises the last axis: x / sqrt(mean(x^2) + eps) * (weight + offset). Gemma stores its norm weights
-    around zero and scales by 1 + weight: offset 1."""
+    """Normalises the last axis: x / sqrt(mean(x^2) + eps) * (weight + offset). Models that store norm weights
+    around zero scale by 1 + weight: offset 1."""
     variance = np.mean(np.square(x), axis=-1, keepdims=True)
     return x / np.sqrt(variance + np.float32(eps)) * (weight + np.float32(offset) if offset else weight)
 

@@ -1,14 +1,17 @@
-"""Embedding lookup: one program per (token, column tile) copies a row of the table."""
+"""Embedding lookup: one program per (token, column tile) copies a row of the table, times SCALE (1: a copy)."""
 
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def embedding_kernel(ids_ptr, table_ptr, out_ptr, stride_out, HIDDEN: tl.constexpr, BLOCK: tl.constexpr):
+def embedding_kernel(ids_ptr, table_ptr, out_ptr, stride_out, HIDDEN: tl.constexpr, BLOCK: tl.constexpr,
+                     SCALE: tl.constexpr):
     token = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < HIDDEN
     row = tl.load(ids_ptr + token).to(tl.int64)
     values = tl.load(table_ptr + row * HIDDEN + offs, mask=mask)
+    if SCALE != 1.0:
+        values = values.to(tl.float32) * SCALE
     tl.store(out_ptr + token * stride_out + offs, values.to(out_ptr.dtype.element_ty), mask=mask)
