@@ -68,15 +68,16 @@ class GraphBuilder:
                                  types, attrs))
 
     def repeat(self, body: Graph, count: int, carried: list[Value], invariant: list[Value],
-               name: str = "layers") -> tuple[Value, ...]:
-        """Runs `body` `count` times; its outputs feed the carried inputs of the next iteration."""
+               name: str = "layers", layers: int = 1) -> tuple[Value, ...]:
+        """Runs `body` `count` times; its outputs feed the carried inputs of the next iteration. `layers`: the
+        decoder layers one run of the body holds (recorded for reports when more than one)."""
         if body.name in self.graph.subgraphs:
             raise GraphError(f"graph {self.graph.name}: a body named {body.name!r} is already used")
         self.graph.subgraphs[body.name] = body
         label = self._fresh(name)
         types = tuple(v.type for v in carried)
         node = Node(REPEAT, tuple(v.name for v in [*carried, *invariant]), self._output_names(label, len(types)),
-                    types, {"body": body.name, "count": count})
+                    types, {"body": body.name, "count": count, **({"layers": layers} if layers > 1 else {})})
         result = self._append(node)
         return result if isinstance(result, tuple) else (result,)
 

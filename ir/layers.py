@@ -60,5 +60,6 @@ def repeat_layers(b: GraphBuilder, name: str, kinds: Sequence[Hashable], layer: 
         for j in range(segment.period):
             slot = LayerSlot(kinds[segment.start + j], layer_placeholder(segment.period, segment.start + j))
             h = layer(body, h, body_attention, slot)
-        (hidden,) = b.repeat(body.finish(h), segment.count, carried=[hidden], invariant=attention.as_list())
+        (hidden,) = b.repeat(body.finish(h), segment.count, carried=[hidden], invariant=attention.as_list(),
+                             layers=segment.period)
     return hidden
