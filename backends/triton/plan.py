@@ -262,7 +262,8 @@ def _plan_rope_kv_write(graph: Graph, node: Node) -> KernelSpec:
 
 
 def _rope_scaling_constexprs(scaling: tuple | None) -> dict:
-    """The rope op's scaling attribute as the kernel's SCALING code (0 none, 1 linear, 2 by_wavelength) and its numbers."""
+    """The rope op's scaling attribute as the kernel's SCALING code (0 none, 1 linear, 2 by_wavelength) and its
+    numbers."""
     kind = {None: 0, "linear": 1, "by_wavelength": 2}[scaling[0] if scaling else None]
     numbers = [float(v) for v in (scaling or ())[1:]] + [1.0] * 4
     return dict(SCALING=kind, FACTOR=numbers[0], LOW_FREQ=numbers[1], HIGH_FREQ=numbers[2], ORIGINAL=numbers[3])
