@@ -24,6 +24,7 @@ class Config:
     num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int | None = None
+    head_dim: int | None = None  # transformers reads it when present; hidden_size // heads otherwise
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
@@ -39,6 +40,10 @@ class Config:
     def kv_heads(self) -> int:
         return self.num_key_value_heads or self.num_attention_heads
 
+    @property
+    def dims_per_head(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
     def kinds(self) -> list[str]:
         """Hugging Face's layer types: sliding from max_window_layers on, when a window is in use."""
         if self.layer_types is not None:
@@ -49,7 +54,7 @@ class Config:
 
 def check_config(config: Config) -> None:
     require_positive(config, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "sliding_window")
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "sliding_window")
     require_float_dtype(config.torch_dtype)
     glu_activation(config.hidden_act)
     rope_scaling(config.rope_scaling)
@@ -77,7 +82,7 @@ def build_graph(config: Config) -> Graph:
 def _layer(config: Config):
     def layer(b: GraphBuilder, residual: Value, attention: AttentionInputs, slot: LayerSlot) -> Value:
         spec = AttentionSpec(hidden=config.hidden_size, heads=config.num_attention_heads, kv_heads=config.kv_heads,
-                             head_dim=config.hidden_size // config.num_attention_heads, theta=config.rope_theta,
+                             head_dim=config.dims_per_head, theta=config.rope_theta,
                              scaling=rope_scaling(config.rope_scaling), qkv_bias=True,
                              window=config.sliding_window if slot.kind == SLIDING else 0)
         prefix = f"model.layers.{slot.index}"

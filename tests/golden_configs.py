@@ -23,7 +23,7 @@ ARCH_CONFIGS = {
         "rope_scaling": None, "rope_theta": 10000.0}),
     "qwen2_biased": ("Qwen2ForCausalLM", {}),
     "qwen2_window_layers": ("Qwen2ForCausalLM", {"num_hidden_layers": 3, "use_sliding_window": True,
-                                                 "sliding_window": 6, "max_window_layers": 1}),
+                                                 "sliding_window": 6, "max_window_layers": 1, "head_dim": 32}),
     "mistral_window": ("MistralForCausalLM", {}),
     "gemma3_local_global": ("Gemma3ForCausalLM", {}),
     "gemma3_pattern_tail": ("Gemma3ForCausalLM", {

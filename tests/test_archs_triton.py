@@ -53,8 +53,6 @@ def model(request) -> Model:
     architecture, dtype = request.param
     dag = dag_modules()[architecture]
     raw = normalize_hf_config({**dag.TINY_CONFIG, **SMALL, **OVERRIDES[architecture], "torch_dtype": dtype})
-    if architecture == "Qwen2ForCausalLM":
-        raw.pop("head_dim")
     config = parse_config(dag.Config, raw, architecture)
     dag.check_config(config)
     lowered, _ = lower(dag.build_graph(config))
