@@ -56,7 +56,8 @@ def _add_generate(commands) -> None:
 def _add_make_checkpoint(commands) -> None:
     p = commands.add_parser("make-checkpoint", help="write a small random HF checkpoint (needs the test extra)")
     p.add_argument("out", type=Path, help="folder to write")
-    p.add_argument("--arch", default="Qwen3ForCausalLM", help="config.json architecture (default Qwen3ForCausalLM)")
+    p.add_argument("--arch", default="Qwen3ForCausalLM",
+                   help="config.json architecture, any with a DAG file (default Qwen3ForCausalLM)")
     p.add_argument("--set", dest="overrides", action="append", default=[], type=_override, metavar="KEY=JSON",
                    help="override a config.json key, e.g. --set num_hidden_layers=4 (repeatable)")
     p.add_argument("--seed", type=int, default=0)

@@ -28,12 +28,13 @@ def read_config(path: Path) -> dict[str, Any]:
 
 def normalize_hf_config(raw: dict[str, Any]) -> dict[str, Any]:
     """transformers 5 writes `dtype` and `rope_parameters`; 4.x wrote `torch_dtype`, `rope_theta`, `rope_scaling`.
-    DAG files see the 4.x spelling, with a default rope_type folded to no scaling."""
+    DAG files see the 4.x spelling, with a default rope_type folded to no scaling. Parameters per layer type
+    (`{"full_attention": {...}, "sliding_attention": {...}}`) stay in `rope_parameters` for the DAG file to read."""
     config = dict(raw)
     if "dtype" in config and "torch_dtype" not in config:
         config["torch_dtype"] = config["dtype"]
     rope = config.get("rope_parameters")
-    if isinstance(rope, dict):
+    if isinstance(rope, dict) and not all(isinstance(v, dict) for v in rope.values()):
         if "rope_theta" in rope:
             config.setdefault("rope_theta", rope["rope_theta"])
         scaling = {k: v for k, v in rope.items() if k != "rope_theta"}

@@ -1,4 +1,4 @@
-"""From what a user names (a checkpoint folder, a config.json, or an embedded size like qwen3-4b) to a model:
+"""From what a user names (a checkpoint folder, a config.json, or the name of an embedded config) to a model:
 its DAG module, parsed config, IR graph and, for a checkpoint, its weights bound by name."""
 
 from dataclasses import dataclass

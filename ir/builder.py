@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 from pegainfer.errors import GraphError
 from pegainfer.ir.dtypes import DType
-from pegainfer.ir.graph import REPEAT, Graph, Node
+from pegainfer.ir.graph import REPEAT, Derivation, Graph, Node
 from pegainfer.ir.registry import OPS, infer_types
 from pegainfer.ir.types import Dim, TensorType
 from pegainfer.ir.verify import verify
@@ -45,6 +45,14 @@ class GraphBuilder:
         """A weight, named as in the checkpoint; `{layer}` in a body's param name stands for the layer index."""
         return self._declare(self.graph.params, name, TensorType(dtype, tuple(shape)))
 
+    def stacked_param(self, name: str, sources: list[str], dtype: DType, source_shape: tuple[int, ...]) -> Value:
+        """A weight the loader makes by stacking checkpoint tensors of one shape along rows (a MoE layer's experts):
+        the graph reads one tensor, the checkpoint keeps Hugging Face's names."""
+        source_type = TensorType(dtype, tuple(source_shape))
+        value = self.param(name, dtype, (len(sources) * source_shape[0], *source_shape[1:]))
+        self.graph.derived[name] = Derivation(tuple(sources), (source_type,) * len(sources), axis=0)
+        return value
+
     def state(self, name: str, dtype: DType, shape: tuple[Dim, ...]) -> Value:
         """A tensor that outlives the step (a KV cache), updated in place by mutating ops."""
         return self._declare(self.graph.states, name, TensorType(dtype, tuple(shape)))
@@ -60,15 +68,16 @@ class GraphBuilder:
                                  types, attrs))
 
     def repeat(self, body: Graph, count: int, carried: list[Value], invariant: list[Value],
-               name: str = "layers") -> tuple[Value, ...]:
-        """Runs `body` `count` times; its outputs feed the carried inputs of the next iteration."""
+               name: str = "layers", layers: int = 1) -> tuple[Value, ...]:
+        """Runs `body` `count` times; its outputs feed the carried inputs of the next iteration. `layers`: the
+        decoder layers one run of the body holds (recorded for reports when more than one)."""
         if body.name in self.graph.subgraphs:
             raise GraphError(f"graph {self.graph.name}: a body named {body.name!r} is already used")
         self.graph.subgraphs[body.name] = body
         label = self._fresh(name)
         types = tuple(v.type for v in carried)
         node = Node(REPEAT, tuple(v.name for v in [*carried, *invariant]), self._output_names(label, len(types)),
-                    types, {"body": body.name, "count": count})
+                    types, {"body": body.name, "count": count, **({"layers": layers} if layers > 1 else {})})
         result = self._append(node)
         return result if isinstance(result, tuple) else (result,)
 

@@ -2,9 +2,12 @@
 
 Params are weights, named as in the Hugging Face checkpoint. States are tensors that outlive a step (the KV cache).
 A body graph run by a `repeat` node names its params and states with a `{layer}` placeholder, so a transformer
-layer is declared once and instantiated per layer by the executor, not copied into the graph.
+layer is declared once and instantiated per layer by the executor, not copied into the graph. A body that holds
+several layers (a period of alternating layer kinds, see ir/layers.py) names them `{layer*P+O}`: repetition i
+reads layer i*P+O.
 """
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +18,7 @@ from pegainfer.ir.types import TensorType
 REPEAT = "repeat"
 KERNEL = "kernel"  # a fusion group: attrs["nodes"] holds the primitive nodes it runs as one launch
 LAYER_PLACEHOLDER = "{layer}"
+_PLACEHOLDER = re.compile(r"\{layer(?:\*(\d+))?(?:\+(\d+))?\}")
 
 
 @dataclass(frozen=True)
@@ -114,8 +118,19 @@ class Graph:
         return {_at(name, layer): t for graph, layer in self._instances() for name, t in pick(graph).items()}
 
 
+def layer_placeholder(stride: int = 1, offset: int = 0) -> str:
+    """`{layer}`, or `{layer*stride+offset}` for one layer of a body that holds `stride` layers."""
+    if stride == 1 and offset == 0:
+        return LAYER_PLACEHOLDER
+    return "{layer" + (f"*{stride}" if stride != 1 else "") + (f"+{offset}" if offset else "") + "}"
+
+
+def has_placeholder(name: str) -> bool:
+    return _PLACEHOLDER.search(name) is not None
+
+
 def instantiate(name: str, layer: int) -> str:
-    return name.replace(LAYER_PLACEHOLDER, str(layer))
+    return _PLACEHOLDER.sub(lambda m: str(layer * int(m.group(1) or 1) + int(m.group(2) or 0)), name)
 
 
 def _at(name: str, layer: int | None) -> str:

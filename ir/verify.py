@@ -4,7 +4,7 @@ node's recorded output types equal to what its op's type rule gives."""
 import networkx as nx
 
 from pegainfer.errors import GraphError
-from pegainfer.ir.graph import KERNEL, LAYER_PLACEHOLDER, REPEAT, Graph, Node
+from pegainfer.ir.graph import KERNEL, LAYER_PLACEHOLDER, REPEAT, Graph, Node, has_placeholder
 from pegainfer.ir.kernel import in_place_outputs, inner_nodes
 from pegainfer.ir.registry import infer_types
 from pegainfer.ir.types import TensorType
@@ -20,7 +20,7 @@ def verify(graph: Graph, *, body: bool = False) -> None:
     if body:
         return
     for name in (*graph.params, *graph.states):
-        if LAYER_PLACEHOLDER in name:
+        if has_placeholder(name):
             raise GraphError(f"graph {graph.name}: {name!r} uses {LAYER_PLACEHOLDER} outside a repeated body")
 
 

@@ -59,9 +59,11 @@ def _info(graph: Graph, node: Node, launches: int) -> KernelInfo:
                       launches)
 
 
-def kernels_per_layer(graph: Graph) -> dict[str, int]:
-    """body name -> kernels it launches per layer."""
-    return {name: sum(n.op == KERNEL for n in body.nodes) for name, body in graph.subgraphs.items()}
+def kernels_per_layer(graph: Graph) -> dict[str, float]:
+    """body name -> kernels it launches per decoder layer (a body may hold several layers: ir/layers.py)."""
+    layers = {n.attrs["body"]: n.attrs.get("layers", 1) for n in graph.nodes if n.op == REPEAT}
+    return {name: sum(n.op == KERNEL for n in body.nodes) / layers.get(name, 1)
+            for name, body in graph.subgraphs.items()}
 
 
 def format_kernels(graph: Graph) -> str:
@@ -70,7 +72,7 @@ def format_kernels(graph: Graph) -> str:
     per_layer = kernels_per_layer(graph)
     launches = sum(k.launches for k in kernels)
     lines = [f"{graph.name}: {launches} kernel launches per step; per layer: "
-             + ", ".join(f"{n} kernels in {body}" for body, n in per_layer.items()),
+             + ", ".join(f"{n:g} kernels in {body}" for body, n in per_layer.items()),
              "Decode steps (tokens = batch) and prefill steps (tokens = prompt tokens) launch the same kernels; "
              "shapes are symbolic.",
              f"{'#':>3}  {'graph':<14} {'kernel':<30} {'x':>3}  fuses -> writes"]

@@ -9,7 +9,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest
 
-from golden_configs import QWEN3_CONFIGS
+from golden_configs import GOLDEN_CONFIGS
 from pegainfer.fixtures.checkpoint import make_checkpoint
 
 
@@ -18,9 +18,11 @@ def checkpoint_factory(tmp_path_factory):
     made: dict[str, Path] = {}
 
     def make(name: str, overrides: dict | None = None, **kwargs) -> Path:
+        """A named configuration of golden_configs (its architecture and overrides), or `overrides` of Qwen3's."""
         if name not in made:
-            made[name] = make_checkpoint(tmp_path_factory.mktemp(name), overrides=overrides or QWEN3_CONFIGS.get(name),
-                                         **kwargs)
+            architecture, known = GOLDEN_CONFIGS.get(name, ("Qwen3ForCausalLM", None))
+            kwargs.setdefault("architecture", architecture)
+            made[name] = make_checkpoint(tmp_path_factory.mktemp(name), overrides=overrides or known, **kwargs)
         return made[name]
     return make
 

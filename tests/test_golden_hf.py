@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers
 
-from golden_configs import QWEN3_CONFIGS
+from golden_configs import GOLDEN_CONFIGS
 from pegainfer.frontends.load import load_model
 from pegainfer.passes.pipeline import lower
 from pegainfer.runtime.batch import Chunk, Sequence
@@ -47,7 +47,7 @@ def hf_greedy(model, prompt: list[int], steps: int) -> tuple[list[int], list[np.
 
 
 @pytest.mark.parametrize("lowered", [False, True], ids=["declared", "lowered"])
-@pytest.mark.parametrize("name", sorted(QWEN3_CONFIGS))
+@pytest.mark.parametrize("name", sorted(GOLDEN_CONFIGS))
 def test_prefill_and_decode_match_hf(checkpoint_factory, name, lowered):
     """The graph as declared, and the kernel DAG the pass pipeline makes of it (merged weights derived at load)."""
     folder = checkpoint_factory(name)
@@ -76,7 +76,7 @@ def test_prefill_and_decode_match_hf(checkpoint_factory, name, lowered):
         step_logits = engine.step([Chunk(s, 1) for s in seqs])
 
 
-@pytest.mark.parametrize("name", sorted(QWEN3_CONFIGS))
+@pytest.mark.parametrize("name", sorted(GOLDEN_CONFIGS))
 def test_greedy_generation_matches_hf_generate(checkpoint_factory, name):
     folder = checkpoint_factory(name)
     ours = load_model(folder)

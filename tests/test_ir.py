@@ -144,3 +144,20 @@ def test_interpreter_rounds_each_result_to_its_storage_dtype():
     assert np.array_equal(out, out.astype(ml_dtypes.bfloat16).astype(np.float32)), "outputs must be bf16 values"
     assert not np.array_equal(out, x + (x / np.sqrt((x ** 2).mean(-1, keepdims=True) + 1e-6)) @
                               weights["proj.weight"].astype(np.float32).T)
+
+
+@pytest.mark.parametrize("kinds", [["a"] * 7, ["s"] * 5 + ["f"] + ["s"] * 5 + ["f"] + ["s", "s"], ["f"] * 3 + ["s"] * 5,
+                                   ["s", "f"] * 3, ["a", "b", "c"], ["x"]])
+def test_layer_segments_cover_the_layers_in_order_with_repeating_periods(kinds):
+    from pegainfer.ir.graph import instantiate, layer_placeholder
+    from pegainfer.ir.layers import plan_segments
+    segments = plan_segments(kinds)
+    covered = []
+    for segment in segments:
+        assert segment.start == len(covered)
+        for repetition in range(segment.count):
+            for j in range(segment.period):
+                index = int(instantiate(layer_placeholder(segment.period, segment.start + j), repetition))
+                assert index == len(covered) and kinds[index] == kinds[segment.start + j]
+                covered.append(index)
+    assert covered == list(range(len(kinds)))

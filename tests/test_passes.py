@@ -3,6 +3,7 @@ most 7 kernels per decoder layer, passes say what they could not do, malformed g
 fusion rule groups chains by itself, and memory planning does not grow with depth."""
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -20,6 +21,27 @@ from random_models import random_qwen3_config, random_weights, run_workload, wit
 
 MAX_KERNELS_PER_LAYER = 7
 TOLERANCE = 1e-5
+
+
+def embedded_of(architecture: str) -> list[str]:
+    return sorted(name for name, path in embedded_configs().items()
+                  if json.loads(path.read_text())["architectures"] == [architecture])
+
+
+# Each architecture's decoder layer after the passes, kernel by kernel.
+DENSE_LAYER = ["add_rms_norm_linear", "qk_rope_kv_write", "paged_attention", "linear", "add_rms_norm_linear_silu_mul",
+               "linear"]
+LAYER_KERNELS = {
+    "LlamaForCausalLM": DENSE_LAYER,
+    "Qwen2ForCausalLM": DENSE_LAYER,
+    "MistralForCausalLM": DENSE_LAYER,
+    # norms after attention and after the MLP: a row kernel each, the next add fused into the next GEMM's prologue
+    "Gemma3ForCausalLM": ["add_rms_norm_linear", "qk_norm_rope_kv_write", "paged_attention", "linear", "rms_norm",
+                          "add_rms_norm_linear_gelu_tanh_mul", "linear", "rms_norm"],
+    # the normed rows feed both the router and the experts, so the norm is a row kernel of its own
+    "Qwen3MoeForCausalLM": ["add_rms_norm_linear", "qk_norm_rope_kv_write", "paged_attention", "linear",
+                            "add_rms_norm", "linear", "moe_route", "moe_experts"],
+}
 
 
 def relative_error(ours: np.ndarray, theirs: np.ndarray) -> float:
@@ -56,7 +78,7 @@ def test_sampler_tail_outputs_agree_with_the_logits():
     np.testing.assert_allclose(logsumexp, np.log(np.exp(logits.astype(np.float64)).sum(axis=1)), rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", sorted(embedded_configs()))
+@pytest.mark.parametrize("name", embedded_of("Qwen3ForCausalLM"))
 def test_qwen3_decoder_layer_is_at_most_seven_kernels(name):
     lowered, _ = lower(load_spec(embedded_configs()[name]).graph)
     (count,) = kernels_per_layer(lowered).values()
@@ -66,6 +88,39 @@ def test_qwen3_decoder_layer_is_at_most_seven_kernels(name):
     kinds = [k.kind for k in list_kernels(lowered) if k.graph == "qwen3_layer"]
     assert kinds == ["add_rms_norm_linear", "qk_norm_rope_kv_write", "paged_attention", "linear",
                      "add_rms_norm_linear_silu_mul", "linear"]
+
+
+@pytest.mark.parametrize("architecture", sorted(LAYER_KERNELS))
+def test_every_embedded_config_of_the_other_architectures_lowers_to_its_layer_kernels(architecture):
+    names = embedded_of(architecture)
+    assert names, f"no embedded config of {architecture}"
+    for name in names:
+        spec = load_spec(embedded_configs()[name])
+        lowered, _ = lower(spec.graph)
+        layers = [n for n in lowered.nodes if n.op == "repeat"]
+        assert sum(n.attrs["count"] * n.attrs.get("layers", 1) for n in layers) == spec.config.num_hidden_layers
+        for repeat in layers:
+            body = lowered.subgraphs[repeat.attrs["body"]]
+            kinds = [k.kind for k in list_kernels(lowered) if k.graph == body.name]
+            assert kinds == LAYER_KERNELS[architecture] * repeat.attrs.get("layers", 1), f"{name}: {body.name}"
+        print(f"{name}: {kernels_per_layer(lowered)} kernels per decoder layer, "
+              f"{sum(k.launches for k in list_kernels(lowered))} launches per step")
+
+
+def test_a_body_of_alternating_layers_names_each_layer_by_its_index():
+    """Gemma 3 1B: five local layers and a global one, 26 layers: a body of 6 run 4 times and one of 1 run twice."""
+    spec = load_spec(embedded_configs()["gemma-3-1b"])
+    repeats = [(n.attrs["body"], n.attrs["count"], n.attrs.get("layers", 1)) for n in spec.graph.nodes
+               if n.op == "repeat"]
+    assert repeats == [("gemma3_layers0", 4, 6), ("gemma3_layers24", 2, 1)]
+    params = spec.graph.checkpoint_params()
+    assert {f"model.layers.{i}.self_attn.q_norm.weight" for i in range(26)} <= set(params)
+    assert len([p for p in params if p.endswith("q_norm.weight")]) == 26
+    attention = {n.inputs[1]: n.attrs.get("window", 0) for g in spec.graph.subgraphs.values() for n in g.nodes
+                 if n.op == "paged_attention"}
+    assert attention["kv_write.5#0"] == 0 and attention["kv_write#0"] == 512  # layer 5 is global, layer 0 local
+    states = spec.graph.expanded_states()
+    assert len(states) == 52 and "kv.25.k" in states
 
 
 def test_weight_merges_are_recorded_as_derived_params():

@@ -36,6 +36,9 @@ def plan_kernel(graph: Graph, node: Node, options: PlanOptions) -> KernelSpec:
         return _plan_attention(graph, node, options)
     if "kv_write" in ops:
         return _plan_rope_kv_write(graph, node)
+    if ops in (["moe_route"], ["moe_experts"]):
+        from pegainfer.backends.triton import moe  # it plans with this module's helpers
+        return moe.plan_moe_route(graph, node) if ops == ["moe_route"] else moe.plan_moe_experts(graph, node)
     if "linear" in ops:
         return _plan_gemm(graph, node)
     if ops == ["embedding"]:
@@ -124,7 +127,7 @@ def _plan_gemm(graph: Graph, node: Node) -> KernelSpec:
         constexprs = dict(N=n, K=k, EPS=roles["eps"], ADD=roles["x2"] is not None, GATHER=rows is not None,
                           NORM=roles["norm"] is not None, BIAS=roles["bias"] is not None, ACT=roles["act"],
                           WRITE_SUM=roles["sum"] is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                          UPCAST_DOT=False)
+                          UPCAST_DOT=False, NORM_OFFSET=roles["norm_offset"])
         if function == "gemv_row_kernel":  # the RMSNorm prologue in at most a few chunks of 32 values a lane
             constexprs["RMS_BLOCK"] = min(max(16, next_pow2(k)), 1024 * warps)
         grid = (GridDim((row_symbol,), block_m), GridDim((n,), block_n))
@@ -175,8 +178,8 @@ def gemm_roles(node: Node) -> dict:
     top_k logsumexp sample]. Anything else has no template."""
     inner = [n for n in node.attrs["nodes"]]
     ops = [n.op for n in inner]
-    roles: dict = dict(x=None, x2=None, rows=None, norm=None, eps=1e-6, bias=None, sum=None, act=0, top_k=None,
-                       lse=None, sample=None)
+    roles: dict = dict(x=None, x2=None, rows=None, norm=None, eps=1e-6, norm_offset=0.0, bias=None, sum=None, act=0,
+                       top_k=None, lse=None, sample=None)
     index = 0
     if ops[index] == "add":
         roles["x"], roles["x2"] = inner[index].inputs
@@ -190,6 +193,7 @@ def gemm_roles(node: Node) -> dict:
     if ops[index] == "rms_norm":
         roles["x"] = roles["x"] or inner[index].inputs[0]
         roles["norm"], roles["eps"] = inner[index].inputs[1], inner[index].attrs["eps"]
+        roles["norm_offset"] = float(inner[index].attrs.get("offset", 0.0))
         index += 1
     linear = inner[index]
     if linear.op != "linear" or (roles["sum"] and roles["rows"]):
@@ -261,7 +265,12 @@ def _plan_rope_kv_write(graph: Graph, node: Node) -> KernelSpec:
         raise PegainferError(f"kernel {node.name}: the rope/KV-write template needs rope on q and k before the "
                              f"write, found {' + '.join(n.op for n in inner)}")
     q_rope = q_ropes[0]
+    if q_rope.attrs != k_rope.attrs:
+        raise PegainferError(f"kernel {node.name}: the rope/KV-write template needs one RoPE for q and k, found "
+                             f"{q_rope.attrs} and {k_rope.attrs}")
     q_norm, k_norm = produced.get(q_rope.inputs[0]), produced.get(k_rope.inputs[0])
+    if q_norm is not None and k_norm is not None and q_norm.attrs != k_norm.attrs:
+        raise PegainferError(f"kernel {node.name}: q and k norms differ ({q_norm.attrs}, {k_norm.attrs})")
     norm = q_norm is not None and k_norm is not None
     types = graph.value_types()
     q_heads = q_norm.inputs[0] if norm else q_rope.inputs[0]
@@ -279,11 +288,21 @@ def _plan_rope_kv_write(graph: Graph, node: Node) -> KernelSpec:
                         ("stride_q_out", q_rope.outputs[0])):
         p.stride(name, value)
     constexprs = dict(HEADS=heads, KV_HEADS=kv_heads, HD=head_dim, EPS=q_norm.attrs["eps"] if norm else 1e-6,
-                      NORM=norm, THETA=float(q_rope.attrs["theta"]), BLOCK_HALF=next_pow2(head_dim // 2))
+                      NORM=norm, NORM_OFFSET=float(q_norm.attrs.get("offset", 0.0)) if norm else 0.0,
+                      THETA=float(q_rope.attrs["theta"]), BLOCK_HALF=next_pow2(head_dim // 2),
+                      **_rope_scaling_constexprs(q_rope.attrs.get("scaling")))
     row_symbol = types[q_heads].shape[0]
     launch = _launch("attention.py", "qk_rope_kv_write_kernel", p, constexprs,
                      (GridDim((row_symbol,)), GridDim((heads + kv_heads,))), num_warps=1)
     return _spec(graph, node, row_symbol, [VariantSpec("default", None, [launch])])
+
+
+def _rope_scaling_constexprs(scaling: tuple | None) -> dict:
+    """The rope op's scaling attribute as the kernel's SCALING code (0 none, 1 linear, 2 by_wavelength) and its
+    numbers."""
+    kind = {None: 0, "linear": 1, "by_wavelength": 2}[scaling[0] if scaling else None]
+    numbers = [float(v) for v in (scaling or ())[1:]] + [1.0] * 4
+    return dict(SCALING=kind, FACTOR=numbers[0], LOW_FREQ=numbers[1], HIGH_FREQ=numbers[2], ORIGINAL=numbers[3])
 
 
 def _plan_attention(graph: Graph, node: Node, options: PlanOptions) -> KernelSpec:
@@ -305,7 +324,8 @@ def _plan_attention(graph: Graph, node: Node, options: PlanOptions) -> KernelSpe
         p.stride(name, value)
     constexprs = dict(SCALE=float(attention.attrs["scale"]), KV_HEADS=kv_heads, HD=head_dim, GROUP=group,
                       CACHE_BLOCK=options.block_size, BLOCK_D=max(16, next_pow2(head_dim)), GROUP_P2=group_p2,
-                      BLOCK_Q=block_q, BLOCK_KV=max(16, options.block_size), UPCAST_DOT=False)
+                      BLOCK_Q=block_q, BLOCK_KV=max(16, options.block_size), UPCAST_DOT=False,
+                      WINDOW=int(attention.attrs.get("window", 0)))
     batch = types[starts].shape[0]
     grid = (GridDim((batch,)), GridDim((kv_heads,)), GridDim(("max_query_len",), block_q))
     launch = _launch("attention.py", "paged_attention_kernel", p, constexprs, grid, num_warps=4)
@@ -361,7 +381,8 @@ def _plan_embedding(graph: Graph, node: Node) -> KernelSpec:
         p.tensor(name, value)
     p.stride("stride_out", embedding.outputs[0])
     row_symbol = types[ids].shape[0]
-    launch = _launch("embedding.py", "embedding_kernel", p, dict(HIDDEN=hidden, BLOCK=block),
+    launch = _launch("embedding.py", "embedding_kernel", p,
+                     dict(HIDDEN=hidden, BLOCK=block, SCALE=float(embedding.attrs.get("scale", 1.0))),
                      (GridDim((row_symbol,)), GridDim((hidden,), block)))
     return _spec(graph, node, row_symbol, [VariantSpec("default", None, [launch])])
 

@@ -12,6 +12,8 @@ _EXPRESSIONS = {
     "add": lambda a, b: f"{a} + {b}",
     "mul": lambda a, b: f"{a} * {b}",
     "silu": lambda x: f"{x} / (1.0 + tl.exp(-{x}))",
+    "gelu_tanh": lambda x: f"0.5 * {x} * (1.0 + (2.0 / (1.0 + tl.exp(-1.5957691216057308 * ({x} + 0.044715 * {x} * {x} "
+                           f"* {x}))) - 1.0))",
     "zeros_like": lambda x: "tl.zeros([BLOCK_D], dtype=tl.float32)",
 }
 
@@ -40,7 +42,9 @@ def generate_row_kernel(name: str, kernel: Node, types: dict[str, TensorType], p
         operands = [local[v] for v in node.inputs]
         if node.op == "rms_norm":
             x, w = operands
-            expression = f"{x} * (1.0 / tl.sqrt(tl.sum({x} * {x}, axis=0) / D + {node.attrs['eps']!r})) * {w}"
+            offset = float(node.attrs.get("offset", 0.0))
+            scale = f"({w} + {offset!r})" if offset else w
+            expression = f"{x} * (1.0 / tl.sqrt(tl.sum({x} * {x}, axis=0) / D + {node.attrs['eps']!r})) * {scale}"
         else:
             expression = _EXPRESSIONS[node.op](*operands)
         body.append(f"    {local[node.outputs[0]]} = {expression}")

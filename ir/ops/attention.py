@@ -14,25 +14,53 @@ from pegainfer.ir.registry import ATTENTION, CACHE_WRITE, ELEMENTWISE, expect, r
 from pegainfer.ir.types import TensorType
 
 
-def _infer_rope(x: TensorType, positions: TensorType, *, theta: float) -> TensorType:
+def _infer_rope(x: TensorType, positions: TensorType, *, theta: float, scaling: tuple | None = None) -> TensorType:
     expect(x.rank == 3, f"rope: input must be [tokens, heads, head_dim], found {x}")
     expect(isinstance(x.shape[2], int) and x.shape[2] % 2 == 0, f"rope: head_dim must be even, found {x}")
     expect(positions.rank == 1 and positions.shape[0] == x.shape[0] and not positions.dtype.is_float,
            f"rope: positions must be integer [{x.shape[0]}], found {positions}")
     expect(theta > 0, f"rope: theta must be positive, found {theta}")
+    expect(scaling is None or (scaling[0] == "linear" and len(scaling) == 2 and scaling[1] > 0)
+           or (scaling[0] == "by_wavelength" and len(scaling) == 5 and scaling[1] > 0 and scaling[3] > scaling[2] > 0
+               and scaling[4] > 0),
+           f"rope: scaling must be null, (linear, factor) or (by_wavelength, factor, low_freq_factor, "
+           f"high_freq_factor, original_max_position), found {scaling}")
     return x
 
 
-def rope_cos_sin(positions: np.ndarray, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+def rope_inv_freq(head_dim: int, theta: float, scaling: tuple | None = None) -> np.ndarray:
+    """The rotation frequencies [head_dim / 2] in float32, as Hugging Face computes them: unscaled, linear (every
+    frequency divided by the factor) and by_wavelength (Hugging Face's rope_type of Meta's 3.1 models: frequencies
+    whose wavelength exceeds original_max_position / low_freq_factor divided by the factor, those under
+    original_max_position / high_freq_factor kept, a smooth blend between)."""
+    exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+    inv_freq = (np.float32(1.0) / (np.float32(theta) ** exponents)).astype(np.float32)
+    if scaling is None:
+        return inv_freq
+    kind, factor = scaling[0], np.float32(scaling[1])
+    if kind == "linear":
+        return inv_freq / factor
+    low, high, original = (np.float32(v) for v in scaling[2:])
+    wavelen = np.float32(2 * np.pi) / inv_freq
+    low_wavelen, high_wavelen = original / low, original / high
+    scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (np.float32(1.0) - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_cos_sin(positions: np.ndarray, head_dim: int, theta: float,
+                 scaling: tuple | None = None) -> tuple[np.ndarray, np.ndarray]:
     """cos and sin tables [tokens, head_dim] in float32, halves repeated (the rotate-half convention)."""
-    inv_freq = 1.0 / (np.float32(theta) ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim))
+    inv_freq = rope_inv_freq(head_dim, theta, scaling)
     freqs = positions.astype(np.float32)[:, None] * inv_freq[None, :].astype(np.float32)
     angles = np.concatenate([freqs, freqs], axis=-1)
     return np.cos(angles), np.sin(angles)
 
 
-def _rope(x: np.ndarray, positions: np.ndarray, *, theta: float) -> np.ndarray:
-    cos, sin = rope_cos_sin(positions, x.shape[-1], theta)
+def _rope(x: np.ndarray, positions: np.ndarray, *, theta: float, scaling: tuple | None = None) -> np.ndarray:
+    cos, sin = rope_cos_sin(positions, x.shape[-1], theta, scaling)
     half = x.shape[-1] // 2
     rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
@@ -62,7 +90,7 @@ def _kv_write(k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.nda
 
 def _infer_attention(q: TensorType, k_cache: TensorType, v_cache: TensorType, block_tables: TensorType,
                      seq_starts: TensorType, query_lens: TensorType, context_lens: TensorType, *,
-                     scale: float) -> TensorType:
+                     scale: float, window: int = 0) -> TensorType:
     expect(q.rank == 3, f"paged_attention: q must be [tokens, heads, head_dim], found {q}")
     expect(k_cache.rank == 4 and k_cache == v_cache, f"paged_attention: caches must be equal rank-4, "
                                                      f"found {k_cache} and {v_cache}")
@@ -76,12 +104,15 @@ def _infer_attention(q: TensorType, k_cache: TensorType, v_cache: TensorType, bl
         expect(t.shape == (batch,) and not t.dtype.is_float, f"paged_attention: {name} must be integer [{batch}], "
                                                              f"found {t}")
     expect(scale > 0, f"paged_attention: scale must be positive, found {scale}")
+    expect(isinstance(window, int) and window >= 0, f"paged_attention: window must be an int >= 0 (0: none), "
+                                                     f"found {window!r}")
     return q
 
 
 def _attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray,
                seq_starts: np.ndarray, query_lens: np.ndarray, context_lens: np.ndarray, *,
-               scale: float) -> np.ndarray:
+               scale: float, window: int = 0) -> np.ndarray:
+    """Causal; with a window, query position p sees keys p - window + 1 .. p (Hugging Face's sliding window)."""
     out = np.zeros_like(q)
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // kv_heads
@@ -95,7 +126,9 @@ def _attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_ta
         queries = q[start:start + q_len]
         scores = np.einsum("qhd,khd->hqk", queries, keys) * np.float32(scale)
         query_pos = np.arange(ctx - q_len, ctx)[:, None]
-        scores = np.where(np.arange(ctx)[None, :] <= query_pos, scores, -np.inf)
+        key_pos = np.arange(ctx)[None, :]
+        visible = (key_pos <= query_pos) & ((key_pos > query_pos - window) if window else True)
+        scores = np.where(visible, scores, -np.inf)
         scores = scores - scores.max(axis=-1, keepdims=True)
         probs = np.exp(scores)
         probs /= probs.sum(axis=-1, keepdims=True)

@@ -7,14 +7,17 @@ from pegainfer.ir.dtypes import FP32, INT32
 from pegainfer.ir.types import Dim, TensorType, same_elements
 
 
-def _infer_embedding(ids: TensorType, table: TensorType) -> TensorType:
+def _infer_embedding(ids: TensorType, table: TensorType, *, scale: float = 1.0) -> TensorType:
     expect(not ids.dtype.is_float, f"embedding: ids must be integers, found {ids}")
     expect(table.rank == 2, f"embedding: table must be [vocab, hidden], found {table}")
+    expect(scale > 0, f"embedding: scale must be positive, found {scale}")
     return TensorType(table.dtype, (*ids.shape, table.shape[1]))
 
 
-def _embedding(ids: np.ndarray, table: np.ndarray) -> np.ndarray:
-    return table[ids]
+def _embedding(ids: np.ndarray, table: np.ndarray, *, scale: float = 1.0) -> np.ndarray:
+    """Rows of the table, times `scale` (some models scale their embeddings by sqrt(hidden))."""
+    rows = table[ids]
+    return rows if scale == 1.0 else rows * np.float32(scale)
 
 
 def _infer_linear(x: TensorType, w: TensorType, bias: TensorType | None = None) -> TensorType:
@@ -43,6 +46,12 @@ def _infer_float(x: TensorType) -> TensorType:
 
 def _silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
+
+
+def _gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """GELU with the tanh approximation (Hugging Face's gelu_pytorch_tanh)."""
+    inner = np.float32(np.sqrt(2.0 / np.pi)) * (x + np.float32(0.044715) * x * x * x)
+    return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(inner))
 
 
 def _infer_reshape(x: TensorType, *, shape: tuple[Dim, ...]) -> TensorType:
@@ -108,6 +117,7 @@ register_op("linear", _infer_linear, _linear, GEMM)
 register_op("add", _infer_same, np.add, ELEMENTWISE)
 register_op("mul", _infer_same, np.multiply, ELEMENTWISE)
 register_op("silu", _infer_float, _silu, ELEMENTWISE)
+register_op("gelu_tanh", _infer_float, _gelu_tanh, ELEMENTWISE)
 register_op("zeros_like", _infer_float, _zeros_like, ELEMENTWISE)
 register_op("reshape", _infer_reshape, _reshape, VIEW)
 register_op("split", _infer_split, _split, VIEW)

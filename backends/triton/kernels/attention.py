@@ -1,6 +1,8 @@
 """Per-head q/k RMSNorm + RoPE + the paged KV write, and grouped-query causal attention over the paged cache
 (layouts: ir/ops/attention.py). One program per (token, head) for the first; per (sequence, kv head, query tile)
-for attention, which keeps an online softmax over key tiles gathered through the block table."""
+for attention, which keeps an online softmax over key tiles gathered through the block table. A sliding WINDOW
+(0: none) masks keys more than WINDOW - 1 positions behind a query, and skips the tiles no query of a program sees.
+RoPE frequencies follow ir/ops/attention.py's rope_inv_freq: SCALING 0 none, 1 linear, 2 by_wavelength."""
 
 import triton
 import triton.language as tl
@@ -8,17 +10,32 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
+def _inv_freq(offs, HD: tl.constexpr, THETA: tl.constexpr, SCALING: tl.constexpr, FACTOR: tl.constexpr,
+              LOW_FREQ: tl.constexpr, HIGH_FREQ: tl.constexpr, ORIGINAL: tl.constexpr):
+    inv_freq = 1.0 / tl.exp2((2.0 * offs.to(tl.float32) / HD) * tl.log2(THETA))
+    if SCALING == 1:
+        inv_freq = inv_freq / FACTOR
+    elif SCALING == 2:
+        wavelen = 6.283185307179586 / inv_freq
+        scaled = tl.where(wavelen > ORIGINAL / LOW_FREQ, inv_freq / FACTOR, inv_freq)
+        smooth = (ORIGINAL / wavelen - LOW_FREQ) / (HIGH_FREQ - LOW_FREQ)
+        medium = (wavelen >= ORIGINAL / HIGH_FREQ) & (wavelen <= ORIGINAL / LOW_FREQ)
+        inv_freq = tl.where(medium, (1.0 - smooth) * scaled / FACTOR + smooth * scaled, scaled)
+    return inv_freq
+
+
+@triton.jit
 def _norm_rope(x_ptr, w_ptr, pos, offs, mask, HD: tl.constexpr, EPS: tl.constexpr, NORM: tl.constexpr,
-               THETA: tl.constexpr):
+               NORM_OFFSET: tl.constexpr, THETA: tl.constexpr, SCALING: tl.constexpr, FACTOR: tl.constexpr,
+               LOW_FREQ: tl.constexpr, HIGH_FREQ: tl.constexpr, ORIGINAL: tl.constexpr):
     half: tl.constexpr = HD // 2
     x1 = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_ptr + half + offs, mask=mask, other=0.0).to(tl.float32)
     if NORM:
         rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HD + EPS)
-        x1 = x1 * rstd * tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        x2 = x2 * rstd * tl.load(w_ptr + half + offs, mask=mask, other=0.0).to(tl.float32)
-    inv_freq = 1.0 / tl.exp2((2.0 * offs.to(tl.float32) / HD) * tl.log2(THETA))
-    angle = pos * inv_freq
+        x1 = x1 * rstd * (tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32) + NORM_OFFSET)
+        x2 = x2 * rstd * (tl.load(w_ptr + half + offs, mask=mask, other=0.0).to(tl.float32) + NORM_OFFSET)
+    angle = pos * _inv_freq(offs, HD, THETA, SCALING, FACTOR, LOW_FREQ, HIGH_FREQ, ORIGINAL)
     cos = tl.cos(angle)
     sin = tl.sin(angle)
     return x1 * cos - x2 * sin, x2 * cos + x1 * sin
@@ -38,7 +55,10 @@ def _dot(a, b, acc, UPCAST: tl.constexpr):
 def qk_rope_kv_write_kernel(q_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, slot_ptr, q_out_ptr,
                             k_cache_ptr, v_cache_ptr, stride_q, stride_k, stride_v, stride_q_out,
                             HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HD: tl.constexpr, EPS: tl.constexpr,
-                            NORM: tl.constexpr, THETA: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr):
+                            NORM: tl.constexpr, NORM_OFFSET: tl.constexpr, THETA: tl.constexpr,
+                            SCALING: tl.constexpr, FACTOR: tl.constexpr, LOW_FREQ: tl.constexpr,
+                            HIGH_FREQ: tl.constexpr, ORIGINAL: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                            PDL: tl.constexpr):
     if PDL:  # programmatic dependent launch: the next kernel may start; this one waits for the last's writes
         gdc_launch_dependents()
         gdc_wait()
@@ -49,7 +69,8 @@ def qk_rope_kv_write_kernel(q_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, pos_ptr
     mask = offs < half
     pos = tl.load(pos_ptr + token).to(tl.float32)
     if head < HEADS:
-        o1, o2 = _norm_rope(q_ptr + token * stride_q + head * HD, q_norm_ptr, pos, offs, mask, HD, EPS, NORM, THETA)
+        o1, o2 = _norm_rope(q_ptr + token * stride_q + head * HD, q_norm_ptr, pos, offs, mask, HD, EPS, NORM,
+                            NORM_OFFSET, THETA, SCALING, FACTOR, LOW_FREQ, HIGH_FREQ, ORIGINAL)
         q_dst = q_out_ptr + token * stride_q_out + head * HD
         tl.store(q_dst + offs, o1.to(q_out_ptr.dtype.element_ty), mask=mask)
         tl.store(q_dst + half + offs, o2.to(q_out_ptr.dtype.element_ty), mask=mask)
@@ -58,7 +79,7 @@ def qk_rope_kv_write_kernel(q_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, pos_ptr
         slot = tl.load(slot_ptr + token)
         write = mask & (slot >= 0)
         o1, o2 = _norm_rope(k_ptr + token * stride_k + kv_head * HD, k_norm_ptr, pos, offs, mask, HD, EPS, NORM,
-                            THETA)
+                            NORM_OFFSET, THETA, SCALING, FACTOR, LOW_FREQ, HIGH_FREQ, ORIGINAL)
         cache_offset = (slot.to(tl.int64) * KV_HEADS + kv_head) * HD
         tl.store(k_cache_ptr + cache_offset + offs, o1.to(k_cache_ptr.dtype.element_ty), mask=write)
         tl.store(k_cache_ptr + cache_offset + half + offs, o2.to(k_cache_ptr.dtype.element_ty), mask=write)
@@ -71,8 +92,10 @@ def qk_rope_kv_write_kernel(q_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, pos_ptr
 
 @triton.jit
 def _query_tile(q_ptr, starts_ptr, q_lens_ptr, ctx_lens_ptr, stride_q, seq, kv_head, q_tile, HD: tl.constexpr,
-                GROUP: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr):
-    """The tile's rows: BLOCK_Q queries of the sequence times the GROUP heads sharing this KV head, and q."""
+                GROUP: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr,
+                WINDOW: tl.constexpr):
+    """The tile's rows: BLOCK_Q queries of the sequence times the GROUP heads sharing this KV head, q, and the
+    keys the tile's queries see: kv_begin .. kv_end."""
     start = tl.load(starts_ptr + seq)
     q_len = tl.load(q_lens_ptr + seq)
     ctx = tl.load(ctx_lens_ptr + seq)
@@ -84,13 +107,17 @@ def _query_tile(q_ptr, starts_ptr, q_lens_ptr, ctx_lens_ptr, stride_q, seq, kv_h
     q = tl.load(q_ptr + (start + q_index)[:, None] * stride_q + head[:, None] * HD + offs_d[None, :],
                 mask=row_ok[:, None] & (offs_d < HD)[None, :], other=0.0)
     kv_end = tl.minimum(ctx, ctx - q_len + (q_tile + 1) * BLOCK_Q)  # the last query of the tile sees this far
-    return q, start + q_index, head, row_ok, ctx - q_len + q_index, kv_end
+    kv_begin = 0
+    if WINDOW > 0:  # the first query of the tile sees back to here
+        kv_begin = tl.maximum(ctx - q_len + q_tile * BLOCK_Q - WINDOW + 1, 0)
+    return q, start + q_index, head, row_ok, ctx - q_len + q_index, kv_begin, kv_end
 
 
 @triton.jit
 def _attend(q, q_pos, k_cache_ptr, v_cache_ptr, tables_ptr, stride_tables, seq, kv_head, lo, hi, kv_end,
             SCALE: tl.constexpr, KV_HEADS: tl.constexpr, HD: tl.constexpr, CACHE_BLOCK: tl.constexpr,
-            BLOCK_D: tl.constexpr, ROWS: tl.constexpr, BLOCK_KV: tl.constexpr, UPCAST_DOT: tl.constexpr):
+            BLOCK_D: tl.constexpr, ROWS: tl.constexpr, BLOCK_KV: tl.constexpr, WINDOW: tl.constexpr,
+            UPCAST_DOT: tl.constexpr):
     """Online softmax over the keys lo .. hi, gathered through the block table: (unnormalised out, max, sum)."""
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HD
@@ -105,7 +132,10 @@ def _attend(q, q_pos, k_cache_ptr, v_cache_ptr, tables_ptr, stride_tables, seq, 
         kv_mask = pos_ok[:, None] & mask_d[None, :]
         k = tl.load(k_cache_ptr + addr[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         scores = _dot(q, tl.trans(k), tl.zeros([ROWS, BLOCK_KV], tl.float32), UPCAST_DOT) * SCALE
-        scores = tl.where((pos[None, :] <= q_pos[:, None]) & pos_ok[None, :], scores, float("-inf"))
+        visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
+        if WINDOW > 0:
+            visible = visible & (pos[None, :] > q_pos[:, None] - WINDOW)
+        scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet stay at zero
         alpha = tl.exp(m_i - m_safe)
@@ -122,16 +152,18 @@ def paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, starts_p
                            out_ptr, stride_q, stride_out, stride_tables,
                            SCALE: tl.constexpr, KV_HEADS: tl.constexpr, HD: tl.constexpr, GROUP: tl.constexpr,
                            CACHE_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_P2: tl.constexpr,
-                           BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, UPCAST_DOT: tl.constexpr, PDL: tl.constexpr):
+                           BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, WINDOW: tl.constexpr,
+                           UPCAST_DOT: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # programmatic dependent launch: the next kernel may start; this one waits for the last's writes
         gdc_launch_dependents()
         gdc_wait()
     seq, kv_head, q_tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    q, token, head, row_ok, q_pos, kv_end = _query_tile(q_ptr, starts_ptr, q_lens_ptr, ctx_lens_ptr, stride_q, seq,
-                                                        kv_head, q_tile, HD, GROUP, BLOCK_D, GROUP_P2, BLOCK_Q)
-    acc, m_i, l_i = _attend(q, q_pos, k_cache_ptr, v_cache_ptr, tables_ptr, stride_tables, seq, kv_head, 0, kv_end,
-                            kv_end, SCALE, KV_HEADS, HD, CACHE_BLOCK, BLOCK_D, BLOCK_Q * GROUP_P2, BLOCK_KV,
-                            UPCAST_DOT)
+    q, token, head, row_ok, q_pos, kv_begin, kv_end = _query_tile(
+        q_ptr, starts_ptr, q_lens_ptr, ctx_lens_ptr, stride_q, seq, kv_head, q_tile, HD, GROUP, BLOCK_D, GROUP_P2,
+        BLOCK_Q, WINDOW)
+    acc, m_i, l_i = _attend(q, q_pos, k_cache_ptr, v_cache_ptr, tables_ptr, stride_tables, seq, kv_head, kv_begin,
+                            kv_end, kv_end, SCALE, KV_HEADS, HD, CACHE_BLOCK, BLOCK_D, BLOCK_Q * GROUP_P2, BLOCK_KV,
+                            WINDOW, UPCAST_DOT)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     offs_d = tl.arange(0, BLOCK_D)
     tl.store(out_ptr + token[:, None] * stride_out + head[:, None] * HD + offs_d[None, :],
@@ -144,8 +176,8 @@ def paged_attention_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, st
                                  SCALE: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
                                  HD: tl.constexpr, GROUP: tl.constexpr, CACHE_BLOCK: tl.constexpr,
                                  BLOCK_D: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr,
-                                 BLOCK_KV: tl.constexpr, SPLITS: tl.constexpr, UPCAST_DOT: tl.constexpr,
-                                 PDL: tl.constexpr):
+                                 BLOCK_KV: tl.constexpr, SPLITS: tl.constexpr, WINDOW: tl.constexpr,
+                                 UPCAST_DOT: tl.constexpr, PDL: tl.constexpr):
     """paged_attention_kernel over one of SPLITS slices of the visible keys (flash decoding): writes each row's
     normalised partial output and its log-sum-exp; attention_merge_kernel combines the slices."""
     if PDL:  # programmatic dependent launch: the next kernel may start; this one waits for the last's writes
@@ -153,12 +185,14 @@ def paged_attention_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, st
         gdc_wait()
     seq, kv_head = tl.program_id(0), tl.program_id(1)
     q_tile, split = tl.program_id(2) // SPLITS, tl.program_id(2) % SPLITS
-    q, token, head, row_ok, q_pos, kv_end = _query_tile(q_ptr, starts_ptr, q_lens_ptr, ctx_lens_ptr, stride_q, seq,
-                                                        kv_head, q_tile, HD, GROUP, BLOCK_D, GROUP_P2, BLOCK_Q)
-    span = tl.cdiv(tl.cdiv(kv_end, SPLITS), BLOCK_KV) * BLOCK_KV
+    q, token, head, row_ok, q_pos, kv_begin, kv_end = _query_tile(
+        q_ptr, starts_ptr, q_lens_ptr, ctx_lens_ptr, stride_q, seq, kv_head, q_tile, HD, GROUP, BLOCK_D, GROUP_P2,
+        BLOCK_Q, WINDOW)
+    span = tl.cdiv(tl.cdiv(kv_end - kv_begin, SPLITS), BLOCK_KV) * BLOCK_KV
     acc, m_i, l_i = _attend(q, q_pos, k_cache_ptr, v_cache_ptr, tables_ptr, stride_tables, seq, kv_head,
-                            split * span, tl.minimum(kv_end, (split + 1) * span), kv_end, SCALE, KV_HEADS, HD,
-                            CACHE_BLOCK, BLOCK_D, BLOCK_Q * GROUP_P2, BLOCK_KV, UPCAST_DOT)
+                            kv_begin + split * span, tl.minimum(kv_end, kv_begin + (split + 1) * span), kv_end,
+                            SCALE, KV_HEADS, HD, CACHE_BLOCK, BLOCK_D, BLOCK_Q * GROUP_P2, BLOCK_KV, WINDOW,
+                            UPCAST_DOT)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i)))
     slot = (token * HEADS + head) * SPLITS + split

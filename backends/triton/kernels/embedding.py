@@ -1,4 +1,4 @@
-"""Embedding lookup: one program per (token, column tile) copies a row of the table."""
+"""Embedding lookup: one program per (token, column tile) copies a row of the table, times SCALE (1: a copy)."""
 
 import triton
 import triton.language as tl
@@ -7,7 +7,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 @triton.jit
 def embedding_kernel(ids_ptr, table_ptr, out_ptr, stride_out, HIDDEN: tl.constexpr, BLOCK: tl.constexpr,
-                     PDL: tl.constexpr):
+                     SCALE: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # programmatic dependent launch: the next kernel may start; this one waits for the last's writes
         gdc_launch_dependents()
         gdc_wait()
@@ -16,4 +16,6 @@ def embedding_kernel(ids_ptr, table_ptr, out_ptr, stride_out, HIDDEN: tl.constex
     mask = offs < HIDDEN
     row = tl.load(ids_ptr + token).to(tl.int64)
     values = tl.load(table_ptr + row * HIDDEN + offs, mask=mask)
+    if SCALE != 1.0:
+        values = values.to(tl.float32) * SCALE
     tl.store(out_ptr + token * stride_out + offs, values.to(out_ptr.dtype.element_ty), mask=mask)

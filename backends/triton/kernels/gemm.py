@@ -69,10 +69,10 @@ def _inverse_rms(x_ptr, x2_ptr, sum_ptr, rows, offs_m, mask_m, stride_x, stride_
 
 @triton.jit
 def _activation_tile(x_ptr, x2_ptr, norm_ptr, rows, rstd, stride_x, stride_x2, offs_k, mask_m, mask_k,
-                     ADD: tl.constexpr, NORM: tl.constexpr):
+                     ADD: tl.constexpr, NORM: tl.constexpr, NORM_OFFSET: tl.constexpr):
     a = _load_rows(x_ptr, x2_ptr, rows, stride_x, stride_x2, offs_k, mask_m, mask_k, ADD)
-    if NORM:
-        weight = tl.load(norm_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    if NORM:  # the norm scales by weight + NORM_OFFSET (1 for norms that scale by 1 + weight)
+        weight = tl.load(norm_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32) + NORM_OFFSET
         a = a * rstd[:, None] * weight[None, :]
     return a
 
@@ -98,7 +98,7 @@ def linear_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, s
                   ADD: tl.constexpr, GATHER: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr,
                   ACT: tl.constexpr, WRITE_SUM: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
-                  PDL: tl.constexpr):
+                  NORM_OFFSET: tl.constexpr = 0.0, PDL: tl.constexpr = False):
     if PDL:  # programmatic dependent launch: the next kernel may start; this one waits for the last's writes
         gdc_launch_dependents()
         gdc_wait()
@@ -115,7 +115,7 @@ def linear_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, s
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
         a = _activation_tile(x_ptr, x2_ptr, norm_ptr, rows, rstd, stride_x, stride_x2, offs_k, mask_m, mask_k,
-                             ADD, NORM)
+                             ADD, NORM, NORM_OFFSET)
         if not UPCAST_DOT:  # the tensor cores take the weights' type (the interpreter's casts truncate: skip)
             a = a.to(w_ptr.dtype.element_ty)
         w_mask = mask_n[:, None] & mask_k[None, :]
@@ -134,7 +134,7 @@ def gemv_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, sum
                 ADD: tl.constexpr, GATHER: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr,
                 ACT: tl.constexpr, WRITE_SUM: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
-                PDL: tl.constexpr):
+                NORM_OFFSET: tl.constexpr = 0.0, PDL: tl.constexpr = False):
     """linear_kernel for a few rows: no tensor cores, narrow column tiles so that every SM streams weights.
     Products accumulate per lane across the K loop and are reduced once at the end: a reduction per iteration
     would synchronise the warps on every tile."""
@@ -154,7 +154,7 @@ def gemv_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, sum
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
         a = _activation_tile(x_ptr, x2_ptr, norm_ptr, rows, rstd, stride_x, stride_x2, offs_k, mask_m, mask_k,
-                             ADD, NORM)
+                             ADD, NORM, NORM_OFFSET)
         if not UPCAST_DOT:  # round the activation as the tensor-core path does
             a = a.to(w_ptr.dtype.element_ty).to(tl.float32)
         w_mask = mask_n[:, None] & mask_k[None, :]
@@ -173,7 +173,8 @@ def gemv_row_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr,
                     N: tl.constexpr, K: tl.constexpr, EPS: tl.constexpr,
                     ADD: tl.constexpr, GATHER: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr,
                     ACT: tl.constexpr, WRITE_SUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, RMS_BLOCK: tl.constexpr, UPCAST_DOT: tl.constexpr, PDL: tl.constexpr):
+                    BLOCK_K: tl.constexpr, RMS_BLOCK: tl.constexpr, UPCAST_DOT: tl.constexpr,
+                    NORM_OFFSET: tl.constexpr = 0.0, PDL: tl.constexpr = False):
     """gemv_kernel with one row per program (BLOCK_M must be 1) and two-dimensional tiles: the activation is
     loaded straight into the weight tile's column layout, so no layout change (a round trip through shared
     memory and a barrier) sits in the K loop that streams the weights. The next weight tile is loaded one step
@@ -205,8 +206,8 @@ def gemv_row_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr,
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
         a = _load_row(x_ptr, x2_ptr, row, stride_x, stride_x2, offs_k, valid & mask_k, ADD)
-        if NORM:
-            a = a * rstd * tl.load(norm_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        if NORM:  # weight + NORM_OFFSET, as _activation_tile
+            a = a * rstd * (tl.load(norm_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32) + NORM_OFFSET)
         if not UPCAST_DOT:  # round the activation as the tensor-core path does
             a = a.to(w_ptr.dtype.element_ty).to(tl.float32)
         w_next, w_up_next = _weight_tiles(w_ptr, offs_n, mask_n, k0 + BLOCK_K, N, K, ACT, BLOCK_K)

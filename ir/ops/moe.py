@@ -1,0 +1,72 @@
+"""Mixture of experts: routing each token to its top-k experts, and applying the chosen experts' gated MLPs.
+
+Expert weights are stacked along rows, expert e's block after expert e-1's (a derived param the loader stacks from
+the checkpoint's per-expert tensors): gate_up is [experts * 2I, H], expert e's rows 2Ie .. 2Ie + I its gate
+projection and the next I its up projection; down is [experts * H, I].
+"""
+
+import numpy as np
+
+from pegainfer.ir.dtypes import INT32
+from pegainfer.ir.ops.basic import _gelu_tanh, _silu
+from pegainfer.ir.registry import GEMM, ROW_REDUCTION, expect, register_op
+from pegainfer.ir.types import TensorType
+
+ACTIVATIONS = {"silu": _silu, "gelu_tanh": _gelu_tanh}
+
+
+def _infer_route(logits: TensorType, *, k: int, normalize: bool) -> tuple[TensorType, TensorType]:
+    expect(logits.rank == 2 and logits.dtype.is_float and isinstance(logits.shape[1], int),
+           f"moe_route: router logits must be float [tokens, experts], found {logits}")
+    expect(isinstance(k, int) and 0 < k <= logits.shape[1], f"moe_route: k must be in 1..{logits.shape[1]}, "
+                                                             f"found {k!r}")
+    expect(isinstance(normalize, bool), f"moe_route: normalize must be a bool, found {normalize!r}")
+    return TensorType(logits.dtype, (logits.shape[0], k)), TensorType(INT32, (logits.shape[0], k))
+
+
+def _route(logits: np.ndarray, *, k: int, normalize: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Softmax over the experts, the k most probable (descending, ties to the lower index), and their weights:
+    the probabilities themselves, or renormalised to sum to 1 (norm_topk_prob)."""
+    probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    probs /= probs.sum(axis=-1, keepdims=True)
+    ids = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
+    weights = np.take_along_axis(probs, ids, axis=-1)
+    if normalize:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    return weights.astype(np.float32), ids.astype(np.int32)
+
+
+def _infer_experts(x: TensorType, weights: TensorType, ids: TensorType, gate_up: TensorType, down: TensorType, *,
+                   experts: int, act: str) -> TensorType:
+    expect(x.rank == 2 and x.dtype.is_float, f"moe_experts: input must be float [tokens, hidden], found {x}")
+    expect(weights.rank == 2 and weights.shape[0] == x.shape[0] and weights.dtype.is_float
+           and ids.shape == weights.shape and not ids.dtype.is_float,
+           f"moe_experts: routing must be float weights and integer ids, both [{x.shape[0]}, k], found {weights} "
+           f"and {ids}")
+    expect(act in ACTIVATIONS, f"moe_experts: act must be one of {sorted(ACTIVATIONS)}, found {act!r}")
+    hidden = x.shape[1]
+    expect(gate_up.rank == 2 and gate_up.shape[1] == hidden and gate_up.shape[0] % (2 * experts) == 0,
+           f"moe_experts: gate_up must be [{experts} * 2I, {hidden}], found {gate_up}")
+    inter = gate_up.shape[0] // (2 * experts)
+    expect(down.shape == (experts * hidden, inter), f"moe_experts: down must be [{experts * hidden}, {inter}], "
+                                                    f"found {down}")
+    return x
+
+
+def _experts(x: np.ndarray, weights: np.ndarray, ids: np.ndarray, gate_up: np.ndarray, down: np.ndarray, *,
+             experts: int, act: str) -> np.ndarray:
+    """sum over the k chosen experts e of weight * down_e(act(gate_e x) * up_e x), per token."""
+    hidden = x.shape[1]
+    inter = gate_up.shape[0] // (2 * experts)
+    gate_up, down = gate_up.reshape(experts, 2 * inter, hidden), down.reshape(experts, hidden, inter)
+    out = np.zeros_like(x, dtype=np.float32)
+    for expert in np.unique(ids):
+        rows, slots = np.nonzero(ids == expert)  # a token picks an expert at most once: rows are distinct
+        projected = x[rows] @ gate_up[expert].T
+        activated = ACTIVATIONS[act](projected[:, :inter]) * projected[:, inter:]
+        out[rows] += weights[rows, slots, None] * (activated @ down[expert].T)
+    return out
+
+
+register_op("moe_route", _infer_route, _route, ROW_REDUCTION)
+register_op("moe_experts", _infer_experts, _experts, GEMM)

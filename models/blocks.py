@@ -1,0 +1,122 @@
+"""Building blocks the DAG files share: weight declaration, RoPE settings from config.json, grouped-query
+self-attention over the paged KV cache, the gated MLP, and the final norm with the LM head. Plain functions of IR
+ops; each DAG file says which it uses and how (this module declares no architecture)."""
+
+from dataclasses import dataclass
+from typing import Any
+
+from pegainfer.errors import ConfigError
+from pegainfer.ir import DType, GraphBuilder, Value
+from pegainfer.ir.step import AttentionInputs, kv_cache_shape
+
+GLU_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+
+
+def optional(**attrs: Any) -> dict[str, Any]:
+    """Op attributes left out at their defaults (0, None), so graphs that do not use them print as before."""
+    return {key: value for key, value in attrs.items() if value}
+
+
+def weights(b: GraphBuilder, prefix: str, dtype: DType):
+    """`weight(name, *shape)`: the param `<prefix>.<name>`."""
+    return lambda name, *shape: b.param(f"{prefix}.{name}", dtype, shape)
+
+
+def rope_scaling(scaling: dict[str, Any] | None) -> tuple | None:
+    """Hugging Face's rope_scaling (or a layer type's rope_parameters) as the rope op's `scaling` attribute."""
+    if not scaling:
+        return None
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    keys = {"default": (), "linear": ("factor",),
+            "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+    if kind not in keys:
+        raise ConfigError(f"rope_scaling type {kind!r} is not implemented (expected one of {', '.join(keys)})")
+    missing = [key for key in keys[kind] if not isinstance(scaling.get(key), (int, float))]
+    if missing:
+        raise ConfigError(f"rope_scaling of type {kind!r} needs numbers {missing}, found {scaling!r}")
+    if kind == "default":
+        return None
+    return ("by_wavelength" if kind == "llama3" else kind, *(float(scaling[key]) for key in keys[kind]))
+
+
+def glu_activation(name: str) -> str:
+    if name not in GLU_ACTIVATIONS:
+        raise ConfigError(f"activation {name!r} is not implemented (expected one of {', '.join(GLU_ACTIVATIONS)})")
+    return GLU_ACTIVATIONS[name]
+
+
+def require_grouped_heads(heads: int, kv_heads: int) -> None:
+    if heads % kv_heads:
+        raise ConfigError(f"num_attention_heads {heads} must be a multiple of num_key_value_heads {kv_heads}")
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    theta: float
+    scaling: tuple | None = None  # the rope op's scaling attribute
+    scale: float | None = None  # softmax scale; head_dim ** -0.5 when None
+    window: int = 0  # sliding window in tokens; 0: none
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm_eps: float | None = None  # per-head RMSNorm of q and k before RoPE (q_norm, k_norm) when set
+    norm_offset: float = 0.0  # 1.0 for norms that scale by 1 + weight
+
+
+def self_attention(b: GraphBuilder, x: Value, attention: AttentionInputs, prefix: str, cache: str,
+                   spec: AttentionSpec) -> Value:
+    """Q/K/V projections, optional q/k norms, RoPE, the paged KV write, attention and o_proj. `prefix` names the
+    weights (`model.layers.{layer}.self_attn`), `cache` the KV states (`kv.{layer}`)."""
+    weight = weights(b, prefix, x.dtype)
+
+    def project(name: str, heads: int) -> Value:
+        bias = [weight(f"{name}.bias", heads * spec.head_dim)] if spec.qkv_bias else []
+        flat = b.linear(x, weight(f"{name}.weight", heads * spec.head_dim, spec.hidden), *bias, name=name)
+        return b.reshape(flat, shape=("tokens", heads, spec.head_dim), name=f"{name}_heads")
+
+    def norm_and_rope(value: Value, norm: str) -> Value:
+        if spec.qk_norm_eps is not None:
+            value = b.rms_norm(value, weight(f"{norm}.weight", spec.head_dim), eps=spec.qk_norm_eps, name=norm,
+                               **optional(offset=spec.norm_offset))
+        return b.rope(value, attention.positions, theta=spec.theta, name=f"{norm[0]}_rope",
+                      **optional(scaling=spec.scaling))
+
+    q = norm_and_rope(project("q_proj", spec.heads), "q_norm")
+    k = norm_and_rope(project("k_proj", spec.kv_heads), "k_norm")
+    v = project("v_proj", spec.kv_heads)
+    k_cache = b.state(f"{cache}.k", x.dtype, kv_cache_shape(spec.kv_heads, spec.head_dim))
+    v_cache = b.state(f"{cache}.v", x.dtype, kv_cache_shape(spec.kv_heads, spec.head_dim))
+    k_cache, v_cache = b.kv_write(k_cache, v_cache, k, v, attention.slot_mapping, name="kv_write")
+    out = b.paged_attention(q, k_cache, v_cache, attention.block_tables, attention.seq_starts, attention.query_lens,
+                            attention.context_lens, scale=spec.scale or spec.head_dim ** -0.5, name="attention",
+                            **optional(window=spec.window))
+    out = b.reshape(out, shape=("tokens", spec.heads * spec.head_dim), name="attention_flat")
+    o_bias = [weight("o_proj.bias", spec.hidden)] if spec.o_bias else []
+    return b.linear(out, weight("o_proj.weight", spec.hidden, spec.heads * spec.head_dim), *o_bias, name="o_proj")
+
+
+def gated_mlp(b: GraphBuilder, x: Value, prefix: str, intermediate: int, act: str, bias: bool = False) -> Value:
+    """down(act(gate(x)) * up(x)) over `<prefix>.{gate,up,down}_proj`."""
+    hidden = x.shape[-1]
+    weight = weights(b, prefix, x.dtype)
+
+    def linear(name: str, value: Value, out: int, inp: int) -> Value:
+        extra = [weight(f"{name}.bias", out)] if bias else []
+        return b.linear(value, weight(f"{name}.weight", out, inp), *extra, name=name.removesuffix("_proj"))
+
+    gate, up = linear("gate_proj", x, intermediate, hidden), linear("up_proj", x, intermediate, hidden)
+    gated = b.mul(b.op(act, gate, name="gate_act"), up, name="gated")
+    return linear("down_proj", gated, hidden, intermediate)
+
+
+def lm_head(b: GraphBuilder, hidden: Value, logits_indices: Value, embed: Value, vocab: int, eps: float,
+            tied: bool, norm_offset: float = 0.0) -> Value:
+    """The rows whose logits the step returns, the final RMSNorm, and the LM head (the embedding when tied)."""
+    hidden = b.gather_rows(hidden, logits_indices, name="sampled_rows")
+    hidden = b.rms_norm(hidden, b.param("model.norm.weight", hidden.dtype, (hidden.shape[-1],)), eps=eps,
+                        name="final_norm", **optional(offset=norm_offset))
+    head = embed if tied else b.param("lm_head.weight", hidden.dtype, (vocab, hidden.shape[-1]))
+    return b.linear(hidden, head, name="logits")

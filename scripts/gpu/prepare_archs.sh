@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Prepares the GPU golden gate of every architecture besides Qwen3 (issue 8) on this CPU machine: one small random
+# bf16 checkpoint per architecture under .gpu/archs/ (windows shorter than the gate's prompts, Llama 3 RoPE scaling,
+# Gemma 3 local/global layers, 16 experts top-4), and their sm_90 cubins in .gpu/aot_cache. Then on the H200, in
+# one call with carry [".gpu"]:
+#   bash scripts/gpu/run_archs.sh
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+PY=${PY:-.venv/bin/python}
+rm -rf .gpu/archs && mkdir -p .gpu/archs
+SHAPE="--set hidden_size=256 --set intermediate_size=704 --set num_hidden_layers=4 --set num_attention_heads=8
+       --set num_key_value_heads=2 --set head_dim=64 --set vocab_size=1000"
+make() {  # name architecture extra-args...
+    local name=$1 arch=$2; shift 2
+    "$PY" -m pegainfer.cli make-checkpoint ".gpu/archs/$name" --arch "$arch" --dtype bfloat16 --seed 3 $SHAPE "$@"
+    "$PY" -m pegainfer.cli compile ".gpu/archs/$name" --sm 90 --cache-dir .gpu/aot_cache
+}
+make llama LlamaForCausalLM
+make qwen2 Qwen2ForCausalLM --set use_sliding_window=true --set sliding_window=12 --set max_window_layers=2
+make mistral MistralForCausalLM --set sliding_window=12
+make gemma3 Gemma3ForCausalLM --set sliding_window=12 --set query_pre_attn_scalar=64 --set sliding_window_pattern=2
+make qwen3_moe Qwen3MoeForCausalLM --set num_experts=16 --set num_experts_per_tok=4 --set moe_intermediate_size=128 \
+    --set norm_topk_prob=true
+du -sh .gpu/archs
