@@ -339,7 +339,9 @@ def _target_sms(text: str | None) -> list[int]:
 def _import_build():
     try:
         from pegainfer.backends import build
-        build.triton_version()
+        from pegainfer.backends.triton.compiler import triton_version
+
+        triton_version()  # from the package metadata: importing triton would fix compile-or-interpret mode
     except ImportError as error:
         raise PegainferError(f"compiling needs the compile extra ({error.name} is missing): "
                              f"pip install -e '.[compile]'") from None
