@@ -69,9 +69,11 @@ def encode_tiled(d: TiledDescriptor) -> bytes:
 
     from pegainfer.runtime.cuda.driver import check as check_status
 
+    wide, narrow = driver.cuuint64_t, driver.cuuint32_t  # the bindings take their own integer types in lists
     tensor_map = check_status(driver.cuTensorMapEncodeTiled(
-        driver.CUtensorMapDataType(d.dtype), len(d.dims), d.address, list(d.dims), list(d.strides), list(d.box),
-        list(d.element_strides), driver.CUtensorMapInterleave(d.interleave), driver.CUtensorMapSwizzle(d.swizzle),
+        driver.CUtensorMapDataType(d.dtype), len(d.dims), d.address, [wide(x) for x in d.dims],
+        [wide(x) for x in d.strides], [narrow(x) for x in d.box], [narrow(x) for x in d.element_strides],
+        driver.CUtensorMapInterleave(d.interleave), driver.CUtensorMapSwizzle(d.swizzle),
         driver.CUtensorMapL2promotion(d.l2_promotion), driver.CUtensorMapFloatOOBfill(d.oob_fill)),
         f"cuTensorMapEncodeTiled(dims={d.dims}, box={d.box})")
     return b"".join(int(word).to_bytes(8, "little") for word in tensor_map.opaque)

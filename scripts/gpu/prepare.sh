@@ -14,6 +14,6 @@ SHAPE="--set hidden_size=256 --set intermediate_size=704 --set num_hidden_layers
 # the size of the gate's mean |delta logprob| bound, so the gate is also run where logits are smaller.
 "$PY" -m pegainfer.cli make-checkpoint .gpu/small_soft --dtype bfloat16 --seed 3 --logit-std 2 $SHAPE
 for model in .gpu/small .gpu/small_soft qwen3-4b; do
-    "$PY" -m pegainfer.cli compile "$model" --sm 90 --cache-dir .gpu/aot_cache
+    "$PY" -m pegainfer.cli compile "$model" --sm 90 --cache-dir .gpu/aot_cache --backends triton
 done
 du -sh .gpu

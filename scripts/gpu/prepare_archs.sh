@@ -4,6 +4,8 @@
 # Gemma 3 local/global layers, 16 experts top-4), and their sm_90 cubins in .gpu/aot_cache. Then on the H200, in
 # one call with carry [".gpu"]:
 #   bash scripts/gpu/run_archs.sh
+# With NO_COMPILE=1 it only writes the checkpoints (same seeds and configs, so the same manifests): the way to make
+# them on the GPU machine when carrying them would pass the carry limit.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
@@ -13,7 +15,8 @@ SHAPE="--set hidden_size=256 --set intermediate_size=704 --set num_hidden_layers
 make() {  # name architecture extra-args...
     local name=$1 arch=$2; shift 2
     "$PY" -m pegainfer.cli make-checkpoint ".gpu/archs/$name" --arch "$arch" --dtype bfloat16 --seed 3 $SHAPE "$@"
-    "$PY" -m pegainfer.cli compile ".gpu/archs/$name" --sm 90 --cache-dir .gpu/aot_cache
+    [ -n "${NO_COMPILE:-}" ] || "$PY" -m pegainfer.cli compile ".gpu/archs/$name" --sm 90 --cache-dir .gpu/aot_cache \
+        --backends triton
 }
 make llama LlamaForCausalLM
 make qwen2 Qwen2ForCausalLM --set use_sliding_window=true --set sliding_window=12 --set max_window_layers=2

@@ -5,11 +5,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/pegainfer
-export PYTHONPATH=/tmp/pkg PYTHONUNBUFFERED=1 PEGAINFER_CACHE="$PWD/.gpu/aot_cache"
+export PYTHONPATH=/tmp/pkg PYTHONUNBUFFERED=1 PEGAINFER_CACHE="${PEGAINFER_CACHE:-$PWD/.gpu/aot_cache}"
 OUT=${OUT:-/tmp/out}
 for folder in .gpu/archs/*/; do
     name=$(basename "$folder")
     mkdir -p "$OUT/$name"
     echo "=== $name"
-    python3 scripts/gpu/check.py --small "$folder" --out "$OUT/$name" --skip bench hf 2>&1 | tee "$OUT/$name/check.log"
+    python3 scripts/gpu/check.py --small "$folder" --out "$OUT/$name" --skip sampling bench gate4b hf 2>&1 | tee "$OUT/$name/check.log"
 done

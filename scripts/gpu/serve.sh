@@ -11,7 +11,7 @@ TARGET=${1:-pegainfer}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .gpu/wheels/*.whl || exit 1
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/pegainfer
-export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1 PEGAINFER_CACHE="$PWD/.gpu/aot_cache"
+export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1 PEGAINFER_CACHE="${PEGAINFER_CACHE:-$PWD/.gpu/aot_cache}"
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 CONC=${CONC:-"1 8 32 64 128"}; INPUT_LEN=${INPUT_LEN:-1024}; OUTPUT_LEN=${OUTPUT_LEN:-128}
 MODEL=/tmp/qwen3-4b-random

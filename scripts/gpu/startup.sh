@@ -5,7 +5,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/pegainfer
-export PYTHONPATH=/tmp/pkg PYTHONUNBUFFERED=1 PEGAINFER_CACHE="$PWD/.gpu/aot_cache"
+export PYTHONPATH=/tmp/pkg PYTHONUNBUFFERED=1 PEGAINFER_CACHE="${PEGAINFER_CACHE:-$PWD/.gpu/aot_cache}"
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 pg() { python3 -m pegainfer.cli "$@"; }
 pg generate --model-path .gpu/small --prompt "The inference server" --max-tokens 12 --device cuda --json
