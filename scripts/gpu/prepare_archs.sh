@@ -9,13 +9,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
-rm -rf .gpu/archs && mkdir -p .gpu/archs
+ARCHS_DIR=${ARCHS_DIR:-.gpu/archs}  # LOGIT_STD=2 for checkpoints whose logits spread 2 (as .gpu/small_soft)
+rm -rf "$ARCHS_DIR" && mkdir -p "$ARCHS_DIR"
 SHAPE="--set hidden_size=256 --set intermediate_size=704 --set num_hidden_layers=4 --set num_attention_heads=8
        --set num_key_value_heads=2 --set head_dim=64 --set vocab_size=1000"
 make() {  # name architecture extra-args...
     local name=$1 arch=$2; shift 2
-    "$PY" -m pegainfer.cli make-checkpoint ".gpu/archs/$name" --arch "$arch" --dtype bfloat16 --seed 3 $SHAPE "$@"
-    [ -n "${NO_COMPILE:-}" ] || "$PY" -m pegainfer.cli compile ".gpu/archs/$name" --sm 90 --cache-dir .gpu/aot_cache \
+    "$PY" -m pegainfer.cli make-checkpoint "$ARCHS_DIR/$name" --arch "$arch" --dtype bfloat16 --seed 3 $SHAPE \
+        ${LOGIT_STD:+--logit-std $LOGIT_STD} "$@"
+    [ -n "${NO_COMPILE:-}" ] || "$PY" -m pegainfer.cli compile "$ARCHS_DIR/$name" --sm 90 --cache-dir .gpu/aot_cache \
         --backends triton
 }
 make llama LlamaForCausalLM
@@ -24,4 +26,4 @@ make mistral MistralForCausalLM --set sliding_window=12
 make gemma3 Gemma3ForCausalLM --set sliding_window=12 --set query_pre_attn_scalar=64 --set sliding_window_pattern=2
 make qwen3_moe Qwen3MoeForCausalLM --set num_experts=16 --set num_experts_per_tok=4 --set moe_intermediate_size=128 \
     --set norm_topk_prob=true
-du -sh .gpu/archs
+du -sh "$ARCHS_DIR"

@@ -7,7 +7,7 @@ cd "$(dirname "$0")/../.."
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/pegainfer
 export PYTHONPATH=/tmp/pkg PYTHONUNBUFFERED=1 PEGAINFER_CACHE="${PEGAINFER_CACHE:-$PWD/.gpu/aot_cache}"
 OUT=${OUT:-/tmp/out}
-for folder in .gpu/archs/*/; do
+for folder in "${ARCHS_DIR:-.gpu/archs}"/*/; do
     name=$(basename "$folder")
     mkdir -p "$OUT/$name"
     echo "=== $name"
