@@ -54,7 +54,10 @@ fi
 echo "== greedy through the server against generate, small checkpoint"
 pg generate --model-path .gpu/small --prompt "The inference server" --max-tokens 12 --ignore-eos --device cuda --json \
     | tee "$OUT/serve_generate.json"
-pg serve --model-path .gpu/small --device cuda --port 8000 --served-model-name small >"$OUT/serve_small.log" 2>&1 &
+# python3 itself in the background (not the pg function, whose subshell a kill would leave the server behind), and
+# a small share of the GPU: a server takes --gpu-memory-utilization of the device for its KV cache
+python3 -m pegainfer.cli serve --model-path .gpu/small --device cuda --port 8000 --served-model-name small \
+    --gpu-memory-utilization 0.2 >"$OUT/serve_small.log" 2>&1 &
 pid=$!
 ready http://127.0.0.1:8000 && python3 - <<'PY' | tee "$OUT/serve_small.json"
 import json, os, httpx
@@ -65,9 +68,10 @@ print(json.dumps({"server_text": result["choices"][0]["text"], "generate_text": 
                   "equal": result["choices"][0]["text"] == expected["text"], "usage": result["usage"]}))
 PY
 kill $pid; wait $pid
-for start in first second; do
+for start in ${STARTS:-first second}; do
     echo "== Qwen3-4B shape: $start start"
-    pg serve --model-path "$MODEL" --device cuda --port 8000 --served-model-name qwen3-4b --max-num-seqs 128 \
+    python3 -m pegainfer.cli serve --model-path "$MODEL" --device cuda --port 8000 --served-model-name qwen3-4b \
+        --max-num-seqs 128 \
         >"$OUT/serve_4b_$start.log" 2>&1 &
     pid=$!
     ready http://127.0.0.1:8000 || { tail -30 "$OUT/serve_4b_$start.log"; exit 1; }
@@ -75,7 +79,7 @@ for start in first second; do
     echo "startup_seconds $(metric http://127.0.0.1:8000 pegainfer:startup_seconds)" \
          "resident_bytes_idle $(metric http://127.0.0.1:8000 process_resident_memory_bytes)" \
          "kv_blocks $(metric http://127.0.0.1:8000 pegainfer:kv_blocks_total)" | tee -a "$OUT/serve_startup.txt"
-    [ "$start" = second ] || { kill $pid; wait $pid; }
+    [ "$start" = "${STARTS##* }" ] || { kill $pid; wait $pid; }
 done
 sweep http://127.0.0.1:8000 qwen3-4b serve
 curl -s http://127.0.0.1:8000/metrics >"$OUT/serve_metrics.txt" 2>/dev/null || true
