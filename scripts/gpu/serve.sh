@@ -68,7 +68,8 @@ print(json.dumps({"server_text": result["choices"][0]["text"], "generate_text": 
                   "equal": result["choices"][0]["text"] == expected["text"], "usage": result["usage"]}))
 PY
 kill $pid; wait $pid
-for start in ${STARTS:-first second}; do
+STARTS=${STARTS:-first second}
+for start in $STARTS; do
     echo "== Qwen3-4B shape: $start start"
     python3 -m pegainfer.cli serve --model-path "$MODEL" --device cuda --port 8000 --served-model-name qwen3-4b \
         --max-num-seqs 128 \
