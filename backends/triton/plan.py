@@ -159,7 +159,7 @@ def _gemm_tiles(n: int, k: int, act: bool) -> list[tuple]:
 
 
 def one_row_tile(n: int, k: int, act: bool) -> tuple[int, int, int]:
-    """(columns, K tile, warps) of the batch-1 GEMV, from a search on the H200 over Qwen3-4B's shapes
+    """(columns, K tile, warps) of the batch-1 GEMV, from a search on the H200 over a 4B model's shapes
     (scripts/gpu/tune_gemv.py, docs/BENCHMARKS.md): few columns want one or two columns per program and long K
     tiles (thousands of programs); more columns, four or eight per program at four warps."""
     if act:
