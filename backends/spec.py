@@ -65,7 +65,8 @@ def pick_variant(kernel: dict, sizes: dict[str, int]) -> dict:
     for variant in kernel["variants"]:
         if serves(variant, kernel["row_symbol"], sizes):
             return variant
-    raise AssertionError(f"kernel {kernel['node']}: no variant for {kernel['row_symbol']}={sizes[kernel['row_symbol']]}")
+    rows = sizes[kernel["row_symbol"]]
+    raise AssertionError(f"kernel {kernel['node']}: no variant for {kernel['row_symbol']}={rows}")
 
 
 @dataclass

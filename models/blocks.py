@@ -1,5 +1,6 @@
 """Building blocks the DAG files share: weight declaration, RoPE settings from config.json, grouped-query
-self-attention over the paged KV cache, the gated MLP, and the final norm with the LM head. Plain functions of IR
+self-attention over the paged KV cache, the gated MLP, the pre-norm decoder layer, and the final norm with the LM
+head. Plain functions of IR
 ops; each DAG file says which it uses and how (this module declares no architecture)."""
 
 from dataclasses import dataclass
@@ -110,6 +111,23 @@ def gated_mlp(b: GraphBuilder, x: Value, prefix: str, intermediate: int, act: st
     gate, up = linear("gate_proj", x, intermediate, hidden), linear("up_proj", x, intermediate, hidden)
     gated = b.mul(b.op(act, gate, name="gate_act"), up, name="gated")
     return linear("down_proj", gated, hidden, intermediate)
+
+
+def pre_norm_layer(b: GraphBuilder, residual: Value, attention: AttentionInputs, index: int, spec: AttentionSpec,
+                   intermediate: int, eps: float, act: str, mlp_bias: bool = False) -> Value:
+    """The decoder layer Llama, Mistral and Qwen2 share: x + attention(norm(x)), then + MLP(norm(.)), under
+    Hugging Face's names (input_layernorm, self_attn, post_attention_layernorm, mlp)."""
+    prefix = f"model.layers.{index}"
+
+    def norm(x: Value, name: str, label: str) -> Value:
+        return b.rms_norm(x, b.param(f"{prefix}.{name}.weight", x.dtype, (spec.hidden,)), eps=eps, name=label)
+
+    attn = self_attention(b, norm(residual, "input_layernorm", "attn_norm"), attention, f"{prefix}.self_attn",
+                          f"kv.{index}", spec)
+    residual = b.add(residual, attn, name="attn_residual")
+    mlp = gated_mlp(b, norm(residual, "post_attention_layernorm", "mlp_norm"), f"{prefix}.mlp", intermediate, act,
+                    bias=mlp_bias)
+    return b.add(residual, mlp, name="mlp_residual")
 
 
 def lm_head(b: GraphBuilder, hidden: Value, logits_indices: Value, embed: Value, vocab: int, eps: float,

@@ -8,8 +8,8 @@ from pegainfer.frontends.config import require_float_dtype, require_positive
 from pegainfer.ir import Graph, GraphBuilder, Value, dtype_from_name
 from pegainfer.ir.layers import LayerSlot, repeat_layers
 from pegainfer.ir.step import AttentionInputs, declare_step_inputs
-from pegainfer.models.blocks import (AttentionSpec, gated_mlp, glu_activation, lm_head, require_grouped_heads,
-                                     rope_scaling, self_attention)
+from pegainfer.models.blocks import (AttentionSpec, glu_activation, lm_head, pre_norm_layer, require_grouped_heads,
+                                     rope_scaling)
 
 ARCHITECTURES = ("Qwen2ForCausalLM",)
 MODEL_TYPE = "qwen2"
@@ -85,18 +85,8 @@ def _layer(config: Config):
                              head_dim=config.dims_per_head, theta=config.rope_theta,
                              scaling=rope_scaling(config.rope_scaling), qkv_bias=True,
                              window=config.sliding_window if slot.kind == SLIDING else 0)
-        prefix = f"model.layers.{slot.index}"
-
-        def norm(x: Value, name: str, label: str) -> Value:
-            weight = b.param(f"{prefix}.{name}.weight", x.dtype, (config.hidden_size,))
-            return b.rms_norm(x, weight, eps=config.rms_norm_eps, name=label)
-
-        attn = self_attention(b, norm(residual, "input_layernorm", "attn_norm"), attention, f"{prefix}.self_attn",
-                              f"kv.{slot.index}", spec)
-        residual = b.add(residual, attn, name="attn_residual")
-        mlp = gated_mlp(b, norm(residual, "post_attention_layernorm", "mlp_norm"), f"{prefix}.mlp",
-                        config.intermediate_size, glu_activation(config.hidden_act))
-        return b.add(residual, mlp, name="mlp_residual")
+        return pre_norm_layer(b, residual, attention, slot.index, spec, config.intermediate_size,
+                              config.rms_norm_eps, glu_activation(config.hidden_act))
     return layer
 
 

@@ -222,7 +222,8 @@ class GpuExecutor:
 
 
 def _scratch_types(kernel: dict) -> dict[str, TensorType]:
-    return {name: TensorType(dtype_from_name(dtype), tuple(shape)) for name, (dtype, shape) in kernel["scratch"].items()}
+    return {name: TensorType(dtype_from_name(dtype), tuple(shape))
+            for name, (dtype, shape) in kernel["scratch"].items()}
 
 
 def _nbytes(t: TensorType, sizes: dict[str, int]) -> int:

@@ -115,7 +115,8 @@ def run(folder: Path, out: Path) -> None:
         w_bytes = w_rows * k * 2
         copies = max(2, -(-L2_DEFEAT_BYTES // w_bytes))
         if kernel not in buffers:
-            buffers[kernel] = [_upload(rng.standard_normal((w_rows, k), dtype=np.float32) * 0.02) for _ in range(copies)]
+            buffers[kernel] = [_upload(rng.standard_normal((w_rows, k), dtype=np.float32) * 0.02)
+                               for _ in range(copies)]
         weights = buffers[kernel]
         x = _upload(rng.standard_normal((rows, k), dtype=np.float32))
         x2 = _upload(rng.standard_normal((rows, k), dtype=np.float32))
