@@ -64,8 +64,9 @@ def test_decode_buckets_and_padding_never_touch_real_kv():
 
 def test_serving_imports_no_compiler_and_no_torch():
     code = ("import sys, pegainfer.cli, pegainfer.runtime.offline, pegainfer.runtime.gpu.engine, "
-            "pegainfer.runtime.cuda.driver; print([m for m in ('torch', 'triton', 'transformers', 'tilelang', "
-            "'cutlass', 'cupy') if m in sys.modules])")
+            "pegainfer.runtime.cuda.driver, pegainfer.runtime.gpu.launch, pegainfer.runtime.scheduler, "
+            "pegainfer.runtime.engine_loop, pegainfer.server.app, pegainfer.server.cli; "
+            "print([m for m in ('torch', 'triton', 'transformers', 'tilelang', 'cutlass', 'cupy') if m in sys.modules])")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
 
