@@ -66,7 +66,8 @@ def test_serving_imports_no_compiler_and_no_torch():
     code = ("import sys, pegainfer.cli, pegainfer.runtime.offline, pegainfer.runtime.gpu.engine, "
             "pegainfer.runtime.cuda.driver, pegainfer.runtime.gpu.launch, pegainfer.runtime.scheduler, "
             "pegainfer.runtime.engine_loop, pegainfer.server.app, pegainfer.server.cli; "
-            "print([m for m in ('torch', 'triton', 'transformers', 'tilelang', 'cutlass', 'cupy') if m in sys.modules])")
+            "print([m for m in ('torch', 'triton', 'transformers', 'tilelang', 'cutlass', 'cupy') "
+            "if m in sys.modules])")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
 
