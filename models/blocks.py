@@ -13,6 +13,19 @@ from pegainfer.ir.step import AttentionInputs, kv_cache_shape
 GLU_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 
+class HeadShape:
+    """For a DAG file's Config (a dataclass with hidden_size, num_attention_heads, num_key_value_heads and head_dim,
+    the last two optional): the counts as transformers derives them when config.json leaves them out."""
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def dims_per_head(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+
 def optional(**attrs: Any) -> dict[str, Any]:
     """Op attributes left out at their defaults (0, None), so graphs that do not use them print as before."""
     return {key: value for key, value in attrs.items() if value}

@@ -8,15 +8,15 @@ from pegainfer.frontends.config import require_float_dtype, require_positive
 from pegainfer.ir import Graph, GraphBuilder, Value, dtype_from_name
 from pegainfer.ir.layers import LayerSlot, repeat_layers
 from pegainfer.ir.step import AttentionInputs, declare_step_inputs
-from pegainfer.models.blocks import (AttentionSpec, glu_activation, lm_head, pre_norm_layer, require_grouped_heads,
-                                     rope_scaling)
+from pegainfer.models.blocks import (AttentionSpec, HeadShape, glu_activation, lm_head, pre_norm_layer,
+                                     require_grouped_heads, rope_scaling)
 
 ARCHITECTURES = ("LlamaForCausalLM",)
 MODEL_TYPE = "llama"
 
 
 @dataclass(frozen=True)
-class Config:
+class Config(HeadShape):
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -33,14 +33,6 @@ class Config:
     hidden_act: str = "silu"
     pretraining_tp: int = 1
     torch_dtype: str = "bfloat16"
-
-    @property
-    def kv_heads(self) -> int:
-        return self.num_key_value_heads or self.num_attention_heads
-
-    @property
-    def dims_per_head(self) -> int:
-        return self.head_dim or self.hidden_size // self.num_attention_heads
 
 
 def check_config(config: Config) -> None:

@@ -7,15 +7,15 @@ from pegainfer.frontends.config import require_float_dtype, require_positive
 from pegainfer.ir import Graph, GraphBuilder, Value, dtype_from_name
 from pegainfer.ir.layers import LayerSlot, repeat_layers
 from pegainfer.ir.step import AttentionInputs, declare_step_inputs
-from pegainfer.models.blocks import (AttentionSpec, glu_activation, lm_head, pre_norm_layer, require_grouped_heads,
-                                     rope_scaling)
+from pegainfer.models.blocks import (AttentionSpec, HeadShape, glu_activation, lm_head, pre_norm_layer,
+                                     require_grouped_heads, rope_scaling)
 
 ARCHITECTURES = ("MistralForCausalLM",)
 MODEL_TYPE = "mistral"
 
 
 @dataclass(frozen=True)
-class Config:
+class Config(HeadShape):
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -30,14 +30,6 @@ class Config:
     tie_word_embeddings: bool = False
     hidden_act: str = "silu"
     torch_dtype: str = "bfloat16"
-
-    @property
-    def kv_heads(self) -> int:
-        return self.num_key_value_heads or self.num_attention_heads
-
-    @property
-    def dims_per_head(self) -> int:
-        return self.head_dim or self.hidden_size // self.num_attention_heads
 
 
 def check_config(config: Config) -> None:

@@ -8,8 +8,8 @@ from pegainfer.frontends.config import require_float_dtype, require_positive
 from pegainfer.ir import Graph, GraphBuilder, Value, dtype_from_name
 from pegainfer.ir.layers import LayerSlot, repeat_layers
 from pegainfer.ir.step import AttentionInputs, declare_step_inputs
-from pegainfer.models.blocks import (AttentionSpec, glu_activation, lm_head, pre_norm_layer, require_grouped_heads,
-                                     rope_scaling)
+from pegainfer.models.blocks import (AttentionSpec, HeadShape, glu_activation, lm_head, pre_norm_layer,
+                                     require_grouped_heads, rope_scaling)
 
 ARCHITECTURES = ("Qwen2ForCausalLM",)
 MODEL_TYPE = "qwen2"
@@ -17,7 +17,7 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 @dataclass(frozen=True)
-class Config:
+class Config(HeadShape):
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -35,14 +35,6 @@ class Config:
     max_window_layers: int = 28
     layer_types: list | None = None
     torch_dtype: str = "bfloat16"
-
-    @property
-    def kv_heads(self) -> int:
-        return self.num_key_value_heads or self.num_attention_heads
-
-    @property
-    def dims_per_head(self) -> int:
-        return self.head_dim or self.hidden_size // self.num_attention_heads
 
     def kinds(self) -> list[str]:
         """Hugging Face's layer types: sliding from max_window_layers on, when a window is in use."""

@@ -6,13 +6,14 @@ from pegainfer.errors import ConfigError
 from pegainfer.frontends.config import require_float_dtype, require_positive
 from pegainfer.ir import Graph, GraphBuilder, Value, dtype_from_name
 from pegainfer.ir.step import AttentionInputs, declare_attention_inputs, declare_step_inputs, kv_cache_shape
+from pegainfer.models.blocks import HeadShape
 
 ARCHITECTURES = ("Qwen3ForCausalLM",)
 MODEL_TYPE = "qwen3"
 
 
 @dataclass(frozen=True)
-class Config:
+class Config(HeadShape):
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -28,10 +29,6 @@ class Config:
     hidden_act: str = "silu"
     use_sliding_window: bool = False
     torch_dtype: str = "bfloat16"
-
-    @property
-    def dims_per_head(self) -> int:
-        return self.head_dim or self.hidden_size // self.num_attention_heads
 
 
 def check_config(config: Config) -> None:

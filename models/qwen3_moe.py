@@ -10,8 +10,8 @@ from pegainfer.frontends.config import require_float_dtype, require_positive
 from pegainfer.ir import Graph, GraphBuilder, Value, dtype_from_name
 from pegainfer.ir.layers import LayerSlot, repeat_layers
 from pegainfer.ir.step import AttentionInputs, declare_step_inputs
-from pegainfer.models.blocks import (AttentionSpec, gated_mlp, glu_activation, lm_head, require_grouped_heads,
-                                     self_attention)
+from pegainfer.models.blocks import (AttentionSpec, HeadShape, gated_mlp, glu_activation, lm_head,
+                                     require_grouped_heads, self_attention)
 
 ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 MODEL_TYPE = "qwen3_moe"
@@ -19,7 +19,7 @@ SPARSE, DENSE = "moe", "dense"
 
 
 @dataclass(frozen=True)
-class Config:
+class Config(HeadShape):
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -46,10 +46,6 @@ class Config:
     @property
     def experts(self) -> int:
         return self.num_experts if self.num_experts is not None else self.num_local_experts or 0
-
-    @property
-    def dims_per_head(self) -> int:
-        return self.head_dim or self.hidden_size // self.num_attention_heads
 
     def kinds(self) -> list[str]:
         return [SPARSE if i not in self.mlp_only_layers and self.experts > 0 and (i + 1) % self.decoder_sparse_step == 0
