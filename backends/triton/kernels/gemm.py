@@ -92,6 +92,24 @@ def _store(acc, up, bias_ptr, out_ptr, offs_m, mask_m, offs_n, mask_n, stride_ou
 
 
 @triton.jit
+def _prologue(x_ptr, x2_ptr, rows_ptr, sum_ptr, M, stride_x, stride_x2, stride_sum, N: tl.constexpr, K: tl.constexpr,
+              EPS: tl.constexpr, ADD: tl.constexpr, GATHER: tl.constexpr, NORM: tl.constexpr, WRITE_SUM: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """What linear_kernel and gemv_kernel do before their K loops: wait for the previous kernel (programmatic
+    dependent launch: the next kernel may start now), this program's rows and columns, and each row's 1/rms."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    offs_m, mask_m, rows = _tile_rows(rows_ptr, M, GATHER, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if NORM:
+        rstd = _inverse_rms(x_ptr, x2_ptr, sum_ptr, rows, offs_m, mask_m, stride_x, stride_x2, stride_sum, K, EPS,
+                            ADD, WRITE_SUM, BLOCK_M, BLOCK_K)
+    return offs_m, mask_m, rows, offs_n, offs_n < N, rstd
+
+
+@triton.jit
 def linear_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, sum_ptr,
                   M, stride_x, stride_x2, stride_out, stride_sum,
                   N: tl.constexpr, K: tl.constexpr, EPS: tl.constexpr,
@@ -99,16 +117,9 @@ def linear_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, s
                   ACT: tl.constexpr, WRITE_SUM: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
                   NORM_OFFSET: tl.constexpr = 0.0, PDL: tl.constexpr = False):
-    if PDL:  # programmatic dependent launch: the next kernel may start; this one waits for the last's writes
-        gdc_launch_dependents()
-        gdc_wait()
-    offs_m, mask_m, rows = _tile_rows(rows_ptr, M, GATHER, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if NORM:
-        rstd = _inverse_rms(x_ptr, x2_ptr, sum_ptr, rows, offs_m, mask_m, stride_x, stride_x2, stride_sum, K, EPS,
-                            ADD, WRITE_SUM, BLOCK_M, BLOCK_K)
+    offs_m, mask_m, rows, offs_n, mask_n, rstd = _prologue(
+        x_ptr, x2_ptr, rows_ptr, sum_ptr, M, stride_x, stride_x2, stride_sum, N, K, EPS, ADD, GATHER, NORM, WRITE_SUM,
+        BLOCK_M, BLOCK_N, BLOCK_K, PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -138,16 +149,9 @@ def gemv_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, sum
     """linear_kernel for a few rows: no tensor cores, narrow column tiles so that every SM streams weights.
     Products accumulate per lane across the K loop and are reduced once at the end: a reduction per iteration
     would synchronise the warps on every tile."""
-    if PDL:  # programmatic dependent launch: the next kernel may start; this one waits for the last's writes
-        gdc_launch_dependents()
-        gdc_wait()
-    offs_m, mask_m, rows = _tile_rows(rows_ptr, M, GATHER, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if NORM:
-        rstd = _inverse_rms(x_ptr, x2_ptr, sum_ptr, rows, offs_m, mask_m, stride_x, stride_x2, stride_sum, K, EPS,
-                            ADD, WRITE_SUM, BLOCK_M, BLOCK_K)
+    offs_m, mask_m, rows, offs_n, mask_n, rstd = _prologue(
+        x_ptr, x2_ptr, rows_ptr, sum_ptr, M, stride_x, stride_x2, stride_sum, N, K, EPS, ADD, GATHER, NORM, WRITE_SUM,
+        BLOCK_M, BLOCK_N, BLOCK_K, PDL)
     acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     up3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
