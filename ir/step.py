@@ -51,6 +51,11 @@ def declare_step_inputs(b: GraphBuilder) -> tuple[Value, AttentionInputs, Value]
     return input_ids, attention, logits_indices
 
 
+def launch_sizes(query_lens) -> dict[str, int]:
+    """The sizes kernels' grids use beyond the inputs' shapes: the longest query of the step (0 when empty)."""
+    return {"max_query_len": int(max(query_lens, default=0))}
+
+
 def kv_cache_shape(kv_heads: int, head_dim: int) -> tuple[str, str, int, int]:
     return ("num_blocks", "block_size", kv_heads, head_dim)
 

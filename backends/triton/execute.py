@@ -10,6 +10,7 @@ from pegainfer.backends.spec import KernelSpec, LaunchSpec
 from pegainfer.backends.triton.loader import load_kernel_module, triton_interpret
 from pegainfer.ir.graph import KERNEL, REPEAT, Graph, Node, instantiate
 from pegainfer.ir.kernel import in_place_outputs
+from pegainfer.ir.step import launch_sizes
 from pegainfer.ir.types import TensorType
 
 _TORCH = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32, "i32": torch.int32,
@@ -129,5 +130,4 @@ def step_sizes(graph: Graph, inputs: dict[str, np.ndarray], states: dict[str, to
         sizes.update({d: s for d, s in zip(type_.shape, np.shape(inputs[name])) if isinstance(d, str)})
     for name, type_ in graph.expanded_states().items():
         sizes.update({d: s for d, s in zip(type_.shape, states[name].shape) if isinstance(d, str)})
-    sizes["max_query_len"] = int(np.max(inputs["query_lens"])) if len(inputs["query_lens"]) else 0
-    return sizes
+    return sizes | launch_sizes(inputs["query_lens"])

@@ -16,6 +16,7 @@ from pegainfer.errors import PegainferError
 from pegainfer.ir.dtypes import dtype_from_name
 from pegainfer.ir.graph import KERNEL, REPEAT, Graph, instantiate
 from pegainfer.ir.kernel import in_place_outputs
+from pegainfer.ir.step import launch_sizes
 from pegainfer.ir.types import TensorType
 from pegainfer.runtime.cuda import driver
 from pegainfer.runtime.gpu.abi import DeviceTensor
@@ -128,7 +129,7 @@ class GpuExecutor:
             sizes.update({d: s for d, s in zip(t.shape, array.shape) if isinstance(d, str)})
             self.staging[offset: offset + array.nbytes] = array.view(np.uint8).reshape(-1)
             end = max(end, offset + array.nbytes)
-        sizes["max_query_len"] = int(step["query_lens"].max())
+        sizes |= launch_sizes(step["query_lens"])
         self._check(sizes)
         driver.copy_to_device(self.input_region, self.staging[:end], self.ctx.stream)
         return sizes
