@@ -27,7 +27,7 @@ def add_serve(commands) -> None:
                    help="prompt + completion tokens at most (default: config.json's max_position_embeddings)")
     p.add_argument("--max-num-batched-tokens", type=_positive, default=2048,
                    help="tokens in one engine step at most: the chunked-prefill budget (default 2048)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+    p.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9,
                    help="fraction of GPU memory for weights, KV cache and activations (default 0.9)")
     p.add_argument("--kv-cache-tokens", type=_positive, default=None,
                    help=f"KV cache size in tokens, instead of sizing it from GPU memory (cpu default {CPU_KV_TOKENS} "
@@ -190,4 +190,14 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}")
     return value

@@ -516,3 +516,11 @@ def test_serve_refuses_a_max_model_len_past_the_model(capsys, tiny_checkpoint):
     code = main(["serve", "--model-path", str(tiny_checkpoint), "--device", "cpu", "--max-model-len", "100000"])
     err = capsys.readouterr().err
     assert code == 1 and "--max-model-len 100000" in err and "max_position_embeddings 2048" in err
+
+
+@pytest.mark.parametrize("value", ["1.5", "0", "lots"])
+def test_serve_refuses_a_gpu_memory_utilization_outside_0_1(capsys, tiny_checkpoint, value):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--model-path", str(tiny_checkpoint), "--device", "cpu", "--gpu-memory-utilization", value])
+    assert exit_info.value.code == 2
+    assert f"--gpu-memory-utilization: expected a fraction in (0, 1], got '{value}'" in capsys.readouterr().err
