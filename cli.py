@@ -63,6 +63,9 @@ def _add_make_checkpoint(commands) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--logit-std", type=float, default=6.0, help="spread of the next-token logits (default 6)")
+    p.add_argument("--tokenizer", choices=["bpe", "words"], default="bpe",
+                   help="bpe: byte-level BPE trained on a little text (default); words: one word per id, so every "
+                        "token a random model draws is text at once (for serving benchmarks)")
     p.set_defaults(run=run_make_checkpoint)
 
 
@@ -177,7 +180,7 @@ def run_make_checkpoint(args: argparse.Namespace) -> int:
     from pegainfer.fixtures.checkpoint import make_checkpoint
 
     out = make_checkpoint(args.out, args.arch, dict(args.overrides), seed=args.seed, dtype=args.dtype,
-                          logit_std=args.logit_std)
+                          logit_std=args.logit_std, tokenizer=args.tokenizer)
     print(f"pegainfer: wrote a random {args.arch} checkpoint to {out}", file=sys.stderr)
     return 0
 

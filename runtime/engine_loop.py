@@ -3,8 +3,11 @@ Requests and aborts come in through an inbox that is read between steps; each re
 callback it was submitted with (the server turns that into an asyncio queue). If a step raises, the loop stops for
 good: every request in flight gets the error, later submissions are refused, and `error` says what happened."""
 
+import json
 import threading
+import time
 from collections.abc import Callable
+from typing import TextIO
 
 from pegainfer.errors import PegainferError, RequestError
 from pegainfer.runtime.scheduler import EngineRequest, Scheduler, TokenOutput
@@ -17,11 +20,15 @@ class EngineDead(PegainferError):
 
 
 class EngineLoop:
-    def __init__(self, scheduler: Scheduler, thread_init: Callable[[], None] | None = None) -> None:
+    def __init__(self, scheduler: Scheduler, thread_init: Callable[[], None] | None = None,
+                 trace: TextIO | None = None) -> None:
         """`thread_init` runs first in the engine thread: a GPU engine makes its CUDA context current there (a
-        context is current per thread, and the engine was built in another one)."""
+        context is current per thread, and the engine was built in another one). `trace` gets a JSON line per
+        step (what ran, the engine's time, the loop's own time around it), to tell a slow step from a slow loop."""
         self.scheduler = scheduler
         self._thread_init = thread_init
+        self._trace = trace
+        self._last_end = 0.0
         self.error: BaseException | None = None
         self._wake = threading.Condition()
         self._inbox: list[tuple] = []
@@ -70,12 +77,10 @@ class EngineLoop:
                     inbox, self._inbox = self._inbox, []
                 for item in inbox:
                     self._apply(item)
-                for output in self.scheduler.step():
-                    sink = self._sinks.get(output.request_id)
-                    if output.finish_reason is not None:
-                        self._sinks.pop(output.request_id, None)
-                    if sink is not None:
-                        sink(output)
+                began = time.monotonic()
+                self._deliver(self.scheduler.step())
+                if self._trace is not None and self.scheduler.last_step is not None:
+                    self._write_trace(began, time.monotonic())
         except BaseException as error:  # noqa: BLE001  whatever broke the engine, every waiter must hear of it
             with self._wake:
                 self.error = error
@@ -84,6 +89,29 @@ class EngineLoop:
             for sink in [*self._sinks.values(), *pending]:
                 sink(self._dead())
             self._sinks.clear()
+
+    def _deliver(self, outputs: list[TokenOutput]) -> None:
+        for output in outputs:
+            sink = self._sinks.get(output.request_id)
+            if output.finish_reason is not None:
+                self._sinks.pop(output.request_id, None)
+            if sink is not None:
+                sink(output)
+
+    def _write_trace(self, began: float, ended: float) -> None:
+        """`schedule` and `after` are the loop's own seconds before and after the engine's `seconds` (`after`:
+        the scheduler's bookkeeping and the hand-over to the requests); `gap` is since the last step ended (waiting
+        for work, reading the inbox)."""
+        record = self.scheduler.last_step
+        self.scheduler.last_step = None
+        line = {"start": round(record.start, 6), "seconds": round(record.seconds, 6), "seqs": record.seqs,
+                "tokens": record.tokens, "prefill_tokens": record.prefill_tokens, "outputs": record.outputs,
+                "schedule": round(record.start - began, 6), "after": round(ended - record.start - record.seconds, 6),
+                "gap": round(began - self._last_end, 6) if self._last_end else None,
+                "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting)}
+        self._last_end = ended
+        self._trace.write(json.dumps(line) + "\n")
+        self._trace.flush()
 
     def _apply(self, item: tuple) -> None:
         if item[0] == "abort":

@@ -65,6 +65,17 @@ class SchedulerStats:
     steps: int = 0
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    """What one engine step ran and how long the engine took over it (the serving trace's line)."""
+    start: float  # time.monotonic() when the engine was called
+    seconds: float
+    seqs: int
+    tokens: int
+    prefill_tokens: int  # tokens of prompt chunks (and recomputes); the rest are one decode token per sequence
+    outputs: int  # tokens handed to requests
+
+
 @dataclass
 class _State:
     request: EngineRequest
@@ -92,6 +103,7 @@ class Scheduler:
         self._by_seq: dict[int, _State] = {}
         self._seq_ids = itertools.count()
         self._reserved = 0
+        self.last_step: StepRecord | None = None
 
     # --- requests in and out ---------------------------------------------------------------------------------
 
@@ -149,9 +161,15 @@ class Scheduler:
         if not chunks:
             return []
         states = [self._by_seq[c.seq.seq_id] for c in chunks]
+        decodes = sum(1 for c, st in zip(chunks, states) if c.num_tokens == 1 and st.num_generated > 0)
+        start = time.monotonic()
         result = self.engine.sample(chunks, [st.request.params for st in states], [st.num_generated for st in states])
+        seconds = time.monotonic() - start
         self.stats.steps += 1
-        return self._process(chunks, result)
+        outputs = self._process(chunks, result)
+        tokens = sum(c.num_tokens for c in chunks)
+        self.last_step = StepRecord(start, seconds, len(chunks), tokens, tokens - decodes, len(outputs))
+        return outputs
 
     def schedule(self) -> list[Chunk]:
         budget, self._reserved = self.config.max_num_batched_tokens, 0

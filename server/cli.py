@@ -7,6 +7,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TextIO
 
 from pegainfer.errors import PegainferError
 
@@ -40,6 +41,9 @@ def add_serve(commands) -> None:
                    help="cuda: the compiled kernels; cpu: the reference executor (slow; for trying the API). "
                         "Default: cuda if present, else cpu")
     p.add_argument("--cache-dir", type=Path, default=None, help="cubin cache (see pegainfer compile)")
+    p.add_argument("--trace-steps", type=Path, default=None, metavar="FILE",
+                   help="write a JSON line per engine step to FILE: its sequences and tokens, the engine's seconds "
+                        "and the serving loop's own (to profile a slow server)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                    help="uvicorn's log level (default warning)")
     p.set_defaults(run=run_serve)
@@ -102,6 +106,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from pegainfer.server.app import ServerContext, build_app
     from pegainfer.server.metrics import Metrics
 
+    trace = open_trace(args.trace_steps)  # before the slow part: a path that cannot be written fails at once
     device, reason = choose_device(args.device)
     model = load_model(args.model_path, lazy=device == "cuda")
     tokenizer = load_tokenizer(args.model_path)
@@ -110,7 +115,7 @@ def run_serve(args: argparse.Namespace) -> int:
     engine = build_engine(model, device, args, max_model_len, step_tokens)
     config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=step_tokens,
                              max_model_len=max_model_len, prefix_cache=args.prefix_cache)
-    loop = EngineLoop(Scheduler(engine, tokenizer.eos_token_ids, config), engine_thread_init(engine)).start()
+    loop = EngineLoop(Scheduler(engine, tokenizer.eos_token_ids, config), engine_thread_init(engine), trace).start()
     name = args.served_model_name or args.model_path.resolve().name
     ctx = ServerContext(loop, tokenizer, load_chat_template(args.model_path), name, str(args.model_path),
                         max_model_len, model.spec.config.vocab_size, Metrics(name), args.api_key,
@@ -128,7 +133,18 @@ def run_serve(args: argparse.Namespace) -> int:
                     timeout_graceful_shutdown=5)
     finally:
         loop.stop()
+        if trace is not None:
+            trace.close()
     return 0
+
+
+def open_trace(path: Path | None) -> TextIO | None:
+    if path is None:
+        return None
+    try:
+        return path.open("w", encoding="utf-8")
+    except OSError as error:
+        raise PegainferError(f"--trace-steps: cannot write {path}: {error.strerror}") from None
 
 
 def build_engine(model, device: str, args: argparse.Namespace, max_model_len: int, step_tokens: int):

@@ -246,6 +246,23 @@ def test_make_checkpoint_with_override(capsys, tmp_path):
     assert (out_dir / "tokenizer.json").is_file()
 
 
+def test_make_checkpoint_word_tokenizer_streams_every_token_as_text(capsys, tmp_path):
+    """--tokenizer words: each id past the special tokens is a word, so a random model's every token is text."""
+    from pegainfer.runtime.detokenize import IncrementalDetokenizer
+    from pegainfer.runtime.tokenizer import load_tokenizer
+
+    out_dir = tmp_path / "words"
+    code, _, _ = run(capsys, "make-checkpoint", out_dir, "--set", "num_hidden_layers=1", "--tokenizer", "words")
+    assert code == 0
+    vocab = load_model(out_dir).spec.config.vocab_size
+    tokenizer = load_tokenizer(out_dir)
+    ids = np.random.default_rng(0).integers(3, vocab, 50).tolist()
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    assert all(detokenizer.add(token) for token in ids)  # nothing held back
+    assert tokenizer.encode(tokenizer.decode(ids)) == ids
+    assert tokenizer.encode("<|im_start|>w5 w6<|im_end|>") == [1, 5, 6, 2]
+
+
 def test_make_checkpoint_rejects_a_small_vocabulary(capsys, tmp_path):
     code, _, err = run(capsys, "make-checkpoint", tmp_path / "x", "--set", "vocab_size=100")
     assert code == 1 and "vocab_size" in one_line_error(err)

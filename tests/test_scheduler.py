@@ -269,3 +269,24 @@ def test_engine_loop_failure_reaches_every_request_and_refuses_new_ones(model):
     with pytest.raises(EngineDead, match="RuntimeError: illegal memory access"):
         loop.submit(EngineRequest("b", [1], GREEDY), lambda item: None)
     loop.stop()
+
+
+def test_engine_loop_traces_each_step_with_what_it_ran(model):
+    """The serving trace: one JSON line per step whose token counts add up to the prompt and the decodes."""
+    import io
+    import json
+
+    scheduler, _ = make(model, max_num_batched_tokens=16, max_num_seqs=4)
+    trace = io.StringIO()
+    loop = EngineLoop(scheduler, trace=trace).start()
+    try:
+        got = collect(loop, EngineRequest("a", list(range(1, 31)), GREEDY))
+    finally:
+        loop.stop()
+    lines = [json.loads(line) for line in trace.getvalue().splitlines()]
+    assert len(got) == GREEDY.max_tokens
+    assert [line["prefill_tokens"] for line in lines] == [16, 14] + [0] * (GREEDY.max_tokens - 1)
+    assert [line["tokens"] for line in lines] == [16, 14] + [1] * (GREEDY.max_tokens - 1)
+    assert [line["outputs"] for line in lines] == [0] + [1] * GREEDY.max_tokens
+    assert all(line["seconds"] > 0 and line["schedule"] >= 0 and line["after"] >= 0 for line in lines)
+    assert lines[0]["gap"] is None and all(line["gap"] >= 0 for line in lines[1:])

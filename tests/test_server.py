@@ -31,6 +31,7 @@ class Server:
     url: str
     process: subprocess.Popen
     checkpoint: Path
+    log: Path
 
     def client(self, key: str = KEY) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=120)
@@ -63,7 +64,7 @@ def start_server(checkpoint: Path, *extra: str, log: Path) -> Server:
     command = [sys.executable, "-m", "pegainfer.cli", "serve", "--model-path", str(checkpoint), "--device", "cpu",
                "--port", str(port), "--served-model-name", NAME, "--max-model-len", str(MAX_MODEL_LEN), *extra]
     process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    server = Server(f"http://127.0.0.1:{port}", process, checkpoint)
+    server = Server(f"http://127.0.0.1:{port}", process, checkpoint, log)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         assert process.poll() is None, f"the server exited: {log.read_text()}"
@@ -79,9 +80,11 @@ def start_server(checkpoint: Path, *extra: str, log: Path) -> Server:
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint, tmp_path_factory):
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    folder = tmp_path_factory.mktemp("serve")
+    log = folder / "serve.log"
     server = start_server(tiny_checkpoint, "--api-key", KEY, "--max-num-seqs", "64",
-                          "--max-request-bytes", str(MAX_REQUEST_BYTES), log=log)
+                          "--max-request-bytes", str(MAX_REQUEST_BYTES), "--trace-steps", str(folder / "trace.jsonl"),
+                          log=log)
     yield server
     server.process.terminate()
     server.process.wait(30)
@@ -510,6 +513,28 @@ def test_a_failed_engine_answers_503_and_health_says_so(tiny_checkpoint):
     assert streamed.status_code == 503  # refused before streaming starts: the engine is known dead
     assert health.status_code == 503 and "engine has failed" in health.json()["error"]["message"]
     assert "pegainfer:engine_healthy{model_name=\"tiny\"} 0" in metrics.text
+
+
+def test_step_trace_accounts_for_every_generated_token(server):
+    """--trace-steps: the JSON lines' outputs add up to the server's own generation-token counter."""
+    server.client().completions.create(model=NAME, prompt="The trace", max_tokens=5, temperature=0)
+    trace = server.log.parent / "trace.jsonl"
+    deadline = time.monotonic() + 10
+    while True:  # the line of a step is written just after its tokens go out
+        lines = [json.loads(line) for line in trace.read_text().splitlines()]
+        generated = server.metrics()["vllm:generation_tokens_total"]
+        if sum(line["outputs"] for line in lines) == generated or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert sum(line["outputs"] for line in lines) == generated >= 5
+    assert all(line["seconds"] > 0 and line["tokens"] >= line["prefill_tokens"] >= 0 for line in lines)
+
+
+def test_serve_refuses_a_trace_file_it_cannot_write(capsys, tiny_checkpoint, tmp_path):
+    code = main(["serve", "--model-path", str(tiny_checkpoint), "--device", "cpu",
+                 "--trace-steps", str(tmp_path / "missing" / "trace.jsonl")])
+    err = capsys.readouterr().err
+    assert code == 1 and "--trace-steps: cannot write" in err and err.count("\n") == 1
 
 
 def test_serve_refuses_a_max_model_len_past_the_model(capsys, tiny_checkpoint):
