@@ -95,24 +95,35 @@ def run_bench_serve(args: argparse.Namespace) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    import uvicorn
+    from concurrent.futures import ThreadPoolExecutor
 
     from pegainfer.frontends.load import load_model
-    from pegainfer.runtime.chat import load_chat_template
     from pegainfer.runtime.device import choose_device
-    from pegainfer.runtime.engine_loop import EngineLoop
-    from pegainfer.runtime.scheduler import Scheduler, SchedulerConfig
-    from pegainfer.runtime.tokenizer import load_tokenizer
-    from pegainfer.server.app import ServerContext, build_app
-    from pegainfer.server.metrics import Metrics
 
     trace = open_trace(args.trace_steps)  # before the slow part: a path that cannot be written fails at once
+    phases = {"imports": process_age()}
     device, reason = choose_device(args.device)
     model = load_model(args.model_path, lazy=device == "cuda")
-    tokenizer = load_tokenizer(args.model_path)
     max_model_len = _max_model_len(model.spec.raw_config, args.max_model_len)
     step_tokens = max(args.max_num_batched_tokens, args.max_num_seqs)
-    engine = build_engine(model, device, args, max_model_len, step_tokens)
+    phases["model"] = process_age() - sum(phases.values())
+    with ThreadPoolExecutor(1, thread_name_prefix="pegainfer-load") as pool:
+        # The weights stream to the device (I/O and copies, outside the GIL) while this thread imports the HTTP
+        # stack and reads the tokenizer: start-up is the longer of the two, not their sum.
+        building = pool.submit(build_engine, model, device, args, max_model_len, step_tokens)
+        import uvicorn
+
+        from pegainfer.runtime.chat import load_chat_template
+        from pegainfer.runtime.engine_loop import EngineLoop
+        from pegainfer.runtime.scheduler import Scheduler, SchedulerConfig
+        from pegainfer.runtime.tokenizer import load_tokenizer
+        from pegainfer.server.app import ServerContext, build_app
+        from pegainfer.server.metrics import Metrics
+
+        tokenizer = load_tokenizer(args.model_path)
+        phases["http stack and tokenizer"] = process_age() - sum(phases.values())
+        engine = building.result()
+    phases["engine, beyond that"] = process_age() - sum(phases.values())
     config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=step_tokens,
                              max_model_len=max_model_len, prefix_cache=args.prefix_cache)
     loop = EngineLoop(Scheduler(engine, tokenizer.eos_token_ids, config), engine_thread_init(engine), trace).start()
@@ -124,10 +135,11 @@ def run_serve(args: argparse.Namespace) -> int:
 
     def ready() -> None:
         ctx.metrics.startup_seconds = process_age()
+        phases["http"] = ctx.metrics.startup_seconds - sum(phases.values())
         print(f"pegainfer: serving {name} on http://{args.host}:{args.port} (device {device}: {reason}; "
               f"{allocator.num_blocks} KV blocks of {allocator.block_size} tokens; max_model_len {max_model_len}; "
               f"prefix cache {'on' if args.prefix_cache else 'off'}); ready {ctx.metrics.startup_seconds:.2f} s "
-              f"after start", file=sys.stderr, flush=True)
+              f"after start ({', '.join(f'{k} {v:.2f} s' for k, v in phases.items())})", file=sys.stderr, flush=True)
     try:
         uvicorn.run(build_app(ctx, on_ready=ready), host=args.host, port=args.port, log_level=args.log_level,
                     timeout_graceful_shutdown=5)

@@ -3,8 +3,11 @@
 # here. `bash scripts/gpu/serve.sh pegainfer`: a greedy completion through `pegainfer serve --device cuda` equal to
 # `pegainfer generate --device cuda` on the small checkpoint; start-up to HTTP ready (second start: warm cubins and
 # page cache) and idle resident memory of a full-size random Qwen3-4B, from the server's own /metrics; then
-# `pegainfer bench serve` at each concurrency of $CONC. `bash scripts/gpu/serve.sh hf`: the same request stream
-# against `transformers serve --continuous-batching`. Reports go to $OUT (serve_*.json, hf_*.json, logs).
+# `pegainfer bench serve` at each concurrency of $CONC, with the server's step trace (--trace-steps) summarised per
+# concurrency. `bash scripts/gpu/serve.sh hf`: the same request stream against `transformers serve
+# --continuous-batching`, each concurrency cut off after $HF_LIMIT seconds. The checkpoint's tokenizer has one word per
+# id, so every token streams as text and TTFT is the first token's. Reports and logs go to /tmp/serve_<target> and, as one
+# tarball, to $OUT/serve_<target>.tgz (the device tool brings back 8 files at most); the tables print last.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 TARGET=${1:-pegainfer}
@@ -13,6 +16,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/pegainfer
 export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1 PEGAINFER_CACHE="${PEGAINFER_CACHE:-$PWD/.gpu/aot_cache}"
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export WORK=/tmp/serve_$TARGET; mkdir -p "$WORK"
+trap 'tar czf "$OUT/serve_$TARGET.tgz" -C "$WORK" . 2>/dev/null' EXIT
 CONC=${CONC:-"1 8 32 64 128"}; INPUT_LEN=${INPUT_LEN:-1024}; OUTPUT_LEN=${OUTPUT_LEN:-128}
 MODEL=/tmp/qwen3-4b-random
 pg() { python3 -m pegainfer.cli "$@"; }
@@ -30,40 +35,61 @@ sys.exit(1)
 PY
 }
 metric() { python3 -c "import sys, httpx; print(next(l.split()[-1] for l in httpx.get(sys.argv[1] + '/metrics').text.splitlines() if l.startswith(sys.argv[2] + '{')))" "$1" "$2"; }
-sweep() {  # $1: base URL, $2: model name, $3: report prefix
+sweep() {  # $1: base URL, $2: model name, $3: report prefix, $4: seconds allowed per concurrency
     for c in $CONC; do
         n=$(( c * 2 > 16 ? c * 2 : 16 ))
-        pg bench serve --base-url "$1" --model "$2" --tokenizer "$MODEL" --input-len "$INPUT_LEN" \
-            --output-len "$OUTPUT_LEN" --num-prompts "$n" --max-concurrency "$c" --seed 0 \
-            --result-file "$OUT/$3_c$c.json" 2>&1 | tee -a "$OUT/$3_bench.log"
+        first=$(( $(wc -l <"$WORK/trace.jsonl" 2>/dev/null || echo 0) + 1 ))
+        timeout "$4" python3 -m pegainfer.cli bench serve --base-url "$1" --model "$2" --tokenizer "$MODEL" \
+            --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --num-prompts "$n" --max-concurrency "$c" --seed 0 \
+            --result-file "$WORK/$3_c$c.json" >>"$WORK/$3_bench.log" 2>&1 || echo "c=$c: bench exit $?" | tee -a "$WORK/$3_bench.log"
+        [ -f "$WORK/trace.jsonl" ] && tail -n +"$first" "$WORK/trace.jsonl" >"$WORK/trace_c$c.jsonl"
     done
+    python3 - "$WORK" "$3" $CONC <<'PY'
+import json, sys
+from pathlib import Path
+work, prefix = Path(sys.argv[1]), sys.argv[2]
+print(f"{'conc':>5} {'done':>9} {'dur_s':>7} {'out_tok/s':>9} {'ttft_ms':>8} {'p99ttft':>8} {'tpot_ms':>8} {'itl_ms':>7}")
+for c in sys.argv[3:]:
+    path = work / f"{prefix}_c{c}.json"
+    if not path.is_file():
+        print(f"{c:>5} no report (cut off)")
+        continue
+    r = json.loads(path.read_text())
+    print(f"{c:>5} {r['completed']:>4}/{r['num_prompts']:<4} {r['duration_s']:7.2f} {r['output_throughput']:9.0f} "
+          f"{r.get('mean_ttft_ms', 0):8.0f} {r.get('p99_ttft_ms', 0):8.0f} {r.get('mean_tpot_ms', 0):8.2f} "
+          f"{r.get('mean_itl_ms', 0):7.2f}")
+PY
+    if [ -f "$WORK/trace.jsonl" ]; then
+        python3 scripts/gpu/trace_summary.py "$WORK/trace.jsonl" --label all --header
+        for c in $CONC; do python3 scripts/gpu/trace_summary.py "$WORK/trace_c$c.jsonl" --label "c$c"; done
+    fi
 }
 if [ ! -d "$MODEL" ]; then
     SHAPE=$(python3 -c "import json; c = json.load(open('models/configs/qwen3-4b.json')); print(' '.join(f'--set {k}={json.dumps(c[k])}' for k in ('hidden_size', 'intermediate_size', 'num_hidden_layers', 'num_attention_heads', 'num_key_value_heads', 'head_dim', 'vocab_size', 'tie_word_embeddings', 'rope_theta', 'max_position_embeddings')))")
-    pg make-checkpoint "$MODEL" --dtype bfloat16 --logit-std 2 $SHAPE
+    pg make-checkpoint "$MODEL" --dtype bfloat16 --logit-std 2 --tokenizer words $SHAPE
 fi
 if [ "$TARGET" = hf ]; then
     transformers serve "$MODEL" --continuous-batching --device cuda:0 --dtype bfloat16 --host 127.0.0.1 \
-        --port 8001 >"$OUT/hf_serve.log" 2>&1 &
+        --port 8001 >"$WORK/hf_serve.log" 2>&1 &
     pid=$!
-    ready http://127.0.0.1:8001 || { echo "transformers serve did not start"; tail -30 "$OUT/hf_serve.log"; }
-    sweep http://127.0.0.1:8001 "$MODEL" hf
+    ready http://127.0.0.1:8001 || { echo "transformers serve did not start"; tail -30 "$WORK/hf_serve.log"; }
+    sweep http://127.0.0.1:8001 "$MODEL" hf "${HF_LIMIT:-120}"
     kill $pid; wait $pid
     exit 0
 fi
 echo "== greedy through the server against generate, small checkpoint"
 pg generate --model-path .gpu/small --prompt "The inference server" --max-tokens 12 --ignore-eos --device cuda --json \
-    | tee "$OUT/serve_generate.json"
+    | tee "$WORK/serve_generate.json"
 # python3 itself in the background (not the pg function, whose subshell a kill would leave the server behind), and
 # a small share of the GPU: a server takes --gpu-memory-utilization of the device for its KV cache
 python3 -m pegainfer.cli serve --model-path .gpu/small --device cuda --port 8000 --served-model-name small \
-    --gpu-memory-utilization 0.2 >"$OUT/serve_small.log" 2>&1 &
+    --gpu-memory-utilization 0.2 >"$WORK/serve_small.log" 2>&1 &
 pid=$!
-ready http://127.0.0.1:8000 && python3 - <<'PY' | tee "$OUT/serve_small.json"
+ready http://127.0.0.1:8000 && python3 - <<'PY' | tee "$WORK/serve_small.json"
 import json, os, httpx
 body = {"model": "small", "prompt": "The inference server", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
 result = httpx.post("http://127.0.0.1:8000/v1/completions", json=body, timeout=120).json()
-expected = json.load(open(os.environ["OUT"] + "/serve_generate.json"))
+expected = json.load(open(os.environ["WORK"] + "/serve_generate.json"))
 print(json.dumps({"server_text": result["choices"][0]["text"], "generate_text": expected["text"],
                   "equal": result["choices"][0]["text"] == expected["text"], "usage": result["usage"]}))
 PY
@@ -72,16 +98,15 @@ STARTS=${STARTS:-first second}
 for start in $STARTS; do
     echo "== Qwen3-4B shape: $start start"
     python3 -m pegainfer.cli serve --model-path "$MODEL" --device cuda --port 8000 --served-model-name qwen3-4b \
-        --max-num-seqs 128 \
-        >"$OUT/serve_4b_$start.log" 2>&1 &
+        --max-num-seqs 128 --trace-steps "$WORK/trace.jsonl" >"$WORK/serve_4b_$start.log" 2>&1 &
     pid=$!
-    ready http://127.0.0.1:8000 || { tail -30 "$OUT/serve_4b_$start.log"; exit 1; }
+    ready http://127.0.0.1:8000 || { tail -30 "$WORK/serve_4b_$start.log"; exit 1; }
     sleep 2
     echo "startup_seconds $(metric http://127.0.0.1:8000 pegainfer:startup_seconds)" \
          "resident_bytes_idle $(metric http://127.0.0.1:8000 process_resident_memory_bytes)" \
-         "kv_blocks $(metric http://127.0.0.1:8000 pegainfer:kv_blocks_total)" | tee -a "$OUT/serve_startup.txt"
+         "kv_blocks $(metric http://127.0.0.1:8000 pegainfer:kv_blocks_total)" | tee -a "$WORK/serve_startup.txt"
     [ "$start" = "${STARTS##* }" ] || { kill $pid; wait $pid; }
 done
-sweep http://127.0.0.1:8000 qwen3-4b serve
-curl -s http://127.0.0.1:8000/metrics >"$OUT/serve_metrics.txt" 2>/dev/null || true
+sweep http://127.0.0.1:8000 qwen3-4b serve "${SERVE_LIMIT:-240}"
+curl -s http://127.0.0.1:8000/metrics >"$WORK/serve_metrics.txt" 2>/dev/null || true
 kill $pid; wait $pid
