@@ -18,6 +18,8 @@ from pegainfer.ir.types import TensorType
 KERNELS = Path(__file__).parent / "kernels"
 SMALL_ROWS = 16  # up to this many rows a GEMM uses its decode-shaped tiles
 SPLIT_KV = 16  # key slices per sequence for attention at small batch
+PREFILL_QUERIES = 64  # attention takes prefill-shaped tiles when some sequence of the step brings this many queries
+PREFILL_ROWS = 64  # query rows (queries x the heads sharing a KV head) in such a tile
 TAIL_CHUNK = 4096  # vocabulary entries per program of the sampler tail's first launch
 GEMV_PROGRAMS = 528  # a few-rows GEMV aims for at least this many programs: 4 per SM of an H100/H200
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension (the GEMMs' column tiles)
@@ -332,9 +334,20 @@ def _plan_attention(graph: Graph, node: Node, options: PlanOptions) -> KernelSpe
     split_launches, scratch = _plan_split_attention(types, layout, attention, constexprs, heads, head_dim)
     variants = [VariantSpec("split_kv", options.split_kv_max_batch, split_launches)] \
         if options.split_kv_max_batch else []
-    spec = _spec(graph, node, batch, [*variants, VariantSpec("default", None, [launch])])
+    spec = _spec(graph, node, batch, [_prefill_attention(p, constexprs, batch, kv_heads, group_p2), *variants,
+                                      VariantSpec("default", None, [launch])])
     spec.scratch = {name: (t.dtype.name, t.shape) for name, t in scratch.items()}
     return spec
+
+
+def _prefill_attention(p: _Params, constexprs: dict, batch: str, kv_heads: int, group_p2: int) -> VariantSpec:
+    """Steps holding a prompt chunk: tiles of PREFILL_ROWS query rows and 64 keys feed the tensor cores far
+    better than decode's 16 x 16 (whose tiles keep the few rows of a decode step busy instead)."""
+    block_q = max(1, PREFILL_ROWS // group_p2)
+    constexprs = {**constexprs, "BLOCK_Q": block_q, "BLOCK_KV": max(64, constexprs["BLOCK_KV"])}
+    grid = (GridDim((batch,)), GridDim((kv_heads,)), GridDim(("max_query_len",), block_q))
+    launch = _launch("attention.py", "paged_attention_kernel", p, constexprs, grid, num_warps=4, num_stages=2)
+    return VariantSpec("prefill_tiles", None, [launch], min_sizes={"max_query_len": PREFILL_QUERIES})
 
 
 def _plan_split_attention(types: dict, layout: dict, attention: Node, constexprs: dict, heads: int, head_dim: int):

@@ -110,6 +110,9 @@ def _query_tile(q_ptr, starts_ptr, q_lens_ptr, ctx_lens_ptr, stride_q, seq, kv_h
     kv_begin = 0
     if WINDOW > 0:  # the first query of the tile sees back to here
         kv_begin = tl.maximum(ctx - q_len + q_tile * BLOCK_Q - WINDOW + 1, 0)
+    # A tile past the sequence's queries (the grid covers the step's longest query) reads no keys: a decode row
+    # beside a long prompt chunk would otherwise walk its whole context once per empty tile.
+    kv_end = tl.where(q_tile * BLOCK_Q < q_len, kv_end, kv_begin)
     return q, start + q_index, head, row_ok, ctx - q_len + q_index, kv_begin, kv_end
 
 
@@ -157,7 +160,8 @@ def paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, starts_p
     if PDL:  # programmatic dependent launch: the next kernel may start; this one waits for the last's writes
         gdc_launch_dependents()
         gdc_wait()
-    seq, kv_head, q_tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # the last query tiles (the most keys under the causal mask) first, so that no long tile starts last
+    seq, kv_head, q_tile = tl.program_id(0), tl.program_id(1), tl.num_programs(2) - 1 - tl.program_id(2)
     q, token, head, row_ok, q_pos, kv_begin, kv_end = _query_tile(
         q_ptr, starts_ptr, q_lens_ptr, ctx_lens_ptr, stride_q, seq, kv_head, q_tile, HD, GROUP, BLOCK_D, GROUP_P2,
         BLOCK_Q, WINDOW)

@@ -1,0 +1,67 @@
+"""Each Triton attention variant (prefill tiles, split-KV, default) on one step that mixes a long prompt chunk
+with decode rows, under TRITON_INTERPRET, against the op's reference: the prefill tiles are what every step with
+a prompt chunk of 64 or more queries runs, and the decode rows beside it are what query tiles past a sequence's
+end must leave alone."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from pegainfer.backends.triton.execute import launch_kernel, to_numpy, to_torch
+from pegainfer.backends.triton.plan import PlanOptions, plan_kernel
+from pegainfer.ir.graph import KERNEL
+from pegainfer.ir.registry import get_op
+from pegainfer.ir.step import launch_sizes
+from pegainfer.models import qwen3
+from pegainfer.passes.pipeline import lower
+
+BLOCK_SIZE = 16
+# (query lens, context lens) of a step: a prompt chunk after 9 cached tokens beside two decode rows; split-KV
+# serves steps of few sequences below the prefill tiles' 64 queries (and is slow to interpret on long chunks)
+LONG_CHUNK = ([70, 1, 1], [79, 40, 3])
+SHORT_CHUNK = ([6, 1, 1], [15, 40, 3])
+
+
+@pytest.fixture(scope="module")
+def attention():
+    config = qwen3.Config(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                          num_attention_heads=8, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                          rope_theta=1e4, attention_bias=False, tie_word_embeddings=True, torch_dtype="float32")
+    lowered, _ = lower(qwen3.build_graph(config))
+    graph, node = next((g, n) for g in lowered.all_graphs() for n in g.nodes
+                       if n.op == KERNEL and n.attrs["kind"] == "paged_attention")
+    return graph, node, plan_kernel(graph, node, PlanOptions(block_size=BLOCK_SIZE))
+
+
+def step_inputs(rng: np.random.Generator, heads: int, kv_heads: int, head_dim: int, query_lens: list[int],
+                context_lens: list[int]) -> dict[str, np.ndarray]:
+    num_blocks = 16
+    tables = rng.permutation(num_blocks)[:15].reshape(3, 5).astype(np.int32)  # disjoint blocks per sequence
+    tokens = sum(query_lens)
+    return {"q": rng.standard_normal((tokens, heads, head_dim)).astype(np.float32),
+            "k": rng.standard_normal((num_blocks, BLOCK_SIZE, kv_heads, head_dim)).astype(np.float32),
+            "v": rng.standard_normal((num_blocks, BLOCK_SIZE, kv_heads, head_dim)).astype(np.float32),
+            "tables": tables, "starts": np.cumsum([0, *query_lens[:-1]]).astype(np.int32),
+            "q_lens": np.array(query_lens, np.int32), "ctx_lens": np.array(context_lens, np.int32)}
+
+
+@pytest.mark.parametrize("variant, step", [("prefill_tiles", LONG_CHUNK), ("default", LONG_CHUNK),
+                                           ("split_kv", SHORT_CHUNK)], ids=["prefill_tiles", "default", "split_kv"])
+def test_attention_variant_matches_the_reference_on_a_mixed_step(attention, variant, step):
+    graph, node, spec = attention
+    (inner,) = node.attrs["nodes"]
+    types = graph.value_types()
+    _, heads, head_dim = types[inner.inputs[0]].shape
+    kv_heads = types[inner.inputs[1]].shape[2]
+    values = step_inputs(np.random.default_rng(7), heads, kv_heads, head_dim, *step)
+    arrays = dict(zip(inner.inputs, values.values()))
+    sizes = {"tokens": sum(step[0]), "batch": 3, "num_blocks": 16, "block_size": BLOCK_SIZE, "max_blocks": 5,
+             **launch_sizes(values["q_lens"])}
+    if variant == "prefill_tiles":
+        assert spec.variant_for(sizes).name == variant, "the prefill tiles serve a step with a 70-query chunk"
+    (picked,) = [v for v in spec.variants if v.name == variant]
+    chosen = dataclasses.replace(spec, variants=[dataclasses.replace(picked, max_rows=None, min_sizes={})])
+    got = to_numpy(launch_kernel(chosen, node, {n: to_torch(a) for n, a in arrays.items()}, sizes)[inner.outputs[0]])
+    expected = get_op("paged_attention").reference(*values.values(), **inner.attrs)
+    np.testing.assert_allclose(got.reshape(expected.shape), expected, atol=2e-5, rtol=2e-5)
