@@ -324,9 +324,10 @@ def _plan_attention(graph: Graph, node: Node, options: PlanOptions) -> KernelSpe
         p.tensor(name, value)
     for name, value in (("stride_q", q), ("stride_out", attention.outputs[0]), ("stride_tables", tables)):
         p.stride(name, value)
+    # 64 keys a tile: a decode program's time is its chain of dependent gathers through the block table
     constexprs = dict(SCALE=float(attention.attrs["scale"]), KV_HEADS=kv_heads, HD=head_dim, GROUP=group,
                       CACHE_BLOCK=options.block_size, BLOCK_D=max(16, next_pow2(head_dim)), GROUP_P2=group_p2,
-                      BLOCK_Q=block_q, BLOCK_KV=max(16, options.block_size), UPCAST_DOT=False,
+                      BLOCK_Q=block_q, BLOCK_KV=max(64, options.block_size), UPCAST_DOT=False,
                       WINDOW=int(attention.attrs.get("window", 0)))
     batch = types[starts].shape[0]
     grid = (GridDim((batch,)), GridDim((kv_heads,)), GridDim(("max_query_len",), block_q))
@@ -341,10 +342,10 @@ def _plan_attention(graph: Graph, node: Node, options: PlanOptions) -> KernelSpe
 
 
 def _prefill_attention(p: _Params, constexprs: dict, batch: str, kv_heads: int, group_p2: int) -> VariantSpec:
-    """Steps holding a prompt chunk: tiles of PREFILL_ROWS query rows and 64 keys feed the tensor cores far
-    better than decode's 16 x 16 (whose tiles keep the few rows of a decode step busy instead)."""
+    """Steps holding a prompt chunk: tiles of PREFILL_ROWS query rows feed the tensor cores far better than
+    decode's 16 (a few queries times the heads sharing a KV head), which keep more programs busy on few rows."""
     block_q = max(1, PREFILL_ROWS // group_p2)
-    constexprs = {**constexprs, "BLOCK_Q": block_q, "BLOCK_KV": max(64, constexprs["BLOCK_KV"])}
+    constexprs = {**constexprs, "BLOCK_Q": block_q}
     grid = (GridDim((batch,)), GridDim((kv_heads,)), GridDim(("max_query_len",), block_q))
     launch = _launch("attention.py", "paged_attention_kernel", p, constexprs, grid, num_warps=4, num_stages=2)
     return VariantSpec("prefill_tiles", None, [launch], min_sizes={"max_query_len": PREFILL_QUERIES})
@@ -366,9 +367,7 @@ def _plan_split_attention(types: dict, layout: dict, attention: Node, constexprs
         split.tensor(name, value)
     split.stride("stride_q", q)
     split.stride("stride_tables", tables)
-    # each slice's keys in one or two tiles: a decode program's time is its chain of dependent gathers
-    split_constexprs = {**constexprs, "HEADS": heads, "SPLITS": SPLIT_KV,
-                        "BLOCK_KV": max(64, constexprs["BLOCK_KV"])}
+    split_constexprs = {**constexprs, "HEADS": heads, "SPLITS": SPLIT_KV}
     batch = types[starts].shape[0]
     kv_heads = constexprs["KV_HEADS"]
     grid = (GridDim((batch,)), GridDim((kv_heads,)), GridDim(("max_query_len",), constexprs["BLOCK_Q"], SPLIT_KV))

@@ -3,7 +3,8 @@
 # here. `bash scripts/gpu/serve.sh pegainfer`: a greedy completion through `pegainfer serve --device cuda` equal to
 # `pegainfer generate --device cuda` on the small checkpoint; start-up to HTTP ready (second start: warm cubins and
 # page cache) and idle resident memory of a full-size random Qwen3-4B, from the server's own /metrics; then
-# `pegainfer bench serve` at each concurrency of $CONC, with the server's step trace (--trace-steps) summarised per
+# `pegainfer bench serve` at each concurrency of $CONC (its own prompts: seed = concurrency, so no level hits the
+# prefix cache that an earlier one filled), with the server's step trace (--trace-steps) summarised per
 # concurrency. `bash scripts/gpu/serve.sh hf`: the same request stream against `transformers serve
 # --continuous-batching`, each concurrency cut off after $HF_LIMIT seconds. The checkpoint's tokenizer has one word per
 # id, so every token streams as text and TTFT is the first token's. Reports and logs go to /tmp/serve_<target> and, as one
@@ -40,7 +41,7 @@ sweep() {  # $1: base URL, $2: model name, $3: report prefix, $4: seconds allowe
         n=$(( c * 2 > 16 ? c * 2 : 16 ))
         first=$(( $(wc -l <"$WORK/trace.jsonl" 2>/dev/null || echo 0) + 1 ))
         timeout "$4" python3 -m pegainfer.cli bench serve --base-url "$1" --model "$2" --tokenizer "$MODEL" \
-            --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --num-prompts "$n" --max-concurrency "$c" --seed 0 \
+            --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --num-prompts "$n" --max-concurrency "$c" --seed "$c" \
             --result-file "$WORK/$3_c$c.json" >>"$WORK/$3_bench.log" 2>&1 || echo "c=$c: bench exit $?" | tee -a "$WORK/$3_bench.log"
         [ -f "$WORK/trace.jsonl" ] && tail -n +"$first" "$WORK/trace.jsonl" >"$WORK/trace_c$c.jsonl"
     done
