@@ -14,6 +14,19 @@ KERNELS = Path(__file__).parent / "kernels"
 SMS = (80, 86, 89, 90)  # TMA and wgmma on 90 (sm_90a); cp.async and mma.sync on the others
 MIN_ROWS = 65  # below this Triton's decode-shaped tiles serve (its mid_rows variant ends at 64)
 PREFILL_QUERIES = 64  # attention with 128-query tiles only when some sequence brings this many queries
+_HOPPER = dict(BLOCK_K=64, THREADS=256, SWIZZLE=10)
+# (name, SMs, tile): the first per SM group is the default the CI compiles for every kernel. On sm_90a TileLang
+# adds a producer warpgroup to THREADS consumers; FULL_ROW gives each consumer warpgroup whole tile rows
+# (wgmma m64nN with N = BLOCK_N, which reads shared memory less per flop than Square's m64n64); the bigger tiles
+# and the fourth stage trade wave quantization at small M for operand reuse, which `pegainfer tune` measures.
+GEMM_TILES = (
+    ("wgmma_128x128", (90,), dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, **_HOPPER)),
+    ("wgmma_128x128_rows", (90,), dict(BLOCK_M=128, BLOCK_N=128, STAGES=4, FULL_ROW=True, **_HOPPER)),
+    ("wgmma_128x256_rows", (90,), dict(BLOCK_M=128, BLOCK_N=256, STAGES=4, FULL_ROW=True, **_HOPPER)),
+    ("wgmma_256x128_rows", (90,), dict(BLOCK_M=256, BLOCK_N=128, STAGES=4, FULL_ROW=True, **_HOPPER)),
+    ("mma_128x128", (80, 86, 89), dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, STAGES=3, THREADS=256, SWIZZLE=10)),
+)
+DEFAULT_VARIANTS = ("wgmma_128x128", "mma_128x128", "flash_128x128")
 
 
 def candidates(graph: Graph, node: Node, options: PlanOptions) -> list[VariantSpec]:
@@ -68,15 +81,15 @@ def _gemm(graph: Graph, node: Node) -> list[VariantSpec]:
                                 (GridDim((row_symbol,)),), 128))
     elif roles["x2"]:
         return []  # an add without a norm before a GEMM: not a shape the passes make
+    gemm_params = [_tensor("A", operand), _tensor("W", roles["weight"]), _tensor("C", roles["out"]), dim]
     variants = []
-    for sm_group, block_k, stages in (((90,), 64, 3), ((80, 86, 89), 32, 3)):
-        tiles = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=block_k, STAGES=stages, THREADS=256, SWIZZLE=10)
-        gemm = _launch("gemm.py", "gemm", [_tensor("A", operand), _tensor("W", roles["weight"]),
-                                           _tensor("C", roles["out"]), dim],
-                       dict(N=n, K=k, ACT=roles["act"], RESIDUAL=False, **tiles),
-                       (GridDim((n,), 128), GridDim((row_symbol,), 128)), 256, stages)
-        name = "wgmma_128x128" if sm_group == (90,) else "mma_128x128"
-        variants.append(VariantSpec(name, None, [*launches, gemm], "tilelang", sms=sm_group))
+    for name, sms, tiles in GEMM_TILES:
+        if n % tiles["BLOCK_N"] or (roles["act"] and tiles["BLOCK_M"] * tiles["BLOCK_N"] > 128 * 128):
+            continue  # whole N tiles only; gate and up accumulators of bigger tiles do not fit the registers
+        gemm = _launch("gemm.py", "gemm", gemm_params, dict(N=n, K=k, ACT=roles["act"], RESIDUAL=False, **tiles),
+                       (GridDim((n,), tiles["BLOCK_N"]), GridDim((row_symbol,), tiles["BLOCK_M"])),
+                       tiles["THREADS"], tiles["STAGES"])
+        variants.append(VariantSpec(name, None, [*launches, gemm], "tilelang", sms=sms))
     return variants
 
 
