@@ -26,7 +26,7 @@ GEMM_TILES = (
     ("wgmma_256x128_rows", (90,), dict(BLOCK_M=256, BLOCK_N=128, STAGES=4, FULL_ROW=True, **_HOPPER)),
     ("mma_128x128", (80, 86, 89), dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, STAGES=3, THREADS=256, SWIZZLE=10)),
 )
-DEFAULT_VARIANTS = ("wgmma_128x128", "mma_128x128", "flash_128x128")
+DEFAULT_VARIANTS = ("wgmma_128x128", "mma_128x128", "flash_128x128")  # what CI compiles for every kernel
 
 
 def candidates(graph: Graph, node: Node, options: PlanOptions) -> list[VariantSpec]:
@@ -117,8 +117,13 @@ def _attention(graph: Graph, node: Node, options: PlanOptions) -> list[VariantSp
               _tensor("CTX_LENS", ctx_lens, "*i32"), _tensor("O", out),
               Param("M", "int", f"dim:{tokens}", "i32"), Param("B", "int", f"dim:{batch}", "i32"),
               Param("MAXB", "int", "stride:" + tables, "i32"), Param("NB", "int", "dim:num_blocks", "i32")]
-    constexprs = dict(HEADS=heads, KV_HEADS=kv_heads, HD=head_dim, CACHE_BLOCK=options.block_size,
-                      SCALE=float(attention.attrs["scale"]), BLOCK_M=128, BLOCK_N=128, STAGES=1, THREADS=256)
-    launch = _launch("attention.py", "attention", params, constexprs,
-                     (GridDim((tokens,), 128), GridDim((heads,)), GridDim((batch,))), 256)
-    return [VariantSpec("flash_128x128", None, [launch], "tilelang", {"max_query_len": PREFILL_QUERIES}, SMS)]
+    shape = dict(HEADS=heads, KV_HEADS=kv_heads, HD=head_dim, CACHE_BLOCK=options.block_size,
+                 SCALE=float(attention.attrs["scale"]), BLOCK_M=128, BLOCK_N=128, THREADS=256)
+    grid = (GridDim((tokens,), 128), GridDim((heads,)), GridDim((batch,)))
+    conditional = {"max_query_len": PREFILL_QUERIES}
+    flash = _launch("attention.py", "attention", params, dict(shape, STAGES=1), grid, 256)
+    variants = [VariantSpec("flash_128x128", None, [flash], "tilelang", conditional, SMS)]
+    if 128 % options.block_size == 0:  # the double-buffered gather copies whole cache pages
+        gather = _launch("attention.py", "attention_async", params, shape, grid, 256)
+        variants.append(VariantSpec("flash_async_128x128", None, [gather], "tilelang", conditional, (90,)))
+    return variants
