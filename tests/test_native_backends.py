@@ -1,4 +1,5 @@
-"""Every TileLang and CuTe DSL kernel of Qwen3-4B compiled on this CPU machine to cubins for sm_90a and sm_80;
+"""Every TileLang and CuTe DSL kernel of Qwen3-4B compiled on this CPU machine to cubins for sm_90a and sm_80 (the
+default TileLang variant of each slot; each extra tuning variant compiled once, for one kernel);
 the TileLang GEMM's and attention's sm_90a SASS runs on HGMMA (and TMA loads for the GEMM); each launch ABI the
 manifest would record agrees with the DSL's own host launcher: TileLang's generated C++ stub (argument order,
 grid and block expressions, dynamic shared memory, every TMA descriptor field) and CuTe DSL's host IR (the
@@ -15,6 +16,7 @@ pytest.importorskip("cutlass")
 
 from pegainfer.backends.build import compile_many, plan_model  # noqa: E402
 from pegainfer.backends.spec import GridDim  # noqa: E402
+from pegainfer.backends.tilelang.plan import DEFAULT_VARIANTS  # noqa: E402
 from pegainfer.backends.triton.plan import PlanOptions  # noqa: E402
 from pegainfer.frontends.load import embedded_configs, load_spec  # noqa: E402
 
@@ -23,13 +25,17 @@ SMS = (90, 80)
 
 
 @pytest.fixture(scope="module")
-def compiled():
+def kernels():
     spec = load_spec(embedded_configs()["qwen3-4b"])
-    _, kernels = plan_model(spec, PlanOptions(), ("triton", "tilelang", "cute"))
+    return plan_model(spec, PlanOptions(), ("triton", "tilelang", "cute"))[1]
+
+
+@pytest.fixture(scope="module")
+def compiled(kernels):
     todo, where = {}, {}
     for kernel in kernels:
         for variant in kernel.variants:
-            if variant.backend == "triton":
+            if variant.backend == "triton" or (variant.backend == "tilelang" and variant.name not in DEFAULT_VARIANTS):
                 continue
             for sm in SMS:
                 if sm in variant.sms:
@@ -73,6 +79,28 @@ def test_tilelang_sm90a_gemm_and_attention_run_on_hgmma(compiled, tmp_path):
     assert "HGMMA" in sass(attention.cubin, tmp_path)
     sm80 = next(n for (sm, k), n in results.items() if sm == 80 and k.startswith("down/"))
     assert "HGMMA" not in sass(sm80.cubin, tmp_path) and "HMMA" in sass(sm80.cubin, tmp_path)
+
+
+TUNING_VARIANTS = {"wgmma_128x128_rows": "attn_residual", "wgmma_128x256_rows": "o_proj",
+                   "wgmma_256x128_rows": "down", "flash_async_128x128": "attention"}
+
+
+def test_every_tilelang_variant_is_compiled_by_some_test(kernels):
+    names = {v.name for k in kernels for v in k.variants if v.backend == "tilelang"}
+    assert names == set(DEFAULT_VARIANTS) | set(TUNING_VARIANTS)
+
+
+@pytest.mark.parametrize("name", sorted(TUNING_VARIANTS))
+def test_tilelang_tuning_variant_compiles_for_sm90a(kernels, name, tmp_path):
+    """Each extra variant `pegainfer tune` may choose, on one kernel: HGMMA in its SASS, the GEMMs fed by TMA, the
+    double-buffered attention by cp.async (LDGSTS), and no register spills."""
+    kernel = next(k for k in kernels if k.node == TUNING_VARIANTS[name])
+    variant = next(v for v in kernel.variants if v.name == name)
+    todo = {(90, f"{kernel.node}/{name}"): variant.launches[-1]}
+    ((_, native),) = compile_many(todo, 1, None)
+    assert native.resources["spill_stores"] == 0, native.resources
+    code = sass(native.cubin, tmp_path)
+    assert "HGMMA" in code and ("UTMALDG" in code if "wgmma" in name else "LDGSTS" in code)
 
 
 def _evaluate(expression: str, names: list[str], m: int) -> int:

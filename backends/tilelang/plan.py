@@ -14,6 +14,19 @@ KERNELS = Path(__file__).parent / "kernels"
 SMS = (80, 86, 89, 90)  # TMA and wgmma on 90 (sm_90a); cp.async and mma.sync on the others
 MIN_ROWS = 65  # below this Triton's decode-shaped tiles serve (its mid_rows variant ends at 64)
 PREFILL_QUERIES = 64  # attention with 128-query tiles only when some sequence brings this many queries
+_HOPPER = dict(BLOCK_K=64, THREADS=256, SWIZZLE=10)
+# (name, SMs, tile): the first per SM group is the default the CI compiles for every kernel. On sm_90a TileLang
+# adds a producer warpgroup to THREADS consumers; FULL_ROW gives each consumer warpgroup whole tile rows
+# (wgmma m64nN with N = BLOCK_N, which reads shared memory less per flop than Square's m64n64); the bigger tiles
+# and the fourth stage trade wave quantization at small M for operand reuse, which `pegainfer tune` measures.
+GEMM_TILES = (
+    ("wgmma_128x128", (90,), dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, **_HOPPER)),
+    ("wgmma_128x128_rows", (90,), dict(BLOCK_M=128, BLOCK_N=128, STAGES=4, FULL_ROW=True, **_HOPPER)),
+    ("wgmma_128x256_rows", (90,), dict(BLOCK_M=128, BLOCK_N=256, STAGES=4, FULL_ROW=True, **_HOPPER)),
+    ("wgmma_256x128_rows", (90,), dict(BLOCK_M=256, BLOCK_N=128, STAGES=4, FULL_ROW=True, **_HOPPER)),
+    ("mma_128x128", (80, 86, 89), dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, STAGES=3, THREADS=256, SWIZZLE=10)),
+)
+DEFAULT_VARIANTS = ("wgmma_128x128", "mma_128x128", "flash_128x128")  # what CI compiles for every kernel
 
 
 def candidates(graph: Graph, node: Node, options: PlanOptions) -> list[VariantSpec]:
@@ -68,15 +81,15 @@ def _gemm(graph: Graph, node: Node) -> list[VariantSpec]:
                                 (GridDim((row_symbol,)),), 128))
     elif roles["x2"]:
         return []  # an add without a norm before a GEMM: not a shape the passes make
+    gemm_params = [_tensor("A", operand), _tensor("W", roles["weight"]), _tensor("C", roles["out"]), dim]
     variants = []
-    for sm_group, block_k, stages in (((90,), 64, 3), ((80, 86, 89), 32, 3)):
-        tiles = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=block_k, STAGES=stages, THREADS=256, SWIZZLE=10)
-        gemm = _launch("gemm.py", "gemm", [_tensor("A", operand), _tensor("W", roles["weight"]),
-                                           _tensor("C", roles["out"]), dim],
-                       dict(N=n, K=k, ACT=roles["act"], RESIDUAL=False, **tiles),
-                       (GridDim((n,), 128), GridDim((row_symbol,), 128)), 256, stages)
-        name = "wgmma_128x128" if sm_group == (90,) else "mma_128x128"
-        variants.append(VariantSpec(name, None, [*launches, gemm], "tilelang", sms=sm_group))
+    for name, sms, tiles in GEMM_TILES:
+        if n % tiles["BLOCK_N"] or (roles["act"] and tiles["BLOCK_M"] * tiles["BLOCK_N"] > 128 * 128):
+            continue  # whole N tiles only; gate and up accumulators of bigger tiles do not fit the registers
+        gemm = _launch("gemm.py", "gemm", gemm_params, dict(N=n, K=k, ACT=roles["act"], RESIDUAL=False, **tiles),
+                       (GridDim((n,), tiles["BLOCK_N"]), GridDim((row_symbol,), tiles["BLOCK_M"])),
+                       tiles["THREADS"], tiles["STAGES"])
+        variants.append(VariantSpec(name, None, [*launches, gemm], "tilelang", sms=sms))
     return variants
 
 
@@ -104,8 +117,13 @@ def _attention(graph: Graph, node: Node, options: PlanOptions) -> list[VariantSp
               _tensor("CTX_LENS", ctx_lens, "*i32"), _tensor("O", out),
               Param("M", "int", f"dim:{tokens}", "i32"), Param("B", "int", f"dim:{batch}", "i32"),
               Param("MAXB", "int", "stride:" + tables, "i32"), Param("NB", "int", "dim:num_blocks", "i32")]
-    constexprs = dict(HEADS=heads, KV_HEADS=kv_heads, HD=head_dim, CACHE_BLOCK=options.block_size,
-                      SCALE=float(attention.attrs["scale"]), BLOCK_M=128, BLOCK_N=128, STAGES=1, THREADS=256)
-    launch = _launch("attention.py", "attention", params, constexprs,
-                     (GridDim((tokens,), 128), GridDim((heads,)), GridDim((batch,))), 256)
-    return [VariantSpec("flash_128x128", None, [launch], "tilelang", {"max_query_len": PREFILL_QUERIES}, SMS)]
+    shape = dict(HEADS=heads, KV_HEADS=kv_heads, HD=head_dim, CACHE_BLOCK=options.block_size,
+                 SCALE=float(attention.attrs["scale"]), BLOCK_M=128, BLOCK_N=128, THREADS=256)
+    grid = (GridDim((tokens,), 128), GridDim((heads,)), GridDim((batch,)))
+    conditional = {"max_query_len": PREFILL_QUERIES}
+    flash = _launch("attention.py", "attention", params, dict(shape, STAGES=1), grid, 256)
+    variants = [VariantSpec("flash_128x128", None, [flash], "tilelang", conditional, SMS)]
+    if 128 % options.block_size == 0:  # the double-buffered gather copies whole cache pages
+        gather = _launch("attention.py", "attention_async", params, shape, grid, 256)
+        variants.append(VariantSpec("flash_async_128x128", None, [gather], "tilelang", conditional, (90,)))
+    return variants

@@ -82,3 +82,92 @@ def attention(HEADS: int, KV_HEADS: int, HD: int, CACHE_BLOCK: int, SCALE: float
                         O[start + q0 + i, head, d] = o_s[i, d]
 
     return attention
+
+
+def attention_async(HEADS: int, KV_HEADS: int, HD: int, CACHE_BLOCK: int, SCALE: float, BLOCK_M: int, BLOCK_N: int,
+                    THREADS: int):
+    """The same attention with the K/V gather double-buffered: each cache page of the next key tile is copied with
+    cp.async (T.async_copy) into the other half of two shared buffers while the tensor cores work on this one, so
+    the gather's global latency hides behind the tile's math (the single-buffered kernel above waits for it twice
+    per tile; TileLang's own pipelining does not apply to a gather through the block table)."""
+    tokens, batch, blocks, max_blocks = (T.dynamic(name) for name in ("M", "B", "NB", "MAXB"))
+    group = HEADS // KV_HEADS
+    scale = SCALE * LOG2E
+    neg_inf = -T.infinity(T.float32)
+    pages = BLOCK_N // CACHE_BLOCK
+
+    @T.prim_func
+    def attention_async(Q: T.Tensor((tokens, HEADS, HD), BF16),
+                        KC: T.Tensor((blocks, CACHE_BLOCK, KV_HEADS, HD), BF16),
+                        VC: T.Tensor((blocks, CACHE_BLOCK, KV_HEADS, HD), BF16),
+                        TABLES: T.Tensor((batch, max_blocks), T.int32), STARTS: T.Tensor((batch,), T.int32),
+                        Q_LENS: T.Tensor((batch,), T.int32), CTX_LENS: T.Tensor((batch,), T.int32),
+                        O: T.Tensor((tokens, HEADS, HD), BF16)):
+        with T.Kernel(T.ceildiv(tokens, BLOCK_M), HEADS, batch, threads=THREADS) as (bx, head, seq):
+            q_s = T.alloc_shared((BLOCK_M, HD), BF16)
+            k_s = T.alloc_shared((2, BLOCK_N, HD), BF16)
+            v_s = T.alloc_shared((2, BLOCK_N, HD), BF16)
+            o_s = T.alloc_shared((BLOCK_M, HD), BF16)
+            s = T.alloc_fragment((BLOCK_M, BLOCK_N), T.float32)
+            p = T.alloc_fragment((BLOCK_M, BLOCK_N), BF16)
+            acc = T.alloc_fragment((BLOCK_M, HD), T.float32)
+            m = T.alloc_fragment((BLOCK_M,), T.float32)
+            m_prev = T.alloc_fragment((BLOCK_M,), T.float32)
+            rescale = T.alloc_fragment((BLOCK_M,), T.float32)
+            row_sum = T.alloc_fragment((BLOCK_M,), T.float32)
+            l = T.alloc_fragment((BLOCK_M,), T.float32)
+            kv_head = head // group
+            tile = T.ceildiv(tokens, BLOCK_M) - 1 - bx
+            start = STARTS[seq]
+            q_len = Q_LENS[seq]
+            ctx = CTX_LENS[seq]
+            q0 = tile * BLOCK_M
+            first_pos = ctx - q_len + q0
+            kv_end = T.min(ctx, first_pos + BLOCK_M)
+            last_page = (kv_end - 1) // CACHE_BLOCK
+            n = T.ceildiv(kv_end, BLOCK_N)
+            if q0 < q_len:
+                for j in T.unroll(pages):  # tile 0's pages, in flight while Q is loaded
+                    T.async_copy(KC[TABLES[seq, T.min(j, last_page)], :, kv_head, :],
+                                 k_s[0, j * CACHE_BLOCK:(j + 1) * CACHE_BLOCK, :])
+                    T.async_copy(VC[TABLES[seq, T.min(j, last_page)], :, kv_head, :],
+                                 v_s[0, j * CACHE_BLOCK:(j + 1) * CACHE_BLOCK, :])
+                for i, d in T.Parallel(BLOCK_M, HD):
+                    q_s[i, d] = T.if_then_else(q0 + i < q_len, Q[start + q0 + i, head, d], T.cast(0, BF16))
+                T.fill(acc, 0)
+                T.fill(l, 0)
+                T.fill(m, neg_inf)
+                for k in T.serial(n):
+                    T.ptx_wait_group(0)  # tile k has landed, and every thread is done with tile k - 1's buffers
+                    T.sync_threads()
+                    if k + 1 < n:  # the next tile's pages (clamped to the last: masked, read in bounds)
+                        for j in T.unroll(pages):
+                            T.async_copy(KC[TABLES[seq, T.min((k + 1) * pages + j, last_page)], :, kv_head, :],
+                                         k_s[(k + 1) % 2, j * CACHE_BLOCK:(j + 1) * CACHE_BLOCK, :])
+                            T.async_copy(VC[TABLES[seq, T.min((k + 1) * pages + j, last_page)], :, kv_head, :],
+                                         v_s[(k + 1) % 2, j * CACHE_BLOCK:(j + 1) * CACHE_BLOCK, :])
+                    for i, j in T.Parallel(BLOCK_M, BLOCK_N):
+                        s[i, j] = T.if_then_else((k * BLOCK_N + j <= first_pos + i) & (k * BLOCK_N + j < kv_end),
+                                                 0, neg_inf)  # the mask as the product's starting value
+                    T.gemm(q_s, k_s[k % 2, :, :], s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                    T.copy(m, m_prev)
+                    T.reduce_max(s, m, dim=1, clear=False)
+                    for i in T.Parallel(BLOCK_M):
+                        rescale[i] = T.exp2(m_prev[i] * scale - m[i] * scale)
+                    for i, j in T.Parallel(BLOCK_M, BLOCK_N):
+                        s[i, j] = T.exp2(s[i, j] * scale - m[i] * scale)
+                    T.reduce_sum(s, row_sum, dim=1)
+                    for i in T.Parallel(BLOCK_M):
+                        l[i] = l[i] * rescale[i] + row_sum[i]
+                    for i, d in T.Parallel(BLOCK_M, HD):
+                        acc[i, d] *= rescale[i]
+                    T.copy(s, p)
+                    T.gemm(p, v_s[k % 2, :, :], acc, policy=T.GemmWarpPolicy.FullRow)
+                for i, d in T.Parallel(BLOCK_M, HD):
+                    o_s[i, d] = T.cast(acc[i, d] / l[i], BF16)
+                for i, d in T.Parallel(BLOCK_M, HD):
+                    if q0 + i < q_len:
+                        O[start + q0 + i, head, d] = o_s[i, d]
+
+    return attention_async
+

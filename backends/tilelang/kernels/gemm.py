@@ -8,8 +8,9 @@ BF16 = T.bfloat16
 
 
 def gemm(N: int, K: int, ACT: int, RESIDUAL: bool, BLOCK_M: int, BLOCK_N: int, BLOCK_K: int, STAGES: int,
-         THREADS: int, SWIZZLE: int):
+         THREADS: int, SWIZZLE: int, FULL_ROW: bool = False):
     M = T.dynamic("M")
+    policy = T.GemmWarpPolicy.FullRow if FULL_ROW else T.GemmWarpPolicy.Square
     w_rows = 2 * N if ACT else N
 
     @T.macro
@@ -29,15 +30,15 @@ def gemm(N: int, K: int, ACT: int, RESIDUAL: bool, BLOCK_M: int, BLOCK_N: int, B
                     T.copy(A[by * BLOCK_M, k * BLOCK_K], a_s)
                     T.copy(W[bx * BLOCK_N, k * BLOCK_K], w_s)
                     T.copy(W[N + bx * BLOCK_N, k * BLOCK_K], u_s)
-                    T.gemm(a_s, w_s, acc, transpose_B=True)
-                    T.gemm(a_s, u_s, up, transpose_B=True)
+                    T.gemm(a_s, w_s, acc, transpose_B=True, policy=policy)
+                    T.gemm(a_s, u_s, up, transpose_B=True, policy=policy)
                 for i, j in T.Parallel(BLOCK_M, BLOCK_N):  # SiLU(gate) * up, as the Triton epilogue computes it
                     acc[i, j] = acc[i, j] / (1.0 + T.exp(-acc[i, j])) * up[i, j]
             else:
                 for k in T.Pipelined(T.ceildiv(K, BLOCK_K), num_stages=STAGES):
                     T.copy(A[by * BLOCK_M, k * BLOCK_K], a_s)
                     T.copy(W[bx * BLOCK_N, k * BLOCK_K], w_s)
-                    T.gemm(a_s, w_s, acc, transpose_B=True)
+                    T.gemm(a_s, w_s, acc, transpose_B=True, policy=policy)
             if RESIDUAL:
                 T.copy(R[by * BLOCK_M, bx * BLOCK_N], c_s)
                 for i, j in T.Parallel(BLOCK_M, BLOCK_N):
