@@ -64,7 +64,9 @@ def choose(kernel: KernelSpec, variants: list[VariantSpec], sm: int, tuning: dic
             record.update(by="tuned", times_us=tuned[key].get("times_us", {}))
         else:
             preference = DEFAULT_PREFERENCE.get(sm, {}).get(family(kernel, slot), FALLBACK)
-            by_backend = {v.backend: v.label for v in alternatives}
+            by_backend: dict[str, str] = {}
+            for v in alternatives:  # a backend's first variant of the slot is its default tile
+                by_backend.setdefault(v.backend, v.label)
             pick = next((by_backend[b] for b in preference if b in by_backend), None)
             if pick is None:
                 pick = "fallthrough" if slot[1] else labels[0]

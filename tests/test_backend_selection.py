@@ -52,6 +52,16 @@ def test_defaults_per_sm(hopper_preference):
     assert [v.label for v in chosen] == ["triton:one_row", "triton:mid_rows", "triton:many_rows"]
 
 
+def test_a_backends_first_variant_of_a_slot_is_its_default(hopper_preference):
+    """Tuning tiles sit beside a backend's default tile in the same slot; untuned, the default one runs."""
+    variants = [variant("triton", "many_rows", None), variant("tilelang", "wgmma_128x128", None),
+                variant("tilelang", "wgmma_128x256_rows", None)]
+    kernel = KernelSpec("body", "down", "linear", ["linear"], "tokens", variants)
+    chosen, records = choose(kernel, variants, 90, {})
+    assert [v.label for v in chosen] == ["tilelang:wgmma_128x128"]
+    assert records[0]["alternatives"] == [v.label for v in variants]
+
+
 def test_tuning_data_overrides_the_default_and_reports_the_margin():
     kernel = gemm_kernel()
     tuning = {"kernels": {"body/down": {"any rows": {"choice": "triton:many_rows",

@@ -6,14 +6,13 @@ steps. A kernel TileLang cannot serve gets no candidate, and the other backends'
 from pathlib import Path
 
 from pegainfer.backends.spec import GridDim, LaunchSpec, Param, VariantSpec
-from pegainfer.backends.triton.plan import PlanOptions, gemm_roles, static_layout
+from pegainfer.backends.triton.plan import PREFILL_QUERIES, PlanOptions, gemm_roles, static_layout
 from pegainfer.ir.graph import Graph, Node
 from pegainfer.ir.kernel import fused_ops
 
 KERNELS = Path(__file__).parent / "kernels"
 SMS = (80, 86, 89, 90)  # TMA and wgmma on 90 (sm_90a); cp.async and mma.sync on the others
 MIN_ROWS = 65  # below this Triton's decode-shaped tiles serve (its mid_rows variant ends at 64)
-PREFILL_QUERIES = 64  # attention with 128-query tiles only when some sequence brings this many queries
 _HOPPER = dict(BLOCK_K=64, THREADS=256, SWIZZLE=10)
 # (name, SMs, tile): the first per SM group is the default the CI compiles for every kernel. On sm_90a TileLang
 # adds a producer warpgroup to THREADS consumers; FULL_ROW gives each consumer warpgroup whole tile rows
