@@ -66,6 +66,9 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     group.add_argument("--tokenizer", type=Path, default=None,
                        help="checkpoint folder whose tokenizer.json turns the random prompts into text (default: "
                             "send token ids, which /v1/completions of pegainfer and vLLM take)")
+    group.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                       help="do not send ignore_eos (for servers that refuse fields OpenAI does not define); the "
+                            "report counts the output tokens the server says it made")
     group.add_argument("--api-key", dest="bench_api_key", default=os.environ.get("OPENAI_API_KEY"),
                        help="bearer key for the server (default $OPENAI_API_KEY)")
     group.add_argument("--result-file", type=Path, default=None, help="also write the JSON report here")
@@ -82,7 +85,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     config = BenchConfig(base_url=args.base_url.rstrip("/"), model=model, endpoint=args.endpoint,
                          input_len=args.input_len, output_len=args.output_len, num_prompts=args.num_prompts,
                          request_rate=args.request_rate, max_concurrency=args.max_concurrency, seed=args.seed,
-                         tokenizer=args.tokenizer, api_key=args.bench_api_key)
+                         tokenizer=args.tokenizer, api_key=args.bench_api_key, ignore_eos=args.ignore_eos)
     report = asyncio.run(run_bench(config))
     if args.result_file:
         args.result_file.write_text(json.dumps(report, indent=1) + "\n")

@@ -36,12 +36,12 @@ sys.exit(1)
 PY
 }
 metric() { python3 -c "import sys, httpx; print(next(l.split()[-1] for l in httpx.get(sys.argv[1] + '/metrics').text.splitlines() if l.startswith(sys.argv[2] + '{')))" "$1" "$2"; }
-sweep() {  # $1: base URL, $2: model name, $3: report prefix, $4: seconds allowed per concurrency
+sweep() {  # $1: base URL, $2: model name, $3: report prefix, $4: seconds allowed per concurrency, $5: extra flags
     for c in $CONC; do
         n=$(( c * 2 > 16 ? c * 2 : 16 ))
-        first=$(( $(wc -l <"$WORK/trace.jsonl" 2>/dev/null || echo 0) + 1 ))
+        first=1; [ -f "$WORK/trace.jsonl" ] && first=$(( $(wc -l <"$WORK/trace.jsonl") + 1 ))
         timeout "$4" python3 -m pegainfer.cli bench serve --base-url "$1" --model "$2" --tokenizer "$MODEL" \
-            --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --num-prompts "$n" --max-concurrency "$c" --seed "$c" \
+            --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --num-prompts "$n" --max-concurrency "$c" --seed "$c" ${5:-} \
             --result-file "$WORK/$3_c$c.json" >>"$WORK/$3_bench.log" 2>&1 || echo "c=$c: bench exit $?" | tee -a "$WORK/$3_bench.log"
         [ -f "$WORK/trace.jsonl" ] && tail -n +"$first" "$WORK/trace.jsonl" >"$WORK/trace_c$c.jsonl"
     done
@@ -56,9 +56,9 @@ for c in sys.argv[3:]:
         print(f"{c:>5} no report (cut off)")
         continue
     r = json.loads(path.read_text())
+    v = {k: r.get(k) or 0.0 for k in ("mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "mean_itl_ms")}
     print(f"{c:>5} {r['completed']:>4}/{r['num_prompts']:<4} {r['duration_s']:7.2f} {r['output_throughput']:9.0f} "
-          f"{r.get('mean_ttft_ms', 0):8.0f} {r.get('p99_ttft_ms', 0):8.0f} {r.get('mean_tpot_ms', 0):8.2f} "
-          f"{r.get('mean_itl_ms', 0):7.2f}")
+          f"{v['mean_ttft_ms']:8.0f} {v['p99_ttft_ms']:8.0f} {v['mean_tpot_ms']:8.2f} {v['mean_itl_ms']:7.2f}")
 PY
     if [ -f "$WORK/trace.jsonl" ]; then
         python3 scripts/gpu/trace_summary.py "$WORK/trace.jsonl" --label all --header
@@ -74,7 +74,7 @@ if [ "$TARGET" = hf ]; then
         --port 8001 >"$WORK/hf_serve.log" 2>&1 &
     pid=$!
     ready http://127.0.0.1:8001 || { echo "transformers serve did not start"; tail -30 "$WORK/hf_serve.log"; }
-    sweep http://127.0.0.1:8001 "$MODEL" hf "${HF_LIMIT:-120}"
+    sweep http://127.0.0.1:8001 "$MODEL" hf "${HF_LIMIT:-120}" --no-ignore-eos  # it refuses ignore_eos (HTTP 422)
     kill $pid; wait $pid
     exit 0
 fi
