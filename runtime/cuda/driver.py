@@ -61,9 +61,14 @@ def free(ptr: int) -> None:
 
 
 def alloc_pinned(nbytes: int) -> np.ndarray:
-    """Page-locked host memory as a uint8 array (freed with the process)."""
+    """Page-locked host memory as a uint8 array (freed with the process, or by free_pinned)."""
     ptr = int(check(_driver().cuMemHostAlloc(max(nbytes, 1), 0), f"cuMemHostAlloc({nbytes})"))
     return np.ctypeslib.as_array((ctypes.c_uint8 * max(nbytes, 1)).from_address(ptr))
+
+
+def free_pinned(array: np.ndarray) -> None:
+    """Returns memory from alloc_pinned; the array must not be used afterwards."""
+    check(_driver().cuMemFreeHost(array.ctypes.data), "cuMemFreeHost")
 
 
 def copy_to_device(dst: int, src: np.ndarray, stream=None) -> None:
