@@ -2,9 +2,11 @@
 (and minimum step sizes): its variants are alternatives. `pegainfer tune` times them on the GPU for the model's
 shapes and writes the winner per slot into the cache; without tuning data the default below decides.
 
-Default (until tuning says otherwise): Triton on every SM, the one backend measured on a GPU so far
-(docs/BENCHMARKS.md). TileLang's and CuTe DSL's cubins are compiled beside it and win a slot only through
-`pegainfer tune`. A per-SM preference table (family -> backends in order) can change that once it is measured."""
+Default (until tuning says otherwise), per SM and kernel family, from the H200 measurements in docs/BENCHMARKS.md
+(2026-11-30): on sm_90 the prefill GEMMs and prefill attention go to TileLang (its default tile beat Triton's on
+every GEMM of Qwen3-4B at 4k and 8k rows, by 1.4x to 8x, and its attention ran 3.5x faster at 8k); decode GEMVs
+stay with Triton (CuTe DSL's won some slots in isolation but made the batch-1 step slower). Every other SM, and
+every family without an entry, is Triton's. A backend not compiled into the cache falls back to the next."""
 
 import json
 from pathlib import Path
@@ -13,7 +15,9 @@ from typing import Any
 from pegainfer.backends.cache import model_id, sm_folder
 from pegainfer.backends.spec import KernelSpec, VariantSpec
 
-DEFAULT_PREFERENCE: dict[int, dict[str, tuple[str, ...]]] = {}
+DEFAULT_PREFERENCE: dict[int, dict[str, tuple[str, ...]]] = {
+    90: {"gemm": ("tilelang", "triton"), "attention": ("tilelang", "triton")},
+}
 FALLBACK = ("triton",)
 
 

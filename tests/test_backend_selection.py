@@ -35,12 +35,17 @@ def hopper_preference(monkeypatch):
                                                         "attention": ("tilelang", "triton")})
 
 
-def test_the_shipped_default_is_triton_on_every_sm():
+def test_the_shipped_default_is_tilelang_for_hopper_prefill_and_triton_elsewhere():
     kernel = gemm_kernel()
-    for sm in (80, 90, 120):
+    for sm in (80, 120):
         chosen, records = choose(kernel, kernel.variants, sm, {})
         assert [v.label for v in chosen] == ["triton:one_row", "triton:mid_rows", "triton:many_rows"]
         assert [r["by"] for r in records] == ["default"] * 3
+    chosen, _ = choose(kernel, kernel.variants, 90, {})
+    assert [v.label for v in chosen] == ["triton:one_row", "triton:mid_rows", "tilelang:wgmma"]
+    without_tilelang = [v for v in kernel.variants if v.backend != "tilelang"]
+    chosen, _ = choose(kernel, without_tilelang, 90, {})  # compiled with --backends triton
+    assert chosen[-1].label == "triton:many_rows"
 
 
 def test_defaults_per_sm(hopper_preference):

@@ -81,7 +81,7 @@ def test_tilelang_sm90a_gemm_and_attention_run_on_hgmma(compiled, tmp_path):
     assert "HGMMA" not in sass(sm80.cubin, tmp_path) and "HMMA" in sass(sm80.cubin, tmp_path)
 
 
-TUNING_VARIANTS = {"wgmma_128x128_rows": "attn_residual", "wgmma_128x256_rows": "o_proj",
+TUNING_VARIANTS = {"wgmma_128x128": "attn_residual", "wgmma_128x256_rows": "o_proj",
                    "wgmma_256x128_rows": "down", "flash_async_128x128": "attention"}
 
 
@@ -108,7 +108,7 @@ def _evaluate(expression: str, names: list[str], m: int) -> int:
     return eval(expression.replace("/", "//"), {}, {name: m for name in names})
 
 
-@pytest.mark.parametrize("key", ["attn_residual/wgmma_128x128/1", "attention/flash_128x128/0"])
+@pytest.mark.parametrize("key", ["attn_residual/wgmma_128x128_rows/1", "attention/flash_128x128/0"])
 def test_tilelang_abi_matches_its_host_stub(compiled, key):
     from pegainfer.backends.tilelang.compiler import host_stub
 
