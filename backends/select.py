@@ -4,9 +4,10 @@ shapes and writes the winner per slot into the cache; without tuning data the de
 
 Default (until tuning says otherwise), per SM and kernel family, from the H200 measurements in docs/BENCHMARKS.md
 (2026-11-30): on sm_90 the prefill GEMMs and prefill attention go to TileLang (its default tile beat Triton's on
-every GEMM of Qwen3-4B at 4k and 8k rows, by 1.4x to 8x, and its attention ran 3.5x faster at 8k); decode GEMVs
-stay with Triton (CuTe DSL's won some slots in isolation but made the batch-1 step slower). Every other SM, and
-every family without an entry, is Triton's. A backend not compiled into the cache falls back to the next."""
+every prefill GEMM of the 4B benchmark model at 4k and 8k rows, by 1.4x to 8.5x, and its attention ran 3.5x faster
+at 8k); decode GEMVs stay with Triton (CuTe DSL's won some slots in isolation but made the batch-1 step slower).
+Every other SM, and every family without an entry, is Triton's. A backend not compiled into the cache falls
+back to the next."""
 
 import json
 from pathlib import Path

@@ -57,8 +57,8 @@ def random_prompts(config: BenchConfig) -> list[list[int] | str]:
 
 
 def request_body(config: BenchConfig, prompt: list[int] | str) -> dict:
-    body = {"model": config.model, "max_tokens": config.output_len, "stream": True,
-            "temperature": 0.0, "stream_options": {"include_usage": True}} | ({"ignore_eos": True} if config.ignore_eos else {})
+    body = {"model": config.model, "max_tokens": config.output_len, "stream": True, "temperature": 0.0,
+            "stream_options": {"include_usage": True}, **({"ignore_eos": True} if config.ignore_eos else {})}
     if config.endpoint.endswith("chat/completions"):
         text = prompt if isinstance(prompt, str) else " ".join(map(str, prompt))
         return {**body, "messages": [{"role": "user", "content": text}]}

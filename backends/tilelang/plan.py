@@ -18,8 +18,8 @@ _HOPPER = dict(BLOCK_K=64, THREADS=256, SWIZZLE=10)
 # adds a producer warpgroup to THREADS consumers; FULL_ROW gives each consumer warpgroup whole tile rows
 # (wgmma m64nN with N = BLOCK_N, which reads shared memory less per flop than Square's m64n64); the bigger tiles
 # and the fourth stage trade wave quantization at small M for operand reuse, which `pegainfer tune` measures.
-# The default, 128x128 on whole rows with 4 stages, was the fastest tile on the H200 for 10 of Qwen3-4B's 12
-# prefill GEMMs (docs/BENCHMARKS.md, 2026-11-30).
+# The default, 128x128 on whole rows with 4 stages, was the fastest tile on the H200 for 10 of the 12 prefill GEMMs
+# of the 4B benchmark model (docs/BENCHMARKS.md, 2026-11-30).
 GEMM_TILES = (
     ("wgmma_128x128_rows", (90,), dict(BLOCK_M=128, BLOCK_N=128, STAGES=4, FULL_ROW=True, **_HOPPER)),
     ("wgmma_128x128", (90,), dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, **_HOPPER)),
