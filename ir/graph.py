@@ -11,8 +11,6 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-import networkx as nx
-
 from pegainfer.ir.types import TensorType
 
 REPEAT = "repeat"
@@ -65,18 +63,13 @@ class Graph:
     def producers(self) -> dict[str, Node]:
         return {out: node for node in self.nodes for out in node.outputs}
 
-    def to_networkx(self) -> nx.DiGraph:
-        """Nodes are value producers (node names, inputs, params, states); edges follow data."""
-        dag = nx.DiGraph()
-        for source in (*self.inputs, *self.params, *self.states):
-            dag.add_node(source)
+    def dataflow(self) -> tuple[list[str], list[tuple[str, str]]]:
+        """(value producers: inputs, params, states and node names; edges following data between them)."""
         producer_of = self.producers()
-        for node in self.nodes:
-            dag.add_node(node.name)
-            for value in node.inputs:
-                source = producer_of[value].name if value in producer_of else value
-                dag.add_edge(source, node.name)
-        return dag
+        names = list(dict.fromkeys([*self.inputs, *self.params, *self.states, *(n.name for n in self.nodes)]))
+        edges = [(producer_of[value].name if value in producer_of else value, node.name)
+                 for node in self.nodes for value in node.inputs]
+        return names, edges
 
     def all_graphs(self) -> list["Graph"]:
         """This graph and its bodies, bodies first."""

@@ -1,9 +1,8 @@
 """The verifier: every value defined once, no dangling edges, no cycles, nodes in topological order, and every
 node's recorded output types equal to what its op's type rule gives."""
 
-import networkx as nx
-
 from pegainfer.errors import GraphError
+from pegainfer.ir.dag import find_cycle
 from pegainfer.ir.graph import KERNEL, LAYER_PLACEHOLDER, REPEAT, Graph, Node, has_placeholder
 from pegainfer.ir.kernel import in_place_outputs, inner_nodes
 from pegainfer.ir.registry import infer_types
@@ -32,10 +31,10 @@ def _verify_one(graph: Graph, root: Graph) -> None:
             if value not in defined and value not in all_outputs:
                 raise GraphError(f"graph {graph.name}, node %{node.name} ({node.op}): input {value!r} is not defined "
                                  f"anywhere (dangling edge)")
-    dag = graph.to_networkx()
-    if not nx.is_directed_acyclic_graph(dag):
-        cycle = " -> ".join(edge[0] for edge in nx.find_cycle(dag))
-        raise GraphError(f"graph {graph.name}: cycle through {cycle}")
+    names, edges = graph.dataflow()
+    cycle = find_cycle(names, edges)
+    if cycle:
+        raise GraphError(f"graph {graph.name}: cycle through {' -> '.join(cycle)}")
     _verify_nodes(graph.name, graph.nodes, defined, set(graph.states), root)
     for out in graph.outputs:
         if out not in defined:

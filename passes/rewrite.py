@@ -2,8 +2,8 @@
 
 from typing import Callable
 
-import networkx as nx
 
+from pegainfer.ir.dag import lexicographic_order
 from pegainfer.ir.graph import KERNEL, Graph, Node
 from pegainfer.ir.kernel import in_place_outputs, inner_nodes
 
@@ -69,13 +69,12 @@ def topological_order(nodes: list[Node]) -> list[Node] | None:
     """The nodes in a topological order as close as possible to the given one; None if they hold a cycle."""
     index = {node.name: i for i, node in enumerate(nodes)}
     producer = {out: node.name for node in nodes for out in node.outputs}
-    dag = nx.DiGraph()
-    dag.add_nodes_from(index)
-    dag.add_edges_from((producer[v], node.name) for node in nodes for v in node.inputs if v in producer)
-    if not nx.is_directed_acyclic_graph(dag):
+    edges = [(producer[v], node.name) for node in nodes for v in node.inputs if v in producer]
+    order = lexicographic_order(list(index), edges, index.__getitem__)
+    if order is None:
         return None
     by_name = {node.name: node for node in nodes}
-    return [by_name[name] for name in nx.lexicographical_topological_sort(dag, key=index.__getitem__)]
+    return [by_name[name] for name in order]
 
 
 def primitive(node: Node, op: str | tuple[str, ...]) -> bool:
