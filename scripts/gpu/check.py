@@ -49,6 +49,10 @@ def hf_gate(folder: Path, prompts, steps: int, ours_fn, results: dict) -> None:
 
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda().eval()
     results["hf_gate"] = gate_against(model, prompts, steps, ours_fn)
+    # the same positions with each prompt run alone: batch-1 steps launch other kernels (one-row GEMVs, split-KV
+    # attention) than batched ones
+    results["hf_gate_batch1"] = gate_against(model, prompts, steps, lambda ps, conts: [
+        ours_fn([p], [c])[0] for p, c in zip(ps, conts)])
 
 
 def gate_against(model, prompts, steps: int, ours_fn) -> dict:
