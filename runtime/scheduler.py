@@ -76,7 +76,7 @@ class StepRecord:
     outputs: int  # tokens handed to requests
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: `in self.running` ran a field-by-field __eq__ per running request
 class _State:
     request: EngineRequest
     seq: Sequence
