@@ -1,18 +1,52 @@
 """The engine loop: one thread owns the engine and the scheduler, so that steps never race with each other.
 Requests and aborts come in through an inbox that is read between steps; each request's tokens go out through the
-callback it was submitted with (the server turns that into an asyncio queue). If a step raises, the loop stops for
-good: every request in flight gets the error, later submissions are refused, and `error` says what happened."""
+callback it was submitted with: a plain callable, called in the engine thread, or a `LoopSink` of an asyncio event
+loop (the server's), to which each step's items go in one hand-over. If a step raises, the loop stops for good:
+every request in flight gets the error, later submissions are refused, and `error` says what happened."""
 
+import asyncio
 import json
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TextIO
 
 from pegainfer.errors import PegainferError, RequestError
 from pegainfer.runtime.scheduler import EngineRequest, Scheduler, TokenOutput
 
-Sink = Callable[[TokenOutput | Exception], None]
+Put = Callable[[TokenOutput | Exception], None]
+
+
+@dataclass(frozen=True)
+class LoopSink:
+    """A sink that runs on an asyncio event loop. All of a step's items for one loop go over in one
+    call_soon_threadsafe: one wake-up of the loop a step, not one (and a GIL hand-over) per request."""
+    loop: asyncio.AbstractEventLoop
+    put: Put
+
+
+Sink = Put | LoopSink
+
+
+def hand_over(deliveries: list[tuple[Sink, TokenOutput | Exception]]) -> None:
+    """Calls plain sinks here; passes the items of loop sinks to their loops, one call per loop."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Put, TokenOutput | Exception]]] = {}
+    for sink, item in deliveries:
+        if isinstance(sink, LoopSink):
+            by_loop.setdefault(sink.loop, []).append((sink.put, item))
+        else:
+            sink(item)
+    for loop, batch in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, batch)
+        except RuntimeError:  # the event loop is closed: the server is shutting down
+            pass
+
+
+def _put_all(batch: list[tuple[Put, TokenOutput | Exception]]) -> None:
+    for put, item in batch:
+        put(item)
 
 
 class EngineDead(PegainferError):
@@ -52,7 +86,7 @@ class EngineLoop:
 
     def submit(self, request: EngineRequest, sink: Sink) -> None:
         """Queues a request; `sink` gets its TokenOutputs in order, or one exception (RequestError, EngineDead),
-        called from the engine thread."""
+        in the engine thread, or on its event loop for a LoopSink."""
         with self._wake:
             if self.error is not None:
                 raise self._dead()
@@ -86,17 +120,19 @@ class EngineLoop:
                 self.error = error
                 pending = [item[2] for item in self._inbox if item[0] == "add"]
                 self._inbox = []
-            for sink in [*self._sinks.values(), *pending]:
-                sink(self._dead())
+            dead = self._dead()
+            hand_over([(sink, dead) for sink in [*self._sinks.values(), *pending]])
             self._sinks.clear()
 
     def _deliver(self, outputs: list[TokenOutput]) -> None:
+        deliveries = []
         for output in outputs:
             sink = self._sinks.get(output.request_id)
             if output.finish_reason is not None:
                 self._sinks.pop(output.request_id, None)
             if sink is not None:
-                sink(output)
+                deliveries.append((sink, output))
+        hand_over(deliveries)
 
     def _write_trace(self, began: float, ended: float) -> None:
         """`schedule` and `after` are the loop's own seconds before and after the engine's `seconds` (`after`:
@@ -122,7 +158,7 @@ class EngineLoop:
         try:
             self.scheduler.add(request)
         except RequestError as error:
-            sink(error)
+            hand_over([(sink, error)])
             return
         self._sinks[request.request_id] = sink
 

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from pegainfer.runtime.detokenize import IncrementalDetokenizer, StopChecker
-from pegainfer.runtime.engine_loop import EngineLoop
+from pegainfer.runtime.engine_loop import EngineLoop, LoopSink
 from pegainfer.runtime.scheduler import EngineRequest, TokenOutput
 from pegainfer.runtime.tokenizer import TextTokenizer
 from pegainfer.server.metrics import Metrics
@@ -22,14 +22,7 @@ class RequestStream:
         self.engine, self.request_id = engine, request.request_id
         self.finished = False
         self._queue: asyncio.Queue = asyncio.Queue()
-        loop = asyncio.get_running_loop()
-
-        def sink(item: TokenOutput | Exception) -> None:
-            try:
-                loop.call_soon_threadsafe(self._queue.put_nowait, item)
-            except RuntimeError:  # the event loop is closed: the server is shutting down
-                pass
-        engine.submit(request, sink)
+        engine.submit(request, LoopSink(asyncio.get_running_loop(), self._queue.put_nowait))
 
     async def next(self) -> TokenOutput | None:
         if self.finished:

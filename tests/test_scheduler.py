@@ -290,3 +290,29 @@ def test_engine_loop_traces_each_step_with_what_it_ran(model):
     assert [line["outputs"] for line in lines] == [0] + [1] * GREEDY.max_tokens
     assert all(line["seconds"] > 0 and line["schedule"] >= 0 and line["after"] >= 0 for line in lines)
     assert lines[0]["gap"] is None and all(line["gap"] >= 0 for line in lines[1:])
+
+
+class FakeLoop:
+    """Records call_soon_threadsafe calls; `closed` makes them raise as a closed event loop's do."""
+
+    def __init__(self, closed: bool = False) -> None:
+        self.calls, self.closed = [], closed
+
+    def call_soon_threadsafe(self, callback, *args):
+        if self.closed:
+            raise RuntimeError("Event loop is closed")
+        self.calls.append((callback, args))
+
+
+def test_a_steps_items_reach_an_event_loop_in_one_hand_over():
+    from pegainfer.runtime.engine_loop import LoopSink, hand_over
+
+    loop, got, plain = FakeLoop(), [], []
+    first, second = LoopSink(loop, lambda item: got.append(("a", item))), LoopSink(loop, lambda i: got.append(("b", i)))
+    hand_over([(first, 1), (plain.append, 2), (second, 3), (first, 4)])
+    assert plain == [2] and got == [] and len(loop.calls) == 1
+    callback, args = loop.calls[0]
+    callback(*args)  # what the event loop runs
+    assert got == [("a", 1), ("b", 3), ("a", 4)]
+    hand_over([(LoopSink(FakeLoop(closed=True), got.append), 5)])  # a server shutting down: dropped, no error
+    assert got[-1] == ("a", 4)
