@@ -1,9 +1,9 @@
-"""Layer 3 of correctness for every architecture: whole steps (a packed prefill, then decode tokens beside a
-prompt chunk) made of the generated Triton kernels alone, run under TRITON_INTERPRET on the CPU, against the
-reference interpreter's logits on the same kernel DAG. Sliding windows are shorter than the sequences, so the
-attention kernels' masks and tile skipping run; one case also takes the split-KV attention path. The Triton
-interpreter is slow (a few seconds a launch): the GEMV variants and the per-kernel checks are
-test_triton_backend's, whose kernels these share."""
+"""Layer 3 of correctness for every architecture: whole steps (a packed prefill, decode tokens beside a prompt
+chunk, then a decode step of one sequence alone: batch 1's one-row GEMVs) made of the generated Triton kernels
+alone, run under TRITON_INTERPRET on the CPU, against the reference interpreter's logits on the same kernel DAG.
+Sliding windows are shorter than the sequences, so the attention kernels' masks and tile skipping run; one case
+also takes the split-KV attention path. The Triton interpreter is slow (a few seconds a launch): the GEMV variants
+and the per-kernel checks are test_triton_backend's, whose kernels these share."""
 
 import dataclasses
 
@@ -22,7 +22,8 @@ from pegainfer.runtime.kv_blocks import BlockAllocator
 from random_models import BLOCK_SIZE
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2}  # relative error in norm
-STEPS = {"prefill": [5, 1, 9], "mixed": [1, 1, 3]}  # 15 and 5 rows: the GEMM's tensor-core tiles
+# 15 and 5 rows (the GEMM's tensor-core tiles), then one sequence alone: batch 1's one-row GEMVs
+STEPS = {"prefill": [5, 1, 9], "mixed": [1, 1, 3], "single": [1]}
 # Each architecture's TINY_CONFIG, made smaller still, with windows shorter than the sequences.
 SMALL = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 48, "num_attention_heads": 4,
          "num_key_value_heads": 2, "head_dim": 8}
