@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Prepares the GPU golden gate of every architecture besides Qwen3 (issue 8) on this CPU machine: one small random
 # bf16 checkpoint per architecture under .gpu/archs/ (windows shorter than the gate's prompts, Llama 3 RoPE scaling,
-# Gemma 3 local/global layers, 16 experts top-4), and their sm_90 cubins in .gpu/aot_cache. Then on the H200, in
-# one call with carry [".gpu"]:
-#   bash scripts/gpu/run_archs.sh
-# With NO_COMPILE=1 it only writes the checkpoints (same seeds and configs, so the same manifests): the way to make
-# them on the GPU machine when carrying them would pass the carry limit.
+# Gemma 3 local/global layers, 16 experts top-4), their sm_90 cubins in .gpu/aot_cache, and .gpu/cache_archs, the
+# per-call cache of just their manifests. The checkpoints pass the carry limit, so the GPU machine makes its own
+# (NO_COMPILE=1: only the checkpoints, same seeds and configs, so the same manifests). On the H200, one call with
+# carry [".gpu/cache_archs"]:
+#   ARCHS_DIR=/tmp/archs PY=python3 NO_COMPILE=1 LOGIT_STD=2 PYTHONPATH=/tmp/pkg bash scripts/gpu/prepare_archs.sh
+#   ARCHS_DIR=/tmp/archs PEGAINFER_CACHE=$PWD/.gpu/cache_archs bash scripts/gpu/run_archs.sh
+# (after `mkdir -p /tmp/pkg && ln -sfn $PWD /tmp/pkg/pegainfer`).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
@@ -30,3 +32,8 @@ make gemma3 Gemma3ForCausalLM --set sliding_window=12 --set query_pre_attn_scala
 make qwen3_moe Qwen3MoeForCausalLM --set num_experts=16 --set num_experts_per_tok=4 --set moe_intermediate_size=128 \
     --set norm_topk_prob=true
 du -sh "$ARCHS_DIR"
+if [ -z "${NO_COMPILE:-}" ]; then
+    rm -rf .gpu/cache_archs
+    "$PY" scripts/gpu/slim_cache.py .gpu/aot_cache .gpu/cache_archs 'LlamaForCausalLM-*' 'Qwen2ForCausalLM-*' \
+        'MistralForCausalLM-*' 'Gemma3ForCausalLM-*' 'Qwen3MoeForCausalLM-*'
+fi
