@@ -3,6 +3,8 @@ safetensors file spans (and in-memory arrays) and the pieces are sent in order; 
 memory, so every param's bytes, derived (concatenated) ones included, can be compared with the checkpoint's."""
 
 import threading
+from collections import Counter
+from collections.abc import Mapping
 
 import numpy as np
 import pytest
@@ -39,6 +41,15 @@ def run_upload(model, graph, weights, chunk: int, buffers: int):
     return device, addresses, pieces
 
 
+def check_every_param(model, graph, device, addresses) -> None:
+    derivations = graph.derivations()
+    for name in graph.expanded_params():
+        sources = derivations[name].sources if name in derivations else (name,)
+        expected = np.concatenate([np.asarray(model.weights[s]).reshape(-1).view(np.uint8) for s in sources])
+        got = device[addresses[name]: addresses[name] + expected.size]
+        np.testing.assert_array_equal(got, expected, err_msg=name)
+
+
 @pytest.mark.parametrize("lazy", [True, False], ids=["file spans", "arrays"])
 def test_every_param_lands_whole_through_a_small_ring(tiny_checkpoint, lazy):
     model = load_model(tiny_checkpoint, lazy=lazy)
@@ -46,9 +57,31 @@ def test_every_param_lands_whole_through_a_small_ring(tiny_checkpoint, lazy):
     device, addresses, pieces = run_upload(model, graph, model.weights, chunk=1000, buffers=3)
     assert len(pieces) > 3 * len(addresses) // 2, "small chunks: most params span several pieces"
     assert all((p.span is not None) == lazy for p in pieces)
-    derivations = graph.derivations()
-    for name, t in graph.expanded_params().items():
-        sources = derivations[name].sources if name in derivations else (name,)
-        expected = np.concatenate([np.asarray(model.weights[s]).reshape(-1).view(np.uint8) for s in sources])
-        got = device[addresses[name]: addresses[name] + expected.size]
-        np.testing.assert_array_equal(got, expected, err_msg=name)
+    check_every_param(model, graph, device, addresses)
+
+
+class CastOnLoad(Mapping):
+    """Lazy weights with no file spans (each would need a cast): every tensor goes through an ArraySource."""
+
+    def __init__(self, weights) -> None:
+        self.weights, self.expected, self.loads = weights, weights.expected, Counter()
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        self.loads[name] += 1
+        return self.weights[name]
+
+    def __iter__(self):
+        return iter(self.expected)
+
+    def __len__(self) -> int:
+        return len(self.expected)
+
+
+def test_a_tensor_needing_a_cast_is_loaded_once_and_dropped_after_its_last_piece(tiny_checkpoint):
+    model = load_model(tiny_checkpoint, lazy=True)
+    graph, _ = lower(model.spec.graph)
+    weights = CastOnLoad(model.weights)
+    device, addresses, pieces = run_upload(model, graph, weights, chunk=1000, buffers=3)
+    assert all(p.span is None for p in pieces) and set(weights.loads.values()) == {1}
+    assert all(p.source._bytes is None for p in pieces), "no tensor stays in host memory after its pieces"
+    check_every_param(model, graph, device, addresses)

@@ -5,6 +5,7 @@ refilled only once the event recorded after its copy has fired."""
 
 import os
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -24,13 +25,32 @@ BUFFERS = 8  # chunks in flight: filling, or being copied up
 READERS = 4  # one thread copies ~5 GB/s out of the page cache on the H200's host; the PCIe link takes far more
 
 
+class ArraySource:
+    """A tensor that is no file span (it needs a cast): loaded when its first piece is filled and dropped after its
+    last, so that host memory holds the few tensors in flight, never the checkpoint."""
+
+    def __init__(self, load: Callable[[], np.ndarray], pieces: int) -> None:
+        self._load, self._left, self._lock, self._bytes = load, pieces, threading.Lock(), None
+
+    def take(self, start: int, nbytes: int) -> np.ndarray:
+        with self._lock:  # pieces of one tensor may be filled by several readers at once
+            if self._bytes is None:
+                self._bytes = np.ascontiguousarray(self._load()).reshape(-1).view(np.uint8)
+            piece = self._bytes[start: start + nbytes]
+            self._left -= 1
+            if self._left == 0:
+                self._bytes = None
+            return piece
+
+
 @dataclass(frozen=True)
 class Piece:
-    """Bytes bound for `dst` on the device: a slice of a file span, or of an in-memory array (`source`)."""
+    """Bytes bound for `dst` on the device: a slice of a file span, or bytes start.. of an ArraySource."""
     dst: int
     nbytes: int
     span: FileSpan | None = None  # its offset is this piece's own
-    source: np.ndarray | None = None  # uint8, this piece's bytes
+    source: ArraySource | None = None
+    start: int = 0
 
 
 def plan_pieces(graph: Graph, weights: Mapping[str, np.ndarray], take: Callable[[int], int],
@@ -47,13 +67,13 @@ def plan_pieces(graph: Graph, weights: Mapping[str, np.ndarray], take: Callable[
         offset = 0
         for source in derivations[name].sources if name in derivations else (name,):
             span = span_of(source)
-            raw = None if span is not None else np.ascontiguousarray(weights[source]).reshape(-1).view(np.uint8)
-            size = span.nbytes if span is not None else raw.size
-            for start in range(0, size, chunk):
+            size = span.nbytes if span is not None else _stored_nbytes(weights, source)
+            starts = range(0, size, chunk)
+            array = None if span is not None else ArraySource(lambda source=source: weights[source], len(starts))
+            for start in starts:
                 n = min(chunk, size - start)
-                pieces.append(Piece(ptr + offset + start, n,
-                                    span=FileSpan(span.file, span.offset + start, n) if span is not None else None,
-                                    source=raw[start: start + n] if raw is not None else None))
+                pieces.append(Piece(ptr + offset + start, n, start=start, source=array,
+                                    span=FileSpan(span.file, span.offset + start, n) if span is not None else None))
                 completes.append("")
             offset += size
         assert offset == nbytes, f"{name}: planned {offset} bytes for {t}"
@@ -61,10 +81,18 @@ def plan_pieces(graph: Graph, weights: Mapping[str, np.ndarray], take: Callable[
     return pieces, addresses, completes
 
 
+def _stored_nbytes(weights: Mapping[str, np.ndarray], name: str) -> int:
+    """The tensor's size as the graph stores it, without loading it when the mapping knows its type."""
+    expected = getattr(weights, "expected", None)
+    if expected is not None:
+        return expected[name].dtype.itemsize * prod(expected[name].shape)
+    return weights[name].nbytes
+
+
 def fill(piece: Piece, buffer: np.ndarray, files: dict) -> None:
     """Puts the piece's bytes at the start of `buffer` (runs in a reader thread)."""
     if piece.source is not None:
-        buffer[: piece.nbytes] = piece.source
+        buffer[: piece.nbytes] = piece.source.take(piece.start, piece.nbytes)
         return
     view, got = memoryview(buffer)[: piece.nbytes], 0
     while got < piece.nbytes:  # pread may return short counts
