@@ -2,6 +2,7 @@
 listening server (model, tokenizer, chat template, engine, scheduler, engine loop, HTTP app)."""
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -98,8 +99,6 @@ def run_bench_serve(args: argparse.Namespace) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from concurrent.futures import ThreadPoolExecutor
-
     from pegainfer.frontends.load import load_model
     from pegainfer.runtime.device import choose_device
 
@@ -110,23 +109,15 @@ def run_serve(args: argparse.Namespace) -> int:
     max_model_len = _max_model_len(model.spec.raw_config, args.max_model_len)
     step_tokens = max(args.max_num_batched_tokens, args.max_num_seqs)
     phases["model"] = process_age() - sum(phases.values())
-    with ThreadPoolExecutor(1, thread_name_prefix="pegainfer-load") as pool:
-        # The weights stream to the device (I/O and copies, outside the GIL) while this thread imports the HTTP
-        # stack and reads the tokenizer: start-up is the longer of the two, not their sum.
-        building = pool.submit(build_engine, model, device, args, max_model_len, step_tokens)
-        import uvicorn
+    engine, tokenizer = load_engine_and_tokenizer(args, model, device, max_model_len, step_tokens, phases)
+    import uvicorn
 
-        from pegainfer.runtime.chat import load_chat_template
-        from pegainfer.runtime.engine_loop import EngineLoop
-        from pegainfer.runtime.scheduler import Scheduler, SchedulerConfig
-        from pegainfer.runtime.tokenizer import load_tokenizer
-        from pegainfer.server.app import ServerContext, build_app
-        from pegainfer.server.metrics import Metrics
+    from pegainfer.runtime.chat import load_chat_template
+    from pegainfer.runtime.engine_loop import EngineLoop
+    from pegainfer.runtime.scheduler import Scheduler, SchedulerConfig
+    from pegainfer.server.app import ServerContext, build_app
+    from pegainfer.server.metrics import Metrics
 
-        tokenizer = load_tokenizer(args.model_path)
-        phases["http stack and tokenizer"] = process_age() - sum(phases.values())
-        engine = building.result()
-    phases["engine, beyond that"] = process_age() - sum(phases.values())
     config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=step_tokens,
                              max_model_len=max_model_len, prefix_cache=args.prefix_cache)
     loop = EngineLoop(Scheduler(engine, tokenizer.eos_token_ids, config), engine_thread_init(engine), trace).start()
@@ -151,6 +142,25 @@ def run_serve(args: argparse.Namespace) -> int:
         if trace is not None:
             trace.close()
     return 0
+
+
+def load_engine_and_tokenizer(args: argparse.Namespace, model, device: str, max_model_len: int, step_tokens: int,
+                              phases: dict[str, float]):
+    """The weights stream to the device (I/O and copies, outside the GIL) in a worker thread while this one imports
+    the HTTP stack and reads the tokenizer: start-up is the longer of the two, not their sum."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1, thread_name_prefix="pegainfer-load") as pool:
+        building = pool.submit(build_engine, model, device, args, max_model_len, step_tokens)
+        for module in ("uvicorn", "pegainfer.server.app"):  # imported during the load; run_serve uses them
+            importlib.import_module(module)
+        from pegainfer.runtime.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(args.model_path)
+        phases["http stack and tokenizer"] = process_age() - sum(phases.values())
+        engine = building.result()
+    phases["engine, beyond that"] = process_age() - sum(phases.values())
+    return engine, tokenizer
 
 
 def open_trace(path: Path | None) -> TextIO | None:

@@ -13,5 +13,6 @@ for folder in "${ARCHS_DIR:-.gpu/archs}"/*/; do
     name=$(basename "$folder")
     mkdir -p "$WORK/$name"
     echo "=== $name"
-    python3 scripts/gpu/check.py --small "$folder" --out "$WORK/$name" --skip sampling bench gate4b hf 2>&1 | tee "$WORK/$name/check.log"
+    python3 scripts/gpu/check.py --small "$folder" --out "$WORK/$name" --skip sampling bench gate4b hf 2>&1 \
+        | tee "$WORK/$name/check.log"
 done

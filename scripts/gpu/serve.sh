@@ -6,9 +6,10 @@
 # `pegainfer bench serve` at each concurrency of $CONC (its own prompts: seed = concurrency, so no level hits the
 # prefix cache that an earlier one filled), with the server's step trace (--trace-steps) summarised per
 # concurrency. `bash scripts/gpu/serve.sh hf`: the same request stream against `transformers serve
-# --continuous-batching`, each concurrency cut off after $HF_LIMIT seconds. The checkpoint's tokenizer has one word per
-# id, so every token streams as text and TTFT is the first token's. Reports and logs go to /tmp/serve_<target> and, as one
-# tarball, to $OUT/serve_<target>.tgz (the device tool brings back 8 files at most); the tables print last.
+# --continuous-batching`, each concurrency cut off after $HF_LIMIT seconds. The checkpoint's tokenizer has one
+# word per id, so every token streams as text and TTFT is the first token's. Reports and logs go to
+# /tmp/serve_<target> and, as one tarball, to $OUT/serve_<target>.tgz (the device tool brings back 8 files at
+# most); the tables print last.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 TARGET=${1:-pegainfer}
@@ -41,15 +42,17 @@ sweep() {  # $1: base URL, $2: model name, $3: report prefix, $4: seconds allowe
         n=$(( c * 2 > 16 ? c * 2 : 16 ))
         first=1; [ -f "$WORK/trace.jsonl" ] && first=$(( $(wc -l <"$WORK/trace.jsonl") + 1 ))
         timeout "$4" python3 -m pegainfer.cli bench serve --base-url "$1" --model "$2" --tokenizer "$MODEL" \
-            --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --num-prompts "$n" --max-concurrency "$c" --seed "$c" ${5:-} \
-            --result-file "$WORK/$3_c$c.json" >>"$WORK/$3_bench.log" 2>&1 || echo "c=$c: bench exit $?" | tee -a "$WORK/$3_bench.log"
+            --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --num-prompts "$n" --max-concurrency "$c" \
+            --seed "$c" ${5:-} --result-file "$WORK/$3_c$c.json" >>"$WORK/$3_bench.log" 2>&1 \
+            || echo "c=$c: bench exit $?" | tee -a "$WORK/$3_bench.log"
         [ -f "$WORK/trace.jsonl" ] && tail -n +"$first" "$WORK/trace.jsonl" >"$WORK/trace_c$c.jsonl"
     done
     python3 - "$WORK" "$3" $CONC <<'PY'
 import json, sys
 from pathlib import Path
 work, prefix = Path(sys.argv[1]), sys.argv[2]
-print(f"{'conc':>5} {'done':>9} {'dur_s':>7} {'out_tok/s':>9} {'ttft_ms':>8} {'p99ttft':>8} {'tpot_ms':>8} {'itl_ms':>7}")
+print(f"{'conc':>5} {'done':>9} {'dur_s':>7} {'out_tok/s':>9} {'ttft_ms':>8} {'p99ttft':>8} {'tpot_ms':>8} "
+      f"{'itl_ms':>7}")
 for c in sys.argv[3:]:
     path = work / f"{prefix}_c{c}.json"
     if not path.is_file():

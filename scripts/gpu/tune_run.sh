@@ -16,8 +16,10 @@ OUT=${OUT:-/tmp/out}; WORK=/tmp/tune_work; mkdir -p "$OUT" "$WORK"
 trap 'tar czf "$OUT/tune.tgz" -C "$WORK" . 2>/dev/null' EXIT
 pg() { python3 -m pegainfer.cli "$@"; }
 LENS=${LENS:-1024,4096,8192}
-echo "== prefill, untuned"; pg bench prefill qwen3-4b --prompt-len "$LENS" 2>&1 | grep -v "loading weights" | tee "$WORK/prefill_untuned.txt"
-echo "== kernels"; timeout "${KERNELS_LIMIT:-240}" python3 scripts/gpu/kernels.py --out "$WORK" >"$WORK/kernels.log" 2>&1
+prefill() { pg bench prefill qwen3-4b --prompt-len "$LENS" 2>&1 | grep -v "loading weights" | tee "$WORK/$1"; }
+echo "== prefill, untuned"; prefill prefill_untuned.txt
+echo "== kernels"
+timeout "${KERNELS_LIMIT:-240}" python3 scripts/gpu/kernels.py --out "$WORK" >"$WORK/kernels.log" 2>&1
 echo "kernels.py exit $?"; tail -40 "$WORK/kernels.log"
 echo "== tune"; pg tune qwen3-4b 2>&1 | tee "$WORK/tune.log" | tail -40
-echo "== prefill, tuned"; pg bench prefill qwen3-4b --prompt-len "$LENS" 2>&1 | grep -v "loading weights" | tee "$WORK/prefill_tuned.txt"
+echo "== prefill, tuned"; prefill prefill_tuned.txt
