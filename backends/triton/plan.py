@@ -152,9 +152,12 @@ def _gemm_tiles(n: int, k: int, act: bool) -> list[tuple]:
     def mma(block_n: int, block_k: int) -> tuple[int, int]:  # tensor-core tiles are at least 16 wide
         return max(16, min(block_n, next_pow2(n))), max(16, min(block_k, next_pow2(k)))
 
-    return [("one_row", 1, 1, min(row_n, next_pow2(n)), min(row_k, max(16, next_pow2(k))), row_warps, 1,
-             "gemv_row_kernel"),
+    row_tiles = (min(row_n, next_pow2(n)), min(row_k, max(16, next_pow2(k))), row_warps, 1, "gemv_row_kernel")
+    # row_programs: the batch-1 kernel, a program per row, for `pegainfer tune` to weigh against few_rows (measured
+    # at 16-41% of the copy bandwidth on the H200): its weight tiles are read once per row, mostly out of L2
+    return [("one_row", 1, 1, *row_tiles),
             ("few_rows", 4, 4, min(gemv_n, next_pow2(n)), mma(0, 64)[1], 4, 3, "gemv_kernel"),
+            ("row_programs", 4, 1, *row_tiles),
             ("small_rows", SMALL_ROWS, 16, *mma(16, 256), 4, 3, "linear_kernel"),  # narrow N tiles: many programs
             ("mid_rows", 64, 32, *mma(16, 256), 4, 3, "linear_kernel"),
             ("many_rows", None, 64, *mma(64 if act else 128, 64), 8, 3, "linear_kernel")]  # no spills at 8 warps

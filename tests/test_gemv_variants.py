@@ -1,0 +1,52 @@
+"""The decode GEMM variants that share a slot (few_rows and row_programs, both for up to 4 rows: `pegainfer tune`
+chooses between them on a GPU) each against the kernel's ops run by their references, under TRITON_INTERPRET, on
+the fused residual add + RMSNorm + QKV projection and on the gate/up projection with its SiLU x up epilogue."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from pegainfer.backends.triton.execute import launch_kernel, to_numpy, to_torch
+from pegainfer.backends.triton.plan import PlanOptions, plan_kernel
+from pegainfer.ir.graph import KERNEL
+from pegainfer.ir.registry import get_op
+from pegainfer.models import qwen3
+from pegainfer.passes.pipeline import lower
+
+ROWS = 3
+
+
+@pytest.fixture(scope="module")
+def graph():
+    config = qwen3.Config(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                          rope_theta=1e4, attention_bias=False, tie_word_embeddings=True, torch_dtype="float32")
+    return lower(qwen3.build_graph(config))[0]
+
+
+def run_reference(node, env: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The kernel's inner ops in order, each by its NumPy reference."""
+    env = dict(env)
+    for inner in node.attrs["nodes"]:
+        results = get_op(inner.op).reference(*(env[v] for v in inner.inputs), **inner.attrs)
+        env.update(zip(inner.outputs, results if isinstance(results, tuple) else (results,)))
+    return env
+
+
+@pytest.mark.parametrize("kind", ["add_rms_norm_linear", "add_rms_norm_linear_silu_mul"])
+@pytest.mark.parametrize("variant", ["few_rows", "row_programs"])
+def test_decode_gemm_variant_matches_the_reference(graph, kind, variant):
+    body = next(g for g in graph.all_graphs() for n in g.nodes if n.op == KERNEL and n.attrs["kind"] == kind)
+    node = next(n for n in body.nodes if n.op == KERNEL and n.attrs["kind"] == kind)
+    spec = plan_kernel(body, node, PlanOptions(block_size=16))
+    (picked,) = [v for v in spec.variants if v.name == variant]
+    chosen = dataclasses.replace(spec, variants=[dataclasses.replace(picked, max_rows=None)])
+    types = body.value_types()
+    rng = np.random.default_rng(4)
+    inputs = {v: rng.standard_normal([ROWS if isinstance(d, str) else d for d in types[v].shape]).astype(np.float32)
+              for v in node.inputs}
+    expected = run_reference(node, inputs)
+    got = launch_kernel(chosen, node, {name: to_torch(a) for name, a in inputs.items()}, {"tokens": ROWS})
+    for name in node.outputs:
+        np.testing.assert_allclose(to_numpy(got[name]), expected[name], rtol=2e-5, atol=2e-5, err_msg=name)
