@@ -23,8 +23,8 @@ def candidates(graph: Graph, node: Node, options: PlanOptions) -> list[VariantSp
         return []
     types = graph.value_types() | {o: t for n in node.attrs["nodes"] for o, t in zip(n.outputs, n.output_types)}
     layout = static_layout(graph)
-    if roles["rows"] or roles["top_k"] or roles["bias"] or roles["act"] not in (0, 1):
-        return []
+    if roles["rows"] or roles["top_k"] or roles["bias"] or roles["act"] not in (0, 1) or roles["norm_offset"]:
+        return []  # gathers, sampler tails, biases, GELU, 1 + weight norms: only the Triton templates take them
     n, k = roles["n"], types[roles["weight"]].shape[1]
     dense = {roles["x"]: k, roles["out"]: n} | ({roles["x2"]: k} if roles["x2"] else {}) \
         | ({roles["sum"]: k} if roles["sum"] else {})

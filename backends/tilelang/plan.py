@@ -58,8 +58,8 @@ def _gemm(graph: Graph, node: Node) -> list[VariantSpec]:
         return []
     types = graph.value_types() | {o: t for n in node.attrs["nodes"] for o, t in zip(n.outputs, n.output_types)}
     layout = static_layout(graph)
-    if roles["rows"] or roles["top_k"] or roles["bias"] or roles["act"] not in (0, 1):
-        return []
+    if roles["rows"] or roles["top_k"] or roles["bias"] or roles["act"] not in (0, 1) or roles["norm_offset"]:
+        return []  # gathers, sampler tails, biases, GELU, 1 + weight norms: only the Triton templates take them
     n, k = roles["n"], types[roles["weight"]].shape[1]
     row_symbol = types[roles["x"]].shape[0]
     contiguous = {roles["x"]: k, roles["out"]: n} | ({roles["x2"]: k} if roles["x2"] else {}) \
@@ -111,8 +111,9 @@ def _attention(graph: Graph, node: Node, options: PlanOptions) -> list[VariantSp
     kv_heads = types[k_cache].shape[2]
     batch = types[starts].shape[0]
     if head_dim not in (64, 128) or types[q].dtype.name != "bf16" or types[k_cache].dtype.name != "bf16" \
-            or any(layout[v] != (heads * head_dim, 0) for v in (q, out)) or types[tables].dtype.name != "i32":
-        return []
+            or any(layout[v] != (heads * head_dim, 0) for v in (q, out)) or types[tables].dtype.name != "i32" \
+            or attention.attrs.get("window", 0):
+        return []  # the kernels mask causally only: a sliding window stays with Triton's
     params = [_tensor("Q", q), _tensor("KC", k_cache), _tensor("VC", v_cache), _tensor("TABLES", tables, "*i32"),
               _tensor("STARTS", starts, "*i32"), _tensor("Q_LENS", q_lens, "*i32"),
               _tensor("CTX_LENS", ctx_lens, "*i32"), _tensor("O", out),

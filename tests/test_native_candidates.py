@@ -1,0 +1,49 @@
+"""The TileLang and CuTe DSL candidates exist only for kernels their templates implement in full: a GEMM whose
+RMSNorm scales by 1 + weight (Gemma's offset) or attention over a sliding window must stay with Triton, whose
+templates take those settings, or the sm_90 default (TileLang for prefill) would compute something else. Planning
+needs no compiler, so this runs wherever the tests run."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pegainfer.backends.cute import plan as cute_plan
+from pegainfer.backends.tilelang import plan as tilelang_plan
+from pegainfer.backends.triton.plan import PlanOptions, gemm_roles
+from pegainfer.frontends.load import load_spec
+from pegainfer.ir.graph import KERNEL
+from pegainfer.ir.kernel import fused_ops
+from pegainfer.passes.pipeline import lower
+
+CONFIGS = Path(__file__).resolve().parent.parent / "models" / "configs"
+
+
+def kernels(config: Path):
+    graph, _ = lower(load_spec(config).graph)
+    return [(g, n) for g in graph.all_graphs() for n in g.nodes if n.op == KERNEL]
+
+
+def offers(plan, graph, node) -> bool:
+    return bool(plan.candidates(graph, node, PlanOptions(block_size=16)))
+
+
+@pytest.mark.parametrize("plan", [tilelang_plan, cute_plan], ids=["tilelang", "cute"])
+def test_no_native_gemm_for_a_norm_with_an_offset(plan, tmp_path):
+    config = json.loads((CONFIGS / "gemma-3-1b.json").read_text()) | {"hidden_size": 1024}  # aligned for both
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    gemms = [(g, n) for g, n in kernels(tmp_path / "config.json")
+             if "linear" in fused_ops(n) and "top_k" not in fused_ops(n)]
+    with_offset = [(g, n) for g, n in gemms if gemm_roles(n)["norm"] and gemm_roles(n)["norm_offset"] != 0.0]
+    assert with_offset, "Gemma 3's RMSNorm before its projections scales by 1 + weight"
+    assert not any(offers(plan, g, n) for g, n in with_offset)
+    plain = [(g, n) for g, n in gemms if not gemm_roles(n)["norm"] and not gemm_roles(n)["act"]]
+    assert any(offers(plan, g, n) for g, n in plain), "the GEMMs without a norm are still offered"
+
+
+def test_no_tilelang_attention_over_a_sliding_window():
+    attention = [(g, n) for g, n in kernels(CONFIGS / "mistral-7b-v0.1.json") if fused_ops(n) == ["paged_attention"]]
+    assert attention and all(n.attrs["nodes"][0].attrs.get("window", 0) > 0 for _, n in attention)
+    assert not any(offers(tilelang_plan, g, n) for g, n in attention)
+    full = [(g, n) for g, n in kernels(CONFIGS / "qwen3-4b.json") if fused_ops(n) == ["paged_attention"]]
+    assert all(offers(tilelang_plan, g, n) for g, n in full)
