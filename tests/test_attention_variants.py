@@ -3,6 +3,7 @@ with decode rows, under TRITON_INTERPRET, against the op's reference: the prefil
 a prompt chunk of 64 or more queries runs, and the decode rows beside it are what query tiles past a sequence's
 end must leave alone."""
 
+import copy
 import dataclasses
 
 import numpy as np
@@ -49,7 +50,19 @@ def step_inputs(rng: np.random.Generator, heads: int, kv_heads: int, head_dim: i
 @pytest.mark.parametrize("variant, step", [("prefill_tiles", LONG_CHUNK), ("default", LONG_CHUNK),
                                            ("split_kv", SHORT_CHUNK)], ids=["prefill_tiles", "default", "split_kv"])
 def test_attention_variant_matches_the_reference_on_a_mixed_step(attention, variant, step):
-    graph, node, spec = attention
+    check_variant(*attention, variant, step)
+
+
+def test_prefill_tiles_keep_a_sliding_window(attention):
+    """Windowed models' long prompts run these tiles (no TileLang candidate takes a window)."""
+    graph, node, _ = attention
+    windowed = copy.deepcopy(node)
+    windowed.attrs["nodes"][0].attrs["window"] = 12  # shorter than the 70-query chunk and its 9 cached keys
+    check_variant(graph, windowed, plan_kernel(graph, windowed, PlanOptions(block_size=BLOCK_SIZE)), "prefill_tiles",
+                  LONG_CHUNK)
+
+
+def check_variant(graph, node, spec, variant: str, step: tuple[list[int], list[int]]) -> None:
     (inner,) = node.attrs["nodes"]
     types = graph.value_types()
     _, heads, head_dim = types[inner.inputs[0]].shape
