@@ -4,7 +4,8 @@ for every GEMM kernel whose prologue and epilogue the template covers (not the L
 from pathlib import Path
 
 from pegainfer.backends.spec import GridDim, LaunchSpec, Param, VariantSpec
-from pegainfer.backends.triton.plan import PlanOptions, gemm_roles, static_layout
+from pegainfer.backends.native_gemm import native_gemm
+from pegainfer.backends.triton.plan import PlanOptions
 from pegainfer.ir.graph import Graph, Node
 from pegainfer.ir.kernel import fused_ops
 
@@ -17,20 +18,10 @@ WARPS = 4
 def candidates(graph: Graph, node: Node, options: PlanOptions) -> list[VariantSpec]:
     if "linear" not in fused_ops(node):
         return []
-    try:
-        roles = gemm_roles(node)
-    except Exception:  # a shape the GEMM family does not cover
+    gemm = native_gemm(graph, node)
+    if gemm is None or gemm.k % 256 or (gemm.roles["x2"] and not gemm.roles["norm"]):
         return []
-    types = graph.value_types() | {o: t for n in node.attrs["nodes"] for o, t in zip(n.outputs, n.output_types)}
-    layout = static_layout(graph)
-    if roles["rows"] or roles["top_k"] or roles["bias"] or roles["act"] not in (0, 1) or roles["norm_offset"]:
-        return []  # gathers, sampler tails, biases, GELU, 1 + weight norms: only the Triton templates take them
-    n, k = roles["n"], types[roles["weight"]].shape[1]
-    dense = {roles["x"]: k, roles["out"]: n} | ({roles["x2"]: k} if roles["x2"] else {}) \
-        | ({roles["sum"]: k} if roles["sum"] else {})
-    if any(types[v].dtype.name != "bf16" or layout[v] != (width, 0) for v, width in dense.items()) \
-            or types[roles["weight"]].dtype.name != "bf16" or k % 256 or (roles["x2"] and not roles["norm"]):
-        return []
+    roles, types, n, k = gemm.roles, gemm.types, gemm.n, gemm.k
     row_symbol = types[roles["x"]].shape[0]
     x = roles["x"]
     params = [Param("x", "tensor", x, "*bf16", True), Param("x2", "tensor", roles["x2"] or x, "*bf16", True),

@@ -5,6 +5,7 @@ steps. A kernel TileLang cannot serve gets no candidate, and the other backends'
 
 from pathlib import Path
 
+from pegainfer.backends.native_gemm import native_gemm
 from pegainfer.backends.spec import GridDim, LaunchSpec, Param, VariantSpec
 from pegainfer.backends.triton.plan import PREFILL_QUERIES, PlanOptions, gemm_roles, static_layout
 from pegainfer.ir.graph import Graph, Node
@@ -52,21 +53,11 @@ def _tensor(name: str, value: str, dtype: str = "*bf16") -> Param:
 
 def _gemm(graph: Graph, node: Node) -> list[VariantSpec]:
     """The row-unbounded slot of a GEMM kernel: [add +] RMSNorm rows, then the TMA GEMM over them."""
-    try:
-        roles = gemm_roles(node)
-    except Exception:  # an epilogue or prologue the Triton planner itself refuses: nothing to offer either
-        return []
-    types = graph.value_types() | {o: t for n in node.attrs["nodes"] for o, t in zip(n.outputs, n.output_types)}
-    layout = static_layout(graph)
-    if roles["rows"] or roles["top_k"] or roles["bias"] or roles["act"] not in (0, 1) or roles["norm_offset"]:
-        return []  # gathers, sampler tails, biases, GELU, 1 + weight norms: only the Triton templates take them
-    n, k = roles["n"], types[roles["weight"]].shape[1]
-    row_symbol = types[roles["x"]].shape[0]
-    contiguous = {roles["x"]: k, roles["out"]: n} | ({roles["x2"]: k} if roles["x2"] else {}) \
-        | ({roles["sum"]: k} if roles["sum"] else {})
-    if any(types[v].dtype.name != "bf16" or layout[v] != (width, 0) for v, width in contiguous.items()) \
-            or types[roles["weight"]].dtype.name != "bf16" or k % 64 or n % 128:
+    gemm = native_gemm(graph, node)
+    if gemm is None or gemm.k % 64 or gemm.n % 128:
         return []  # TMA wants 16-byte aligned rows, and these tiles whole ones
+    roles, n, k = gemm.roles, gemm.n, gemm.k
+    row_symbol = gemm.types[roles["x"]].shape[0]
     dim = Param("M", "int", f"dim:{row_symbol}", "i32")
     launches, operand = [], roles["x"]
     if roles["norm"]:
