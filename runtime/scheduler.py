@@ -161,14 +161,15 @@ class Scheduler:
         if not chunks:
             return []
         states = [self._by_seq[c.seq.seq_id] for c in chunks]
-        decodes = sum(1 for c, st in zip(chunks, states) if c.num_tokens == 1 and st.num_generated > 0)
+        prefill = sum(c.num_tokens for c, st in zip(chunks, states) if not (c.num_tokens == 1 and st.num_generated))
+        self.stats.prefill_tokens += prefill
         start = time.monotonic()
         result = self.engine.sample(chunks, [st.request.params for st in states], [st.num_generated for st in states])
         seconds = time.monotonic() - start
         self.stats.steps += 1
         outputs = self._process(chunks, result)
-        tokens = sum(c.num_tokens for c in chunks)
-        self.last_step = StepRecord(start, seconds, len(chunks), tokens, tokens - decodes, len(outputs))
+        self.last_step = StepRecord(start, seconds, len(chunks), sum(c.num_tokens for c in chunks), prefill,
+                                    len(outputs))
         return outputs
 
     def schedule(self) -> list[Chunk]:
@@ -196,10 +197,6 @@ class Scheduler:
             self.running.append(state)
             chunks.append(Chunk(state.seq, count))
             budget -= count
-        for chunk in chunks:
-            state = self._by_seq[chunk.seq.seq_id]
-            if not (state.num_generated > 0 and chunk.num_tokens == 1):
-                self.stats.prefill_tokens += chunk.num_tokens
         return chunks
 
     def _room_for(self, state: _State, count: int, scheduled: set[int]) -> bool:
