@@ -48,15 +48,21 @@ def hf_gate(folder: Path, prompts, steps: int, ours_fn, results: dict) -> None:
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda().eval()
-    results["hf_gate"] = gate_against(model, prompts, steps, ours_fn)
+    continuations, hf_rows = hf_greedy(model, prompts, steps)
+    results["hf_gate"] = gate_stats(hf_rows, ours_fn(prompts, continuations))
     # the same positions with each prompt run alone: batch-1 steps launch other kernels (one-row GEMVs, split-KV
     # attention) than batched ones
-    results["hf_gate_batch1"] = gate_against(model, prompts, steps, lambda ps, conts: [
-        ours_fn([p], [c])[0] for p, c in zip(ps, conts)])
+    results["hf_gate_batch1"] = gate_stats(hf_rows, [ours_fn([p], [c])[0] for p, c in zip(prompts, continuations)])
 
 
 def gate_against(model, prompts, steps: int, ours_fn) -> dict:
     """Teacher-forced on HF's greedy tokens: argmax regret and |delta logprob| over HF's top 8, per position."""
+    continuations, hf_rows = hf_greedy(model, prompts, steps)
+    return gate_stats(hf_rows, ours_fn(prompts, continuations))
+
+
+def hf_greedy(model, prompts, steps: int) -> tuple[list[list[int]], list[np.ndarray]]:
+    """HF's greedy continuation of each prompt and its logits rows from the prompt's last token on."""
     import torch
 
     continuations, hf_rows = [], []
@@ -68,7 +74,10 @@ def gate_against(model, prompts, steps: int, ours_fn) -> dict:
             logits = model(torch.tensor([tokens]).cuda()).logits[0].float().cpu().numpy()
             continuations.append(tokens[len(prompt):])
             hf_rows.append(logits[len(prompt) - 1:])
-    ours = ours_fn(prompts, continuations)
+    return continuations, hf_rows
+
+
+def gate_stats(hf_rows: list[np.ndarray], ours: list[np.ndarray]) -> dict:
     regrets, deltas = [], []
     for theirs, mine in zip(hf_rows, ours):
         hf_lp, our_lp = log_softmax(theirs.astype(np.float64)), log_softmax(mine.astype(np.float64))
