@@ -1,6 +1,7 @@
-"""The decode GEMM variants that share a slot (few_rows and row_programs, both for up to 4 rows: `pegainfer tune`
-chooses between them on a GPU) each against the kernel's ops run by their references, under TRITON_INTERPRET, on
-the fused residual add + RMSNorm + QKV projection and on the gate/up projection with its SiLU x up epilogue."""
+"""The decode GEMM variants (few_rows, row_programs and fma_rows share the slot of up to 4 rows: `pegainfer tune`
+chooses between them on a GPU; small_rows takes up to 16), each against the kernel's ops run by their references,
+under TRITON_INTERPRET, on the plain projection, the fused residual add + RMSNorm + QKV projection and the gate/up
+projection with its SiLU x up epilogue."""
 
 import dataclasses
 
@@ -34,8 +35,8 @@ def run_reference(node, env: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return env
 
 
-@pytest.mark.parametrize("kind", ["add_rms_norm_linear", "add_rms_norm_linear_silu_mul"])
-@pytest.mark.parametrize("variant", ["few_rows", "row_programs"])
+@pytest.mark.parametrize("kind", ["linear", "add_rms_norm_linear", "add_rms_norm_linear_silu_mul"])
+@pytest.mark.parametrize("variant", ["few_rows", "row_programs", "fma_rows", "small_rows"])
 def test_decode_gemm_variant_matches_the_reference(graph, kind, variant):
     body = next(g for g in graph.all_graphs() for n in g.nodes if n.op == KERNEL and n.attrs["kind"] == kind)
     node = next(n for n in body.nodes if n.op == KERNEL and n.attrs["kind"] == kind)

@@ -130,8 +130,8 @@ def _plan_gemm(graph: Graph, node: Node) -> KernelSpec:
                           NORM=roles["norm"] is not None, BIAS=roles["bias"] is not None, ACT=roles["act"],
                           WRITE_SUM=roles["sum"] is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                           UPCAST_DOT=False, NORM_OFFSET=roles["norm_offset"])
-        if function == "gemv_row_kernel":  # the RMSNorm prologue in at most a few chunks of 32 values a lane
-            constexprs["RMS_BLOCK"] = min(max(16, next_pow2(k)), 1024 * warps)
+        if function in ("gemv_row_kernel", "gemv_rows_kernel"):  # the RMSNorm prologue in a few wide chunks
+            constexprs["RMS_BLOCK"] = min(max(16, next_pow2(k)), 1024 * warps // block_m)
         grid = (GridDim((row_symbol,), block_m), GridDim((n,), block_n))
         launches = [_launch("gemm.py", function, p, constexprs, grid, warps, stages)]
         scratch = {}
@@ -153,12 +153,15 @@ def _gemm_tiles(n: int, k: int, act: bool) -> list[tuple]:
         return max(16, min(block_n, next_pow2(n))), max(16, min(block_k, next_pow2(k)))
 
     row_tiles = (min(row_n, next_pow2(n)), min(row_k, max(16, next_pow2(k))), row_warps, 1, "gemv_row_kernel")
-    # row_programs: the batch-1 kernel, a program per row, for `pegainfer tune` to weigh against few_rows (measured
-    # at 16-41% of the copy bandwidth on the H200): its weight tiles are read once per row, mostly out of L2
+    # Up to 16 rows: tensor-core tiles of 16 x 32 (a 4-row step masks the rest), the fastest or within 10% of it at
+    # 4 and 16 rows on every Qwen3-4B shape (scripts/gpu/tune_gemv.py, docs/BENCHMARKS.md). `pegainfer tune` also
+    # weighs, at up to 4 rows, the batch-1 kernel with a program per row and gemv_rows_kernel (CUDA cores, two rows
+    # by two columns a program: faster for the projections without a norm prologue).
     return [("one_row", 1, 1, *row_tiles),
-            ("few_rows", 4, 4, min(gemv_n, next_pow2(n)), mma(0, 64)[1], 4, 3, "gemv_kernel"),
+            ("few_rows", 4, 16, *mma(32, 256), 4, 3, "linear_kernel"),
             ("row_programs", 4, 1, *row_tiles),
-            ("small_rows", SMALL_ROWS, 16, *mma(16, 256), 4, 3, "linear_kernel"),  # narrow N tiles: many programs
+            ("fma_rows", 4, 2, min(2, next_pow2(n)), min(1024, max(16, next_pow2(k))), 4, 1, "gemv_rows_kernel"),
+            ("small_rows", SMALL_ROWS, 16, *mma(32, 256), 4, 3, "linear_kernel"),
             ("mid_rows", 64, 32, *mma(16, 256), 4, 3, "linear_kernel"),
             ("many_rows", None, 64, *mma(64 if act else 128, 64), 8, 3, "linear_kernel")]  # no spills at 8 warps
 

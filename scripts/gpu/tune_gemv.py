@@ -1,10 +1,11 @@
 """Tile search for the decode GEMMs of a model (the measurement behind backends/triton/plan.py's GEMV tiles).
 
-Here, with no GPU: `python scripts/gpu/tune_gemv.py prepare --out .gpu/tune` compiles, for every GEMM kernel of
-Qwen3-4B, the plan's own decode variants plus candidate tiles of gemv_kernel and gemv_row_kernel, to sm_90 cubins.
+Here, with no GPU: `python scripts/gpu/tune_gemv.py prepare --out .gpu/tune [--rows 1 4 16]` compiles, for every
+GEMM kernel of Qwen3-4B and each row count, the plan's own decode variants for it plus candidate tiles (at 1 row,
+gemv_row_kernel's; at more, gemv_rows_kernel's, the tensor-core linear_kernel's and row_programs') to sm_90 cubins.
 On the GPU: `python scripts/gpu/tune_gemv.py run --dir .gpu/tune --out $OUT` launches each candidate on random
 bf16 data, checks its output against the plan's variant, and times it in a CUDA graph that cycles through enough
-copies of the weight to defeat the L2, printing microseconds and TB/s per candidate (best first per shape)."""
+copies of the weight to defeat the L2, printing microseconds and TB/s per candidate (best first per shape)"""
 
 import argparse
 import json
@@ -19,23 +20,39 @@ MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension
 L2_DEFEAT_BYTES = 256 << 20  # cycle through this many bytes of weight copies (the H200's L2 holds 50 MB)
 
 
-def candidates(launch, act: bool) -> list[tuple[str, object]]:
+def candidates(launch, act: bool, rows: int) -> list[tuple[str, object]]:
     """(label, LaunchSpec) for each tile to try at this row count."""
+    n = launch.constexprs["N"]
     out = []
-    tiles = [(1, 1024, 2), (2, 512, 2), (2, 1024, 2), (4, 256, 2), (1, 1024, 4), (2, 1024, 4), (4, 512, 4),
-             (4, 1024, 4), (8, 256, 4), (8, 512, 4), (16, 256, 4), (1, 2048, 8), (2, 2048, 8), (4, 1024, 8)]
-    for bn, bk, warps in tiles:
-        programs = -(-launch.constexprs["N"] // bn)
-        if bn * bk * (2 if act else 1) // (32 * warps) > 64 or programs > MAX_GRID_Y:
+    row_tiles = [(1, 1024, 2), (2, 512, 2), (2, 1024, 2), (4, 256, 2), (1, 1024, 4), (2, 1024, 4), (4, 512, 4),
+                 (4, 1024, 4), (8, 256, 4), (8, 512, 4), (16, 256, 4), (1, 2048, 8), (2, 2048, 8), (4, 1024, 8)]
+    for bn, bk, warps in row_tiles if rows == 1 else row_tiles[4:10]:  # at more rows, as row_programs
+        if bn * bk * (2 if act else 1) // (32 * warps) > 64 or -(-n // bn) > MAX_GRID_Y:
             continue
-        out.append((f"row n{bn} k{bk} w{warps}", _tile(launch, "gemv_row_kernel", 1, bn, bk, warps, 1)))
+        label = "row" if rows == 1 else "row_programs"
+        out.append((f"{label} n{bn} k{bk} w{warps}", _tile(launch, "gemv_row_kernel", 1, bn, bk, warps, 1)))
+    if rows == 1:
+        return out
+    for warps in (2, 4, 8):  # K tiles of 256 a warp: every warp on K, so the products need no layout change
+        for block_m in sorted({rows, max(1, rows // 2), max(1, rows // 4)}):
+            for bn in (1, 2, 4):
+                if block_m * bn * 8 * (2 if act else 1) > 128:  # accumulator registers a thread
+                    continue
+                out.append((f"rows m{block_m} n{bn} k{256 * warps} w{warps}",
+                            _tile(launch, "gemv_rows_kernel", block_m, bn, 256 * warps, warps, 1)))
+    for bn, bk, warps, stages in ((16, 256, 4, 3), (16, 512, 4, 3), (16, 128, 4, 5), (32, 256, 4, 3),
+                                  (16, 256, 2, 4), (16, 512, 8, 3), (32, 128, 4, 4)):
+        out.append((f"mma m16 n{bn} k{bk} w{warps} s{stages}", _tile(launch, "linear_kernel", 16, bn, bk, warps,
+                                                                     stages)))
     return out
 
 
 def _tile(launch, function: str, block_m: int, bn: int, bk: int, warps: int, stages: int):
     constexprs = dict(launch.constexprs, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk)
-    if function == "gemv_row_kernel":
-        constexprs["RMS_BLOCK"] = min(1 << (launch.constexprs["K"] - 1).bit_length(), 1024 * warps)
+    if function in ("gemv_row_kernel", "gemv_rows_kernel"):
+        constexprs["RMS_BLOCK"] = min(1 << (launch.constexprs["K"] - 1).bit_length(), 1024 * warps // block_m)
+    else:
+        constexprs.pop("RMS_BLOCK", None)
     grid = (replace(launch.grid[0], block=block_m), replace(launch.grid[1], block=bn), launch.grid[2])
     return replace(launch, function=function, constexprs=constexprs, grid=grid, num_warps=warps, num_stages=stages)
 
@@ -55,7 +72,7 @@ def _compile(item):
     return key, compiled, None
 
 
-def prepare(out: Path) -> None:
+def prepare(out: Path, row_counts: list[int]) -> None:
     from pegainfer.backends.build import plan_model
     from pegainfer.backends.triton.plan import PlanOptions
     from pegainfer.frontends.load import embedded_configs, load_spec
@@ -65,13 +82,14 @@ def prepare(out: Path) -> None:
     todo, index = {}, []
     for kernel in kernels:
         variants = {v.name: v for v in kernel.variants}
-        if "one_row" not in variants:
+        if "one_row" not in variants or len(variants["one_row"].launches) > 1:  # not the sampler's tail
             continue
-        for rows, baseline in ((1, "one_row"),):
-            base = variants[baseline].launches[0]
-            act = bool(base.constexprs["ACT"])
-            entries = [(f"plan {baseline}", base)] + candidates(variants["one_row"].launches[0], act)
-            for label, launch in entries:
+        for rows in row_counts:
+            plans = [v for v in kernel.variants if v.max_rows is None or rows <= v.max_rows]
+            plans = [v for v in plans if v.max_rows == min(p.max_rows or 1 << 30 for p in plans)]
+            base = variants["one_row"].launches[0]
+            entries = [(f"plan {v.name}", v.launches[0]) for v in plans]
+            for label, launch in entries + candidates(base, bool(base.constexprs["ACT"]), rows):
                 key = f"{kernel.node}.m{rows}.{len(todo)}"
                 todo[key] = launch
                 index.append(dict(key=key, kernel=kernel.node, rows=rows, label=label, function=launch.function,
@@ -228,8 +246,8 @@ def _time(ctx, launch_all, per_replay: int, replays: int = 20) -> float:
 def _table(results: list[dict]) -> None:
     print(f"\n{'kernel':<14}{'rows':>5}  {'candidate':<26}{'us':>8}{'TB/s':>7}{'rel err':>10}")
     for (kernel, rows), group in _groups(results).items():
-        plan = next(r for r in group if r["label"].startswith("plan"))
-        for r in sorted(group, key=lambda r: r["us"])[:5] + [plan]:
+        plans = [r for r in group if r["label"].startswith("plan")]
+        for r in sorted(group, key=lambda r: r["us"])[:5] + plans:
             print(f"{kernel:<14}{rows:>5}  {r['label']:<26}{r['us']:>8.1f}{r['tbps']:>7.2f}{r['rel_err']:>10.1e}")
 
 
@@ -238,8 +256,9 @@ def main(argv: list[str]) -> None:
     parser.add_argument("mode", choices=("prepare", "run"))
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--dir", type=Path, default=Path(".gpu/tune"))
+    parser.add_argument("--rows", type=int, nargs="+", default=[1], help="row counts to search (prepare)")
     args = parser.parse_args(argv)
-    prepare(args.out) if args.mode == "prepare" else run(args.dir, args.out)
+    prepare(args.out, args.rows) if args.mode == "prepare" else run(args.dir, args.out)
 
 
 if __name__ == "__main__":

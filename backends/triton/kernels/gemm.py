@@ -1,7 +1,7 @@
 """The GEMM family: y = x @ W^T with an optional prologue (residual add, row gather, RMSNorm folded in as a row
-scale) and epilogue (bias, act(gate) * up over a merged [2N, K] weight), specialised by constexprs. Two kernels
-share the prologue and epilogue: linear_kernel on the tensor cores, gemv_kernel for a few rows (decode), and
-gemv_row_kernel for one row per program (batch-1 decode)."""
+scale) and epilogue (bias, act(gate) * up over a merged [2N, K] weight), specialised by constexprs. Three kernels
+share them: linear_kernel on the tensor cores (prefill, and decode steps of up to 16 rows in 16-row tiles),
+gemv_row_kernel for one row per program (batch-1 decode), and gemv_rows_kernel, its form for a few rows."""
 
 import triton
 import triton.language as tl
@@ -95,7 +95,7 @@ def _store(acc, up, bias_ptr, out_ptr, offs_m, mask_m, offs_n, mask_n, stride_ou
 def _prologue(x_ptr, x2_ptr, rows_ptr, sum_ptr, M, stride_x, stride_x2, stride_sum, N: tl.constexpr, K: tl.constexpr,
               EPS: tl.constexpr, ADD: tl.constexpr, GATHER: tl.constexpr, NORM: tl.constexpr, WRITE_SUM: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """What linear_kernel and gemv_kernel do before their K loops: wait for the previous kernel (programmatic
+    """What linear_kernel does before its K loop: wait for the previous kernel (programmatic
     dependent launch: the next kernel may start now), this program's rows and columns, and each row's 1/rms."""
     if PDL:
         gdc_launch_dependents()
@@ -139,39 +139,6 @@ def linear_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, s
 
 
 @triton.jit
-def gemv_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, sum_ptr,
-                M, stride_x, stride_x2, stride_out, stride_sum,
-                N: tl.constexpr, K: tl.constexpr, EPS: tl.constexpr,
-                ADD: tl.constexpr, GATHER: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr,
-                ACT: tl.constexpr, WRITE_SUM: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
-                NORM_OFFSET: tl.constexpr = 0.0, PDL: tl.constexpr = False):
-    """linear_kernel for a few rows: no tensor cores, narrow column tiles so that every SM streams weights.
-    Products accumulate per lane across the K loop and are reduced once at the end: a reduction per iteration
-    would synchronise the warps on every tile."""
-    offs_m, mask_m, rows, offs_n, mask_n, rstd = _prologue(
-        x_ptr, x2_ptr, rows_ptr, sum_ptr, M, stride_x, stride_x2, stride_sum, N, K, EPS, ADD, GATHER, NORM, WRITE_SUM,
-        BLOCK_M, BLOCK_N, BLOCK_K, PDL)
-    acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    up3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        a = _activation_tile(x_ptr, x2_ptr, norm_ptr, rows, rstd, stride_x, stride_x2, offs_k, mask_m, mask_k,
-                             ADD, NORM, NORM_OFFSET)
-        if not UPCAST_DOT:  # round the activation as the tensor-core path does
-            a = a.to(w_ptr.dtype.element_ty).to(tl.float32)
-        w_mask = mask_n[:, None] & mask_k[None, :]
-        w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0).to(tl.float32)
-        acc3 += a[:, None, :] * w[None, :, :]
-        if ACT != 0:
-            w_up = tl.load(w_ptr + (N + offs_n[:, None]) * K + offs_k[None, :], mask=w_mask, other=0.0)
-            up3 += a[:, None, :] * w_up.to(tl.float32)[None, :, :]
-    _store(tl.sum(acc3, axis=2), tl.sum(up3, axis=2), bias_ptr, out_ptr, offs_m, mask_m, offs_n, mask_n, stride_out,
-           N, BIAS, ACT)
-
-
-@triton.jit
 def gemv_row_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, sum_ptr,
                     M, stride_x, stride_x2, stride_out, stride_sum,
                     N: tl.constexpr, K: tl.constexpr, EPS: tl.constexpr,
@@ -179,7 +146,7 @@ def gemv_row_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr,
                     ACT: tl.constexpr, WRITE_SUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, RMS_BLOCK: tl.constexpr, UPCAST_DOT: tl.constexpr,
                     NORM_OFFSET: tl.constexpr = 0.0, PDL: tl.constexpr = False):
-    """gemv_kernel with one row per program (BLOCK_M must be 1) and two-dimensional tiles: the activation is
+    """A GEMV with one row per program (BLOCK_M must be 1) and two-dimensional tiles: the activation is
     loaded straight into the weight tile's column layout, so no layout change (a round trip through shared
     memory and a barrier) sits in the K loop that streams the weights. The next weight tile is loaded one step
     ahead, and the first before waiting on the previous kernel: weights never depend on it."""
@@ -243,3 +210,64 @@ def _load_row(x_ptr, x2_ptr, row, stride_x, stride_x2, offs_k, mask, ADD: tl.con
     if ADD:
         a += tl.load(x2_ptr + row * stride_x2 + offs_k, mask=mask, other=0.0).to(tl.float32)
     return a
+
+
+@triton.jit
+def gemv_rows_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, sum_ptr,
+                     M, stride_x, stride_x2, stride_out, stride_sum,
+                     N: tl.constexpr, K: tl.constexpr, EPS: tl.constexpr,
+                     ADD: tl.constexpr, GATHER: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr,
+                     ACT: tl.constexpr, WRITE_SUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, RMS_BLOCK: tl.constexpr, UPCAST_DOT: tl.constexpr,
+                     NORM_OFFSET: tl.constexpr = 0.0, PDL: tl.constexpr = False):
+    """gemv_row_kernel for BLOCK_M rows a program: each weight tile is read once for all of them. Weights and
+    activations are loaded as three-dimensional tiles ([1, N, K] and [M, 1, K]) so that the products need no
+    layout change inside the K loop."""
+    if PDL:
+        gdc_launch_dependents()
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    w, w_up = _weight_tiles3(w_ptr, offs_n, mask_n, 0, N, K, ACT, BLOCK_K)
+    if PDL:
+        gdc_wait()
+    offs_m, mask_m, rows = _tile_rows(rows_ptr, M, GATHER, BLOCK_M)
+    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if NORM:
+        rstd = _inverse_rms(x_ptr, x2_ptr, sum_ptr, rows, offs_m, mask_m, stride_x, stride_x2, stride_sum, K, EPS,
+                            ADD, WRITE_SUM, BLOCK_M, RMS_BLOCK)
+    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        mask = mask_m[:, None, None] & mask_k[None, None, :]
+        a = tl.load(x_ptr + rows[:, None, None] * stride_x + offs_k[None, None, :], mask=mask, other=0.0)
+        a = a.to(tl.float32)
+        if ADD:
+            a += tl.load(x2_ptr + rows[:, None, None] * stride_x2 + offs_k[None, None, :], mask=mask,
+                         other=0.0).to(tl.float32)
+        if NORM:
+            scale = tl.load(norm_ptr + offs_k[None, None, :], mask=mask_k[None, None, :], other=0.0)
+            a = a * rstd[:, None, None] * (scale.to(tl.float32) + NORM_OFFSET)
+        if not UPCAST_DOT:
+            a = a.to(w_ptr.dtype.element_ty).to(tl.float32)
+        w_next, w_up_next = _weight_tiles3(w_ptr, offs_n, mask_n, k0 + BLOCK_K, N, K, ACT, BLOCK_K)
+        acc += w.to(tl.float32) * a
+        if ACT != 0:
+            up += w_up.to(tl.float32) * a
+        w, w_up = w_next, w_up_next
+    _store(tl.sum(acc, axis=2), tl.sum(up, axis=2), bias_ptr, out_ptr, offs_m, mask_m, offs_n, mask_n, stride_out,
+           N, BIAS, ACT)
+
+
+@triton.jit
+def _weight_tiles3(w_ptr, offs_n, mask_n, k0, N: tl.constexpr, K: tl.constexpr, ACT: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+    """_weight_tiles as [1, BLOCK_N, BLOCK_K] tiles."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    mask = mask_n[None, :, None] & (offs_k < K)[None, None, :]
+    w = tl.load(w_ptr + offs_n[None, :, None] * K + offs_k[None, None, :], mask=mask, other=0.0)
+    w_up = w
+    if ACT != 0:
+        w_up = tl.load(w_ptr + (N + offs_n[None, :, None]) * K + offs_k[None, None, :], mask=mask, other=0.0)
+    return w, w_up
