@@ -8,8 +8,10 @@ import dataclasses
 import numpy as np
 import pytest
 
+from pegainfer.backends.build import plan_model
 from pegainfer.backends.triton.execute import launch_kernel, to_numpy, to_torch
 from pegainfer.backends.triton.plan import PlanOptions, plan_kernel
+from pegainfer.frontends.load import embedded_configs, load_spec
 from pegainfer.ir.graph import KERNEL
 from pegainfer.ir.registry import get_op
 from pegainfer.models import qwen3
@@ -51,3 +53,17 @@ def test_decode_gemm_variant_matches_the_reference(graph, kind, variant):
     got = launch_kernel(chosen, node, {name: to_torch(a) for name, a in inputs.items()}, {"tokens": ROWS})
     for name in node.outputs:
         np.testing.assert_allclose(to_numpy(got[name]), expected[name], rtol=2e-5, atol=2e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("name", sorted(embedded_configs()))
+def test_every_planned_triton_grid_fits_cuda_limits(name):
+    """A grid's second and third dimensions stop at 65535 programs on CUDA: a column tile too narrow for a
+    vocabulary-wide projection fails at launch (seen on the H200 with 2-column tiles over 151936 columns)."""
+    _, kernels = plan_model(load_spec(embedded_configs()[name]), PlanOptions())
+    for kernel in kernels:
+        for variant in kernel.variants:
+            rows = variant.max_rows or 8192
+            for launch in variant.launches:
+                sizes = {symbol: rows for dim in launch.grid for symbol in dim.factors if isinstance(symbol, str)}
+                grid = [dim.size(sizes) for dim in launch.grid]
+                assert max(grid[1:], default=1) <= 65535, (kernel.node, variant.name, launch.function, grid)

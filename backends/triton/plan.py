@@ -153,6 +153,9 @@ def _gemm_tiles(n: int, k: int, act: bool) -> list[tuple]:
         return max(16, min(block_n, next_pow2(n))), max(16, min(block_k, next_pow2(k)))
 
     row_tiles = (min(row_n, next_pow2(n)), min(row_k, max(16, next_pow2(k))), row_warps, 1, "gemv_row_kernel")
+    fma_n = min(2, next_pow2(n))
+    while -(-n // fma_n) > MAX_GRID_Y:  # a vocabulary-wide projection: wider column tiles
+        fma_n *= 2
     # Up to 16 rows: tensor-core tiles of 16 x 32 (a 4-row step masks the rest), the fastest or within 10% of it at
     # 4 and 16 rows on every Qwen3-4B shape (scripts/gpu/tune_gemv.py, docs/BENCHMARKS.md). `pegainfer tune` also
     # weighs, at up to 4 rows, the batch-1 kernel with a program per row and gemv_rows_kernel (CUDA cores, two rows
@@ -160,7 +163,7 @@ def _gemm_tiles(n: int, k: int, act: bool) -> list[tuple]:
     return [("one_row", 1, 1, *row_tiles),
             ("few_rows", 4, 16, *mma(32, 256), 4, 3, "linear_kernel"),
             ("row_programs", 4, 1, *row_tiles),
-            ("fma_rows", 4, 2, min(2, next_pow2(n)), min(1024, max(16, next_pow2(k))), 4, 1, "gemv_rows_kernel"),
+            ("fma_rows", 4, 2, fma_n, min(1024, max(16, next_pow2(k))), 4, 1, "gemv_rows_kernel"),
             ("small_rows", SMALL_ROWS, 16, *mma(32, 256), 4, 3, "linear_kernel"),
             ("mid_rows", 64, 32, *mma(16, 256), 4, 3, "linear_kernel"),
             ("many_rows", None, 64, *mma(64 if act else 128, 64), 8, 3, "linear_kernel")]  # no spills at 8 warps
