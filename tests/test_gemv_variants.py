@@ -7,6 +7,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+import torch
 
 from pegainfer.backends.build import plan_model
 from pegainfer.backends.triton.execute import launch_kernel, to_numpy, to_torch
@@ -67,3 +68,40 @@ def test_every_planned_triton_grid_fits_cuda_limits(name):
                 sizes = {symbol: rows for dim in launch.grid for symbol in dim.factors if isinstance(symbol, str)}
                 grid = [dim.size(sizes) for dim in launch.grid]
                 assert max(grid[1:], default=1) <= 65535, (kernel.node, variant.name, launch.function, grid)
+
+
+@pytest.fixture(scope="module")
+def wide_graph():
+    """K of 1024 (hidden, and heads x head_dim): enough K tiles for the split variants to cut K in two."""
+    config = qwen3.Config(vocab_size=64, hidden_size=1024, intermediate_size=1024, num_hidden_layers=1,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=256, rms_norm_eps=1e-6,
+                          rope_theta=1e4, attention_bias=False, tie_word_embeddings=True, torch_dtype="float32")
+    return lower(qwen3.build_graph(config))[0]
+
+
+@pytest.mark.parametrize("kind", ["linear", "add_rms_norm_linear_silu_mul"])
+@pytest.mark.parametrize("variant", ["split_rows", "small_split_rows"])
+def test_split_gemm_matches_the_reference_and_leaves_its_scratch_zeroed(wide_graph, kind, variant):
+    """Twice on the same scratch: each launch's last program per tile must hand back zeroed sums and tickets, or
+    the second launch would add to the first's."""
+    body = next(g for g in wide_graph.all_graphs() for n in g.nodes if n.op == KERNEL and n.attrs["kind"] == kind)
+    node = next(n for n in body.nodes if n.op == KERNEL and n.attrs["kind"] == kind)
+    spec = plan_kernel(body, node, PlanOptions(block_size=16))
+    (picked,) = [v for v in spec.variants if v.name == variant]
+    assert picked.launches[0].constexprs["SPLIT"] > 1
+    chosen = dataclasses.replace(spec, variants=[dataclasses.replace(picked, max_rows=None)])
+    types = body.value_types()
+    rng = np.random.default_rng(5)
+    inputs = {v: 0.1 * rng.standard_normal([ROWS if isinstance(d, str) else d for d in types[v].shape])
+              .astype(np.float32) for v in node.inputs}  # gates of a few units, not hundreds
+    expected = run_reference(node, inputs)
+    scratch = {name: torch.zeros(shape, dtype=torch.float32 if dtype == "f32" else torch.int32)
+               for name, (dtype, shape) in spec.scratch.items()}
+    env = {name: to_torch(a) for name, a in inputs.items()} | scratch
+    for _ in range(2):
+        got = launch_kernel(chosen, node, env, {"tokens": ROWS})
+        for name in node.outputs:
+            scale = np.abs(expected[name]).max()  # sums of 1024 unit products, in another order than NumPy's
+            np.testing.assert_allclose(to_numpy(got[name]), expected[name], rtol=1e-4, atol=1e-5 * scale,
+                                       err_msg=name)
+        assert all(not t.any() for t in scratch.values())

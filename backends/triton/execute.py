@@ -77,8 +77,10 @@ def launch_kernel(spec: KernelSpec, node: Node, env: dict[str, torch.Tensor], si
     given logits, say)."""
     in_place = in_place_outputs(node)
     local = dict(env)
-    for name, (dtype, shape) in spec.scratch.items():
-        local[name] = torch.empty([d if isinstance(d, int) else sizes[d] for d in shape], dtype=_TORCH[dtype])
+    for name, (dtype, shape) in spec.scratch.items():  # zeroed, as the GPU runtime does; or the caller's own
+        if name not in env:
+            local[name] = torch.zeros([d if isinstance(d, int) else sizes[d] for d in shape],
+                                      dtype=_TORCH[dtype])
     for name, type_ in zip(node.outputs, node.output_types):
         if name in in_place:
             local[name] = env[in_place[name]]

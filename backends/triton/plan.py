@@ -118,11 +118,20 @@ def _plan_gemm(graph: Graph, node: Node) -> KernelSpec:
     row_symbol = types[rows].shape[0] if rows else types[roles["x"]].shape[0]
     n, k = roles["n"], types[roles["weight"]].shape[1]
     layout = static_layout(graph)
-    variants = []
+    variants, scratch = [], {}
+    split_scratch = _split_scratch(n, roles)
+    types, layout = types | split_scratch, layout | {name: (t.shape[-1], 0) for name, t in split_scratch.items()}
     for name, max_rows, block_m, block_n, block_k, warps, stages, function in _gemm_tiles(n, k, bool(roles["act"])):
+        split = split_count(n, k, block_n, block_k)
+        if function == "linear_split_kernel" and (roles["top_k"] is not None or split == 1):
+            continue  # not before the sampler's tail (its own scratch), nor where one slice is enough
         p = _Params(types, layout)
         for param in ("x", "x2", "rows", "norm", "weight", "bias", "out", "sum"):
             p.tensor(f"{param if param != 'weight' else 'w'}_ptr", roles[param])
+        if function == "linear_split_kernel":
+            p.tensor("part_ptr", "gemm.split_part")
+            p.tensor("count_ptr", "gemm.split_count")
+            scratch |= {name: split_scratch[name] for name in ("gemm.split_part", "gemm.split_count")}
         p.dim("M", row_symbol)
         for param in ("x", "x2", "out", "sum"):
             p.stride(f"stride_{param}", roles[param])
@@ -133,11 +142,14 @@ def _plan_gemm(graph: Graph, node: Node) -> KernelSpec:
         if function in ("gemv_row_kernel", "gemv_rows_kernel"):  # the RMSNorm prologue in a few wide chunks
             constexprs["RMS_BLOCK"] = min(max(16, next_pow2(k)), 1024 * warps // block_m)
         grid = (GridDim((row_symbol,), block_m), GridDim((n,), block_n))
+        if function == "linear_split_kernel":
+            constexprs["SPLIT"] = split
+            grid += (GridDim((split,)),)
         launches = [_launch("gemm.py", function, p, constexprs, grid, warps, stages)]
-        scratch = {}
         if roles["top_k"] is not None:
-            tail, scratch = _plan_tail_reduction(types, roles, layout)
+            tail, tail_scratch = _plan_tail_reduction(types, roles, layout)
             launches += tail
+            scratch |= tail_scratch
         variants.append(VariantSpec(name, max_rows, launches))
     spec = _spec(graph, node, row_symbol, variants)
     spec.scratch = {name: (t.dtype.name, t.shape) for name, t in scratch.items()}
@@ -164,9 +176,28 @@ def _gemm_tiles(n: int, k: int, act: bool) -> list[tuple]:
             ("few_rows", 4, 16, *mma(32, 256), 4, 3, "linear_kernel"),
             ("row_programs", 4, 1, *row_tiles),
             ("fma_rows", 4, 2, fma_n, min(1024, max(16, next_pow2(k))), 4, 1, "gemv_rows_kernel"),
+            ("split_rows", 4, 16, *mma(32, 256), 4, 3, "linear_split_kernel"),
             ("small_rows", SMALL_ROWS, 16, *mma(32, 256), 4, 3, "linear_kernel"),
+            ("small_split_rows", SMALL_ROWS, 16, *mma(32, 256), 4, 3, "linear_split_kernel"),
             ("mid_rows", 64, 32, *mma(16, 256), 4, 3, "linear_kernel"),
             ("many_rows", None, 64, *mma(64 if act else 128, 64), 8, 3, "linear_kernel")]  # no spills at 8 warps
+
+
+def split_count(n: int, k: int, block_n: int, block_k: int) -> int:
+    """K slices of a split decode GEMM: doubled until the column tiles times the slices reach GEMV_PROGRAMS, while
+    each slice keeps at least two K tiles."""
+    tiles, split = -(-n // block_n), 1
+    while tiles * split < GEMV_PROGRAMS and 4 * split * block_k <= k:
+        split *= 2
+    return split
+
+
+def _split_scratch(n: int, roles: dict) -> dict[str, TensorType]:
+    """A split GEMM's float32 partial sums ([rows, N], or [rows, 2N] for gate and up) and its tickets, one a
+    column tile of the narrowest tiles planned: zero between launches (the runtime zeroes them once)."""
+    width = 2 * n if roles["act"] else n
+    return {"gemm.split_part": TensorType(dtype_from_name("f32"), (SMALL_ROWS, width)),
+            "gemm.split_count": TensorType(dtype_from_name("i32"), (-(-SMALL_ROWS // 16) * -(-n // 16),))}
 
 
 def one_row_tile(n: int, k: int, act: bool) -> tuple[int, int, int]:

@@ -55,6 +55,9 @@ class GpuExecutor:
         self.weights = upload_weights(graph, weights, ctx.stream, arena)
         sizes = limits.sizes()
         self.buffers, self.scratch = self._allocate_activations(sizes)
+        for tensors in self.scratch.values():  # split GEMMs count on zeroed partial sums and tickets
+            for t in tensors.values():
+                driver.memset(t.ptr, prod(t.shape) * t.dtype.itemsize, ctx.stream)
         self.states: dict[str, DeviceTensor] = {}  # the KV cache: allocate_kv, once the engine knows its size
         self.profile: list[tuple[str, driver.Event, driver.Event]] | None = None  # set to a list to time launches
         self.pdl_max_tokens = 1  # programmatic dependent launch for steps of at most this many tokens (0: never)

@@ -52,7 +52,9 @@ class Buffers:
         self.stream = stream
         self.allocated: dict[tuple[str, int], int] = {}
 
-    def env(self, names: set[str], types: dict[str, TensorType], sizes: dict[str, int], step: dict) -> dict:
+    def env(self, names: set[str], types: dict[str, TensorType], sizes: dict[str, int], step: dict,
+            zeroed: frozenset[str] = frozenset()) -> dict:
+        """`zeroed`: values that start as zeros (scratch: a split GEMM's partial sums and tickets), not random."""
         env = {}
         for name in names:
             t = types[name]
@@ -63,7 +65,8 @@ class Buffers:
             key = (name, nbytes)
             if key not in self.allocated:
                 self.allocated[key] = driver.alloc(nbytes)
-                host = step[name] if name in step else _random(t, shape)
+                host = step[name] if name in step else \
+                    np.zeros(shape) if name in zeroed else _random(t, shape)
                 driver.copy_to_device(self.allocated[key], np.ascontiguousarray(host, dtype=t.dtype.np_dtype))
             env[name] = DeviceTensor.contiguous(self.allocated[key], shape, t.dtype)
         return env

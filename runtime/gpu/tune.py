@@ -43,7 +43,8 @@ def tune(ctx: driver.Context, manifest_path: Path, lowered, root: Path, spec, lo
                 variants = variants + [dict(serving_variant(kernel, sizes), label="fallthrough")]
             times = {}
             for variant in variants:
-                env = buffers.env(launch_values(variant["launches"]), types, sizes, step)
+                env = buffers.env(launch_values(variant["launches"]), types, sizes, step,
+                                  frozenset(kernel.get("candidate_scratch", kernel["scratch"])))
                 times[variant["label"]] = time_launches(ctx, folder, variant["launches"], env, sizes,
                                                         functions=functions)
             choice = min(times, key=times.get)

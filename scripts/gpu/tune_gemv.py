@@ -20,8 +20,9 @@ MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension
 L2_DEFEAT_BYTES = 256 << 20  # cycle through this many bytes of weight copies (the H200's L2 holds 50 MB)
 
 
-def candidates(launch, act: bool, rows: int) -> list[tuple[str, object]]:
-    """(label, LaunchSpec) for each tile to try at this row count."""
+def candidates(launch, act: bool, rows: int, split_launch=None) -> list[tuple[str, object]]:
+    """(label, LaunchSpec) for each tile to try at this row count; `split_launch`, the plan's split variant, is
+    the pattern of the split-K candidates."""
     n = launch.constexprs["N"]
     out = []
     row_tiles = [(1, 1024, 2), (2, 512, 2), (2, 1024, 2), (4, 256, 2), (1, 1024, 4), (2, 1024, 4), (4, 512, 4),
@@ -44,7 +45,19 @@ def candidates(launch, act: bool, rows: int) -> list[tuple[str, object]]:
                                   (16, 256, 2, 4), (16, 512, 8, 3), (32, 128, 4, 4)):
         out.append((f"mma m16 n{bn} k{bk} w{warps} s{stages}", _tile(launch, "linear_kernel", 16, bn, bk, warps,
                                                                      stages)))
+    k = launch.constexprs["K"]
+    for bn, bk, warps, stages in ((32, 256, 4, 3), (16, 256, 4, 3), (32, 128, 4, 4), (64, 128, 4, 3)):
+        for split in (2, 4, 8, 16):
+            if split_launch is not None and 2 * split * bk <= k and not (act and bn == 64):
+                out.append((f"split{split} m16 n{bn} k{bk} w{warps} s{stages}",
+                            _split_tile(split_launch, bn, bk, warps, stages, split)))
     return out
+
+
+def _split_tile(launch, bn: int, bk: int, warps: int, stages: int, split: int):
+    tiled = _tile(launch, "linear_split_kernel", 16, bn, bk, warps, stages)
+    grid = (*tiled.grid[:2], replace(tiled.grid[2], factors=(split,)))
+    return replace(tiled, constexprs=dict(tiled.constexprs, SPLIT=split), grid=grid)
 
 
 def _tile(launch, function: str, block_m: int, bn: int, bk: int, warps: int, stages: int):
@@ -89,7 +102,9 @@ def prepare(out: Path, row_counts: list[int]) -> None:
             plans = [v for v in plans if v.max_rows == min(p.max_rows or 1 << 30 for p in plans)]
             base = variants["one_row"].launches[0]
             entries = [(f"plan {v.name}", v.launches[0]) for v in plans]
-            for label, launch in entries + candidates(base, bool(base.constexprs["ACT"]), rows):
+            split = next((v.launches[0] for v in kernel.variants if v.launches[0].function == "linear_split_kernel"),
+                         None)
+            for label, launch in entries + candidates(base, bool(base.constexprs["ACT"]), rows, split):
                 key = f"{kernel.node}.m{rows}.{len(todo)}"
                 todo[key] = launch
                 index.append(dict(key=key, kernel=kernel.node, rows=rows, label=label, function=launch.function,
@@ -142,13 +157,15 @@ def run(folder: Path, out: Path) -> None:
         ids = cu.alloc(4 * rows)
         cu.copy_to_device(ids, np.arange(rows, dtype=np.int32))
         summed = cu.alloc(rows * k * 2)
+        part, count = _zeros(16 * w_rows * 4), _zeros(4 * (n // 16 + 1))  # a split GEMM's sums and tickets
         reference = None
         for entry in group:
             result = cu.alloc(rows * n * 4)
             _, function = load_function((folder / f"{entry['key']}.cubin").read_bytes(), entry)
             grid = tuple(-(-_size(f, rows) // b) * t for f, b, t in entry["grid"])
             values = dict(x_ptr=x, x2_ptr=x2, rows_ptr=ids, norm_ptr=norm, bias_ptr=0, out_ptr=result,
-                          sum_ptr=summed, M=rows, stride_x=k, stride_x2=k, stride_out=n, stride_sum=k)
+                          sum_ptr=summed, part_ptr=part, count_ptr=count, M=rows, stride_x=k, stride_x2=k,
+                          stride_out=n, stride_sum=k)
             scratch = _scratch(entry, grid)
             packed = [_pack(entry["params"], values | {"w_ptr": w}, scratch) for w in weights]
 
@@ -201,6 +218,16 @@ def _pack(params: list[str], values: dict, scratch: list[int]):
     args = [ctypes.c_int32(values[p]) if p in ints else ctypes.c_uint64(values[p]) for p in params]
     args += [ctypes.c_uint64(ptr) for ptr in scratch]
     return args, (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+
+
+def _zeros(nbytes: int) -> int:
+    import numpy as np
+
+    from pegainfer.runtime.cuda import driver as cu
+
+    ptr = cu.alloc(nbytes)
+    cu.copy_to_device(ptr, np.zeros(nbytes, dtype=np.uint8))
+    return ptr
 
 
 def _upload(array) -> int:

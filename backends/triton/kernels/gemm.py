@@ -1,7 +1,8 @@
 """The GEMM family: y = x @ W^T with an optional prologue (residual add, row gather, RMSNorm folded in as a row
 scale) and epilogue (bias, act(gate) * up over a merged [2N, K] weight), specialised by constexprs. Three kernels
 share them: linear_kernel on the tensor cores (prefill, and decode steps of up to 16 rows in 16-row tiles),
-gemv_row_kernel for one row per program (batch-1 decode), and gemv_rows_kernel, its form for a few rows."""
+linear_split_kernel, its form with K split over programs (decode), gemv_row_kernel for one row per program
+(batch-1 decode), and gemv_rows_kernel, its form for a few rows."""
 
 import triton
 import triton.language as tl
@@ -136,6 +137,63 @@ def linear_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, s
             w_up = tl.load(w_ptr + (N + offs_n[:, None]) * K + offs_k[None, :], mask=w_mask, other=0.0)
             up = dot(a, tl.trans(w_up), up, UPCAST_DOT)
     _store(acc, up, bias_ptr, out_ptr, offs_m, mask_m, offs_n, mask_n, stride_out, N, BIAS, ACT)
+
+
+@triton.jit
+def linear_split_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, sum_ptr, part_ptr, count_ptr,
+                        M, stride_x, stride_x2, stride_out, stride_sum,
+                        N: tl.constexpr, K: tl.constexpr, EPS: tl.constexpr,
+                        ADD: tl.constexpr, GATHER: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr,
+                        ACT: tl.constexpr, WRITE_SUM: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+                        UPCAST_DOT: tl.constexpr, NORM_OFFSET: tl.constexpr = 0.0, PDL: tl.constexpr = False):
+    """linear_kernel with K cut into SPLIT slices, one program each (grid axis 2): for decode steps, whose column
+    tiles alone are too few programs, each streaming too long a K, to keep the memory busy. Each program adds its
+    partial products into a float32 buffer (part_ptr, [rows, N or 2N]); the last of a tile's programs to take a
+    ticket (count_ptr, one counter a tile) swaps the sums out for zeros, resets the counter and runs the epilogue,
+    so buffer and counters are zero again for the next launch (the runtime zeroes them once)."""
+    offs_m, mask_m, rows, offs_n, mask_n, rstd = _prologue(
+        x_ptr, x2_ptr, rows_ptr, sum_ptr, M, stride_x, stride_x2, stride_sum, N, K, EPS, ADD, GATHER, NORM, WRITE_SUM,
+        BLOCK_M, BLOCK_N, BLOCK_K, PDL)
+    per_split: tl.constexpr = (K + SPLIT * BLOCK_K - 1) // (SPLIT * BLOCK_K) * BLOCK_K
+    k_start = tl.program_id(2) * per_split
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_start, k_start + per_split, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        a = _activation_tile(x_ptr, x2_ptr, norm_ptr, rows, rstd, stride_x, stride_x2, offs_k, mask_m, mask_k,
+                             ADD, NORM, NORM_OFFSET)
+        if not UPCAST_DOT:
+            a = a.to(w_ptr.dtype.element_ty)
+        w_mask = mask_n[:, None] & mask_k[None, :]
+        w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
+        acc = dot(a, tl.trans(w), acc, UPCAST_DOT)
+        if ACT != 0:
+            w_up = tl.load(w_ptr + (N + offs_n[:, None]) * K + offs_k[None, :], mask=w_mask, other=0.0)
+            up = dot(a, tl.trans(w_up), up, UPCAST_DOT)
+    width: tl.constexpr = 2 * N if ACT != 0 else N
+    part = part_ptr + offs_m[:, None] * width + offs_n[None, :]
+    mask = mask_m[:, None] & mask_n[None, :]
+    tl.atomic_add(part, acc, mask=mask, sem="relaxed")
+    if ACT != 0:
+        tl.atomic_add(part + N, up, mask=mask, sem="relaxed")
+    tl.debug_barrier()  # every thread's partial sums are in before the ticket (its release covers them)
+    counter = count_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT - 1:
+        acc = _take_sums(part, mask, BLOCK_M, BLOCK_N)
+        if ACT != 0:
+            up = _take_sums(part + N, mask, BLOCK_M, BLOCK_N)
+        tl.atomic_xchg(counter, 0)
+        _store(acc, up, bias_ptr, out_ptr, offs_m, mask_m, offs_n, mask_n, stride_out, N, BIAS, ACT)
+
+
+@triton.jit
+def _take_sums(part, mask, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The float32 sums at `part`, swapped for zeros in one atomic each (on their bits: Triton's interpreter
+    exchanges integers only), read where the other programs' atomic adds landed."""
+    bits = tl.atomic_xchg(part.to(tl.pointer_type(tl.int32)), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32), mask=mask)
+    return tl.where(mask, bits, 0).to(tl.float32, bitcast=True)  # masked lanes return no sum
 
 
 @triton.jit
