@@ -18,7 +18,9 @@ _HOPPER = dict(BLOCK_K=64, THREADS=256, SWIZZLE=10)
 # (name, SMs, tile): the first per SM group is the default the CI compiles for every kernel. On sm_90a TileLang
 # adds a producer warpgroup to THREADS consumers; FULL_ROW gives each consumer warpgroup whole tile rows
 # (wgmma m64nN with N = BLOCK_N, which reads shared memory less per flop than Square's m64n64); the bigger tiles
-# and the fourth stage trade wave quantization at small M for operand reuse, which `pegainfer tune` measures.
+# and the fourth stage trade wave quantization at small M for operand reuse, which `pegainfer tune` measures;
+# 128x160 (wgmma m64n160) tiles N = 2560 (o_proj, down) 16 wide, so M = 1024 makes 8 x 16 = 128 CTAs, one wave
+# on the H200's 132 SMs where 128x128 makes 160 (1.2 waves) and 128x256 makes 80.
 # The default, 128x128 on whole rows with 4 stages, was the fastest tile on the H200 for 10 of the 12 prefill GEMMs
 # of the 4B benchmark model (docs/BENCHMARKS.md, 2026-11-30).
 GEMM_TILES = (
@@ -26,6 +28,7 @@ GEMM_TILES = (
     ("wgmma_128x128", (90,), dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, **_HOPPER)),
     ("wgmma_128x256_rows", (90,), dict(BLOCK_M=128, BLOCK_N=256, STAGES=4, FULL_ROW=True, **_HOPPER)),
     ("wgmma_256x128_rows", (90,), dict(BLOCK_M=256, BLOCK_N=128, STAGES=4, FULL_ROW=True, **_HOPPER)),
+    ("wgmma_128x160_rows", (90,), dict(BLOCK_M=128, BLOCK_N=160, STAGES=4, FULL_ROW=True, **_HOPPER)),
     ("mma_128x128", (80, 86, 89), dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, STAGES=3, THREADS=256, SWIZZLE=10)),
 )
 DEFAULT_VARIANTS = ("wgmma_128x128_rows", "mma_128x128", "flash_128x128")  # what CI compiles for every kernel
@@ -119,4 +122,6 @@ def _attention(graph: Graph, node: Node, options: PlanOptions) -> list[VariantSp
     if 128 % options.block_size == 0:  # the double-buffered gather copies whole cache pages
         gather = _launch("attention.py", "attention_async", params, shape, grid, 256)
         variants.append(VariantSpec("flash_async_128x128", None, [gather], "tilelang", conditional, (90,)))
+        pipelined = _launch("attention.py", "attention_pipelined", params, shape, grid, 256)
+        variants.append(VariantSpec("flash_pipelined_128x128", None, [pipelined], "tilelang", conditional, (90,)))
     return variants

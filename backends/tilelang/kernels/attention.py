@@ -171,3 +171,116 @@ def attention_async(HEADS: int, KV_HEADS: int, HD: int, CACHE_BLOCK: int, SCALE:
 
     return attention_async
 
+
+
+
+def attention_pipelined(HEADS: int, KV_HEADS: int, HD: int, CACHE_BLOCK: int, SCALE: float, BLOCK_M: int,
+                        BLOCK_N: int, THREADS: int):
+    """The same attention with the key tiles' cache pages loaded by TMA into two shared buffers: each page (in
+    64-column halves, the 128B-swizzled layout's unit) is one T.tma_copy into the next tile's buffer, issued at the
+    top of the iteration before this tile's math, with K and V signalling their own mbarriers, so the loads of tile
+    k + 1 run under tile k's S = Q K^T, softmax and P V and the consumers wait only for the K (then the V) half they
+    need. (TileLang's T.Pipelined does not pipeline a copy whose address goes through the block table: it lowers it
+    to a synchronous copy, hence the explicit buffers and barriers.) The causal mask (and the context's end) is
+    applied, as the product's starting value, only on the tiles that cross the diagonal; the running row maximum is
+    never reset, so it stays finite from tile 0 on (key 0 is visible to every row)."""
+    tokens, batch, blocks, max_blocks = (T.dynamic(name) for name in ("M", "B", "NB", "MAXB"))
+    group = HEADS // KV_HEADS
+    scale = SCALE * LOG2E
+    neg_inf = -T.infinity(T.float32)
+    pages = BLOCK_N // CACHE_BLOCK
+    halves = HD // 64
+    ARRIVALS = THREADS  # every thread arrives once a tile's copies are issued; the bytes complete the phase
+
+    @T.prim_func
+    def attention_pipelined(Q: T.Tensor((tokens, HEADS, HD), BF16),
+                            KC: T.Tensor((blocks, CACHE_BLOCK, KV_HEADS, HD), BF16),
+                            VC: T.Tensor((blocks, CACHE_BLOCK, KV_HEADS, HD), BF16),
+                            TABLES: T.Tensor((batch, max_blocks), T.int32), STARTS: T.Tensor((batch,), T.int32),
+                            Q_LENS: T.Tensor((batch,), T.int32), CTX_LENS: T.Tensor((batch,), T.int32),
+                            O: T.Tensor((tokens, HEADS, HD), BF16)):
+        with T.Kernel(T.ceildiv(tokens, BLOCK_M), HEADS, batch, threads=THREADS) as (bx, head, seq):
+            q_s = T.alloc_shared((BLOCK_M, HD), BF16)
+            k_s = T.alloc_shared((2, BLOCK_N, HD), BF16)
+            v_s = T.alloc_shared((2, BLOCK_N, HD), BF16)
+            o_s = T.alloc_shared((BLOCK_M, HD), BF16)
+            k_bar = T.alloc_barrier([ARRIVALS, ARRIVALS])
+            v_bar = T.alloc_barrier([ARRIVALS, ARRIVALS])
+            s = T.alloc_fragment((BLOCK_M, BLOCK_N), T.float32)
+            p = T.alloc_fragment((BLOCK_M, BLOCK_N), BF16)
+            acc = T.alloc_fragment((BLOCK_M, HD), T.float32)
+            m = T.alloc_fragment((BLOCK_M,), T.float32)
+            m_prev = T.alloc_fragment((BLOCK_M,), T.float32)
+            rescale = T.alloc_fragment((BLOCK_M,), T.float32)
+            row_sum = T.alloc_fragment((BLOCK_M,), T.float32)
+            l = T.alloc_fragment((BLOCK_M,), T.float32)
+            kv_head = head // group
+            tile = T.ceildiv(tokens, BLOCK_M) - 1 - bx  # the longest tiles (last queries) start first
+            start = STARTS[seq]
+            q_len = Q_LENS[seq]
+            ctx = CTX_LENS[seq]
+            q0 = tile * BLOCK_M
+            first_pos = ctx - q_len + q0  # the position of the tile's first query
+            kv_end = T.min(ctx, first_pos + BLOCK_M)
+            last_page = (kv_end - 1) // CACHE_BLOCK
+            n = T.ceildiv(kv_end, BLOCK_N)
+            if q0 < q_len:
+                for j in T.unroll(pages):  # tile 0's pages, in flight while Q is loaded
+                    for h in T.unroll(halves):
+                        T.tma_copy(KC[TABLES[seq, T.min(j, last_page)], :, kv_head, h * 64:(h + 1) * 64],
+                                   k_s[0, j * CACHE_BLOCK:(j + 1) * CACHE_BLOCK, h * 64:(h + 1) * 64],
+                                   barrier=k_bar[0])
+                        T.tma_copy(VC[TABLES[seq, T.min(j, last_page)], :, kv_head, h * 64:(h + 1) * 64],
+                                   v_s[0, j * CACHE_BLOCK:(j + 1) * CACHE_BLOCK, h * 64:(h + 1) * 64],
+                                   barrier=v_bar[0])
+                T.barrier_arrive(k_bar[0])
+                T.barrier_arrive(v_bar[0])
+                for i, d in T.Parallel(BLOCK_M, HD):
+                    q_s[i, d] = T.if_then_else(q0 + i < q_len, Q[start + q0 + i, head, d], T.cast(0, BF16))
+                T.fill(acc, 0)
+                T.fill(l, 0)
+                T.fill(m, neg_inf)
+                for k in T.serial(n):
+                    T.sync_threads()  # every warpgroup is done with tile k - 1's buffers, which tile k + 1 takes
+                    if k + 1 < n:  # pages past the context's last are clamped to it: masked, read in bounds
+                        for j in T.unroll(pages):
+                            for h in T.unroll(halves):
+                                T.tma_copy(KC[TABLES[seq, T.min((k + 1) * pages + j, last_page)], :, kv_head,
+                                              h * 64:(h + 1) * 64],
+                                           k_s[(k + 1) % 2, j * CACHE_BLOCK:(j + 1) * CACHE_BLOCK,
+                                               h * 64:(h + 1) * 64], barrier=k_bar[(k + 1) % 2])
+                                T.tma_copy(VC[TABLES[seq, T.min((k + 1) * pages + j, last_page)], :, kv_head,
+                                              h * 64:(h + 1) * 64],
+                                           v_s[(k + 1) % 2, j * CACHE_BLOCK:(j + 1) * CACHE_BLOCK,
+                                               h * 64:(h + 1) * 64], barrier=v_bar[(k + 1) % 2])
+                        T.barrier_arrive(k_bar[(k + 1) % 2])
+                        T.barrier_arrive(v_bar[(k + 1) % 2])
+                    if (k + 1) * BLOCK_N > first_pos + 1:  # a key of this tile lies past some query's position
+                        for i, j in T.Parallel(BLOCK_M, BLOCK_N):
+                            s[i, j] = T.if_then_else(
+                                (k * BLOCK_N + j <= first_pos + i) & (k * BLOCK_N + j < kv_end), 0, neg_inf)
+                    else:
+                        T.clear(s)
+                    T.mbarrier_wait_parity(k_bar[k % 2], (k // 2) % 2)
+                    T.gemm(q_s, k_s[k % 2, :, :], s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                    T.copy(m, m_prev)
+                    T.reduce_max(s, m, dim=1, clear=False)
+                    for i in T.Parallel(BLOCK_M):
+                        rescale[i] = T.exp2(m_prev[i] * scale - m[i] * scale)
+                    for i, j in T.Parallel(BLOCK_M, BLOCK_N):
+                        s[i, j] = T.exp2(s[i, j] * scale - m[i] * scale)
+                    T.reduce_sum(s, row_sum, dim=1)
+                    for i in T.Parallel(BLOCK_M):
+                        l[i] = l[i] * rescale[i] + row_sum[i]
+                    for i, d in T.Parallel(BLOCK_M, HD):
+                        acc[i, d] *= rescale[i]
+                    T.copy(s, p)
+                    T.mbarrier_wait_parity(v_bar[k % 2], (k // 2) % 2)
+                    T.gemm(p, v_s[k % 2, :, :], acc, policy=T.GemmWarpPolicy.FullRow)
+                for i, d in T.Parallel(BLOCK_M, HD):
+                    o_s[i, d] = T.cast(acc[i, d] / l[i], BF16)
+                for i, d in T.Parallel(BLOCK_M, HD):
+                    if q0 + i < q_len:
+                        O[start + q0 + i, head, d] = o_s[i, d]
+
+    return attention_pipelined
