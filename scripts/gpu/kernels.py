@@ -239,6 +239,7 @@ def attention_case(runner: Runner, kernel: dict, node, types: dict, batch: int, 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/out")))
+    parser.add_argument("--nodes", nargs="*", help="only these kernel nodes (o_proj, attention...): default all")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     spec = load_spec(embedded_configs()["qwen3-4b"])
@@ -248,7 +249,7 @@ def main() -> None:
                     "attention": []}
     print(f"{report['device']}: copy {report['copy_tb_per_s']:.2f} TB/s", flush=True)
     for graph in lowered.all_graphs():
-        for node in (n for n in graph.nodes if n.op == KERNEL):
+        for node in (n for n in graph.nodes if n.op == KERNEL and (not args.nodes or n.name in args.nodes)):
             kernel = runner.kernel(graph.name, node.name)
             labels = {v["label"] for v in kernel["candidates"]}
             if node.attrs["kind"] in GEMM_KINDS:
