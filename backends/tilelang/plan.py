@@ -15,23 +15,25 @@ KERNELS = Path(__file__).parent / "kernels"
 SMS = (80, 86, 89, 90)  # TMA and wgmma on 90 (sm_90a); cp.async and mma.sync on the others
 MIN_ROWS = 65  # below this Triton's decode-shaped tiles serve (its mid_rows variant ends at 64)
 _HOPPER = dict(BLOCK_K=64, THREADS=256, SWIZZLE=10)
-# (name, SMs, tile): the first per SM group is the default the CI compiles for every kernel. On sm_90a TileLang
-# adds a producer warpgroup to THREADS consumers; FULL_ROW gives each consumer warpgroup whole tile rows
+# (name, SMs, tile): the first that fits a kernel, per SM group, is its default (CI compiles the defaults). On
+# sm_90a TileLang adds a producer warpgroup to THREADS consumers; FULL_ROW gives each consumer warpgroup whole tile rows
 # (wgmma m64nN with N = BLOCK_N, which reads shared memory less per flop than Square's m64n64); the bigger tiles
 # and the fourth stage trade wave quantization at small M for operand reuse, which `pegainfer tune` measures;
 # 128x160 (wgmma m64n160) tiles N = 2560 (o_proj, down) 16 wide, so M = 1024 makes 8 x 16 = 128 CTAs, one wave
 # on the H200's 132 SMs where 128x128 makes 160 (1.2 waves) and 128x256 makes 80.
-# The default, 128x128 on whole rows with 4 stages, was the fastest tile on the H200 for 10 of the 12 prefill GEMMs
-# of the 4B benchmark model (docs/BENCHMARKS.md, 2026-11-30).
+# The defaults: 128x160 where N allows (the fastest tile on the H200 for 5 of the 6 prefill GEMMs of o_proj and down
+# of the 4B benchmark model, 94-114% of cuBLAS), else 128x128 on whole rows with 4 stages (the fastest for 10 of
+# the 12 before 128x160 existed; docs/BENCHMARKS.md, 2026-11-30).
 GEMM_TILES = (
+    ("wgmma_128x160_rows", (90,), dict(BLOCK_M=128, BLOCK_N=160, STAGES=4, FULL_ROW=True, **_HOPPER)),
     ("wgmma_128x128_rows", (90,), dict(BLOCK_M=128, BLOCK_N=128, STAGES=4, FULL_ROW=True, **_HOPPER)),
     ("wgmma_128x128", (90,), dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, **_HOPPER)),
     ("wgmma_128x256_rows", (90,), dict(BLOCK_M=128, BLOCK_N=256, STAGES=4, FULL_ROW=True, **_HOPPER)),
     ("wgmma_256x128_rows", (90,), dict(BLOCK_M=256, BLOCK_N=128, STAGES=4, FULL_ROW=True, **_HOPPER)),
-    ("wgmma_128x160_rows", (90,), dict(BLOCK_M=128, BLOCK_N=160, STAGES=4, FULL_ROW=True, **_HOPPER)),
     ("mma_128x128", (80, 86, 89), dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, STAGES=3, THREADS=256, SWIZZLE=10)),
 )
-DEFAULT_VARIANTS = ("wgmma_128x128_rows", "mma_128x128", "flash_128x128")  # what CI compiles for every kernel
+# what CI compiles for every kernel they fit
+DEFAULT_VARIANTS = ("wgmma_128x160_rows", "wgmma_128x128_rows", "mma_128x128", "flash_128x128")
 
 
 def candidates(graph: Graph, node: Node, options: PlanOptions) -> list[VariantSpec]:

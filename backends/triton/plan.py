@@ -176,9 +176,9 @@ def _gemm_tiles(n: int, k: int, act: bool) -> list[tuple]:
             ("few_rows", 4, 16, *mma(32, 256), 4, 3, "linear_kernel"),
             ("row_programs", 4, 1, *row_tiles),
             ("fma_rows", 4, 2, fma_n, min(1024, max(16, next_pow2(k))), 4, 1, "gemv_rows_kernel"),
-            ("split_rows", 4, 16, *mma(32, 256), 4, 3, "linear_split_kernel"),
+            ("split_rows", 4, 16, *mma(32, 128), 4, 4, "linear_split_kernel"),
             ("small_rows", SMALL_ROWS, 16, *mma(32, 256), 4, 3, "linear_kernel"),
-            ("small_split_rows", SMALL_ROWS, 16, *mma(32, 256), 4, 3, "linear_split_kernel"),
+            ("small_split_rows", SMALL_ROWS, 16, *mma(32, 128), 4, 4, "linear_split_kernel"),
             ("mid_rows", 64, 32, *mma(16, 256), 4, 3, "linear_kernel"),
             ("many_rows", None, 64, *mma(64 if act else 128, 64), 8, 3, "linear_kernel")]  # no spills at 8 warps
 

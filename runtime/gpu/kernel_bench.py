@@ -2,7 +2,6 @@
 times each candidate with. Buffers get random values; the step inputs (block tables, sequence starts...) come
 from a synthetic step packed as the engine packs real ones, so attention reads valid blocks."""
 
-import statistics
 from math import prod
 
 import numpy as np
@@ -85,23 +84,27 @@ def launch_values(launches: list[dict]) -> set[str]:
 
 
 def time_launches(ctx: driver.Context, folder, launches: list[dict], env: dict, sizes: dict[str, int],
-                  repeats: int = 20, functions: dict | None = None) -> float:
-    """Median microseconds of one run of the launches (after three warm-up runs)."""
+                  repeats: int = 20, functions: dict | None = None, copies: int = 4) -> float:
+    """Microseconds of one run of the launches on the device alone: `copies` runs captured in a CUDA graph (as a
+    decode step runs), replayed `repeats` times between two events after a warm-up replay. Timing launches from
+    the host would count their argument packing (TMA descriptors are encoded per launch) as device time."""
     functions = {} if functions is None else functions
     for launch in launches:
         if launch["key"] not in functions:
             functions[launch["key"]] = load_function((folder / launch["cubin"]).read_bytes(), launch)[1]
-    samples = []
-    for index in range(repeats + 3):
-        start, end = driver.Event(), driver.Event()
-        start.record(ctx.stream)
-        for launch in launches:
-            launch_kernel(functions[launch["key"]], launch, env, sizes, ctx.stream)
-        end.record(ctx.stream)
-        ctx.synchronize()
-        if index >= 3:
-            samples.append(end.seconds_since(start) * 1e6)
-    return statistics.median(samples)
+    with driver.Graph(ctx.stream) as graph:
+        for _ in range(copies):
+            for launch in launches:
+                launch_kernel(functions[launch["key"]], launch, env, sizes, ctx.stream)
+    graph.replay()
+    ctx.synchronize()
+    start, end = driver.Event(), driver.Event()
+    start.record(ctx.stream)
+    for _ in range(repeats):
+        graph.replay()
+    end.record(ctx.stream)
+    ctx.synchronize()
+    return end.seconds_since(start) * 1e6 / (repeats * copies)
 
 
 def serving_variant(kernel: dict, sizes: dict[str, int], backend: str = "triton") -> dict:
