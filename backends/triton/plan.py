@@ -158,7 +158,6 @@ def _plan_gemm(graph: Graph, node: Node) -> KernelSpec:
 
 def _gemm_tiles(n: int, k: int, act: bool) -> list[tuple]:
     """(variant, max rows, M, N and K tiles, warps, stages, kernel) of a GEMM, by the step's row count."""
-    gemv_n = max(1, min(16, 1 << max(0, (n // GEMV_PROGRAMS).bit_length() - 1)))  # enough programs to fill the SMs
     row_n, row_k, row_warps = one_row_tile(n, k, act)
 
     def mma(block_n: int, block_k: int) -> tuple[int, int]:  # tensor-core tiles are at least 16 wide
@@ -171,7 +170,8 @@ def _gemm_tiles(n: int, k: int, act: bool) -> list[tuple]:
     # Up to 16 rows: tensor-core tiles of 16 x 32 (a 4-row step masks the rest), the fastest or within 10% of it at
     # 4 and 16 rows on every Qwen3-4B shape (scripts/gpu/tune_gemv.py, docs/BENCHMARKS.md). `pegainfer tune` also
     # weighs, at up to 4 rows, the batch-1 kernel with a program per row and gemv_rows_kernel (CUDA cores, two rows
-    # by two columns a program: faster for the projections without a norm prologue).
+    # by two columns a program), and at 4 and at 16 rows the same tiles with K split over programs (1.4-1.5x faster
+    # for the down projection, whose K is long; slower where a norm prologue is recomputed by every slice).
     return [("one_row", 1, 1, *row_tiles),
             ("few_rows", 4, 16, *mma(32, 256), 4, 3, "linear_kernel"),
             ("row_programs", 4, 1, *row_tiles),
