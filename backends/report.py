@@ -46,13 +46,13 @@ def _text(folder: Path, launch: dict, what: str) -> str:
 
 
 def resources_table(folder: Path, launches: list[tuple[dict, dict, dict]]) -> str:
-    lines = [f"{'kernel':<30} {'variant':<11} {'regs':>5} {'spill st':>9} {'spill ld':>9} {'stack':>6} "
+    lines = [f"{'kernel':<30} {'variant':<18} {'regs':>5} {'spill st':>9} {'spill ld':>9} {'stack':>6} "
              f"{'local':>6} {'smem static':>12} {'smem dyn':>9} {'warps':>5}"]
     for k, variant, launch in launches:
         meta = json.loads((folder / f"{launch['key']}.json").read_text())
         usage = {"spill_stores": 0, "spill_loads": 0, "local": 0, **meta["resources"]} if "resources" in meta \
             else resource_usage(folder / f"{launch['key']}.cubin", folder / f"{launch['key']}.ptx")
-        lines.append(f"{k['node'] + ' ' + k['kind']:<30.30} {variant['name']:<11} {usage['registers']:>5} "
+        lines.append(f"{k['node'] + ' ' + k['kind']:<30.30} {variant['name']:<18} {usage['registers']:>5} "
                      f"{usage['spill_stores']:>9} {usage['spill_loads']:>9} {usage['stack']:>6} {usage['local']:>6} "
                      f"{usage['shared']:>12} {launch['shared']:>9} {launch['num_warps']:>5}")
     return "\n".join(lines) + "\n"
