@@ -82,8 +82,7 @@ def test_tilelang_sm90a_gemm_and_attention_run_on_hgmma(compiled, tmp_path):
 
 
 TUNING_VARIANTS = {"wgmma_128x128": "attn_residual", "wgmma_128x256_rows": "o_proj",
-                   "wgmma_256x128_rows": "down", "flash_async_128x128": "attention",
-                   "flash_pipelined_128x128": "attention"}
+                   "wgmma_256x128_rows": "down", "flash_async_128x128": "attention"}
 
 
 def test_every_tilelang_variant_is_compiled_by_some_test(kernels):
@@ -94,14 +93,14 @@ def test_every_tilelang_variant_is_compiled_by_some_test(kernels):
 @pytest.mark.parametrize("name", sorted(TUNING_VARIANTS))
 def test_tilelang_tuning_variant_compiles_for_sm90a(kernels, name, tmp_path):
     """Each extra variant `pegainfer tune` may choose, on one kernel: HGMMA in its SASS, the GEMMs fed by TMA, the
-    double-buffered attentions by cp.async (LDGSTS) or TMA (the pipelined one), and no register spills."""
+    double-buffered attention by cp.async (LDGSTS), and no register spills."""
     kernel = next(k for k in kernels if k.node == TUNING_VARIANTS[name])
     variant = next(v for v in kernel.variants if v.name == name)
     todo = {(90, f"{kernel.node}/{name}"): variant.launches[-1]}
     ((_, native),) = compile_many(todo, 1, None)
     assert native.resources["spill_stores"] == 0, native.resources
     code = sass(native.cubin, tmp_path)
-    assert "HGMMA" in code and ("UTMALDG" in code if "wgmma" in name or "pipelined" in name else "LDGSTS" in code)
+    assert "HGMMA" in code and ("UTMALDG" in code if "wgmma" in name else "LDGSTS" in code)
 
 
 def _evaluate(expression: str, names: list[str], m: int) -> int:
