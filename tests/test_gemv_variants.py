@@ -38,19 +38,25 @@ def run_reference(node, env: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return env
 
 
-@pytest.mark.parametrize("kind", ["linear", "add_rms_norm_linear", "add_rms_norm_linear_silu_mul"])
-@pytest.mark.parametrize("variant", ["few_rows", "row_programs", "fma_rows", "small_rows"])
-def test_decode_gemm_variant_matches_the_reference(graph, kind, variant):
+def variant_case(graph, kind: str, variant: str, seed: int, scale: float = 1.0):
+    """The first kernel of `kind`, planned with only `variant` (serving any row count), random inputs of ROWS rows,
+    and the outputs of its ops' references."""
     body = next(g for g in graph.all_graphs() for n in g.nodes if n.op == KERNEL and n.attrs["kind"] == kind)
     node = next(n for n in body.nodes if n.op == KERNEL and n.attrs["kind"] == kind)
     spec = plan_kernel(body, node, PlanOptions(block_size=16))
     (picked,) = [v for v in spec.variants if v.name == variant]
     chosen = dataclasses.replace(spec, variants=[dataclasses.replace(picked, max_rows=None)])
     types = body.value_types()
-    rng = np.random.default_rng(4)
-    inputs = {v: rng.standard_normal([ROWS if isinstance(d, str) else d for d in types[v].shape]).astype(np.float32)
-              for v in node.inputs}
-    expected = run_reference(node, inputs)
+    rng = np.random.default_rng(seed)
+    inputs = {v: scale * rng.standard_normal([ROWS if isinstance(d, str) else d for d in types[v].shape])
+              .astype(np.float32) for v in node.inputs}
+    return node, chosen, inputs, run_reference(node, inputs)
+
+
+@pytest.mark.parametrize("kind", ["linear", "add_rms_norm_linear", "add_rms_norm_linear_silu_mul"])
+@pytest.mark.parametrize("variant", ["few_rows", "row_programs", "fma_rows", "small_rows"])
+def test_decode_gemm_variant_matches_the_reference(graph, kind, variant):
+    node, chosen, inputs, expected = variant_case(graph, kind, variant, seed=4)
     got = launch_kernel(chosen, node, {name: to_torch(a) for name, a in inputs.items()}, {"tokens": ROWS})
     for name in node.outputs:
         np.testing.assert_allclose(to_numpy(got[name]), expected[name], rtol=2e-5, atol=2e-5, err_msg=name)
@@ -84,19 +90,11 @@ def wide_graph():
 def test_split_gemm_matches_the_reference_and_leaves_its_scratch_zeroed(wide_graph, kind, variant):
     """Twice on the same scratch: each launch's last program per tile must hand back zeroed sums and tickets, or
     the second launch would add to the first's."""
-    body = next(g for g in wide_graph.all_graphs() for n in g.nodes if n.op == KERNEL and n.attrs["kind"] == kind)
-    node = next(n for n in body.nodes if n.op == KERNEL and n.attrs["kind"] == kind)
-    spec = plan_kernel(body, node, PlanOptions(block_size=16))
-    (picked,) = [v for v in spec.variants if v.name == variant]
-    assert picked.launches[0].constexprs["SPLIT"] > 1
-    chosen = dataclasses.replace(spec, variants=[dataclasses.replace(picked, max_rows=None)])
-    types = body.value_types()
-    rng = np.random.default_rng(5)
-    inputs = {v: 0.1 * rng.standard_normal([ROWS if isinstance(d, str) else d for d in types[v].shape])
-              .astype(np.float32) for v in node.inputs}  # gates of a few units, not hundreds
-    expected = run_reference(node, inputs)
+    # inputs of 0.1: gates of a few units, not hundreds
+    node, chosen, inputs, expected = variant_case(wide_graph, kind, variant, seed=5, scale=0.1)
+    assert chosen.variants[0].launches[0].constexprs["SPLIT"] > 1
     scratch = {name: torch.zeros(shape, dtype=torch.float32 if dtype == "f32" else torch.int32)
-               for name, (dtype, shape) in spec.scratch.items()}
+               for name, (dtype, shape) in chosen.scratch.items()}
     env = {name: to_torch(a) for name, a in inputs.items()} | scratch
     for _ in range(2):
         got = launch_kernel(chosen, node, env, {"tokens": ROWS})
