@@ -168,10 +168,11 @@ def _gemm_tiles(n: int, k: int, act: bool) -> list[tuple]:
     while -(-n // fma_n) > MAX_GRID_Y:  # a vocabulary-wide projection: wider column tiles
         fma_n *= 2
     # Up to 16 rows: tensor-core tiles of 16 x 32 (a 4-row step masks the rest), the fastest or within 10% of it at
-    # 4 and 16 rows on every Qwen3-4B shape (scripts/gpu/tune_gemv.py, docs/BENCHMARKS.md). `pegainfer tune` also
-    # weighs, at up to 4 rows, the batch-1 kernel with a program per row and gemv_rows_kernel (CUDA cores, two rows
-    # by two columns a program), and at 4 and at 16 rows the same tiles with K split over programs (1.4-1.5x faster
-    # for the down projection, whose K is long; slower where a norm prologue is recomputed by every slice).
+    # 4 and 16 rows on every shape of the 4B benchmark model (scripts/gpu/tune_gemv.py, docs/BENCHMARKS.md).
+    # `pegainfer tune` also weighs, at up to 4 rows, the batch-1 kernel with a program per row and gemv_rows_kernel
+    # (CUDA cores, two rows by two columns a program), and at 4 and at 16 rows the same tiles with K split over
+    # programs (1.4-1.5x faster for the down projection, whose K is long; slower where a norm prologue is
+    # recomputed by every slice).
     return [("one_row", 1, 1, *row_tiles),
             ("few_rows", 4, 16, *mma(32, 256), 4, 3, "linear_kernel"),
             ("row_programs", 4, 1, *row_tiles),
