@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pegainfer.backends.spec import GridDim
 from pegainfer.runtime.cuda import driver
 from pegainfer.runtime.gpu.abi import DeviceTensor
-from pegainfer.runtime.gpu.tma import TENSOR_MAP_BYTES, Encoder, encode_tiled, resolve
+from pegainfer.runtime.gpu.tma import TENSOR_MAP_BYTES, Encoder, encode_memoized, resolve
 
 
 class LaunchArguments:
@@ -40,7 +40,7 @@ class LaunchArguments:
 
 
 def pack_launch(params: list[dict], tensors: dict[str, DeviceTensor], sizes: dict[str, int],
-                scratch: dict[str, int] | None = None, encode: Encoder = encode_tiled) -> LaunchArguments:
+                scratch: dict[str, int] | None = None, encode: Encoder = encode_memoized) -> LaunchArguments:
     args = LaunchArguments()
     for param in params:
         kind, value = param["kind"], param["value"]

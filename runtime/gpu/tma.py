@@ -5,6 +5,7 @@ CUtensorMap with cuTensorMapEncodeTiled. The kernel takes it by value (__grid_co
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 
 from pegainfer.errors import PegainferError
 
@@ -80,3 +81,13 @@ def encode_tiled(d: TiledDescriptor) -> bytes:
 
 
 Encoder = Callable[[TiledDescriptor], bytes]
+
+
+def memoized(encode: Encoder, size: int = 4096) -> Encoder:
+    """`encode` remembered per descriptor: a prefill step launches every layer's TileLang kernels eagerly, and their
+    weights' descriptors (and the activations', for a step size seen before) are the same each time, while
+    encoding one is a driver call per launch on the host."""
+    return lru_cache(maxsize=size)(encode)
+
+
+encode_memoized = memoized(encode_tiled)
