@@ -1,5 +1,5 @@
 """The GEMM family: y = x @ W^T with an optional prologue (residual add, row gather, RMSNorm folded in as a row
-scale) and epilogue (bias, act(gate) * up over a merged [2N, K] weight), specialised by constexprs. Three kernels
+scale) and epilogue (bias, act(gate) * up over a merged [2N, K] weight), specialised by constexprs. Four kernels
 share them: linear_kernel on the tensor cores (prefill, and decode steps of up to 16 rows in 16-row tiles),
 linear_split_kernel, its form with K split over programs (decode), gemv_row_kernel for one row per program
 (batch-1 decode), and gemv_rows_kernel, its form for a few rows."""
@@ -121,9 +121,20 @@ def linear_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, s
     offs_m, mask_m, rows, offs_n, mask_n, rstd = _prologue(
         x_ptr, x2_ptr, rows_ptr, sum_ptr, M, stride_x, stride_x2, stride_sum, N, K, EPS, ADD, GATHER, NORM, WRITE_SUM,
         BLOCK_M, BLOCK_N, BLOCK_K, PDL)
+    acc, up = _products(x_ptr, x2_ptr, norm_ptr, w_ptr, rows, rstd, stride_x, stride_x2, offs_m, mask_m, offs_n,
+                        mask_n, 0, K, N, K, ADD, NORM, NORM_OFFSET, ACT, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST_DOT)
+    _store(acc, up, bias_ptr, out_ptr, offs_m, mask_m, offs_n, mask_n, stride_out, N, BIAS, ACT)
+
+
+@triton.jit
+def _products(x_ptr, x2_ptr, norm_ptr, w_ptr, rows, rstd, stride_x, stride_x2, offs_m, mask_m, offs_n, mask_n,
+              k_start, k_stop, N: tl.constexpr, K: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr,
+              NORM_OFFSET: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """The tile's products over K from k_start to k_stop on the tensor cores: gate (or the only) and up sums."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_start, k_stop, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
         a = _activation_tile(x_ptr, x2_ptr, norm_ptr, rows, rstd, stride_x, stride_x2, offs_k, mask_m, mask_k,
@@ -136,7 +147,7 @@ def linear_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, s
         if ACT != 0:
             w_up = tl.load(w_ptr + (N + offs_n[:, None]) * K + offs_k[None, :], mask=w_mask, other=0.0)
             up = dot(a, tl.trans(w_up), up, UPCAST_DOT)
-    _store(acc, up, bias_ptr, out_ptr, offs_m, mask_m, offs_n, mask_n, stride_out, N, BIAS, ACT)
+    return acc, up
 
 
 @triton.jit
@@ -157,21 +168,9 @@ def linear_split_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_
         BLOCK_M, BLOCK_N, BLOCK_K, PDL)
     per_split: tl.constexpr = (K + SPLIT * BLOCK_K - 1) // (SPLIT * BLOCK_K) * BLOCK_K
     k_start = tl.program_id(2) * per_split
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_start, k_start + per_split, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        a = _activation_tile(x_ptr, x2_ptr, norm_ptr, rows, rstd, stride_x, stride_x2, offs_k, mask_m, mask_k,
-                             ADD, NORM, NORM_OFFSET)
-        if not UPCAST_DOT:
-            a = a.to(w_ptr.dtype.element_ty)
-        w_mask = mask_n[:, None] & mask_k[None, :]
-        w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
-        acc = dot(a, tl.trans(w), acc, UPCAST_DOT)
-        if ACT != 0:
-            w_up = tl.load(w_ptr + (N + offs_n[:, None]) * K + offs_k[None, :], mask=w_mask, other=0.0)
-            up = dot(a, tl.trans(w_up), up, UPCAST_DOT)
+    acc, up = _products(x_ptr, x2_ptr, norm_ptr, w_ptr, rows, rstd, stride_x, stride_x2, offs_m, mask_m, offs_n,
+                        mask_n, k_start, k_start + per_split, N, K, ADD, NORM, NORM_OFFSET, ACT, BLOCK_M, BLOCK_N,
+                        BLOCK_K, UPCAST_DOT)
     width: tl.constexpr = 2 * N if ACT != 0 else N
     part = part_ptr + offs_m[:, None] * width + offs_n[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
