@@ -21,12 +21,16 @@ from pegainfer.passes.pipeline import lower
 ROWS = 3
 
 
-@pytest.fixture(scope="module")
-def graph():
-    config = qwen3.Config(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+def one_layer(hidden: int, intermediate: int, head_dim: int):
+    config = qwen3.Config(vocab_size=64, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=1,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, rms_norm_eps=1e-6,
                           rope_theta=1e4, attention_bias=False, tie_word_embeddings=True, torch_dtype="float32")
     return lower(qwen3.build_graph(config))[0]
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return one_layer(64, 96, 16)
 
 
 def run_reference(node, env: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -79,10 +83,7 @@ def test_every_planned_triton_grid_fits_cuda_limits(name):
 @pytest.fixture(scope="module")
 def wide_graph():
     """K of 1024 (hidden, and heads x head_dim): enough K tiles for the split variants to cut K in two."""
-    config = qwen3.Config(vocab_size=64, hidden_size=1024, intermediate_size=1024, num_hidden_layers=1,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=256, rms_norm_eps=1e-6,
-                          rope_theta=1e4, attention_bias=False, tie_word_embeddings=True, torch_dtype="float32")
-    return lower(qwen3.build_graph(config))[0]
+    return one_layer(1024, 1024, 256)
 
 
 @pytest.mark.parametrize("kind", ["linear", "add_rms_norm_linear_silu_mul"])
