@@ -2,7 +2,6 @@
 
 from typing import Callable
 
-
 from pegainfer.ir.dag import lexicographic_order
 from pegainfer.ir.graph import KERNEL, Graph, Node
 from pegainfer.ir.kernel import in_place_outputs, inner_nodes

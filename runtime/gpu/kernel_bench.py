@@ -2,6 +2,7 @@
 times each candidate with. Buffers get random values; the step inputs (block tables, sequence starts...) come
 from a synthetic step packed as the engine packs real ones, so attention reads valid blocks."""
 
+from collections.abc import Callable
 from math import prod
 
 import numpy as np
@@ -85,17 +86,26 @@ def launch_values(launches: list[dict]) -> set[str]:
 
 def time_launches(ctx: driver.Context, folder, launches: list[dict], env: dict, sizes: dict[str, int],
                   repeats: int = 20, functions: dict | None = None, copies: int = 4) -> float:
-    """Microseconds of one run of the launches on the device alone: `copies` runs captured in a CUDA graph (as a
-    decode step runs), replayed `repeats` times between two events after a warm-up replay. Timing launches from
-    the host would count their argument packing (TMA descriptors are encoded per launch) as device time."""
+    """Microseconds of one run of the launches on the device alone (graph_seconds)."""
     functions = {} if functions is None else functions
     for launch in launches:
         if launch["key"] not in functions:
             functions[launch["key"]] = load_function((folder / launch["cubin"]).read_bytes(), launch)[1]
+
+    def run() -> None:
+        for launch in launches:
+            launch_kernel(functions[launch["key"]], launch, env, sizes, ctx.stream)
+    return graph_seconds(ctx, run, copies, repeats) * 1e6
+
+
+def graph_seconds(ctx: driver.Context, run: Callable[[], object], copies: int = 4, repeats: int = 20) -> float:
+    """Seconds of one `run` (its launches on ctx's stream) on the device alone: `copies` runs captured in a CUDA
+    graph (as a decode step runs), replayed `repeats` times between two events after a warm-up replay. Timing
+    launches from the host would count their argument packing (TMA descriptors are encoded per launch) as device
+    time."""
     with driver.Graph(ctx.stream) as graph:
         for _ in range(copies):
-            for launch in launches:
-                launch_kernel(functions[launch["key"]], launch, env, sizes, ctx.stream)
+            run()
     graph.replay()
     ctx.synchronize()
     start, end = driver.Event(), driver.Event()
@@ -104,7 +114,7 @@ def time_launches(ctx: driver.Context, folder, launches: list[dict], env: dict, 
         graph.replay()
     end.record(ctx.stream)
     ctx.synchronize()
-    return end.seconds_since(start) * 1e6 / (repeats * copies)
+    return end.seconds_since(start) / (repeats * copies)
 
 
 def serving_variant(kernel: dict, sizes: dict[str, int], backend: str = "triton") -> dict:

@@ -135,6 +135,7 @@ def run(folder: Path, out: Path) -> None:
     import numpy as np
 
     from pegainfer.runtime.cuda import driver as cu
+    from pegainfer.runtime.gpu.kernel_bench import graph_seconds
     from pegainfer.runtime.gpu.launch import load_function
 
     ctx = cu.Context.create(0)
@@ -179,7 +180,7 @@ def run(folder: Path, out: Path) -> None:
             got = _read(result, rows * n, entry["out_f32"])
             reference = got if reference is None else reference
             error = float(np.abs(got - reference).max() / (np.abs(reference).max() + 1e-9))
-            seconds = _time(ctx, lambda: [launch(args) for args in packed], len(packed))
+            seconds = graph_seconds(ctx, lambda: [launch(args) for args in packed]) / len(packed)
             results.append(dict(kernel=kernel, rows=rows, label=entry["label"], us=seconds * 1e6,
                                 tbps=w_bytes / seconds / 1e12, rel_err=error, grid=grid))
             cu.free(result)
@@ -252,23 +253,6 @@ def _read(ptr: int, count: int, f32: bool):
     host = np.empty(count, dtype=np.float32 if f32 else ml_dtypes.bfloat16)
     cu.copy_to_host(host, ptr)
     return host.astype(np.float32)
-
-
-def _time(ctx, launch_all, per_replay: int, replays: int = 20) -> float:
-    from pegainfer.runtime.cuda import driver as cu
-
-    with cu.Graph(ctx.stream) as graph:
-        for _ in range(4):
-            launch_all()
-    graph.replay()
-    ctx.synchronize()
-    start, end = cu.Event(), cu.Event()
-    start.record(ctx.stream)
-    for _ in range(replays):
-        graph.replay()
-    end.record(ctx.stream)
-    ctx.synchronize()
-    return end.seconds_since(start) / (replays * 4 * per_replay)
 
 
 def _table(results: list[dict]) -> None:
