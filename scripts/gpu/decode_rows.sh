@@ -9,10 +9,8 @@
 # Logs go to $OUT/decode_rows.tgz; the tables print last.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/pegainfer
-export PYTHONPATH=/tmp/pkg PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; WORK=/tmp/decode_rows; mkdir -p "$OUT" "$WORK"
-trap 'tar czf "$OUT/decode_rows.tgz" -C "$WORK" . 2>/dev/null' EXIT
+. scripts/gpu/env.sh  # each command below names its own PEGAINFER_CACHE
+keep_work /tmp/decode_rows decode_rows.tgz
 BATCHES=${BATCHES:-1,2,4,8,16}
 bench() {  # cache label
     PEGAINFER_CACHE=$1 python3 -m pegainfer.cli bench decode qwen3-4b --batch "$BATCHES" --context 128 2>&1 \

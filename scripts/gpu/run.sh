@@ -3,8 +3,6 @@
 # the decode benchmark. Logs and a JSON of every number go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/pegainfer
-export PYTHONPATH=/tmp/pkg PYTHONUNBUFFERED=1 PEGAINFER_CACHE="${PEGAINFER_CACHE:-$PWD/.gpu/aot_cache}"
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+. scripts/gpu/env.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 python3 scripts/gpu/check.py --small .gpu/small --out "$OUT" "$@" 2>&1 | tee "$OUT/check.log"

@@ -5,10 +5,8 @@
 # architecture under /tmp/archs_work, returned as $OUT/archs.tgz (the device tool brings back 8 files at most).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/pegainfer
-export PYTHONPATH=/tmp/pkg PYTHONUNBUFFERED=1 PEGAINFER_CACHE="${PEGAINFER_CACHE:-$PWD/.gpu/aot_cache}"
-OUT=${OUT:-/tmp/out}; WORK=/tmp/archs_work; mkdir -p "$OUT" "$WORK"
-trap 'tar czf "$OUT/archs.tgz" -C "$WORK" . 2>/dev/null' EXIT
+. scripts/gpu/env.sh
+keep_work /tmp/archs_work archs.tgz
 for folder in "${ARCHS_DIR:-.gpu/archs}"/*/; do
     name=$(basename "$folder")
     mkdir -p "$WORK/$name"

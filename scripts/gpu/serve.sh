@@ -15,14 +15,11 @@ cd "$(dirname "$0")/../.."
 TARGET=${1:-pegainfer}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .gpu/wheels/*.whl || exit 1
-mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/pegainfer
-export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1 PEGAINFER_CACHE="${PEGAINFER_CACHE:-$PWD/.gpu/aot_cache}"
-export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export WORK=/tmp/serve_$TARGET; mkdir -p "$WORK"
-trap 'tar czf "$OUT/serve_$TARGET.tgz" -C "$WORK" . 2>/dev/null' EXIT
+. scripts/gpu/env.sh
+export PYTHONPATH=$PYTHONPATH:/tmp/site  # the serving packages the image lacks, installed above
+keep_work "/tmp/serve_$TARGET" "serve_$TARGET.tgz"
 CONC=${CONC:-"1 8 32 64 128"}; INPUT_LEN=${INPUT_LEN:-1024}; OUTPUT_LEN=${OUTPUT_LEN:-128}
 MODEL=/tmp/qwen3-4b-random
-pg() { python3 -m pegainfer.cli "$@"; }
 ready() {  # waits for $1/health, up to 10 minutes
     python3 - "$1" <<'PY'
 import sys, time, httpx

@@ -4,10 +4,7 @@
 # resident memory for a full-size random Qwen3-4B checkpoint written there.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/pegainfer
-export PYTHONPATH=/tmp/pkg PYTHONUNBUFFERED=1 PEGAINFER_CACHE="${PEGAINFER_CACHE:-$PWD/.gpu/aot_cache}"
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-pg() { python3 -m pegainfer.cli "$@"; }
+. scripts/gpu/env.sh
 pg generate --model-path .gpu/small --prompt "The inference server" --max-tokens 12 --device cuda --json
 pg generate --model-path .gpu/small --prompt "The inference server" --max-tokens 12 --device cpu --json
 SHAPE=$(python3 -c "import json; c = json.load(open('models/configs/qwen3-4b.json')); print(' '.join(f'--set {k}={json.dumps(c[k])}' for k in ('hidden_size', 'intermediate_size', 'num_hidden_layers', 'num_attention_heads', 'num_key_value_heads', 'head_dim', 'vocab_size', 'tie_word_embeddings', 'rope_theta', 'max_position_embeddings')))")

@@ -10,11 +10,9 @@
 # Everything goes to $OUT/tune.tgz and $OUT/tune_console.log; the tables print last.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/pegainfer
-export PYTHONPATH=/tmp/pkg PYTHONUNBUFFERED=1 PEGAINFER_CACHE="${PEGAINFER_CACHE:-$PWD/.gpu/cache_tl}"
-OUT=${OUT:-/tmp/out}; WORK=/tmp/tune_work; mkdir -p "$OUT" "$WORK"
-trap 'tar czf "$OUT/tune.tgz" -C "$WORK" . 2>/dev/null' EXIT
-pg() { python3 -m pegainfer.cli "$@"; }
+export PEGAINFER_CACHE="${PEGAINFER_CACHE:-$PWD/.gpu/cache_tl}"
+. scripts/gpu/env.sh
+keep_work /tmp/tune_work tune.tgz
 LENS=${LENS:-1024,4096,8192}
 prefill() { pg bench prefill qwen3-4b --prompt-len "$LENS" 2>&1 | grep -v "loading weights" | tee "$WORK/$1"; }
 echo "== prefill, untuned"; prefill prefill_untuned.txt
