@@ -10,12 +10,37 @@ BF16 = T.bfloat16
 LOG2E = 1.4426950408889634
 
 
+def _tile_io(BLOCK_M: int, HD: int):
+    """The two kernels' shared ends: the query tile into shared memory (rows past the sequence's queries zero)
+    with the softmax state reset, and the normalised rows out (only the sequence's own)."""
+    neg_inf = -T.infinity(T.float32)
+
+    @T.macro
+    def load_queries(Q, q_s, acc, l, m, start, q0, q_len, head):
+        for i, d in T.Parallel(BLOCK_M, HD):
+            q_s[i, d] = T.if_then_else(q0 + i < q_len, Q[start + q0 + i, head, d], T.cast(0, BF16))
+        T.fill(acc, 0)
+        T.fill(l, 0)
+        T.fill(m, neg_inf)
+
+    @T.macro
+    def write_rows(acc, l, o_s, O, start, q0, q_len, head):
+        for i, d in T.Parallel(BLOCK_M, HD):
+            o_s[i, d] = T.cast(acc[i, d] / l[i], BF16)
+        for i, d in T.Parallel(BLOCK_M, HD):
+            if q0 + i < q_len:
+                O[start + q0 + i, head, d] = o_s[i, d]
+
+    return load_queries, write_rows
+
+
 def attention(HEADS: int, KV_HEADS: int, HD: int, CACHE_BLOCK: int, SCALE: float, BLOCK_M: int, BLOCK_N: int,
               STAGES: int, THREADS: int):
     tokens, batch, blocks, max_blocks = (T.dynamic(name) for name in ("M", "B", "NB", "MAXB"))
     group = HEADS // KV_HEADS
     scale = SCALE * LOG2E
     neg_inf = -T.infinity(T.float32)
+    load_queries, write_rows = _tile_io(BLOCK_M, HD)
 
     @T.prim_func
     def attention(Q: T.Tensor((tokens, HEADS, HD), BF16), KC: T.Tensor((blocks, CACHE_BLOCK, KV_HEADS, HD), BF16),
@@ -45,11 +70,7 @@ def attention(HEADS: int, KV_HEADS: int, HD: int, CACHE_BLOCK: int, SCALE: float
             first_pos = ctx - q_len + q0  # the position of the tile's first query
             kv_end = T.min(ctx, first_pos + BLOCK_M)
             if q0 < q_len:
-                for i, d in T.Parallel(BLOCK_M, HD):
-                    q_s[i, d] = T.if_then_else(q0 + i < q_len, Q[start + q0 + i, head, d], T.cast(0, BF16))
-                T.fill(acc, 0)
-                T.fill(l, 0)
-                T.fill(m, neg_inf)
+                load_queries(Q, q_s, acc, l, m, start, q0, q_len, head)
                 for k in T.Pipelined(T.ceildiv(kv_end, BLOCK_N), num_stages=STAGES):
                     for j, d in T.Parallel(BLOCK_N, HD):
                         pos = T.min(k * BLOCK_N + j, kv_end - 1)  # clamped: masked below, read in bounds
@@ -75,11 +96,7 @@ def attention(HEADS: int, KV_HEADS: int, HD: int, CACHE_BLOCK: int, SCALE: float
                         pos = T.min(k * BLOCK_N + j, kv_end - 1)
                         v_s[j, d] = VC[TABLES[seq, pos // CACHE_BLOCK], pos % CACHE_BLOCK, kv_head, d]
                     T.gemm(p, v_s, acc, policy=T.GemmWarpPolicy.FullRow)
-                for i, d in T.Parallel(BLOCK_M, HD):
-                    o_s[i, d] = T.cast(acc[i, d] / l[i], BF16)
-                for i, d in T.Parallel(BLOCK_M, HD):
-                    if q0 + i < q_len:
-                        O[start + q0 + i, head, d] = o_s[i, d]
+                write_rows(acc, l, o_s, O, start, q0, q_len, head)
 
     return attention
 
@@ -95,6 +112,7 @@ def attention_async(HEADS: int, KV_HEADS: int, HD: int, CACHE_BLOCK: int, SCALE:
     scale = SCALE * LOG2E
     neg_inf = -T.infinity(T.float32)
     pages = BLOCK_N // CACHE_BLOCK
+    load_queries, write_rows = _tile_io(BLOCK_M, HD)
 
     @T.prim_func
     def attention_async(Q: T.Tensor((tokens, HEADS, HD), BF16),
@@ -132,11 +150,7 @@ def attention_async(HEADS: int, KV_HEADS: int, HD: int, CACHE_BLOCK: int, SCALE:
                                  k_s[0, j * CACHE_BLOCK:(j + 1) * CACHE_BLOCK, :])
                     T.async_copy(VC[TABLES[seq, T.min(j, last_page)], :, kv_head, :],
                                  v_s[0, j * CACHE_BLOCK:(j + 1) * CACHE_BLOCK, :])
-                for i, d in T.Parallel(BLOCK_M, HD):
-                    q_s[i, d] = T.if_then_else(q0 + i < q_len, Q[start + q0 + i, head, d], T.cast(0, BF16))
-                T.fill(acc, 0)
-                T.fill(l, 0)
-                T.fill(m, neg_inf)
+                load_queries(Q, q_s, acc, l, m, start, q0, q_len, head)
                 for k in T.serial(n):
                     T.ptx_wait_group(0)  # tile k has landed, and every thread is done with tile k - 1's buffers
                     T.sync_threads()
@@ -163,11 +177,7 @@ def attention_async(HEADS: int, KV_HEADS: int, HD: int, CACHE_BLOCK: int, SCALE:
                         acc[i, d] *= rescale[i]
                     T.copy(s, p)
                     T.gemm(p, v_s[k % 2, :, :], acc, policy=T.GemmWarpPolicy.FullRow)
-                for i, d in T.Parallel(BLOCK_M, HD):
-                    o_s[i, d] = T.cast(acc[i, d] / l[i], BF16)
-                for i, d in T.Parallel(BLOCK_M, HD):
-                    if q0 + i < q_len:
-                        O[start + q0 + i, head, d] = o_s[i, d]
+                write_rows(acc, l, o_s, O, start, q0, q_len, head)
 
     return attention_async
 
