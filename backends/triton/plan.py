@@ -122,7 +122,7 @@ def _plan_gemm(graph: Graph, node: Node) -> KernelSpec:
     split_scratch = _split_scratch(n, roles)
     types, layout = types | split_scratch, layout | {name: (t.shape[-1], 0) for name, t in split_scratch.items()}
     for name, max_rows, block_m, block_n, block_k, warps, stages, function in _gemm_tiles(n, k, bool(roles["act"])):
-        split = split_count(n, k, block_n, block_k)
+        split = split_count(n, k, block_n, block_k) if function == "linear_split_kernel" else 1
         if function == "linear_split_kernel" and (roles["top_k"] is not None or split == 1):
             continue  # not before the sampler's tail (its own scratch), nor where one slice is enough
         p = _Params(types, layout)

@@ -244,6 +244,9 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     spec = load_spec(embedded_configs()["qwen3-4b"])
     lowered, _ = lower(spec.graph)
+    known = {n.name for g in lowered.all_graphs() for n in g.nodes if n.op == KERNEL}
+    if set(args.nodes or ()) - known:
+        parser.error(f"--nodes: no kernel named {sorted(set(args.nodes) - known)}; the kernels: {sorted(known)}")
     runner = Runner(manifest_path(cache_root(), SM, spec))
     report: dict = {"device": runner.ctx.name(), "copy_tb_per_s": copy_bandwidth() / 1e12, "gemm": [], "gemv": [],
                     "attention": []}
