@@ -24,6 +24,11 @@ _HOPPER = dict(BLOCK_K=64, THREADS=256, SWIZZLE=10)
 # The defaults: 128x160 where N allows (the fastest tile on the H200 for 5 of the 6 prefill GEMMs of o_proj and down
 # of the 4B benchmark model, 94-114% of cuBLAS), else 128x128 on whole rows with 4 stages (the fastest for 10 of
 # the 12 before 128x160 existed; docs/BENCHMARKS.md, 2026-11-30).
+# The SiLU x up kernels keep two 128x128 accumulators (two wgmma batches a K step, the A tile read twice), so no
+# bigger tile fits them; `wgmma_128x256_merged` (MERGED) loads gate and up rows into one shared tile and runs one
+# m64n256 batch into one 128x256 accumulator, 128 fp32 registers a consumer thread, 4 stages of 48 KB with the
+# output staged in the freed stages. It comes after the gate/up default: a candidate for `pegainfer tune` until
+# the H200 has timed it.
 GEMM_TILES = (
     ("wgmma_128x160_rows", (90,), dict(BLOCK_M=128, BLOCK_N=160, STAGES=4, FULL_ROW=True, **_HOPPER)),
     ("wgmma_128x128_rows", (90,), dict(BLOCK_M=128, BLOCK_N=128, STAGES=4, FULL_ROW=True, **_HOPPER)),
