@@ -82,7 +82,8 @@ def test_tilelang_sm90a_gemm_and_attention_run_on_hgmma(compiled, tmp_path):
 
 
 TUNING_VARIANTS = {"wgmma_128x128": "attn_residual", "wgmma_128x256_rows": "o_proj",
-                   "wgmma_256x128_rows": "down", "flash_async_128x128": "attention"}
+                   "wgmma_256x128_rows": "down", "wgmma_128x256_merged": "attn_residual",
+                   "flash_async_128x128": "attention"}
 
 
 def test_every_tilelang_variant_is_compiled_by_some_test(kernels):
@@ -101,6 +102,20 @@ def test_tilelang_tuning_variant_compiles_for_sm90a(kernels, name, tmp_path):
     assert native.resources["spill_stores"] == 0, native.resources
     code = sass(native.cubin, tmp_path)
     assert "HGMMA" in code and ("UTMALDG" in code if "wgmma" in name else "LDGSTS" in code)
+
+
+def test_tilelang_merged_gate_up_is_one_wgmma_n256_per_k_step(kernels, tmp_path):
+    """The merged gate/up tile: the gate and up rows land in one shared tile and one m64n256 wgmma batch per K step
+    reads them (one wgmma call site in the generated CUDA, HGMMA.64x256x16 in the SASS), within the registers and
+    the 227 KB of shared memory a block may opt into."""
+    kernel = next(k for k in kernels if k.node == "attn_residual")
+    variant = next(v for v in kernel.variants if v.name == "wgmma_128x256_merged")
+    ((_, native),) = compile_many({(90, "attn_residual/merged"): variant.launches[-1]}, 1, None)
+    assert native.resources["spill_stores"] == 0 and native.resources["spill_loads"] == 0, native.resources
+    wgmma = re.findall(r"tl::wgmma_ss<[^>]*>", native.files["cu"])
+    assert len(wgmma) == 1 and ", 64, 256, 16," in wgmma[0], wgmma
+    assert "HGMMA.64x256x16" in sass(native.cubin, tmp_path)
+    assert native.shared + native.resources["shared"] <= 227 * 1024, (native.shared, native.resources)
 
 
 def _evaluate(expression: str, names: list[str], m: int) -> int:

@@ -47,3 +47,15 @@ def test_no_tilelang_attention_over_a_sliding_window():
     assert not any(offers(tilelang_plan, g, n) for g, n in attention)
     full = [(g, n) for g, n in kernels(CONFIGS / "qwen3-4b.json") if fused_ops(n) == ["paged_attention"]]
     assert all(offers(tilelang_plan, g, n) for g, n in full)
+
+
+def test_merged_gate_up_tile_only_for_silu_mul_and_not_the_default():
+    """The merged tile (gate and up in one accumulator) computes SiLU(gate) * up and nothing else; until the H200
+    says otherwise it is a candidate for `pegainfer tune`, behind the two-accumulator default."""
+    gemms = [(g, n) for g, n in kernels(CONFIGS / "qwen3-4b.json") if "linear" in fused_ops(n)]
+    names = {n.name: [v.name for v in tilelang_plan.candidates(g, n, PlanOptions(block_size=16))] for g, n in gemms}
+    act = {n.name for _, n in gemms if gemm_roles(n)["act"]}
+    assert act, "Qwen3's MLP has a SiLU x up kernel"
+    for node in act:
+        assert names[node][0] == "wgmma_128x128_rows" and "wgmma_128x256_merged" in names[node], names[node]
+    assert not any("wgmma_128x256_merged" in names[node] for node in names.keys() - act)

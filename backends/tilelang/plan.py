@@ -24,12 +24,18 @@ _HOPPER = dict(BLOCK_K=64, THREADS=256, SWIZZLE=10)
 # The defaults: 128x160 where N allows (the fastest tile on the H200 for 5 of the 6 prefill GEMMs of o_proj and down
 # of the 4B benchmark model, 94-114% of cuBLAS), else 128x128 on whole rows with 4 stages (the fastest for 10 of
 # the 12 before 128x160 existed; docs/BENCHMARKS.md, 2026-11-30).
+# The SiLU x up kernels keep two 128x128 accumulators (two wgmma batches a K step, the A tile read twice), so no
+# bigger tile fits them; `wgmma_128x256_merged` (MERGED) loads gate and up rows into one shared tile and runs one
+# m64n256 batch into one 128x256 accumulator, 128 fp32 registers a consumer thread, 4 stages of 48 KB with the
+# output staged in the freed stages. It comes after the gate/up default: a candidate for `pegainfer tune` until
+# the H200 has timed it.
 GEMM_TILES = (
     ("wgmma_128x160_rows", (90,), dict(BLOCK_M=128, BLOCK_N=160, STAGES=4, FULL_ROW=True, **_HOPPER)),
     ("wgmma_128x128_rows", (90,), dict(BLOCK_M=128, BLOCK_N=128, STAGES=4, FULL_ROW=True, **_HOPPER)),
     ("wgmma_128x128", (90,), dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, **_HOPPER)),
     ("wgmma_128x256_rows", (90,), dict(BLOCK_M=128, BLOCK_N=256, STAGES=4, FULL_ROW=True, **_HOPPER)),
     ("wgmma_256x128_rows", (90,), dict(BLOCK_M=256, BLOCK_N=128, STAGES=4, FULL_ROW=True, **_HOPPER)),
+    ("wgmma_128x256_merged", (90,), dict(BLOCK_M=128, BLOCK_N=128, STAGES=4, FULL_ROW=True, MERGED=True, **_HOPPER)),
     ("mma_128x128", (80, 86, 89), dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, STAGES=3, THREADS=256, SWIZZLE=10)),
 )
 # what CI compiles for every kernel they fit
@@ -81,13 +87,23 @@ def _gemm(graph: Graph, node: Node) -> list[VariantSpec]:
     gemm_params = [_tensor("A", operand), _tensor("W", roles["weight"]), _tensor("C", roles["out"]), dim]
     variants = []
     for name, sms, tiles in GEMM_TILES:
-        if n % tiles["BLOCK_N"] or (roles["act"] and tiles["BLOCK_M"] * tiles["BLOCK_N"] > 128 * 128):
-            continue  # whole N tiles only; gate and up accumulators of bigger tiles do not fit the registers
+        if not _tile_fits(tiles, n, roles["act"]):
+            continue
         gemm = _launch("gemm.py", "gemm", gemm_params, dict(N=n, K=k, ACT=roles["act"], RESIDUAL=False, **tiles),
                        (GridDim((n,), tiles["BLOCK_N"]), GridDim((row_symbol,), tiles["BLOCK_M"])),
                        tiles["THREADS"], tiles["STAGES"])
         variants.append(VariantSpec(name, None, [*launches, gemm], "tilelang", sms=sms))
     return variants
+
+
+def _tile_fits(tiles: dict, n: int, act: int) -> bool:
+    """Whole N tiles only. A merged tile exists for the SiLU x up epilogue alone; the unmerged one keeps separate
+    gate and up accumulators, which fit the registers up to 128x128."""
+    if n % tiles["BLOCK_N"]:
+        return False
+    if tiles.get("MERGED"):
+        return bool(act)
+    return not act or tiles["BLOCK_M"] * tiles["BLOCK_N"] <= 128 * 128
 
 
 def gemm_scratch(graph: Graph, node: Node) -> dict[str, tuple[str, tuple]]:

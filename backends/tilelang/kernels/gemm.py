@@ -1,6 +1,7 @@
 """y = x @ W^T on the tensor cores, TMA loads into swizzled shared memory and wgmma on sm_90a (mma.sync and
 cp.async on sm_80), with an optional epilogue: act(gate) * up over a merged [2N, K] weight (ACT=1: SiLU), or a
-residual added to the product (RESIDUAL). The row count M is dynamic; N and K are fixed per kernel."""
+residual added to the product (RESIDUAL); `gemm_merged` computes the SiLU x up epilogue with one accumulator for
+both halves. The row count M is dynamic; N and K are fixed per kernel."""
 
 import tilelang.language as T
 
@@ -8,7 +9,10 @@ BF16 = T.bfloat16
 
 
 def gemm(N: int, K: int, ACT: int, RESIDUAL: bool, BLOCK_M: int, BLOCK_N: int, BLOCK_K: int, STAGES: int,
-         THREADS: int, SWIZZLE: int, FULL_ROW: bool = False):
+         THREADS: int, SWIZZLE: int, FULL_ROW: bool = False, MERGED: bool = False):
+    if MERGED:  # only the SiLU x up epilogue has two halves to merge
+        assert ACT == 1 and not RESIDUAL, "a merged tile computes SiLU(gate) * up"
+        return gemm_merged(N, K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, THREADS, SWIZZLE, FULL_ROW)
     M = T.dynamic("M")
     policy = T.GemmWarpPolicy.FullRow if FULL_ROW else T.GemmWarpPolicy.Square
     w_rows = 2 * N if ACT else N
@@ -56,6 +60,43 @@ def gemm(N: int, K: int, ACT: int, RESIDUAL: bool, BLOCK_M: int, BLOCK_N: int, B
     @T.prim_func
     def gemm(A: T.Tensor((M, K), BF16), W: T.Tensor((w_rows, K), BF16), C: T.Tensor((M, N), BF16)):
         tile(A, W, None, C)
+    return gemm
+
+
+def gemm_merged(N: int, K: int, BLOCK_M: int, BLOCK_N: int, BLOCK_K: int, STAGES: int, THREADS: int, SWIZZLE: int,
+                FULL_ROW: bool):
+    """SiLU(gate) * up over the merged [2N, K] weight with one accumulator for both halves: a K step loads the gate
+    rows and the up rows of the output tile into the two halves of one shared tile, and one wgmma batch (m64nN,
+    N = 2 * BLOCK_N, on whole rows) computes both products, reading the A tile once per K step where two GEMMs
+    read it twice. wgmma gives a thread the same columns of every 8-column group, so gate column j and up column
+    j + BLOCK_N of a row sit in one thread's registers and the epilogue exchanges no data."""
+    M = T.dynamic("M")
+    policy = T.GemmWarpPolicy.FullRow if FULL_ROW else T.GemmWarpPolicy.Square
+
+    @T.prim_func
+    def gemm(A: T.Tensor((M, K), BF16), W: T.Tensor((2 * N, K), BF16), C: T.Tensor((M, N), BF16)):
+        with T.Kernel(T.ceildiv(N, BLOCK_N), T.ceildiv(M, BLOCK_M), threads=THREADS) as (bx, by):
+            a_s = T.alloc_shared((BLOCK_M, BLOCK_K), BF16)
+            w_s = T.alloc_shared((2 * BLOCK_N, BLOCK_K), BF16)  # gate rows, then up rows
+            acc = T.alloc_fragment((BLOCK_M, 2 * BLOCK_N), T.float32)
+            up = T.alloc_fragment((BLOCK_M, BLOCK_N), T.float32)
+            c_s = T.alloc_shared((BLOCK_M, BLOCK_N), BF16)
+            T.use_swizzle(SWIZZLE, enable=SWIZZLE > 0)
+            T.clear(acc)
+            for k in T.Pipelined(T.ceildiv(K, BLOCK_K), num_stages=STAGES):
+                T.copy(A[by * BLOCK_M, k * BLOCK_K], a_s)
+                T.copy(W[bx * BLOCK_N, k * BLOCK_K], w_s[0:BLOCK_N, :])
+                T.copy(W[N + bx * BLOCK_N, k * BLOCK_K], w_s[BLOCK_N:2 * BLOCK_N, :])
+                T.gemm(a_s, w_s, acc, transpose_B=True, policy=policy)
+            # a T.Parallel loop may index a fragment one way only, so the up half moves to a fragment of its own
+            # first (register moves within each thread); the product then lands there in fp32, as in gemm's ACT
+            # epilogue, and leaves through stmatrix like any accumulator
+            for i, j in T.Parallel(BLOCK_M, BLOCK_N):
+                up[i, j] = acc[i, j + BLOCK_N]
+            for i, j in T.Parallel(BLOCK_M, BLOCK_N):
+                up[i, j] = acc[i, j] / (1.0 + T.exp(-acc[i, j])) * up[i, j]
+            T.copy(up, c_s)
+            T.copy(c_s, C[by * BLOCK_M, bx * BLOCK_N])
     return gemm
 
 
