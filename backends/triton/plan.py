@@ -22,6 +22,7 @@ PREFILL_QUERIES = 64  # attention takes prefill-shaped tiles when some sequence 
 PREFILL_ROWS = 64  # query rows (queries x the heads sharing a KV head) in such a tile
 TAIL_CHUNK = 4096  # vocabulary entries per program of the sampler tail's first launch
 GEMV_PROGRAMS = 528  # a few-rows GEMV aims for at least this many programs: 4 per SM of an H100/H200
+STREAM_PROGRAMS = 264  # the stream-K decode GEMM's one wave: 2 programs (16x32x256, 3 stages: 75 KB) per SM
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension (the GEMMs' column tiles)
 _TRITON_TYPES = {"bf16": "bf16", "f16": "fp16", "f32": "fp32", "i32": "i32", "i64": "i64"}
 
@@ -121,14 +122,16 @@ def _plan_gemm(graph: Graph, node: Node) -> KernelSpec:
     variants, scratch = [], {}
     split_scratch = _split_scratch(n, roles)
     types, layout = types | split_scratch, layout | {name: (t.shape[-1], 0) for name, t in split_scratch.items()}
-    for name, max_rows, block_m, block_n, block_k, warps, stages, function in _gemm_tiles(n, k, bool(roles["act"])):
+    for name, max_rows, block_m, block_n, block_k, warps, stages, function in _gemm_tiles(n, k, bool(roles["act"]),
+                                                                                   roles["norm"] is not None):
         split = split_count(n, k, block_n, block_k) if function == "linear_split_kernel" else 1
-        if function == "linear_split_kernel" and (roles["top_k"] is not None or split == 1):
+        shared_sums = function in ("linear_split_kernel", "linear_stream_kernel")
+        if shared_sums and (roles["top_k"] is not None or split == 1 and function == "linear_split_kernel"):
             continue  # not before the sampler's tail (its own scratch), nor where one slice is enough
         p = _Params(types, layout)
         for param in ("x", "x2", "rows", "norm", "weight", "bias", "out", "sum"):
             p.tensor(f"{param if param != 'weight' else 'w'}_ptr", roles[param])
-        if function == "linear_split_kernel":
+        if shared_sums:
             p.tensor("part_ptr", "gemm.split_part")
             p.tensor("count_ptr", "gemm.split_count")
             scratch |= {name: split_scratch[name] for name in ("gemm.split_part", "gemm.split_count")}
@@ -141,10 +144,14 @@ def _plan_gemm(graph: Graph, node: Node) -> KernelSpec:
                           UPCAST_DOT=False, NORM_OFFSET=roles["norm_offset"])
         if function in ("gemv_row_kernel", "gemv_rows_kernel"):  # the RMSNorm prologue in a few wide chunks
             constexprs["RMS_BLOCK"] = min(max(16, next_pow2(k)), 1024 * warps // block_m)
+        if function == "gemv_rows_kernel":  # each thread sums its 8-wide loads' products at once
+            constexprs["VEC"] = min(8, block_k)
         grid = (GridDim((row_symbol,), block_m), GridDim((n,), block_n))
         if function == "linear_split_kernel":
             constexprs["SPLIT"] = split
             grid += (GridDim((split,)),)
+        if function == "linear_stream_kernel":
+            grid = (grid[0], GridDim(), GridDim((STREAM_PROGRAMS,)))
         launches = [_launch("gemm.py", function, p, constexprs, grid, warps, stages)]
         if roles["top_k"] is not None:
             tail, tail_scratch = _plan_tail_reduction(types, roles, layout)
@@ -156,32 +163,37 @@ def _plan_gemm(graph: Graph, node: Node) -> KernelSpec:
     return spec
 
 
-def _gemm_tiles(n: int, k: int, act: bool) -> list[tuple]:
-    """(variant, max rows, M, N and K tiles, warps, stages, kernel) of a GEMM, by the step's row count."""
+def _gemm_tiles(n: int, k: int, act: bool, norm: bool) -> list[tuple]:
+    """(variant, max rows, M, N and K tiles, warps, stages, kernel) of a GEMM, by the step's row count; the first
+    of each row bound is its default."""
     row_n, row_k, row_warps = one_row_tile(n, k, act)
 
     def mma(block_n: int, block_k: int) -> tuple[int, int]:  # tensor-core tiles are at least 16 wide
         return max(16, min(block_n, next_pow2(n))), max(16, min(block_k, next_pow2(k)))
 
     row_tiles = (min(row_n, next_pow2(n)), min(row_k, max(16, next_pow2(k))), row_warps, 1, "gemv_row_kernel")
-    fma_n = min(2, next_pow2(n))
+    fma_n = min(4, next_pow2(n))
     while -(-n // fma_n) > MAX_GRID_Y:  # a vocabulary-wide projection: wider column tiles
         fma_n *= 2
-    # Up to 16 rows: tensor-core tiles of 16 x 32 (a 4-row step masks the rest), the fastest or within 10% of it at
-    # 4 and 16 rows on every shape of the 4B benchmark model (scripts/gpu/tune_gemv.py, docs/BENCHMARKS.md).
-    # `pegainfer tune` also weighs, at up to 4 rows, the batch-1 kernel with a program per row and gemv_rows_kernel
-    # (CUDA cores, two rows by two columns a program), and at 4 and at 16 rows the same tiles with K split over
-    # programs (1.4-1.5x faster for the down projection, whose K is long; slower where a norm prologue is
-    # recomputed by every slice).
-    return [("one_row", 1, 1, *row_tiles),
-            ("few_rows", 4, 16, *mma(32, 256), 4, 3, "linear_kernel"),
-            ("row_programs", 4, 1, *row_tiles),
-            ("fma_rows", 4, 2, fma_n, min(1024, max(16, next_pow2(k))), 4, 1, "gemv_rows_kernel"),
-            ("split_rows", 4, 16, *mma(32, 128), 4, 4, "linear_split_kernel"),
-            ("small_rows", SMALL_ROWS, 16, *mma(32, 256), 4, 3, "linear_kernel"),
-            ("small_split_rows", SMALL_ROWS, 16, *mma(32, 128), 4, 4, "linear_split_kernel"),
-            ("mid_rows", 64, 32, *mma(16, 256), 4, 3, "linear_kernel"),
-            ("many_rows", None, 64, *mma(64 if act else 128, 64), 8, 3, "linear_kernel")]  # no spills at 8 warps
+    tiles = [("one_row", 1, 1, *row_tiles),
+             ("few_rows", 4, 16, *mma(32, 256), 4, 3, "linear_kernel"),
+             ("row_programs", 4, 1, *row_tiles),
+             ("fma_rows", 4, 4, fma_n, min(1024, max(16, next_pow2(k))), 4, 1, "gemv_rows_kernel"),
+             ("split_rows", 4, 16, *mma(32, 128), 4, 4, "linear_split_kernel"),
+             ("stream_rows", 4, 16, *mma(32, 256), 4, 3, "linear_stream_kernel"),
+             ("small_rows", SMALL_ROWS, 16, *mma(32, 256), 4, 3, "linear_kernel"),
+             ("small_split_rows", SMALL_ROWS, 16, *mma(32, 128), 4, 4, "linear_split_kernel"),
+             ("small_stream_rows", SMALL_ROWS, 16, *mma(32, 256), 4, 3, "linear_stream_kernel"),
+             ("mid_rows", 64, 32, *mma(16, 256), 4, 3, "linear_kernel"),
+             ("many_rows", None, 64, *mma(64 if act else 128, 64), 8, 3, "linear_kernel")]  # no spills at 8 warps
+    # The defaults at 4 and 16 rows, from scripts/gpu/tune_gemv.py on the H200 over the 4B benchmark model's shapes
+    # (docs/BENCHMARKS.md, session 5): gate/up (norm and act) is fastest with stream-K; a plain projection at 4 rows
+    # on the CUDA cores (gemv_rows_kernel, 4 rows x 4 columns, 8-wide K sums), at 16 rows split-K where K is long
+    # (down); the QKV projection, whose norm prologue every extra program repeats, with one 16x32 tile a program.
+    defaults = {4: "stream_rows" if act else "few_rows" if norm else "fma_rows",
+                SMALL_ROWS: "small_stream_rows" if act else "small_split_rows" if not norm and k >= 2 * n
+                else "small_rows"}
+    return sorted(tiles, key=lambda tile: tile[0] != defaults.get(tile[1]))  # stable: the rest keep their order
 
 
 def split_count(n: int, k: int, block_n: int, block_k: int) -> int:

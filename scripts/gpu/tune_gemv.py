@@ -1,9 +1,9 @@
 """Tile search for the decode GEMMs of a model (the measurement behind backends/triton/plan.py's GEMV tiles).
 
-Here, with no GPU: `python scripts/gpu/tune_gemv.py prepare --out .gpu/tune [--rows 1 4 16]` compiles, for every
-GEMM kernel of Qwen3-4B and each row count, the plan's own decode variants for it plus candidate tiles (at 1 row,
-gemv_row_kernel's; at more, gemv_rows_kernel's, row_programs', and the tensor-core linear_kernel's and
-linear_split_kernel's) to sm_90 cubins.
+Here, with no GPU: `python scripts/gpu/tune_gemv.py prepare --out .gpu/tune [--rows 1 4 16] [--only PREFIX...]`
+compiles, for every GEMM kernel of Qwen3-4B and each row count, the plan's own decode variants for it plus candidate
+tiles (at 1 row, gemv_row_kernel's; at more, gemv_rows_kernel's, row_programs', and the tensor-core linear_kernel's,
+linear_split_kernel's and linear_stream_kernel's) to sm_90 cubins.
 On the GPU: `python scripts/gpu/tune_gemv.py run --dir .gpu/tune --out $OUT` launches each candidate on random
 bf16 data, checks its output against the plan's variant, and times it in a CUDA graph that cycles through enough
 copies of the weight to defeat the L2, printing microseconds and TB/s per candidate (best first per shape)."""
@@ -42,6 +42,11 @@ def candidates(launch, act: bool, rows: int, split_launch=None) -> list[tuple[st
                     continue
                 out.append((f"rows m{block_m} n{bn} k{256 * warps} w{warps}",
                             _tile(launch, "gemv_rows_kernel", block_m, bn, 256 * warps, warps, 1)))
+    for bn, warps in ((4, 4), (8, 4), (16, 4), (4, 8), (8, 8), (16, 8)) if rows <= 4 else ():
+        vec = _tile(launch, "gemv_rows_kernel", rows, bn, 256 * warps, warps, 1)  # 8 K a thread
+        if -(-n // bn) <= MAX_GRID_Y and rows * bn * (2 if act else 1) <= 64:
+            out.append((f"vrows m{rows} n{bn} k{256 * warps} w{warps}",
+                        replace(vec, constexprs=dict(vec.constexprs, VEC=8))))
     for bn, bk, warps, stages in ((16, 256, 4, 3), (16, 512, 4, 3), (16, 128, 4, 5), (32, 256, 4, 3),
                                   (16, 256, 2, 4), (16, 512, 8, 3), (32, 128, 4, 4)):
         out.append((f"mma m16 n{bn} k{bk} w{warps} s{stages}", _tile(launch, "linear_kernel", 16, bn, bk, warps,
@@ -52,7 +57,20 @@ def candidates(launch, act: bool, rows: int, split_launch=None) -> list[tuple[st
             if split_launch is not None and 2 * split * bk <= k and not (act and bn == 64):
                 out.append((f"split{split} m16 n{bn} k{bk} w{warps} s{stages}",
                             _split_tile(split_launch, bn, bk, warps, stages, split)))
+    for bn, bk, warps, stages in ((32, 128, 4, 4), (16, 128, 4, 4), (32, 64, 4, 6), (64, 128, 4, 3),
+                                  (32, 256, 4, 3)):
+        for programs in (132, 264, 396, 528):
+            if split_launch is not None and not (act and bn == 64):
+                out.append((f"stream{programs} m16 n{bn} k{bk} w{warps} s{stages}",
+                            _stream_tile(split_launch, bn, bk, warps, stages, programs)))
     return out
+
+
+def _stream_tile(launch, bn: int, bk: int, warps: int, stages: int, programs: int):
+    tiled = _tile(launch, "linear_stream_kernel", 16, bn, bk, warps, stages)
+    tiled.constexprs.pop("SPLIT")
+    grid = (tiled.grid[0], replace(tiled.grid[1], factors=(1,), block=1), replace(tiled.grid[2], factors=(programs,)))
+    return replace(tiled, grid=grid)
 
 
 def _split_tile(launch, bn: int, bk: int, warps: int, stages: int, split: int):
@@ -67,6 +85,10 @@ def _tile(launch, function: str, block_m: int, bn: int, bk: int, warps: int, sta
         constexprs["RMS_BLOCK"] = min(1 << (launch.constexprs["K"] - 1).bit_length(), 1024 * warps // block_m)
     else:
         constexprs.pop("RMS_BLOCK", None)
+    if function == "gemv_rows_kernel":
+        constexprs.setdefault("VEC", 1)
+    else:
+        constexprs.pop("VEC", None)
     grid = (replace(launch.grid[0], block=block_m), replace(launch.grid[1], block=bn), launch.grid[2])
     return replace(launch, function=function, constexprs=constexprs, grid=grid, num_warps=warps, num_stages=stages)
 
@@ -86,7 +108,7 @@ def _compile(item):
     return key, compiled, None
 
 
-def prepare(out: Path, row_counts: list[int]) -> None:
+def prepare(out: Path, row_counts: list[int], only: list[str] | None = None) -> None:
     from pegainfer.backends.build import plan_model
     from pegainfer.backends.triton.plan import PlanOptions
     from pegainfer.frontends.load import embedded_configs, load_spec
@@ -105,7 +127,9 @@ def prepare(out: Path, row_counts: list[int]) -> None:
             entries = [(f"plan {v.name}", v.launches[0]) for v in plans]
             split = next((v.launches[0] for v in kernel.variants if v.launches[0].function == "linear_split_kernel"),
                          None)
-            for label, launch in entries + candidates(base, bool(base.constexprs["ACT"]), rows, split):
+            tiles = candidates(base, bool(base.constexprs["ACT"]), rows, split)
+            tiles = [(label, t) for label, t in tiles if only is None or label.startswith(tuple(only))]
+            for label, launch in entries + tiles:
                 key = f"{kernel.node}.m{rows}.{len(todo)}"
                 todo[key] = launch
                 index.append(dict(key=key, kernel=kernel.node, rows=rows, label=label, function=launch.function,
@@ -269,8 +293,10 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--dir", type=Path, default=Path(".gpu/tune"))
     parser.add_argument("--rows", type=int, nargs="+", default=[1], help="row counts to search (prepare)")
+    parser.add_argument("--only", nargs="+", default=None, metavar="PREFIX",
+                        help="candidates whose label starts so, beside the plan's own (prepare)")
     args = parser.parse_args(argv)
-    prepare(args.out, args.rows) if args.mode == "prepare" else run(args.dir, args.out)
+    prepare(args.out, args.rows, args.only) if args.mode == "prepare" else run(args.dir, args.out)
 
 
 if __name__ == "__main__":

@@ -52,10 +52,10 @@ def _tile_rows(rows_ptr, M, GATHER: tl.constexpr, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _inverse_rms(x_ptr, x2_ptr, sum_ptr, rows, offs_m, mask_m, stride_x, stride_x2, stride_sum,
+def _inverse_rms(x_ptr, x2_ptr, sum_ptr, rows, offs_m, mask_m, stride_x, stride_x2, stride_sum, writer,
                  K: tl.constexpr, EPS: tl.constexpr, ADD: tl.constexpr, WRITE_SUM: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """A first pass over the rows: 1/rms of each (and the residual sum, written by the first column tile)."""
+    """A first pass over the rows: 1/rms of each (and the residual sum, written by the `writer` program)."""
     squares = tl.zeros([BLOCK_M], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -63,7 +63,7 @@ def _inverse_rms(x_ptr, x2_ptr, sum_ptr, rows, offs_m, mask_m, stride_x, stride_
         a = _load_rows(x_ptr, x2_ptr, rows, stride_x, stride_x2, offs_k, mask_m, mask_k, ADD)
         if WRITE_SUM:
             tl.store(sum_ptr + offs_m[:, None] * stride_sum + offs_k[None, :], a.to(sum_ptr.dtype.element_ty),
-                     mask=mask_m[:, None] & mask_k[None, :] & (tl.program_id(1) == 0))
+                     mask=mask_m[:, None] & mask_k[None, :] & writer)
         squares += tl.sum(a * a, axis=1)
     return 1.0 / tl.sqrt(squares / K + EPS)
 
@@ -105,8 +105,8 @@ def _prologue(x_ptr, x2_ptr, rows_ptr, sum_ptr, M, stride_x, stride_x2, stride_s
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if NORM:
-        rstd = _inverse_rms(x_ptr, x2_ptr, sum_ptr, rows, offs_m, mask_m, stride_x, stride_x2, stride_sum, K, EPS,
-                            ADD, WRITE_SUM, BLOCK_M, BLOCK_K)
+        rstd = _inverse_rms(x_ptr, x2_ptr, sum_ptr, rows, offs_m, mask_m, stride_x, stride_x2, stride_sum,
+                            tl.program_id(1) == 0, K, EPS, ADD, WRITE_SUM, BLOCK_M, BLOCK_K)
     return offs_m, mask_m, rows, offs_n, offs_n < N, rstd
 
 
@@ -159,10 +159,8 @@ def linear_split_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                         UPCAST_DOT: tl.constexpr, NORM_OFFSET: tl.constexpr = 0.0, PDL: tl.constexpr = False):
     """linear_kernel with K cut into SPLIT slices, one program each (grid axis 2): for decode steps, whose column
-    tiles alone are too few programs, each streaming too long a K, to keep the memory busy. Each program adds its
-    partial products into a float32 buffer (part_ptr, [rows, N or 2N]); the last of a tile's programs to take a
-    ticket (count_ptr, one counter a tile) swaps the sums out for zeros, resets the counter and runs the epilogue,
-    so buffer and counters are zero again for the next launch (the runtime zeroes them once)."""
+    tiles alone are too few programs, each streaming too long a K, to keep the memory busy. The slices meet in
+    _add_partial (count_ptr: one ticket a tile)."""
     offs_m, mask_m, rows, offs_n, mask_n, rstd = _prologue(
         x_ptr, x2_ptr, rows_ptr, sum_ptr, M, stride_x, stride_x2, stride_sum, N, K, EPS, ADD, GATHER, NORM, WRITE_SUM,
         BLOCK_M, BLOCK_N, BLOCK_K, PDL)
@@ -171,6 +169,63 @@ def linear_split_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_
     acc, up = _products(x_ptr, x2_ptr, norm_ptr, w_ptr, rows, rstd, stride_x, stride_x2, offs_m, mask_m, offs_n,
                         mask_n, k_start, k_start + per_split, N, K, ADD, NORM, NORM_OFFSET, ACT, BLOCK_M, BLOCK_N,
                         BLOCK_K, UPCAST_DOT)
+    counter = count_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    _add_partial(acc, up, part_ptr, counter, 1, SPLIT, bias_ptr, out_ptr, offs_m, mask_m, offs_n, mask_n, stride_out,
+                 N, BIAS, ACT, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def linear_stream_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, sum_ptr, part_ptr, count_ptr,
+                         M, stride_x, stride_x2, stride_out, stride_sum,
+                         N: tl.constexpr, K: tl.constexpr, EPS: tl.constexpr,
+                         ADD: tl.constexpr, GATHER: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr,
+                         ACT: tl.constexpr, WRITE_SUM: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         UPCAST_DOT: tl.constexpr, NORM_OFFSET: tl.constexpr = 0.0, PDL: tl.constexpr = False):
+    """linear_split_kernel with the work cut evenly rather than by column tile (stream-K): the K tiles of every
+    column tile, in order, form one sequence that the programs (grid axis 2, as many as the GPU holds at once)
+    share in equal contiguous runs. Every program streams the same number of weight bytes in one wave, where
+    column tiles times a power-of-two split leave a second, mostly idle wave (80 tiles x 8 slices = 640 programs
+    for 528 places). A run that covers a tile in part adds its sums as the split kernel does; the program
+    completing the tile's K tiles applies the epilogue."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    offs_m, mask_m, rows = _tile_rows(rows_ptr, M, GATHER, BLOCK_M)
+    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if NORM:
+        rstd = _inverse_rms(x_ptr, x2_ptr, sum_ptr, rows, offs_m, mask_m, stride_x, stride_x2, stride_sum,
+                            tl.program_id(2) == 0, K, EPS, ADD, WRITE_SUM, BLOCK_M, BLOCK_K)
+    k_tiles: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+    n_tiles: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
+    unit = tl.program_id(2) * (n_tiles * k_tiles) // tl.num_programs(2)
+    end = (tl.program_id(2) + 1) * (n_tiles * k_tiles) // tl.num_programs(2)
+    while unit < end:
+        tile = unit // k_tiles
+        first = unit - tile * k_tiles
+        pieces = tl.minimum(k_tiles - first, end - unit)
+        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        acc, up = _products(x_ptr, x2_ptr, norm_ptr, w_ptr, rows, rstd, stride_x, stride_x2, offs_m, mask_m, offs_n,
+                            mask_n, first * BLOCK_K, (first + pieces) * BLOCK_K, N, K, ADD, NORM, NORM_OFFSET, ACT,
+                            BLOCK_M, BLOCK_N, BLOCK_K, UPCAST_DOT)
+        if pieces == k_tiles:
+            _store(acc, up, bias_ptr, out_ptr, offs_m, mask_m, offs_n, mask_n, stride_out, N, BIAS, ACT)
+        else:
+            _add_partial(acc, up, part_ptr, count_ptr + tl.program_id(0) * n_tiles + tile, pieces, k_tiles,
+                         bias_ptr, out_ptr, offs_m, mask_m, offs_n, mask_n, stride_out, N, BIAS, ACT, BLOCK_M,
+                         BLOCK_N)
+        unit += pieces
+
+
+@triton.jit
+def _add_partial(acc, up, part_ptr, counter, pieces, total: tl.constexpr, bias_ptr, out_ptr, offs_m, mask_m, offs_n,
+                 mask_n, stride_out, N: tl.constexpr, BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """Adds a program's partial sums of a tile (`pieces` of its `total` K pieces) into the float32 buffer
+    (part_ptr, [rows, N or 2N]); the program whose ticket completes the tile swaps the sums out for zeros, resets
+    the ticket and runs the epilogue, so buffer and tickets are zero again for the next launch (the runtime
+    zeroes them once)."""
     width: tl.constexpr = 2 * N if ACT != 0 else N
     part = part_ptr + offs_m[:, None] * width + offs_n[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
@@ -178,8 +233,7 @@ def linear_split_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_
     if ACT != 0:
         tl.atomic_add(part + N, up, mask=mask, sem="relaxed")
     tl.debug_barrier()  # every thread's partial sums are in before the ticket (its release covers them)
-    counter = count_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-    if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT - 1:
+    if tl.atomic_add(counter, pieces, sem="acq_rel") + pieces == total:
         acc = _take_sums(part, mask, BLOCK_M, BLOCK_N)
         if ACT != 0:
             up = _take_sums(part + N, mask, BLOCK_M, BLOCK_N)
@@ -276,10 +330,11 @@ def gemv_rows_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr
                      ADD: tl.constexpr, GATHER: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr,
                      ACT: tl.constexpr, WRITE_SUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, RMS_BLOCK: tl.constexpr, UPCAST_DOT: tl.constexpr,
-                     NORM_OFFSET: tl.constexpr = 0.0, PDL: tl.constexpr = False):
+                     NORM_OFFSET: tl.constexpr = 0.0, PDL: tl.constexpr = False, VEC: tl.constexpr = 1):
     """gemv_row_kernel for BLOCK_M rows a program: each weight tile is read once for all of them. Weights and
     activations are loaded as three-dimensional tiles ([1, N, K] and [M, 1, K]) so that the products need no
-    layout change inside the K loop."""
+    layout change inside the K loop. VEC > 1 sums each run of VEC neighbouring products at once (a thread's own
+    vector load), so the accumulators are VEC times fewer and wider column tiles fit the registers."""
     if PDL:
         gdc_launch_dependents()
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -290,10 +345,10 @@ def gemv_rows_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr
     offs_m, mask_m, rows = _tile_rows(rows_ptr, M, GATHER, BLOCK_M)
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if NORM:
-        rstd = _inverse_rms(x_ptr, x2_ptr, sum_ptr, rows, offs_m, mask_m, stride_x, stride_x2, stride_sum, K, EPS,
-                            ADD, WRITE_SUM, BLOCK_M, RMS_BLOCK)
-    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        rstd = _inverse_rms(x_ptr, x2_ptr, sum_ptr, rows, offs_m, mask_m, stride_x, stride_x2, stride_sum,
+                            tl.program_id(1) == 0, K, EPS, ADD, WRITE_SUM, BLOCK_M, RMS_BLOCK)
+    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
@@ -309,12 +364,19 @@ def gemv_rows_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr
         if not UPCAST_DOT:
             a = a.to(w_ptr.dtype.element_ty).to(tl.float32)
         w_next, w_up_next = _weight_tiles3(w_ptr, offs_n, mask_n, k0 + BLOCK_K, N, K, ACT, BLOCK_K)
-        acc += w.to(tl.float32) * a
+        acc += _vector_sums(w.to(tl.float32) * a, BLOCK_M, BLOCK_N, BLOCK_K, VEC)
         if ACT != 0:
-            up += w_up.to(tl.float32) * a
+            up += _vector_sums(w_up.to(tl.float32) * a, BLOCK_M, BLOCK_N, BLOCK_K, VEC)
         w, w_up = w_next, w_up_next
     _store(tl.sum(acc, axis=2), tl.sum(up, axis=2), bias_ptr, out_ptr, offs_m, mask_m, offs_n, mask_n, stride_out,
            N, BIAS, ACT)
+
+
+@triton.jit
+def _vector_sums(products, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
+    if VEC > 1:
+        products = tl.sum(tl.reshape(products, [BLOCK_M, BLOCK_N, BLOCK_K // VEC, VEC]), axis=3)
+    return products
 
 
 @triton.jit
