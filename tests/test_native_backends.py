@@ -83,7 +83,7 @@ def test_tilelang_sm90a_gemm_and_attention_run_on_hgmma(compiled, tmp_path):
 
 TUNING_VARIANTS = {"wgmma_128x128": "attn_residual", "wgmma_128x256_rows": "o_proj",
                    "wgmma_256x128_rows": "down", "wgmma_128x256_merged": "attn_residual",
-                   "flash_async_128x128": "attention"}
+                   "flash_async_128x128": "attention", "flash_overlap_128x128": "attention"}
 
 
 def test_every_tilelang_variant_is_compiled_by_some_test(kernels):
@@ -94,7 +94,7 @@ def test_every_tilelang_variant_is_compiled_by_some_test(kernels):
 @pytest.mark.parametrize("name", sorted(TUNING_VARIANTS))
 def test_tilelang_tuning_variant_compiles_for_sm90a(kernels, name, tmp_path):
     """Each extra variant `pegainfer tune` may choose, on one kernel: HGMMA in its SASS, the GEMMs fed by TMA, the
-    double-buffered attention by cp.async (LDGSTS), and no register spills."""
+    double-buffered attentions by cp.async (LDGSTS), and no register spills."""
     kernel = next(k for k in kernels if k.node == TUNING_VARIANTS[name])
     variant = next(v for v in kernel.variants if v.name == name)
     todo = {(90, f"{kernel.node}/{name}"): variant.launches[-1]}
@@ -169,3 +169,15 @@ def test_cute_abi_matches_its_host_launcher(compiled):
     count = re.search(rf"{kernel_params[-1]} = llvm\.mlir\.constant\((\d+) : i32\)", launcher)
     assert count and int(count.group(1)) == len(native.abi) == len(ptx_entry(native.files["ptx"])[1])
     assert [p["kind"] for p in native.abi] == ["tensor"] * 6 + ["int"]
+
+
+def test_tilelang_overlapped_attention_runs_its_softmax_under_the_pv_product(kernels, tmp_path):
+    """flash_overlap_128x128's point is the softmax of S_k (MUFU.EX2) between the wait for S_k (wgmma groups
+    pending <= 1) and the wait for P_{k-1} V_{k-1} (<= 0) in its SASS; ptxas is free to hoist a wait, and a hoisted
+    one would serialise the softmax behind the product again."""
+    kernel = next(k for k in kernels if k.node == "attention")
+    variant = next(v for v in kernel.variants if v.name == "flash_overlap_128x128")
+    ((_, native),) = compile_many({(90, "attention/flash_overlap_128x128"): variant.launches[-1]}, 1, None)
+    code = sass(native.cubin, tmp_path)
+    between = code.split("WARPGROUP.DEPBAR.LE gsb0, 0x1", 1)[1].split("WARPGROUP.DEPBAR.LE gsb0, 0x0", 1)[0]
+    assert between.count("MUFU.EX2") >= 64 and "SHFL.BFLY" in between

@@ -140,4 +140,6 @@ def _attention(graph: Graph, node: Node, options: PlanOptions) -> list[VariantSp
     if 128 % options.block_size == 0:  # the double-buffered gather copies whole cache pages
         gather = _launch("attention.py", "attention_async", params, shape, grid, 256)
         variants.append(VariantSpec("flash_async_128x128", None, [gather], "tilelang", conditional, (90,)))
+        overlap = _launch("attention.py", "attention_overlap", params, shape, grid, 256)
+        variants.append(VariantSpec("flash_overlap_128x128", None, [overlap], "tilelang", conditional, (90,)))
     return variants

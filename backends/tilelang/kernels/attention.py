@@ -181,3 +181,134 @@ def attention_async(HEADS: int, KV_HEADS: int, HD: int, CACHE_BLOCK: int, SCALE:
 
     return attention_async
 
+
+
+def _overlap_steps(BLOCK_M: int, BLOCK_N: int, CACHE_BLOCK: int, scale: float):
+    """The overlapped kernel's pieces: a key tile's pages (K or V) by cp.async into one half of a double buffer,
+    and the tile's online softmax, which leaves the accumulator alone so that it can run while O += P V is still in
+    flight on the tensor cores."""
+    neg_inf = -T.infinity(T.float32)
+    pages = BLOCK_N // CACHE_BLOCK
+
+    @T.macro
+    def load_tile(cache, buf, tile, TABLES, seq, kv_head, last_page):
+        for j in T.unroll(pages):  # pages past the context's last are clamped to it: masked, read in bounds
+            T.async_copy(cache[TABLES[seq, T.min(tile * pages + j, last_page)], :, kv_head, :],
+                         buf[tile % 2, j * CACHE_BLOCK:(j + 1) * CACHE_BLOCK, :])
+
+    @T.macro
+    def online_softmax(s, m, m_prev, rescale, row_sum, l):
+        T.copy(m, m_prev)
+        T.reduce_max(s, m, dim=1, clear=False)
+        for i in T.Parallel(BLOCK_M):
+            rescale[i] = T.exp2(m_prev[i] * scale - m[i] * scale)
+        for i, j in T.Parallel(BLOCK_M, BLOCK_N):
+            s[i, j] = T.exp2(s[i, j] * scale - m[i] * scale)
+        T.reduce_sum(s, row_sum, dim=1)
+        for i in T.Parallel(BLOCK_M):
+            l[i] = l[i] * rescale[i] + row_sum[i]
+
+    # The causal mask (and the context's end) only on a tile crossing the diagonal. The softmax is written in
+    # both arms on purpose: ptxas hoists a wgmma wait to the top of its basic block, so the wait for P V after this
+    # macro would otherwise land before the softmax (seen in the SASS) and serialise it behind the product; with
+    # the branch, the wait stays in the join block, after the softmax.
+    @T.macro
+    def softmax(s, m, m_prev, rescale, row_sum, l, tile, first_pos, kv_end):
+        if (tile + 1) * BLOCK_N > first_pos + 1:  # a key of this tile lies past some query's position
+            for i, j in T.Parallel(BLOCK_M, BLOCK_N):
+                s[i, j] = T.if_then_else((tile * BLOCK_N + j <= first_pos + i) & (tile * BLOCK_N + j < kv_end),
+                                         s[i, j], neg_inf)
+            online_softmax(s, m, m_prev, rescale, row_sum, l)
+        else:
+            online_softmax(s, m, m_prev, rescale, row_sum, l)
+
+    return load_tile, softmax
+
+
+def attention_overlap(HEADS: int, KV_HEADS: int, HD: int, CACHE_BLOCK: int, SCALE: float, BLOCK_M: int,
+                      BLOCK_N: int, THREADS: int):
+    """The double-buffered attention with the softmax overlapped with the tensor cores (FlashAttention-3's
+    intra-warpgroup pipelining), each warpgroup owning 64 query rows: the GEMMs are issued as async wgmma
+    (T.wgmma_gemm, no implicit wait). Step k issues S_k = Q K_k^T, rescales O to tile k - 1's maximum while that
+    runs, issues O += P_{k-1} V_{k-1}, waits for S_k only (wait_wgmma(1): groups complete in order) and runs S_k's
+    softmax while P V is on the tensor cores, then waits for P V before overwriting P with P_k. Because V_{k-1} is
+    read one step later than in the kernels above, step k gathers K_{k+1} and V_k (V_k lands before P_k V_k is
+    issued at step k + 1). Each wait is followed by a register fence on the accumulator it releases, so that the
+    C++ compiler cannot move the reads above it. Key 0 is visible to every row, so the running maximum is finite
+    from tile 0 on and a masked key's exp2 is 0."""
+    tokens, batch, blocks, max_blocks = (T.dynamic(name) for name in ("M", "B", "NB", "MAXB"))
+    group = HEADS // KV_HEADS
+    load_queries, write_rows = _tile_io(BLOCK_M, HD)
+    load_tile, softmax = _overlap_steps(BLOCK_M, BLOCK_N, CACHE_BLOCK, SCALE * LOG2E)
+    rows = T.GemmWarpPolicy.FullRow
+    s_regs, o_regs = BLOCK_M * BLOCK_N // THREADS, BLOCK_M * HD // THREADS  # a thread's share of S and of O
+
+    @T.prim_func
+    def attention_overlap(Q: T.Tensor((tokens, HEADS, HD), BF16),
+                          KC: T.Tensor((blocks, CACHE_BLOCK, KV_HEADS, HD), BF16),
+                          VC: T.Tensor((blocks, CACHE_BLOCK, KV_HEADS, HD), BF16),
+                          TABLES: T.Tensor((batch, max_blocks), T.int32), STARTS: T.Tensor((batch,), T.int32),
+                          Q_LENS: T.Tensor((batch,), T.int32), CTX_LENS: T.Tensor((batch,), T.int32),
+                          O: T.Tensor((tokens, HEADS, HD), BF16)):
+        with T.Kernel(T.ceildiv(tokens, BLOCK_M), HEADS, batch, threads=THREADS) as (bx, head, seq):
+            q_s = T.alloc_shared((BLOCK_M, HD), BF16)
+            k_s = T.alloc_shared((2, BLOCK_N, HD), BF16)
+            v_s = T.alloc_shared((2, BLOCK_N, HD), BF16)
+            o_s = T.alloc_shared((BLOCK_M, HD), BF16)
+            s = T.alloc_fragment((BLOCK_M, BLOCK_N), T.float32)
+            p = T.alloc_fragment((BLOCK_M, BLOCK_N), BF16)
+            acc = T.alloc_fragment((BLOCK_M, HD), T.float32)
+            m = T.alloc_fragment((BLOCK_M,), T.float32)
+            m_prev = T.alloc_fragment((BLOCK_M,), T.float32)
+            rescale = T.alloc_fragment((BLOCK_M,), T.float32)
+            row_sum = T.alloc_fragment((BLOCK_M,), T.float32)
+            l = T.alloc_fragment((BLOCK_M,), T.float32)
+            kv_head = head // group
+            tile = T.ceildiv(tokens, BLOCK_M) - 1 - bx  # the longest tiles (last queries) start first
+            start = STARTS[seq]
+            q_len = Q_LENS[seq]
+            ctx = CTX_LENS[seq]
+            q0 = tile * BLOCK_M
+            first_pos = ctx - q_len + q0  # the position of the tile's first query
+            kv_end = T.min(ctx, first_pos + BLOCK_M)
+            last_page = (kv_end - 1) // CACHE_BLOCK
+            n = T.ceildiv(kv_end, BLOCK_N)
+            if q0 < q_len:
+                load_tile(KC, k_s, 0, TABLES, seq, kv_head, last_page)  # in flight while Q is loaded
+                load_tile(VC, v_s, 0, TABLES, seq, kv_head, last_page)
+                load_queries(Q, q_s, acc, l, m, start, q0, q_len, head)
+                T.ptx_wait_group(0)
+                T.sync_threads()
+                if n > 1:
+                    load_tile(KC, k_s, 1, TABLES, seq, kv_head, last_page)
+                T.wgmma_gemm(q_s, k_s[0, :, :], s, transpose_B=True, policy=rows, clear_accum=True)
+                T.wait_wgmma(0)
+                T.warpgroup_fence_operand(s, num_regs=s_regs)
+                softmax(s, m, m_prev, rescale, row_sum, l, 0, first_pos, kv_end)
+                T.copy(s, p)
+                for k in T.serial(1, n):
+                    T.ptx_wait_group(0)  # K_k and V_{k-1} have landed, and no warpgroup still reads K_{k-1}, V_{k-2}
+                    T.sync_threads()
+                    T.wgmma_gemm(q_s, k_s[k % 2, :, :], s, transpose_B=True, policy=rows, clear_accum=True)
+                    for i, d in T.Parallel(BLOCK_M, HD):  # O scaled to tile k - 1's maximum, under S_k's product
+                        acc[i, d] *= rescale[i]
+                    T.wgmma_gemm(p, v_s[(k - 1) % 2, :, :], acc, policy=rows)
+                    if k + 1 < n:
+                        load_tile(KC, k_s, k + 1, TABLES, seq, kv_head, last_page)
+                    load_tile(VC, v_s, k, TABLES, seq, kv_head, last_page)
+                    T.wait_wgmma(1)  # S_k is done; P_{k-1} V_{k-1} may still run
+                    T.warpgroup_fence_operand(s, num_regs=s_regs)
+                    softmax(s, m, m_prev, rescale, row_sum, l, k, first_pos, kv_end)
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(acc, num_regs=o_regs)
+                    T.copy(s, p)
+                T.ptx_wait_group(0)
+                T.sync_threads()
+                for i, d in T.Parallel(BLOCK_M, HD):
+                    acc[i, d] *= rescale[i]
+                T.wgmma_gemm(p, v_s[(n - 1) % 2, :, :], acc, policy=rows)
+                T.wait_wgmma(0)
+                T.warpgroup_fence_operand(acc, num_regs=o_regs)
+                write_rows(acc, l, o_s, O, start, q0, q_len, head)
+
+    return attention_overlap
