@@ -86,30 +86,16 @@ def wide_graph():
     return one_layer(1024, 1024, 256)
 
 
-def with_programs(chosen, programs: int | None):
-    """The stream-K variant with `programs` programs instead of the plan's (None: as planned)."""
-    if programs is None:
-        return chosen
-    (launch,) = chosen.variants[0].launches
-    grid = (*launch.grid[:2], dataclasses.replace(launch.grid[2], factors=(programs,)))
-    variant = dataclasses.replace(chosen.variants[0], launches=[dataclasses.replace(launch, grid=grid)])
-    return dataclasses.replace(chosen, variants=[variant])
-
-
 @pytest.mark.parametrize("kind", ["linear", "add_rms_norm_linear_silu_mul"])
-@pytest.mark.parametrize("variant, programs", [("split_rows", None), ("small_split_rows", None),
-                                               ("stream_rows", None), ("small_stream_rows", 7)])
-def test_split_gemm_matches_the_reference_and_leaves_its_scratch_zeroed(wide_graph, kind, variant, programs):
+@pytest.mark.parametrize("variant", ["split_rows", "small_split_rows"])
+def test_split_gemm_matches_the_reference_and_leaves_its_scratch_zeroed(wide_graph, kind, variant):
     """Twice on the same scratch: each launch's last program per tile must hand back zeroed sums and tickets, or
-    the second launch would add to the first's. The stream-K variant with the plan's programs gives each at most
-    one K tile of a tile; with 7 programs each run starts and ends inside a tile and covers whole ones between."""
+    the second launch would add to the first's."""
     # inputs of 0.1: gates of a few units, not hundreds
     node, chosen, inputs, expected = variant_case(wide_graph, kind, variant, seed=5, scale=0.1)
-    chosen = with_programs(chosen, programs)
-    launch = chosen.variants[0].launches[0]
-    assert launch.constexprs.get("SPLIT", 2) > 1 and launch.grid[2].size({}) > 1
+    assert chosen.variants[0].launches[-1].constexprs["SPLIT"] > 1
     scratch = {name: torch.zeros(shape, dtype=torch.float32 if dtype == "f32" else torch.int32)
-               for name, (dtype, shape) in chosen.scratch.items()}
+               for name, (dtype, shape) in chosen.scratch.items() if name.startswith("gemm.split")}
     env = {name: to_torch(a) for name, a in inputs.items()} | scratch
     for _ in range(2):
         got = launch_kernel(chosen, node, env, {"tokens": ROWS})

@@ -22,7 +22,10 @@ PREFILL_QUERIES = 64  # attention takes prefill-shaped tiles when some sequence 
 PREFILL_ROWS = 64  # query rows (queries x the heads sharing a KV head) in such a tile
 TAIL_CHUNK = 4096  # vocabulary entries per program of the sampler tail's first launch
 GEMV_PROGRAMS = 528  # a few-rows GEMV aims for at least this many programs: 4 per SM of an H100/H200
-STREAM_PROGRAMS = 264  # the stream-K decode GEMM's one wave: 2 programs (16x32x256, 3 stages: 75 KB) per SM
+DECODE_TILE_ROWS = 16  # the tensor-core tiles of decode steps (up to SMALL_ROWS rows): their norm runs apart
+# the rows a decode GEMM's norm launch writes for its tiles, in float32: the tiles round them to the weights' type
+# as the fused prologue does (and Triton's interpreter, whose bf16 stores truncate, is not asked to)
+NORMED = "gemm.normed_rows"
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension (the GEMMs' column tiles)
 _TRITON_TYPES = {"bf16": "bf16", "f16": "fp16", "f32": "fp32", "i32": "i32", "i64": "i64"}
 
@@ -115,44 +118,27 @@ def _spec(graph: Graph, node: Node, row_symbol: str, variants: list[VariantSpec]
 def _plan_gemm(graph: Graph, node: Node) -> KernelSpec:
     roles = gemm_roles(node)
     types = graph.value_types() | {o: t for n in node.attrs["nodes"] for o, t in zip(n.outputs, n.output_types)}
-    rows = roles["rows"]
-    row_symbol = types[rows].shape[0] if rows else types[roles["x"]].shape[0]
+    row_symbol = types[roles["rows"]].shape[0] if roles["rows"] else types[roles["x"]].shape[0]
     n, k = roles["n"], types[roles["weight"]].shape[1]
     layout = static_layout(graph)
     variants, scratch = [], {}
-    split_scratch = _split_scratch(n, roles)
-    types, layout = types | split_scratch, layout | {name: (t.shape[-1], 0) for name, t in split_scratch.items()}
+    own_scratch = _split_scratch(n, roles) | {NORMED: TensorType(dtype_from_name("f32"), (SMALL_ROWS, k))}
+    types, layout = types | own_scratch, layout | {name: (t.shape[-1], 0) for name, t in own_scratch.items()}
     for name, max_rows, block_m, block_n, block_k, warps, stages, function in _gemm_tiles(n, k, bool(roles["act"]),
                                                                                    roles["norm"] is not None):
         split = split_count(n, k, block_n, block_k) if function == "linear_split_kernel" else 1
-        shared_sums = function in ("linear_split_kernel", "linear_stream_kernel")
-        if shared_sums and (roles["top_k"] is not None or split == 1 and function == "linear_split_kernel"):
+        if function == "linear_split_kernel" and (roles["top_k"] is not None or split == 1):
             continue  # not before the sampler's tail (its own scratch), nor where one slice is enough
-        p = _Params(types, layout)
-        for param in ("x", "x2", "rows", "norm", "weight", "bias", "out", "sum"):
-            p.tensor(f"{param if param != 'weight' else 'w'}_ptr", roles[param])
-        if shared_sums:
-            p.tensor("part_ptr", "gemm.split_part")
-            p.tensor("count_ptr", "gemm.split_count")
-            scratch |= {name: split_scratch[name] for name in ("gemm.split_part", "gemm.split_count")}
-        p.dim("M", row_symbol)
-        for param in ("x", "x2", "out", "sum"):
-            p.stride(f"stride_{param}", roles[param])
-        constexprs = dict(N=n, K=k, EPS=roles["eps"], ADD=roles["x2"] is not None, GATHER=rows is not None,
-                          NORM=roles["norm"] is not None, BIAS=roles["bias"] is not None, ACT=roles["act"],
-                          WRITE_SUM=roles["sum"] is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                          UPCAST_DOT=False, NORM_OFFSET=roles["norm_offset"])
-        if function in ("gemv_row_kernel", "gemv_rows_kernel"):  # the RMSNorm prologue in a few wide chunks
-            constexprs["RMS_BLOCK"] = min(max(16, next_pow2(k)), 1024 * warps // block_m)
-        if function == "gemv_rows_kernel":  # each thread sums its 8-wide loads' products at once
-            constexprs["VEC"] = min(8, block_k)
-        grid = (GridDim((row_symbol,), block_m), GridDim((n,), block_n))
+        launches, tile_roles = [], roles
+        if roles["norm"] and block_m == DECODE_TILE_ROWS and roles["top_k"] is None:
+            assert max_rows is not None and max_rows <= SMALL_ROWS, (name, max_rows)  # NORMED holds SMALL_ROWS rows
+            launches.append(_norm_launch(types, layout, roles, row_symbol, k))
+            tile_roles = roles | dict(x=NORMED, x2=None, rows=None, norm=None, sum=None)
+            scratch[NORMED] = own_scratch[NORMED]
         if function == "linear_split_kernel":
-            constexprs["SPLIT"] = split
-            grid += (GridDim((split,)),)
-        if function == "linear_stream_kernel":
-            grid = (grid[0], GridDim(), GridDim((STREAM_PROGRAMS,)))
-        launches = [_launch("gemm.py", function, p, constexprs, grid, warps, stages)]
+            scratch |= {name: own_scratch[name] for name in ("gemm.split_part", "gemm.split_count")}
+        tile = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+        launches.append(_gemm_launch(types, layout, tile_roles, function, row_symbol, n, k, tile, split, warps, stages))
         if roles["top_k"] is not None:
             tail, tail_scratch = _plan_tail_reduction(types, roles, layout)
             launches += tail
@@ -161,6 +147,49 @@ def _plan_gemm(graph: Graph, node: Node) -> KernelSpec:
     spec = _spec(graph, node, row_symbol, variants)
     spec.scratch = {name: (t.dtype.name, t.shape) for name, t in scratch.items()}
     return spec
+
+
+def _gemm_launch(types: dict, layout: dict, roles: dict, function: str, row_symbol: str, n: int, k: int, tile: dict,
+                 split: int, warps: int, stages: int) -> LaunchSpec:
+    p = _Params(types, layout)
+    for param in ("x", "x2", "rows", "norm", "weight", "bias", "out", "sum"):
+        p.tensor(f"{param if param != 'weight' else 'w'}_ptr", roles[param])
+    if function == "linear_split_kernel":
+        p.tensor("part_ptr", "gemm.split_part")
+        p.tensor("count_ptr", "gemm.split_count")
+    p.dim("M", row_symbol)
+    for param in ("x", "x2", "out", "sum"):
+        p.stride(f"stride_{param}", roles[param])
+    constexprs = dict(N=n, K=k, EPS=roles["eps"], ADD=roles["x2"] is not None, GATHER=roles["rows"] is not None,
+                      NORM=roles["norm"] is not None, BIAS=roles["bias"] is not None, ACT=roles["act"],
+                      WRITE_SUM=roles["sum"] is not None, **tile, UPCAST_DOT=False, NORM_OFFSET=roles["norm_offset"])
+    block_m, block_n, block_k = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]
+    if function in ("gemv_row_kernel", "gemv_rows_kernel"):  # the RMSNorm prologue in a few wide chunks
+        constexprs["RMS_BLOCK"] = min(max(16, next_pow2(k)), 1024 * warps // block_m)
+    if function == "gemv_rows_kernel":  # each thread sums its 8-wide loads' products at once
+        constexprs["VEC"] = min(8, block_k)
+    grid = (GridDim((row_symbol,), block_m), GridDim((n,), block_n))
+    if function == "linear_split_kernel":
+        constexprs["SPLIT"] = split
+        grid += (GridDim((split,)),)
+    return _launch("gemm.py", function, p, constexprs, grid, warps, stages)
+
+
+def _norm_launch(types: dict, layout: dict, roles: dict, row_symbol: str, k: int) -> LaunchSpec:
+    """The [add +] RMSNorm of a decode GEMM's rows as a launch of its own, a program a row, into NORMED: repeated
+    by every program of the GEMM (K / BLOCK_K dependent loads before its first weight tile), it took 18.9 us of
+    the QKV GEMM at 4 rows, which runs in 10.8 us on rows normed beforehand (H200, docs/BENCHMARKS.md)."""
+    p = _Params(types, layout)
+    for param in ("x", "x2", "rows", "norm", "sum"):
+        p.tensor(f"{param}_ptr", roles[param])
+    p.tensor("out_ptr", NORMED)
+    for param in ("x", "x2", "sum"):
+        p.stride(f"stride_{param}", roles[param])
+    p.stride("stride_out", NORMED)
+    constexprs = dict(K=k, EPS=roles["eps"], ADD=roles["x2"] is not None, GATHER=roles["rows"] is not None,
+                      WRITE_SUM=roles["sum"] is not None, NORM_OFFSET=roles["norm_offset"],
+                      BLOCK_K=max(16, next_pow2(k)))
+    return _launch("gemm.py", "add_rms_norm_kernel", p, constexprs, (GridDim((row_symbol,)),), 4, 1)
 
 
 def _gemm_tiles(n: int, k: int, act: bool, norm: bool) -> list[tuple]:
@@ -180,19 +209,17 @@ def _gemm_tiles(n: int, k: int, act: bool, norm: bool) -> list[tuple]:
              ("row_programs", 4, 1, *row_tiles),
              ("fma_rows", 4, 4, fma_n, min(1024, max(16, next_pow2(k))), 4, 1, "gemv_rows_kernel"),
              ("split_rows", 4, 16, *mma(32, 128), 4, 4, "linear_split_kernel"),
-             ("stream_rows", 4, 16, *mma(32, 256), 4, 3, "linear_stream_kernel"),
              ("small_rows", SMALL_ROWS, 16, *mma(32, 256), 4, 3, "linear_kernel"),
              ("small_split_rows", SMALL_ROWS, 16, *mma(32, 128), 4, 4, "linear_split_kernel"),
-             ("small_stream_rows", SMALL_ROWS, 16, *mma(32, 256), 4, 3, "linear_stream_kernel"),
              ("mid_rows", 64, 32, *mma(16, 256), 4, 3, "linear_kernel"),
              ("many_rows", None, 64, *mma(64 if act else 128, 64), 8, 3, "linear_kernel")]  # no spills at 8 warps
-    # The defaults at 4 and 16 rows, from scripts/gpu/tune_gemv.py on the H200 over the 4B benchmark model's shapes
-    # (docs/BENCHMARKS.md, session 5): gate/up (norm and act) is fastest with stream-K; a plain projection at 4 rows
-    # on the CUDA cores (gemv_rows_kernel, 4 rows x 4 columns, 8-wide K sums), at 16 rows split-K where K is long
-    # (down); the QKV projection, whose norm prologue every extra program repeats, with one 16x32 tile a program.
-    defaults = {4: "stream_rows" if act else "few_rows" if norm else "fma_rows",
-                SMALL_ROWS: "small_stream_rows" if act else "small_split_rows" if not norm and k >= 2 * n
-                else "small_rows"}
+    # The defaults at 4 and 16 rows, from scripts/gpu/kernels.py and tune_gemv.py on the H200 over the 4B benchmark
+    # model's shapes (docs/BENCHMARKS.md, session 5): one 16x32 tile a program, on rows normed by a launch of their
+    # own where the GEMM has a norm; split-K where K is long and there is no norm (down); a plain projection at 4
+    # rows on the CUDA cores (gemv_rows_kernel, 4 rows x 4 columns, 8-wide K sums).
+    long_k = not norm and k >= 2 * n
+    defaults = {4: "few_rows" if norm else "split_rows" if long_k else "fma_rows",
+                SMALL_ROWS: "small_split_rows" if long_k else "small_rows"}
     return sorted(tiles, key=lambda tile: tile[0] != defaults.get(tile[1]))  # stable: the rest keep their order
 
 

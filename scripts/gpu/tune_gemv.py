@@ -2,8 +2,8 @@
 
 Here, with no GPU: `python scripts/gpu/tune_gemv.py prepare --out .gpu/tune [--rows 1 4 16] [--only PREFIX...]`
 compiles, for every GEMM kernel of Qwen3-4B and each row count, the plan's own decode variants for it plus candidate
-tiles (at 1 row, gemv_row_kernel's; at more, gemv_rows_kernel's, row_programs', and the tensor-core linear_kernel's,
-linear_split_kernel's and linear_stream_kernel's) to sm_90 cubins.
+tiles (at 1 row, gemv_row_kernel's; at more, gemv_rows_kernel's, row_programs', and the tensor-core
+linear_kernel's and linear_split_kernel's) to sm_90 cubins.
 On the GPU: `python scripts/gpu/tune_gemv.py run --dir .gpu/tune --out $OUT` launches each candidate on random
 bf16 data, checks its output against the plan's variant, and times it in a CUDA graph that cycles through enough
 copies of the weight to defeat the L2, printing microseconds and TB/s per candidate (best first per shape)."""
@@ -57,20 +57,7 @@ def candidates(launch, act: bool, rows: int, split_launch=None) -> list[tuple[st
             if split_launch is not None and 2 * split * bk <= k and not (act and bn == 64):
                 out.append((f"split{split} m16 n{bn} k{bk} w{warps} s{stages}",
                             _split_tile(split_launch, bn, bk, warps, stages, split)))
-    for bn, bk, warps, stages in ((32, 128, 4, 4), (16, 128, 4, 4), (32, 64, 4, 6), (64, 128, 4, 3),
-                                  (32, 256, 4, 3)):
-        for programs in (132, 264, 396, 528):
-            if split_launch is not None and not (act and bn == 64):
-                out.append((f"stream{programs} m16 n{bn} k{bk} w{warps} s{stages}",
-                            _stream_tile(split_launch, bn, bk, warps, stages, programs)))
     return out
-
-
-def _stream_tile(launch, bn: int, bk: int, warps: int, stages: int, programs: int):
-    tiled = _tile(launch, "linear_stream_kernel", 16, bn, bk, warps, stages)
-    tiled.constexprs.pop("SPLIT")
-    grid = (tiled.grid[0], replace(tiled.grid[1], factors=(1,), block=1), replace(tiled.grid[2], factors=(programs,)))
-    return replace(tiled, grid=grid)
 
 
 def _split_tile(launch, bn: int, bk: int, warps: int, stages: int, split: int):
@@ -124,7 +111,8 @@ def prepare(out: Path, row_counts: list[int], only: list[str] | None = None) -> 
             plans = [v for v in kernel.variants if v.max_rows is None or rows <= v.max_rows]
             plans = [v for v in plans if v.max_rows == min(p.max_rows or 1 << 30 for p in plans)]
             base = variants["one_row"].launches[0]
-            entries = [(f"plan {v.name}", v.launches[0]) for v in plans]
+            # one launch each: a variant with its norm as a launch of its own is timed by kernels.py instead
+            entries = [(f"plan {v.name}", v.launches[0]) for v in plans if len(v.launches) == 1]
             split = next((v.launches[0] for v in kernel.variants if v.launches[0].function == "linear_split_kernel"),
                          None)
             tiles = candidates(base, bool(base.constexprs["ACT"]), rows, split)

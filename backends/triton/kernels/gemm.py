@@ -52,10 +52,10 @@ def _tile_rows(rows_ptr, M, GATHER: tl.constexpr, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _inverse_rms(x_ptr, x2_ptr, sum_ptr, rows, offs_m, mask_m, stride_x, stride_x2, stride_sum, writer,
+def _inverse_rms(x_ptr, x2_ptr, sum_ptr, rows, offs_m, mask_m, stride_x, stride_x2, stride_sum,
                  K: tl.constexpr, EPS: tl.constexpr, ADD: tl.constexpr, WRITE_SUM: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """A first pass over the rows: 1/rms of each (and the residual sum, written by the `writer` program)."""
+    """A first pass over the rows: 1/rms of each (and the residual sum, written by the first column tile)."""
     squares = tl.zeros([BLOCK_M], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -63,7 +63,7 @@ def _inverse_rms(x_ptr, x2_ptr, sum_ptr, rows, offs_m, mask_m, stride_x, stride_
         a = _load_rows(x_ptr, x2_ptr, rows, stride_x, stride_x2, offs_k, mask_m, mask_k, ADD)
         if WRITE_SUM:
             tl.store(sum_ptr + offs_m[:, None] * stride_sum + offs_k[None, :], a.to(sum_ptr.dtype.element_ty),
-                     mask=mask_m[:, None] & mask_k[None, :] & writer)
+                     mask=mask_m[:, None] & mask_k[None, :] & (tl.program_id(1) == 0))
         squares += tl.sum(a * a, axis=1)
     return 1.0 / tl.sqrt(squares / K + EPS)
 
@@ -105,8 +105,8 @@ def _prologue(x_ptr, x2_ptr, rows_ptr, sum_ptr, M, stride_x, stride_x2, stride_s
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if NORM:
-        rstd = _inverse_rms(x_ptr, x2_ptr, sum_ptr, rows, offs_m, mask_m, stride_x, stride_x2, stride_sum,
-                            tl.program_id(1) == 0, K, EPS, ADD, WRITE_SUM, BLOCK_M, BLOCK_K)
+        rstd = _inverse_rms(x_ptr, x2_ptr, sum_ptr, rows, offs_m, mask_m, stride_x, stride_x2, stride_sum, K, EPS,
+                            ADD, WRITE_SUM, BLOCK_M, BLOCK_K)
     return offs_m, mask_m, rows, offs_n, offs_n < N, rstd
 
 
@@ -175,50 +175,6 @@ def linear_split_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_
 
 
 @triton.jit
-def linear_stream_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, sum_ptr, part_ptr, count_ptr,
-                         M, stride_x, stride_x2, stride_out, stride_sum,
-                         N: tl.constexpr, K: tl.constexpr, EPS: tl.constexpr,
-                         ADD: tl.constexpr, GATHER: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr,
-                         ACT: tl.constexpr, WRITE_SUM: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         UPCAST_DOT: tl.constexpr, NORM_OFFSET: tl.constexpr = 0.0, PDL: tl.constexpr = False):
-    """linear_split_kernel with the work cut evenly rather than by column tile (stream-K): the K tiles of every
-    column tile, in order, form one sequence that the programs (grid axis 2, as many as the GPU holds at once)
-    share in equal contiguous runs. Every program streams the same number of weight bytes in one wave, where
-    column tiles times a power-of-two split leave a second, mostly idle wave (80 tiles x 8 slices = 640 programs
-    for 528 places). A run that covers a tile in part adds its sums as the split kernel does; the program
-    completing the tile's K tiles applies the epilogue."""
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
-    offs_m, mask_m, rows = _tile_rows(rows_ptr, M, GATHER, BLOCK_M)
-    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if NORM:
-        rstd = _inverse_rms(x_ptr, x2_ptr, sum_ptr, rows, offs_m, mask_m, stride_x, stride_x2, stride_sum,
-                            tl.program_id(2) == 0, K, EPS, ADD, WRITE_SUM, BLOCK_M, BLOCK_K)
-    k_tiles: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
-    n_tiles: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
-    unit = tl.program_id(2) * (n_tiles * k_tiles) // tl.num_programs(2)
-    end = (tl.program_id(2) + 1) * (n_tiles * k_tiles) // tl.num_programs(2)
-    while unit < end:
-        tile = unit // k_tiles
-        first = unit - tile * k_tiles
-        pieces = tl.minimum(k_tiles - first, end - unit)
-        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < N
-        acc, up = _products(x_ptr, x2_ptr, norm_ptr, w_ptr, rows, rstd, stride_x, stride_x2, offs_m, mask_m, offs_n,
-                            mask_n, first * BLOCK_K, (first + pieces) * BLOCK_K, N, K, ADD, NORM, NORM_OFFSET, ACT,
-                            BLOCK_M, BLOCK_N, BLOCK_K, UPCAST_DOT)
-        if pieces == k_tiles:
-            _store(acc, up, bias_ptr, out_ptr, offs_m, mask_m, offs_n, mask_n, stride_out, N, BIAS, ACT)
-        else:
-            _add_partial(acc, up, part_ptr, count_ptr + tl.program_id(0) * n_tiles + tile, pieces, k_tiles,
-                         bias_ptr, out_ptr, offs_m, mask_m, offs_n, mask_n, stride_out, N, BIAS, ACT, BLOCK_M,
-                         BLOCK_N)
-        unit += pieces
-
-
-@triton.jit
 def _add_partial(acc, up, part_ptr, counter, pieces, total: tl.constexpr, bias_ptr, out_ptr, offs_m, mask_m, offs_n,
                  mask_n, stride_out, N: tl.constexpr, BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr):
@@ -247,6 +203,29 @@ def _take_sums(part, mask, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     exchanges integers only), read where the other programs' atomic adds landed."""
     bits = tl.atomic_xchg(part.to(tl.pointer_type(tl.int32)), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32), mask=mask)
     return tl.where(mask, bits, 0).to(tl.float32, bitcast=True)  # masked lanes return no sum
+
+
+@triton.jit
+def add_rms_norm_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, sum_ptr, out_ptr, stride_x, stride_x2, stride_sum,
+                        stride_out, K: tl.constexpr, EPS: tl.constexpr, ADD: tl.constexpr, GATHER: tl.constexpr,
+                        WRITE_SUM: tl.constexpr, NORM_OFFSET: tl.constexpr, BLOCK_K: tl.constexpr,
+                        PDL: tl.constexpr = False):
+    """A decode GEMM's prologue as its own launch, one program a row, so that the GEMM's programs do not each
+    repeat it: the residual sum (written when WRITE_SUM) and its RMSNorm times the weight (+ NORM_OFFSET), in
+    out_ptr's type (float32: the GEMM rounds it to its operand type, as its fused prologue does)."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    m = tl.program_id(0)
+    row = tl.load(rows_ptr + m) if GATHER else m
+    offs_k = tl.arange(0, BLOCK_K)
+    mask = offs_k < K
+    a = _load_row(x_ptr, x2_ptr, row, stride_x, stride_x2, offs_k, mask, ADD)
+    if WRITE_SUM:
+        tl.store(sum_ptr + m * stride_sum + offs_k, a.to(sum_ptr.dtype.element_ty), mask=mask)
+    rstd = 1.0 / tl.sqrt(tl.sum(a * a, axis=0) / K + EPS)
+    weight = tl.load(norm_ptr + offs_k, mask=mask, other=0.0).to(tl.float32) + NORM_OFFSET
+    tl.store(out_ptr + m * stride_out + offs_k, (a * rstd * weight).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -345,8 +324,8 @@ def gemv_rows_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr
     offs_m, mask_m, rows = _tile_rows(rows_ptr, M, GATHER, BLOCK_M)
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if NORM:
-        rstd = _inverse_rms(x_ptr, x2_ptr, sum_ptr, rows, offs_m, mask_m, stride_x, stride_x2, stride_sum,
-                            tl.program_id(1) == 0, K, EPS, ADD, WRITE_SUM, BLOCK_M, RMS_BLOCK)
+        rstd = _inverse_rms(x_ptr, x2_ptr, sum_ptr, rows, offs_m, mask_m, stride_x, stride_x2, stride_sum, K, EPS,
+                            ADD, WRITE_SUM, BLOCK_M, RMS_BLOCK)
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
