@@ -122,7 +122,7 @@ def _plan_gemm(graph: Graph, node: Node) -> KernelSpec:
     n, k = roles["n"], types[roles["weight"]].shape[1]
     layout = static_layout(graph)
     variants, scratch = [], {}
-    own_scratch = _split_scratch(n, roles) | {NORMED: TensorType(dtype_from_name("f32"), (SMALL_ROWS, k))}
+    own_scratch = _split_scratch(n, k, roles) | {NORMED: TensorType(dtype_from_name("f32"), (SMALL_ROWS, k))}
     types, layout = types | own_scratch, layout | {name: (t.shape[-1], 0) for name, t in own_scratch.items()}
     for name, max_rows, block_m, block_n, block_k, warps, stages, function in _gemm_tiles(n, k, bool(roles["act"]),
                                                                                    roles["norm"] is not None):
@@ -197,8 +197,8 @@ def _gemm_tiles(n: int, k: int, act: bool, norm: bool) -> list[tuple]:
     of each row bound is its default."""
     row_n, row_k, row_warps = one_row_tile(n, k, act)
 
-    def mma(block_n: int, block_k: int) -> tuple[int, int]:  # tensor-core tiles are at least 16 wide
-        return max(16, min(block_n, next_pow2(n))), max(16, min(block_k, next_pow2(k)))
+    def mma(block_n: int, block_k: int) -> tuple[int, int]:
+        return _mma_tile(n, k, block_n, block_k)
 
     row_tiles = (min(row_n, next_pow2(n)), min(row_k, max(16, next_pow2(k))), row_warps, 1, "gemv_row_kernel")
     fma_n = min(4, next_pow2(n))
@@ -208,19 +208,27 @@ def _gemm_tiles(n: int, k: int, act: bool, norm: bool) -> list[tuple]:
              ("few_rows", 4, 16, *mma(32, 256), 4, 3, "linear_kernel"),
              ("row_programs", 4, 1, *row_tiles),
              ("fma_rows", 4, 4, fma_n, min(1024, max(16, next_pow2(k))), 4, 1, "gemv_rows_kernel"),
-             ("split_rows", 4, 16, *mma(32, 128), 4, 4, "linear_split_kernel"),
+             ("split_rows", 4, 16, *_split_tile(n, k), 4, 4, "linear_split_kernel"),
              ("small_rows", SMALL_ROWS, 16, *mma(32, 256), 4, 3, "linear_kernel"),
-             ("small_split_rows", SMALL_ROWS, 16, *mma(32, 128), 4, 4, "linear_split_kernel"),
+             ("small_split_rows", SMALL_ROWS, 16, *_split_tile(n, k), 4, 4, "linear_split_kernel"),
              ("mid_rows", 64, 32, *mma(16, 256), 4, 3, "linear_kernel"),
              ("many_rows", None, 64, *mma(64 if act else 128, 64), 8, 3, "linear_kernel")]  # no spills at 8 warps
     # The defaults at 4 and 16 rows, from scripts/gpu/kernels.py and tune_gemv.py on the H200 over the 4B benchmark
     # model's shapes (docs/BENCHMARKS.md, session 5): one 16x32 tile a program, on rows normed by a launch of their
-    # own where the GEMM has a norm; split-K where K is long and there is no norm (down); a plain projection at 4
-    # rows on the CUDA cores (gemv_rows_kernel, 4 rows x 4 columns, 8-wide K sums).
-    long_k = not norm and k >= 2 * n
-    defaults = {4: "few_rows" if norm else "split_rows" if long_k else "fma_rows",
-                SMALL_ROWS: "small_split_rows" if long_k else "small_rows"}
+    # own where the GEMM has a norm; a plain projection at 4 rows on the CUDA cores (gemv_rows_kernel, 4 rows x 4
+    # columns, 8-wide K sums), at 16 rows split-K where K is long (down).
+    defaults = {4: "few_rows" if norm else "fma_rows",
+                SMALL_ROWS: "small_split_rows" if not norm and k >= 2 * n else "small_rows"}
     return sorted(tiles, key=lambda tile: tile[0] != defaults.get(tile[1]))  # stable: the rest keep their order
+
+
+def _mma_tile(n: int, k: int, block_n: int, block_k: int) -> tuple[int, int]:
+    """N and K tiles for the tensor cores: at least 16 wide, at most the next power of two of the GEMM's."""
+    return max(16, min(block_n, next_pow2(n))), max(16, min(block_k, next_pow2(k)))
+
+
+def _split_tile(n: int, k: int) -> tuple[int, int]:
+    return _mma_tile(n, k, 32, 128)
 
 
 def split_count(n: int, k: int, block_n: int, block_k: int) -> int:
@@ -232,11 +240,14 @@ def split_count(n: int, k: int, block_n: int, block_k: int) -> int:
     return split
 
 
-def _split_scratch(n: int, roles: dict) -> dict[str, TensorType]:
-    """A split GEMM's float32 partial sums ([rows, N], or [rows, 2N] for gate and up) and its tickets, one a
-    column tile of the narrowest tiles planned: zero between launches (the runtime zeroes them once)."""
+def _split_scratch(n: int, k: int, roles: dict) -> dict[str, TensorType]:
+    """A split GEMM's float32 sums, a plane of [rows, N] (or [rows, 2N] for gate and up) per slice of the split
+    tiles planned, and its tickets, one a column tile of the narrowest tiles: zero between launches (the runtime
+    zeroes them once)."""
     width = 2 * n if roles["act"] else n
-    return {"gemm.split_part": TensorType(dtype_from_name("f32"), (SMALL_ROWS, width)),
+    block_n, block_k = _split_tile(n, k)
+    planes = split_count(n, k, block_n, block_k) * SMALL_ROWS
+    return {"gemm.split_part": TensorType(dtype_from_name("f32"), (planes, width)),
             "gemm.split_count": TensorType(dtype_from_name("i32"), (-(-SMALL_ROWS // 16) * -(-n // 16),))}
 
 

@@ -156,16 +156,16 @@ def gemm_case(runner: Runner, kernel: dict, roles: dict, k: int, rows: int, labe
         chosen = variant(kernel, label)
         out = torch.zeros(rows, n, device="cuda", dtype=bf)
         total = torch.zeros(rows, k, device="cuda", dtype=bf)
-        env = {roles["x"]: x, roles["weight"]: w, roles["out"]: out, "gemm.normed": torch.empty_like(x)}
-        env |= {name: torch.zeros(shape, dtype=TORCH_DTYPES[dtype], device="cuda")  # split-K sums, zero between
-                for name, (dtype, shape) in kernel["candidate_scratch"].items() if name.startswith("gemm.split")}
+        sizes = {"tokens": rows, "samples": rows, "batch": rows}
+        env = {roles["x"]: x, roles["weight"]: w, roles["out"]: out}
+        env |= {name: torch.zeros([sizes.get(d, d) for d in shape], dtype=TORCH_DTYPES[dtype], device="cuda")
+                for name, (dtype, shape) in kernel["candidate_scratch"].items()}  # split-K sums: zero between
         if roles["x2"]:
             env[roles["x2"]] = x2
         if roles["norm"]:
             env[roles["norm"]] = g
         if roles["sum"]:
             env[roles["sum"]] = total
-        sizes = {"tokens": rows, "samples": rows, "batch": rows}
         row = {"kernel": kernel["node"], "variant": label, "rows": rows, "n": w_rows, "k": k}
         try:
             torch.cuda.synchronize()

@@ -160,7 +160,7 @@ def linear_split_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_
                         UPCAST_DOT: tl.constexpr, NORM_OFFSET: tl.constexpr = 0.0, PDL: tl.constexpr = False):
     """linear_kernel with K cut into SPLIT slices, one program each (grid axis 2): for decode steps, whose column
     tiles alone are too few programs, each streaming too long a K, to keep the memory busy. The slices meet in
-    _add_partial (count_ptr: one ticket a tile)."""
+    _meet_slices (count_ptr: one ticket a tile)."""
     offs_m, mask_m, rows, offs_n, mask_n, rstd = _prologue(
         x_ptr, x2_ptr, rows_ptr, sum_ptr, M, stride_x, stride_x2, stride_sum, N, K, EPS, ADD, GATHER, NORM, WRITE_SUM,
         BLOCK_M, BLOCK_N, BLOCK_K, PDL)
@@ -170,39 +170,35 @@ def linear_split_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_
                         mask_n, k_start, k_start + per_split, N, K, ADD, NORM, NORM_OFFSET, ACT, BLOCK_M, BLOCK_N,
                         BLOCK_K, UPCAST_DOT)
     counter = count_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-    _add_partial(acc, up, part_ptr, counter, 1, SPLIT, bias_ptr, out_ptr, offs_m, mask_m, offs_n, mask_n, stride_out,
+    _meet_slices(acc, up, part_ptr, counter, SPLIT, bias_ptr, out_ptr, offs_m, mask_m, offs_n, mask_n, stride_out,
                  N, BIAS, ACT, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
-def _add_partial(acc, up, part_ptr, counter, pieces, total: tl.constexpr, bias_ptr, out_ptr, offs_m, mask_m, offs_n,
-                 mask_n, stride_out, N: tl.constexpr, BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr,
+def _meet_slices(acc, up, part_ptr, counter, SPLIT: tl.constexpr, bias_ptr, out_ptr, offs_m, mask_m, offs_n, mask_n,
+                 stride_out, N: tl.constexpr, BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr):
-    """Adds a program's partial sums of a tile (`pieces` of its `total` K pieces) into the float32 buffer
-    (part_ptr, [rows, N or 2N]); the program whose ticket completes the tile swaps the sums out for zeros, resets
-    the ticket and runs the epilogue, so buffer and tickets are zero again for the next launch (the runtime
-    zeroes them once)."""
+    """Stores this slice's float32 sums in its own plane of part_ptr ([SPLIT, BLOCK_M, N or 2N]: the rows fit one
+    row tile); the program whose ticket completes the tile adds the planes in slice order, resets the ticket
+    (zeroed once by the runtime) and runs the epilogue. The order makes the sums the same whichever program comes
+    last: replays are bit-identical, which atomic adds would not be."""
     width: tl.constexpr = 2 * N if ACT != 0 else N
+    plane: tl.constexpr = BLOCK_M * width
     part = part_ptr + offs_m[:, None] * width + offs_n[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
-    tl.atomic_add(part, acc, mask=mask, sem="relaxed")
+    tl.store(part + tl.program_id(2) * plane, acc, mask=mask)
     if ACT != 0:
-        tl.atomic_add(part + N, up, mask=mask, sem="relaxed")
-    tl.debug_barrier()  # every thread's partial sums are in before the ticket (its release covers them)
-    if tl.atomic_add(counter, pieces, sem="acq_rel") + pieces == total:
-        acc = _take_sums(part, mask, BLOCK_M, BLOCK_N)
-        if ACT != 0:
-            up = _take_sums(part + N, mask, BLOCK_M, BLOCK_N)
+        tl.store(part + tl.program_id(2) * plane + N, up, mask=mask)
+    tl.debug_barrier()  # every thread's sums are stored before the ticket (its release covers them)
+    if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT - 1:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for index in tl.static_range(SPLIT):  # from L2 (.cg): the other programs' stores, not a stale L1 line
+            acc += tl.load(part + index * plane, mask=mask, other=0.0, cache_modifier=".cg")
+            if ACT != 0:
+                up += tl.load(part + index * plane + N, mask=mask, other=0.0, cache_modifier=".cg")
         tl.atomic_xchg(counter, 0)
         _store(acc, up, bias_ptr, out_ptr, offs_m, mask_m, offs_n, mask_n, stride_out, N, BIAS, ACT)
-
-
-@triton.jit
-def _take_sums(part, mask, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The float32 sums at `part`, swapped for zeros in one atomic each (on their bits: Triton's interpreter
-    exchanges integers only), read where the other programs' atomic adds landed."""
-    bits = tl.atomic_xchg(part.to(tl.pointer_type(tl.int32)), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32), mask=mask)
-    return tl.where(mask, bits, 0).to(tl.float32, bitcast=True)  # masked lanes return no sum
 
 
 @triton.jit
