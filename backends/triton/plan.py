@@ -196,23 +196,20 @@ def _gemm_tiles(n: int, k: int, act: bool, norm: bool) -> list[tuple]:
     """(variant, max rows, M, N and K tiles, warps, stages, kernel) of a GEMM, by the step's row count; the first
     of each row bound is its default."""
     row_n, row_k, row_warps = one_row_tile(n, k, act)
-
-    def mma(block_n: int, block_k: int) -> tuple[int, int]:
-        return _mma_tile(n, k, block_n, block_k)
-
     row_tiles = (min(row_n, next_pow2(n)), min(row_k, max(16, next_pow2(k))), row_warps, 1, "gemv_row_kernel")
     fma_n = min(4, next_pow2(n))
     while -(-n // fma_n) > MAX_GRID_Y:  # a vocabulary-wide projection: wider column tiles
         fma_n *= 2
     tiles = [("one_row", 1, 1, *row_tiles),
-             ("few_rows", 4, 16, *mma(32, 256), 4, 3, "linear_kernel"),
+             ("few_rows", 4, 16, *_mma_tile(n, k, 32, 256), 4, 3, "linear_kernel"),
              ("row_programs", 4, 1, *row_tiles),
              ("fma_rows", 4, 4, fma_n, min(1024, max(16, next_pow2(k))), 4, 1, "gemv_rows_kernel"),
              ("split_rows", 4, 16, *_split_tile(n, k), 4, 4, "linear_split_kernel"),
-             ("small_rows", SMALL_ROWS, 16, *mma(32, 256), 4, 3, "linear_kernel"),
+             ("small_rows", SMALL_ROWS, 16, *_mma_tile(n, k, 32, 256), 4, 3, "linear_kernel"),
              ("small_split_rows", SMALL_ROWS, 16, *_split_tile(n, k), 4, 4, "linear_split_kernel"),
-             ("mid_rows", 64, 32, *mma(16, 256), 4, 3, "linear_kernel"),
-             ("many_rows", None, 64, *mma(64 if act else 128, 64), 8, 3, "linear_kernel")]  # no spills at 8 warps
+             ("mid_rows", 64, 32, *_mma_tile(n, k, 16, 256), 4, 3, "linear_kernel"),
+             ("many_rows", None, 64, *_mma_tile(n, k, 64 if act else 128, 64), 8, 3,
+              "linear_kernel")]  # no spills at 8 warps
     # The defaults at 4 and 16 rows, from scripts/gpu/kernels.py and tune_gemv.py on the H200 over the 4B benchmark
     # model's shapes (docs/BENCHMARKS.md, session 5): one 16x32 tile a program, on rows normed by a launch of their
     # own where the GEMM has a norm; a plain projection at 4 rows on the CUDA cores (gemv_rows_kernel, 4 rows x 4
@@ -242,8 +239,8 @@ def split_count(n: int, k: int, block_n: int, block_k: int) -> int:
 
 def _split_scratch(n: int, k: int, roles: dict) -> dict[str, TensorType]:
     """A split GEMM's float32 sums, a plane of [rows, N] (or [rows, 2N] for gate and up) per slice of the split
-    tiles planned, and its tickets, one a column tile of the narrowest tiles: zero between launches (the runtime
-    zeroes them once)."""
+    tiles planned, and its tickets, one a column tile of the narrowest tiles, zero between launches (the runtime
+    zeroes them once, each launch's last programs reset theirs)."""
     width = 2 * n if roles["act"] else n
     block_n, block_k = _split_tile(n, k)
     planes = split_count(n, k, block_n, block_k) * SMALL_ROWS
