@@ -83,8 +83,6 @@ def test_tilelang_sm90a_gemm_and_attention_run_on_hgmma(compiled, tmp_path):
 
 TUNING_VARIANTS = {"wgmma_128x128": "attn_residual", "wgmma_128x256_rows": "o_proj",
                    "wgmma_256x128_rows": "down", "wgmma_128x256_merged": "attn_residual",
-                   "wgmma_128x256_merged_inflight": "attn_residual", "wgmma_128x160_rows_inflight": "down",
-                   "wgmma_128x256_rows_inflight": "o_proj",
                    "flash_async_128x128": "attention", "flash_overlap_128x128": "attention"}
 
 
@@ -118,30 +116,6 @@ def test_tilelang_merged_gate_up_is_one_wgmma_n256_per_k_step(kernels, tmp_path)
     assert len(wgmma) == 1 and ", 64, 256, 16," in wgmma[0], wgmma
     assert "HGMMA.64x256x16" in sass(native.cubin, tmp_path)
     assert native.shared + native.resources["shared"] <= 227 * 1024, (native.shared, native.resources)
-
-
-def test_tilelang_inflight_gemms_keep_one_wgmma_batch_in_flight(kernels, tmp_path):
-    """The `_inflight` tiles' point: step k's wgmma batch is issued before step k - 1's is waited for, and stage
-    k - 1 is released only after that wait. In the generated CUDA the consumer loop waits with wait_group 1 and
-    then arrives on the previous stage's empty barrier; in the SASS every wait inside the loop leaves one batch
-    pending (WARPGROUP.DEPBAR.LE gsb0, 0x1) and is followed by the release (SYNCS.ARRIVE) before the next HGMMA,
-    and the one full wait (0x0) comes after the loop. No spills, and within the 227 KB of shared memory."""
-    todo = {}
-    for name in (n for n in TUNING_VARIANTS if n.endswith("_inflight")):
-        kernel = next(k for k in kernels if k.node == TUNING_VARIANTS[name])
-        todo[(90, name)] = next(v for v in kernel.variants if v.name == name).launches[-1]
-    for (_, name), native in compile_many(todo, 2, None):
-        assert native.resources["spill_stores"] == 0 and native.resources["spill_loads"] == 0, native.resources
-        assert native.shared + native.resources["shared"] <= 227 * 1024, (name, native.shared, native.resources)
-        cu = native.files["cu"]
-        assert "warpgroup_wait<0>" not in cu and cu.count("tl::wait_wgmma<1>();") == 1, name
-        assert re.search(r"wait_wgmma<1>\(\);\s*if \(0 < \w+\) \{\s*empty\[[^\]]*\]\.arrive\(\);", cu), name
-        code = sass(native.cubin, tmp_path)
-        waits = re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x\d)", code)
-        assert waits[-1] == "0x0" and set(waits[:-1]) == {"0x1"}, (name, waits)
-        for after in code.split("WARPGROUP.DEPBAR.LE gsb0, 0x1")[1:]:
-            upcoming = [after.index(op) for op in ("HGMMA", "DEPBAR.LE gsb0, 0x0") if op in after]
-            assert after.index("SYNCS.ARRIVE") < min(upcoming), name
 
 
 def _evaluate(expression: str, names: list[str], m: int) -> int:

@@ -59,20 +59,3 @@ def test_merged_gate_up_tile_only_for_silu_mul_and_not_the_default():
     for node in act:
         assert names[node][0] == "wgmma_128x128_rows" and "wgmma_128x256_merged" in names[node], names[node]
     assert not any("wgmma_128x256_merged" in names[node] for node in names.keys() - act)
-
-
-def test_inflight_tiles_are_tune_candidates_behind_the_defaults():
-    """The tiles that keep a wgmma batch in flight are offered where their epilogue fits (the merged one for SiLU x
-    up, the plain ones elsewhere) and after every other wgmma tile, so no default changes until `pegainfer tune`
-    has timed them."""
-    gemms = [(g, n) for g, n in kernels(CONFIGS / "qwen3-4b.json") if "linear" in fused_ops(n)]
-    act = {n.name for _, n in gemms if gemm_roles(n)["act"]}
-    for graph, node in gemms:
-        names = [v.name for v in tilelang_plan.candidates(graph, node, PlanOptions(block_size=16))]
-        if not names:
-            continue
-        inflight = [i for i, name in enumerate(names) if name.endswith("_inflight")]
-        assert inflight and min(inflight) > max(i for i, n in enumerate(names) if n.startswith("wgmma_")
-                                                and not n.endswith("_inflight")), names
-        merged = "wgmma_128x256_merged_inflight" in names
-        assert merged == (node.name in act) and (len(inflight) == 1 or node.name not in act), names

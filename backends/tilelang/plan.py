@@ -28,11 +28,7 @@ _HOPPER = dict(BLOCK_K=64, THREADS=256, SWIZZLE=10)
 # bigger tile fits them; `wgmma_128x256_merged` (MERGED) loads gate and up rows into one shared tile and runs one
 # m64n256 batch into one 128x256 accumulator, 128 fp32 registers a consumer thread, 4 stages of 48 KB with the
 # output staged in the freed stages. It comes after the gate/up default: a candidate for `pegainfer tune` until
-# the H200 has timed it. The `_inflight` tiles (INFLIGHT, `gemm_inflight`) are the same tiles with the warp
-# specialisation written out so that step k's wgmma batch is issued before step k - 1's is waited for (T.Pipelined's
-# consumer waits for every batch before issuing the next: ~10-20% of a 128x256 K step); tune candidates behind the
-# others until the H200 has timed them. Their output tile is not staged in the freed stages, so the plain 128x256
-# one keeps 3 stages (144 KB + a 64 KB output tile) where the others keep 4.
+# the H200 has timed it.
 GEMM_TILES = (
     ("wgmma_128x160_rows", (90,), dict(BLOCK_M=128, BLOCK_N=160, STAGES=4, FULL_ROW=True, **_HOPPER)),
     ("wgmma_128x128_rows", (90,), dict(BLOCK_M=128, BLOCK_N=128, STAGES=4, FULL_ROW=True, **_HOPPER)),
@@ -40,12 +36,6 @@ GEMM_TILES = (
     ("wgmma_128x256_rows", (90,), dict(BLOCK_M=128, BLOCK_N=256, STAGES=4, FULL_ROW=True, **_HOPPER)),
     ("wgmma_256x128_rows", (90,), dict(BLOCK_M=256, BLOCK_N=128, STAGES=4, FULL_ROW=True, **_HOPPER)),
     ("wgmma_128x256_merged", (90,), dict(BLOCK_M=128, BLOCK_N=128, STAGES=4, FULL_ROW=True, MERGED=True, **_HOPPER)),
-    ("wgmma_128x256_merged_inflight", (90,),
-     dict(BLOCK_M=128, BLOCK_N=128, STAGES=4, FULL_ROW=True, MERGED=True, INFLIGHT=True, **_HOPPER)),
-    ("wgmma_128x160_rows_inflight", (90,),
-     dict(BLOCK_M=128, BLOCK_N=160, STAGES=4, FULL_ROW=True, INFLIGHT=True, **_HOPPER)),
-    ("wgmma_128x256_rows_inflight", (90,),
-     dict(BLOCK_M=128, BLOCK_N=256, STAGES=3, FULL_ROW=True, INFLIGHT=True, **_HOPPER)),
     ("mma_128x128", (80, 86, 89), dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, STAGES=3, THREADS=256, SWIZZLE=10)),
 )
 # what CI compiles for every kernel they fit
@@ -108,13 +98,11 @@ def _gemm(graph: Graph, node: Node) -> list[VariantSpec]:
 
 def _tile_fits(tiles: dict, n: int, act: int) -> bool:
     """Whole N tiles only. A merged tile exists for the SiLU x up epilogue alone; the unmerged one keeps separate
-    gate and up accumulators, which fit the registers up to 128x128 (and not at all in an in-flight tile)."""
+    gate and up accumulators, which fit the registers up to 128x128."""
     if n % tiles["BLOCK_N"]:
         return False
     if tiles.get("MERGED"):
         return bool(act)
-    if tiles.get("INFLIGHT"):
-        return not act  # the plain product only: its epilogue has no second accumulator
     return not act or tiles["BLOCK_M"] * tiles["BLOCK_N"] <= 128 * 128
 
 

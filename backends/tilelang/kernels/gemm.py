@@ -1,8 +1,7 @@
 """y = x @ W^T on the tensor cores, TMA loads into swizzled shared memory and wgmma on sm_90a (mma.sync and
 cp.async on sm_80), with an optional epilogue: act(gate) * up over a merged [2N, K] weight (ACT=1: SiLU), or a
 residual added to the product (RESIDUAL); `gemm_merged` computes the SiLU x up epilogue with one accumulator for
-both halves; `gemm_inflight` (INFLIGHT, sm_90a) writes the warp specialisation out to keep one wgmma batch in flight
-across K steps. The row count M is dynamic; N and K are fixed per kernel."""
+both halves. The row count M is dynamic; N and K are fixed per kernel."""
 
 import tilelang.language as T
 
@@ -10,13 +9,9 @@ BF16 = T.bfloat16
 
 
 def gemm(N: int, K: int, ACT: int, RESIDUAL: bool, BLOCK_M: int, BLOCK_N: int, BLOCK_K: int, STAGES: int,
-         THREADS: int, SWIZZLE: int, FULL_ROW: bool = False, MERGED: bool = False, INFLIGHT: bool = False):
+         THREADS: int, SWIZZLE: int, FULL_ROW: bool = False, MERGED: bool = False):
     if MERGED:  # only the SiLU x up epilogue has two halves to merge
         assert ACT == 1 and not RESIDUAL, "a merged tile computes SiLU(gate) * up"
-    if INFLIGHT:
-        assert FULL_ROW and not RESIDUAL and ACT == int(MERGED), "an in-flight tile is plain or merged, on whole rows"
-        return gemm_inflight(N, K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, THREADS, SWIZZLE, MERGED)
-    if MERGED:
         return gemm_merged(N, K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, THREADS, SWIZZLE, FULL_ROW)
     M = T.dynamic("M")
     policy = T.GemmWarpPolicy.FullRow if FULL_ROW else T.GemmWarpPolicy.Square
@@ -93,91 +88,15 @@ def gemm_merged(N: int, K: int, BLOCK_M: int, BLOCK_N: int, BLOCK_K: int, STAGES
                 T.copy(W[bx * BLOCK_N, k * BLOCK_K], w_s[0:BLOCK_N, :])
                 T.copy(W[N + bx * BLOCK_N, k * BLOCK_K], w_s[BLOCK_N:2 * BLOCK_N, :])
                 T.gemm(a_s, w_s, acc, transpose_B=True, policy=policy)
-            silu_mul(acc, up, BLOCK_M, BLOCK_N)
+            # a T.Parallel loop may index a fragment one way only, so the up half moves to a fragment of its own
+            # first (register moves within each thread); the product then lands there in fp32, as in gemm's ACT
+            # epilogue, and leaves through stmatrix like any accumulator
+            for i, j in T.Parallel(BLOCK_M, BLOCK_N):
+                up[i, j] = acc[i, j + BLOCK_N]
+            for i, j in T.Parallel(BLOCK_M, BLOCK_N):
+                up[i, j] = acc[i, j] / (1.0 + T.exp(-acc[i, j])) * up[i, j]
             T.copy(up, c_s)
             T.copy(c_s, C[by * BLOCK_M, bx * BLOCK_N])
-    return gemm
-
-
-@T.macro
-def silu_mul(acc, up, BLOCK_M: int, BLOCK_N: int):
-    """SiLU(gate) * up into `up` from one merged accumulator (gate columns, then up columns). A T.Parallel loop may
-    index a fragment one way only, so the up half moves to a fragment of its own first (register moves within each
-    thread); the product then lands there in fp32, as in gemm's ACT epilogue, and leaves through stmatrix like any
-    accumulator."""
-    for i, j in T.Parallel(BLOCK_M, BLOCK_N):
-        up[i, j] = acc[i, j + BLOCK_N]
-    for i, j in T.Parallel(BLOCK_M, BLOCK_N):
-        up[i, j] = acc[i, j] / (1.0 + T.exp(-acc[i, j])) * up[i, j]
-
-
-def gemm_inflight(N: int, K: int, BLOCK_M: int, BLOCK_N: int, BLOCK_K: int, STAGES: int, THREADS: int,
-                  SWIZZLE: int, MERGED: bool):
-    """The TMA + wgmma GEMM with its warp specialisation written out, to keep one wgmma batch in flight.
-    T.Pipelined's consumer waits for each K step's batch to finish (wait_group 0) before it releases the stage and
-    issues the next step, so the tensor cores idle for that wait every step; here, as in CUTLASS's main loop, step
-    k's batch is issued (T.wgmma_gemm: no implicit wait), then step k - 1's is waited for (wait_wgmma(1): groups
-    complete in order) and only then is stage k - 1 handed back to the producer. Warpgroups 0 .. THREADS/128 - 1
-    consume, each on whole tile rows (m64nN); the last warpgroup loads through TMA. full[s] completes a phase when
-    stage s has landed (its TMA bytes, and an arrival from each producer thread); empty[s] when every consumer
-    thread has released it. MERGED computes SiLU(gate) * up as `gemm_merged` does, else C = A W^T."""
-    assert THREADS == 256, "the register split below (24 producer + 2 x 240 consumer) is for two consumer warpgroups"
-    M = T.dynamic("M")
-    w_rows, n_tile = (2 * N, 2 * BLOCK_N) if MERGED else (N, BLOCK_N)
-    steps = T.ceildiv(K, BLOCK_K)
-    acc_regs = BLOCK_M * n_tile // THREADS  # the fp32 accumulator registers of a consumer thread
-
-    @T.macro
-    def produce(A, W, a_s, w_s, full, empty, bx, by):
-        for k in T.serial(steps):
-            s = k % STAGES
-            T.mbarrier_wait_parity(empty[s], ((k // STAGES) & 1) ^ 1)  # the first pass finds every stage free
-            T.tma_copy(A[by * BLOCK_M:(by + 1) * BLOCK_M, k * BLOCK_K:(k + 1) * BLOCK_K], a_s[s, :, :],
-                       barrier=full[s])
-            T.tma_copy(W[bx * BLOCK_N:(bx + 1) * BLOCK_N, k * BLOCK_K:(k + 1) * BLOCK_K], w_s[s, 0:BLOCK_N, :],
-                       barrier=full[s])
-            if MERGED:  # the up rows of the same output columns, below the gate rows
-                T.tma_copy(W[N + bx * BLOCK_N:N + (bx + 1) * BLOCK_N, k * BLOCK_K:(k + 1) * BLOCK_K],
-                           w_s[s, BLOCK_N:2 * BLOCK_N, :], barrier=full[s])
-            T.mbarrier_arrive(full[s])
-
-    @T.macro
-    def consume(a_s, w_s, acc, full, empty):
-        T.clear(acc)
-        for k in T.serial(steps):
-            s = k % STAGES
-            T.mbarrier_wait_parity(full[s], (k // STAGES) & 1)
-            T.wgmma_gemm(a_s[s, :, :], w_s[s, :, :], acc, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-            T.wait_wgmma(1)  # step k - 1's batch is done, step k's may still run
-            if k > 0:
-                T.mbarrier_arrive(empty[(k + STAGES - 1) % STAGES])
-        T.wait_wgmma(0)
-        T.warpgroup_fence_operand(acc, num_regs=acc_regs)  # no read of the sums above the wait
-
-    @T.prim_func
-    def gemm(A: T.Tensor((M, K), BF16), W: T.Tensor((w_rows, K), BF16), C: T.Tensor((M, N), BF16)):
-        with T.Kernel(T.ceildiv(N, BLOCK_N), T.ceildiv(M, BLOCK_M), threads=THREADS + 128) as (bx, by):
-            a_s = T.alloc_shared((STAGES, BLOCK_M, BLOCK_K), BF16)
-            w_s = T.alloc_shared((STAGES, n_tile, BLOCK_K), BF16)
-            acc = T.alloc_fragment((BLOCK_M, n_tile), T.float32)
-            c_s = T.alloc_shared((BLOCK_M, BLOCK_N), BF16)
-            full = T.alloc_barrier([128] * STAGES)
-            empty = T.alloc_barrier([THREADS] * STAGES)
-            T.use_swizzle(SWIZZLE, enable=SWIZZLE > 0)
-            # the roles in one if/else: as two T.ws blocks, a __syncthreads between them would deadlock the producer
-            if T.get_thread_binding() >= THREADS:
-                T.set_max_nreg(24, 0)
-                produce(A, W, a_s, w_s, full, empty, bx, by)
-            else:
-                T.set_max_nreg(240, 1)
-                consume(a_s, w_s, acc, full, empty)
-                if MERGED:
-                    up = T.alloc_fragment((BLOCK_M, BLOCK_N), T.float32)
-                    silu_mul(acc, up, BLOCK_M, BLOCK_N)
-                    T.copy(up, c_s)
-                else:
-                    T.copy(acc, c_s)
-                T.copy(c_s, C[by * BLOCK_M, bx * BLOCK_N])
     return gemm
 
 
