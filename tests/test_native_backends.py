@@ -83,7 +83,8 @@ def test_tilelang_sm90a_gemm_and_attention_run_on_hgmma(compiled, tmp_path):
 
 TUNING_VARIANTS = {"wgmma_128x128": "attn_residual", "wgmma_128x256_rows": "o_proj",
                    "wgmma_256x128_rows": "down", "wgmma_128x256_merged": "attn_residual",
-                   "flash_async_128x128": "attention", "flash_overlap_128x128": "attention"}
+                   "flash_async_128x128": "attention", "flash_overlap_128x128": "attention",
+                   "flash_ws_128x128": "attention"}
 
 
 def test_every_tilelang_variant_is_compiled_by_some_test(kernels):
@@ -171,13 +172,40 @@ def test_cute_abi_matches_its_host_launcher(compiled):
     assert [p["kind"] for p in native.abi] == ["tensor"] * 6 + ["int"]
 
 
-def test_tilelang_overlapped_attention_runs_its_softmax_under_the_pv_product(kernels, tmp_path):
-    """flash_overlap_128x128's point is the softmax of S_k (MUFU.EX2) between the wait for S_k (wgmma groups
-    pending <= 1) and the wait for P_{k-1} V_{k-1} (<= 0) in its SASS; ptxas is free to hoist a wait, and a hoisted
-    one would serialise the softmax behind the product again."""
+def _compile_attention(kernels, name: str):
     kernel = next(k for k in kernels if k.node == "attention")
-    variant = next(v for v in kernel.variants if v.name == "flash_overlap_128x128")
-    ((_, native),) = compile_many({(90, "attention/flash_overlap_128x128"): variant.launches[-1]}, 1, None)
-    code = sass(native.cubin, tmp_path)
+    variant = next(v for v in kernel.variants if v.name == name)
+    ((_, native),) = compile_many({(90, f"attention/{name}"): variant.launches[-1]}, 1, None)
+    return native
+
+
+@pytest.mark.parametrize("name", ["flash_overlap_128x128", "flash_ws_128x128"])
+def test_tilelang_overlapped_attention_runs_its_softmax_under_the_pv_product(kernels, name, tmp_path):
+    """The overlapped attentions' point is the softmax of S_k (MUFU.EX2) between the wait for S_k (wgmma groups
+    pending <= 1) and the wait for P_{k-1} V_{k-1} (<= 0) in their SASS; ptxas is free to hoist a wait, and a
+    hoisted one would serialise the softmax behind the product again."""
+    code = sass(_compile_attention(kernels, name).cubin, tmp_path)
     between = code.split("WARPGROUP.DEPBAR.LE gsb0, 0x1", 1)[1].split("WARPGROUP.DEPBAR.LE gsb0, 0x0", 1)[0]
     assert between.count("MUFU.EX2") >= 64 and "SHFL.BFLY" in between
+
+
+def test_tilelang_warp_specialised_attention_has_no_block_barrier_in_its_loop(kernels, tmp_path):
+    """flash_ws_128x128: a producer warpgroup (setmaxnreg down to 24) and 256 consumer threads (up to 240), no
+    spills. The consumers' key loop synchronises through the full/empty mbarriers only: it waits for K_k and
+    V_{k-1}, releases K_k once S_k is done and V_{k-1} once P V is, with no __syncthreads or named barrier; the
+    block-wide barrier is the one after the mbarriers' init, and TileLang's consumer-only ones (256 threads) order
+    the query tile and the output staged in it. The producer signals a stage with cp.async.mbarrier.arrive.noinc
+    (ARRIVES.LDGSTSBAR) and never waits for its own copies but once, before it exits."""
+    native = _compile_attention(kernels, "flash_ws_128x128")
+    assert native.threads == 384
+    assert native.resources["spill_stores"] == 0 and native.resources["spill_loads"] == 0, native.resources
+    cu = native.files["cu"]
+    loop = re.search(r"for \(int (tile_\d+) = 1;.*?\n      }\n", cu, re.S).group(0)
+    assert not re.search(r"__sync|\bbar\.", loop), loop
+    assert re.findall(r"(\w+)\[[^]]*\]\.wait\(", loop) == ["k_full", "v_full"]
+    assert re.findall(r"(\w+)\[[^]]*\]\.arrive\(\)", loop) == ["k_empty", "v_empty"]
+    code = sass(native.cubin, tmp_path)
+    assert "USETMAXREG.DEALLOC.CTAPOOL 0x18" in code and "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xf0" in code
+    assert "ARRIVES.LDGSTSBAR" in code and "HGMMA" in code
+    barriers = re.findall(r"BAR\.SYNC\.DEFER_BLOCKING ([^;]*?) *;", code)
+    assert barriers[0] == "0x0" and all(b == "0x3, 0x100" for b in barriers[1:]), barriers

@@ -142,4 +142,6 @@ def _attention(graph: Graph, node: Node, options: PlanOptions) -> list[VariantSp
         variants.append(VariantSpec("flash_async_128x128", None, [gather], "tilelang", conditional, (90,)))
         overlap = _launch("attention.py", "attention_overlap", params, shape, grid, 256)
         variants.append(VariantSpec("flash_overlap_128x128", None, [overlap], "tilelang", conditional, (90,)))
+        ws = _launch("attention.py", "attention_ws", params, shape, grid, 384)
+        variants.append(VariantSpec("flash_ws_128x128", None, [ws], "tilelang", conditional, (90,)))
     return variants

@@ -183,8 +183,9 @@ def attention_async(HEADS: int, KV_HEADS: int, HD: int, CACHE_BLOCK: int, SCALE:
 
 
 
-def _overlap_steps(BLOCK_M: int, BLOCK_N: int, CACHE_BLOCK: int, scale: float):
-    """The overlapped kernel's pieces: a key tile's pages (K or V) by cp.async into one half of a double buffer,
+def _overlap_steps(BLOCK_M: int, BLOCK_N: int, CACHE_BLOCK: int, scale: float, unroll: int | None = None):
+    """The overlapped kernels' pieces: a key tile's pages (K or V) by cp.async into one half of a double buffer
+    (`unroll` pages at a time: the warp-specialised producer has 24 registers, too few for all 8 pages' addresses),
     and the tile's online softmax, which leaves the accumulator alone so that it can run while O += P V is still in
     flight on the tensor cores."""
     neg_inf = -T.infinity(T.float32)
@@ -192,7 +193,8 @@ def _overlap_steps(BLOCK_M: int, BLOCK_N: int, CACHE_BLOCK: int, scale: float):
 
     @T.macro
     def load_tile(cache, buf, tile, TABLES, seq, kv_head, last_page):
-        for j in T.unroll(pages):  # pages past the context's last are clamped to it: masked, read in bounds
+        # pages past the context's last are clamped to it: masked, read in bounds
+        for j in T.unroll(pages, unroll_factor=unroll):
             T.async_copy(cache[TABLES[seq, T.min(tile * pages + j, last_page)], :, kv_head, :],
                          buf[tile % 2, j * CACHE_BLOCK:(j + 1) * CACHE_BLOCK, :])
 
@@ -225,6 +227,37 @@ def _overlap_steps(BLOCK_M: int, BLOCK_N: int, CACHE_BLOCK: int, scale: float):
     return load_tile, softmax
 
 
+def _overlap_products(BLOCK_M: int, BLOCK_N: int, HD: int, THREADS: int):
+    """The overlapped kernels' async wgmma (T.wgmma_gemm, no implicit wait), each warpgroup on its 64 query rows:
+    S = Q K^T alone (the caller decides when to wait for it), O += P V issued on the accumulator rescaled to the last
+    tile's maximum, and the last P V waited for. Each wait is followed by a register fence on the accumulator it
+    releases, so that the C++ compiler cannot move the reads above it."""
+    rows = T.GemmWarpPolicy.FullRow
+    s_regs, o_regs = BLOCK_M * BLOCK_N // THREADS, BLOCK_M * HD // THREADS  # a thread's share of S and of O
+
+    @T.macro
+    def scores(q_s, k_buf, s):
+        T.wgmma_gemm(q_s, k_buf, s, transpose_B=True, policy=rows, clear_accum=True)
+
+    @T.macro
+    def wait_scores(s, pending):  # groups complete in order: pending 1 leaves the P V issued after S running
+        T.wait_wgmma(pending)
+        T.warpgroup_fence_operand(s, num_regs=s_regs)
+
+    @T.macro
+    def rescaled_pv(acc, rescale, p, v_buf):
+        for i, d in T.Parallel(BLOCK_M, HD):  # O scaled to the last tile's maximum, under S's product
+            acc[i, d] *= rescale[i]
+        T.wgmma_gemm(p, v_buf, acc, policy=rows)
+
+    @T.macro
+    def wait_pv(acc):
+        T.wait_wgmma(0)
+        T.warpgroup_fence_operand(acc, num_regs=o_regs)
+
+    return scores, wait_scores, rescaled_pv, wait_pv
+
+
 def attention_overlap(HEADS: int, KV_HEADS: int, HD: int, CACHE_BLOCK: int, SCALE: float, BLOCK_M: int,
                       BLOCK_N: int, THREADS: int):
     """The double-buffered attention with the softmax overlapped with the tensor cores (FlashAttention-3's
@@ -233,15 +266,13 @@ def attention_overlap(HEADS: int, KV_HEADS: int, HD: int, CACHE_BLOCK: int, SCAL
     runs, issues O += P_{k-1} V_{k-1}, waits for S_k only (wait_wgmma(1): groups complete in order) and runs S_k's
     softmax while P V is on the tensor cores, then waits for P V before overwriting P with P_k. Because V_{k-1} is
     read one step later than in the kernels above, step k gathers K_{k+1} and V_k (V_k lands before P_k V_k is
-    issued at step k + 1). Each wait is followed by a register fence on the accumulator it releases, so that the
-    C++ compiler cannot move the reads above it. Key 0 is visible to every row, so the running maximum is finite
-    from tile 0 on and a masked key's exp2 is 0."""
+    issued at step k + 1). Key 0 is visible to every row, so the running maximum is finite from tile 0 on and a
+    masked key's exp2 is 0."""
     tokens, batch, blocks, max_blocks = (T.dynamic(name) for name in ("M", "B", "NB", "MAXB"))
     group = HEADS // KV_HEADS
     load_queries, write_rows = _tile_io(BLOCK_M, HD)
     load_tile, softmax = _overlap_steps(BLOCK_M, BLOCK_N, CACHE_BLOCK, SCALE * LOG2E)
-    rows = T.GemmWarpPolicy.FullRow
-    s_regs, o_regs = BLOCK_M * BLOCK_N // THREADS, BLOCK_M * HD // THREADS  # a thread's share of S and of O
+    scores, wait_scores, rescaled_pv, wait_pv = _overlap_products(BLOCK_M, BLOCK_N, HD, THREADS)
 
     @T.prim_func
     def attention_overlap(Q: T.Tensor((tokens, HEADS, HD), BF16),
@@ -281,34 +312,129 @@ def attention_overlap(HEADS: int, KV_HEADS: int, HD: int, CACHE_BLOCK: int, SCAL
                 T.sync_threads()
                 if n > 1:
                     load_tile(KC, k_s, 1, TABLES, seq, kv_head, last_page)
-                T.wgmma_gemm(q_s, k_s[0, :, :], s, transpose_B=True, policy=rows, clear_accum=True)
-                T.wait_wgmma(0)
-                T.warpgroup_fence_operand(s, num_regs=s_regs)
+                scores(q_s, k_s[0, :, :], s)
+                wait_scores(s, 0)
                 softmax(s, m, m_prev, rescale, row_sum, l, 0, first_pos, kv_end)
                 T.copy(s, p)
                 for k in T.serial(1, n):
                     T.ptx_wait_group(0)  # K_k and V_{k-1} have landed, and no warpgroup still reads K_{k-1}, V_{k-2}
                     T.sync_threads()
-                    T.wgmma_gemm(q_s, k_s[k % 2, :, :], s, transpose_B=True, policy=rows, clear_accum=True)
-                    for i, d in T.Parallel(BLOCK_M, HD):  # O scaled to tile k - 1's maximum, under S_k's product
-                        acc[i, d] *= rescale[i]
-                    T.wgmma_gemm(p, v_s[(k - 1) % 2, :, :], acc, policy=rows)
+                    scores(q_s, k_s[k % 2, :, :], s)
+                    rescaled_pv(acc, rescale, p, v_s[(k - 1) % 2, :, :])
                     if k + 1 < n:
                         load_tile(KC, k_s, k + 1, TABLES, seq, kv_head, last_page)
                     load_tile(VC, v_s, k, TABLES, seq, kv_head, last_page)
-                    T.wait_wgmma(1)  # S_k is done; P_{k-1} V_{k-1} may still run
-                    T.warpgroup_fence_operand(s, num_regs=s_regs)
+                    wait_scores(s, 1)  # S_k is done; P_{k-1} V_{k-1} may still run
                     softmax(s, m, m_prev, rescale, row_sum, l, k, first_pos, kv_end)
-                    T.wait_wgmma(0)
-                    T.warpgroup_fence_operand(acc, num_regs=o_regs)
+                    wait_pv(acc)
                     T.copy(s, p)
                 T.ptx_wait_group(0)
                 T.sync_threads()
-                for i, d in T.Parallel(BLOCK_M, HD):
-                    acc[i, d] *= rescale[i]
-                T.wgmma_gemm(p, v_s[(n - 1) % 2, :, :], acc, policy=rows)
-                T.wait_wgmma(0)
-                T.warpgroup_fence_operand(acc, num_regs=o_regs)
+                rescaled_pv(acc, rescale, p, v_s[(n - 1) % 2, :, :])
+                wait_pv(acc)
                 write_rows(acc, l, o_s, O, start, q0, q_len, head)
 
     return attention_overlap
+
+
+
+def attention_ws(HEADS: int, KV_HEADS: int, HD: int, CACHE_BLOCK: int, SCALE: float, BLOCK_M: int, BLOCK_N: int,
+                 THREADS: int):
+    """attention_overlap warp-specialised (FlashAttention-3's producer/consumer split): a producer warpgroup added
+    to the THREADS consumers gathers the K and V pages by cp.async into two-stage rings, each stage guarded by a
+    full mbarrier (the producer's 128 threads arrive through cp.async.mbarrier.arrive.noinc, so the phase completes
+    when their copies have landed, with no wait in the producer) and an empty one (every consumer thread arrives
+    once it is done reading the stage). The consumers run attention_overlap's steps on their own 64 rows each,
+    waiting only on the stage they read: no block-wide barrier in the loop, so the warpgroups drift apart and
+    neither issues loads. The producer gathers K_k, then V_{k-1}, in the consumers' order of use (S_k, then
+    P_{k-1} V_{k-1}). setmaxnreg gives the producer 24 registers and the consumers 240 (128 x 24 + 256 x 240 is the
+    launch's 384 x 168). cp.async writes through the generic proxy and wgmma reads through the async one, hence a
+    proxy fence after each full wait. The output is staged in the query tile (each warpgroup reads only its own
+    rows of it, and TileLang's consumer-only barrier orders the rest), not in a buffer that could alias a stage
+    the other warpgroup still reads."""
+    tokens, batch, blocks, max_blocks = (T.dynamic(name) for name in ("M", "B", "NB", "MAXB"))
+    group = HEADS // KV_HEADS
+    load_queries, write_rows = _tile_io(BLOCK_M, HD)
+    load_tile, softmax = _overlap_steps(BLOCK_M, BLOCK_N, CACHE_BLOCK, SCALE * LOG2E, unroll=2)
+    scores, wait_scores, rescaled_pv, wait_pv = _overlap_products(BLOCK_M, BLOCK_N, HD, THREADS)
+
+    @T.macro
+    def produce(cache, buf, full, empty, tile, TABLES, seq, kv_head, last_page):
+        T.mbarrier_wait_parity(empty[tile % 2], (tile // 2) % 2 ^ 1)  # a fresh barrier's parity 1 counts as done
+        load_tile(cache, buf, tile, TABLES, seq, kv_head, last_page)
+        T.cp_async_barrier_noinc(full[tile % 2])
+
+    @T.macro
+    def consume(full, tile):
+        T.mbarrier_wait_parity(full[tile % 2], (tile // 2) % 2)
+        T.fence_proxy_async()
+
+    @T.prim_func
+    def attention_ws(Q: T.Tensor((tokens, HEADS, HD), BF16),
+                     KC: T.Tensor((blocks, CACHE_BLOCK, KV_HEADS, HD), BF16),
+                     VC: T.Tensor((blocks, CACHE_BLOCK, KV_HEADS, HD), BF16),
+                     TABLES: T.Tensor((batch, max_blocks), T.int32), STARTS: T.Tensor((batch,), T.int32),
+                     Q_LENS: T.Tensor((batch,), T.int32), CTX_LENS: T.Tensor((batch,), T.int32),
+                     O: T.Tensor((tokens, HEADS, HD), BF16)):
+        with T.Kernel(T.ceildiv(tokens, BLOCK_M), HEADS, batch, threads=THREADS + 128) as (bx, head, seq):
+            q_s = T.alloc_shared((BLOCK_M, HD), BF16)
+            k_s = T.alloc_shared((2, BLOCK_N, HD), BF16)
+            v_s = T.alloc_shared((2, BLOCK_N, HD), BF16)
+            k_full = T.alloc_barrier([128, 128])
+            v_full = T.alloc_barrier([128, 128])
+            k_empty = T.alloc_barrier([THREADS, THREADS])
+            v_empty = T.alloc_barrier([THREADS, THREADS])
+            s = T.alloc_fragment((BLOCK_M, BLOCK_N), T.float32)
+            p = T.alloc_fragment((BLOCK_M, BLOCK_N), BF16)
+            acc = T.alloc_fragment((BLOCK_M, HD), T.float32)
+            m = T.alloc_fragment((BLOCK_M,), T.float32)
+            m_prev = T.alloc_fragment((BLOCK_M,), T.float32)
+            rescale = T.alloc_fragment((BLOCK_M,), T.float32)
+            row_sum = T.alloc_fragment((BLOCK_M,), T.float32)
+            l = T.alloc_fragment((BLOCK_M,), T.float32)
+            kv_head = head // group
+            tile = T.ceildiv(tokens, BLOCK_M) - 1 - bx  # the longest tiles (last queries) start first
+            start = STARTS[seq]
+            q_len = Q_LENS[seq]
+            ctx = CTX_LENS[seq]
+            q0 = tile * BLOCK_M
+            first_pos = ctx - q_len + q0  # the position of the tile's first query
+            kv_end = T.min(ctx, first_pos + BLOCK_M)
+            last_page = (kv_end - 1) // CACHE_BLOCK
+            n = T.ceildiv(kv_end, BLOCK_N)
+            if q0 < q_len:
+                if T.get_thread_binding() >= THREADS:
+                    T.dec_max_nreg(24)
+                    for k in T.serial(n):
+                        produce(KC, k_s, k_full, k_empty, k, TABLES, seq, kv_head, last_page)
+                        if k > 0:
+                            produce(VC, v_s, v_full, v_empty, k - 1, TABLES, seq, kv_head, last_page)
+                    produce(VC, v_s, v_full, v_empty, n - 1, TABLES, seq, kv_head, last_page)
+                    # no copy of this thread's still in flight when it exits
+                    T.mbarrier_wait_parity(v_full[(n - 1) % 2], ((n - 1) // 2) % 2)
+                else:
+                    T.inc_max_nreg(240)
+                    load_queries(Q, q_s, acc, l, m, start, q0, q_len, head)
+                    consume(k_full, 0)
+                    scores(q_s, k_s[0, :, :], s)
+                    wait_scores(s, 0)
+                    T.mbarrier_arrive(k_empty[0])
+                    softmax(s, m, m_prev, rescale, row_sum, l, 0, first_pos, kv_end)
+                    T.copy(s, p)
+                    for k in T.serial(1, n):
+                        consume(k_full, k)
+                        scores(q_s, k_s[k % 2, :, :], s)
+                        consume(v_full, k - 1)
+                        rescaled_pv(acc, rescale, p, v_s[(k - 1) % 2, :, :])
+                        wait_scores(s, 1)  # S_k is done; P_{k-1} V_{k-1} may still run
+                        T.mbarrier_arrive(k_empty[k % 2])
+                        softmax(s, m, m_prev, rescale, row_sum, l, k, first_pos, kv_end)
+                        wait_pv(acc)
+                        T.mbarrier_arrive(v_empty[(k - 1) % 2])
+                        T.copy(s, p)
+                    consume(v_full, n - 1)
+                    rescaled_pv(acc, rescale, p, v_s[(n - 1) % 2, :, :])
+                    wait_pv(acc)
+                    write_rows(acc, l, q_s, O, start, q0, q_len, head)
+
+    return attention_ws
