@@ -83,8 +83,7 @@ def test_tilelang_sm90a_gemm_and_attention_run_on_hgmma(compiled, tmp_path):
 
 TUNING_VARIANTS = {"wgmma_128x128": "attn_residual", "wgmma_128x256_rows": "o_proj",
                    "wgmma_256x128_rows": "down", "wgmma_128x256_merged": "attn_residual",
-                   "flash_async_128x128": "attention", "flash_overlap_128x128": "attention",
-                   "flash_ws_128x128": "attention"}
+                   "flash_async_128x128": "attention", "flash_overlap_128x128": "attention"}
 
 
 def test_every_tilelang_variant_is_compiled_by_some_test(kernels):
@@ -124,7 +123,8 @@ def _evaluate(expression: str, names: list[str], m: int) -> int:
     return eval(expression.replace("/", "//"), {}, {name: m for name in names})
 
 
-@pytest.mark.parametrize("key", ["attn_residual/wgmma_128x128_rows/1", "attention/flash_128x128/0"])
+@pytest.mark.parametrize("key", ["attn_residual/wgmma_128x128_rows/1", "attention/flash_128x128/0",
+                                 "attention/flash_ws_128x128/0"])
 def test_tilelang_abi_matches_its_host_stub(compiled, key):
     from pegainfer.backends.tilelang.compiler import host_stub
 

@@ -285,8 +285,9 @@ def main() -> None:
                     report["gemv"] += gemm_case(runner, kernel, roles, k, rows, chosen, "decode")
             elif node.attrs["kind"] == "paged_attention":
                 flash = [label for label in sorted(labels) if label.startswith("tilelang:")]
-                report["attention"] += attention_case(runner, kernel, node, graph.value_types(), 2, 300, 700,
-                                                      flash + ["triton:default"], True)
+                for batch, q_len, ctx in ((2, 300, 700), (3, 130, 130)):  # the second: tiles of one and two key tiles
+                    report["attention"] += attention_case(runner, kernel, node, graph.value_types(), batch, q_len,
+                                                          ctx, flash + ["triton:default"], True)
                 report["attention"] += attention_case(runner, kernel, node, graph.value_types(), 1, 8192, 8192,
                                                       flash + ["triton:split_kv"], True)
             (args.out / "kernels.json").write_text(json.dumps(report, indent=1))
