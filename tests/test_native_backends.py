@@ -82,8 +82,7 @@ def test_tilelang_sm90a_gemm_and_attention_run_on_hgmma(compiled, tmp_path):
 
 
 TUNING_VARIANTS = {"wgmma_128x128": "attn_residual", "wgmma_128x256_rows": "o_proj",
-                   "wgmma_256x128_rows": "down", "wgmma_128x256_merged": "attn_residual",
-                   "flash_async_128x128": "attention", "flash_overlap_128x128": "attention"}
+                   "wgmma_256x128_rows": "down", "wgmma_128x256_merged": "attn_residual"}
 
 
 def test_every_tilelang_variant_is_compiled_by_some_test(kernels):
@@ -179,12 +178,11 @@ def _compile_attention(kernels, name: str):
     return native
 
 
-@pytest.mark.parametrize("name", ["flash_overlap_128x128", "flash_ws_128x128"])
-def test_tilelang_overlapped_attention_runs_its_softmax_under_the_pv_product(kernels, name, tmp_path):
-    """The overlapped attentions' point is the softmax of S_k (MUFU.EX2) between the wait for S_k (wgmma groups
-    pending <= 1) and the wait for P_{k-1} V_{k-1} (<= 0) in their SASS; ptxas is free to hoist a wait, and a
-    hoisted one would serialise the softmax behind the product again."""
-    code = sass(_compile_attention(kernels, name).cubin, tmp_path)
+def test_tilelang_overlapped_attention_runs_its_softmax_under_the_pv_product(kernels, tmp_path):
+    """flash_ws_128x128's point is the softmax of S_k (MUFU.EX2) between the wait for S_k (wgmma groups pending
+    <= 1) and the wait for P_{k-1} V_{k-1} (<= 0) in its SASS; ptxas is free to hoist a wait, and a hoisted one
+    would serialise the softmax behind the product again."""
+    code = sass(_compile_attention(kernels, "flash_ws_128x128").cubin, tmp_path)
     between = code.split("WARPGROUP.DEPBAR.LE gsb0, 0x1", 1)[1].split("WARPGROUP.DEPBAR.LE gsb0, 0x0", 1)[0]
     assert between.count("MUFU.EX2") >= 64 and "SHFL.BFLY" in between
 

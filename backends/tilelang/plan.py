@@ -137,13 +137,9 @@ def _attention(graph: Graph, node: Node, options: PlanOptions) -> list[VariantSp
     conditional = {"max_query_len": PREFILL_QUERIES}
     flash = _launch("attention.py", "attention", params, dict(shape, STAGES=1), grid, 256)
     variants = [VariantSpec("flash_128x128", None, [flash], "tilelang", conditional, SMS)]
-    if 128 % options.block_size == 0:  # the double-buffered gathers copy whole cache pages
-        gather = _launch("attention.py", "attention_async", params, shape, grid, 256)
-        variants.append(VariantSpec("flash_async_128x128", None, [gather], "tilelang", conditional, (90,)))
-        overlap = _launch("attention.py", "attention_overlap", params, shape, grid, 256)
-        variants.append(VariantSpec("flash_overlap_128x128", None, [overlap], "tilelang", conditional, (90,)))
+    if 128 % options.block_size == 0:  # the producer's gather copies whole cache pages
         # first, so the sm_90 default (a backend's first variant that the SM runs): 467 TFLOP/s at 8k on the H200
-        # against 315-344 for the others, and the fastest on every shape measured (docs/BENCHMARKS.md)
+        # against 315 for flash_128x128, and the faster on every shape measured (docs/BENCHMARKS.md)
         ws = _launch("attention.py", "attention_ws", params, shape, grid, 384)
         variants.insert(0, VariantSpec("flash_ws_128x128", None, [ws], "tilelang", conditional, (90,)))
     return variants

@@ -2,7 +2,8 @@
 the paged KV cache of ir/ops/attention.py: one program per (query tile, query head, sequence), as many query
 tiles as the step has tokens (those past a sequence's queries exit at once); key tiles are
 gathered through the block table into shared memory, S = Q K^T and O += P V run on the tensor cores (wgmma on
-sm_90a), with an online softmax in base 2 between them."""
+sm_90a), with an online softmax in base 2 between them. `attention` is the plain form (any SM TileLang serves);
+`attention_ws` overlaps the softmax, the gather and the tensor cores on sm_90a."""
 
 import tilelang.language as T
 
@@ -101,90 +102,8 @@ def attention(HEADS: int, KV_HEADS: int, HD: int, CACHE_BLOCK: int, SCALE: float
     return attention
 
 
-def attention_async(HEADS: int, KV_HEADS: int, HD: int, CACHE_BLOCK: int, SCALE: float, BLOCK_M: int, BLOCK_N: int,
-                    THREADS: int):
-    """The same attention with the K/V gather double-buffered: each cache page of the next key tile is copied with
-    cp.async (T.async_copy) into the other half of two shared buffers while the tensor cores work on this one, so
-    the gather's global latency hides behind the tile's math (the single-buffered kernel above waits for it twice
-    per tile; TileLang's own pipelining does not apply to a gather through the block table)."""
-    tokens, batch, blocks, max_blocks = (T.dynamic(name) for name in ("M", "B", "NB", "MAXB"))
-    group = HEADS // KV_HEADS
-    scale = SCALE * LOG2E
-    neg_inf = -T.infinity(T.float32)
-    pages = BLOCK_N // CACHE_BLOCK
-    load_queries, write_rows = _tile_io(BLOCK_M, HD)
-
-    @T.prim_func
-    def attention_async(Q: T.Tensor((tokens, HEADS, HD), BF16),
-                        KC: T.Tensor((blocks, CACHE_BLOCK, KV_HEADS, HD), BF16),
-                        VC: T.Tensor((blocks, CACHE_BLOCK, KV_HEADS, HD), BF16),
-                        TABLES: T.Tensor((batch, max_blocks), T.int32), STARTS: T.Tensor((batch,), T.int32),
-                        Q_LENS: T.Tensor((batch,), T.int32), CTX_LENS: T.Tensor((batch,), T.int32),
-                        O: T.Tensor((tokens, HEADS, HD), BF16)):
-        with T.Kernel(T.ceildiv(tokens, BLOCK_M), HEADS, batch, threads=THREADS) as (bx, head, seq):
-            q_s = T.alloc_shared((BLOCK_M, HD), BF16)
-            k_s = T.alloc_shared((2, BLOCK_N, HD), BF16)
-            v_s = T.alloc_shared((2, BLOCK_N, HD), BF16)
-            o_s = T.alloc_shared((BLOCK_M, HD), BF16)
-            s = T.alloc_fragment((BLOCK_M, BLOCK_N), T.float32)
-            p = T.alloc_fragment((BLOCK_M, BLOCK_N), BF16)
-            acc = T.alloc_fragment((BLOCK_M, HD), T.float32)
-            m = T.alloc_fragment((BLOCK_M,), T.float32)
-            m_prev = T.alloc_fragment((BLOCK_M,), T.float32)
-            rescale = T.alloc_fragment((BLOCK_M,), T.float32)
-            row_sum = T.alloc_fragment((BLOCK_M,), T.float32)
-            l = T.alloc_fragment((BLOCK_M,), T.float32)
-            kv_head = head // group
-            tile = T.ceildiv(tokens, BLOCK_M) - 1 - bx
-            start = STARTS[seq]
-            q_len = Q_LENS[seq]
-            ctx = CTX_LENS[seq]
-            q0 = tile * BLOCK_M
-            first_pos = ctx - q_len + q0
-            kv_end = T.min(ctx, first_pos + BLOCK_M)
-            last_page = (kv_end - 1) // CACHE_BLOCK
-            n = T.ceildiv(kv_end, BLOCK_N)
-            if q0 < q_len:
-                for j in T.unroll(pages):  # tile 0's pages, in flight while Q is loaded
-                    T.async_copy(KC[TABLES[seq, T.min(j, last_page)], :, kv_head, :],
-                                 k_s[0, j * CACHE_BLOCK:(j + 1) * CACHE_BLOCK, :])
-                    T.async_copy(VC[TABLES[seq, T.min(j, last_page)], :, kv_head, :],
-                                 v_s[0, j * CACHE_BLOCK:(j + 1) * CACHE_BLOCK, :])
-                load_queries(Q, q_s, acc, l, m, start, q0, q_len, head)
-                for k in T.serial(n):
-                    T.ptx_wait_group(0)  # tile k has landed, and every thread is done with tile k - 1's buffers
-                    T.sync_threads()
-                    if k + 1 < n:  # the next tile's pages (clamped to the last: masked, read in bounds)
-                        for j in T.unroll(pages):
-                            T.async_copy(KC[TABLES[seq, T.min((k + 1) * pages + j, last_page)], :, kv_head, :],
-                                         k_s[(k + 1) % 2, j * CACHE_BLOCK:(j + 1) * CACHE_BLOCK, :])
-                            T.async_copy(VC[TABLES[seq, T.min((k + 1) * pages + j, last_page)], :, kv_head, :],
-                                         v_s[(k + 1) % 2, j * CACHE_BLOCK:(j + 1) * CACHE_BLOCK, :])
-                    for i, j in T.Parallel(BLOCK_M, BLOCK_N):
-                        s[i, j] = T.if_then_else((k * BLOCK_N + j <= first_pos + i) & (k * BLOCK_N + j < kv_end),
-                                                 0, neg_inf)  # the mask as the product's starting value
-                    T.gemm(q_s, k_s[k % 2, :, :], s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                    T.copy(m, m_prev)
-                    T.reduce_max(s, m, dim=1, clear=False)
-                    for i in T.Parallel(BLOCK_M):
-                        rescale[i] = T.exp2(m_prev[i] * scale - m[i] * scale)
-                    for i, j in T.Parallel(BLOCK_M, BLOCK_N):
-                        s[i, j] = T.exp2(s[i, j] * scale - m[i] * scale)
-                    T.reduce_sum(s, row_sum, dim=1)
-                    for i in T.Parallel(BLOCK_M):
-                        l[i] = l[i] * rescale[i] + row_sum[i]
-                    for i, d in T.Parallel(BLOCK_M, HD):
-                        acc[i, d] *= rescale[i]
-                    T.copy(s, p)
-                    T.gemm(p, v_s[k % 2, :, :], acc, policy=T.GemmWarpPolicy.FullRow)
-                write_rows(acc, l, o_s, O, start, q0, q_len, head)
-
-    return attention_async
-
-
-
 def _overlap_steps(BLOCK_M: int, BLOCK_N: int, CACHE_BLOCK: int, scale: float, unroll: int | None = None):
-    """The overlapped kernels' pieces: a key tile's pages (K or V) by cp.async into one half of a double buffer
+    """attention_ws's pieces: a key tile's pages (K or V) by cp.async into one half of a double buffer
     (`unroll` pages at a time: the warp-specialised producer has 24 registers, too few for all 8 pages' addresses),
     and the tile's online softmax, which leaves the accumulator alone so that it can run while O += P V is still in
     flight on the tensor cores."""
@@ -228,7 +147,7 @@ def _overlap_steps(BLOCK_M: int, BLOCK_N: int, CACHE_BLOCK: int, scale: float, u
 
 
 def _overlap_products(BLOCK_M: int, BLOCK_N: int, HD: int, THREADS: int):
-    """The overlapped kernels' async wgmma (T.wgmma_gemm, no implicit wait), each warpgroup on its 64 query rows:
+    """attention_ws's async wgmma (T.wgmma_gemm, no implicit wait), each warpgroup on its 64 query rows:
     S = Q K^T alone (the caller decides when to wait for it), O += P V issued on the accumulator rescaled to the last
     tile's maximum, and the last P V waited for. Each wait is followed by a register fence on the accumulator it
     releases, so that the C++ compiler cannot move the reads above it."""
@@ -258,95 +177,21 @@ def _overlap_products(BLOCK_M: int, BLOCK_N: int, HD: int, THREADS: int):
     return scores, wait_scores, rescaled_pv, wait_pv
 
 
-def attention_overlap(HEADS: int, KV_HEADS: int, HD: int, CACHE_BLOCK: int, SCALE: float, BLOCK_M: int,
-                      BLOCK_N: int, THREADS: int):
-    """The double-buffered attention with the softmax overlapped with the tensor cores (FlashAttention-3's
-    intra-warpgroup pipelining), each warpgroup owning 64 query rows: the GEMMs are issued as async wgmma
-    (T.wgmma_gemm, no implicit wait). Step k issues S_k = Q K_k^T, rescales O to tile k - 1's maximum while that
-    runs, issues O += P_{k-1} V_{k-1}, waits for S_k only (wait_wgmma(1): groups complete in order) and runs S_k's
-    softmax while P V is on the tensor cores, then waits for P V before overwriting P with P_k. Because V_{k-1} is
-    read one step later than in the kernels above, step k gathers K_{k+1} and V_k (V_k lands before P_k V_k is
-    issued at step k + 1). Key 0 is visible to every row, so the running maximum is finite from tile 0 on and a
-    masked key's exp2 is 0."""
-    tokens, batch, blocks, max_blocks = (T.dynamic(name) for name in ("M", "B", "NB", "MAXB"))
-    group = HEADS // KV_HEADS
-    load_queries, write_rows = _tile_io(BLOCK_M, HD)
-    load_tile, softmax = _overlap_steps(BLOCK_M, BLOCK_N, CACHE_BLOCK, SCALE * LOG2E)
-    scores, wait_scores, rescaled_pv, wait_pv = _overlap_products(BLOCK_M, BLOCK_N, HD, THREADS)
-
-    @T.prim_func
-    def attention_overlap(Q: T.Tensor((tokens, HEADS, HD), BF16),
-                          KC: T.Tensor((blocks, CACHE_BLOCK, KV_HEADS, HD), BF16),
-                          VC: T.Tensor((blocks, CACHE_BLOCK, KV_HEADS, HD), BF16),
-                          TABLES: T.Tensor((batch, max_blocks), T.int32), STARTS: T.Tensor((batch,), T.int32),
-                          Q_LENS: T.Tensor((batch,), T.int32), CTX_LENS: T.Tensor((batch,), T.int32),
-                          O: T.Tensor((tokens, HEADS, HD), BF16)):
-        with T.Kernel(T.ceildiv(tokens, BLOCK_M), HEADS, batch, threads=THREADS) as (bx, head, seq):
-            q_s = T.alloc_shared((BLOCK_M, HD), BF16)
-            k_s = T.alloc_shared((2, BLOCK_N, HD), BF16)
-            v_s = T.alloc_shared((2, BLOCK_N, HD), BF16)
-            o_s = T.alloc_shared((BLOCK_M, HD), BF16)
-            s = T.alloc_fragment((BLOCK_M, BLOCK_N), T.float32)
-            p = T.alloc_fragment((BLOCK_M, BLOCK_N), BF16)
-            acc = T.alloc_fragment((BLOCK_M, HD), T.float32)
-            m = T.alloc_fragment((BLOCK_M,), T.float32)
-            m_prev = T.alloc_fragment((BLOCK_M,), T.float32)
-            rescale = T.alloc_fragment((BLOCK_M,), T.float32)
-            row_sum = T.alloc_fragment((BLOCK_M,), T.float32)
-            l = T.alloc_fragment((BLOCK_M,), T.float32)
-            kv_head = head // group
-            tile = T.ceildiv(tokens, BLOCK_M) - 1 - bx  # the longest tiles (last queries) start first
-            start = STARTS[seq]
-            q_len = Q_LENS[seq]
-            ctx = CTX_LENS[seq]
-            q0 = tile * BLOCK_M
-            first_pos = ctx - q_len + q0  # the position of the tile's first query
-            kv_end = T.min(ctx, first_pos + BLOCK_M)
-            last_page = (kv_end - 1) // CACHE_BLOCK
-            n = T.ceildiv(kv_end, BLOCK_N)
-            if q0 < q_len:
-                load_tile(KC, k_s, 0, TABLES, seq, kv_head, last_page)  # in flight while Q is loaded
-                load_tile(VC, v_s, 0, TABLES, seq, kv_head, last_page)
-                load_queries(Q, q_s, acc, l, m, start, q0, q_len, head)
-                T.ptx_wait_group(0)
-                T.sync_threads()
-                if n > 1:
-                    load_tile(KC, k_s, 1, TABLES, seq, kv_head, last_page)
-                scores(q_s, k_s[0, :, :], s)
-                wait_scores(s, 0)
-                softmax(s, m, m_prev, rescale, row_sum, l, 0, first_pos, kv_end)
-                T.copy(s, p)
-                for k in T.serial(1, n):
-                    T.ptx_wait_group(0)  # K_k and V_{k-1} have landed, and no warpgroup still reads K_{k-1}, V_{k-2}
-                    T.sync_threads()
-                    scores(q_s, k_s[k % 2, :, :], s)
-                    rescaled_pv(acc, rescale, p, v_s[(k - 1) % 2, :, :])
-                    if k + 1 < n:
-                        load_tile(KC, k_s, k + 1, TABLES, seq, kv_head, last_page)
-                    load_tile(VC, v_s, k, TABLES, seq, kv_head, last_page)
-                    wait_scores(s, 1)  # S_k is done; P_{k-1} V_{k-1} may still run
-                    softmax(s, m, m_prev, rescale, row_sum, l, k, first_pos, kv_end)
-                    wait_pv(acc)
-                    T.copy(s, p)
-                T.ptx_wait_group(0)
-                T.sync_threads()
-                rescaled_pv(acc, rescale, p, v_s[(n - 1) % 2, :, :])
-                wait_pv(acc)
-                write_rows(acc, l, o_s, O, start, q0, q_len, head)
-
-    return attention_overlap
-
-
-
 def attention_ws(HEADS: int, KV_HEADS: int, HD: int, CACHE_BLOCK: int, SCALE: float, BLOCK_M: int, BLOCK_N: int,
                  THREADS: int):
-    """attention_overlap warp-specialised (FlashAttention-3's producer/consumer split): a producer warpgroup added
-    to the THREADS consumers gathers the K and V pages by cp.async into two-stage rings, each stage guarded by a
-    full mbarrier (the producer's 128 threads arrive through cp.async.mbarrier.arrive.noinc, so the phase completes
-    when their copies have landed, with no wait in the producer) and an empty one (every consumer thread arrives
-    once it is done reading the stage). The consumers run attention_overlap's steps on their own 64 rows each,
-    waiting only on the stage they read: no block-wide barrier in the loop, so the warpgroups drift apart and
-    neither issues loads. The producer gathers K_k, then V_{k-1}, in the consumers' order of use (S_k, then
+    """The same attention with FlashAttention-3's two overlaps. Within a warpgroup (64 query rows each) the
+    softmax runs under the tensor cores: the GEMMs are issued as async wgmma, and step k issues S_k = Q K_k^T,
+    rescales O to tile k - 1's maximum while that runs, issues O += P_{k-1} V_{k-1}, waits for S_k only
+    (wait_wgmma(1): groups complete in order) and runs S_k's softmax while P V is on the tensor cores, then waits
+    for P V before overwriting P with P_k. Key 0 is visible to every row, so the running maximum is finite from
+    tile 0 on and a masked key's exp2 is 0. Across warpgroups the loads are split off (a producer/consumer split): a
+    producer warpgroup added to the THREADS consumers gathers the K and V pages by cp.async into two-stage rings,
+    each stage guarded by a full mbarrier (the producer's 128 threads arrive through
+    cp.async.mbarrier.arrive.noinc, so the phase completes when their copies have landed, with no wait in the
+    producer) and an empty one (every consumer thread arrives once it is done reading the stage). The consumers
+    wait only on the stage they read: no block-wide barrier in the loop, so the warpgroups drift apart and neither
+    issues loads. (Measured on the H200: 467 TFLOP/s at 8k, against 344 with the first overlap alone and 331 with
+    the gather double-buffered by the consumers themselves; docs/BENCHMARKS.md.) The producer gathers K_k, then V_{k-1}, in the consumers' order of use (S_k, then
     P_{k-1} V_{k-1}). setmaxnreg gives the producer 24 registers and the consumers 240 (128 x 24 + 256 x 240 is the
     launch's 384 x 168). cp.async writes through the generic proxy and wgmma reads through the async one, hence a
     proxy fence after each full wait. The output is staged in the query tile (each warpgroup reads only its own
