@@ -129,6 +129,7 @@ def _plan_gemm(graph: Graph, node: Node) -> KernelSpec:
         split = split_count(n, k, block_n, block_k) if function == "linear_split_kernel" else 1
         if function == "linear_split_kernel" and (roles["top_k"] is not None or split == 1):
             continue  # not before the sampler's tail (its own scratch), nor where one slice is enough
+        assert function != "linear_split_kernel" or max_rows <= block_m, (name, max_rows)  # one row tile a plane
         launches, tile_roles = [], roles
         if roles["norm"] and block_m == DECODE_TILE_ROWS and roles["top_k"] is None:
             assert max_rows is not None and max_rows <= SMALL_ROWS, (name, max_rows)  # NORMED holds SMALL_ROWS rows

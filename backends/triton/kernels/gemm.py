@@ -2,7 +2,8 @@
 scale) and epilogue (bias, act(gate) * up over a merged [2N, K] weight), specialised by constexprs. Four kernels
 share them: linear_kernel on the tensor cores (prefill, and decode steps of up to 16 rows in 16-row tiles),
 linear_split_kernel, its form with K split over programs (decode), gemv_row_kernel for one row per program
-(batch-1 decode), and gemv_rows_kernel, its form for a few rows."""
+(batch-1 decode), and gemv_rows_kernel, its form for a few rows. add_rms_norm_kernel runs the norm prologue as a
+launch of its own before the 16-row decode tiles."""
 
 import triton
 import triton.language as tl
