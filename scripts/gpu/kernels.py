@@ -159,7 +159,7 @@ def gemm_case(runner: Runner, kernel: dict, roles: dict, k: int, rows: int, labe
         sizes = {"tokens": rows, "samples": rows, "batch": rows}
         env = {roles["x"]: x, roles["weight"]: w, roles["out"]: out}
         env |= {name: torch.zeros([sizes.get(d, d) for d in shape], dtype=TORCH_DTYPES[dtype], device="cuda")
-                for name, (dtype, shape) in kernel["candidate_scratch"].items()}  # split-K sums: zero between
+                for name, (dtype, shape) in kernel["candidate_scratch"].items()}  # split-K tickets start at zero
         if roles["x2"]:
             env[roles["x2"]] = x2
         if roles["norm"]:
