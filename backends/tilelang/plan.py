@@ -27,8 +27,9 @@ _HOPPER = dict(BLOCK_K=64, THREADS=256, SWIZZLE=10)
 # The SiLU x up kernels keep two 128x128 accumulators (two wgmma batches a K step, the A tile read twice), so no
 # bigger tile fits them; `wgmma_128x256_merged` (MERGED) loads gate and up rows into one shared tile and runs one
 # m64n256 batch into one 128x256 accumulator, 128 fp32 registers a consumer thread, 4 stages of 48 KB with the
-# output staged in the freed stages. It comes after the gate/up default: a candidate for `pegainfer tune` until
-# the H200 has timed it.
+# output staged in the freed stages. It comes after the gate/up default, a candidate for `pegainfer tune`: on the
+# H200 it measured 1-4 points of cuBLAS above 128x128 rows in most runs (92-95 / 83-89 / 80-82% at M = 1024 / 4096
+# / 8192), within their spread, and short of 90% at 4096 and 8192 as they are (docs/BENCHMARKS.md, session 5).
 GEMM_TILES = (
     ("wgmma_128x160_rows", (90,), dict(BLOCK_M=128, BLOCK_N=160, STAGES=4, FULL_ROW=True, **_HOPPER)),
     ("wgmma_128x128_rows", (90,), dict(BLOCK_M=128, BLOCK_N=128, STAGES=4, FULL_ROW=True, **_HOPPER)),
