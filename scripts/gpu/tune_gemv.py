@@ -43,8 +43,8 @@ def candidates(launch, act: bool, rows: int, split_launch=None) -> list[tuple[st
                 out.append((f"rows m{block_m} n{bn} k{256 * warps} w{warps}",
                             _tile(launch, "gemv_rows_kernel", block_m, bn, 256 * warps, warps, 1)))
     for bn, warps in ((4, 4), (8, 4), (16, 4), (4, 8), (8, 8), (16, 8)) if rows <= 4 else ():
-        vec = _tile(launch, "gemv_rows_kernel", rows, bn, 256 * warps, warps, 1)  # 8 K a thread
         if -(-n // bn) <= MAX_GRID_Y and rows * bn * (2 if act else 1) <= 64:
+            vec = _tile(launch, "gemv_rows_kernel", rows, bn, 256 * warps, warps, 1)  # 8 K a thread
             out.append((f"vrows m{rows} n{bn} k{256 * warps} w{warps}",
                         replace(vec, constexprs=dict(vec.constexprs, VEC=8))))
     for bn, bk, warps, stages in ((16, 256, 4, 3), (16, 512, 4, 3), (16, 128, 4, 5), (32, 256, 4, 3),
@@ -111,7 +111,8 @@ def prepare(out: Path, row_counts: list[int], only: list[str] | None = None) -> 
             plans = [v for v in kernel.variants if v.max_rows is None or rows <= v.max_rows]
             plans = [v for v in plans if v.max_rows == min(p.max_rows or 1 << 30 for p in plans)]
             base = variants["one_row"].launches[0]
-            # one launch each: a variant with its norm as a launch of its own is timed by kernels.py instead
+            # one launch each: a variant with its norm as a launch of its own is timed by kernels.py instead (and
+            # a GEMM with a norm has no split pattern here: its split variant runs the norm first)
             entries = [(f"plan {v.name}", v.launches[0]) for v in plans if len(v.launches) == 1]
             split = next((v.launches[0] for v in kernel.variants if v.launches[0].function == "linear_split_kernel"),
                          None)
