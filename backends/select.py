@@ -5,7 +5,9 @@ shapes and writes the winner per slot into the cache; without tuning data the de
 Default (until tuning says otherwise), per SM and kernel family, from the H200 measurements in docs/BENCHMARKS.md
 (2026-11-30): on sm_90 the prefill GEMMs and prefill attention go to TileLang (its default tile beat Triton's on
 every prefill GEMM of the 4B benchmark model at 4k and 8k rows, by 1.4x to 8.5x, and its attention ran 3.5x faster
-at 8k); decode GEMVs stay with Triton (CuTe DSL's won some slots in isolation but made the batch-1 step slower).
+at 8k), and so do the decode GEMMs of 2 to 16 rows (TileLang's only decode slots: its TMA-streamed tiles beat
+every Triton variant there, by 1.03x to 1.4x, session 6); one-row GEMVs stay with Triton (CuTe DSL's won some
+slots in isolation but made the batch-1 step slower).
 Every other SM, and every family without an entry, is Triton's. A backend not compiled into the cache falls
 back to the next."""
 
@@ -17,7 +19,7 @@ from pegainfer.backends.cache import model_id, sm_folder
 from pegainfer.backends.spec import KernelSpec, VariantSpec
 
 DEFAULT_PREFERENCE: dict[int, dict[str, tuple[str, ...]]] = {
-    90: {"gemm": ("tilelang", "triton"), "attention": ("tilelang", "triton")},
+    90: {"gemm": ("tilelang", "triton"), "gemv": ("tilelang", "triton"), "attention": ("tilelang", "triton")},
 }
 FALLBACK = ("triton",)
 
@@ -100,15 +102,28 @@ def used_scratch(record: dict) -> dict:
     return {name: shape for name, shape in record["candidate_scratch"].items() if name in used}
 
 
+def candidate_spec(candidate: dict) -> VariantSpec:
+    """A manifest candidate as a VariantSpec without launches: enough to know its slot and label."""
+    return VariantSpec(candidate["name"], candidate["max_rows"], [], candidate["backend"], candidate["min_sizes"])
+
+
+def slot_candidates(kernel: dict, record: dict) -> list[dict]:
+    """A selection record's alternatives, as the manifest's candidates of that slot (one variant may serve several
+    slots under one label, a TileLang decode tile the 4- and 16-row slots: the slot tells them apart)."""
+    in_slot = {candidate_spec(v).label: v for v in kernel["candidates"]
+               if slot_key(candidate_spec(v).slot) == record["slot"]}
+    return [in_slot[label] for label in record["alternatives"]]
+
+
 def reselect(manifest_path: Path, tuning: dict) -> None:
     """Chooses again among a manifest's compiled candidates, with no compiler: what `pegainfer tune` does on a
     GPU machine that has the cubins but not TileLang or CuTe DSL."""
     data = json.loads(manifest_path.read_text())
     for record in data["kernels"]:
         kernel = KernelSpec(record["graph"], record["node"], record["kind"], record["ops"], record["row_symbol"])
-        by_label = {v["label"]: v for v in record["candidates"]}
-        variants = [VariantSpec(v["name"], v["max_rows"], [], v["backend"], v["min_sizes"]) for v in by_label.values()]
+        variants = [candidate_spec(v) for v in record["candidates"]]
         chosen, record["selection"] = choose(kernel, variants, data["sm"], tuning)
-        record["variants"] = [by_label[v.label] for v in chosen]
+        by_slot = {(v.slot, v.label): candidate for v, candidate in zip(variants, record["candidates"])}
+        record["variants"] = [by_slot[(v.slot, v.label)] for v in chosen]
         record["scratch"] = used_scratch(record)
     manifest_path.write_text(json.dumps(data, indent=1))

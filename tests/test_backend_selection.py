@@ -20,9 +20,9 @@ def variant(backend: str, name: str, max_rows, min_sizes=None) -> VariantSpec:
 
 
 def gemm_kernel() -> KernelSpec:
-    variants = [variant("triton", "one_row", 1), variant("triton", "mid_rows", 64),
+    variants = [variant("triton", "one_row", 1), variant("triton", "small_rows", 16), variant("triton", "mid_rows", 64),
                 variant("triton", "many_rows", None), variant("cute", "gemv_1", 1),
-                variant("tilelang", "wgmma", None)]
+                variant("tilelang", "decode_16x16", 16), variant("tilelang", "wgmma", None)]
     return KernelSpec("body", "down", "linear", ["linear"], "tokens", variants)
 
 
@@ -35,14 +35,16 @@ def hopper_preference(monkeypatch):
                                                         "attention": ("tilelang", "triton")})
 
 
-def test_the_shipped_default_is_tilelang_for_hopper_prefill_and_triton_elsewhere():
+def test_the_shipped_default_is_tilelang_for_hopper_prefill_and_small_decode_and_triton_elsewhere():
     kernel = gemm_kernel()
     for sm in (80, 120):
         chosen, records = choose(kernel, kernel.variants, sm, {})
-        assert [v.label for v in chosen] == ["triton:one_row", "triton:mid_rows", "triton:many_rows"]
-        assert [r["by"] for r in records] == ["default"] * 3
+        assert [v.label for v in chosen] == ["triton:one_row", "triton:small_rows", "triton:mid_rows",
+                                             "triton:many_rows"]
+        assert [r["by"] for r in records] == ["default"] * 4
     chosen, _ = choose(kernel, kernel.variants, 90, {})
-    assert [v.label for v in chosen] == ["triton:one_row", "triton:mid_rows", "tilelang:wgmma"]
+    assert [v.label for v in chosen] == ["triton:one_row", "tilelang:decode_16x16", "triton:mid_rows",
+                                         "tilelang:wgmma"]
     without_tilelang = [v for v in kernel.variants if v.backend != "tilelang"]
     chosen, _ = choose(kernel, without_tilelang, 90, {})  # compiled with --backends triton
     assert chosen[-1].label == "triton:many_rows"
@@ -51,10 +53,11 @@ def test_the_shipped_default_is_tilelang_for_hopper_prefill_and_triton_elsewhere
 def test_defaults_per_sm(hopper_preference):
     kernel = gemm_kernel()
     chosen, records = choose(kernel, kernel.variants, 90, {})
-    assert [v.label for v in chosen] == ["cute:gemv_1", "triton:mid_rows", "tilelang:wgmma"]
-    assert [r["by"] for r in records] == ["default"] * 3
+    assert [v.label for v in chosen] == ["cute:gemv_1", "triton:small_rows", "triton:mid_rows", "tilelang:wgmma"]
+    assert [r["by"] for r in records] == ["default"] * 4
     chosen, _ = choose(kernel, kernel.variants, 80, {})
-    assert [v.label for v in chosen] == ["triton:one_row", "triton:mid_rows", "triton:many_rows"]
+    assert [v.label for v in chosen] == ["triton:one_row", "triton:small_rows", "triton:mid_rows",
+                                         "triton:many_rows"]
 
 
 def test_a_backends_first_variant_of_a_slot_is_its_default(hopper_preference):
@@ -157,3 +160,26 @@ def test_reselect_rewrites_a_manifest_from_its_candidates(tmp_path, hopper_prefe
     kernel = json.loads(path.read_text())["kernels"][0]
     assert [v["label"] for v in kernel["variants"]] == ["cute:gemv_1", "triton:many_rows"]
     assert kernel["scratch"] == {} and kernel["selection"][1]["by"] == "tuned"
+
+
+def test_reselect_keeps_a_variant_that_serves_two_slots_under_one_label(tmp_path):
+    """A TileLang decode tile is a candidate of the 4- and 16-row slots under one label: tuning either slot to it
+    keeps it in that slot (a lookup by label alone kept only one of the two, and the other slot fell back)."""
+    from pegainfer.backends.select import reselect, slot_candidates
+
+    def record(backend, name, max_rows):
+        return {"name": name, "label": f"{backend}:{name}", "backend": backend, "max_rows": max_rows,
+                "min_sizes": {}, "launches": [{"key": f"{name}{max_rows}", "params": []}]}
+    candidates = [record("triton", "fma_rows", 4), record("triton", "small_rows", 16), record("triton", "many", None),
+                  record("tilelang", "decode_16x16", 4), record("tilelang", "decode_16x16", 16)]
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps({"sm": 80, "kernels": [
+        {"graph": "body", "node": "down", "kind": "linear", "ops": ["linear"], "row_symbol": "tokens",
+         "variants": [], "candidates": candidates, "candidate_scratch": {}, "scratch": {}}]}))
+    tuned = {"choice": "tilelang:decode_16x16", "times_us": {}}
+    reselect(path, {"kernels": {"body/down": {"rows<=4": tuned, "rows<=16": tuned}}})
+    kernel = json.loads(path.read_text())["kernels"][0]
+    assert [(v["label"], v["max_rows"]) for v in kernel["variants"]] == [
+        ("tilelang:decode_16x16", 4), ("tilelang:decode_16x16", 16), ("triton:many", None)]
+    four = next(r for r in kernel["selection"] if r["slot"] == "rows<=4")
+    assert [v["max_rows"] for v in slot_candidates(kernel, four)] == [4, 4]

@@ -71,7 +71,7 @@ def test_every_kernel_compiles_for_sm90a_and_sm80(compiled):
 
 def test_tilelang_sm90a_gemm_and_attention_run_on_hgmma(compiled, tmp_path):
     _, where, results = compiled
-    gemm = next(n for (sm, k), n in results.items() if sm == 90 and k.startswith("down/"))
+    gemm = next(n for (sm, k), n in results.items() if sm == 90 and k.startswith("down/wgmma_"))
     code = sass(gemm.cubin, tmp_path)
     assert "HGMMA" in code and "UTMALDG" in code
     assert [p["kind"] for p in gemm.abi] == ["tma", "tma", "tma", "int"]
@@ -82,7 +82,7 @@ def test_tilelang_sm90a_gemm_and_attention_run_on_hgmma(compiled, tmp_path):
 
 
 TUNING_VARIANTS = {"wgmma_128x128": "attn_residual", "wgmma_128x256_rows": "o_proj",
-                   "wgmma_256x128_rows": "down", "wgmma_128x256_merged": "attn_residual"}
+                   "wgmma_256x128_rows": "down", "wgmma_128x256_merged": "attn_residual", "decode_16x64": "o_proj"}
 
 
 def test_every_tilelang_variant_is_compiled_by_some_test(kernels):
@@ -100,7 +100,25 @@ def test_tilelang_tuning_variant_compiles_for_sm90a(kernels, name, tmp_path):
     ((_, native),) = compile_many(todo, 1, None)
     assert native.resources["spill_stores"] == 0, native.resources
     code = sass(native.cubin, tmp_path)
-    assert "HGMMA" in code and "UTMALDG" in code
+    assert ("HMMA" if name.startswith("decode_") else "HGMMA") in code and "UTMALDG" in code
+
+
+def test_tilelang_decode_tiles_stream_weights_by_tma_and_fit_their_ctas_per_sm(compiled, tmp_path):
+    """The decode tiles: weights by TMA (UTMALDG), the step's rows by predicated cp.async (LDGSTS: no TMA box
+    past the rows), mma.sync (HMMA), and registers and shared memory that let an SM hold MIN_BLOCKS CTAs."""
+    todo, _, results = compiled
+    keys = [key for (sm, key) in results if sm == 90 and "/decode_" in key]
+    assert {key.split("/")[1] for key in keys} == {"decode_16x16", "decode_16x32"}
+    for key in keys:
+        launch, native = todo[(90, key)], results[(90, key)]
+        if launch.function != "gemm":
+            continue  # the norm launch before a GEMM with a norm
+        code = sass(native.cubin, tmp_path)
+        assert "UTMALDG" in code and "LDGSTS" in code and "HMMA" in code and "HGMMA" not in code, key
+        blocks = launch.constexprs["MIN_BLOCKS"]
+        assert native.resources["spill_stores"] == 0 and native.resources["registers"] * native.threads * blocks \
+            <= 65536, (key, native.resources, native.threads)
+        assert blocks * (native.shared + native.resources["shared"] + 1024) <= 228 * 1024, (key, native.shared)
 
 
 def test_tilelang_merged_gate_up_is_one_wgmma_n256_per_k_step(kernels, tmp_path):

@@ -53,9 +53,38 @@ def test_merged_gate_up_tile_only_for_silu_mul_and_not_the_default():
     """The merged tile (gate and up in one accumulator) computes SiLU(gate) * up and nothing else; it is a
     candidate for `pegainfer tune`, behind the two-accumulator default (on the H200 within the default's spread)."""
     gemms = [(g, n) for g, n in kernels(CONFIGS / "qwen3-4b.json") if "linear" in fused_ops(n)]
-    names = {n.name: [v.name for v in tilelang_plan.candidates(g, n, PlanOptions(block_size=16))] for g, n in gemms}
+    names = {n.name: [v.name for v in tilelang_plan.candidates(g, n, PlanOptions(block_size=16)) if v.max_rows is None]
+             for g, n in gemms}
     act = {n.name for _, n in gemms if gemm_roles(n)["act"]}
     assert act, "Qwen3's MLP has a SiLU x up kernel"
     for node in act:
         assert names[node][0] == "wgmma_128x128_rows" and "wgmma_128x256_merged" in names[node], names[node]
     assert not any("wgmma_128x256_merged" in names[node] for node in names.keys() - act)
+
+
+def test_decode_tiles_serve_four_and_sixteen_rows_with_the_default_for_their_width():
+    """TileLang's decode GEMMs: slots of 4 and 16 rows only (one row is Triton's), sm_90 only, the 16x32 tile
+    first where N <= 4096 and 16x16 first where it is wider, 16x64 behind for tuning; every stage ring fits the
+    shared memory of the CTAs the tile asks an SM to hold."""
+    from pegainfer.backends.tilelang.plan import DECODE_TILES, SM90_SHARED
+
+    gemms = [(g, n) for g, n in kernels(CONFIGS / "qwen3-4b.json") if "linear" in fused_ops(n)]
+    offered = 0
+    for graph, node in gemms:
+        decode = [v for v in tilelang_plan.candidates(graph, node, PlanOptions(block_size=16))
+                  if v.max_rows is not None]
+        if not decode:
+            continue
+        offered += 1
+        n = gemm_roles(node)["n"]
+        for rows in (4, 16):
+            names = [v.name for v in decode if v.max_rows == rows]
+            assert names == ["decode_16x32" if n <= 4096 else "decode_16x16", "decode_16x64"], (node.name, names)
+        assert {v.max_rows for v in decode} == {4, 16} and all(v.sms == (90,) for v in decode)
+        for v in decode:
+            tiles = v.launches[-1].constexprs
+            min_blocks = DECODE_TILES[v.name][3]
+            assert tiles["MIN_BLOCKS"] == min_blocks and tiles["ASYNC_ROWS"] and tiles["BLOCK_M"] == 16
+            stage = (16 + tiles["BLOCK_N"] * (2 if tiles["ACT"] else 1)) * tiles["BLOCK_K"] * 2
+            assert tiles["STAGES"] >= 2 and min_blocks * (tiles["STAGES"] * stage + 2048) <= SM90_SHARED, tiles
+    assert offered == 4, "QKV, o_proj, gate/up and down each get decode tiles"

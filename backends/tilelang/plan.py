@@ -1,7 +1,8 @@
 """Planning TileLang candidates for the kernels where Hopper's own instructions pay: the GEMMs of prefill-sized
 steps (TMA + wgmma, the SiLU x up epilogue over the merged gate/up weight; an RMSNorm prologue becomes a row
-launch first, since TMA feeds the tensor cores the operand as stored) and causal attention of prefill-shaped
-steps. A kernel TileLang cannot serve gets no candidate, and the other backends' variants serve it."""
+launch first, since TMA feeds the tensor cores the operand as stored), the GEMMs of decode steps of 2 to 16 rows
+(weights streamed by TMA, mma.sync) and causal attention of prefill-shaped steps. A kernel TileLang cannot serve
+gets no candidate, and the other backends' variants serve it."""
 
 from pathlib import Path
 
@@ -13,7 +14,6 @@ from pegainfer.ir.kernel import fused_ops
 
 KERNELS = Path(__file__).parent / "kernels"
 SMS = (80, 86, 89, 90)  # TMA and wgmma on 90 (sm_90a); cp.async and mma.sync on the others
-MIN_ROWS = 65  # below this Triton's decode-shaped tiles serve (its mid_rows variant ends at 64)
 _HOPPER = dict(BLOCK_K=64, THREADS=256, SWIZZLE=10)
 # (name, SMs, tile): the first that fits a kernel, per SM group, is its default (CI compiles the defaults). On
 # sm_90a TileLang adds a producer warpgroup to THREADS consumers; FULL_ROW gives each consumer warpgroup whole tile rows
@@ -39,8 +39,19 @@ GEMM_TILES = (
     ("wgmma_128x256_merged", (90,), dict(BLOCK_M=128, BLOCK_N=128, STAGES=4, FULL_ROW=True, MERGED=True, **_HOPPER)),
     ("mma_128x128", (80, 86, 89), dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, STAGES=3, THREADS=256, SWIZZLE=10)),
 )
+# Decode steps of up to 16 rows on sm_90a (`_decode_gemm`): (name, BLOCK_N, BLOCK_K, consumer threads, CTAs an SM
+# holds). One 16-row tile a CTA; TileLang's producer streams the weight tile by TMA through as many stages as the
+# shared memory of that many CTAs allows, and the activation rows by predicated cp.async (a TMA box reaching past
+# the step's rows made the 4-row GEMMs 1.2-1.5x slower); mma.sync on the consumers. On the H200 (docs/BENCHMARKS.md,
+# session 6) they beat every Triton variant of the 4- and 16-row slots on all four GEMMs of the 4B model: 16x32 is
+# the faster for N <= 4096 (o_proj, down: 80 CTAs of four 24 KB stages), 16x16 for the wider QKV and gate/up.
+DECODE_TILE_M = 16
+SM90_SHARED = 228 * 1024  # an SM's shared memory, of which each resident CTA also holds 1 KB for the system
+DECODE_TILES = {"decode_16x16": (16, 256, 64, 3), "decode_16x32": (32, 256, 128, 2), "decode_16x64": (64, 128, 128, 2)}
+DECODE_SLOTS = (4, 16)  # one row stays with Triton's one-row GEMV (faster there, and in programmatic launch)
 # what CI compiles for every kernel they fit
-DEFAULT_VARIANTS = ("wgmma_128x160_rows", "wgmma_128x128_rows", "mma_128x128", "flash_ws_128x128", "flash_128x128")
+DEFAULT_VARIANTS = ("wgmma_128x160_rows", "wgmma_128x128_rows", "mma_128x128", "flash_ws_128x128", "flash_128x128",
+                    "decode_16x16", "decode_16x32")
 
 
 def candidates(graph: Graph, node: Node, options: PlanOptions) -> list[VariantSpec]:
@@ -86,7 +97,7 @@ def _gemm(graph: Graph, node: Node) -> list[VariantSpec]:
     elif roles["x2"]:
         return []  # an add without a norm before a GEMM: not a shape the passes make
     gemm_params = [_tensor("A", operand), _tensor("W", roles["weight"]), _tensor("C", roles["out"]), dim]
-    variants = []
+    variants = _decode_gemm(launches, gemm_params, n, k, roles["act"], row_symbol)
     for name, sms, tiles in GEMM_TILES:
         if not _tile_fits(tiles, n, roles["act"]):
             continue
@@ -94,6 +105,25 @@ def _gemm(graph: Graph, node: Node) -> list[VariantSpec]:
                        (GridDim((n,), tiles["BLOCK_N"]), GridDim((row_symbol,), tiles["BLOCK_M"])),
                        tiles["THREADS"], tiles["STAGES"])
         variants.append(VariantSpec(name, None, [*launches, gemm], "tilelang", sms=sms))
+    return variants
+
+
+def _decode_gemm(launches: list[LaunchSpec], params: list[Param], n: int, k: int, act: int,
+                 row_symbol: str) -> list[VariantSpec]:
+    """The 4- and 16-row slots: the default decode tile for N (see DECODE_TILES), then 16x64 for tuning."""
+    default = "decode_16x32" if n <= 4096 else "decode_16x16"
+    variants = []
+    for name in (default, "decode_16x64"):
+        block_n, block_k, threads, min_blocks = DECODE_TILES[name]
+        if n % block_n or k % block_k:
+            continue
+        stage = (DECODE_TILE_M + block_n * (2 if act else 1)) * block_k * 2
+        stages = min(12, (SM90_SHARED // min_blocks - 2048) // stage)
+        tiles = dict(BLOCK_M=DECODE_TILE_M, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, THREADS=threads,
+                     SWIZZLE=0, MIN_BLOCKS=min_blocks, ASYNC_ROWS=True)
+        gemm = _launch("gemm.py", "gemm", params, dict(N=n, K=k, ACT=act, RESIDUAL=False, **tiles),
+                       (GridDim((n,), block_n), GridDim((row_symbol,), DECODE_TILE_M)), threads, stages)
+        variants += [VariantSpec(name, rows, [*launches, gemm], "tilelang", sms=(90,)) for rows in DECODE_SLOTS]
     return variants
 
 

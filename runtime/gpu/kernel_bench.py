@@ -3,6 +3,7 @@ times each candidate with. Buffers get random values; the step inputs (block tab
 from a synthetic step packed as the engine packs real ones, so attention reads valid blocks."""
 
 from collections.abc import Callable
+from itertools import count
 from math import prod
 
 import numpy as np
@@ -36,6 +37,11 @@ def synthetic_step(batch: int, query_len: int, context: int, block_size: int) ->
     return step, sizes
 
 
+def weight_names(lowered: Graph, kernel: dict) -> frozenset[str]:
+    """The kernel's graph's parameters (weights): what a decode step streams from memory."""
+    return frozenset(next(g for g in lowered.all_graphs() if g.name == kernel["graph"]).params)
+
+
 def kernel_types(lowered: Graph, kernel: dict) -> dict[str, TensorType]:
     """Every value a kernel's launches may name: its graph's values, its inner nodes' outputs, its scratch."""
     graph = next(g for g in lowered.all_graphs() if g.name == kernel["graph"])
@@ -53,8 +59,10 @@ class Buffers:
         self.allocated: dict[tuple[str, int], int] = {}
 
     def env(self, names: set[str], types: dict[str, TensorType], sizes: dict[str, int], step: dict,
-            zeroed: frozenset[str] = frozenset()) -> dict:
-        """`zeroed`: values that start as zeros (scratch: a split GEMM's partial sums and tickets), not random."""
+            zeroed: frozenset[str] = frozenset(), copy: int = 0, copied: frozenset[str] = frozenset()) -> dict:
+        """`zeroed`: values that start as zeros (scratch: a split GEMM's partial sums and tickets), not random.
+        `copied`: values that get buffers of their own per `copy` index (weights, streamed from memory by a decode
+        step: timings cycle through copies so that the L2 does not hold them)."""
         env = {}
         for name in names:
             t = types[name]
@@ -62,7 +70,7 @@ class Buffers:
             if name == "block_tables":
                 shape = step[name].shape
             nbytes = max(1, prod(shape) * t.dtype.itemsize)
-            key = (name, nbytes)
+            key = (name, nbytes, copy if name in copied else 0)
             if key not in self.allocated:
                 self.allocated[key] = driver.alloc(nbytes)
                 host = step[name] if name in step else \
@@ -84,17 +92,21 @@ def launch_values(launches: list[dict]) -> set[str]:
          if p["kind"] == "int" and p["value"].startswith("stride:")}
 
 
-def time_launches(ctx: driver.Context, folder, launches: list[dict], env: dict, sizes: dict[str, int],
+def time_launches(ctx: driver.Context, folder, launches: list[dict], env: dict | list[dict], sizes: dict[str, int],
                   repeats: int = 20, functions: dict | None = None, copies: int = 4) -> float:
-    """Microseconds of one run of the launches on the device alone (graph_seconds)."""
+    """Microseconds of one run of the launches on the device alone (graph_seconds); a list of envs is cycled
+    through, one a run."""
     functions = {} if functions is None else functions
     for launch in launches:
         if launch["key"] not in functions:
             functions[launch["key"]] = load_function((folder / launch["cubin"]).read_bytes(), launch)[1]
+    envs = env if isinstance(env, list) else [env]
+    runs = count()
 
-    def run() -> None:
+    def run() -> None:  # called `copies` times, while the graph is captured
+        current = envs[next(runs) % len(envs)]
         for launch in launches:
-            launch_kernel(functions[launch["key"]], launch, env, sizes, ctx.stream)
+            launch_kernel(functions[launch["key"]], launch, current, sizes, ctx.stream)
     return graph_seconds(ctx, run, copies, repeats) * 1e6
 
 

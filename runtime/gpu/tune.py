@@ -1,18 +1,21 @@
 """`pegainfer tune`: on the GPU, time every slot's alternatives for the model's real shapes (decode buckets at a
 1k context; GEMMs and attention of a 4k-token prefill), write the winners into the cache per
-SM (sm_XX/tuning/<model>.json), and rewrite the manifest so the runtime launches them."""
+SM (sm_XX/tuning/<model>.json), and rewrite the manifest so the runtime launches them. A decode slot's runs each
+read their own copy of the weights, as a decode step streams them from memory: with one copy the L2 held much of
+a projection's weight, and the tuner chose tiles that lost in the decode step (docs/BENCHMARKS.md, session 6)."""
 
 import json
 import time
 from pathlib import Path
 
-from pegainfer.backends.select import tuning_path
+from pegainfer.backends.select import slot_candidates, tuning_path
 from pegainfer.runtime.cuda import driver
 from pegainfer.runtime.gpu.kernel_bench import (Buffers, kernel_types, launch_values, serving_variant,
-                                                 synthetic_step, time_launches)
+                                                 synthetic_step, time_launches, weight_names)
 
 PREFILL_ROWS = 4096  # the unbounded GEMM slots and prefill attention are timed at this many tokens
 DECODE_CONTEXT = 1024
+WEIGHT_COPIES = 4  # one a run of the timing graph: 4 x 21 MB (o_proj of the 4B model) is past the H200's 50 MB L2
 
 
 def slot_sizes(kernel: dict, slot: dict, block_size: int) -> tuple[dict, dict[str, int]]:
@@ -31,10 +34,9 @@ def tune(ctx: driver.Context, manifest_path: Path, lowered, root: Path, spec, lo
     folder = manifest_path.parent.parent
     buffers, functions, results = Buffers(ctx.stream), {}, {}
     for kernel in manifest["kernels"]:
-        types = kernel_types(lowered, kernel)
+        types, weights = kernel_types(lowered, kernel), weight_names(lowered, kernel)
         for record in kernel["selection"]:
-            by_label = {v["label"]: v for v in kernel["candidates"]}
-            variants = [by_label[label] for label in record["alternatives"]]
+            variants = slot_candidates(kernel, record)
             if len(variants) < 2 and not variants[0]["min_sizes"]:
                 continue
             step, sizes = slot_sizes(kernel, {"bound": variants[0]["max_rows"], "min_sizes": variants[0]["min_sizes"]},
@@ -42,11 +44,13 @@ def tune(ctx: driver.Context, manifest_path: Path, lowered, root: Path, spec, lo
             if variants[0]["min_sizes"]:
                 variants = variants + [dict(serving_variant(kernel, sizes), label="fallthrough")]
             times = {}
+            decode = variants[0]["max_rows"] is not None and not variants[0]["min_sizes"]
             for variant in variants:
-                env = buffers.env(launch_values(variant["launches"]), types, sizes, step,
-                                  frozenset(kernel.get("candidate_scratch", kernel["scratch"])))
-                times[variant["label"]] = time_launches(ctx, folder, variant["launches"], env, sizes,
-                                                        functions=functions)
+                envs = [buffers.env(launch_values(variant["launches"]), types, sizes, step,
+                                    frozenset(kernel.get("candidate_scratch", kernel["scratch"])), copy, weights)
+                        for copy in range(WEIGHT_COPIES if decode else 1)]
+                times[variant["label"]] = time_launches(ctx, folder, variant["launches"], envs, sizes,
+                                                        functions=functions, copies=WEIGHT_COPIES)
             choice = min(times, key=times.get)
             results.setdefault(f"{kernel['graph']}/{kernel['node']}", {})[record["slot"]] = {
                 "choice": choice, "times_us": times, "sizes": {k: sizes[k] for k in ("tokens", "batch")}}

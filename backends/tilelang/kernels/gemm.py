@@ -9,13 +9,22 @@ BF16 = T.bfloat16
 
 
 def gemm(N: int, K: int, ACT: int, RESIDUAL: bool, BLOCK_M: int, BLOCK_N: int, BLOCK_K: int, STAGES: int,
-         THREADS: int, SWIZZLE: int, FULL_ROW: bool = False, MERGED: bool = False):
+         THREADS: int, SWIZZLE: int, FULL_ROW: bool = False, MERGED: bool = False, MIN_BLOCKS: int = 1,
+         ASYNC_ROWS: bool = False):
     if MERGED:  # only the SiLU x up epilogue has two halves to merge
         assert ACT == 1 and not RESIDUAL, "a merged tile computes SiLU(gate) * up"
         return gemm_merged(N, K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, THREADS, SWIZZLE, FULL_ROW)
     M = T.dynamic("M")
     policy = T.GemmWarpPolicy.FullRow if FULL_ROW else T.GemmWarpPolicy.Square
     w_rows = 2 * N if ACT else N
+
+    @T.macro
+    def load_rows(A, a_s, by, k, M):
+        if ASYNC_ROWS:  # predicated cp.async: rows past M are zero-filled, not read, and no TMA box reaches past M
+            for i, j in T.Parallel(BLOCK_M, BLOCK_K):
+                a_s[i, j] = T.if_then_else(by * BLOCK_M + i < M, A[by * BLOCK_M + i, k * BLOCK_K + j], T.cast(0, BF16))
+        else:
+            T.copy(A[by * BLOCK_M, k * BLOCK_K], a_s)
 
     @T.macro
     def tile(A, W, R, C):
@@ -25,13 +34,16 @@ def gemm(N: int, K: int, ACT: int, RESIDUAL: bool, BLOCK_M: int, BLOCK_N: int, B
             acc = T.alloc_fragment((BLOCK_M, BLOCK_N), T.float32)
             c_s = T.alloc_shared((BLOCK_M, BLOCK_N), BF16)
             T.use_swizzle(SWIZZLE, enable=SWIZZLE > 0)
+            if MIN_BLOCKS > 1:
+                T.annotate_min_blocks_per_sm(MIN_BLOCKS)
+                T.disable_warp_group_reg_alloc()
             T.clear(acc)
             if ACT:
                 u_s = T.alloc_shared((BLOCK_N, BLOCK_K), BF16)
                 up = T.alloc_fragment((BLOCK_M, BLOCK_N), T.float32)
                 T.clear(up)
                 for k in T.Pipelined(T.ceildiv(K, BLOCK_K), num_stages=STAGES):
-                    T.copy(A[by * BLOCK_M, k * BLOCK_K], a_s)
+                    load_rows(A, a_s, by, k, M)
                     T.copy(W[bx * BLOCK_N, k * BLOCK_K], w_s)
                     T.copy(W[N + bx * BLOCK_N, k * BLOCK_K], u_s)
                     T.gemm(a_s, w_s, acc, transpose_B=True, policy=policy)
@@ -40,7 +52,7 @@ def gemm(N: int, K: int, ACT: int, RESIDUAL: bool, BLOCK_M: int, BLOCK_N: int, B
                     acc[i, j] = acc[i, j] / (1.0 + T.exp(-acc[i, j])) * up[i, j]
             else:
                 for k in T.Pipelined(T.ceildiv(K, BLOCK_K), num_stages=STAGES):
-                    T.copy(A[by * BLOCK_M, k * BLOCK_K], a_s)
+                    load_rows(A, a_s, by, k, M)
                     T.copy(W[bx * BLOCK_N, k * BLOCK_K], w_s)
                     T.gemm(a_s, w_s, acc, transpose_B=True, policy=policy)
             if RESIDUAL:
