@@ -248,6 +248,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--skip", nargs="*", default=[])
     args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
     results: dict = {}
     sections = (("small", lambda: check_small(args.small, results)),
                 ("sampling", lambda: check_sampling(args.small, results)), ("bench", lambda: bench_4b(results)),

@@ -40,8 +40,9 @@ TORCH_DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32
 
 
 class Runner:
-    def __init__(self, manifest: Path) -> None:
+    def __init__(self, manifest: Path, pdl: bool = False) -> None:
         torch.cuda.init()
+        self.pdl = pdl  # launch kernels compiled for it with programmatic dependent launch, as one-token steps do
         self.ctx = driver.Context.create()
         self.folder = manifest.parent.parent
         self.manifest = json.loads(manifest.read_text())
@@ -60,7 +61,8 @@ class Runner:
             if launch["key"] not in self.functions:
                 cubin = (self.folder / launch["cubin"]).read_bytes()
                 self.functions[launch["key"]] = load_function(cubin, launch)[1]
-            launch_kernel(self.functions[launch["key"]], launch, tensors, sizes, self.ctx.stream)
+            launch_kernel(self.functions[launch["key"]], launch, tensors, sizes, self.ctx.stream,
+                          pdl=self.pdl and launch.get("pdl", False))
 
     def time_us(self, launches, env: dict | list[dict], sizes, repeats: int = 20) -> float:
         """Microseconds per run, from a replay of a CUDA graph of `repeats` runs (after a warm-up replay), cycling
@@ -124,12 +126,12 @@ def triton_for(kernel: dict, rows: int) -> dict:
                 and (v["max_rows"] is None or rows <= v["max_rows"]))
 
 
-def triton_slot(kernel: dict, rows: int) -> list[str]:
-    """Every Triton variant of the row-bounded slot serving `rows` rows (what `pegainfer tune` chooses among)."""
+def slot_labels(kernel: dict, rows: int) -> list[str]:
+    """Every variant, of any backend, of the row-bounded slot serving `rows` rows (what `pegainfer tune` chooses
+    among)."""
     bound = min(v["max_rows"] for v in kernel["candidates"]
-                if v["backend"] == "triton" and v["max_rows"] is not None and rows <= v["max_rows"])
-    return [v["label"] for v in kernel["candidates"]
-            if v["backend"] == "triton" and not v["min_sizes"] and v["max_rows"] == bound]
+                if v["max_rows"] is not None and not v["min_sizes"] and rows <= v["max_rows"])
+    return [v["label"] for v in kernel["candidates"] if not v["min_sizes"] and v["max_rows"] == bound]
 
 
 def gemm_case(runner: Runner, kernel: dict, roles: dict, k: int, rows: int, labels: list[str], timing: str):
@@ -257,6 +259,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/out")))
     parser.add_argument("--nodes", nargs="*", help="only these kernel nodes (o_proj, attention...): default all")
+    parser.add_argument("--pdl", action="store_true",
+                        help="programmatic dependent launch for the kernels compiled for it (the runtime's one-token "
+                             "steps): back-to-back runs then overlap as the kernels of a decode step do")
+    parser.add_argument("--decode-only", action="store_true", help="GEMMs at decode row counts only (no prefill M)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     spec = load_spec(embedded_configs()["qwen3-4b"])
@@ -264,7 +270,7 @@ def main() -> None:
     known = {n.name for g in lowered.all_graphs() for n in g.nodes if n.op == KERNEL}
     if set(args.nodes or ()) - known:
         parser.error(f"--nodes: no kernel named {sorted(set(args.nodes) - known)}; the kernels: {sorted(known)}")
-    runner = Runner(manifest_path(cache_root(), SM, spec))
+    runner = Runner(manifest_path(cache_root(), SM, spec), args.pdl)
     report: dict = {"device": runner.ctx.name(), "copy_tb_per_s": copy_bandwidth() / 1e12, "gemm": [], "gemv": [],
                     "attention": []}
     print(f"{report['device']}: copy {report['copy_tb_per_s']:.2f} TB/s", flush=True)
@@ -275,14 +281,12 @@ def main() -> None:
             if node.attrs["kind"] in GEMM_KINDS:
                 roles = gemm_roles(node)
                 k = graph.value_types()[roles["weight"]].shape[1]
-                for m in PREFILL_M:
+                for m in PREFILL_M if not args.decode_only else ():
                     chosen = [label for label in sorted(labels) if label.startswith("tilelang:")]
                     chosen.append(triton_for(kernel, m)["label"])
                     report["gemm"] += gemm_case(runner, kernel, roles, k, m, chosen, "prefill")
                 for rows in DECODE_ROWS:
-                    chosen = [f"cute:gemv_{rows}"] if f"cute:gemv_{rows}" in labels else []
-                    chosen += triton_slot(kernel, rows)
-                    report["gemv"] += gemm_case(runner, kernel, roles, k, rows, chosen, "decode")
+                    report["gemv"] += gemm_case(runner, kernel, roles, k, rows, slot_labels(kernel, rows), "decode")
             elif node.attrs["kind"] == "paged_attention":
                 flash = [label for label in sorted(labels) if label.startswith("tilelang:")]
                 for batch, q_len, ctx in ((2, 300, 700), (3, 130, 130)):  # the second: tiles of one and two key tiles
