@@ -40,11 +40,13 @@ GEMM_TILES = (
     ("mma_128x128", (80, 86, 89), dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, STAGES=3, THREADS=256, SWIZZLE=10)),
 )
 # Decode steps of up to 16 rows on sm_90a (`_decode_gemm`): (name, BLOCK_N, BLOCK_K, consumer threads, CTAs an SM
-# holds). One 16-row tile a CTA; TileLang's producer streams the weight tile by TMA through as many stages as the
+# holds). One 16-row tile a CTA; a producer warpgroup streams the weight tile by TMA through as many stages as the
 # shared memory of that many CTAs allows, and the activation rows by predicated cp.async (a TMA box reaching past
-# the step's rows made the 4-row GEMMs 1.2-1.5x slower); mma.sync on the consumers. On the H200 (docs/BENCHMARKS.md,
-# session 6) they beat every Triton variant of the 4- and 16-row slots on all four GEMMs of the 4B model: 16x32 is
-# the faster for N <= 4096 (o_proj, down: 80 CTAs of four 24 KB stages), 16x16 for the wider QKV and gate/up.
+# the step's rows made the 4-row GEMMs 1.2-1.5x slower); mma.sync on the consumers. gemm.py's tile, warp-specialised
+# by TileLang, for a single GEMM; decode_gemm.py, warp-specialised by hand, for SiLU x up (TileLang's released the
+# rows after the first of the two GEMMs: wrong results). On the H200 (docs/BENCHMARKS.md, session 6) they beat every
+# Triton variant of the 4- and 16-row slots on all four GEMMs of the 4B model: 16x32 is the faster for N <= 4096
+# (o_proj, down: 80 CTAs of four 24 KB stages), 16x16 for the wider QKV and gate/up.
 DECODE_TILE_M = 16
 SM90_SHARED = 228 * 1024  # an SM's shared memory, of which each resident CTA also holds 1 KB for the system
 DECODE_TILES = {"decode_16x16": (16, 256, 64, 3), "decode_16x32": (32, 256, 128, 2), "decode_16x64": (64, 128, 128, 2)}
@@ -110,7 +112,8 @@ def _gemm(graph: Graph, node: Node) -> list[VariantSpec]:
 
 def _decode_gemm(launches: list[LaunchSpec], params: list[Param], n: int, k: int, act: int,
                  row_symbol: str) -> list[VariantSpec]:
-    """The 4- and 16-row slots: the default decode tile for N (see DECODE_TILES), then 16x64 for tuning."""
+    """The 4- and 16-row slots: the default decode tile for N (see DECODE_TILES), then 16x64 for tuning; a SiLU x
+    up GEMM through decode_gemm.py (its own barrier protocol: two GEMMs read each activation stage)."""
     default = "decode_16x32" if n <= 4096 else "decode_16x16"
     variants = []
     for name in (default, "decode_16x64"):
@@ -119,10 +122,14 @@ def _decode_gemm(launches: list[LaunchSpec], params: list[Param], n: int, k: int
             continue
         stage = (DECODE_TILE_M + block_n * (2 if act else 1)) * block_k * 2
         stages = min(12, (SM90_SHARED // min_blocks - 2048) // stage)
-        tiles = dict(BLOCK_M=DECODE_TILE_M, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, THREADS=threads,
-                     SWIZZLE=0, MIN_BLOCKS=min_blocks, ASYNC_ROWS=True)
-        gemm = _launch("gemm.py", "gemm", params, dict(N=n, K=k, ACT=act, RESIDUAL=False, **tiles),
-                       (GridDim((n,), block_n), GridDim((row_symbol,), DECODE_TILE_M)), threads, stages)
+        grid = (GridDim((n,), block_n), GridDim((row_symbol,), DECODE_TILE_M))
+        tiles = dict(N=n, K=k, ACT=act, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, THREADS=threads,
+                     MIN_BLOCKS=min_blocks)
+        if act:
+            gemm = _launch("decode_gemm.py", "decode_gemm", params, tiles, grid, threads + 128, stages)
+        else:
+            gemm = _launch("gemm.py", "gemm", params, dict(tiles, RESIDUAL=False, BLOCK_M=DECODE_TILE_M, SWIZZLE=0,
+                                                           ASYNC_ROWS=True), grid, threads, stages)
         variants += [VariantSpec(name, rows, [*launches, gemm], "tilelang", sms=(90,)) for rows in DECODE_SLOTS]
     return variants
 
