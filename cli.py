@@ -117,6 +117,8 @@ def _add_bench(commands) -> None:
     p.add_argument("--steps", type=int, default=20, help="timed decode steps per point (default 20)")
     p.add_argument("--no-graphs", action="store_true", help="decode eagerly instead of replaying CUDA graphs")
     p.add_argument("--breakdown", action="store_true", help="also time each launch of a batch-1 decode step")
+    p.add_argument("--pdl-max-tokens", type=int, default=None,
+                   help="programmatic dependent launch for steps of at most this many tokens (default: the engine's)")
     p.add_argument("--cache-dir", type=Path, default=None, help=CACHE_HELP)
     p.add_argument("--json", action="store_true")
     add_bench_serve_args(p)
@@ -265,6 +267,8 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.what == "decode":
         engine = bench.engine_for(model, manifest, max_tokens=max(args.batch), max_batch=max(args.batch),
                                   max_model_len=max(args.context) + args.steps + 16)
+        if args.pdl_max_tokens is not None:
+            engine.executor.pdl_max_tokens = args.pdl_max_tokens
         rows = bench.bench_decode(engine, args.batch, args.context, args.steps, graphs=not args.no_graphs)
         report = {"decode": bench.as_json(rows)}
         text = bench.format_decode(rows)
