@@ -86,7 +86,8 @@ def test_decode_tiles_serve_four_and_sixteen_rows_with_the_default_for_their_wid
             min_blocks = DECODE_TILES[v.name][3]
             # SiLU x up through the hand-specialised template (two GEMMs read each row stage), else gemm.py's tile
             assert v.launches[-1].function == ("decode_gemm" if tiles["ACT"] else "gemm"), v.launches[-1].function
-            assert tiles["MIN_BLOCKS"] == min_blocks and (tiles["ACT"] or tiles["ASYNC_ROWS"] and tiles["BLOCK_M"] == 16)
+            assert tiles["MIN_BLOCKS"] == min_blocks
+            assert tiles["ACT"] or (tiles["ASYNC_ROWS"] and tiles["BLOCK_M"] == 16), tiles
             stage = (16 + tiles["BLOCK_N"] * (2 if tiles["ACT"] else 1)) * tiles["BLOCK_K"] * 2
             assert tiles["STAGES"] >= 2 and min_blocks * (tiles["STAGES"] * stage + 2048) <= SM90_SHARED, tiles
     assert offered == 4, "QKV, o_proj, gate/up and down each get decode tiles"

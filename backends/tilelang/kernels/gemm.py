@@ -1,7 +1,10 @@
 """y = x @ W^T on the tensor cores, TMA loads into swizzled shared memory and wgmma on sm_90a (mma.sync and
 cp.async on sm_80), with an optional epilogue: act(gate) * up over a merged [2N, K] weight (ACT=1: SiLU), or a
 residual added to the product (RESIDUAL); `gemm_merged` computes the SiLU x up epilogue with one accumulator for
-both halves. The row count M is dynamic; N and K are fixed per kernel."""
+both halves. The row count M is dynamic; N and K are fixed per kernel. The decode tiles (16 rows on mma.sync) set
+MIN_BLOCKS, the CTAs an SM must hold (register cap, no setmaxnreg), and ASYNC_ROWS, the rows by predicated
+cp.async instead of a TMA box reaching past M (single GEMMs only: with two, TileLang frees the row stage after the
+first, see decode_gemm.py)."""
 
 import tilelang.language as T
 
@@ -11,6 +14,7 @@ BF16 = T.bfloat16
 def gemm(N: int, K: int, ACT: int, RESIDUAL: bool, BLOCK_M: int, BLOCK_N: int, BLOCK_K: int, STAGES: int,
          THREADS: int, SWIZZLE: int, FULL_ROW: bool = False, MERGED: bool = False, MIN_BLOCKS: int = 1,
          ASYNC_ROWS: bool = False):
+    assert not (ACT and ASYNC_ROWS), "a 16-row SiLU x up tile is decode_gemm.py's: TileLang's frees rows too early"
     if MERGED:  # only the SiLU x up epilogue has two halves to merge
         assert ACT == 1 and not RESIDUAL, "a merged tile computes SiLU(gate) * up"
         return gemm_merged(N, K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, THREADS, SWIZZLE, FULL_ROW)
