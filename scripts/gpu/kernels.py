@@ -282,7 +282,8 @@ def main() -> None:
                 roles = gemm_roles(node)
                 k = graph.value_types()[roles["weight"]].shape[1]
                 for m in PREFILL_M if not args.decode_only else ():
-                    chosen = [label for label in sorted(labels) if label.startswith("tilelang:")]
+                    chosen = [label for label in sorted(labels)  # the prefill tiles, not the decode ones
+                              if label.startswith("tilelang:") and variant(kernel, label)["max_rows"] is None]
                     chosen.append(triton_for(kernel, m)["label"])
                     report["gemm"] += gemm_case(runner, kernel, roles, k, m, chosen, "prefill")
                 for rows in DECODE_ROWS:
