@@ -1,6 +1,7 @@
 """Every TileLang and CuTe DSL kernel of Qwen3-4B compiled on this CPU machine to cubins for sm_90a and sm_80 (the
 default TileLang variant of each slot; each extra tuning variant compiled once, for one kernel);
-the TileLang GEMM's and attention's sm_90a SASS runs on HGMMA (and TMA loads for the GEMM); each launch ABI the
+the TileLang GEMM's and attention's sm_90a SASS runs on HGMMA (and TMA loads for the GEMM), the decode tiles' on TMA
+and mma.sync within the CTAs an SM must hold, gate/up's freeing a row stage only after both GEMMs; each launch ABI the
 manifest would record agrees with the DSL's own host launcher: TileLang's generated C++ stub (argument order,
 grid and block expressions, dynamic shared memory, every TMA descriptor field) and CuTe DSL's host IR (the
 launch configuration and kernelParams it builds)."""
