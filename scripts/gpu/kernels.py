@@ -3,11 +3,11 @@
 (runtime/gpu/launch.py: TMA descriptors, CuTe tensor structs), checked against a torch reference, then timed:
 prefill GEMMs (M = 1024, 4096, 8192) against cuBLAS through torch, decode GEMVs (1, 4, 16 rows) against the measured
 copy bandwidth, causal attention of one 8k prompt in TFLOP/s of useful work; Triton's variant of the same slot
-beside each (at decode rows, every Triton variant of the slot, timed with its norm launch). Timings replay a CUDA
-graph of the repeats, so packing the arguments in Python (TMA descriptors encoded per launch) never starves the GPU;
-a GEMM's TFLOP/s counts its GEMM launch alone (a norm prologue launch is timed apart, as `prologue_us`), which is
-what cuBLAS's number covers. A failing case is recorded and the rest still run. Prints a table last; every number
-goes to $OUT/kernels.json.
+beside each (at decode rows, every variant of the slot, of any backend, timed with its norm launch). Timings
+replay a CUDA graph of the repeats, so packing the arguments in Python (TMA descriptors encoded per launch) never
+starves the GPU; a GEMM's TFLOP/s counts its GEMM launch alone (a norm prologue launch is timed apart, as
+`prologue_us`), which is what cuBLAS's number covers. A failing case is recorded and the rest still run. Prints a
+table last; every number goes to $OUT/kernels.json.
 
     PEGAINFER_CACHE=.gpu/aot_cache python3 scripts/gpu/kernels.py --out $OUT
 """
@@ -126,16 +126,16 @@ def triton_for(kernel: dict, rows: int) -> dict:
                 and (v["max_rows"] is None or rows <= v["max_rows"]))
 
 
-def slot_labels(kernel: dict, rows: int) -> list[str]:
+def slot_variants(kernel: dict, rows: int) -> list[dict]:
     """Every variant, of any backend, of the row-bounded slot serving `rows` rows (what `pegainfer tune` chooses
-    among)."""
+    among), taken from that slot: one label may name a variant of several slots."""
     bound = min(v["max_rows"] for v in kernel["candidates"]
                 if v["max_rows"] is not None and not v["min_sizes"] and rows <= v["max_rows"])
-    return [v["label"] for v in kernel["candidates"] if not v["min_sizes"] and v["max_rows"] == bound]
+    return [v for v in kernel["candidates"] if not v["min_sizes"] and v["max_rows"] == bound]
 
 
-def gemm_case(runner: Runner, kernel: dict, roles: dict, k: int, rows: int, labels: list[str], timing: str):
-    """Numerics of each labelled variant at `rows` rows against torch, then timings (and cuBLAS for prefill)."""
+def gemm_case(runner: Runner, kernel: dict, roles: dict, k: int, rows: int, variants: list[dict], timing: str):
+    """Numerics of each variant at `rows` rows against torch, then timings (and cuBLAS for prefill)."""
     n, act = roles["n"], roles["act"]
     w_rows = 2 * n if act else n
     gen = torch.Generator(device="cuda").manual_seed(rows)
@@ -154,8 +154,7 @@ def gemm_case(runner: Runner, kernel: dict, roles: dict, k: int, rows: int, labe
     # a decode GEMM streams its weight from memory: cycle through copies past the L2's 50 MB, as in serving
     copies = [w] + [w.clone() for _ in range(L2_DEFEAT_BYTES // (w.numel() * 2))] if timing == "decode" else []
     results = []
-    for label in labels:
-        chosen = variant(kernel, label)
+    for chosen in variants:
         out = torch.zeros(rows, n, device="cuda", dtype=bf)
         total = torch.zeros(rows, k, device="cuda", dtype=bf)
         sizes = {"tokens": rows, "samples": rows, "batch": rows}
@@ -168,7 +167,7 @@ def gemm_case(runner: Runner, kernel: dict, roles: dict, k: int, rows: int, labe
             env[roles["norm"]] = g
         if roles["sum"]:
             env[roles["sum"]] = total
-        row = {"kernel": kernel["node"], "variant": label, "rows": rows, "n": w_rows, "k": k}
+        row = {"kernel": kernel["node"], "variant": chosen["label"], "rows": rows, "n": w_rows, "k": k}
         try:
             torch.cuda.synchronize()
             runner.run(chosen["launches"], env, sizes)
@@ -282,12 +281,12 @@ def main() -> None:
                 roles = gemm_roles(node)
                 k = graph.value_types()[roles["weight"]].shape[1]
                 for m in PREFILL_M if not args.decode_only else ():
-                    chosen = [label for label in sorted(labels)  # the prefill tiles, not the decode ones
-                              if label.startswith("tilelang:") and variant(kernel, label)["max_rows"] is None]
-                    chosen.append(triton_for(kernel, m)["label"])
+                    chosen = [variant(kernel, label) for label in sorted(labels) if label.startswith("tilelang:")]
+                    chosen = [v for v in chosen if v["max_rows"] is None]  # the prefill tiles, not the decode ones
+                    chosen.append(triton_for(kernel, m))
                     report["gemm"] += gemm_case(runner, kernel, roles, k, m, chosen, "prefill")
                 for rows in DECODE_ROWS:
-                    report["gemv"] += gemm_case(runner, kernel, roles, k, rows, slot_labels(kernel, rows), "decode")
+                    report["gemv"] += gemm_case(runner, kernel, roles, k, rows, slot_variants(kernel, rows), "decode")
             elif node.attrs["kind"] == "paged_attention":
                 flash = [label for label in sorted(labels) if label.startswith("tilelang:")]
                 for batch, q_len, ctx in ((2, 300, 700), (3, 130, 130)):  # the second: tiles of one and two key tiles
