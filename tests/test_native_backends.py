@@ -83,7 +83,7 @@ def test_tilelang_sm90a_gemm_and_attention_run_on_hgmma(compiled, tmp_path):
 
 
 TUNING_VARIANTS = {"wgmma_128x128": "attn_residual", "wgmma_128x256_rows": "o_proj",
-                   "wgmma_256x128_rows": "down", "wgmma_128x256_merged": "attn_residual", "decode_16x64": "o_proj"}
+                   "wgmma_256x128_rows": "down", "decode_16x64": "o_proj"}
 
 
 def test_every_tilelang_variant_is_compiled_by_some_test(kernels):
@@ -122,18 +122,20 @@ def test_tilelang_decode_tiles_stream_weights_by_tma_and_fit_their_ctas_per_sm(c
         assert blocks * (native.shared + native.resources["shared"] + 1024) <= 228 * 1024, (key, native.shared)
 
 
-def test_tilelang_merged_gate_up_is_one_wgmma_n256_per_k_step(kernels, tmp_path):
+def test_tilelang_merged_gate_up_is_one_wgmma_n256_per_k_step(compiled, tmp_path):
     """The merged gate/up tile: the gate and up rows land in one shared tile and one m64n256 wgmma batch per K step
     reads them (one wgmma call site in the generated CUDA, HGMMA.64x256x16 in the SASS), within the registers and
-    the 227 KB of shared memory a block may opt into."""
-    kernel = next(k for k in kernels if k.node == "attn_residual")
-    variant = next(v for v in kernel.variants if v.name == "wgmma_128x256_merged")
-    ((_, native),) = compile_many({(90, "attn_residual/merged"): variant.launches[-1]}, 1, None)
+    the 227 KB of shared memory a block may opt into; its SiLU takes the approximate exp and reciprocal (expf and
+    an IEEE division cost the tile 7-9% on the H200)."""
+    _, _, results = compiled
+    native = results[(90, "attn_residual/wgmma_128x256_merged/1")]  # launch 0 is the norm
     assert native.resources["spill_stores"] == 0 and native.resources["spill_loads"] == 0, native.resources
     wgmma = re.findall(r"tl::wgmma_ss<[^>]*>", native.files["cu"])
     assert len(wgmma) == 1 and ", 64, 256, 16," in wgmma[0], wgmma
     assert "HGMMA.64x256x16" in sass(native.cubin, tmp_path)
     assert native.shared + native.resources["shared"] <= 227 * 1024, (native.shared, native.resources)
+    assert "__expf(" in native.files["cu"] and "fast_rcp(" in native.files["cu"]
+    assert not re.search(r"(?<!_)expf\(", native.files["cu"])
 
 
 def _evaluate(expression: str, names: list[str], m: int) -> int:

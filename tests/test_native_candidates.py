@@ -49,17 +49,20 @@ def test_no_tilelang_attention_over_a_sliding_window():
     assert all(offers(tilelang_plan, g, n) for g, n in full)
 
 
-def test_merged_gate_up_tile_only_for_silu_mul_and_not_the_default():
-    """The merged tile (gate and up in one accumulator) computes SiLU(gate) * up and nothing else; it is a
-    candidate for `pegainfer tune`, behind the two-accumulator default (on the H200 within the default's spread)."""
+def test_prefill_defaults_merged_gate_up_and_a_tile_per_width():
+    """The sm_90 prefill defaults (each kernel's first tile): the merged tile (gate and up in one accumulator) for
+    SiLU x up and nothing else; 128x192 where N allows (QKV, N = 6144) and 128x160 for N = 2560 (o_proj, down), the
+    tiles at 90% or more of cuBLAS at M = 1024, 4096 and 8192 on the H200 (docs/BENCHMARKS.md, session 7)."""
     gemms = [(g, n) for g, n in kernels(CONFIGS / "qwen3-4b.json") if "linear" in fused_ops(n)]
     names = {n.name: [v.name for v in tilelang_plan.candidates(g, n, PlanOptions(block_size=16)) if v.max_rows is None]
              for g, n in gemms}
     act = {n.name for _, n in gemms if gemm_roles(n)["act"]}
     assert act, "Qwen3's MLP has a SiLU x up kernel"
     for node in act:
-        assert names[node][0] == "wgmma_128x128_rows" and "wgmma_128x256_merged" in names[node], names[node]
+        assert names[node][:2] == ["wgmma_128x256_merged", "wgmma_128x128_rows"], names[node]
     assert not any("wgmma_128x256_merged" in names[node] for node in names.keys() - act)
+    assert names["hidden"][0] == "wgmma_128x192_rows", names["hidden"]
+    assert names["o_proj"][0] == names["down"][0] == "wgmma_128x160_rows", (names["o_proj"], names["down"])
 
 
 def test_decode_tiles_serve_four_and_sixteen_rows_with_the_default_for_their_width():

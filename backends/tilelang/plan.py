@@ -21,22 +21,21 @@ _HOPPER = dict(BLOCK_K=64, THREADS=256, SWIZZLE=10)
 # and the fourth stage trade wave quantization at small M for operand reuse, which `pegainfer tune` measures;
 # 128x160 (wgmma m64n160) tiles N = 2560 (o_proj, down) 16 wide, so M = 1024 makes 8 x 16 = 128 CTAs, one wave
 # on the H200's 132 SMs where 128x128 makes 160 (1.2 waves) and 128x256 makes 80.
-# The defaults: 128x160 where N allows (the fastest tile on the H200 for 5 of the 6 prefill GEMMs of o_proj and down
-# of the 4B benchmark model, 94-114% of cuBLAS), else 128x128 on whole rows with 4 stages (the fastest for 10 of
-# the 12 before 128x160 existed; docs/BENCHMARKS.md, 2026-11-30).
-# The SiLU x up kernels keep two 128x128 accumulators (two wgmma batches a K step, the A tile read twice), so no
-# bigger tile fits them; `wgmma_128x256_merged` (MERGED) loads gate and up rows into one shared tile and runs one
-# m64n256 batch into one 128x256 accumulator, 128 fp32 registers a consumer thread, 4 stages of 48 KB with the
-# output staged in the freed stages. It comes after the gate/up default, a candidate for `pegainfer tune`: on the
-# H200 it measured 1-4 points of cuBLAS above 128x128 rows in most runs (92-95 / 83-89 / 80-82% at M = 1024 / 4096
-# / 8192), within their spread, and short of 90% at 4096 and 8192 as they are (docs/BENCHMARKS.md, session 5).
+# The defaults, sustained at the H200's 700 W cap against cuBLAS at M = 1024 / 4096 / 8192 (docs/BENCHMARKS.md,
+# session 7): 128x160 where N allows (o_proj, down: 92-103%); 128x192 where N divides by 192 (QKV, 99 / 93 / 92%:
+# 256 CTAs at M = 1024, where 128x256 leaves 1.45 waves and 128x128 rows reads the operands more, 87-88% at 4096+);
+# for SiLU x up `wgmma_128x256_merged` (MERGED: gate and up rows loaded into one shared tile, one m64n256 batch into
+# one 128x256 accumulator, 128 fp32 registers a consumer thread, 4 stages of 48 KB with the output staged in the
+# freed stages; 101 / 97 / 97%, against 99 / 95 / 95% for 128x128 rows with its two accumulators, the A tile read
+# twice); else 128x128 on whole rows with 4 stages. No two-accumulator tile bigger than 128x128 fits the registers.
 GEMM_TILES = (
     ("wgmma_128x160_rows", (90,), dict(BLOCK_M=128, BLOCK_N=160, STAGES=4, FULL_ROW=True, **_HOPPER)),
+    ("wgmma_128x192_rows", (90,), dict(BLOCK_M=128, BLOCK_N=192, STAGES=4, FULL_ROW=True, **_HOPPER)),
+    ("wgmma_128x256_merged", (90,), dict(BLOCK_M=128, BLOCK_N=128, STAGES=4, FULL_ROW=True, MERGED=True, **_HOPPER)),
     ("wgmma_128x128_rows", (90,), dict(BLOCK_M=128, BLOCK_N=128, STAGES=4, FULL_ROW=True, **_HOPPER)),
     ("wgmma_128x128", (90,), dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, **_HOPPER)),
     ("wgmma_128x256_rows", (90,), dict(BLOCK_M=128, BLOCK_N=256, STAGES=4, FULL_ROW=True, **_HOPPER)),
     ("wgmma_256x128_rows", (90,), dict(BLOCK_M=256, BLOCK_N=128, STAGES=4, FULL_ROW=True, **_HOPPER)),
-    ("wgmma_128x256_merged", (90,), dict(BLOCK_M=128, BLOCK_N=128, STAGES=4, FULL_ROW=True, MERGED=True, **_HOPPER)),
     ("mma_128x128", (80, 86, 89), dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, STAGES=3, THREADS=256, SWIZZLE=10)),
 )
 # Decode steps of up to 16 rows on sm_90a (`_decode_gemm`): (name, BLOCK_N, BLOCK_K, consumer threads, CTAs an SM
@@ -52,8 +51,8 @@ SM90_SHARED = 228 * 1024  # an SM's shared memory, of which each resident CTA al
 DECODE_TILES = {"decode_16x16": (16, 256, 64, 3), "decode_16x32": (32, 256, 128, 2), "decode_16x64": (64, 128, 128, 2)}
 DECODE_SLOTS = (4, 16)  # one row stays with Triton's one-row GEMV (faster there, and in programmatic launch)
 # what CI compiles for every kernel they fit
-DEFAULT_VARIANTS = ("wgmma_128x160_rows", "wgmma_128x128_rows", "mma_128x128", "flash_ws_128x128", "flash_128x128",
-                    "decode_16x16", "decode_16x32")
+DEFAULT_VARIANTS = ("wgmma_128x160_rows", "wgmma_128x192_rows", "wgmma_128x256_merged", "wgmma_128x128_rows",
+                    "mma_128x128", "flash_ws_128x128", "flash_128x128", "decode_16x16", "decode_16x32")
 
 
 def candidates(graph: Graph, node: Node, options: PlanOptions) -> list[VariantSpec]:

@@ -1,13 +1,13 @@
 """On the H200: every TileLang and CuTe DSL kernel of Qwen3-4B, every TileLang variant of each slot (the tiles
 `pegainfer tune` chooses among), loaded from the cubin cache through the runtime's launch path
 (runtime/gpu/launch.py: TMA descriptors, CuTe tensor structs), checked against a torch reference, then timed:
-prefill GEMMs (M = 1024, 4096, 8192) against cuBLAS through torch, decode GEMVs (1, 4, 16 rows) against the measured
-copy bandwidth, causal attention of one 8k prompt in TFLOP/s of useful work; Triton's variant of the same slot
-beside each (at decode rows, every variant of the slot, of any backend, timed with its norm launch). Timings
-replay a CUDA graph of the repeats, so packing the arguments in Python (TMA descriptors encoded per launch) never
-starves the GPU; a GEMM's TFLOP/s counts its GEMM launch alone (a norm prologue launch is timed apart, as
-`prologue_us`), which is what cuBLAS's number covers. A failing case is recorded and the rest still run. Prints a
-table last; every number goes to $OUT/kernels.json.
+prefill GEMMs (M = 1024, 4096, 8192) against cuBLAS through torch (each the best of ROUNDS timings alternated with
+cuBLAS's), decode GEMVs (1, 4, 16 rows) against the measured copy bandwidth and cuBLAS, causal attention of one 8k
+prompt in TFLOP/s of useful work; Triton's variant of the same slot beside each (at decode rows, every variant of
+the slot, of any backend, timed with its norm launch). Timings replay a CUDA graph of the repeats, so packing the
+arguments in Python (TMA descriptors encoded per launch) never starves the GPU; a GEMM's TFLOP/s counts its GEMM
+launch alone (a norm prologue launch is timed apart, as `prologue_us`), which is what cuBLAS's number covers. A
+failing case is recorded and the rest still run. Prints a table last; every number goes to $OUT/kernels.json.
 
     PEGAINFER_CACHE=.gpu/aot_cache python3 scripts/gpu/kernels.py --out $OUT
 """
@@ -15,7 +15,10 @@ table last; every number goes to $OUT/kernels.json.
 import argparse
 import json
 import os
+import subprocess
+import time
 import traceback
+from datetime import datetime
 from pathlib import Path
 
 import torch
@@ -35,17 +38,19 @@ SM = 90
 GEMM_KINDS = ("add_rms_norm_linear", "linear", "add_rms_norm_linear_silu_mul")
 PREFILL_M = (1024, 4096, 8192)
 DECODE_ROWS = (1, 4, 16)
+ROUNDS = 3  # prefill GEMMs: each timed this many times alternated with cuBLAS, best of each (the clock drifts)
 L2_DEFEAT_BYTES = 256 << 20  # weight copies cycled through by the decode timings (the H200's L2 holds 50 MB)
 TORCH_DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32, "i64": torch.int64}
 
 
 class Runner:
-    def __init__(self, manifest: Path, pdl: bool = False) -> None:
+    def __init__(self, folder: Path, manifest: dict, pdl: bool = False) -> None:
+        """`folder`: where the launches' cubin paths start (a cache root, or gemm_probe.py's folder)."""
         torch.cuda.init()
         self.pdl = pdl  # launch kernels compiled for it with programmatic dependent launch, as one-token steps do
         self.ctx = driver.Context.create()
-        self.folder = manifest.parent.parent
-        self.manifest = json.loads(manifest.read_text())
+        self.folder = folder
+        self.manifest = manifest
         self.functions: dict[str, object] = {}
 
     def kernel(self, graph: str, node: str) -> dict:
@@ -64,10 +69,9 @@ class Runner:
             launch_kernel(self.functions[launch["key"]], launch, tensors, sizes, self.ctx.stream,
                           pdl=self.pdl and launch.get("pdl", False))
 
-    def time_us(self, launches, env: dict | list[dict], sizes, repeats: int = 20) -> float:
-        """Microseconds per run, from a replay of a CUDA graph of `repeats` runs (after a warm-up replay), cycling
-        through `env` when it is a list (weight copies that defeat the L2); timed eagerly, back to back, should
-        the capture fail."""
+    def replayer(self, launches, env: dict | list[dict], sizes, repeats: int = 20):
+        """A callable replaying a CUDA graph of `repeats` runs (warmed up once), cycling through `env` when it is a
+        list (weight copies that defeat the L2); eager runs, back to back, should the capture fail."""
         envs = env if isinstance(env, list) else [env]
         torch.cuda.synchronize()
         self.run(launches, envs[0], sizes)
@@ -81,6 +85,11 @@ class Runner:
         except driver.CudaError as error:
             print(f"graph capture failed ({error}); timing eagerly", flush=True)
             replay = lambda: [self.run(launches, envs[i % len(envs)], sizes) for i in range(repeats)]  # noqa: E731
+        return replay
+
+    def time_us(self, launches, env: dict | list[dict], sizes, repeats: int = 20) -> float:
+        """Microseconds per run, from one replay of `replayer`'s graph."""
+        replay = self.replayer(launches, env, sizes, repeats)
         start, end = driver.Event(), driver.Event()
         start.record(self.ctx.stream)
         replay()
@@ -101,6 +110,26 @@ def torch_time_us(fn, repeats: int = 20) -> float:
     start.record()
     for _ in range(repeats):
         fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats * 1e3
+
+
+def torch_graph_time_us(calls: list, repeats: int = 20) -> float:
+    """Microseconds per call from a replay of a torch CUDA graph of `repeats` calls cycling through `calls`: a
+    GEMM of a few rows takes less time on the GPU than torch takes to launch it, so eager timing measures Python."""
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(repeats):
+            calls[i % len(calls)]()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    graph.replay()
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / repeats * 1e3
@@ -134,6 +163,86 @@ def slot_variants(kernel: dict, rows: int) -> list[dict]:
     return [v for v in kernel["candidates"] if not v["min_sizes"] and v["max_rows"] == bound]
 
 
+def gemm_env(kernel: dict, roles: dict, rows: int, x, x2, g, w) -> tuple[dict, dict]:
+    """A GEMM kernel's tensors (output, residual sum and scratch zeroed) and step sizes at `rows` rows."""
+    sizes = {"tokens": rows, "samples": rows, "batch": rows}
+    env = {roles["x"]: x, roles["weight"]: w, roles["out"]: torch.zeros(rows, roles["n"], device="cuda",
+                                                                         dtype=torch.bfloat16)}
+    env |= {name: torch.zeros([sizes.get(d, d) for d in shape], dtype=TORCH_DTYPES[dtype], device="cuda")
+            for name, (dtype, shape) in kernel["candidate_scratch"].items()}  # split-K tickets start at zero
+    if roles["x2"]:
+        env[roles["x2"]] = x2
+    if roles["norm"]:
+        env[roles["norm"]] = g
+    if roles["sum"]:
+        env[roles["sum"]] = torch.zeros_like(x)
+    return env, sizes
+
+
+def sustained_case(runner: Runner, kernel: dict, roles: dict, k: int, m: int, variants: list[dict],
+                   seconds: float, power: "PowerSampler") -> list[dict]:
+    """Each variant's GEMM launch and cuBLAS's GEMM of the same shape, replayed back to back for `seconds` each,
+    with the SM clock and board power of the window: a long prefill runs at the H200's 700 W cap, where the clock
+    follows each kernel's power draw, and a 20-run burst catches the clock in its descent from 1980 MHz."""
+    w_rows = 2 * roles["n"] if roles["act"] else roles["n"]
+    x, x2 = (torch.randn(m, k, device="cuda").to(torch.bfloat16) for _ in range(2))
+    g = torch.ones(k, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(w_rows, k, device="cuda") * k ** -0.5).to(torch.bfloat16)
+    flops = 2 * m * w_rows * k
+    results = []
+    for chosen in variants:
+        env, sizes = gemm_env(kernel, roles, m, x, x2, g, w)
+        runner.run(chosen["launches"], env, sizes)  # the norm prologue fills the GEMM's operand
+        replay = runner.replayer(chosen["launches"][-1:], env, sizes)
+        results.append({"kernel": kernel["node"], "variant": chosen["label"], "rows": m}
+                       | power.measure(replay, runner.sync, seconds, 20 * flops))
+    graph = torch.cuda.CUDAGraph()
+    x @ w.T  # cuBLAS sets up its handle and workspace outside the capture
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        for _ in range(20):
+            x @ w.T
+    results.append({"kernel": kernel["node"], "variant": "cublas (torch)", "rows": m}
+                   | power.measure(graph.replay, torch.cuda.synchronize, seconds, 20 * flops))
+    return results
+
+
+class PowerSampler:
+    """nvidia-smi sampling the SM clock, board power and temperature every 50 ms into a CSV while it runs."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.process = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu",
+                                         "--format=csv,noheader,nounits", "-lms", "50"], stdout=path.open("w"))
+
+    def measure(self, replay, sync, seconds: float, flops_per_replay: int) -> dict:
+        """TFLOP/s of `replay` run back to back for `seconds`, and the mean clock, power and temperature over
+        the window's second half (past the clock's response to the switch of kernel)."""
+        replay()
+        sync()
+        start, count = time.time(), 0
+        while time.time() - start < seconds:
+            for _ in range(10):
+                replay()
+            count += 10
+            sync()
+        end = time.time()
+        time.sleep(0.1)  # nvidia-smi's last samples of the window
+        samples = [s for s in self.samples() if (start + end) / 2 <= s[0] <= end] or [(0.0,) * 4]
+        mhz, watts, celsius = (sum(s[i] for s in samples) / len(samples) for i in (1, 2, 3))
+        return {"sustained_tflops": flops_per_replay * count / (end - start) / 1e12, "mhz": mhz, "watts": watts,
+                "celsius": celsius, "seconds": end - start}
+
+    def samples(self) -> list[tuple[float, float, float, float]]:
+        rows = [line.split(", ") for line in self.path.read_text().splitlines() if line.count(",") == 3]
+        return [(datetime.strptime(r[0], "%Y/%m/%d %H:%M:%S.%f").timestamp(), float(r[1]), float(r[2]), float(r[3]))
+                for r in rows if "N/A" not in r]
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait()
+
+
 def gemm_case(runner: Runner, kernel: dict, roles: dict, k: int, rows: int, variants: list[dict], timing: str):
     """Numerics of each variant at `rows` rows against torch, then timings (and cuBLAS for prefill)."""
     n, act = roles["n"], roles["act"]
@@ -153,20 +262,10 @@ def gemm_case(runner: Runner, kernel: dict, roles: dict, k: int, rows: int, vari
     sum_ref = (x.float() + x2.float()).to(bf)
     # a decode GEMM streams its weight from memory: cycle through copies past the L2's 50 MB, as in serving
     copies = [w] + [w.clone() for _ in range(L2_DEFEAT_BYTES // (w.numel() * 2))] if timing == "decode" else []
-    results = []
+    results, cublas_us = [], []
     for chosen in variants:
-        out = torch.zeros(rows, n, device="cuda", dtype=bf)
-        total = torch.zeros(rows, k, device="cuda", dtype=bf)
-        sizes = {"tokens": rows, "samples": rows, "batch": rows}
-        env = {roles["x"]: x, roles["weight"]: w, roles["out"]: out}
-        env |= {name: torch.zeros([sizes.get(d, d) for d in shape], dtype=TORCH_DTYPES[dtype], device="cuda")
-                for name, (dtype, shape) in kernel["candidate_scratch"].items()}  # split-K tickets start at zero
-        if roles["x2"]:
-            env[roles["x2"]] = x2
-        if roles["norm"]:
-            env[roles["norm"]] = g
-        if roles["sum"]:
-            env[roles["sum"]] = total
+        env, sizes = gemm_env(kernel, roles, rows, x, x2, g, w)
+        out, total = env[roles["out"]], env.get(roles["sum"])
         row = {"kernel": kernel["node"], "variant": chosen["label"], "rows": rows, "n": w_rows, "k": k}
         try:
             torch.cuda.synchronize()
@@ -180,8 +279,12 @@ def gemm_case(runner: Runner, kernel: dict, roles: dict, k: int, rows: int, vari
             if len(chosen["launches"]) > 1:
                 row["gemm_us"] = runner.time_us(chosen["launches"][-1:], timed, sizes)
                 row["prologue_us"] = runner.time_us(chosen["launches"][:-1], timed, sizes)
-            if timing == "prefill":
-                row["tflops"] = 2 * rows * w_rows * k / row.get("gemm_us", row["us"]) / 1e6
+            if timing == "prefill":  # the GEMM launch, best of ROUNDS alternated with cuBLAS's
+                for _ in range(ROUNDS):
+                    row["gemm_us"] = min(row.get("gemm_us", 1e30),
+                                         runner.time_us(chosen["launches"][-1:], timed, sizes))
+                    cublas_us.append(torch_time_us(lambda: a_bf @ w.T))
+                row["tflops"] = 2 * rows * w_rows * k / row["gemm_us"] / 1e6
             else:
                 row["tb_per_s"] = w.numel() * 2 / row["us"] / 1e6
         except Exception as error:  # keep going: one broken kernel must not hide the others' numbers
@@ -189,9 +292,13 @@ def gemm_case(runner: Runner, kernel: dict, roles: dict, k: int, rows: int, vari
             traceback.print_exc()
         results.append(row)
     if timing == "prefill":
-        us = torch_time_us(lambda: a_bf @ w.T)
+        us = min(cublas_us or [torch_time_us(lambda: a_bf @ w.T)])
         results.append({"kernel": kernel["node"], "variant": "cublas (torch)", "rows": rows, "n": w_rows, "k": k,
                         "us": us, "tflops": 2 * rows * w_rows * k / us / 1e6})
+    else:  # the same weight stream through cuBLAS (the plain GEMM on normed rows: no norm, no SiLU), as an anchor
+        us = torch_graph_time_us([lambda copy=copy: a_bf @ copy.T for copy in copies])
+        results.append({"kernel": kernel["node"], "variant": "cublas (torch)", "rows": rows, "n": w_rows, "k": k,
+                        "us": us, "tb_per_s": w.numel() * 2 / us / 1e6})
     return results
 
 
@@ -262,6 +369,9 @@ def main() -> None:
                         help="programmatic dependent launch for the kernels compiled for it (the runtime's one-token "
                              "steps): back-to-back runs then overlap as the kernels of a decode step do")
     parser.add_argument("--decode-only", action="store_true", help="GEMMs at decode row counts only (no prefill M)")
+    parser.add_argument("--sustain", type=float, default=0.0, metavar="SECONDS",
+                        help="also time each prefill GEMM's TileLang variants and cuBLAS replayed back to back for "
+                             "SECONDS each, with the SM clock and board power (the regime of a long prefill)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     spec = load_spec(embedded_configs()["qwen3-4b"])
@@ -269,9 +379,11 @@ def main() -> None:
     known = {n.name for g in lowered.all_graphs() for n in g.nodes if n.op == KERNEL}
     if set(args.nodes or ()) - known:
         parser.error(f"--nodes: no kernel named {sorted(set(args.nodes) - known)}; the kernels: {sorted(known)}")
-    runner = Runner(manifest_path(cache_root(), SM, spec), args.pdl)
+    manifest = manifest_path(cache_root(), SM, spec)
+    runner = Runner(manifest.parent.parent, json.loads(manifest.read_text()), args.pdl)
     report: dict = {"device": runner.ctx.name(), "copy_tb_per_s": copy_bandwidth() / 1e12, "gemm": [], "gemv": [],
-                    "attention": []}
+                    "attention": [], "sustained": []}
+    power = PowerSampler(args.out / "smi.csv") if args.sustain else None
     print(f"{report['device']}: copy {report['copy_tb_per_s']:.2f} TB/s", flush=True)
     for graph in lowered.all_graphs():
         for node in (n for n in graph.nodes if n.op == KERNEL and (not args.nodes or n.name in args.nodes)):
@@ -285,6 +397,9 @@ def main() -> None:
                     chosen = [v for v in chosen if v["max_rows"] is None]  # the prefill tiles, not the decode ones
                     chosen.append(triton_for(kernel, m))
                     report["gemm"] += gemm_case(runner, kernel, roles, k, m, chosen, "prefill")
+                    if args.sustain:
+                        report["sustained"] += sustained_case(runner, kernel, roles, k, m, chosen[:-1], args.sustain,
+                                                              power)
                 for rows in DECODE_ROWS:
                     report["gemv"] += gemm_case(runner, kernel, roles, k, rows, slot_variants(kernel, rows), "decode")
             elif node.attrs["kind"] == "paged_attention":
@@ -307,7 +422,15 @@ def main() -> None:
         lines.append(_line(r, f"rows{r['rows']} N{r['n']} K{r['k']}", metric))
     for r in report["attention"]:
         lines.append(_line(r, f"b{r['batch']} q{r['query_len']} ctx{r['context']}", f"{r.get('tflops', 0):.0f} TF/s"))
+    cublas = {(r["kernel"], r["rows"]): r["sustained_tflops"] for r in report["sustained"]
+              if r["variant"] == "cublas (torch)"}
+    for r in report["sustained"]:
+        share = r["sustained_tflops"] / cublas[(r["kernel"], r["rows"])]
+        lines.append(f"{r['kernel']:<14} {r['variant']:<30} M{r['rows']:<5} sustained {r['sustained_tflops']:>4.0f} "
+                     f"TF/s ({share:.0%} cuBLAS) at {r['mhz']:.0f} MHz, {r['watts']:.0f} W")
     print("\n".join(lines))
+    if power:
+        power.stop()
     (args.out / "kernels.json").write_text(json.dumps(report, indent=1))
 
 

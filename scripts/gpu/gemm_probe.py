@@ -1,0 +1,197 @@
+"""TileLang GEMM tiles at shapes of our choosing, against cuBLAS: the experiments behind the plan's prefill tiles
+(kernels.py times only what the plan compiled, at the model's own shapes; this times a template at any N, K and
+tile, e.g. the plain GEMM of gate/up's whole 2N rows beside the SiLU x up tile that serves it).
+
+Here, with no GPU: `python scripts/gpu/gemm_probe.py prepare --out .gpu/probe [--only LABEL...]` compiles each case
+of CASES to an sm_90a cubin with its launch record (index.json).
+On the H200: `python3 scripts/gpu/gemm_probe.py run --dir .gpu/probe --out $OUT` checks each case against torch
+and times it at every M of PREFILL_M (a CUDA graph of repeats, best of ROUNDS alternated with cuBLAS's plain GEMM
+of the same [M, rows of W, K] through torch), printing TFLOP/s and the share of cuBLAS; every number goes to
+$OUT/probe.json."""
+
+import argparse
+import json
+import multiprocessing
+import sys
+import traceback
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+SM = 90
+PREFILL_M = (1024, 4096, 8192)
+ROUNDS = 3
+HOPPER = dict(BLOCK_K=64, THREADS=256, SWIZZLE=10, STAGES=4, FULL_ROW=True)
+
+
+@dataclass(frozen=True)
+class Case:
+    label: str
+    n: int  # output columns (for ACT, of SiLU x up: the weight has 2n rows)
+    k: int
+    act: int
+    tile: dict  # the template's tile constexprs
+    function: str = "gemm"
+    template: str = "gemm.py"
+    cluster: int = 1  # CTAs a cluster (along M); the template declares it, the launch must ask for it
+
+
+CASES = (
+    Case("plain_128x256 N19456", 19456, 2560, 0, dict(BLOCK_M=128, BLOCK_N=256, **HOPPER)),
+    Case("plain_256x128 N19456", 19456, 2560, 0, dict(BLOCK_M=256, BLOCK_N=128, **HOPPER)),
+    Case("plain_128x128 N19456", 19456, 2560, 0, dict(BLOCK_M=128, BLOCK_N=128, **HOPPER)),
+    Case("plain_128x256 N6144", 6144, 2560, 0, dict(BLOCK_M=128, BLOCK_N=256, **HOPPER)),
+    Case("silu_merged_128x256", 9728, 2560, 1, dict(BLOCK_M=128, BLOCK_N=128, MERGED=True, **HOPPER)),
+    Case("silu_128x128_rows", 9728, 2560, 1, dict(BLOCK_M=128, BLOCK_N=128, **HOPPER)),
+)
+
+
+def launch_spec(case: Case):
+    from pegainfer.backends.spec import GridDim, LaunchSpec, Param
+    from pegainfer.backends.tilelang.plan import KERNELS
+
+    tensor = lambda name: Param(name, "tensor", name.lower(), "*bf16", aligned=True)  # noqa: E731
+    params = [tensor("A"), tensor("W"), tensor("C"), Param("M", "int", "dim:tokens", "i32")]
+    constexprs = dict(N=case.n, K=case.k, ACT=case.act, **case.tile)
+    if case.function == "gemm":
+        constexprs["RESIDUAL"] = False
+    grid = (GridDim((case.n,), case.tile["BLOCK_N"]), GridDim(("tokens",), case.tile["BLOCK_M"]), GridDim())
+    source = (KERNELS / case.template).read_text()
+    return LaunchSpec(case.function, case.template, source, params, constexprs, grid,
+                      case.tile["THREADS"] // 32, case.tile["STAGES"], backend="tilelang")
+
+
+def _compile(case: Case):
+    from pegainfer.backends.tilelang.compiler import compile_launch
+
+    try:
+        return case, compile_launch(launch_spec(case), SM), None
+    except Exception as error:  # a tile that does not compile is reported, not fatal
+        return case, None, f"{type(error).__name__}: {str(error)[:300]}"
+
+
+def prepare(out: Path, only: list[str] | None) -> None:
+    cases = [c for c in CASES if not only or c.label in only]
+    out.mkdir(parents=True, exist_ok=True)
+    index = []
+    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for i, (case, compiled, error) in enumerate(pool.map(_compile, cases)):
+            if compiled is None:
+                print(f"{case.label}: {error}", file=sys.stderr)
+                continue
+            cubin = f"case{i}.cubin"
+            (out / cubin).write_bytes(compiled.cubin)
+            (out / f"case{i}.cu").write_text(compiled.files["cu"])
+            launch = asdict(launch_spec(case))
+            del launch["source"]
+            launch.update(key=cubin, cubin=cubin, symbol=compiled.function, shared=compiled.shared,
+                          threads=compiled.threads, num_warps=compiled.threads // 32, params=compiled.abi,
+                          cluster=case.cluster)
+            index.append({"case": asdict(case), "launch": launch, "resources": compiled.resources})
+            print(f"{case.label}: {compiled.resources}", flush=True)
+    (out / "index.json").write_text(json.dumps(index, indent=1))
+
+
+def run(folder: Path, out: Path) -> None:
+    import torch
+    from kernels import Runner, rel_error, torch_time_us  # noqa: E402  (scripts/gpu/, beside this file)
+
+    out.mkdir(parents=True, exist_ok=True)
+    runner = Runner(folder, {"kernels": []})
+    results = []
+    for entry in json.loads((folder / "index.json").read_text()):
+        case, launch = entry["case"], entry["launch"]
+        n, k, act = case["n"], case["k"], case["act"]
+        w_rows = 2 * n if act else n
+        for m in PREFILL_M:
+            gen = torch.Generator(device="cuda").manual_seed(m)
+            a = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+            w = (torch.randn(w_rows, k, device="cuda", generator=gen) * k ** -0.5).to(torch.bfloat16)
+            c = torch.zeros(m, n, device="cuda", dtype=torch.bfloat16)
+            y = a.float() @ w.float().T
+            ref = torch.nn.functional.silu(y[:, :n]) * y[:, n:] if act else y
+            row = {"case": case["label"], "m": m, "n": w_rows, "k": k}
+            try:
+                env, sizes = {"a": a, "w": w, "c": c}, {"tokens": m}
+                runner.run([launch], env, sizes)
+                runner.sync()
+                row["rel_err"] = rel_error(c, ref)
+                ours, theirs = [], []
+                for _ in range(ROUNDS):  # alternated, best of each: the clock drifts with heat and power
+                    ours.append(runner.time_us([launch], env, sizes))
+                    theirs.append(torch_time_us(lambda: a @ w.T))
+                row["us"], cublas_us = min(ours), min(theirs)
+                row["tflops"] = 2 * m * w_rows * k / row["us"] / 1e6
+                row["cublas_tflops"] = 2 * m * w_rows * k / cublas_us / 1e6
+            except Exception as error:
+                row["error"] = f"{type(error).__name__}: {error}"
+                traceback.print_exc()
+            results.append(row)
+            (out / "probe.json").write_text(json.dumps(results, indent=1))
+    print(f"{'case':<26} {'M':>5} {'N':>6} {'K':>5} {'rel err':>9} {'us':>8} {'TF/s':>6} {'cuBLAS':>7} {'share':>6}")
+    for r in results:
+        if "error" in r:
+            print(f"{r['case']:<26} {r['m']:>5} ERROR {r['error'][:80]}")
+            continue
+        print(f"{r['case']:<26} {r['m']:>5} {r['n']:>6} {r['k']:>5} {r['rel_err']:>9.2e} {r['us']:>8.1f} "
+              f"{r['tflops']:>6.0f} {r['cublas_tflops']:>7.0f} {r['tflops'] / r['cublas_tflops']:>6.0%}")
+
+
+def sustain(folder: Path, out: Path, m: int, seconds: float) -> None:
+    """Each case and cuBLAS's plain GEMM of its shape at M = m, replayed back to back for `seconds` with the SM
+    clock and board power sampled (kernels.py's --sustain, for the probe's cases)."""
+    import torch
+    from kernels import PowerSampler, Runner  # noqa: E402
+
+    out.mkdir(parents=True, exist_ok=True)
+    runner = Runner(folder, {"kernels": []})
+    power = PowerSampler(out / "smi.csv")
+    results = []
+    for entry in json.loads((folder / "index.json").read_text()):
+        case, launch = entry["case"], entry["launch"]
+        n, k, act = case["n"], case["k"], case["act"]
+        w_rows = 2 * n if act else n
+        flops = 20 * 2 * m * w_rows * k  # a replay: 20 runs
+        a = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        w = (torch.randn(w_rows, k, device="cuda") * k ** -0.5).to(torch.bfloat16)
+        c = torch.zeros(m, n, device="cuda", dtype=torch.bfloat16)
+        replay = runner.replayer([launch], {"a": a, "w": w, "c": c}, {"tokens": m})
+        results.append({"what": case["label"]} | power.measure(replay, runner.sync, seconds, flops))
+        a @ w.T  # cuBLAS sets up its handle and workspace outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(20):
+                a @ w.T
+        results.append({"what": f"cublas {m}x{w_rows}x{k}"} | power.measure(graph.replay, torch.cuda.synchronize,
+                                                                          seconds, flops))
+    power.stop()
+    print(f"{'what':<28} {'TF/s':>6} {'SM MHz':>7} {'W':>6} {'C':>4}")
+    for r in results:
+        print(f"{r['what']:<28} {r['sustained_tflops']:>6.0f} {r['mhz']:>7.0f} {r['watts']:>6.0f} {r['celsius']:>4.0f}")
+    (out / "sustain.json").write_text(json.dumps(results, indent=1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command", required=True)
+    prep = sub.add_parser("prepare")
+    prep.add_argument("--out", type=Path, required=True)
+    prep.add_argument("--only", nargs="*", help="only the cases of these labels")
+    go = sub.add_parser("run")
+    go.add_argument("--dir", type=Path, required=True)
+    go.add_argument("--out", type=Path, required=True)
+    go.add_argument("--sustain", type=float, default=0.0,
+                    help="instead: each case and cuBLAS replayed for this many seconds at M = 8192, with the SM "
+                         "clock and board power sampled")
+    args = parser.parse_args()
+    if args.command == "prepare":
+        prepare(args.out, args.only)
+    elif args.sustain:
+        sustain(args.dir, args.out, PREFILL_M[-1], args.sustain)
+    else:
+        run(args.dir, args.out)
+
+
+if __name__ == "__main__":
+    main()
