@@ -141,7 +141,7 @@ def sustain(folder: Path, out: Path, m: int, seconds: float) -> None:
     """Each case and cuBLAS's plain GEMM of its shape at M = m, replayed back to back for `seconds` with the SM
     clock and board power sampled (kernels.py's --sustain, for the probe's cases)."""
     import torch
-    from kernels import PowerSampler, Runner  # noqa: E402
+    from kernels import PowerSampler, Runner, torch_graph  # noqa: E402
 
     out.mkdir(parents=True, exist_ok=True)
     runner = Runner(folder, {"kernels": []})
@@ -157,12 +157,7 @@ def sustain(folder: Path, out: Path, m: int, seconds: float) -> None:
         c = torch.zeros(m, n, device="cuda", dtype=torch.bfloat16)
         replay = runner.replayer([launch], {"a": a, "w": w, "c": c}, {"tokens": m})
         results.append({"what": case["label"]} | power.measure(replay, runner.sync, seconds, flops))
-        a @ w.T  # cuBLAS sets up its handle and workspace outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(20):
-                a @ w.T
+        graph = torch_graph([lambda: a @ w.T])
         results.append({"what": f"cublas {m}x{w_rows}x{k}"} | power.measure(graph.replay, torch.cuda.synchronize,
                                                                           seconds, flops))
     power.stop()

@@ -115,9 +115,9 @@ def torch_time_us(fn, repeats: int = 20) -> float:
     return start.elapsed_time(end) / repeats * 1e3
 
 
-def torch_graph_time_us(calls: list, repeats: int = 20) -> float:
-    """Microseconds per call from a replay of a torch CUDA graph of `repeats` calls cycling through `calls`: a
-    GEMM of a few rows takes less time on the GPU than torch takes to launch it, so eager timing measures Python."""
+def torch_graph(calls: list, repeats: int = 20) -> "torch.cuda.CUDAGraph":
+    """A torch CUDA graph of `repeats` calls cycling through `calls`, each run once first (cuBLAS sets up its
+    handle and workspace outside the capture), replayed once."""
     for call in calls:
         call()
     torch.cuda.synchronize()
@@ -126,6 +126,13 @@ def torch_graph_time_us(calls: list, repeats: int = 20) -> float:
         for i in range(repeats):
             calls[i % len(calls)]()
     graph.replay()
+    return graph
+
+
+def torch_graph_time_us(calls: list, repeats: int = 20) -> float:
+    """Microseconds per call from a replay of `torch_graph`: a GEMM of a few rows takes less time on the GPU than
+    torch takes to launch it, so eager timing measures Python."""
+    graph = torch_graph(calls, repeats)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     start.record()
@@ -196,12 +203,7 @@ def sustained_case(runner: Runner, kernel: dict, roles: dict, k: int, m: int, va
         replay = runner.replayer(chosen["launches"][-1:], env, sizes)
         results.append({"kernel": kernel["node"], "variant": chosen["label"], "rows": m}
                        | power.measure(replay, runner.sync, seconds, 20 * flops))
-    graph = torch.cuda.CUDAGraph()
-    x @ w.T  # cuBLAS sets up its handle and workspace outside the capture
-    torch.cuda.synchronize()
-    with torch.cuda.graph(graph):
-        for _ in range(20):
-            x @ w.T
+    graph = torch_graph([lambda: x @ w.T])
     results.append({"kernel": kernel["node"], "variant": "cublas (torch)", "rows": m}
                    | power.measure(graph.replay, torch.cuda.synchronize, seconds, 20 * flops))
     return results
@@ -277,15 +279,17 @@ def gemm_case(runner: Runner, kernel: dict, roles: dict, k: int, rows: int, vari
             timed = env if timing == "prefill" else [env | {roles["weight"]: copy} for copy in copies]
             row["us"] = runner.time_us(chosen["launches"], timed, sizes)
             if len(chosen["launches"]) > 1:
-                row["gemm_us"] = runner.time_us(chosen["launches"][-1:], timed, sizes)
                 row["prologue_us"] = runner.time_us(chosen["launches"][:-1], timed, sizes)
             if timing == "prefill":  # the GEMM launch, best of ROUNDS alternated with cuBLAS's
+                gemm_us = []
                 for _ in range(ROUNDS):
-                    row["gemm_us"] = min(row.get("gemm_us", 1e30),
-                                         runner.time_us(chosen["launches"][-1:], timed, sizes))
+                    gemm_us.append(runner.time_us(chosen["launches"][-1:], timed, sizes))
                     cublas_us.append(torch_time_us(lambda: a_bf @ w.T))
+                row["gemm_us"] = min(gemm_us)
                 row["tflops"] = 2 * rows * w_rows * k / row["gemm_us"] / 1e6
             else:
+                if len(chosen["launches"]) > 1:
+                    row["gemm_us"] = runner.time_us(chosen["launches"][-1:], timed, sizes)
                 row["tb_per_s"] = w.numel() * 2 / row["us"] / 1e6
         except Exception as error:  # keep going: one broken kernel must not hide the others' numbers
             row["error"] = f"{type(error).__name__}: {error}"
