@@ -181,12 +181,16 @@ def main() -> None:
                          "clock and board power sampled")
     args = parser.parse_args()
     if args.command == "prepare":
+        unknown = set(args.only or ()) - {c.label for c in CASES}
+        if unknown:
+            parser.error(f"--only: no case labelled {sorted(unknown)}; the cases: {[c.label for c in CASES]}")
         prepare(args.out, args.only)
+    elif args.sustain < 0:
+        parser.error(f"--sustain: seconds must not be negative, got {args.sustain}")
     elif args.sustain:
         sustain(args.dir, args.out, PREFILL_M[-1], args.sustain)
     else:
         run(args.dir, args.out)
-
 
 if __name__ == "__main__":
     main()

@@ -377,6 +377,8 @@ def main() -> None:
                         help="also time each prefill GEMM's TileLang variants and cuBLAS replayed back to back for "
                              "SECONDS each, with the SM clock and board power (the regime of a long prefill)")
     args = parser.parse_args()
+    if args.sustain < 0:
+        parser.error(f"--sustain: seconds must not be negative, got {args.sustain}")
     args.out.mkdir(parents=True, exist_ok=True)
     spec = load_spec(embedded_configs()["qwen3-4b"])
     lowered, _ = lower(spec.graph)
