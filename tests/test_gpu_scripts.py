@@ -22,3 +22,25 @@ def test_gemm_probe_refuses_an_unknown_case_label(tmp_path):
 def test_gemm_probe_refuses_a_negative_sustain(tmp_path):
     done = run(str(SCRIPTS / "gemm_probe.py"), "run", "--dir", str(tmp_path), "--out", str(tmp_path), "--sustain", "-1")
     assert done.returncode == 2 and "--sustain: seconds must not be negative, got -1.0" in done.stderr
+
+
+def test_gemm_probe_decode_cases_launch_what_their_template_declares():
+    """A split decode case passes the fp32 planes and tickets and launches SPLIT CTAs along z; every decode case
+    (decode_gemm.py's and gemm.py's 16-row tiles) covers N with whole tiles and K with whole steps of each split,
+    and its stages fit the shared memory of the CTAs it asks an SM to hold."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gemm_probe", SCRIPTS / "gemm_probe.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    decode = [c for c in probe.CASES if c.decode]
+    assert {c.n for c in decode} == {6144, 2560, 9728}
+    for case in decode:
+        launch, tile = probe.launch_spec(case), case.tile
+        split = tile.get("SPLIT", 1)
+        names = [p.name for p in launch.params]
+        assert names == (["A", "W", "C", "P", "tickets", "M"] if split > 1 else ["A", "W", "C", "M"]), case.label
+        assert launch.grid[2].factors == (split,) and case.n % tile["BLOCK_N"] == 0
+        assert case.k % (tile["BLOCK_K"] * split) == 0, case.label
+        stage = (16 + tile["BLOCK_N"] * (2 if case.act else 1)) * tile["BLOCK_K"] * 2
+        assert tile["MIN_BLOCKS"] * (tile["STAGES"] * stage + 1024) <= 228 * 1024, case.label

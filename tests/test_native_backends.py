@@ -241,3 +241,35 @@ def test_tilelang_silu_mul_decode_tile_frees_a_row_stage_after_both_gemms(compil
     loop = consumer[:consumer.index("empty[")]
     assert "a_full[" in loop and loop.count("tl::mma_sync") == 2, loop[-600:]
     assert "(up + " in loop.split("tl::mma_sync")[-1] and "(acc + " in loop.split("tl::mma_sync")[1]
+
+
+def probe_module():
+    """scripts/gpu/gemm_probe.py, whose decode cases run decode_gemm.py's single-GEMM, PDL and split forms."""
+    import importlib.util
+    path = Path(__file__).resolve().parent.parent / "scripts" / "gpu" / "gemm_probe.py"
+    spec = importlib.util.spec_from_file_location("gemm_probe", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_decode_gemm_with_pdl_streams_weights_before_waiting_and_a_split_tile_sums_its_planes_in_order():
+    """The probe's split PDL tile of o_proj: every CTA lets the next kernel launch first; the producer issues its
+    first weight stages by TMA, then waits for the previous kernel, and only then loads the rows; the consumers of
+    a split tile write their fp32 plane, take a ticket, and the last adds the planes in plane order past L1 and
+    resets the ticket (its ABI carries the planes and tickets)."""
+    from pegainfer.backends.tilelang.compiler import compile_launch
+
+    probe = probe_module()
+    case = next(c for c in probe.CASES if c.label == "o_proj dg 16x16 s4 b3 split2")
+    native = compile_launch(probe.launch_spec(case), 90)
+    code = native.files["cu"]
+    assert code.index("cudaTriggerProgrammaticLaunchCompletion") < code.index("if (64 <= ((int)threadIdx.x))")
+    producer = code[code.index("if (64 <= ((int)threadIdx.x))"):code.index("} else {")]
+    wait = producer.index("cudaGridDependencySynchronize")
+    assert "tma_load" in producer[:wait] and "cp_async" not in producer[:wait] and "cp_async" in producer[wait:]
+    consumer = code[code.index("} else {"):]
+    assert consumer.index("(P + ") < consumer.index("__threadfence") < consumer.index("AtomicAddRet((&(tickets[")
+    assert "for (int s = 0; s < 2; ++s)" in consumer and "__ldcg((&(P[" in consumer
+    assert "tickets[((int)blockIdx.x)] = 0;" in consumer
+    assert [a["name"] for a in native.abi] == ["A", "C", "P", "W_desc", "tickets", "M"]

@@ -7,7 +7,10 @@ of CASES to an sm_90a cubin with its launch record (index.json).
 On the H200: `python3 scripts/gpu/gemm_probe.py run --dir .gpu/probe --out $OUT` checks each case against torch
 and times it at every M of PREFILL_M (a CUDA graph of repeats, best of ROUNDS alternated with cuBLAS's plain GEMM
 of the same [M, rows of W, K] through torch), printing TFLOP/s and the share of cuBLAS; every number goes to
-$OUT/probe.json."""
+$OUT/probe.json. Decode cases (`prepare --decode`: decode_gemm.py's 16-row tiles with programmatic dependent launch,
+split or not, and gemm.py's, at the 4B model's decode GEMMs) are timed at 1, 4 and 16 rows as a chain of launches
+over weight copies past the L2, plainly and programmatically, in TB/s and as a share of the copy bandwidth measured
+in the same run ($OUT/decode_probe.json)."""
 
 import argparse
 import json
@@ -34,8 +37,24 @@ class Case:
     function: str = "gemm"
     template: str = "gemm.py"
     cluster: int = 1  # CTAs a cluster (along M); the template declares it, the launch must ask for it
+    decode: bool = False  # timed at DECODE_ROWS over weight copies past the L2, in TB/s, plain and with PDL
 
 
+def decode_case(label: str, n: int, k: int, act: int, block_n: int, stages: int, threads: int, min_blocks: int,
+                pdl: bool = True, template: str = "decode_gemm.py", block_k: int = 256, split: int = 1) -> Case:
+    """A decode tile of 16 rows: decode_gemm.py's hand-specialised one (PDL: waits for the previous kernel after
+    issuing its first weight stages; split: CTAs sharing a tile's K), or gemm.py's with rows by cp.async (the
+    plan's single-GEMM default before session 8)."""
+    tile = dict(BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, THREADS=threads, MIN_BLOCKS=min_blocks)
+    if template == "gemm.py":
+        return Case(label, n, k, act, dict(tile, BLOCK_M=16, SWIZZLE=0, ASYNC_ROWS=True), decode=True)
+    return Case(label, n, k, act, dict(tile, PDL=pdl, SPLIT=split), "decode_gemm", template, decode=True)
+
+
+# the 4B model's decode GEMMs: (name, N, K, ACT)
+DECODE_SHAPES = (("qkv", 6144, 2560, 0), ("o_proj", 2560, 4096, 0), ("gate_up", 9728, 2560, 1),
+                 ("down", 2560, 9728, 0))
+DECODE_ROWS = (1, 4, 16)
 CASES = (
     Case("plain_128x256 N19456", 19456, 2560, 0, dict(BLOCK_M=128, BLOCK_N=256, **HOPPER)),
     Case("plain_256x128 N19456", 19456, 2560, 0, dict(BLOCK_M=256, BLOCK_N=128, **HOPPER)),
@@ -43,6 +62,17 @@ CASES = (
     Case("plain_128x256 N6144", 6144, 2560, 0, dict(BLOCK_M=128, BLOCK_N=256, **HOPPER)),
     Case("silu_merged_128x256", 9728, 2560, 1, dict(BLOCK_M=128, BLOCK_N=128, MERGED=True, **HOPPER)),
     Case("silu_128x128_rows", 9728, 2560, 1, dict(BLOCK_M=128, BLOCK_N=128, **HOPPER)),
+    # decode: the plan's defaults (gemm.py's 16x16 / 16x32 tile, decode_gemm's 16x16 for SiLU x up) against
+    # decode_gemm.py with PDL at several widths and shared-memory shares (stages x CTAs an SM)
+    decode_case("o_proj gemm 16x32 s4", 2560, 4096, 0, 32, 4, 128, 2, template="gemm.py"),
+    decode_case("down gemm 16x32 s4", 2560, 9728, 0, 32, 4, 128, 2, template="gemm.py"),
+    # decode_gemm.py with PDL at the 4B model's shapes: the plan's stream tiles (16x16, 3 CTAs an SM; split in two
+    # for the 2560-wide GEMMs), and the widths and depths that measured slower (docs/BENCHMARKS.md, session 8)
+    *[decode_case(f"{name} dg 16x{bn} s{st} b{mb} split{sp}", n, k, act, bn, st, th, mb, split=sp)
+      for name, n, k, act in DECODE_SHAPES
+      for bn, st, th, mb, sp in ((16, 3 if act else 4, 64, 3, 1), (16, 4, 64, 3, 2), (32, 4, 128, 2, 1),
+                                 (32, 2, 128, 4, 1), (64, 2, 128, 2, 1))
+      if n % bn == 0 and (sp == 1 or (n <= 4096 and not act)) and (bn == 16 or not act)],
 )
 
 
@@ -52,13 +82,19 @@ def launch_spec(case: Case):
 
     tensor = lambda name: Param(name, "tensor", name.lower(), "*bf16", aligned=True)  # noqa: E731
     params = [tensor("A"), tensor("W"), tensor("C"), Param("M", "int", "dim:tokens", "i32")]
+    split = case.tile.get("SPLIT", 1)
+    if split > 1:  # the split tile's fp32 planes and tickets
+        params[3:3] = [Param("P", "tensor", "p", "*fp32", aligned=True),
+                       Param("tickets", "tensor", "tickets", "*i32", aligned=True)]
     constexprs = dict(N=case.n, K=case.k, ACT=case.act, **case.tile)
     if case.function == "gemm":
         constexprs["RESIDUAL"] = False
-    grid = (GridDim((case.n,), case.tile["BLOCK_N"]), GridDim(("tokens",), case.tile["BLOCK_M"]), GridDim())
+    grid = (GridDim((case.n,), case.tile["BLOCK_N"]), GridDim(("tokens",), case.tile.get("BLOCK_M", 16)),
+            GridDim((split,)))
+    threads = case.tile["THREADS"] + (128 if case.function == "decode_gemm" else 0)  # its producer warpgroup
     source = (KERNELS / case.template).read_text()
     return LaunchSpec(case.function, case.template, source, params, constexprs, grid,
-                      case.tile["THREADS"] // 32, case.tile["STAGES"], backend="tilelang")
+                      threads // 32, case.tile["STAGES"], backend="tilelang")
 
 
 def _compile(case: Case):
@@ -70,8 +106,8 @@ def _compile(case: Case):
         return case, None, f"{type(error).__name__}: {str(error)[:300]}"
 
 
-def prepare(out: Path, only: list[str] | None) -> None:
-    cases = [c for c in CASES if not only or c.label in only]
+def prepare(out: Path, only: list[str] | None, decode: bool = False) -> None:
+    cases = [c for c in CASES if (not only or c.label in only) and (c.decode or not decode)]
     out.mkdir(parents=True, exist_ok=True)
     index = []
     with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
@@ -99,8 +135,13 @@ def run(folder: Path, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     runner = Runner(folder, {"kernels": []})
     results = []
-    for entry in json.loads((folder / "index.json").read_text()):
+    entries = json.loads((folder / "index.json").read_text())
+    if any(e["case"]["decode"] for e in entries):
+        run_decode([e for e in entries if e["case"]["decode"]], folder, out)
+    for entry in entries:
         case, launch = entry["case"], entry["launch"]
+        if case["decode"]:
+            continue
         n, k, act = case["n"], case["k"], case["act"]
         w_rows = 2 * n if act else n
         for m in PREFILL_M:
@@ -135,6 +176,62 @@ def run(folder: Path, out: Path) -> None:
             continue
         print(f"{r['case']:<26} {r['m']:>5} {r['n']:>6} {r['k']:>5} {r['rel_err']:>9.2e} {r['us']:>8.1f} "
               f"{r['tflops']:>6.0f} {r['cublas_tflops']:>7.0f} {r['tflops'] / r['cublas_tflops']:>6.0%}")
+
+
+def run_decode(entries: list[dict], folder: Path, out: Path) -> None:
+    """Each decode case at DECODE_ROWS: checked against torch, then timed as a chain of 20 launches cycling through
+    weight copies past the L2 (serving's stream), launched plainly and, where the kernel waits for its predecessor
+    itself, with PDL; TB/s of weight read and its share of the copy bandwidth measured here."""
+    import torch
+    from kernels import L2_DEFEAT_BYTES, Runner, copy_bandwidth, rel_error  # noqa: E402
+
+    plain, chained = Runner(folder, {"kernels": []}), Runner(folder, {"kernels": []}, pdl=True)
+    copy = copy_bandwidth()
+    results, weights = [], {}
+    for entry in entries:
+        case, launch = entry["case"], entry["launch"]
+        n, k, act = case["n"], case["k"], case["act"]
+        w_rows = 2 * n if act else n
+        if (w_rows, k) not in weights:
+            w = (torch.randn(w_rows, k, device="cuda") * k ** -0.5).to(torch.bfloat16)
+            weights = {(w_rows, k): [w] + [w.clone() for _ in range(L2_DEFEAT_BYTES // w.nbytes)]}
+        copies = weights[(w_rows, k)]
+        launch = dict(launch, pdl=bool(case["tile"].get("PDL")))
+        for rows in DECODE_ROWS:
+            a = torch.randn(rows, k, device="cuda").to(torch.bfloat16)
+            c = torch.zeros(rows, n, device="cuda", dtype=torch.bfloat16)
+            y = a.float() @ copies[0].float().T
+            ref = torch.nn.functional.silu(y[:, :n]) * y[:, n:] if act else y
+            row = {"case": case["label"], "rows": rows, "n": w_rows, "k": k}
+            try:
+                split = case["tile"].get("SPLIT", 1)
+                scratch = {"p": torch.zeros(split * 16, n, device="cuda"),
+                           "tickets": torch.zeros(n // case["tile"]["BLOCK_N"], device="cuda", dtype=torch.int32)}
+                envs = [{"a": a, "w": w, "c": c} | scratch for w in copies]
+                plain.run([launch], envs[0], {"tokens": rows})
+                plain.sync()
+                row["rel_err"] = rel_error(c, ref)
+                row["us"] = plain.time_us([launch], envs, {"tokens": rows})
+                if launch["pdl"]:
+                    c.zero_()
+                    row["pdl_us"] = chained.time_us([launch], envs, {"tokens": rows})
+                    chained.sync()
+                    row["pdl_rel_err"] = rel_error(c, ref)
+            except Exception as error:
+                row["error"] = f"{type(error).__name__}: {error}"
+                traceback.print_exc()
+            results.append(row)
+            (out / "decode_probe.json").write_text(json.dumps({"copy_tb_per_s": copy / 1e12, "rows": results},
+                                                              indent=1))
+    print(f"copy bandwidth {copy / 1e12:.2f} TB/s; share = weight bytes / time / copy bandwidth")
+    print(f"{'case':<30} {'rows':>4} {'rel err':>9} {'us':>7} {'share':>6} {'pdl us':>7} {'share':>6}")
+    for r in results:
+        if "error" in r:
+            print(f"{r['case']:<30} {r['rows']:>4} ERROR {r['error'][:80]}")
+            continue
+        share = lambda us: r["n"] * r["k"] * 2 / (us * 1e-6) / copy  # noqa: E731
+        pdl = f"{r['pdl_us']:>7.1f} {share(r['pdl_us']):>6.0%}" if "pdl_us" in r else ""
+        print(f"{r['case']:<30} {r['rows']:>4} {r['rel_err']:>9.2e} {r['us']:>7.1f} {share(r['us']):>6.0%} {pdl}")
 
 
 def sustain(folder: Path, out: Path, m: int, seconds: float) -> None:
@@ -173,6 +270,7 @@ def main() -> None:
     prep = sub.add_parser("prepare")
     prep.add_argument("--out", type=Path, required=True)
     prep.add_argument("--only", nargs="*", help="only the cases of these labels")
+    prep.add_argument("--decode", action="store_true", help="only the decode cases")
     go = sub.add_parser("run")
     go.add_argument("--dir", type=Path, required=True)
     go.add_argument("--out", type=Path, required=True)
@@ -184,7 +282,7 @@ def main() -> None:
         unknown = set(args.only or ()) - {c.label for c in CASES}
         if unknown:
             parser.error(f"--only: no case labelled {sorted(unknown)}; the cases: {[c.label for c in CASES]}")
-        prepare(args.out, args.only)
+        prepare(args.out, args.only, args.decode)
     elif args.sustain < 0:
         parser.error(f"--sustain: seconds must not be negative, got {args.sustain}")
     elif args.sustain:

@@ -6,7 +6,9 @@ tiles (at 1 row, gemv_row_kernel's; at more, gemv_rows_kernel's, row_programs', 
 linear_kernel's and linear_split_kernel's) to sm_90 cubins.
 On the GPU: `python scripts/gpu/tune_gemv.py run --dir .gpu/tune --out $OUT` launches each candidate on random
 bf16 data, checks its output against the plan's variant, and times it in a CUDA graph that cycles through enough
-copies of the weight to defeat the L2, printing microseconds and TB/s per candidate (best first per shape)."""
+copies of the weight to defeat the L2, printing microseconds and TB/s per candidate (best first per shape); with
+`--pdl`, each candidate compiled to wait for its predecessor is timed again launched programmatically, as the
+runtime launches one-token steps (each run may start while the one before drains)."""
 
 import argparse
 import json
@@ -136,13 +138,13 @@ def prepare(out: Path, row_counts: list[int], only: list[str] | None = None) -> 
             (out / f"{key}.cubin").write_bytes(compiled.cubin)
             entry = next(e for e in index if e["key"] == key)
             entry.update(symbol=compiled.function, shared=compiled.shared, warps=compiled.num_warps,
-                         scratch=compiled.scratch)
+                         scratch=compiled.scratch, pdl=compiled.pdl)
     index = [e for e in index if e["key"] not in failed]
     (out / "index.json").write_text(json.dumps(index, indent=1))
     print(f"{len(index)} candidates compiled, {len(failed)} failed", *failed.items(), sep="\n")
 
 
-def run(folder: Path, out: Path) -> None:
+def run(folder: Path, out: Path, pdl: bool = False) -> None:
     import ctypes
 
     import numpy as np
@@ -184,9 +186,9 @@ def run(folder: Path, out: Path) -> None:
             scratch = _scratch(entry, grid)
             packed = [_pack(entry["params"], values | {"w_ptr": w}, scratch) for w in weights]
 
-            def launch(args):
+            def launch(args, pdl: bool = False):
                 cu.launch(function, entry["symbol"], grid, 32 * entry["warps"], entry["shared"], ctx.stream,
-                          ctypes.addressof(args[1]))
+                          ctypes.addressof(args[1]), pdl=pdl)
 
             launch(packed[0])
             ctx.synchronize()
@@ -194,8 +196,12 @@ def run(folder: Path, out: Path) -> None:
             reference = got if reference is None else reference
             error = float(np.abs(got - reference).max() / (np.abs(reference).max() + 1e-9))
             seconds = graph_seconds(ctx, lambda: [launch(args) for args in packed]) / len(packed)
-            results.append(dict(kernel=kernel, rows=rows, label=entry["label"], us=seconds * 1e6,
-                                tbps=w_bytes / seconds / 1e12, rel_err=error, grid=grid))
+            row = dict(kernel=kernel, rows=rows, label=entry["label"], us=seconds * 1e6,
+                       tbps=w_bytes / seconds / 1e12, rel_err=error, grid=grid)
+            if pdl and entry.get("pdl"):  # as one-token steps launch it: each may start as the last drains
+                pdl_seconds = graph_seconds(ctx, lambda: [launch(args, True) for args in packed]) / len(packed)
+                row.update(pdl_us=pdl_seconds * 1e6, pdl_tbps=w_bytes / pdl_seconds / 1e12)
+            results.append(row)
             cu.free(result)
         (out / "tune_gemv.json").write_text(json.dumps(results, indent=1))
     _table(results)
@@ -269,11 +275,12 @@ def _read(ptr: int, count: int, f32: bool):
 
 
 def _table(results: list[dict]) -> None:
-    print(f"\n{'kernel':<14}{'rows':>5}  {'candidate':<26}{'us':>8}{'TB/s':>7}{'rel err':>10}")
+    print(f"\n{'kernel':<14}{'rows':>5}  {'candidate':<26}{'us':>8}{'TB/s':>7}{'rel err':>10}{'pdl us':>8}{'TB/s':>7}")
     for (kernel, rows), group in _groups(results).items():
         plans = [r for r in group if r["label"].startswith("plan")]
-        for r in sorted(group, key=lambda r: r["us"])[:5] + plans:
-            print(f"{kernel:<14}{rows:>5}  {r['label']:<26}{r['us']:>8.1f}{r['tbps']:>7.2f}{r['rel_err']:>10.1e}")
+        for r in sorted(group, key=lambda r: min(r["us"], r.get("pdl_us", r["us"])))[:6] + plans:
+            pdl = f"{r['pdl_us']:>8.1f}{r['pdl_tbps']:>7.2f}" if "pdl_us" in r else ""
+            print(f"{kernel:<14}{rows:>5}  {r['label']:<26}{r['us']:>8.1f}{r['tbps']:>7.2f}{r['rel_err']:>10.1e}{pdl}")
 
 
 def main(argv: list[str]) -> None:
@@ -284,8 +291,10 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1], help="row counts to search (prepare)")
     parser.add_argument("--only", nargs="+", default=None, metavar="PREFIX",
                         help="candidates whose label starts so, beside the plan's own (prepare)")
+    parser.add_argument("--pdl", action="store_true",
+                        help="time each candidate compiled for it with programmatic dependent launch too (run)")
     args = parser.parse_args(argv)
-    prepare(args.out, args.rows, args.only) if args.mode == "prepare" else run(args.dir, args.out)
+    prepare(args.out, args.rows, args.only) if args.mode == "prepare" else run(args.dir, args.out, args.pdl)
 
 
 if __name__ == "__main__":
