@@ -25,9 +25,9 @@ def test_gemm_probe_refuses_a_negative_sustain(tmp_path):
 
 
 def test_gemm_probe_decode_cases_launch_what_their_template_declares():
-    """A split decode case passes the fp32 planes and tickets and launches SPLIT CTAs along z; every decode case
-    (decode_gemm.py's and gemm.py's 16-row tiles) covers N with whole tiles and K with whole steps of each split,
-    and its stages fit the shared memory of the CTAs it asks an SM to hold."""
+    """A split decode case passes the fp32 planes and tickets and launches SPLIT CTAs along z, a swapped one a row
+    tile of SWAP_ROWS along y; every decode case (decode_gemm.py's and gemm.py's tiles) covers N with whole tiles
+    and K with whole steps of each split, and its stages fit the shared memory of the CTAs it asks an SM to hold."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("gemm_probe", SCRIPTS / "gemm_probe.py")
@@ -41,6 +41,8 @@ def test_gemm_probe_decode_cases_launch_what_their_template_declares():
         names = [p.name for p in launch.params]
         assert names == (["A", "W", "C", "P", "tickets", "M"] if split > 1 else ["A", "W", "C", "M"]), case.label
         assert launch.grid[2].factors == (split,) and case.n % tile["BLOCK_N"] == 0
+        assert launch.grid[1].block == (tile.get("BLOCK_M") or tile.get("SWAP_ROWS") or 16), case.label
         assert case.k % (tile["BLOCK_K"] * split) == 0, case.label
-        stage = (16 + tile["BLOCK_N"] * (2 if case.act else 1)) * tile["BLOCK_K"] * 2
+        rows = tile.get("SWAP_ROWS") or 16  # a swapped tile stages 8 rows where mma's A operand needs 16
+        stage = (rows + tile["BLOCK_N"] * (2 if case.act else 1)) * tile["BLOCK_K"] * 2
         assert tile["MIN_BLOCKS"] * (tile["STAGES"] * stage + 1024) <= 228 * 1024, case.label

@@ -273,3 +273,18 @@ def test_decode_gemm_with_pdl_streams_weights_before_waiting_and_a_split_tile_su
     assert "for (int s = 0; s < 2; ++s)" in consumer and "__ldcg((&(P[" in consumer
     assert "tickets[((int)blockIdx.x)] = 0;" in consumer
     assert [a["name"] for a in native.abi] == ["A", "C", "P", "W_desc", "tickets", "M"]
+
+
+def test_decode_gemm_swapped_takes_the_weight_tile_as_the_mma_a_operand():
+    """The probe's swapped QKV tile (8 rows a tile): 16 weight rows load as mma.sync's A fragment (ldmatrix x4
+    from the weight stage) and the rows as its B (x2 from the 8-row stage), m16n8k16, and the output leaves
+    transposed, one row of C per B column."""
+    from pegainfer.backends.tilelang.compiler import compile_launch
+
+    probe = probe_module()
+    case = next(c for c in probe.CASES if c.label == "qkv swap8 16x16 s6 b3")
+    code = compile_launch(probe.launch_spec(case), 90).files["cu"]
+    consumer = code[code.index("} else {"):]
+    assert re.search(r"ptx_ldmatrix_x4\(\(&\(\(\(bfloat16_t\*\)w_s\)", consumer), consumer[:800]
+    assert re.search(r"ptx_ldmatrix_x2\(\(&\(\(\(bfloat16_t\*\)a_s\)", consumer)
+    assert "16, 8, 16, false, true>" in consumer and "blockIdx.y)) * (int64_t)49152" in consumer  # 8 x N

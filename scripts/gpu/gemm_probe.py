@@ -41,14 +41,16 @@ class Case:
 
 
 def decode_case(label: str, n: int, k: int, act: int, block_n: int, stages: int, threads: int, min_blocks: int,
-                pdl: bool = True, template: str = "decode_gemm.py", block_k: int = 256, split: int = 1) -> Case:
+                pdl: bool = True, template: str = "decode_gemm.py", block_k: int = 256, split: int = 1,
+                swap_rows: int = 0) -> Case:
     """A decode tile of 16 rows: decode_gemm.py's hand-specialised one (PDL: waits for the previous kernel after
     issuing its first weight stages; split: CTAs sharing a tile's K), or gemm.py's with rows by cp.async (the
     plan's single-GEMM default before session 8)."""
     tile = dict(BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, THREADS=threads, MIN_BLOCKS=min_blocks)
     if template == "gemm.py":
         return Case(label, n, k, act, dict(tile, BLOCK_M=16, SWIZZLE=0, ASYNC_ROWS=True), decode=True)
-    return Case(label, n, k, act, dict(tile, PDL=pdl, SPLIT=split), "decode_gemm", template, decode=True)
+    return Case(label, n, k, act, dict(tile, PDL=pdl, SPLIT=split, SWAP_ROWS=swap_rows), "decode_gemm", template,
+                decode=True)
 
 
 # the 4B model's decode GEMMs: (name, N, K, ACT)
@@ -66,13 +68,17 @@ CASES = (
     # decode_gemm.py with PDL at several widths and shared-memory shares (stages x CTAs an SM)
     decode_case("o_proj gemm 16x32 s4", 2560, 4096, 0, 32, 4, 128, 2, template="gemm.py"),
     decode_case("down gemm 16x32 s4", 2560, 9728, 0, 32, 4, 128, 2, template="gemm.py"),
-    # decode_gemm.py with PDL at the 4B model's shapes: the plan's stream tiles (16x16, 3 CTAs an SM; split in two
-    # for the 2560-wide GEMMs), and the widths and depths that measured slower (docs/BENCHMARKS.md, session 8)
+    # decode_gemm.py with PDL at the 4B model's shapes: 16x16 at 3 CTAs an SM as the plan's SiLU x up tile, split in
+    # two for the 2560-wide GEMMs, and the widths and depths that measured slower (docs/BENCHMARKS.md, session 8)
     *[decode_case(f"{name} dg 16x{bn} s{st} b{mb} split{sp}", n, k, act, bn, st, th, mb, split=sp)
       for name, n, k, act in DECODE_SHAPES
-      for bn, st, th, mb, sp in ((16, 3 if act else 4, 64, 3, 1), (16, 4, 64, 3, 2), (32, 4, 128, 2, 1),
-                                 (32, 2, 128, 4, 1), (64, 2, 128, 2, 1))
-      if n % bn == 0 and (sp == 1 or (n <= 4096 and not act)) and (bn == 16 or not act)],
+      for bn, st, th, mb, sp in (((16, 3, 64, 3, 1), (16, 4, 64, 2, 1)) if act else
+                                 ((16, 4, 64, 3, 1), (16, 4, 64, 3, 2), (32, 4, 128, 2, 1), (32, 2, 128, 4, 1),
+                                  (64, 2, 128, 2, 1), (16, 6, 64, 2, 1), (16, 5, 64, 2, 1), (32, 4, 128, 1, 1)))
+      if n % bn == 0 and (sp == 1 or n <= 4096)],
+    *[decode_case(f"{name} swap{sw} 16x16 s{st} b{mb}", n, k, 0, 16, st, 32, mb, swap_rows=sw)
+      for name, n, k, act in DECODE_SHAPES if not act
+      for sw, st, mb in ((8, 9, 2), (8, 6, 3), (8, 12, 1), (16, 6, 2))],
 )
 
 
@@ -89,8 +95,8 @@ def launch_spec(case: Case):
     constexprs = dict(N=case.n, K=case.k, ACT=case.act, **case.tile)
     if case.function == "gemm":
         constexprs["RESIDUAL"] = False
-    grid = (GridDim((case.n,), case.tile["BLOCK_N"]), GridDim(("tokens",), case.tile.get("BLOCK_M", 16)),
-            GridDim((split,)))
+    rows = case.tile.get("BLOCK_M", case.tile.get("SWAP_ROWS") or 16)  # a tile's rows
+    grid = (GridDim((case.n,), case.tile["BLOCK_N"]), GridDim(("tokens",), rows), GridDim((split,)))
     threads = case.tile["THREADS"] + (128 if case.function == "decode_gemm" else 0)  # its producer warpgroup
     source = (KERNELS / case.template).read_text()
     return LaunchSpec(case.function, case.template, source, params, constexprs, grid,
@@ -204,9 +210,8 @@ def run_decode(entries: list[dict], folder: Path, out: Path) -> None:
             ref = torch.nn.functional.silu(y[:, :n]) * y[:, n:] if act else y
             row = {"case": case["label"], "rows": rows, "n": w_rows, "k": k}
             try:
-                split = case["tile"].get("SPLIT", 1)
-                scratch = {"p": torch.zeros(split * 16, n, device="cuda"),
-                           "tickets": torch.zeros(n // case["tile"]["BLOCK_N"], device="cuda", dtype=torch.int32)}
+                scratch = {"p": torch.zeros(32, n, device="cuda"),  # a split tile's planes (two of 16 rows)
+                           "tickets": torch.zeros(n // 16, device="cuda", dtype=torch.int32)}
                 envs = [{"a": a, "w": w, "c": c} | scratch for w in copies]
                 plain.run([launch], envs[0], {"tokens": rows})
                 plain.sync()

@@ -5,8 +5,9 @@ while the second still read them (wrong results on the H200, docs/BENCHMARKS.md 
 release a stage once its GEMMs are done. A producer warpgroup issues the TMA loads of the first STAGES weight tiles,
 then feeds the step's rows by predicated cp.async (rows past M zero-filled, never read) and the remaining weight
 tiles as stages free up; the consumers run mma.sync on 16-row tiles and the epilogue. M is dynamic; N and K are
-fixed. The plan serves SiLU x up at 4 and 16 rows with it; its single-GEMM, PDL and SPLIT forms are the decode
-cases of scripts/gpu/gemm_probe.py, which measured them no faster in a decode step (docs/BENCHMARKS.md, session 8).
+fixed. The plan serves SiLU x up at 4 and 16 rows with it; its single-GEMM, PDL, SPLIT and SWAP_ROWS forms are the
+decode cases of scripts/gpu/gemm_probe.py, which measured them no faster in a decode step (docs/BENCHMARKS.md,
+session 8).
 
 PDL (programmatic dependent launch): every CTA lets the next kernel launch at once, and the producer issues its
 first STAGES weight tiles before it waits for the previous kernel (weights never depend on it), so a chain of
@@ -16,7 +17,11 @@ kernel wrote (the rows); the consumers write only after rows that came after tha
 SPLIT > 1 (a single GEMM of at most 16 rows): the CTAs of an output tile share its K range, so that a narrow N
 (2560 columns make 80-160 tiles) still spreads over every SM. Each writes its fp32 sums to its plane of P and takes
 a ticket; the last of a tile adds the planes in plane order (the same sum whichever CTA is last), writes C and
-resets the tile's ticket to zero for the next launch (the runtime zeroes the tickets once)."""
+resets the tile's ticket to zero for the next launch (the runtime zeroes the tickets once).
+
+SWAP_ROWS (8 or 16; a single unsplit GEMM): the weight tile is mma.sync's A operand (BLOCK_N = 16 weight rows) and
+the step's rows its B operand, so a stage holds SWAP_ROWS rows where the A operand needs 16, and the freed shared
+memory holds more weight stages."""
 
 import tilelang.language as T
 
@@ -27,9 +32,11 @@ CONSUMERS_BARRIER = 1  # a named barrier of the consumers alone (0 is the whole 
 
 
 def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: int, THREADS: int, MIN_BLOCKS: int,
-                PDL: bool = False, SPLIT: int = 1):
+                PDL: bool = False, SPLIT: int = 1, SWAP_ROWS: int = 0):
     assert K % (BLOCK_K * SPLIT) == 0, f"K={K} must split into {SPLIT} ranges of whole {BLOCK_K}-wide steps"
     assert SPLIT == 1 or not ACT, "a split tile sums one GEMM (SiLU x up needs both sums whole)"
+    assert not SWAP_ROWS or (not ACT and SPLIT == 1), "a swapped tile computes one unsplit GEMM"
+    rows = SWAP_ROWS or ROWS  # rows a tile; SWAP_ROWS: the weight tile is mma's A operand and the rows its B
     M = T.dynamic("M")
     steps = K // BLOCK_K // SPLIT  # of one CTA
     ahead = min(STAGES, steps)  # weight tiles issued before the first rows
@@ -51,7 +58,7 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
     @T.macro
     def load_rows(A, a_s, a_full, by, bz, k):
         stage, col = k % STAGES, column(bz, k)
-        T.async_copy(A[by * ROWS:(by + 1) * ROWS, col:col + BLOCK_K], a_s[stage, :, :])
+        T.async_copy(A[by * rows:(by + 1) * rows, col:col + BLOCK_K], a_s[stage, :, :])
         T.cp_async_barrier_noinc(a_full[stage])
 
     @T.macro
@@ -65,6 +72,12 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
                     C[by * ROWS + i, bx * BLOCK_N + j] = T.cast(acc[i, j] / (1.0 + T.exp(-acc[i, j])) * up[i, j], BF16)
                 else:
                     C[by * ROWS + i, bx * BLOCK_N + j] = T.cast(acc[i, j], BF16)
+
+    @T.macro
+    def store_swapped(C, acc, bx, by):
+        for i, r in T.Parallel(BLOCK_N, rows):
+            if by * rows + r < M:
+                C[by * rows + r, bx * BLOCK_N + i] = T.cast(acc[i, r], BF16)
 
     @T.macro
     def meet_split(C, P, tickets, acc, ticket, bx, bz):
@@ -88,8 +101,8 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
 
     @T.macro
     def tile(A, W, C, P, tickets):
-        with T.Kernel(N // BLOCK_N, T.ceildiv(M, ROWS), SPLIT, threads=THREADS + PRODUCER) as (bx, by, bz):
-            a_s = T.alloc_shared((STAGES, ROWS, BLOCK_K), BF16)
+        with T.Kernel(N // BLOCK_N, T.ceildiv(M, rows), SPLIT, threads=THREADS + PRODUCER) as (bx, by, bz):
+            a_s = T.alloc_shared((STAGES, rows, BLOCK_K), BF16)
             w_s = T.alloc_shared((STAGES, BLOCK_N, BLOCK_K), BF16)
             u_s = None  # ACT=0: no up half
             if ACT:
@@ -97,7 +110,7 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
             w_full = T.alloc_barrier([PRODUCER] * STAGES)
             a_full = T.alloc_barrier([PRODUCER] * STAGES)
             empty = T.alloc_barrier([THREADS] * STAGES)
-            acc = T.alloc_fragment((ROWS, BLOCK_N), T.float32)
+            acc = T.alloc_fragment((BLOCK_N, rows) if SWAP_ROWS else (ROWS, BLOCK_N), T.float32)
             up = None
             if ACT:
                 up = T.alloc_fragment((ROWS, BLOCK_N), T.float32)
@@ -125,12 +138,17 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
                 for k in T.serial(steps):
                     T.mbarrier_wait_parity(w_full[k % STAGES], (k // STAGES) % 2)
                     T.mbarrier_wait_parity(a_full[k % STAGES], (k // STAGES) % 2)
-                    T.gemm(a_s[k % STAGES, :, :], w_s[k % STAGES, :, :], acc, transpose_B=True)
+                    if SWAP_ROWS:
+                        T.gemm(w_s[k % STAGES, :, :], a_s[k % STAGES, :, :], acc, transpose_B=True)
+                    else:
+                        T.gemm(a_s[k % STAGES, :, :], w_s[k % STAGES, :, :], acc, transpose_B=True)
                     if ACT:
                         T.gemm(a_s[k % STAGES, :, :], u_s[k % STAGES, :, :], up, transpose_B=True)
                     T.mbarrier_arrive(empty[k % STAGES])  # after the GEMMs: both read the same rows
                 if SPLIT > 1:
                     meet_split(C, P, tickets, acc, ticket, bx, bz)
+                elif SWAP_ROWS:
+                    store_swapped(C, acc, bx, by)
                 else:
                     store(C, acc, up, bx, by)
 
