@@ -7,8 +7,8 @@ of CASES to an sm_90a cubin with its launch record (index.json).
 On the H200: `python3 scripts/gpu/gemm_probe.py run --dir .gpu/probe --out $OUT` checks each case against torch
 and times it at every M of PREFILL_M (a CUDA graph of repeats, best of ROUNDS alternated with cuBLAS's plain GEMM
 of the same [M, rows of W, K] through torch), printing TFLOP/s and the share of cuBLAS; every number goes to
-$OUT/probe.json. Decode cases (`prepare --decode`: decode_gemm.py's 16-row tiles with programmatic dependent launch,
-split or not, and gemm.py's, at the 4B model's decode GEMMs) are timed at 1, 4 and 16 rows as a chain of launches
+$OUT/probe.json. Decode cases (`prepare --decode`: decode_gemm.py's tiles with programmatic dependent launch, split
+or swapped, and gemm.py's 16-row tile, at the 4B model's decode GEMMs) are timed at 1, 4 and 16 rows as a chain of launches
 over weight copies past the L2, plainly and programmatically, in TB/s and as a share of the copy bandwidth measured
 in the same run ($OUT/decode_probe.json)."""
 
@@ -43,9 +43,9 @@ class Case:
 def decode_case(label: str, n: int, k: int, act: int, block_n: int, stages: int, threads: int, min_blocks: int,
                 pdl: bool = True, template: str = "decode_gemm.py", block_k: int = 256, split: int = 1,
                 swap_rows: int = 0) -> Case:
-    """A decode tile of 16 rows: decode_gemm.py's hand-specialised one (PDL: waits for the previous kernel after
-    issuing its first weight stages; split: CTAs sharing a tile's K), or gemm.py's with rows by cp.async (the
-    plan's single-GEMM default before session 8)."""
+    """A decode tile: decode_gemm.py's hand-specialised one (PDL: waits for the previous kernel after issuing its
+    first weight stages; split: CTAs sharing a tile's K; swap_rows: the weight tile as mma's A operand, that many
+    rows as its B), or gemm.py's 16-row tile with rows by cp.async (the plan's single-GEMM decode tile)."""
     tile = dict(BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, THREADS=threads, MIN_BLOCKS=min_blocks)
     if template == "gemm.py":
         return Case(label, n, k, act, dict(tile, BLOCK_M=16, SWIZZLE=0, ASYNC_ROWS=True), decode=True)
@@ -64,8 +64,7 @@ CASES = (
     Case("plain_128x256 N6144", 6144, 2560, 0, dict(BLOCK_M=128, BLOCK_N=256, **HOPPER)),
     Case("silu_merged_128x256", 9728, 2560, 1, dict(BLOCK_M=128, BLOCK_N=128, MERGED=True, **HOPPER)),
     Case("silu_128x128_rows", 9728, 2560, 1, dict(BLOCK_M=128, BLOCK_N=128, **HOPPER)),
-    # decode: the plan's defaults (gemm.py's 16x16 / 16x32 tile, decode_gemm's 16x16 for SiLU x up) against
-    # decode_gemm.py with PDL at several widths and shared-memory shares (stages x CTAs an SM)
+    # decode: the plan's 16x32 tile of o_proj and down (gemm.py), as the anchor of the cases after it
     decode_case("o_proj gemm 16x32 s4", 2560, 4096, 0, 32, 4, 128, 2, template="gemm.py"),
     decode_case("down gemm 16x32 s4", 2560, 9728, 0, 32, 4, 128, 2, template="gemm.py"),
     # decode_gemm.py with PDL at the 4B model's shapes: 16x16 at 3 CTAs an SM as the plan's SiLU x up tile, split in
@@ -76,6 +75,7 @@ CASES = (
                                  ((16, 4, 64, 3, 1), (16, 4, 64, 3, 2), (32, 4, 128, 2, 1), (32, 2, 128, 4, 1),
                                   (64, 2, 128, 2, 1), (16, 6, 64, 2, 1), (16, 5, 64, 2, 1), (32, 4, 128, 1, 1)))
       if n % bn == 0 and (sp == 1 or n <= 4096)],
+    # swapped: a stage holds 8 (or 16) rows, not 16, so two or three CTAs an SM keep 6-12 weight stages in flight
     *[decode_case(f"{name} swap{sw} 16x16 s{st} b{mb}", n, k, 0, 16, st, 32, mb, swap_rows=sw)
       for name, n, k, act in DECODE_SHAPES if not act
       for sw, st, mb in ((8, 9, 2), (8, 6, 3), (8, 12, 1), (16, 6, 2))],
@@ -198,7 +198,7 @@ def run_decode(entries: list[dict], folder: Path, out: Path) -> None:
         case, launch = entry["case"], entry["launch"]
         n, k, act = case["n"], case["k"], case["act"]
         w_rows = 2 * n if act else n
-        if (w_rows, k) not in weights:
+        if (w_rows, k) not in weights:  # one shape's copies at a time (the cases come grouped by shape)
             w = (torch.randn(w_rows, k, device="cuda") * k ** -0.5).to(torch.bfloat16)
             weights = {(w_rows, k): [w] + [w.clone() for _ in range(L2_DEFEAT_BYTES // w.nbytes)]}
         copies = weights[(w_rows, k)]
@@ -251,6 +251,8 @@ def sustain(folder: Path, out: Path, m: int, seconds: float) -> None:
     results = []
     for entry in json.loads((folder / "index.json").read_text()):
         case, launch = entry["case"], entry["launch"]
+        if case["decode"]:  # a few rows: nothing to sustain at the power cap
+            continue
         n, k, act = case["n"], case["k"], case["act"]
         w_rows = 2 * n if act else n
         flops = 20 * 2 * m * w_rows * k  # a replay: 20 runs
