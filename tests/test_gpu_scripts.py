@@ -24,19 +24,14 @@ def test_gemm_probe_refuses_a_negative_sustain(tmp_path):
     assert done.returncode == 2 and "--sustain: seconds must not be negative, got -1.0" in done.stderr
 
 
-def test_gemm_probe_decode_cases_launch_what_their_template_declares():
+def test_gemm_probe_decode_cases_launch_what_their_template_declares(gemm_probe):
     """A split decode case passes the fp32 planes and tickets and launches SPLIT CTAs along z, a swapped one a row
     tile of SWAP_ROWS along y; every decode case (decode_gemm.py's and gemm.py's tiles) covers N with whole tiles
     and K with whole steps of each split, and its stages fit the shared memory of the CTAs it asks an SM to hold."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("gemm_probe", SCRIPTS / "gemm_probe.py")
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
-    decode = [c for c in probe.CASES if c.decode]
+    decode = [c for c in gemm_probe.CASES if c.decode]
     assert {c.n for c in decode} == {6144, 2560, 9728}
     for case in decode:
-        launch, tile = probe.launch_spec(case), case.tile
+        launch, tile = gemm_probe.launch_spec(case), case.tile
         split = tile.get("SPLIT", 1)
         names = [p.name for p in launch.params]
         assert names == (["A", "W", "C", "P", "tickets", "M"] if split > 1 else ["A", "W", "C", "M"]), case.label
@@ -46,3 +41,12 @@ def test_gemm_probe_decode_cases_launch_what_their_template_declares():
         rows = tile.get("SWAP_ROWS") or 16  # a swapped tile stages 8 rows where mma's A operand needs 16
         stage = (rows + tile["BLOCK_N"] * (2 if case.act else 1)) * tile["BLOCK_K"] * 2
         assert tile["MIN_BLOCKS"] * (tile["STAGES"] * stage + 1024) <= 228 * 1024, case.label
+
+
+def test_gemm_probe_refuses_a_selection_of_no_case(tmp_path):
+    """--decode with only prefill labels would compile nothing and leave a run with nothing to time."""
+    done = run(str(SCRIPTS / "gemm_probe.py"), "prepare", "--out", str(tmp_path / "probe"), "--decode",
+               "--only", "plain_128x256 N19456")
+    assert done.returncode == 2
+    assert "no case to compile: --only ['plain_128x256 N19456'] with --decode selects none" in done.stderr
+    assert not (tmp_path / "probe").exists()

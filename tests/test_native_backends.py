@@ -243,26 +243,15 @@ def test_tilelang_silu_mul_decode_tile_frees_a_row_stage_after_both_gemms(compil
     assert "(up + " in loop.split("tl::mma_sync")[-1] and "(acc + " in loop.split("tl::mma_sync")[1]
 
 
-def probe_module():
-    """scripts/gpu/gemm_probe.py, whose decode cases run decode_gemm.py's single-GEMM, PDL and split forms."""
-    import importlib.util
-    path = Path(__file__).resolve().parent.parent / "scripts" / "gpu" / "gemm_probe.py"
-    spec = importlib.util.spec_from_file_location("gemm_probe", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_decode_gemm_with_pdl_streams_weights_before_waiting_and_a_split_tile_sums_its_planes_in_order():
+def test_decode_gemm_with_pdl_streams_weights_before_waiting_and_a_split_tile_sums_its_planes_in_order(gemm_probe):
     """The probe's split PDL tile of o_proj: every CTA lets the next kernel launch first; the producer issues its
     first weight stages by TMA, then waits for the previous kernel, and only then loads the rows; the consumers of
     a split tile write their fp32 plane, take a ticket, and the last adds the planes in plane order past L1 and
     resets the ticket (its ABI carries the planes and tickets)."""
     from pegainfer.backends.tilelang.compiler import compile_launch
 
-    probe = probe_module()
-    case = next(c for c in probe.CASES if c.label == "o_proj dg 16x16 s4 b3 split2")
-    native = compile_launch(probe.launch_spec(case), 90)
+    case = next(c for c in gemm_probe.CASES if c.label == "o_proj dg 16x16 s4 b3 split2")
+    native = compile_launch(gemm_probe.launch_spec(case), 90)
     code = native.files["cu"]
     assert code.index("cudaTriggerProgrammaticLaunchCompletion") < code.index("if (64 <= ((int)threadIdx.x))")
     producer = code[code.index("if (64 <= ((int)threadIdx.x))"):code.index("} else {")]
@@ -275,15 +264,14 @@ def test_decode_gemm_with_pdl_streams_weights_before_waiting_and_a_split_tile_su
     assert [a["name"] for a in native.abi] == ["A", "C", "P", "W_desc", "tickets", "M"]
 
 
-def test_decode_gemm_swapped_takes_the_weight_tile_as_the_mma_a_operand():
+def test_decode_gemm_swapped_takes_the_weight_tile_as_the_mma_a_operand(gemm_probe):
     """The probe's swapped QKV tile (8 rows a tile): 16 weight rows load as mma.sync's A fragment (ldmatrix x4
     from the weight stage) and the rows as its B (x2 from the 8-row stage), m16n8k16, and the output leaves
     transposed, one row of C per B column."""
     from pegainfer.backends.tilelang.compiler import compile_launch
 
-    probe = probe_module()
-    case = next(c for c in probe.CASES if c.label == "qkv swap8 16x16 s6 b3")
-    code = compile_launch(probe.launch_spec(case), 90).files["cu"]
+    case = next(c for c in gemm_probe.CASES if c.label == "qkv swap8 16x16 s6 b3")
+    code = compile_launch(gemm_probe.launch_spec(case), 90).files["cu"]
     consumer = code[code.index("} else {"):]
     assert re.search(r"ptx_ldmatrix_x4\(\(&\(\(\(bfloat16_t\*\)w_s\)", consumer), consumer[:800]
     assert re.search(r"ptx_ldmatrix_x2\(\(&\(\(\(bfloat16_t\*\)a_s\)", consumer)

@@ -8,9 +8,9 @@ On the H200: `python3 scripts/gpu/gemm_probe.py run --dir .gpu/probe --out $OUT`
 and times it at every M of PREFILL_M (a CUDA graph of repeats, best of ROUNDS alternated with cuBLAS's plain GEMM
 of the same [M, rows of W, K] through torch), printing TFLOP/s and the share of cuBLAS; every number goes to
 $OUT/probe.json. Decode cases (`prepare --decode`: decode_gemm.py's tiles with programmatic dependent launch, split
-or swapped, and gemm.py's 16-row tile, at the 4B model's decode GEMMs) are timed at 1, 4 and 16 rows as a chain of launches
-over weight copies past the L2, plainly and programmatically, in TB/s and as a share of the copy bandwidth measured
-in the same run ($OUT/decode_probe.json)."""
+or swapped, and gemm.py's 16-row tile, at the 4B model's decode GEMMs) are timed at 1, 4 and 16 rows as a chain of
+launches over weight copies past the L2, plainly and programmatically, in TB/s and as a share of the copy bandwidth
+measured in the same run ($OUT/decode_probe.json)."""
 
 import argparse
 import json
@@ -289,6 +289,8 @@ def main() -> None:
         unknown = set(args.only or ()) - {c.label for c in CASES}
         if unknown:
             parser.error(f"--only: no case labelled {sorted(unknown)}; the cases: {[c.label for c in CASES]}")
+        if args.decode and args.only and not any(c.decode for c in CASES if c.label in args.only):
+            parser.error(f"no case to compile: --only {args.only} with --decode selects none")
         prepare(args.out, args.only, args.decode)
     elif args.sustain < 0:
         parser.error(f"--sustain: seconds must not be negative, got {args.sustain}")
