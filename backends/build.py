@@ -195,7 +195,8 @@ def _entry_files_and_meta(compiled, launch: LaunchSpec) -> tuple[dict[str, str],
                  "triton_version": compiled.triton_version, "source": launch.module, "pdl": compiled.pdl})
     return compiled.files, {"backend": launch.backend, "function": compiled.function, "shared": compiled.shared,
                             "num_warps": compiled.threads // 32, "threads": compiled.threads, "abi": compiled.abi,
-                            "resources": compiled.resources, "version": compiled.version, "source": launch.module}
+                            "resources": compiled.resources, "version": compiled.version, "source": launch.module,
+                            "pdl": bool(launch.constexprs.get("PDL", False))}  # a template opts in by PDL=True
 
 
 def _write_manifest(spec: ModelSpec, sm: int, root: Path, kernels: list[KernelSpec], entries: dict, keys: dict,

@@ -30,16 +30,20 @@ def test_gemm_probe_decode_cases_launch_what_their_template_declares(gemm_probe)
     and K with whole steps of each split, and its stages fit the shared memory of the CTAs it asks an SM to hold."""
     decode = [c for c in gemm_probe.CASES if c.decode]
     assert {c.n for c in decode} == {6144, 2560, 9728}
+    assert any(c.tile.get("NORM") for c in decode)
     for case in decode:
         launch, tile = gemm_probe.launch_spec(case), case.tile
-        split = tile.get("SPLIT", 1)
+        split, norm = tile.get("SPLIT", 1), tile.get("NORM", False)
         names = [p.name for p in launch.params]
-        assert names == (["A", "W", "C", "P", "tickets", "M"] if split > 1 else ["A", "W", "C", "M"]), case.label
+        expected = ["A", "W", "C", "P", "tickets", "M"] if split > 1 else ["A", "W", "C", "M"]
+        assert names == (["A", "X2", "G", "S", "W", "C", "M"] if norm else expected), case.label
         assert launch.grid[2].factors == (split,) and case.n % tile["BLOCK_N"] == 0
-        assert launch.grid[1].block == (tile.get("BLOCK_M") or tile.get("SWAP_ROWS") or 16), case.label
+        # a normed tile covers 4 rows: its 8-row stage holds X2's 4, then each product's low half
+        rows = 4 if norm else (tile.get("BLOCK_M") or tile.get("SWAP_ROWS") or 16)
+        assert launch.grid[1].block == rows, case.label
         assert case.k % (tile["BLOCK_K"] * split) == 0, case.label
         rows = tile.get("SWAP_ROWS") or 16  # a swapped tile stages 8 rows where mma's A operand needs 16
-        stage = (rows + tile["BLOCK_N"] * (2 if case.act else 1)) * tile["BLOCK_K"] * 2
+        stage = (rows + tile["BLOCK_N"] * (2 if case.act else 1) + (1 if norm else 0)) * tile["BLOCK_K"] * 2
         assert tile["MIN_BLOCKS"] * (tile["STAGES"] * stage + 1024) <= 228 * 1024, case.label
 
 

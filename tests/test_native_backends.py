@@ -109,7 +109,7 @@ def test_tilelang_decode_tiles_stream_weights_by_tma_and_fit_their_ctas_per_sm(c
     past the rows), mma.sync (HMMA), and registers and shared memory that let an SM hold MIN_BLOCKS CTAs."""
     todo, _, results = compiled
     keys = [key for (sm, key) in results if sm == 90 and "/decode_" in key]
-    assert {key.split("/")[1] for key in keys} == {"decode_16x16", "decode_16x32"}
+    assert {key.split("/")[1] for key in keys} == {"decode_16x16", "decode_16x32", "decode_norm_row"}
     for key in keys:
         launch, native = todo[(90, key)], results[(90, key)]
         if launch.function == "add_rms_norm":
@@ -276,3 +276,46 @@ def test_decode_gemm_swapped_takes_the_weight_tile_as_the_mma_a_operand(gemm_pro
     assert re.search(r"ptx_ldmatrix_x4\(\(&\(\(\(bfloat16_t\*\)w_s\)", consumer), consumer[:800]
     assert re.search(r"ptx_ldmatrix_x2\(\(&\(\(\(bfloat16_t\*\)a_s\)", consumer)
     assert "16, 8, 16, false, true>" in consumer and "blockIdx.y)) * (int64_t)49152" in consumer  # 8 x N
+
+
+def test_tilelang_normed_row_tile_scales_its_rows_in_the_producer_and_rstd_last(compiled):
+    """gate/up's one-row tile with the norm inside: one weight stage goes out before the wait for the previous
+    kernel; then each step's rows (and X2's) go out before its weights; the producer scales step k - LAG's rows
+    first (the residual sum times G, its bf16 high part and the remainder in the stage's other 4 rows, then the
+    stage handed to the consumers) and ends with each row's 1/rms; the consumers add both halves' products times
+    1/rms before SiLU x up. ABI: rows, X2, G, the sum S and the weights' TMA descriptor."""
+    todo, _, results = compiled
+    launch, native = todo[(90, "attn_residual/decode_norm_row/0")], results[(90, "attn_residual/decode_norm_row/0")]
+    assert launch.constexprs["PRE"] == 1 and launch.constexprs["LAG"] == 2
+    assert [a["name"] for a in native.abi] == ["A", "C", "G", "S", "W_desc", "X2", "M"]
+    code = native.files["cu"]
+    start, end = code.index("if (32 <= ((int)threadIdx.x))"), code.index("rstd_full[0].arrive();")
+    producer, consumer = code[start:end], code[end:]
+    wait = producer.index("cudaGridDependencySynchronize")
+    assert "w_full[0]" in producer[:wait] and "w_full[1]" not in producer[:wait] and "cp_async" not in producer[:wait]
+    loop = producer[wait:]
+    assert loop.index("landed[((k + 1) % 3)].wait") < loop.index("a_full[((k + 1) % 3)].arrive()") \
+        < loop.index("cp_async_gs_conditional<16>((&(((bfloat16_t*)a_s)") < loop.index("(&(X2[") \
+        < loop.index("tl::tma_load(W_desc")
+    scale = loop[:loop.index("a_full[((k + 1) % 3)].arrive()")]
+    assert "(S + " in scale and "g_s" in scale and re.search(r"__11\.x = \(v__9\.x-__12\.x\)", scale), scale[-1500:]
+    assert "rsqrtf(" in code[end - 800:end]
+    epilogue = consumer[consumer.index("rstd_full[0].wait(0)"):]
+    assert "((float*)sums)" in epilogue and "* ((float*)rstd)[" in epilogue and "expf(" in epilogue
+
+
+def test_tilelang_launches_declare_programmatic_launch_in_the_manifest_as_their_ptx_waits(compiled):
+    """A TileLang launch's manifest record says `pdl` exactly when its template took PDL=True, and then its PTX waits
+    for the previous kernel (griddepcontrol.wait): the runtime launches only those programmatically."""
+    from pegainfer.backends.build import _entry_files_and_meta
+
+    todo, _, results = compiled
+    seen = set()
+    for (sm, key), native in results.items():
+        launch = todo[(sm, key)]
+        if launch.backend != "tilelang":
+            continue
+        pdl = _entry_files_and_meta(native, launch)[1]["pdl"]
+        assert pdl == ("griddepcontrol.wait" in native.files["ptx"]), key
+        seen.add(pdl)
+    assert seen == {True, False}

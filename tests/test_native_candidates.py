@@ -66,16 +66,16 @@ def test_prefill_defaults_merged_gate_up_and_a_tile_per_width():
 
 
 def test_decode_tiles_serve_four_and_sixteen_rows_with_the_default_for_their_width():
-    """TileLang's decode GEMMs: slots of 4 and 16 rows only (one row is Triton's), sm_90 only, the 16x32 tile
-    first where N <= 4096 and 16x16 first where it is wider, 16x64 behind for tuning; every stage ring fits the
-    shared memory of the CTAs the tile asks an SM to hold."""
+    """TileLang's decode GEMMs: slots of 4 and 16 rows (one row is Triton's unless the GEMM has a norm: below),
+    sm_90 only, the 16x32 tile first where N <= 4096 and 16x16 first where it is wider, 16x64 behind for tuning;
+    every stage ring fits the shared memory of the CTAs the tile asks an SM to hold."""
     from pegainfer.backends.tilelang.plan import DECODE_TILES, SM90_SHARED
 
     gemms = [(g, n) for g, n in kernels(CONFIGS / "qwen3-4b.json") if "linear" in fused_ops(n)]
     offered = 0
     for graph, node in gemms:
         decode = [v for v in tilelang_plan.candidates(graph, node, PlanOptions(block_size=16))
-                  if v.max_rows is not None]
+                  if v.max_rows is not None and v.name != "decode_norm_row"]
         if not decode:
             continue
         offered += 1
@@ -94,3 +94,35 @@ def test_decode_tiles_serve_four_and_sixteen_rows_with_the_default_for_their_wid
             stage = (16 + tiles["BLOCK_N"] * (2 if tiles["ACT"] else 1)) * tiles["BLOCK_K"] * 2
             assert tiles["STAGES"] >= 2 and min_blocks * (tiles["STAGES"] * stage + 2048) <= SM90_SHARED, tiles
     assert offered == 4, "QKV, o_proj, gate/up and down each get decode tiles"
+
+
+def test_gemms_with_a_norm_get_a_one_row_tile_with_the_norm_inside():
+    """QKV and gate/up (an RMSNorm prologue) get decode_gemm.py's NORM tile for one-row steps: no norm launch
+    before it, the rows (and X2's) read as stored, the residual sum written by the tile, launched programmatically,
+    4 rows a CTA (the stage's other 4 hold X2's rows and then each product's low half), and a ring that lets 3 CTAs
+    share an SM. o_proj and down (no norm) get none: Triton's one-row GEMV serves them."""
+    from pegainfer.backends.tilelang.plan import SM90_SHARED
+
+    gemms = [(g, n) for g, n in kernels(CONFIGS / "qwen3-4b.json") if "linear" in fused_ops(n)]
+    served = set()
+    for graph, node in gemms:
+        roles = gemm_roles(node)
+        rows = [v for v in tilelang_plan.candidates(graph, node, PlanOptions(block_size=16)) if v.max_rows == 1]
+        if not roles["norm"] or roles["rows"]:
+            assert rows == [], node.name
+            continue
+        (variant,) = rows
+        (launch,) = variant.launches
+        tiles = launch.constexprs
+        assert (variant.name, variant.sms, launch.function) == ("decode_norm_row", (90,), "decode_gemm")
+        assert tiles["NORM"] and tiles["PDL"] and tiles["SWAP_ROWS"] == 8 and tiles["ACT"] == roles["act"]
+        assert tiles["ADD"] == (roles["x2"] is not None) and tiles["WRITE_SUM"] == (roles["sum"] is not None)
+        values = {p.name: p.value for p in launch.params}
+        assert values["A"] == roles["x"] and values["G"] == roles["norm"] and values["C"] == roles["out"]
+        assert values.get("X2") == roles["x2"] and values.get("S") == roles["sum"]
+        assert launch.grid[1].block == 4
+        weights = 16 * tiles["BLOCK_K"] * 2 * (2 if tiles["ACT"] else 1)
+        stage = weights + 8 * tiles["BLOCK_K"] * 2 + tiles["BLOCK_K"] * 2
+        assert tiles["MIN_BLOCKS"] * (tiles["STAGES"] * stage + 2048) <= SM90_SHARED, tiles
+        served.add(roles["act"])
+    assert served == {0, 1}, "QKV and gate/up"

@@ -1,7 +1,8 @@
 """Planning TileLang candidates for the kernels where Hopper's own instructions pay: the GEMMs of prefill-sized
 steps (TMA + wgmma, the SiLU x up epilogue over the merged gate/up weight; an RMSNorm prologue becomes a row
 launch first, since TMA feeds the tensor cores the operand as stored), the GEMMs of decode steps of 2 to 16 rows
-(weights streamed by TMA, mma.sync) and causal attention of prefill-shaped steps. A kernel TileLang cannot serve
+(weights streamed by TMA, mma.sync) and of one row where the GEMM has a norm (the norm inside the tile), and causal
+attention of prefill-shaped steps. A kernel TileLang cannot serve
 gets no candidate, and the other backends' variants serve it."""
 
 from pathlib import Path
@@ -49,10 +50,18 @@ GEMM_TILES = (
 DECODE_TILE_M = 16
 SM90_SHARED = 228 * 1024  # an SM's shared memory, of which each resident CTA also holds 1 KB for the system
 DECODE_TILES = {"decode_16x16": (16, 256, 64, 3), "decode_16x32": (32, 256, 128, 2), "decode_16x64": (64, 128, 128, 2)}
-DECODE_SLOTS = (4, 16)  # one row stays with Triton's one-row GEMV (faster there, and in programmatic launch)
+DECODE_SLOTS = (4, 16)
+# One-row steps of a GEMM with an RMSNorm prologue (QKV, gate/up) on sm_90a: decode_gemm.py's NORM tile, the norm in
+# the tile instead of a launch of its own (whose 2.8 us cost what the tiles gained, session 8), the weight tile as
+# mma's A operand, launched programmatically as one-token steps are. (STAGES, LAG, PRE) by ACT, from
+# scripts/gpu/gemm_probe.py and kernels.py on the H200 (docs/BENCHMARKS.md, session 9): QKV 9.2 us (80% of the copy
+# bandwidth, the norm included) against Triton's `one_row` 12.4, gate/up 25.8 (91%) against 27.7, the batch-1 step
+# 2.60 ms against 2.75. The GEMMs without a norm (o_proj, down) keep Triton's one-row GEMV, faster there.
+NORMED_ROW_TILE = {0: (5, 2, 1), 1: (3, 2, 1)}
 # what CI compiles for every kernel they fit
 DEFAULT_VARIANTS = ("wgmma_128x160_rows", "wgmma_128x192_rows", "wgmma_128x256_merged", "wgmma_128x128_rows",
-                    "mma_128x128", "flash_ws_128x128", "flash_128x128", "decode_16x16", "decode_16x32")
+                    "mma_128x128", "flash_ws_128x128", "flash_128x128", "decode_16x16", "decode_16x32",
+                    "decode_norm_row")
 
 
 def candidates(graph: Graph, node: Node, options: PlanOptions) -> list[VariantSpec]:
@@ -83,8 +92,9 @@ def _gemm(graph: Graph, node: Node) -> list[VariantSpec]:
     roles, n, k = gemm.roles, gemm.n, gemm.k
     row_symbol = gemm.types[roles["x"]].shape[0]
     dim = Param("M", "int", f"dim:{row_symbol}", "i32")
-    launches, operand = [], roles["x"]
+    launches, operand, variants = [], roles["x"], []
     if roles["norm"]:
+        variants += _normed_row(roles, n, k, dim, row_symbol)
         operand = "gemm.normed"
         params = [_tensor("X", roles["x"]), _tensor("G", roles["norm"]), _tensor("Y", operand), dim]
         if roles["x2"]:
@@ -98,7 +108,7 @@ def _gemm(graph: Graph, node: Node) -> list[VariantSpec]:
     elif roles["x2"]:
         return []  # an add without a norm before a GEMM: not a shape the passes make
     gemm_params = [_tensor("A", operand), _tensor("W", roles["weight"]), _tensor("C", roles["out"]), dim]
-    variants = _decode_gemm(launches, gemm_params, n, k, roles["act"], row_symbol)
+    variants += _decode_gemm(launches, gemm_params, n, k, roles["act"], row_symbol)
     for name, sms, tiles in GEMM_TILES:
         if not _tile_fits(tiles, n, roles["act"]):
             continue
@@ -107,6 +117,23 @@ def _gemm(graph: Graph, node: Node) -> list[VariantSpec]:
                        tiles["THREADS"], tiles["STAGES"])
         variants.append(VariantSpec(name, None, [*launches, gemm], "tilelang", sms=sms))
     return variants
+
+
+def _normed_row(roles: dict, n: int, k: int, dim: Param, row_symbol: str) -> list[VariantSpec]:
+    """The one-row slot of a GEMM with a norm: decode_gemm.py's NORM tile (see NORMED_ROW_TILE), reading the rows
+    (and X2's) as stored and writing the residual sum itself."""
+    if n % 16 or k % 256 or (roles["sum"] and not roles["x2"]):
+        return []
+    stages, lag, pre = NORMED_ROW_TILE[roles["act"]]
+    names = ["A", *(["X2"] if roles["x2"] else []), "G", *(["S"] if roles["sum"] else []), "W", "C"]
+    values = dict(A=roles["x"], X2=roles["x2"], G=roles["norm"], S=roles["sum"], W=roles["weight"], C=roles["out"])
+    params = [_tensor(name, values[name]) for name in names] + [dim]
+    tiles = dict(N=n, K=k, ACT=roles["act"], BLOCK_N=16, BLOCK_K=256, STAGES=stages, THREADS=32, MIN_BLOCKS=3,
+                 PDL=True, SWAP_ROWS=8, NORM=True, ADD=roles["x2"] is not None, WRITE_SUM=roles["sum"] is not None,
+                 EPS=float(roles["eps"]), LAG=lag, PRE=pre)
+    grid = (GridDim((n,), 16), GridDim((row_symbol,), 4))
+    gemm = _launch("decode_gemm.py", "decode_gemm", params, tiles, grid, 32 + 128, stages)
+    return [VariantSpec("decode_norm_row", 1, [gemm], "tilelang", sms=(90,))]
 
 
 def _decode_gemm(launches: list[LaunchSpec], params: list[Param], n: int, k: int, act: int,

@@ -7,8 +7,8 @@ of CASES to an sm_90a cubin with its launch record (index.json).
 On the H200: `python3 scripts/gpu/gemm_probe.py run --dir .gpu/probe --out $OUT` checks each case against torch
 and times it at every M of PREFILL_M (a CUDA graph of repeats, best of ROUNDS alternated with cuBLAS's plain GEMM
 of the same [M, rows of W, K] through torch), printing TFLOP/s and the share of cuBLAS; every number goes to
-$OUT/probe.json. Decode cases (`prepare --decode`: decode_gemm.py's tiles with programmatic dependent launch, split
-or swapped, and gemm.py's 16-row tile, at the 4B model's decode GEMMs) are timed at 1, 4 and 16 rows as a chain of
+$OUT/probe.json. Decode cases (`prepare --decode`: decode_gemm.py's tiles with programmatic dependent launch, split,
+swapped or with the norm inside, and gemm.py's 16-row tile, at the 4B model's decode GEMMs) are timed at 1, 4 and 16 rows as a chain of
 launches over weight copies past the L2, plainly and programmatically, in TB/s and as a share of the copy bandwidth
 measured in the same run ($OUT/decode_probe.json)."""
 
@@ -42,13 +42,16 @@ class Case:
 
 def decode_case(label: str, n: int, k: int, act: int, block_n: int, stages: int, threads: int, min_blocks: int,
                 pdl: bool = True, template: str = "decode_gemm.py", block_k: int = 256, split: int = 1,
-                swap_rows: int = 0) -> Case:
+                swap_rows: int = 0, norm: int = 0, pre: int = 0) -> Case:
     """A decode tile: decode_gemm.py's hand-specialised one (PDL: waits for the previous kernel after issuing its
     first weight stages; split: CTAs sharing a tile's K; swap_rows: the weight tile as mma's A operand, that many
-    rows as its B), or gemm.py's 16-row tile with rows by cp.async (the plan's single-GEMM decode tile)."""
+    rows as its B; norm: the add + RMSNorm inside, scaled `norm` steps after loading, `pre` weight stages before the
+    wait), or gemm.py's 16-row tile with rows by cp.async (the plan's single-GEMM decode tile)."""
     tile = dict(BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, THREADS=threads, MIN_BLOCKS=min_blocks)
     if template == "gemm.py":
         return Case(label, n, k, act, dict(tile, BLOCK_M=16, SWIZZLE=0, ASYNC_ROWS=True), decode=True)
+    if norm:  # the rows' residual sum, RMSNorm and the sum's store in the tile, scaled `norm` steps after loading
+        tile |= dict(NORM=True, ADD=True, WRITE_SUM=True, EPS=EPS, LAG=norm, PRE=pre)
     return Case(label, n, k, act, dict(tile, PDL=pdl, SPLIT=split, SWAP_ROWS=swap_rows), "decode_gemm", template,
                 decode=True)
 
@@ -57,6 +60,7 @@ def decode_case(label: str, n: int, k: int, act: int, block_n: int, stages: int,
 DECODE_SHAPES = (("qkv", 6144, 2560, 0), ("o_proj", 2560, 4096, 0), ("gate_up", 9728, 2560, 1),
                  ("down", 2560, 9728, 0))
 DECODE_ROWS = (1, 4, 16)
+EPS = 1e-6
 CASES = (
     Case("plain_128x256 N19456", 19456, 2560, 0, dict(BLOCK_M=128, BLOCK_N=256, **HOPPER)),
     Case("plain_256x128 N19456", 19456, 2560, 0, dict(BLOCK_M=256, BLOCK_N=128, **HOPPER)),
@@ -79,6 +83,14 @@ CASES = (
     *[decode_case(f"{name} swap{sw} 16x16 s{st} b{mb}", n, k, 0, 16, st, 32, mb, swap_rows=sw)
       for name, n, k, act in DECODE_SHAPES if not act
       for sw, st, mb in ((8, 9, 2), (8, 6, 3), (8, 12, 1), (16, 6, 2))],
+    # the norm in the tile (swapped, 4 rows a CTA): the producer scales each step's rows (+ X2's, loaded into the
+    # stage's other 4 rows) by G in place lL steps after loading them, into a bf16 high and low part, summing
+    # squares beside; 1/rms scales the products last; pP: P weight stages before the PDL wait (0: all of them)
+    *[decode_case(f"{name} norm swap8 16x256 s{st} b{mb} l{lag} p{pre}", n, k, act, 16, st, 32, mb, swap_rows=8,
+                  norm=lag, pre=pre) for name, n, k, act in DECODE_SHAPES if name in ("qkv", "gate_up")
+      for st, mb, lag, pre in (((4, 3, 2, 0), (4, 3, 2, 1), (5, 3, 2, 1), (5, 3, 1, 1), (5, 3, 3, 2)) if not act else
+                               ((3, 3, 2, 0), (3, 3, 2, 1), (3, 3, 1, 1), (3, 3, 2, 2)))],
+    decode_case("gate_up swap8 16x16 s3 b3", 9728, 2560, 1, 16, 3, 32, 3, swap_rows=8),
 )
 
 
@@ -87,15 +99,16 @@ def launch_spec(case: Case):
     from pegainfer.backends.tilelang.plan import KERNELS
 
     tensor = lambda name: Param(name, "tensor", name.lower(), "*bf16", aligned=True)  # noqa: E731
-    params = [tensor("A"), tensor("W"), tensor("C"), Param("M", "int", "dim:tokens", "i32")]
+    prologue = [name for name, flag in (("X2", "ADD"), ("G", "NORM"), ("S", "WRITE_SUM")) if case.tile.get(flag)]
+    params = [tensor(name) for name in ("A", *prologue, "W", "C")] + [Param("M", "int", "dim:tokens", "i32")]
     split = case.tile.get("SPLIT", 1)
     if split > 1:  # the split tile's fp32 planes and tickets
-        params[3:3] = [Param("P", "tensor", "p", "*fp32", aligned=True),
+        params[-1:-1] = [Param("P", "tensor", "p", "*fp32", aligned=True),
                        Param("tickets", "tensor", "tickets", "*i32", aligned=True)]
     constexprs = dict(N=case.n, K=case.k, ACT=case.act, **case.tile)
     if case.function == "gemm":
         constexprs["RESIDUAL"] = False
-    rows = case.tile.get("BLOCK_M", case.tile.get("SWAP_ROWS") or 16)  # a tile's rows
+    rows = 4 if case.tile.get("NORM") else case.tile.get("BLOCK_M", case.tile.get("SWAP_ROWS") or 16)  # a tile's
     grid = (GridDim((case.n,), case.tile["BLOCK_N"]), GridDim(("tokens",), rows), GridDim((split,)))
     threads = case.tile["THREADS"] + (128 if case.function == "decode_gemm" else 0)  # its producer warpgroup
     source = (KERNELS / case.template).read_text()
@@ -206,16 +219,20 @@ def run_decode(entries: list[dict], folder: Path, out: Path) -> None:
         for rows in DECODE_ROWS:
             a = torch.randn(rows, k, device="cuda").to(torch.bfloat16)
             c = torch.zeros(rows, n, device="cuda", dtype=torch.bfloat16)
-            y = a.float() @ copies[0].float().T
+            prologue = norm_prologue(a) if case["tile"].get("NORM") else {}
+            y = (prologue.pop("operand") if prologue else a.float()) @ copies[0].float().T
             ref = torch.nn.functional.silu(y[:, :n]) * y[:, n:] if act else y
             row = {"case": case["label"], "rows": rows, "n": w_rows, "k": k}
             try:
                 scratch = {"p": torch.zeros(32, n, device="cuda"),  # a split tile's planes (two of 16 rows)
                            "tickets": torch.zeros(n // 16, device="cuda", dtype=torch.int32)}
-                envs = [{"a": a, "w": w, "c": c} | scratch for w in copies]
+                residual = prologue.pop("residual", None)
+                envs = [{"a": a, "w": w, "c": c} | prologue | scratch for w in copies]
                 plain.run([launch], envs[0], {"tokens": rows})
                 plain.sync()
                 row["rel_err"] = rel_error(c, ref)
+                if residual is not None:  # the residual sum the tile stores: x + x2, rounded once
+                    row["sum_err"] = rel_error(prologue["s"], residual)
                 row["us"] = plain.time_us([launch], envs, {"tokens": rows})
                 if launch["pdl"]:
                     c.zero_()
@@ -236,7 +253,21 @@ def run_decode(entries: list[dict], folder: Path, out: Path) -> None:
             continue
         share = lambda us: r["n"] * r["k"] * 2 / (us * 1e-6) / copy  # noqa: E731
         pdl = f"{r['pdl_us']:>7.1f} {share(r['pdl_us']):>6.0%}" if "pdl_us" in r else ""
-        print(f"{r['case']:<30} {r['rows']:>4} {r['rel_err']:>9.2e} {r['us']:>7.1f} {share(r['us']):>6.0%} {pdl}")
+        residual = f" sum err {r['sum_err']:.1e}" if "sum_err" in r else ""
+        print(f"{r['case']:<30} {r['rows']:>4} {r['rel_err']:>9.2e} {r['us']:>7.1f} {share(r['us']):>6.0%} {pdl}"
+              f"{residual}")
+
+
+def norm_prologue(a):
+    """A normed case's other inputs (x2, the norm's weight g, the sum's buffer s), the residual sum, and the GEMM's
+    operand as the plan's norm launch makes it: RMSNorm of a + x2 times g, rounded to bf16."""
+    import torch
+
+    x2 = torch.randn_like(a, dtype=torch.float32).to(torch.bfloat16)
+    g = (1 + 0.2 * torch.randn(a.shape[1], device=a.device)).to(torch.bfloat16)
+    x = a.float() + x2.float()
+    normed = x * torch.rsqrt(x.pow(2).mean(dim=1, keepdim=True) + EPS) * g.float()
+    return {"x2": x2, "g": g, "s": torch.zeros_like(a), "residual": x, "operand": normed.to(torch.bfloat16).float()}
 
 
 def sustain(folder: Path, out: Path, m: int, seconds: float) -> None:

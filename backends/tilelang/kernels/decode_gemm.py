@@ -5,9 +5,9 @@ while the second still read them (wrong results on the H200, docs/BENCHMARKS.md 
 release a stage once its GEMMs are done. A producer warpgroup issues the TMA loads of the first STAGES weight tiles,
 then feeds the step's rows by predicated cp.async (rows past M zero-filled, never read) and the remaining weight
 tiles as stages free up; the consumers run mma.sync on 16-row tiles and the epilogue. M is dynamic; N and K are
-fixed. The plan serves SiLU x up at 4 and 16 rows with it; its single-GEMM, PDL, SPLIT and SWAP_ROWS forms are the
-decode cases of scripts/gpu/gemm_probe.py, which measured them no faster in a decode step (docs/BENCHMARKS.md,
-session 8).
+fixed. The plan serves SiLU x up at 4 and 16 rows with it, and the one-row steps of the GEMMs with an RMSNorm
+prologue with its NORM form (below); its single-GEMM, SPLIT and plain SWAP_ROWS forms are decode cases of
+scripts/gpu/gemm_probe.py, which measured them no faster in a decode step (docs/BENCHMARKS.md, session 8).
 
 PDL (programmatic dependent launch): every CTA lets the next kernel launch at once, and the producer issues its
 first STAGES weight tiles before it waits for the previous kernel (weights never depend on it), so a chain of
@@ -19,9 +19,19 @@ SPLIT > 1 (a single GEMM of at most 16 rows): the CTAs of an output tile share i
 a ticket; the last of a tile adds the planes in plane order (the same sum whichever CTA is last), writes C and
 resets the tile's ticket to zero for the next launch (the runtime zeroes the tickets once).
 
-SWAP_ROWS (8 or 16; a single unsplit GEMM): the weight tile is mma.sync's A operand (BLOCK_N = 16 weight rows) and
-the step's rows its B operand, so a stage holds SWAP_ROWS rows where the A operand needs 16, and the freed shared
-memory holds more weight stages."""
+SWAP_ROWS (8 or 16; unsplit): the weight tile (or each of gate's and up's) is mma.sync's A operand (BLOCK_N = 16
+weight rows) and the step's rows its B operand, so a stage holds SWAP_ROWS rows where the A operand needs 16, and the
+freed shared memory holds more weight stages.
+
+NORM (SWAP_ROWS = 8, at most 4 rows a CTA): the [add +] RMSNorm prologue in the tile, where a launch of its own cost
+what the tile gained (2.8 us, session 8). A stage holds the step's 4 rows and X2's 4 (ADD); LAG steps after loading
+them the producer sums them, writes the residual sum to S (the first column tile), keeps each row's sum of squares,
+and overwrites the stage with the sum times G split into a bf16 high part (rows 0-3) and its remainder (rows 4-7).
+The products of both halves are added in the epilogue and scaled by 1/rms, known only then: the normed row reaches
+the GEMM to 16 bits, not rounded to bf16 before the scale as the norm launch rounds it. PRE: weight stages issued
+before the previous kernel's end (PDL); a step's rows then go out before its weights, since rows requested behind
+a full SM's worth of weight loads waited several steps for them (the decode step at one row: 2.60 ms against 2.79
+with every stage ahead, docs/BENCHMARKS.md session 9)."""
 
 import tilelang.language as T
 
@@ -32,14 +42,22 @@ CONSUMERS_BARRIER = 1  # a named barrier of the consumers alone (0 is the whole 
 
 
 def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: int, THREADS: int, MIN_BLOCKS: int,
-                PDL: bool = False, SPLIT: int = 1, SWAP_ROWS: int = 0):
+                PDL: bool = False, SPLIT: int = 1, SWAP_ROWS: int = 0, NORM: bool = False, ADD: bool = False,
+                WRITE_SUM: bool = False, EPS: float = 1e-6, LAG: int = 2, PRE: int = 0):
     assert K % (BLOCK_K * SPLIT) == 0, f"K={K} must split into {SPLIT} ranges of whole {BLOCK_K}-wide steps"
     assert SPLIT == 1 or not ACT, "a split tile sums one GEMM (SiLU x up needs both sums whole)"
-    assert not SWAP_ROWS or (not ACT and SPLIT == 1), "a swapped tile computes one unsplit GEMM"
-    rows = SWAP_ROWS or ROWS  # rows a tile; SWAP_ROWS: the weight tile is mma's A operand and the rows its B
+    assert not SWAP_ROWS or SPLIT == 1, "a swapped tile is not split"
+    assert not NORM or SWAP_ROWS == 8, f"a normed tile is a swapped one of 8 rows (4 and their pairs), got {SWAP_ROWS}"
+    assert NORM or not ADD, "ADD sums the rows of a norm prologue: a tile without NORM has none"
+    assert ADD or not WRITE_SUM, "WRITE_SUM writes the sum of ADD's rows"
+    assert not NORM or 1 <= LAG <= STAGES, f"NORM scales a step's rows LAG steps after loading them: 1..{STAGES}"
+    assert not PRE or (NORM and PRE <= STAGES), f"PRE (weight stages before the rows) is NORM's, at most {STAGES}"
+    rows = SWAP_ROWS or ROWS  # mma rows a tile; SWAP_ROWS: the weight tile is mma's A operand and the rows its B
+    step_rows = rows // 2 if NORM else rows  # the step's rows a tile covers (NORM: each row's second half: below)
+    g_slots = min(STAGES, LAG + 1)  # NORM: G's slice of step k is read LAG steps after it is loaded
     M = T.dynamic("M")
     steps = K // BLOCK_K // SPLIT  # of one CTA
-    ahead = min(STAGES, steps)  # weight tiles issued before the first rows
+    ahead = min(PRE or STAGES, steps)  # weight tiles issued before the first rows (PRE: NORM's own count)
     w_rows = 2 * N if ACT else N
 
     def column(bz, k):
@@ -56,10 +74,47 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
         T.mbarrier_arrive(w_full[stage])
 
     @T.macro
-    def load_rows(A, a_s, a_full, by, bz, k):
+    def load_rows(A, X2, G, a_s, g_s, a_full, by, bz, k):
+        """The step's rows by predicated cp.async (rows past M zero-filled); a_full: NORM's `landed`."""
         stage, col = k % STAGES, column(bz, k)
-        T.async_copy(A[by * rows:(by + 1) * rows, col:col + BLOCK_K], a_s[stage, :, :])
-        T.cp_async_barrier_noinc(a_full[stage])
+        if NORM:  # the step's 4 rows, then X2's 4 in the stage's second half; G's slice
+            T.async_copy(A[by * step_rows:(by + 1) * step_rows, col:col + BLOCK_K], a_s[stage, 0:step_rows, :])
+            if ADD:
+                T.async_copy(X2[by * step_rows:(by + 1) * step_rows, col:col + BLOCK_K],
+                             a_s[stage, step_rows:rows, :])
+            T.async_copy(G[col:col + BLOCK_K], g_s[k % g_slots, :])
+        else:
+            T.async_copy(A[by * rows:(by + 1) * rows, col:col + BLOCK_K], a_s[stage, :, :])
+        T.cp_async_barrier_noinc(a_full[stage])  # arrives once all this thread's copies so far have landed
+
+    @T.macro
+    def scale_rows(a_s, g_s, S, x, squares, landed, a_full, bx, by, k):
+        """NORM, by the producer, LAG steps after loading step k's rows, so that the wait for them seldom stalls the
+        weights issued after it: row r (+ X2's, in row r + 4) times G, split into a bf16 high part (row r) and the
+        rest (row r + 4); the squares summed apart; the sum written to S by the first column tile."""
+        stage = k % STAGES
+        T.mbarrier_wait_parity(landed[stage], (k // STAGES) % 2)
+        for r, j in T.Parallel(step_rows, BLOCK_K):  # every load first: in one loop, each waited for the last store
+            x[r, j] = T.cast(a_s[stage, r, j], T.float32)
+            if ADD:
+                x[r, j] += T.cast(a_s[stage, r + step_rows, j], T.float32)
+        for r, j in T.Parallel(step_rows, BLOCK_K):
+            squares[r, j] += x[r, j] * x[r, j]
+            if WRITE_SUM:
+                if bx == 0 and by * step_rows + r < M:
+                    S[by * step_rows + r, column(0, k) + j] = T.cast(x[r, j], BF16)
+            x[r, j] = x[r, j] * T.cast(g_s[k % g_slots, j], T.float32)
+            a_s[stage, r, j] = T.cast(x[r, j], BF16)
+            a_s[stage, r + step_rows, j] = T.cast(x[r, j] - T.cast(T.cast(x[r, j], BF16), T.float32), BF16)
+        T.mbarrier_arrive(a_full[stage])  # each thread after its own stores: the phase completes after them all
+
+    @T.macro
+    def inverse_rms(squares, total, rstd, rstd_full):
+        """The producer's last step: each row's 1/rms, for the consumers' epilogue."""
+        T.reduce_sum(squares, total, dim=1)
+        for r in T.Parallel(step_rows):
+            rstd[r] = T.rsqrt(total[r] / K + EPS)
+        T.mbarrier_arrive(rstd_full[0])
 
     @T.macro
     def store(C, acc, up, bx, by):
@@ -74,10 +129,30 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
                     C[by * ROWS + i, bx * BLOCK_N + j] = T.cast(acc[i, j], BF16)
 
     @T.macro
-    def store_swapped(C, acc, bx, by):
+    def store_swapped(C, acc, up, bx, by):
         for i, r in T.Parallel(BLOCK_N, rows):
             if by * rows + r < M:
-                C[by * rows + r, bx * BLOCK_N + i] = T.cast(acc[i, r], BF16)
+                if ACT:
+                    C[by * rows + r, bx * BLOCK_N + i] = T.cast(acc[i, r] / (1.0 + T.exp(-acc[i, r])) * up[i, r], BF16)
+                else:
+                    C[by * rows + r, bx * BLOCK_N + i] = T.cast(acc[i, r], BF16)
+
+    @T.macro
+    def store_normed(C, acc, up, sums, rstd, bx, by):
+        """NORM: each row's two products (rows r and r + 4) added, times the row's 1/rms (across threads: through
+        shared memory), then the epilogue."""
+        T.copy(acc, sums[0, :, :])
+        if ACT:
+            T.copy(up, sums[1, :, :])
+        T.sync_threads(CONSUMERS_BARRIER, THREADS)
+        for i, r in T.Parallel(BLOCK_N, step_rows):
+            if by * step_rows + r < M:
+                gate = (sums[0, i, r] + sums[0, i, r + step_rows]) * rstd[r]
+                if ACT:
+                    value = (sums[1, i, r] + sums[1, i, r + step_rows]) * rstd[r]
+                    C[by * step_rows + r, bx * BLOCK_N + i] = T.cast(gate / (1.0 + T.exp(-gate)) * value, BF16)
+                else:
+                    C[by * step_rows + r, bx * BLOCK_N + i] = T.cast(gate, BF16)
 
     @T.macro
     def meet_split(C, P, tickets, acc, ticket, bx, bz):
@@ -100,8 +175,8 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
                 tickets[bx] = 0
 
     @T.macro
-    def tile(A, W, C, P, tickets):
-        with T.Kernel(N // BLOCK_N, T.ceildiv(M, rows), SPLIT, threads=THREADS + PRODUCER) as (bx, by, bz):
+    def tile(A, X2, G, S, W, C, P, tickets):
+        with T.Kernel(N // BLOCK_N, T.ceildiv(M, step_rows), SPLIT, threads=THREADS + PRODUCER) as (bx, by, bz):
             a_s = T.alloc_shared((STAGES, rows, BLOCK_K), BF16)
             w_s = T.alloc_shared((STAGES, BLOCK_N, BLOCK_K), BF16)
             u_s = None  # ACT=0: no up half
@@ -113,7 +188,17 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
             acc = T.alloc_fragment((BLOCK_N, rows) if SWAP_ROWS else (ROWS, BLOCK_N), T.float32)
             up = None
             if ACT:
-                up = T.alloc_fragment((ROWS, BLOCK_N), T.float32)
+                up = T.alloc_fragment((BLOCK_N, rows) if SWAP_ROWS else (ROWS, BLOCK_N), T.float32)
+            landed, g_s, x, squares, total, rstd, rstd_full, sums = None, None, None, None, None, None, None, None
+            if NORM:  # the rows land (landed), the producer scales them (a_full), then the consumers read them
+                landed = T.alloc_barrier([PRODUCER] * STAGES)
+                g_s = T.alloc_shared((g_slots, BLOCK_K), BF16)
+                x = T.alloc_fragment((step_rows, BLOCK_K), T.float32)
+                squares = T.alloc_fragment((step_rows, BLOCK_K), T.float32)
+                total = T.alloc_fragment((step_rows,), T.float32)
+                rstd = T.alloc_shared((step_rows,), T.float32)
+                rstd_full = T.alloc_barrier([PRODUCER])
+                sums = T.alloc_shared((2 if ACT else 1, BLOCK_N, rows), T.float32)
             ticket = None
             if SPLIT > 1:
                 ticket = T.alloc_shared((1,), T.int32)
@@ -122,15 +207,29 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
             if PDL:
                 T.pdl_trigger()
             if T.get_thread_binding() >= THREADS:
+                if NORM:
+                    T.clear(squares)
                 for k in T.serial(ahead):
                     load_weights(W, w_s, u_s, w_full, bx, bz, k)
                 if PDL:
                     T.pdl_sync()
-                for k in T.serial(steps):
-                    if k >= STAGES:
-                        T.mbarrier_wait_parity(empty[k % STAGES], (k // STAGES + 1) % 2)
-                        load_weights(W, w_s, u_s, w_full, bx, bz, k)
-                    load_rows(A, a_s, a_full, by, bz, k)
+                if NORM:  # step k - LAG's rows scaled first: the loads after it may wait for a free stage
+                    for k in T.serial(steps + LAG):
+                        if k >= LAG:
+                            scale_rows(a_s, g_s, S, x, squares, landed, a_full, bx, by, k - LAG)
+                        if k < steps:  # the rows first: behind the step's weights they would wait longer
+                            if k >= STAGES:
+                                T.mbarrier_wait_parity(empty[k % STAGES], (k // STAGES + 1) % 2)
+                            load_rows(A, X2, G, a_s, g_s, landed, by, bz, k)
+                            if k >= ahead:
+                                load_weights(W, w_s, u_s, w_full, bx, bz, k)
+                    inverse_rms(squares, total, rstd, rstd_full)
+                else:
+                    for k in T.serial(steps):
+                        if k >= STAGES:
+                            T.mbarrier_wait_parity(empty[k % STAGES], (k // STAGES + 1) % 2)
+                            load_weights(W, w_s, u_s, w_full, bx, bz, k)
+                        load_rows(A, X2, G, a_s, g_s, a_full, by, bz, k)
             else:
                 T.clear(acc)
                 if ACT:
@@ -140,15 +239,20 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
                     T.mbarrier_wait_parity(a_full[k % STAGES], (k // STAGES) % 2)
                     if SWAP_ROWS:
                         T.gemm(w_s[k % STAGES, :, :], a_s[k % STAGES, :, :], acc, transpose_B=True)
+                        if ACT:
+                            T.gemm(u_s[k % STAGES, :, :], a_s[k % STAGES, :, :], up, transpose_B=True)
                     else:
                         T.gemm(a_s[k % STAGES, :, :], w_s[k % STAGES, :, :], acc, transpose_B=True)
-                    if ACT:
-                        T.gemm(a_s[k % STAGES, :, :], u_s[k % STAGES, :, :], up, transpose_B=True)
+                        if ACT:
+                            T.gemm(a_s[k % STAGES, :, :], u_s[k % STAGES, :, :], up, transpose_B=True)
                     T.mbarrier_arrive(empty[k % STAGES])  # after the GEMMs: both read the same rows
-                if SPLIT > 1:
+                if NORM:
+                    T.mbarrier_wait_parity(rstd_full[0], 0)
+                    store_normed(C, acc, up, sums, rstd, bx, by)
+                elif SPLIT > 1:
                     meet_split(C, P, tickets, acc, ticket, bx, bz)
                 elif SWAP_ROWS:
-                    store_swapped(C, acc, bx, by)
+                    store_swapped(C, acc, up, bx, by)
                 else:
                     store(C, acc, up, bx, by)
 
@@ -156,10 +260,29 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
         @T.prim_func
         def decode_gemm_split(A: T.Tensor((M, K), BF16), W: T.Tensor((w_rows, K), BF16), C: T.Tensor((M, N), BF16),
                               P: T.Tensor((SPLIT * ROWS, N), T.float32), tickets: T.Tensor((N // BLOCK_N,), T.int32)):
-            tile(A, W, C, P, tickets)
+            tile(A, None, None, None, W, C, P, tickets)
         return decode_gemm_split
+    if WRITE_SUM:
+        @T.prim_func
+        def decode_gemm_add_norm_sum(A: T.Tensor((M, K), BF16), X2: T.Tensor((M, K), BF16), G: T.Tensor((K,), BF16),
+                                     S: T.Tensor((M, K), BF16), W: T.Tensor((w_rows, K), BF16),
+                                     C: T.Tensor((M, N), BF16)):
+            tile(A, X2, G, S, W, C, None, None)
+        return decode_gemm_add_norm_sum
+    if ADD:
+        @T.prim_func
+        def decode_gemm_add_norm(A: T.Tensor((M, K), BF16), X2: T.Tensor((M, K), BF16), G: T.Tensor((K,), BF16),
+                                 W: T.Tensor((w_rows, K), BF16), C: T.Tensor((M, N), BF16)):
+            tile(A, X2, G, None, W, C, None, None)
+        return decode_gemm_add_norm
+    if NORM:
+        @T.prim_func
+        def decode_gemm_norm(A: T.Tensor((M, K), BF16), G: T.Tensor((K,), BF16), W: T.Tensor((w_rows, K), BF16),
+                             C: T.Tensor((M, N), BF16)):
+            tile(A, None, G, None, W, C, None, None)
+        return decode_gemm_norm
 
     @T.prim_func
     def decode_gemm(A: T.Tensor((M, K), BF16), W: T.Tensor((w_rows, K), BF16), C: T.Tensor((M, N), BF16)):
-        tile(A, W, C, None, None)
+        tile(A, None, None, None, W, C, None, None)
     return decode_gemm
