@@ -30,8 +30,8 @@ and overwrites the stage with the sum times G split into a bf16 high part (rows 
 The products of both halves are added in the epilogue and scaled by 1/rms, known only then: the normed row reaches
 the GEMM to 16 bits, not rounded to bf16 before the scale as the norm launch rounds it. PRE: weight stages issued
 before the previous kernel's end (PDL); a step's rows then go out before its weights, since rows requested behind
-a full SM's worth of weight loads waited several steps for them (the decode step at one row: 2.60 ms against 2.79
-with every stage ahead, docs/BENCHMARKS.md session 9)."""
+a full SM's worth of weight loads waited several steps for them (the decode step at one row: 2.60 ms with PRE = 1
+against 2.78-2.84 with every stage ahead, docs/BENCHMARKS.md session 9)."""
 
 import tilelang.language as T
 
