@@ -262,12 +262,13 @@ def norm_prologue(a):
     """A normed case's other inputs (x2, the norm's weight g, the sum's buffer s), the residual sum, and the GEMM's
     operand as the plan's norm launch makes it: RMSNorm of a + x2 times g, rounded to bf16."""
     import torch
+    from kernels import rms_normed  # noqa: E402  (scripts/gpu/, beside this file)
 
     x2 = torch.randn_like(a, dtype=torch.float32).to(torch.bfloat16)
     g = (1 + 0.2 * torch.randn(a.shape[1], device=a.device)).to(torch.bfloat16)
     x = a.float() + x2.float()
-    normed = x * torch.rsqrt(x.pow(2).mean(dim=1, keepdim=True) + EPS) * g.float()
-    return {"x2": x2, "g": g, "s": torch.zeros_like(a), "residual": x, "operand": normed.to(torch.bfloat16).float()}
+    operand = rms_normed(x, g, EPS).to(torch.bfloat16).float()
+    return {"x2": x2, "g": g, "s": torch.zeros_like(a), "residual": x, "operand": operand}
 
 
 def sustain(folder: Path, out: Path, m: int, seconds: float) -> None:

@@ -245,6 +245,12 @@ class PowerSampler:
         self.process.wait()
 
 
+def rms_normed(a: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of float32 rows times the norm's weight, still in float32: the reference GEMM operand rounds it to bf16,
+    as the plan's norm launch does."""
+    return a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + eps) * g.float()
+
+
 def gemm_case(runner: Runner, kernel: dict, roles: dict, k: int, rows: int, variants: list[dict], timing: str):
     """Numerics of each variant at `rows` rows against torch, then timings (and cuBLAS for prefill)."""
     n, act = roles["n"], roles["act"]
@@ -257,7 +263,7 @@ def gemm_case(runner: Runner, kernel: dict, roles: dict, k: int, rows: int, vari
     w = (torch.randn(w_rows, k, device="cuda", generator=gen) * k ** -0.5).to(bf)
     a = x.float() + (x2.float() if roles["x2"] else 0)
     if roles["norm"]:
-        a = a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + roles["eps"]) * g.float()
+        a = rms_normed(a, g, roles["eps"])
     a_bf = a.to(bf)
     y = a_bf.float() @ w.float().T
     ref = torch.nn.functional.silu(y[:, :n]) * y[:, n:] if act else y
