@@ -4,6 +4,7 @@ templates take those settings, or the sm_90 default (TileLang for prefill) would
 needs no compiler, so this runs wherever the tests run."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -126,3 +127,19 @@ def test_gemms_with_a_norm_get_a_one_row_tile_with_the_norm_inside():
         assert tiles["MIN_BLOCKS"] * (tiles["STAGES"] * stage + 2048) <= SM90_SHARED, tiles
         served.add(roles["act"])
     assert served == {0, 1}, "QKV and gate/up"
+
+
+@pytest.mark.parametrize("bad, says", [
+    (dict(NORM=True, SWAP_ROWS=0), "a normed tile is a swapped one of 8 rows"),
+    (dict(NORM=True, SWAP_ROWS=8, LAG=7), "NORM scales a step's rows LAG steps after loading them"),
+    (dict(PRE=1), "PRE (weight stages before the rows) is NORM's"),
+    (dict(ADD=True), "ADD sums the rows of a norm prologue"),
+    (dict(NORM=True, SWAP_ROWS=8, WRITE_SUM=True), "WRITE_SUM writes the sum of ADD's rows"),
+])
+def test_decode_gemm_refuses_a_norm_form_it_cannot_run(bad, says):
+    """decode_gemm.py's NORM form refuses, before lowering, the settings its protocol does not cover, saying which."""
+    from pegainfer.backends.tilelang.kernels.decode_gemm import decode_gemm
+
+    tile = dict(N=6144, K=2560, ACT=0, BLOCK_N=16, BLOCK_K=256, STAGES=5, THREADS=32, MIN_BLOCKS=3) | bad
+    with pytest.raises(AssertionError, match=re.escape(says)):
+        decode_gemm(**tile)
