@@ -76,7 +76,7 @@ def test_decode_tiles_serve_four_and_sixteen_rows_with_the_default_for_their_wid
     offered = 0
     for graph, node in gemms:
         decode = [v for v in tilelang_plan.candidates(graph, node, PlanOptions(block_size=16))
-                  if v.max_rows is not None and v.name != "decode_norm_row"]
+                  if v.max_rows is not None and v.name != "decode_norm"]
         if not decode:
             continue
         offered += 1
@@ -97,25 +97,28 @@ def test_decode_tiles_serve_four_and_sixteen_rows_with_the_default_for_their_wid
     assert offered == 4, "QKV, o_proj, gate/up and down each get decode tiles"
 
 
-def test_gemms_with_a_norm_get_a_one_row_tile_with_the_norm_inside():
-    """QKV and gate/up (an RMSNorm prologue) get decode_gemm.py's NORM tile for one-row steps: no norm launch
-    before it, the rows (and X2's) read as stored, the residual sum written by the tile, launched programmatically,
-    4 rows a CTA (the stage's other 4 hold X2's rows and then each product's low half), and a ring that lets 3 CTAs
-    share an SM. o_proj and down (no norm) get none: Triton's one-row GEMV serves them."""
+def test_gemms_with_a_norm_get_the_normed_tile_for_one_and_four_rows():
+    """QKV and gate/up (an RMSNorm prologue) get decode_gemm.py's NORM tile for steps of one row and of up to 4,
+    first in both slots (so the sm_90 default): no norm launch before it, the rows (and X2's) read as stored, the
+    residual sum written by the tile, launched programmatically, 4 rows a CTA (the stage's other 4 hold X2's rows and
+    then each product's low half), and a ring that lets 3 CTAs share an SM. o_proj and down (no norm) get none:
+    Triton's one-row GEMV serves them."""
     from pegainfer.backends.tilelang.plan import SM90_SHARED
 
     gemms = [(g, n) for g, n in kernels(CONFIGS / "qwen3-4b.json") if "linear" in fused_ops(n)]
     served = set()
     for graph, node in gemms:
         roles = gemm_roles(node)
-        rows = [v for v in tilelang_plan.candidates(graph, node, PlanOptions(block_size=16)) if v.max_rows == 1]
+        variants = tilelang_plan.candidates(graph, node, PlanOptions(block_size=16))
+        normed = [v for v in variants if v.name == "decode_norm"]
         if not roles["norm"] or roles["rows"]:
-            assert rows == [], node.name
+            assert normed == [] and not [v for v in variants if v.max_rows == 1], node.name
             continue
-        (variant,) = rows
-        (launch,) = variant.launches
+        assert [v.max_rows for v in normed] == [1, 4] and normed[0].launches == normed[1].launches
+        assert [v for v in variants if v.max_rows == 4][0] is normed[1], "the 4-row slot's first (default) tile"
+        (launch,) = normed[0].launches
         tiles = launch.constexprs
-        assert (variant.name, variant.sms, launch.function) == ("decode_norm_row", (90,), "decode_gemm")
+        assert normed[0].sms == (90,) and launch.function == "decode_gemm"
         assert tiles["NORM"] and tiles["PDL"] and tiles["SWAP_ROWS"] == 8 and tiles["ACT"] == roles["act"]
         assert tiles["ADD"] == (roles["x2"] is not None) and tiles["WRITE_SUM"] == (roles["sum"] is not None)
         values = {p.name: p.value for p in launch.params}

@@ -51,17 +51,19 @@ DECODE_TILE_M = 16
 SM90_SHARED = 228 * 1024  # an SM's shared memory, of which each resident CTA also holds 1 KB for the system
 DECODE_TILES = {"decode_16x16": (16, 256, 64, 3), "decode_16x32": (32, 256, 128, 2), "decode_16x64": (64, 128, 128, 2)}
 DECODE_SLOTS = (4, 16)
-# One-row steps of a GEMM with an RMSNorm prologue (QKV, gate/up) on sm_90a: decode_gemm.py's NORM tile, the norm in
-# the tile instead of a launch of its own (whose 2.8 us cost what the tiles gained, session 8), the weight tile as
-# mma's A operand, launched programmatically as one-token steps are. (STAGES, LAG, PRE) by ACT, from
-# scripts/gpu/gemm_probe.py and kernels.py on the H200 (docs/BENCHMARKS.md, session 9): QKV 9.2 us (80% of the copy
-# bandwidth, the norm included) against Triton's `one_row` 12.4, gate/up 25.8 (91%) against 27.7, the batch-1 step
-# 2.60 ms against 2.75. The GEMMs without a norm (o_proj, down) keep Triton's one-row GEMV, faster there.
-NORMED_ROW_TILE = {0: (5, 2, 1), 1: (3, 2, 1)}
+# Steps of up to 4 rows of a GEMM with an RMSNorm prologue (QKV, gate/up) on sm_90a: decode_gemm.py's NORM tile, the
+# norm in the tile instead of a launch of its own (whose 2.8 us cost what the tiles gained, session 8), the weight
+# tile as mma's A operand, launched programmatically in one-token steps. (STAGES, LAG, PRE) by ACT, from
+# scripts/gpu/gemm_probe.py and kernels.py on the H200 (docs/BENCHMARKS.md, sessions 9 and 10): one row, QKV 9.2 us
+# (80% of the copy bandwidth, the norm included) against Triton's `one_row` 12.4, gate/up 25.8 (91%) against 27.7,
+# the batch-1 step 2.60 ms against 2.75; 4 rows, launched plainly as such steps are, QKV 10.3 us against 12.0 for
+# the norm launch and decode_16x16, the batch-4 step 3.10 ms against 3.22. QKV's 6 stages fit 3 CTAs an SM too, no
+# faster (session 10). The GEMMs without a norm (o_proj, down) keep Triton's one-row GEMV, faster there.
+NORMED_TILE = {0: (5, 2, 1), 1: (3, 2, 1)}
 # what CI compiles for every kernel they fit
 DEFAULT_VARIANTS = ("wgmma_128x160_rows", "wgmma_128x192_rows", "wgmma_128x256_merged", "wgmma_128x128_rows",
                     "mma_128x128", "flash_ws_128x128", "flash_128x128", "decode_16x16", "decode_16x32",
-                    "decode_norm_row")
+                    "decode_norm")
 
 
 def candidates(graph: Graph, node: Node, options: PlanOptions) -> list[VariantSpec]:
@@ -94,7 +96,7 @@ def _gemm(graph: Graph, node: Node) -> list[VariantSpec]:
     dim = Param("M", "int", f"dim:{row_symbol}", "i32")
     launches, operand, variants = [], roles["x"], []
     if roles["norm"]:
-        variants += _normed_row(roles, n, k, dim, row_symbol)
+        variants += _normed_rows(roles, n, k, dim, row_symbol)
         operand = "gemm.normed"
         params = [_tensor("X", roles["x"]), _tensor("G", roles["norm"]), _tensor("Y", operand), dim]
         if roles["x2"]:
@@ -119,12 +121,12 @@ def _gemm(graph: Graph, node: Node) -> list[VariantSpec]:
     return variants
 
 
-def _normed_row(roles: dict, n: int, k: int, dim: Param, row_symbol: str) -> list[VariantSpec]:
-    """The one-row slot of a GEMM with a norm: decode_gemm.py's NORM tile (see NORMED_ROW_TILE), reading the rows
-    (and X2's) as stored and writing the residual sum itself."""
+def _normed_rows(roles: dict, n: int, k: int, dim: Param, row_symbol: str) -> list[VariantSpec]:
+    """The 1- and 4-row slots of a GEMM with a norm: decode_gemm.py's NORM tile (see NORMED_TILE), reading the
+    rows (and X2's) as stored and writing the residual sum itself; one launch serves both slots (4 rows a CTA)."""
     if n % 16 or k % 256 or (roles["sum"] and not roles["x2"]):
         return []
-    stages, lag, pre = NORMED_ROW_TILE[roles["act"]]
+    stages, lag, pre = NORMED_TILE[roles["act"]]
     names = ["A", *(["X2"] if roles["x2"] else []), "G", *(["S"] if roles["sum"] else []), "W", "C"]
     values = dict(A=roles["x"], X2=roles["x2"], G=roles["norm"], S=roles["sum"], W=roles["weight"], C=roles["out"])
     params = [_tensor(name, values[name]) for name in names] + [dim]
@@ -133,13 +135,14 @@ def _normed_row(roles: dict, n: int, k: int, dim: Param, row_symbol: str) -> lis
                  EPS=float(roles["eps"]), LAG=lag, PRE=pre)
     grid = (GridDim((n,), 16), GridDim((row_symbol,), 4))
     gemm = _launch("decode_gemm.py", "decode_gemm", params, tiles, grid, 32 + 128, stages)
-    return [VariantSpec("decode_norm_row", 1, [gemm], "tilelang", sms=(90,))]
+    return [VariantSpec("decode_norm", rows, [gemm], "tilelang", sms=(90,)) for rows in (1, 4)]
 
 
 def _decode_gemm(launches: list[LaunchSpec], params: list[Param], n: int, k: int, act: int,
                  row_symbol: str) -> list[VariantSpec]:
-    """The 4- and 16-row slots: the default decode tile for N (see DECODE_TILES), then 16x64 for tuning; a SiLU x
-    up GEMM through decode_gemm.py (its own barrier protocol: two GEMMs read each activation stage)."""
+    """The 4- and 16-row slots: the default decode tile for N (see DECODE_TILES; behind the normed tile at 4 rows
+    where the GEMM has a norm), then 16x64 for tuning; a SiLU x up GEMM through decode_gemm.py (its own barrier
+    protocol: two GEMMs read each activation stage)."""
     default = "decode_16x32" if n <= 4096 else "decode_16x16"
     variants = []
     for name in (default, "decode_16x64"):

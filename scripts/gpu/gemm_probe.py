@@ -88,7 +88,7 @@ CASES = (
     # squares beside; 1/rms scales the products last; pP: P weight stages before the PDL wait (0: all of them)
     *[decode_case(f"{name} norm swap8 16x256 s{st} b{mb} l{lag} p{pre}", n, k, act, 16, st, 32, mb, swap_rows=8,
                   norm=lag, pre=pre) for name, n, k, act in DECODE_SHAPES if name in ("qkv", "gate_up")
-      for st, mb, lag, pre in (((4, 3, 2, 0), (4, 3, 2, 1), (5, 3, 2, 1), (5, 3, 1, 1), (5, 3, 3, 2)) if not act else
+      for st, mb, lag, pre in (((4, 3, 2, 0), (4, 3, 2, 1), (5, 3, 2, 1), (5, 3, 1, 1), (5, 3, 3, 2), (6, 3, 2, 1), (6, 3, 1, 1), (6, 3, 2, 2), (6, 3, 3, 1)) if not act else
                                ((3, 3, 2, 0), (3, 3, 2, 1), (3, 3, 1, 1), (3, 3, 2, 2)))],
     decode_case("gate_up swap8 16x16 s3 b3", 9728, 2560, 1, 16, 3, 32, 3, swap_rows=8),
 )
@@ -176,6 +176,7 @@ def run(folder: Path, out: Path) -> None:
                 runner.run([launch], env, sizes)
                 runner.sync()
                 row["rel_err"] = rel_error(c, ref)
+                row["ctas_per_sm"] = resident_ctas(plain.functions[launch["key"]], launch)
                 ours, theirs = [], []
                 for _ in range(ROUNDS):  # alternated, best of each: the clock drifts with heat and power
                     ours.append(runner.time_us([launch], env, sizes))
@@ -231,6 +232,7 @@ def run_decode(entries: list[dict], folder: Path, out: Path) -> None:
                 plain.run([launch], envs[0], {"tokens": rows})
                 plain.sync()
                 row["rel_err"] = rel_error(c, ref)
+                row["ctas_per_sm"] = resident_ctas(plain.functions[launch["key"]], launch)
                 if residual is not None:  # the residual sum the tile stores: x + x2, rounded once
                     row["sum_err"] = rel_error(prologue["s"], residual)
                 row["us"] = plain.time_us([launch], envs, {"tokens": rows})
@@ -246,29 +248,38 @@ def run_decode(entries: list[dict], folder: Path, out: Path) -> None:
             (out / "decode_probe.json").write_text(json.dumps({"copy_tb_per_s": copy / 1e12, "rows": results},
                                                               indent=1))
     print(f"copy bandwidth {copy / 1e12:.2f} TB/s; share = weight bytes / time / copy bandwidth")
-    print(f"{'case':<30} {'rows':>4} {'rel err':>9} {'us':>7} {'share':>6} {'pdl us':>7} {'share':>6}")
+    print(f"{'case':<36} {'rows':>4} {'CTA/SM':>6} {'rel err':>9} {'us':>7} {'share':>6} {'pdl us':>7} {'share':>6}")
     for r in results:
         if "error" in r:
-            print(f"{r['case']:<30} {r['rows']:>4} ERROR {r['error'][:80]}")
+            print(f"{r['case']:<36} {r['rows']:>4} ERROR {r['error'][:80]}")
             continue
         share = lambda us: r["n"] * r["k"] * 2 / (us * 1e-6) / copy  # noqa: E731
         pdl = f"{r['pdl_us']:>7.1f} {share(r['pdl_us']):>6.0%}" if "pdl_us" in r else ""
         residual = f" sum err {r['sum_err']:.1e}" if "sum_err" in r else ""
-        print(f"{r['case']:<30} {r['rows']:>4} {r['rel_err']:>9.2e} {r['us']:>7.1f} {share(r['us']):>6.0%} {pdl}"
+        print(f"{r['case']:<36} {r['rows']:>4} {r['ctas_per_sm']:>6} {r['rel_err']:>9.2e} {r['us']:>7.1f} {share(r['us']):>6.0%} {pdl}"
               f"{residual}")
+
+
+def resident_ctas(function, launch: dict) -> int:
+    """How many CTAs of the case an SM holds at once (the driver's count: shared memory, registers, threads), the
+    figure a decode tile's stage count is chosen against."""
+    from cuda.bindings import driver as cuda
+    from pegainfer.runtime.cuda import driver
+
+    query = cuda.cuOccupancyMaxActiveBlocksPerMultiprocessor(function, launch["threads"], launch["shared"])
+    return driver.check(query, f"cuOccupancyMaxActiveBlocksPerMultiprocessor({launch['symbol']})")
 
 
 def norm_prologue(a):
     """A normed case's other inputs (x2, the norm's weight g, the sum's buffer s), the residual sum, and the GEMM's
-    operand as the plan's norm launch makes it: RMSNorm of a + x2 times g, rounded to bf16."""
+    operand as Hugging Face makes it: RMSNorm of the bf16 sum a + x2, times g, in its roundings."""
     import torch
     from kernels import rms_normed  # noqa: E402  (scripts/gpu/, beside this file)
 
     x2 = torch.randn_like(a, dtype=torch.float32).to(torch.bfloat16)
     g = (1 + 0.2 * torch.randn(a.shape[1], device=a.device)).to(torch.bfloat16)
-    x = a.float() + x2.float()
-    operand = rms_normed(x, g, EPS).to(torch.bfloat16).float()
-    return {"x2": x2, "g": g, "s": torch.zeros_like(a), "residual": x, "operand": operand}
+    x = (a.float() + x2.float()).to(torch.bfloat16)
+    return {"x2": x2, "g": g, "s": torch.zeros_like(a), "residual": x, "operand": rms_normed(x, g, EPS).float()}
 
 
 def sustain(folder: Path, out: Path, m: int, seconds: float) -> None:

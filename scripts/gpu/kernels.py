@@ -245,10 +245,12 @@ class PowerSampler:
         self.process.wait()
 
 
-def rms_normed(a: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of float32 rows times the norm's weight, still in float32: the reference GEMM operand rounds it to bf16,
-    as the plan's norm launch does."""
-    return a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + eps) * g.float()
+def rms_normed(x: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's RMSNorm (Qwen3RMSNorm) of bf16 rows, the reference GEMM operand: in float32, the normed row
+    rounded to bf16 before the weight scales it, the product rounded again."""
+    x = x.float()
+    normed = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(torch.bfloat16)
+    return (normed.float() * g.float()).to(torch.bfloat16)
 
 
 def gemm_case(runner: Runner, kernel: dict, roles: dict, k: int, rows: int, variants: list[dict], timing: str):
@@ -261,10 +263,8 @@ def gemm_case(runner: Runner, kernel: dict, roles: dict, k: int, rows: int, vari
     x2 = torch.randn(rows, k, device="cuda", generator=gen).to(bf)
     g = (1 + 0.1 * torch.randn(k, device="cuda", generator=gen)).to(bf)
     w = (torch.randn(w_rows, k, device="cuda", generator=gen) * k ** -0.5).to(bf)
-    a = x.float() + (x2.float() if roles["x2"] else 0)
-    if roles["norm"]:
-        a = rms_normed(a, g, roles["eps"])
-    a_bf = a.to(bf)
+    a = (x.float() + (x2.float() if roles["x2"] else 0)).to(bf)  # the residual stream is bf16
+    a_bf = rms_normed(a, g, roles["eps"]) if roles["norm"] else a
     y = a_bf.float() @ w.float().T
     ref = torch.nn.functional.silu(y[:, :n]) * y[:, n:] if act else y
     sum_ref = (x.float() + x2.float()).to(bf)

@@ -5,8 +5,8 @@ while the second still read them (wrong results on the H200, docs/BENCHMARKS.md 
 release a stage once its GEMMs are done. A producer warpgroup issues the TMA loads of the first STAGES weight tiles,
 then feeds the step's rows by predicated cp.async (rows past M zero-filled, never read) and the remaining weight
 tiles as stages free up; the consumers run mma.sync on 16-row tiles and the epilogue. M is dynamic; N and K are
-fixed. The plan serves SiLU x up at 4 and 16 rows with it, and the one-row steps of the GEMMs with an RMSNorm
-prologue with its NORM form (below); its single-GEMM, SPLIT and plain SWAP_ROWS forms are decode cases of
+fixed. The plan serves SiLU x up at 16 rows with it (and at 4 where it has no norm), and the steps of up to 4 rows
+of the GEMMs with an RMSNorm prologue with its NORM form (below); its single-GEMM, SPLIT and plain SWAP_ROWS forms are decode cases of
 scripts/gpu/gemm_probe.py, which measured them no faster in a decode step (docs/BENCHMARKS.md, session 8).
 
 PDL (programmatic dependent launch): every CTA lets the next kernel launch at once, and the producer issues its
@@ -196,9 +196,11 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
                 x = T.alloc_fragment((step_rows, BLOCK_K), T.float32)
                 squares = T.alloc_fragment((step_rows, BLOCK_K), T.float32)
                 total = T.alloc_fragment((step_rows,), T.float32)
-                rstd = T.alloc_shared((step_rows,), T.float32)
+                # rstd and sums in static shared memory, which holds the barriers and is padded to 1 KB anyway: 528
+                # bytes off the dynamic allocation, so that QKV's 6 stages fit 3 CTAs an SM (no faster, session 10)
+                rstd = T.alloc_shared((step_rows,), T.float32, scope="shared")
                 rstd_full = T.alloc_barrier([PRODUCER])
-                sums = T.alloc_shared((2 if ACT else 1, BLOCK_N, rows), T.float32)
+                sums = T.alloc_shared((2 if ACT else 1, BLOCK_N, rows), T.float32, scope="shared")
             ticket = None
             if SPLIT > 1:
                 ticket = T.alloc_shared((1,), T.int32)
