@@ -176,7 +176,6 @@ def run(folder: Path, out: Path) -> None:
                 runner.run([launch], env, sizes)
                 runner.sync()
                 row["rel_err"] = rel_error(c, ref)
-                row["ctas_per_sm"] = resident_ctas(plain.functions[launch["key"]], launch)
                 ours, theirs = [], []
                 for _ in range(ROUNDS):  # alternated, best of each: the clock drifts with heat and power
                     ours.append(runner.time_us([launch], env, sizes))
