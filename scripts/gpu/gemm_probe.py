@@ -42,15 +42,12 @@ class Case:
 
 def decode_case(label: str, n: int, k: int, act: int, block_n: int, stages: int, threads: int, min_blocks: int,
                 pdl: bool = True, template: str = "decode_gemm.py", block_k: int = 256, split: int = 1,
-                swap_rows: int = 0, norm: int = 0, pre: int = 0, ctas: int = 0) -> Case:
+                swap_rows: int = 0, norm: int = 0, pre: int = 0) -> Case:
     """A decode tile: decode_gemm.py's hand-specialised one (PDL: waits for the previous kernel after issuing its
     first weight stages; split: CTAs sharing a tile's K; swap_rows: the weight tile as mma's A operand, that many
     rows as its B; norm: the add + RMSNorm inside, scaled `norm` steps after loading, `pre` weight stages before the
-    wait), gemm.py's 16-row tile with rows by cp.async (the plan's single-GEMM decode tile), or stream_gemm.py's
-    stream-K tile over `ctas` CTAs."""
+    wait), or gemm.py's 16-row tile with rows by cp.async (the plan's single-GEMM decode tile)."""
     tile = dict(BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, THREADS=threads, MIN_BLOCKS=min_blocks)
-    if template == "stream_gemm.py":
-        return Case(label, n, k, act, dict(tile, CTAS=ctas, PDL=pdl), "stream_gemm", template, decode=True)
     if template == "gemm.py":
         return Case(label, n, k, act, dict(tile, BLOCK_M=16, SWIZZLE=0, ASYNC_ROWS=True), decode=True)
     if norm:  # the rows' residual sum, RMSNorm and the sum's store in the tile, scaled `norm` steps after loading
@@ -93,19 +90,7 @@ CASES = (
                   norm=lag, pre=pre) for name, n, k, act in DECODE_SHAPES if name in ("qkv", "gate_up")
       for st, mb, lag, pre in (((4, 3, 2, 0), (4, 3, 2, 1), (5, 3, 2, 1), (5, 3, 1, 1), (5, 3, 3, 2), (6, 3, 2, 1), (6, 3, 1, 1), (6, 3, 2, 2), (6, 3, 3, 1)) if not act else
                                ((3, 3, 2, 0), (3, 3, 2, 1), (3, 3, 1, 1), (3, 3, 2, 2)))],
-    # the same with 16 rows a CTA (32 mma columns: the rows, then X2's and the low halves), for the 16-row slot:
-    # 31-37 us for QKV and 46-55 for gate/up, the producer's scaling of 16 rows a step the bound (session 10)
-    *[decode_case(f"{name} norm swap32 16x256 s{st} b{mb} t{th} l{lag} p{pre}", n, k, act, 16, st, th, mb,
-                  swap_rows=32, norm=lag, pre=pre) for name, n, k, act in DECODE_SHAPES if name in ("qkv", "gate_up")
-      for st, mb, th, lag, pre in (((3, 3, 64, 2, 1), (3, 3, 128, 2, 1), (5, 2, 64, 2, 1), (5, 2, 128, 2, 1),
-                                    (4, 2, 128, 2, 1)) if not act else
-                                   ((2, 3, 64, 1, 1), (3, 2, 64, 2, 1), (3, 2, 128, 2, 1), (2, 3, 128, 1, 1)))],
     decode_case("gate_up swap8 16x16 s3 b3", 9728, 2560, 1, 16, 3, 32, 3, swap_rows=8),
-    # stream-K for the 2560-wide GEMMs: every SM streams the same bytes (132 SMs x the CTAs an SM holds); slower
-    # than gemm.py's 16x32 (o_proj 9.3-12.8 us against 8.2-8.4, down 16.6-20.6 against 16.4-16.7; session 10)
-    *[decode_case(f"{name} stream 16x{bk} s{st} b{mb} t{th}", n, k, 0, 16, st, th, mb, template="stream_gemm.py",
-                  block_k=bk, ctas=132 * mb) for name, n, k, act in DECODE_SHAPES if name in ("o_proj", "down")
-      for bk, st, mb, th in ((256, 4, 3, 64), (256, 6, 2, 64), (128, 8, 3, 64), (256, 3, 4, 64))],
 )
 
 
@@ -117,18 +102,15 @@ def launch_spec(case: Case):
     prologue = [name for name, flag in (("X2", "ADD"), ("G", "NORM"), ("S", "WRITE_SUM")) if case.tile.get(flag)]
     params = [tensor(name) for name in ("A", *prologue, "W", "C")] + [Param("M", "int", "dim:tokens", "i32")]
     split = case.tile.get("SPLIT", 1)
-    if split > 1 or case.tile.get("CTAS"):  # a split or stream-K tile's fp32 parts and tickets
+    if split > 1:  # the split tile's fp32 planes and tickets
         params[-1:-1] = [Param("P", "tensor", "p", "*fp32", aligned=True),
                        Param("tickets", "tensor", "tickets", "*i32", aligned=True)]
-    constexprs = dict(N=case.n, K=case.k, **({} if case.function == "stream_gemm" else {"ACT": case.act}), **case.tile)
+    constexprs = dict(N=case.n, K=case.k, ACT=case.act, **case.tile)
     if case.function == "gemm":
         constexprs["RESIDUAL"] = False
-    rows = case.tile.get("BLOCK_M", case.tile.get("SWAP_ROWS") or 16)  # a tile's rows (a normed tile: half its own)
-    rows //= 2 if case.tile.get("NORM") else 1
+    rows = 4 if case.tile.get("NORM") else case.tile.get("BLOCK_M", case.tile.get("SWAP_ROWS") or 16)  # a tile's
     grid = (GridDim((case.n,), case.tile["BLOCK_N"]), GridDim(("tokens",), rows), GridDim((split,)))
-    if case.tile.get("CTAS"):
-        grid = (GridDim((case.tile["CTAS"],)), GridDim(), GridDim())
-    threads = case.tile["THREADS"] + (128 if case.function != "gemm" else 0)  # its producer warpgroup
+    threads = case.tile["THREADS"] + (128 if case.function == "decode_gemm" else 0)  # its producer warpgroup
     source = (KERNELS / case.template).read_text()
     return LaunchSpec(case.function, case.template, source, params, constexprs, grid,
                       threads // 32, case.tile["STAGES"], backend="tilelang")
@@ -242,8 +224,7 @@ def run_decode(entries: list[dict], folder: Path, out: Path) -> None:
             ref = torch.nn.functional.silu(y[:, :n]) * y[:, n:] if act else y
             row = {"case": case["label"], "rows": rows, "n": w_rows, "k": k}
             try:
-                parts = max(32 * n, 2 * case["tile"].get("CTAS", 0) * 16 * 16)  # split planes, stream-K parts
-                scratch = {"p": torch.zeros(parts // n + 1, n, device="cuda"),
+                scratch = {"p": torch.zeros(32, n, device="cuda"),  # a split tile's planes (two of 16 rows)
                            "tickets": torch.zeros(n // 16, device="cuda", dtype=torch.int32)}
                 residual = prologue.pop("residual", None)
                 envs = [{"a": a, "w": w, "c": c} | prologue | scratch for w in copies]

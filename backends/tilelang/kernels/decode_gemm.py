@@ -47,8 +47,7 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
     assert K % (BLOCK_K * SPLIT) == 0, f"K={K} must split into {SPLIT} ranges of whole {BLOCK_K}-wide steps"
     assert SPLIT == 1 or not ACT, "a split tile sums one GEMM (SiLU x up needs both sums whole)"
     assert not SWAP_ROWS or SPLIT == 1, "a swapped tile is not split"
-    assert not NORM or SWAP_ROWS in (8, 32), \
-        f"a normed tile is a swapped one of 8 or 32 rows (4 or 16 and their pairs), got {SWAP_ROWS}"
+    assert not NORM or SWAP_ROWS == 8, f"a normed tile is a swapped one of 8 rows (4 and their pairs), got {SWAP_ROWS}"
     assert NORM or not ADD, "ADD sums the rows of a norm prologue: a tile without NORM has none"
     assert ADD or not WRITE_SUM, "WRITE_SUM writes the sum of ADD's rows"
     assert not NORM or 1 <= LAG <= STAGES, f"NORM scales a step's rows LAG steps after loading them: 1..{STAGES}"
