@@ -109,7 +109,7 @@ def test_tilelang_decode_tiles_stream_weights_by_tma_and_fit_their_ctas_per_sm(c
     past the rows), mma.sync (HMMA), and registers and shared memory that let an SM hold MIN_BLOCKS CTAs."""
     todo, _, results = compiled
     keys = [key for (sm, key) in results if sm == 90 and "/decode_" in key]
-    assert {key.split("/")[1] for key in keys} == {"decode_16x16", "decode_16x32", "decode_norm"}
+    assert {key.split("/")[1] for key in keys} == {"decode_16x16", "decode_16x32", "decode_norm", "decode_swap8"}
     for key in keys:
         launch, native = todo[(90, key)], results[(90, key)]
         if launch.function == "add_rms_norm":
@@ -303,6 +303,18 @@ def test_tilelang_normed_row_tile_scales_its_rows_in_the_producer_and_rstd_last(
     assert "rsqrtf(" in code[end - 800:end]
     epilogue = consumer[consumer.index("rstd_full[0].wait(0)"):]
     assert "sums[" in epilogue and "* rstd[" in epilogue and "expf(" in epilogue
+
+
+def test_tilelang_two_chain_tile_sums_each_stage_half_into_its_own_accumulator(compiled, tmp_path):
+    """down's 4-row tile (swapped, CHAINS=2): each stage's two K halves go to mma.sync into two accumulators, whose
+    sum is stored; in the SASS no HMMA accumulates onto the one just before it (a single chain's all do)."""
+    native = compiled[2][(90, "down/decode_swap8/0")]
+    consumer = native.files["cu"][native.files["cu"].index("} else {"):]
+    chains = re.findall(r"mma_sync<[^>]*>\(reinterpret_cast<float\*>\((\w+) \+ 0\)", consumer)
+    assert chains == ["acc", "up"], chains
+    assert re.search(r"v_\.x\+v__1\.x", consumer) and consumer.index("(up + 0)") < consumer.index("v_.x+v__1.x")
+    hmma = re.findall(r"HMMA\.\S+ (R\d+), R\d+, R\d+, (R\d+)", sass(native.cubin, tmp_path))
+    assert len(hmma) >= 16 and not [b for a, b in zip(hmma, hmma[1:]) if b[1] == a[0]], hmma  # one chain: all are
 
 
 def test_tilelang_launches_declare_programmatic_launch_in_the_manifest_as_their_ptx_waits(compiled):

@@ -76,7 +76,7 @@ def test_decode_tiles_serve_four_and_sixteen_rows_with_the_default_for_their_wid
     offered = 0
     for graph, node in gemms:
         decode = [v for v in tilelang_plan.candidates(graph, node, PlanOptions(block_size=16))
-                  if v.max_rows is not None and v.name != "decode_norm"]
+                  if v.max_rows is not None and v.name not in ("decode_norm", "decode_swap8")]
         if not decode:
             continue
         offered += 1
@@ -132,15 +132,49 @@ def test_gemms_with_a_norm_get_the_normed_tile_for_one_and_four_rows():
     assert served == {0, 1}, "QKV and gate/up"
 
 
+def test_single_gemms_get_the_two_chain_swapped_tile_for_four_rows():
+    """The single GEMMs (QKV, o_proj, down) get decode_gemm.py's swapped tile in two mma chains for steps of up to 4
+    rows: the default where no norm tile leads the slot (o_proj, down), behind it for QKV (after the norm launch);
+    none for SiLU x up. 8 rows a CTA as mma's B operand, launched programmatically in one-token steps, and a ring
+    that lets 3 CTAs share an SM."""
+    from pegainfer.backends.tilelang.plan import SM90_SHARED
+
+    gemms = [(g, n) for g, n in kernels(CONFIGS / "qwen3-4b.json") if "linear" in fused_ops(n)]
+    defaults = set()
+    for graph, node in gemms:
+        roles = gemm_roles(node)
+        variants = tilelang_plan.candidates(graph, node, PlanOptions(block_size=16))
+        swapped = [v for v in variants if v.name == "decode_swap8"]
+        if roles["act"] or roles["rows"]:
+            assert swapped == [], node.name
+            continue
+        (variant,) = swapped
+        assert variant.max_rows == 4 and variant.sms == (90,)
+        *norm, launch = variant.launches
+        assert [n.function for n in norm] == (["add_rms_norm"] if roles["norm"] else [])
+        tiles = launch.constexprs
+        assert launch.function == "decode_gemm" and launch.module == "decode_gemm.py"
+        assert (tiles["SWAP_ROWS"], tiles["CHAINS"], tiles["PDL"], tiles["ACT"]) == (8, 2, True, 0)
+        assert launch.grid[1].block == 8 and launch.grid[0].block == tiles["BLOCK_N"] == 16
+        stage = (16 + 8) * tiles["BLOCK_K"] * 2
+        assert tiles["MIN_BLOCKS"] == 3 and 3 * (tiles["STAGES"] * stage + 2048) <= SM90_SHARED, tiles
+        if [v for v in variants if v.max_rows == 4][0] is variant:
+            defaults.add(node.name)
+    assert defaults == {"o_proj", "down"}
+
+
 @pytest.mark.parametrize("bad, says", [
+    (dict(CHAINS=3), "CHAINS (of one GEMM) is 1 or 2, got 3"),
+    (dict(ACT=1, CHAINS=2), "CHAINS (of one GEMM) is 1 or 2, got 2"),
     (dict(NORM=True, SWAP_ROWS=0), "a normed tile is a swapped one of 8 rows"),
     (dict(NORM=True, SWAP_ROWS=8, LAG=7), "NORM scales a step's rows LAG steps after loading them"),
     (dict(PRE=1), "PRE (weight stages before the rows) is NORM's"),
     (dict(ADD=True), "ADD sums the rows of a norm prologue"),
     (dict(NORM=True, SWAP_ROWS=8, WRITE_SUM=True), "WRITE_SUM writes the sum of ADD's rows"),
 ])
-def test_decode_gemm_refuses_a_norm_form_it_cannot_run(bad, says):
-    """decode_gemm.py's NORM form refuses, before lowering, the settings its protocol does not cover, saying which."""
+def test_decode_gemm_refuses_a_form_it_cannot_run(bad, says):
+    """decode_gemm.py refuses, before lowering, the settings its protocols do not cover (NORM's, CHAINS'), saying
+    which."""
     from pegainfer.backends.tilelang.kernels.decode_gemm import decode_gemm
 
     tile = dict(N=6144, K=2560, ACT=0, BLOCK_N=16, BLOCK_K=256, STAGES=5, THREADS=32, MIN_BLOCKS=3) | bad

@@ -60,10 +60,15 @@ DECODE_SLOTS = (4, 16)
 # the norm launch and decode_16x16, the batch-4 step 3.10 ms against 3.22. QKV's 6 stages fit 3 CTAs an SM too, no
 # faster (session 10). The GEMMs without a norm (o_proj, down) keep Triton's one-row GEMV, faster there.
 NORMED_TILE = {0: (5, 2, 1), 1: (3, 2, 1)}
+# Steps of up to 4 rows of a single GEMM (o_proj, down): decode_gemm.py's swapped tile, 8 rows as mma's B operand, and
+# each stage's K halves summed in two chains of mma.sync (one chain's latency held a CTA to about 16 GB/s). Plainly
+# launched, down 15.3 us (77% of the copy bandwidth) against 16.6 for gemm.py's 16x32, o_proj 8.1 against 8.4
+# (scripts/gpu/gemm_probe.py, docs/BENCHMARKS.md session 10).
+SWAPPED_TILE = dict(BLOCK_N=16, BLOCK_K=256, STAGES=6, THREADS=32, MIN_BLOCKS=3, SWAP_ROWS=8, CHAINS=2)
 # what CI compiles for every kernel they fit
 DEFAULT_VARIANTS = ("wgmma_128x160_rows", "wgmma_128x192_rows", "wgmma_128x256_merged", "wgmma_128x128_rows",
                     "mma_128x128", "flash_ws_128x128", "flash_128x128", "decode_16x16", "decode_16x32",
-                    "decode_norm")
+                    "decode_norm", "decode_swap8")
 
 
 def candidates(graph: Graph, node: Node, options: PlanOptions) -> list[VariantSpec]:
@@ -138,13 +143,26 @@ def _normed_rows(roles: dict, n: int, k: int, dim: Param, row_symbol: str) -> li
     return [VariantSpec("decode_norm", rows, [gemm], "tilelang", sms=(90,)) for rows in (1, 4)]
 
 
+def _swapped_rows(launches: list[LaunchSpec], params: list[Param], n: int, k: int,
+                  row_symbol: str) -> list[VariantSpec]:
+    """The 4-row slot of a single GEMM: decode_gemm.py's swapped tile (see SWAPPED_TILE), after the norm launch
+    where the GEMM has a norm."""
+    if n % 16 or k % 256:
+        return []
+    tiles = dict(N=n, K=k, ACT=0, PDL=True, **SWAPPED_TILE)
+    grid = (GridDim((n,), 16), GridDim((row_symbol,), SWAPPED_TILE["SWAP_ROWS"]))
+    gemm = _launch("decode_gemm.py", "decode_gemm", params, tiles, grid, SWAPPED_TILE["THREADS"] + 128,
+                   SWAPPED_TILE["STAGES"])
+    return [VariantSpec("decode_swap8", 4, [*launches, gemm], "tilelang", sms=(90,))]
+
+
 def _decode_gemm(launches: list[LaunchSpec], params: list[Param], n: int, k: int, act: int,
                  row_symbol: str) -> list[VariantSpec]:
     """The 4- and 16-row slots: the default decode tile for N (see DECODE_TILES; behind the normed tile at 4 rows
     where the GEMM has a norm), then 16x64 for tuning; a SiLU x up GEMM through decode_gemm.py (its own barrier
     protocol: two GEMMs read each activation stage)."""
     default = "decode_16x32" if n <= 4096 else "decode_16x16"
-    variants = []
+    variants = [] if act else _swapped_rows(launches, params, n, k, row_symbol)
     for name in (default, "decode_16x64"):
         block_n, block_k, threads, min_blocks = DECODE_TILES[name]
         if n % block_n or k % block_k:

@@ -42,16 +42,18 @@ class Case:
 
 def decode_case(label: str, n: int, k: int, act: int, block_n: int, stages: int, threads: int, min_blocks: int,
                 pdl: bool = True, template: str = "decode_gemm.py", block_k: int = 256, split: int = 1,
-                swap_rows: int = 0, norm: int = 0, pre: int = 0) -> Case:
+                swap_rows: int = 0, norm: int = 0, pre: int = 0, chains: int = 1) -> Case:
     """A decode tile: decode_gemm.py's hand-specialised one (PDL: waits for the previous kernel after issuing its
     first weight stages; split: CTAs sharing a tile's K; swap_rows: the weight tile as mma's A operand, that many
     rows as its B; norm: the add + RMSNorm inside, scaled `norm` steps after loading, `pre` weight stages before the
-    wait), or gemm.py's 16-row tile with rows by cp.async (the plan's single-GEMM decode tile)."""
+    wait; chains: a single GEMM's stage as two K halves into two sums), or gemm.py's 16-row tile with rows by
+    cp.async (the plan's single-GEMM decode tile)."""
     tile = dict(BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, THREADS=threads, MIN_BLOCKS=min_blocks)
     if template == "gemm.py":
         return Case(label, n, k, act, dict(tile, BLOCK_M=16, SWIZZLE=0, ASYNC_ROWS=True), decode=True)
     if norm:  # the rows' residual sum, RMSNorm and the sum's store in the tile, scaled `norm` steps after loading
         tile |= dict(NORM=True, ADD=True, WRITE_SUM=True, EPS=EPS, LAG=norm, PRE=pre)
+    tile |= dict(CHAINS=chains) if chains > 1 else {}
     return Case(label, n, k, act, dict(tile, PDL=pdl, SPLIT=split, SWAP_ROWS=swap_rows), "decode_gemm", template,
                 decode=True)
 
@@ -91,6 +93,16 @@ CASES = (
       for st, mb, lag, pre in (((4, 3, 2, 0), (4, 3, 2, 1), (5, 3, 2, 1), (5, 3, 1, 1), (5, 3, 3, 2), (6, 3, 2, 1), (6, 3, 1, 1), (6, 3, 2, 2), (6, 3, 3, 1)) if not act else
                                ((3, 3, 2, 0), (3, 3, 2, 1), (3, 3, 1, 1), (3, 3, 2, 2)))],
     decode_case("gate_up swap8 16x16 s3 b3", 9728, 2560, 1, 16, 3, 32, 3, swap_rows=8),
+    # two chains of mma.sync a consumer warp (each stage's K halves into two sums), as gate/up's two GEMMs have
+    *[decode_case(f"{name} dg 16x{bn} s{st} b{mb} c2", n, k, 0, bn, st, th, mb, chains=2)
+      for name, n, k, act in DECODE_SHAPES if not act
+      for bn, st, th, mb in ((16, 4, 64, 3), (32, 4, 128, 2), (16, 6, 64, 2))],
+    *[decode_case(f"{name} swap8 16x16 s{st} b{mb} c2", n, k, 0, 16, st, 32, mb, swap_rows=8, chains=2)
+      for name, n, k, act in DECODE_SHAPES if not act for st, mb in ((6, 3), (9, 2))],
+    *[decode_case(f"{name} swap16 16x16 s{st} b{mb} c2", n, k, 0, 16, st, 32, mb, swap_rows=16, chains=2)
+      for name, n, k, act in DECODE_SHAPES if not act for st, mb in ((4, 3), (6, 2))],
+    *[decode_case(f"qkv norm swap8 16x256 s{st} b3 l2 p1 c2", 6144, 2560, 0, 16, st, 32, 3, swap_rows=8, norm=2,
+                  pre=1, chains=2) for st in (5, 6)],
 )
 
 

@@ -5,9 +5,14 @@ while the second still read them (wrong results on the H200, docs/BENCHMARKS.md 
 release a stage once its GEMMs are done. A producer warpgroup issues the TMA loads of the first STAGES weight tiles,
 then feeds the step's rows by predicated cp.async (rows past M zero-filled, never read) and the remaining weight
 tiles as stages free up; the consumers run mma.sync on 16-row tiles and the epilogue. M is dynamic; N and K are
-fixed. The plan serves SiLU x up at 16 rows with it (and at 4 where it has no norm), and the steps of up to 4 rows
-of the GEMMs with an RMSNorm prologue with its NORM form (below); its single-GEMM, SPLIT and plain SWAP_ROWS forms are decode cases of
-scripts/gpu/gemm_probe.py, which measured them no faster in a decode step (docs/BENCHMARKS.md, session 8).
+fixed. The plan serves SiLU x up at 16 rows with it (and at 4 where it has no norm), the steps of up to 4 rows of
+the GEMMs with an RMSNorm prologue with its NORM form (below), and those of the single GEMMs with its SWAP_ROWS form
+in two chains (CHAINS, below); its unswapped single-GEMM and SPLIT forms are decode cases of scripts/gpu/gemm_probe.py,
+which measured them no faster in a decode step (docs/BENCHMARKS.md, session 8).
+
+CHAINS = 2 (a single GEMM): each stage's two K halves go to two accumulators, summed before the epilogue, so a
+consumer warp runs two independent chains of mma.sync; with one, each mma waited on the previous one's result and a
+CTA streamed near 16 GB/s (the swapped tiles, one consumer warp, gained 10-20%: docs/BENCHMARKS.md, session 10).
 
 PDL (programmatic dependent launch): every CTA lets the next kernel launch at once, and the producer issues its
 first STAGES weight tiles before it waits for the previous kernel (weights never depend on it), so a chain of
@@ -43,7 +48,7 @@ CONSUMERS_BARRIER = 1  # a named barrier of the consumers alone (0 is the whole 
 
 def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: int, THREADS: int, MIN_BLOCKS: int,
                 PDL: bool = False, SPLIT: int = 1, SWAP_ROWS: int = 0, NORM: bool = False, ADD: bool = False,
-                WRITE_SUM: bool = False, EPS: float = 1e-6, LAG: int = 2, PRE: int = 0):
+                WRITE_SUM: bool = False, EPS: float = 1e-6, LAG: int = 2, PRE: int = 0, CHAINS: int = 1):
     assert K % (BLOCK_K * SPLIT) == 0, f"K={K} must split into {SPLIT} ranges of whole {BLOCK_K}-wide steps"
     assert SPLIT == 1 or not ACT, "a split tile sums one GEMM (SiLU x up needs both sums whole)"
     assert not SWAP_ROWS or SPLIT == 1, "a swapped tile is not split"
@@ -52,6 +57,7 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
     assert ADD or not WRITE_SUM, "WRITE_SUM writes the sum of ADD's rows"
     assert not NORM or 1 <= LAG <= STAGES, f"NORM scales a step's rows LAG steps after loading them: 1..{STAGES}"
     assert not PRE or (NORM and PRE <= STAGES), f"PRE (weight stages before the rows) is NORM's, at most {STAGES}"
+    assert CHAINS in (1, 2) and (CHAINS == 1 or not ACT), f"CHAINS (of one GEMM) is 1 or 2, got {CHAINS}"
     rows = SWAP_ROWS or ROWS  # mma rows a tile; SWAP_ROWS: the weight tile is mma's A operand and the rows its B
     step_rows = rows // 2 if NORM else rows  # the step's rows a tile covers (NORM: each row's second half: below)
     g_slots = min(STAGES, LAG + 1)  # NORM: G's slice of step k is read LAG steps after it is loaded
@@ -115,6 +121,19 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
         for r in T.Parallel(step_rows):
             rstd[r] = T.rsqrt(total[r] / K + EPS)
         T.mbarrier_arrive(rstd_full[0])
+
+    @T.macro
+    def multiply_halves(a_s, w_s, acc, up, stage):
+        """CHAINS = 2: a stage's two K halves into two sums, two independent chains of mma.sync where one chain's
+        latency set the pace (a consumer warp waits on each mma's result before the next: one chain of 16 k-steps
+        a stage held a CTA to about 16 GB/s, session 10)."""
+        half = BLOCK_K // 2
+        if SWAP_ROWS:
+            T.gemm(w_s[stage, :, 0:half], a_s[stage, :, 0:half], acc, transpose_B=True)
+            T.gemm(w_s[stage, :, half:BLOCK_K], a_s[stage, :, half:BLOCK_K], up, transpose_B=True)
+        else:
+            T.gemm(a_s[stage, :, 0:half], w_s[stage, :, 0:half], acc, transpose_B=True)
+            T.gemm(a_s[stage, :, half:BLOCK_K], w_s[stage, :, half:BLOCK_K], up, transpose_B=True)
 
     @T.macro
     def store(C, acc, up, bx, by):
@@ -186,8 +205,8 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
             a_full = T.alloc_barrier([PRODUCER] * STAGES)
             empty = T.alloc_barrier([THREADS] * STAGES)
             acc = T.alloc_fragment((BLOCK_N, rows) if SWAP_ROWS else (ROWS, BLOCK_N), T.float32)
-            up = None
-            if ACT:
+            up = None  # ACT: the up GEMM's sums; CHAINS = 2: those of each stage's second half
+            if ACT or CHAINS == 2:
                 up = T.alloc_fragment((BLOCK_N, rows) if SWAP_ROWS else (ROWS, BLOCK_N), T.float32)
             landed, g_s, x, squares, total, rstd, rstd_full, sums = None, None, None, None, None, None, None, None
             if NORM:  # the rows land (landed), the producer scales them (a_full), then the consumers read them
@@ -234,12 +253,14 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
                         load_rows(A, X2, G, a_s, g_s, a_full, by, bz, k)
             else:
                 T.clear(acc)
-                if ACT:
+                if ACT or CHAINS == 2:
                     T.clear(up)
                 for k in T.serial(steps):
                     T.mbarrier_wait_parity(w_full[k % STAGES], (k // STAGES) % 2)
                     T.mbarrier_wait_parity(a_full[k % STAGES], (k // STAGES) % 2)
-                    if SWAP_ROWS:
+                    if CHAINS == 2:
+                        multiply_halves(a_s, w_s, acc, up, k % STAGES)
+                    elif SWAP_ROWS:
                         T.gemm(w_s[k % STAGES, :, :], a_s[k % STAGES, :, :], acc, transpose_B=True)
                         if ACT:
                             T.gemm(u_s[k % STAGES, :, :], a_s[k % STAGES, :, :], up, transpose_B=True)
@@ -248,6 +269,9 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
                         if ACT:
                             T.gemm(a_s[k % STAGES, :, :], u_s[k % STAGES, :, :], up, transpose_B=True)
                     T.mbarrier_arrive(empty[k % STAGES])  # after the GEMMs: both read the same rows
+                if CHAINS == 2:
+                    for i, j in T.Parallel(*acc.shape):
+                        acc[i, j] += up[i, j]
                 if NORM:
                     T.mbarrier_wait_parity(rstd_full[0], 0)
                     store_normed(C, acc, up, sums, rstd, bx, by)
