@@ -90,7 +90,8 @@ CASES = (
     # squares beside; 1/rms scales the products last; pP: P weight stages before the PDL wait (0: all of them)
     *[decode_case(f"{name} norm swap8 16x256 s{st} b{mb} l{lag} p{pre}", n, k, act, 16, st, 32, mb, swap_rows=8,
                   norm=lag, pre=pre) for name, n, k, act in DECODE_SHAPES if name in ("qkv", "gate_up")
-      for st, mb, lag, pre in (((4, 3, 2, 0), (4, 3, 2, 1), (5, 3, 2, 1), (5, 3, 1, 1), (5, 3, 3, 2), (6, 3, 2, 1), (6, 3, 1, 1), (6, 3, 2, 2), (6, 3, 3, 1)) if not act else
+      for st, mb, lag, pre in (((4, 3, 2, 0), (4, 3, 2, 1), (5, 3, 2, 1), (5, 3, 1, 1), (5, 3, 3, 2), (6, 3, 2, 1),
+                                (6, 3, 1, 1), (6, 3, 2, 2), (6, 3, 3, 1)) if not act else
                                ((3, 3, 2, 0), (3, 3, 2, 1), (3, 3, 1, 1), (3, 3, 2, 2)))],
     decode_case("gate_up swap8 16x16 s3 b3", 9728, 2560, 1, 16, 3, 32, 3, swap_rows=8),
     # two chains of mma.sync a consumer warp (each stage's K halves into two sums), as gate/up's two GEMMs have
@@ -267,8 +268,8 @@ def run_decode(entries: list[dict], folder: Path, out: Path) -> None:
         share = lambda us: r["n"] * r["k"] * 2 / (us * 1e-6) / copy  # noqa: E731
         pdl = f"{r['pdl_us']:>7.1f} {share(r['pdl_us']):>6.0%}" if "pdl_us" in r else ""
         residual = f" sum err {r['sum_err']:.1e}" if "sum_err" in r else ""
-        print(f"{r['case']:<36} {r['rows']:>4} {r['ctas_per_sm']:>6} {r['rel_err']:>9.2e} {r['us']:>7.1f} {share(r['us']):>6.0%} {pdl}"
-              f"{residual}")
+        print(f"{r['case']:<36} {r['rows']:>4} {r['ctas_per_sm']:>6} {r['rel_err']:>9.2e} {r['us']:>7.1f} "
+              f"{share(r['us']):>6.0%} {pdl}{residual}")
 
 
 def resident_ctas(function, launch: dict) -> int:

@@ -9,6 +9,7 @@
 #   carry [".gpu/small", ".gpu/cache_qwen3", ".gpu/wheels"] (after scripts/gpu/serve_wheels.sh):
 #       PEGAINFER_CACHE=$PWD/.gpu/cache_qwen3 bash scripts/gpu/serve.sh pegainfer   (or: serve.sh hf)
 #   carry [".gpu/cache_qwen3"]:  PEGAINFER_CACHE=$PWD/.gpu/cache_qwen3 bash scripts/gpu/tune_run.sh
+#   carry two caches (one compiled before a kernel change, one after): bash scripts/gpu/decode_ab.sh A B
 # and, after scripts/gpu/prepare_archs.sh, the other architectures' gate (see there).
 set -euo pipefail
 cd "$(dirname "$0")/../.."

@@ -57,7 +57,8 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
     assert ADD or not WRITE_SUM, "WRITE_SUM writes the sum of ADD's rows"
     assert not NORM or 1 <= LAG <= STAGES, f"NORM scales a step's rows LAG steps after loading them: 1..{STAGES}"
     assert not PRE or (NORM and PRE <= STAGES), f"PRE (weight stages before the rows) is NORM's, at most {STAGES}"
-    assert CHAINS in (1, 2) and (CHAINS == 1 or not ACT), f"CHAINS (of one GEMM) is 1 or 2, got {CHAINS}"
+    assert CHAINS in (1, 2) and (CHAINS == 1 or not ACT), \
+        f"CHAINS splits a single GEMM's stages in 1 or 2 (SiLU x up has two GEMMs already), got {CHAINS} with ACT={ACT}"
     rows = SWAP_ROWS or ROWS  # mma rows a tile; SWAP_ROWS: the weight tile is mma's A operand and the rows its B
     step_rows = rows // 2 if NORM else rows  # the step's rows a tile covers (NORM: each row's second half: below)
     g_slots = min(STAGES, LAG + 1)  # NORM: G's slice of step k is read LAG steps after it is loaded
