@@ -97,6 +97,13 @@ def test_decode_tiles_serve_four_and_sixteen_rows_with_the_default_for_their_wid
     assert offered == 4, "QKV, o_proj, gate/up and down each get decode tiles"
 
 
+def qwen3_gemm_candidates():
+    """(node, roles, TileLang's candidates) of each GEMM kernel of Qwen3-4B."""
+    for graph, node in kernels(CONFIGS / "qwen3-4b.json"):
+        if "linear" in fused_ops(node):
+            yield node, gemm_roles(node), tilelang_plan.candidates(graph, node, PlanOptions(block_size=16))
+
+
 def test_gemms_with_a_norm_get_the_normed_tile_for_one_and_four_rows():
     """QKV and gate/up (an RMSNorm prologue) get decode_gemm.py's NORM tile for steps of one row and of up to 4,
     first in both slots (so the sm_90 default): no norm launch before it, the rows (and X2's) read as stored, the
@@ -105,11 +112,8 @@ def test_gemms_with_a_norm_get_the_normed_tile_for_one_and_four_rows():
     Triton's one-row GEMV serves them."""
     from pegainfer.backends.tilelang.plan import SM90_SHARED
 
-    gemms = [(g, n) for g, n in kernels(CONFIGS / "qwen3-4b.json") if "linear" in fused_ops(n)]
     served = set()
-    for graph, node in gemms:
-        roles = gemm_roles(node)
-        variants = tilelang_plan.candidates(graph, node, PlanOptions(block_size=16))
+    for node, roles, variants in qwen3_gemm_candidates():
         normed = [v for v in variants if v.name == "decode_norm"]
         if not roles["norm"] or roles["rows"]:
             assert normed == [] and not [v for v in variants if v.max_rows == 1], node.name
@@ -139,11 +143,8 @@ def test_single_gemms_get_the_two_chain_swapped_tile_for_four_rows():
     that lets 3 CTAs share an SM."""
     from pegainfer.backends.tilelang.plan import SM90_SHARED
 
-    gemms = [(g, n) for g, n in kernels(CONFIGS / "qwen3-4b.json") if "linear" in fused_ops(n)]
     defaults = set()
-    for graph, node in gemms:
-        roles = gemm_roles(node)
-        variants = tilelang_plan.candidates(graph, node, PlanOptions(block_size=16))
+    for node, roles, variants in qwen3_gemm_candidates():
         swapped = [v for v in variants if v.name == "decode_swap8"]
         if roles["act"] or roles["rows"]:
             assert swapped == [], node.name
