@@ -278,6 +278,21 @@ def test_decode_gemm_swapped_takes_the_weight_tile_as_the_mma_a_operand(gemm_pro
     assert "16, 8, 16, false, true>" in consumer and "blockIdx.y)) * (int64_t)49152" in consumer  # 8 x N
 
 
+def test_decode_gemm_four_chains_take_a_k_quarter_each(gemm_probe):
+    """The probe's four-chain swapped tile (CHAINS=4): each stage's K quarters (4 k-steps of 16) go to mma.sync into
+    four accumulators in turn, all four summed before the store."""
+    from pegainfer.backends.tilelang.compiler import compile_launch
+
+    case = next(c for c in gemm_probe.CASES if c.label == "down swap8 16x16 s6 b3 c4")
+    code = compile_launch(gemm_probe.launch_spec(case), 90).files["cu"]
+    consumer = code[code.index("} else {"):]
+    chains = re.findall(r"mma_sync<[^>]*>\(reinterpret_cast<float\*>\((\w+) \+ 0\)", consumer)
+    assert chains == ["acc", "up", "third", "fourth"], chains
+    assert consumer.count("for (int ki") == 4 and "ki < 4;" in consumer
+    total = consumer[consumer.index("(fourth + 0)"):]
+    assert all(f"*(float4*)({name} + 0)" in total for name in ("acc", "up", "third", "fourth")), total[:600]
+
+
 def test_tilelang_normed_row_tile_scales_its_rows_in_the_producer_and_rstd_last(compiled):
     """gate/up's one-row tile with the norm inside: one weight stage goes out before the wait for the previous
     kernel; then each step's rows (and X2's) go out before its weights; the producer scales step k - LAG's rows

@@ -165,7 +165,7 @@ def test_single_gemms_get_the_two_chain_swapped_tile_for_four_rows():
 
 
 @pytest.mark.parametrize("bad, says", [
-    (dict(CHAINS=3), "CHAINS splits a single GEMM's stages in 1 or 2 (SiLU x up has two GEMMs already), got 3"),
+    (dict(CHAINS=3), "CHAINS splits a single GEMM's stages in 1, 2 or 4 (SiLU x up has two GEMMs already), got 3"),
     (dict(ACT=1, CHAINS=2), "got 2 with ACT=1"),
     (dict(NORM=True, SWAP_ROWS=0), "a normed tile is a swapped one of 8 rows"),
     (dict(NORM=True, SWAP_ROWS=8, LAG=7), "NORM scales a step's rows LAG steps after loading them"),

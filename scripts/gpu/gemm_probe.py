@@ -94,14 +94,15 @@ CASES = (
                                 (6, 3, 1, 1), (6, 3, 2, 2), (6, 3, 3, 1)) if not act else
                                ((3, 3, 2, 0), (3, 3, 2, 1), (3, 3, 1, 1), (3, 3, 2, 2)))],
     decode_case("gate_up swap8 16x16 s3 b3", 9728, 2560, 1, 16, 3, 32, 3, swap_rows=8),
-    # two chains of mma.sync a consumer warp (each stage's K halves into two sums), as gate/up's two GEMMs have
-    *[decode_case(f"{name} dg 16x{bn} s{st} b{mb} c2", n, k, 0, bn, st, th, mb, chains=2)
+    # two (four) chains of mma.sync a consumer warp (each stage's K halves, quarters, into as many sums), as gate/up's
+    # two GEMMs have; four not yet measured
+    *[decode_case(f"{name} dg 16x{bn} s{st} b{mb} c{ch}", n, k, 0, bn, st, th, mb, chains=ch)
       for name, n, k, act in DECODE_SHAPES if not act
-      for bn, st, th, mb in ((16, 4, 64, 3), (32, 4, 128, 2), (16, 6, 64, 2))],
-    *[decode_case(f"{name} swap8 16x16 s{st} b{mb} c2", n, k, 0, 16, st, 32, mb, swap_rows=8, chains=2)
-      for name, n, k, act in DECODE_SHAPES if not act for st, mb in ((6, 3), (9, 2))],
-    *[decode_case(f"{name} swap16 16x16 s{st} b{mb} c2", n, k, 0, 16, st, 32, mb, swap_rows=16, chains=2)
-      for name, n, k, act in DECODE_SHAPES if not act for st, mb in ((4, 3), (6, 2))],
+      for bn, st, th, mb in ((16, 4, 64, 3), (32, 4, 128, 2), (16, 6, 64, 2)) for ch in (2, 4)],
+    *[decode_case(f"{name} swap8 16x16 s{st} b{mb} c{ch}", n, k, 0, 16, st, 32, mb, swap_rows=8, chains=ch)
+      for name, n, k, act in DECODE_SHAPES if not act for st, mb in ((6, 3), (9, 2)) for ch in (2, 4)],
+    *[decode_case(f"{name} swap16 16x16 s{st} b{mb} c{ch}", n, k, 0, 16, st, 32, mb, swap_rows=16, chains=ch)
+      for name, n, k, act in DECODE_SHAPES if not act for st, mb in ((4, 3), (6, 2)) for ch in (2, 4)],
     *[decode_case(f"qkv norm swap8 16x256 s{st} b3 l2 p1 c2", 6144, 2560, 0, 16, st, 32, 3, swap_rows=8, norm=2,
                   pre=1, chains=2) for st in (5, 6)],
 )

@@ -10,9 +10,10 @@ the GEMMs with an RMSNorm prologue with its NORM form (below), and those of the 
 in two chains (CHAINS, below); its unswapped single-GEMM and SPLIT forms are decode cases of scripts/gpu/gemm_probe.py,
 which measured them no faster in a decode step (docs/BENCHMARKS.md, session 8).
 
-CHAINS = 2 (a single GEMM): each stage's two K halves go to two accumulators, summed before the epilogue, so a
-consumer warp runs two independent chains of mma.sync; with one, each mma waited on the previous one's result and a
-CTA streamed near 16 GB/s (the swapped tiles, one consumer warp, gained 10-20%: docs/BENCHMARKS.md, session 10).
+CHAINS = 2 or 4 (a single GEMM): each stage's K halves (quarters) go to as many accumulators, summed before the
+epilogue, so a consumer warp runs independent chains of mma.sync; with one, each mma waited on the previous one's
+result and a CTA streamed near 16 GB/s (the swapped tiles, one consumer warp, gained 10-20% with two:
+docs/BENCHMARKS.md, session 10; four is a probe case).
 
 PDL (programmatic dependent launch): every CTA lets the next kernel launch at once, and the producer issues its
 first STAGES weight tiles before it waits for the previous kernel (weights never depend on it), so a chain of
@@ -57,8 +58,8 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
     assert ADD or not WRITE_SUM, "WRITE_SUM writes the sum of ADD's rows"
     assert not NORM or 1 <= LAG <= STAGES, f"NORM scales a step's rows LAG steps after loading them: 1..{STAGES}"
     assert not PRE or (NORM and PRE <= STAGES), f"PRE (weight stages before the rows) is NORM's, at most {STAGES}"
-    assert CHAINS in (1, 2) and (CHAINS == 1 or not ACT), \
-        f"CHAINS splits a single GEMM's stages in 1 or 2 (SiLU x up has two GEMMs already), got {CHAINS} with ACT={ACT}"
+    assert CHAINS in (1, 2, 4) and (CHAINS == 1 or not ACT), f"CHAINS splits a single GEMM's stages in 1, 2 or 4 " \
+        f"(SiLU x up has two GEMMs already), got {CHAINS} with ACT={ACT}"
     rows = SWAP_ROWS or ROWS  # mma rows a tile; SWAP_ROWS: the weight tile is mma's A operand and the rows its B
     step_rows = rows // 2 if NORM else rows  # the step's rows a tile covers (NORM: each row's second half: below)
     g_slots = min(STAGES, LAG + 1)  # NORM: G's slice of step k is read LAG steps after it is loaded
@@ -124,17 +125,15 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
         T.mbarrier_arrive(rstd_full[0])
 
     @T.macro
-    def multiply_halves(a_s, w_s, acc, up, stage):
-        """CHAINS = 2: a stage's two K halves into two sums, two independent chains of mma.sync where one chain's
-        latency set the pace (a consumer warp waits on each mma's result before the next: one chain of 16 k-steps
-        a stage held a CTA to about 16 GB/s, session 10)."""
-        half = BLOCK_K // 2
+    def multiply_part(a_s, w_s, sums, stage, part):
+        """CHAINS > 1: the stage's part-th K slice into `sums`, one of CHAINS independent chains of mma.sync, where
+        one chain's latency set the pace (a consumer warp waits on each mma's result before the next: one chain of
+        16 k-steps a stage held a CTA to about 16 GB/s, session 10)."""
+        lo, hi = part * BLOCK_K // CHAINS, (part + 1) * BLOCK_K // CHAINS
         if SWAP_ROWS:
-            T.gemm(w_s[stage, :, 0:half], a_s[stage, :, 0:half], acc, transpose_B=True)
-            T.gemm(w_s[stage, :, half:BLOCK_K], a_s[stage, :, half:BLOCK_K], up, transpose_B=True)
+            T.gemm(w_s[stage, :, lo:hi], a_s[stage, :, lo:hi], sums, transpose_B=True)
         else:
-            T.gemm(a_s[stage, :, 0:half], w_s[stage, :, 0:half], acc, transpose_B=True)
-            T.gemm(a_s[stage, :, half:BLOCK_K], w_s[stage, :, half:BLOCK_K], up, transpose_B=True)
+            T.gemm(a_s[stage, :, lo:hi], w_s[stage, :, lo:hi], sums, transpose_B=True)
 
     @T.macro
     def store(C, acc, up, bx, by):
@@ -206,9 +205,12 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
             a_full = T.alloc_barrier([PRODUCER] * STAGES)
             empty = T.alloc_barrier([THREADS] * STAGES)
             acc = T.alloc_fragment((BLOCK_N, rows) if SWAP_ROWS else (ROWS, BLOCK_N), T.float32)
-            up = None  # ACT: the up GEMM's sums; CHAINS = 2: those of each stage's second half
-            if ACT or CHAINS == 2:
+            up, third, fourth = None, None, None  # ACT: the up GEMM's sums; CHAINS: those of a stage's other slices
+            if ACT or CHAINS > 1:
                 up = T.alloc_fragment((BLOCK_N, rows) if SWAP_ROWS else (ROWS, BLOCK_N), T.float32)
+            if CHAINS == 4:
+                third = T.alloc_fragment((BLOCK_N, rows) if SWAP_ROWS else (ROWS, BLOCK_N), T.float32)
+                fourth = T.alloc_fragment((BLOCK_N, rows) if SWAP_ROWS else (ROWS, BLOCK_N), T.float32)
             landed, g_s, x, squares, total, rstd, rstd_full, sums = None, None, None, None, None, None, None, None
             if NORM:  # the rows land (landed), the producer scales them (a_full), then the consumers read them
                 landed = T.alloc_barrier([PRODUCER] * STAGES)
@@ -254,13 +256,20 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
                         load_rows(A, X2, G, a_s, g_s, a_full, by, bz, k)
             else:
                 T.clear(acc)
-                if ACT or CHAINS == 2:
+                if ACT or CHAINS > 1:
                     T.clear(up)
+                if CHAINS == 4:
+                    T.clear(third)
+                    T.clear(fourth)
                 for k in T.serial(steps):
                     T.mbarrier_wait_parity(w_full[k % STAGES], (k // STAGES) % 2)
                     T.mbarrier_wait_parity(a_full[k % STAGES], (k // STAGES) % 2)
-                    if CHAINS == 2:
-                        multiply_halves(a_s, w_s, acc, up, k % STAGES)
+                    if CHAINS > 1:
+                        multiply_part(a_s, w_s, acc, k % STAGES, 0)
+                        multiply_part(a_s, w_s, up, k % STAGES, 1)
+                        if CHAINS == 4:
+                            multiply_part(a_s, w_s, third, k % STAGES, 2)
+                            multiply_part(a_s, w_s, fourth, k % STAGES, 3)
                     elif SWAP_ROWS:
                         T.gemm(w_s[k % STAGES, :, :], a_s[k % STAGES, :, :], acc, transpose_B=True)
                         if ACT:
@@ -273,6 +282,9 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
                 if CHAINS == 2:
                     for i, j in T.Parallel(*acc.shape):
                         acc[i, j] += up[i, j]
+                if CHAINS == 4:
+                    for i, j in T.Parallel(*acc.shape):
+                        acc[i, j] += up[i, j] + third[i, j] + fourth[i, j]
                 if NORM:
                     T.mbarrier_wait_parity(rstd_full[0], 0)
                     store_normed(C, acc, up, sums, rstd, bx, by)
