@@ -1,9 +1,9 @@
 """Planning TileLang candidates for the kernels where Hopper's own instructions pay: the GEMMs of prefill-sized
 steps (TMA + wgmma, the SiLU x up epilogue over the merged gate/up weight; an RMSNorm prologue becomes a row
 launch first, since TMA feeds the tensor cores the operand as stored), the GEMMs of decode steps of 2 to 16 rows
-(weights streamed by TMA, mma.sync) and of one row where the GEMM has a norm (the norm inside the tile), and causal
-attention of prefill-shaped steps. A kernel TileLang cannot serve
-gets no candidate, and the other backends' variants serve it."""
+(weights streamed by TMA, mma.sync), of 1 to 4 rows where the GEMM has a norm (the norm inside the tile) and of 2 to
+4 rows of a single GEMM (the swapped tile in two mma chains), and causal attention of prefill-shaped steps. A kernel
+TileLang cannot serve gets no candidate, and the other backends' variants serve it."""
 
 from pathlib import Path
 
@@ -147,10 +147,10 @@ def _swapped_rows(launches: list[LaunchSpec], params: list[Param], n: int, k: in
                   row_symbol: str) -> list[VariantSpec]:
     """The 4-row slot of a single GEMM: decode_gemm.py's swapped tile (see SWAPPED_TILE), after the norm launch
     where the GEMM has a norm."""
-    if n % 16 or k % 256:
+    if n % SWAPPED_TILE["BLOCK_N"] or k % SWAPPED_TILE["BLOCK_K"]:
         return []
     tiles = dict(N=n, K=k, ACT=0, PDL=True, **SWAPPED_TILE)
-    grid = (GridDim((n,), 16), GridDim((row_symbol,), SWAPPED_TILE["SWAP_ROWS"]))
+    grid = (GridDim((n,), SWAPPED_TILE["BLOCK_N"]), GridDim((row_symbol,), SWAPPED_TILE["SWAP_ROWS"]))
     gemm = _launch("decode_gemm.py", "decode_gemm", params, tiles, grid, SWAPPED_TILE["THREADS"] + 128,
                    SWAPPED_TILE["STAGES"])
     return [VariantSpec("decode_swap8", 4, [*launches, gemm], "tilelang", sms=(90,))]

@@ -8,9 +8,9 @@ On the H200: `python3 scripts/gpu/gemm_probe.py run --dir .gpu/probe --out $OUT`
 and times it at every M of PREFILL_M (a CUDA graph of repeats, best of ROUNDS alternated with cuBLAS's plain GEMM
 of the same [M, rows of W, K] through torch), printing TFLOP/s and the share of cuBLAS; every number goes to
 $OUT/probe.json. Decode cases (`prepare --decode`: decode_gemm.py's tiles with programmatic dependent launch, split,
-swapped or with the norm inside, and gemm.py's 16-row tile, at the 4B model's decode GEMMs) are timed at 1, 4 and 16 rows as a chain of
-launches over weight copies past the L2, plainly and programmatically, in TB/s and as a share of the copy bandwidth
-measured in the same run ($OUT/decode_probe.json)."""
+swapped, with the norm inside or in several mma chains, and gemm.py's 16-row tile, at the 4B model's decode GEMMs)
+are timed at 1, 4 and 16 rows as a chain of launches over weight copies past the L2, plainly and programmatically,
+in TB/s and as a share of the copy bandwidth measured in the same run ($OUT/decode_probe.json)."""
 
 import argparse
 import json
@@ -46,8 +46,8 @@ def decode_case(label: str, n: int, k: int, act: int, block_n: int, stages: int,
     """A decode tile: decode_gemm.py's hand-specialised one (PDL: waits for the previous kernel after issuing its
     first weight stages; split: CTAs sharing a tile's K; swap_rows: the weight tile as mma's A operand, that many
     rows as its B; norm: the add + RMSNorm inside, scaled `norm` steps after loading, `pre` weight stages before the
-    wait; chains: a single GEMM's stage as two K halves into two sums), or gemm.py's 16-row tile with rows by
-    cp.async (the plan's single-GEMM decode tile)."""
+    wait; chains: a single GEMM's stage as that many K slices into as many sums), or gemm.py's 16-row tile with
+    rows by cp.async (the plan's single-GEMM decode tile)."""
     tile = dict(BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, THREADS=threads, MIN_BLOCKS=min_blocks)
     if template == "gemm.py":
         return Case(label, n, k, act, dict(tile, BLOCK_M=16, SWIZZLE=0, ASYNC_ROWS=True), decode=True)
@@ -122,7 +122,8 @@ def launch_spec(case: Case):
     constexprs = dict(N=case.n, K=case.k, ACT=case.act, **case.tile)
     if case.function == "gemm":
         constexprs["RESIDUAL"] = False
-    rows = 4 if case.tile.get("NORM") else case.tile.get("BLOCK_M", case.tile.get("SWAP_ROWS") or 16)  # a tile's
+    rows = case.tile.get("BLOCK_M", case.tile.get("SWAP_ROWS") or 16)  # a tile's rows (a normed tile: half its
+    rows //= 2 if case.tile.get("NORM") else 1  # 8, the other half X2's rows and then the low halves)
     grid = (GridDim((case.n,), case.tile["BLOCK_N"]), GridDim(("tokens",), rows), GridDim((split,)))
     threads = case.tile["THREADS"] + (128 if case.function == "decode_gemm" else 0)  # its producer warpgroup
     source = (KERNELS / case.template).read_text()

@@ -62,6 +62,7 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
         f"(SiLU x up has two GEMMs already), got {CHAINS} with ACT={ACT}"
     rows = SWAP_ROWS or ROWS  # mma rows a tile; SWAP_ROWS: the weight tile is mma's A operand and the rows its B
     step_rows = rows // 2 if NORM else rows  # the step's rows a tile covers (NORM: each row's second half: below)
+    sums_shape = (BLOCK_N, rows) if SWAP_ROWS else (ROWS, BLOCK_N)  # an accumulator's: acc, up and CHAINS' others
     g_slots = min(STAGES, LAG + 1)  # NORM: G's slice of step k is read LAG steps after it is loaded
     M = T.dynamic("M")
     steps = K // BLOCK_K // SPLIT  # of one CTA
@@ -204,13 +205,13 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
             w_full = T.alloc_barrier([PRODUCER] * STAGES)
             a_full = T.alloc_barrier([PRODUCER] * STAGES)
             empty = T.alloc_barrier([THREADS] * STAGES)
-            acc = T.alloc_fragment((BLOCK_N, rows) if SWAP_ROWS else (ROWS, BLOCK_N), T.float32)
+            acc = T.alloc_fragment(sums_shape, T.float32)
             up, third, fourth = None, None, None  # ACT: the up GEMM's sums; CHAINS: those of a stage's other slices
             if ACT or CHAINS > 1:
-                up = T.alloc_fragment((BLOCK_N, rows) if SWAP_ROWS else (ROWS, BLOCK_N), T.float32)
+                up = T.alloc_fragment(sums_shape, T.float32)
             if CHAINS == 4:
-                third = T.alloc_fragment((BLOCK_N, rows) if SWAP_ROWS else (ROWS, BLOCK_N), T.float32)
-                fourth = T.alloc_fragment((BLOCK_N, rows) if SWAP_ROWS else (ROWS, BLOCK_N), T.float32)
+                third = T.alloc_fragment(sums_shape, T.float32)
+                fourth = T.alloc_fragment(sums_shape, T.float32)
             landed, g_s, x, squares, total, rstd, rstd_full, sums = None, None, None, None, None, None, None, None
             if NORM:  # the rows land (landed), the producer scales them (a_full), then the consumers read them
                 landed = T.alloc_barrier([PRODUCER] * STAGES)
