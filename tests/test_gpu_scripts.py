@@ -29,7 +29,7 @@ def test_gemm_probe_decode_cases_launch_what_their_template_declares(gemm_probe)
     tile of SWAP_ROWS along y; every decode case (decode_gemm.py's and gemm.py's tiles) covers N with whole tiles
     and K with whole steps of each split, and its stages fit the shared memory of the CTAs it asks an SM to hold."""
     decode = [c for c in gemm_probe.CASES if c.decode]
-    assert {c.n for c in decode} == {6144, 2560, 9728}
+    assert {6144, 2560, 9728} <= {c.n for c in decode}  # the 4B model's, and the probe's own widths beside them
     assert any(c.tile.get("NORM") for c in decode)
     for case in decode:
         launch, tile = gemm_probe.launch_spec(case), case.tile
@@ -41,6 +41,8 @@ def test_gemm_probe_decode_cases_launch_what_their_template_declares(gemm_probe)
         # a normed tile covers 4 rows: its 8-row stage holds X2's 4, then each product's low half
         rows = 4 if norm else (tile.get("BLOCK_M") or tile.get("SWAP_ROWS") or 16)
         assert launch.grid[1].block == rows, case.label
+        warpgroups = 1 + tile.get("SCALERS", False)  # decode_gemm.py's producer, and the norm's scalers
+        assert launch.num_warps * 32 == tile["THREADS"] + (128 * warpgroups if case.function == "decode_gemm" else 0)
         assert case.k % (tile["BLOCK_K"] * split) == 0, case.label
         rows = tile.get("SWAP_ROWS") or 16  # a swapped tile stages 8 rows where mma's A operand needs 16
         stage = (rows + tile["BLOCK_N"] * (2 if case.act else 1) + (1 if norm else 0)) * tile["BLOCK_K"] * 2
@@ -54,3 +56,30 @@ def test_gemm_probe_refuses_a_selection_of_no_case(tmp_path):
     assert done.returncode == 2
     assert "no case to compile: --only ['plain_128x256 N19456'] with --decode selects none" in done.stderr
     assert not (tmp_path / "probe").exists()
+
+
+def test_gemm_probe_merge_keeps_each_label_once_grouped_by_shape(tmp_path):
+    """`merge` copies several prepared folders into one: the first folder's case of a label wins, the cases come
+    grouped by shape (the run makes one shape's weight copies at a time), and each launch names its copied cubin."""
+    import json
+
+    def folder(name: str, cases: list[tuple[str, int, bytes]]) -> Path:
+        path = tmp_path / name
+        path.mkdir()
+        index = []
+        for i, (label, n, cubin) in enumerate(cases):
+            (path / f"case{i}.cubin").write_bytes(cubin)
+            index.append({"case": {"label": label, "n": n, "k": 256, "act": 0},
+                          "launch": {"key": f"case{i}.cubin", "cubin": f"case{i}.cubin"}})
+        (path / "index.json").write_text(json.dumps(index))
+        return path
+
+    first = folder("a", [("qkv x", 6144, b"qkv-a"), ("o_proj x", 2560, b"o-a")])
+    second = folder("b", [("qkv y", 6144, b"qkv-b"), ("o_proj x", 2560, b"o-b"), ("down y", 2560, b"down-b")])
+    done = run(str(SCRIPTS / "gemm_probe.py"), "merge", "--out", str(tmp_path / "m"), str(first), str(second))
+    assert done.returncode == 0, done.stderr
+    index = json.loads((tmp_path / "m" / "index.json").read_text())
+    assert [e["case"]["label"] for e in index] == ["qkv x", "qkv y", "o_proj x", "down y"]
+    cubins = [(tmp_path / "m" / e["launch"]["cubin"]).read_bytes() for e in index]
+    assert cubins == [b"qkv-a", b"qkv-b", b"o-a", b"down-b"]
+    assert [e["launch"]["key"] for e in index] == [e["launch"]["cubin"] for e in index]

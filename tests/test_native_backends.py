@@ -83,7 +83,7 @@ def test_tilelang_sm90a_gemm_and_attention_run_on_hgmma(compiled, tmp_path):
 
 
 TUNING_VARIANTS = {"wgmma_128x128": "attn_residual", "wgmma_128x256_rows": "o_proj",
-                   "wgmma_256x128_rows": "down", "decode_16x64": "o_proj"}
+                   "wgmma_256x128_rows": "down", "decode_16x64": "o_proj", "decode_16x32": "down"}
 
 
 def test_every_tilelang_variant_is_compiled_by_some_test(kernels):
@@ -109,7 +109,7 @@ def test_tilelang_decode_tiles_stream_weights_by_tma_and_fit_their_ctas_per_sm(c
     past the rows), mma.sync (HMMA), and registers and shared memory that let an SM hold MIN_BLOCKS CTAs."""
     todo, _, results = compiled
     keys = [key for (sm, key) in results if sm == 90 and "/decode_" in key]
-    assert {key.split("/")[1] for key in keys} == {"decode_16x16", "decode_16x32", "decode_norm", "decode_swap8"}
+    assert {key.split("/")[1] for key in keys} == {"decode_16x16", "decode_norm", "decode_swap8"}
     for key in keys:
         launch, native = todo[(90, key)], results[(90, key)]
         if launch.function == "add_rms_norm":
@@ -260,8 +260,22 @@ def test_decode_gemm_with_pdl_streams_weights_before_waiting_and_a_split_tile_su
     consumer = code[code.index("} else {"):]
     assert consumer.index("(P + ") < consumer.index("__threadfence") < consumer.index("AtomicAddRet((&(tickets[")
     assert "for (int s = 0; s < 2; ++s)" in consumer and "__ldcg((&(P[" in consumer
-    assert "tickets[((int)blockIdx.x)] = 0;" in consumer
+    assert "tickets[((((int)blockIdx.y) * 160) + ((int)blockIdx.x))] = 0;" in consumer  # a ticket a (row, column) tile
     assert [a["name"] for a in native.abi] == ["A", "C", "P", "W_desc", "tickets", "M"]
+
+
+def test_swapped_split_tile_row_tiles_share_a_plane(gemm_probe):
+    """The probe's split swapped tile (8 rows a CTA): row tile y writes and reads rows 8y-8y+7 of each 16-row
+    plane (20480 = 8 rows of 2560), and takes ticket y * 160 + x."""
+    from pegainfer.backends.tilelang.compiler import compile_launch
+
+    case = next(c for c in gemm_probe.CASES if c.label == "o_proj swap8 16x16 s6 b3 split2 c2")
+    consumer = compile_launch(gemm_probe.launch_spec(case), 90).files["cu"].split("} else {", 1)[1]
+    plane_row = "(((int64_t)((int)blockIdx.y)) * (int64_t)20480)"
+    stores = [line for line in consumer.splitlines() if line.strip().startswith("P[")]
+    loads = [line for line in consumer.splitlines() if "__ldcg" in line]
+    assert len(stores) == len(loads) == 1 and plane_row in stores[0] and plane_row in loads[0], (stores, loads)
+    assert "AtomicAddRet((&(tickets[((((int64_t)((int)blockIdx.y)) * (int64_t)160)" in consumer
 
 
 def test_decode_gemm_swapped_takes_the_weight_tile_as_the_mma_a_operand(gemm_probe):
@@ -294,40 +308,66 @@ def test_decode_gemm_four_chains_take_a_k_quarter_each(gemm_probe):
 
 
 def test_tilelang_normed_row_tile_scales_its_rows_in_the_producer_and_rstd_last(compiled):
-    """gate/up's one-row tile with the norm inside: one weight stage goes out before the wait for the previous
-    kernel; then each step's rows (and X2's) go out before its weights; the producer scales step k - LAG's rows
-    first (the residual sum times G, its bf16 high part and the remainder in the stage's other 4 rows, then the
-    stage handed to the consumers) and ends with each row's 1/rms; the consumers add both halves' products times
-    1/rms before SiLU x up. ABI: rows, X2, G, the sum S and the weights' TMA descriptor."""
+    """QKV's one-row tile with the norm inside: one weight stage goes out before the wait for the previous kernel;
+    then each step's rows (and X2's) go out before its weights; the producer scales step k - LAG's rows first (the
+    residual sum times G, its bf16 high part and the remainder in the stage's other 4 rows, then the stage handed
+    to the consumers) and ends with each row's 1/rms; the consumers add both halves' products times 1/rms. ABI:
+    rows, X2, G, the sum S and the weights' TMA descriptor."""
     todo, _, results = compiled
-    launch, native = todo[(90, "attn_residual/decode_norm/0")], results[(90, "attn_residual/decode_norm/0")]
-    assert launch.constexprs["PRE"] == 1 and launch.constexprs["LAG"] == 2
+    launch, native = todo[(90, "hidden/decode_norm/0")], results[(90, "hidden/decode_norm/0")]
+    assert launch.constexprs["PRE"] == 1 and launch.constexprs["LAG"] == 2 and not launch.constexprs.get("SCALERS")
     assert [a["name"] for a in native.abi] == ["A", "C", "G", "S", "W_desc", "X2", "M"]
     code = native.files["cu"]
     start, end = code.index("if (32 <= ((int)threadIdx.x))"), code.index("rstd_full[0].arrive();")
     producer, consumer = code[start:end], code[end:]
     wait = producer.index("cudaGridDependencySynchronize")
     assert "w_full[0]" in producer[:wait] and "w_full[1]" not in producer[:wait] and "cp_async" not in producer[:wait]
-    loop = producer[wait:]
-    assert loop.index("landed[((k + 1) % 3)].wait") < loop.index("a_full[((k + 1) % 3)].arrive()") \
+    loop = producer[wait:]  # 5 stages: step k - 2's stage is (k + 3) % 5
+    assert loop.index("landed[((k + 3) % 5)].wait") < loop.index("a_full[((k + 3) % 5)].arrive()") \
         < loop.index("cp_async_gs_conditional<16>((&(((bfloat16_t*)a_s)") < loop.index("(&(X2[") \
         < loop.index("tl::tma_load(W_desc")
-    scale = loop[:loop.index("a_full[((k + 1) % 3)].arrive()")]
+    scale = loop[:loop.index("a_full[((k + 3) % 5)].arrive()")]
     assert "(S + " in scale and "g_s" in scale  # the remainder: the product less its bf16 rounding
     assert re.search(r"__\d+\.x = \(v__\d+\.x-__\d+\.x\)", scale), scale[-1500:]
     assert "rsqrtf(" in code[end - 800:end]
     epilogue = consumer[consumer.index("rstd_full[0].wait(0)"):]
+    assert "sums[" in epilogue and "* rstd[" in epilogue and "expf(" not in epilogue
+
+
+def test_tilelang_normed_gate_up_tile_scales_its_rows_in_a_warpgroup_of_scalers(compiled):
+    """gate/up's normed tile (SCALERS): the producer (threads 32-159) issues one weight stage of gate and of up
+    before the wait, then each step's rows, X2's and G's slice, then the step's weights, never waiting for rows to
+    land; the scalers (threads 160-287) wait for each step's rows, write the residual sum, scale them into the high
+    part and remainder, hand the stage to the consumer warp, and end with each row's 1/rms; the consumer warp scales
+    both halves' products by 1/rms before SiLU x up."""
+    todo, _, results = compiled
+    launch, native = todo[(90, "attn_residual/decode_norm/0")], results[(90, "attn_residual/decode_norm/0")]
+    assert launch.constexprs["SCALERS"] and launch.num_warps == 9 and native.threads == 288
+    assert [a["name"] for a in native.abi] == ["A", "C", "G", "S", "W_desc", "X2", "M"]
+    code = native.files["cu"]
+    scalers = code[code.index("if (160 <= ((int)threadIdx.x))"):code.index("rstd_full[0].arrive();")]
+    producer = code[code.index("if (32 <= ((int)threadIdx.x))"):]
+    producer, consumer = producer[:producer.index("} else {")], producer[producer.index("} else {"):]
+    assert scalers.index("landed[(k % 3)].wait") < scalers.index("(S + ") < scalers.index("a_full[(k % 3)].arrive()")
+    assert re.search(r"__\d+\.x = \(v__\d+\.x-__\d+\.x\)", scalers) and "rsqrtf(" in scalers
+    wait = producer.index("cudaGridDependencySynchronize")
+    assert producer[:wait].count("tl::tma_load(W_desc") == 2 and "cp_async" not in producer[:wait]
+    loop = producer[wait:]
+    assert "landed[" not in loop.replace("mbarrier_cp_async_arrive_noinc(landed[", "") and "a_full" not in loop
+    assert loop.index("(&(A[") < loop.index("(&(X2[") < loop.index("(&(G[") < loop.index("tl::tma_load(W_desc")
+    epilogue = consumer[consumer.index("rstd_full[0].wait(0)"):]
     assert "sums[" in epilogue and "* rstd[" in epilogue and "expf(" in epilogue
 
 
-def test_tilelang_two_chain_tile_sums_each_stage_half_into_its_own_accumulator(compiled, tmp_path):
-    """down's 4-row tile (swapped, CHAINS=2): each stage's two K halves go to mma.sync into two accumulators, whose
-    sum is stored; in the SASS no HMMA accumulates onto the one just before it (a single chain's all do)."""
+def test_tilelang_four_chain_tile_sums_each_stage_quarter_into_its_own_accumulator(compiled, tmp_path):
+    """down's 4-row tile (swapped, CHAINS=4): each stage's four K quarters go to mma.sync into four accumulators,
+    whose sum is stored; in the SASS no HMMA accumulates onto the one just before it (a single chain's all do)."""
     native = compiled[2][(90, "down/decode_swap8/0")]
     consumer = native.files["cu"][native.files["cu"].index("} else {"):]
     chains = re.findall(r"mma_sync<[^>]*>\(reinterpret_cast<float\*>\((\w+) \+ 0\)", consumer)
-    assert chains == ["acc", "up"], chains
-    assert re.search(r"v_\.x\+v__1\.x", consumer) and consumer.index("(up + 0)") < consumer.index("v_.x+v__1.x")
+    assert chains == ["acc", "up", "third", "fourth"], chains
+    summed = consumer[consumer.rindex("empty[(k_2 % 6)].arrive();"):]
+    assert all(f"*(float4*)({name} + 0)" in summed for name in chains) and "*(float4*)(acc + 0) = " in summed
     hmma = re.findall(r"HMMA\.\S+ (R\d+), R\d+, R\d+, (R\d+)", sass(native.cubin, tmp_path))
     assert len(hmma) >= 16 and not [b for a, b in zip(hmma, hmma[1:]) if b[1] == a[0]], hmma  # one chain: all are
 

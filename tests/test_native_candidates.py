@@ -66,11 +66,12 @@ def test_prefill_defaults_merged_gate_up_and_a_tile_per_width():
     assert names["o_proj"][0] == names["down"][0] == "wgmma_128x160_rows", (names["o_proj"], names["down"])
 
 
-def test_decode_tiles_serve_four_and_sixteen_rows_with_the_default_for_their_width():
+def test_decode_tiles_serve_four_and_sixteen_rows_with_the_chained_tile_first():
     """TileLang's decode GEMMs: slots of 4 and 16 rows (one row is Triton's unless the GEMM has a norm: below),
-    sm_90 only, the 16x32 tile first where N <= 4096 and 16x16 first where it is wider, 16x64 behind for tuning;
-    every stage ring fits the shared memory of the CTAs the tile asks an SM to hold."""
-    from pegainfer.backends.tilelang.plan import DECODE_TILES, SM90_SHARED
+    sm_90 only, decode_gemm.py's 16x16 tile first, launched programmatically, a single GEMM's stages in CHAINED_TILE's
+    chains (the narrow o_proj and down deeper, at 2 CTAs an SM), then gemm.py's 16x32 (single GEMMs) and 16x64 for
+    tuning; every stage ring fits the shared memory of the CTAs the tile asks an SM to hold."""
+    from pegainfer.backends.tilelang.plan import CHAINED_TILE, DECODE_TILES, SM90_SHARED
 
     gemms = [(g, n) for g, n in kernels(CONFIGS / "qwen3-4b.json") if "linear" in fused_ops(n)]
     offered = 0
@@ -80,20 +81,27 @@ def test_decode_tiles_serve_four_and_sixteen_rows_with_the_default_for_their_wid
         if not decode:
             continue
         offered += 1
-        n = gemm_roles(node)["n"]
+        n, act = gemm_roles(node)["n"], gemm_roles(node)["act"]
         for rows in (4, 16):
             names = [v.name for v in decode if v.max_rows == rows]
-            assert names == ["decode_16x32" if n <= 4096 else "decode_16x16", "decode_16x64"], (node.name, names)
+            assert names == ["decode_16x16", *([] if act else ["decode_16x32"]), "decode_16x64"], (node.name, names)
         assert {v.max_rows for v in decode} == {4, 16} and all(v.sms == (90,) for v in decode)
         for v in decode:
-            tiles = v.launches[-1].constexprs
-            min_blocks = DECODE_TILES[v.name][3]
-            # SiLU x up through the hand-specialised template (two GEMMs read each row stage), else gemm.py's tile
-            assert v.launches[-1].function == ("decode_gemm" if tiles["ACT"] else "gemm"), v.launches[-1].function
+            launch = v.launches[-1]
+            tiles = launch.constexprs
+            chained = v.name == "decode_16x16"
+            # the 16x16 tile and SiLU x up through the hand-specialised template, else gemm.py's warp-specialised one
+            assert launch.function == ("decode_gemm" if chained or act else "gemm"), (v.name, launch.function)
+            assert tiles.get("PDL", False) == chained and tiles.get("CHAINS", 1) == (
+                CHAINED_TILE[n <= 4096][2] if chained and not act else 1), (v.name, tiles)
+            min_blocks = CHAINED_TILE[n <= 4096][1] if chained and not act else DECODE_TILES[v.name][3]
             assert tiles["MIN_BLOCKS"] == min_blocks
-            assert tiles["ACT"] or (tiles["ASYNC_ROWS"] and tiles["BLOCK_M"] == 16), tiles
-            stage = (16 + tiles["BLOCK_N"] * (2 if tiles["ACT"] else 1)) * tiles["BLOCK_K"] * 2
+            assert chained or act or (tiles["ASYNC_ROWS"] and tiles["BLOCK_M"] == 16), tiles
+            stage = (16 + tiles["BLOCK_N"] * (2 if act else 1)) * tiles["BLOCK_K"] * 2
             assert tiles["STAGES"] >= 2 and min_blocks * (tiles["STAGES"] * stage + 2048) <= SM90_SHARED, tiles
+            norm = v.launches[:-1]
+            assert [launch.function for launch in norm] == (["add_rms_norm"] if gemm_roles(node)["norm"] else [])
+            assert all(launch.constexprs["PDL"] for launch in norm), "the norm launch lets its GEMM start at once"
     assert offered == 4, "QKV, o_proj, gate/up and down each get decode tiles"
 
 
@@ -129,6 +137,8 @@ def test_gemms_with_a_norm_get_the_normed_tile_for_one_and_four_rows():
         assert values["A"] == roles["x"] and values["G"] == roles["norm"] and values["C"] == roles["out"]
         assert values.get("X2") == roles["x2"] and values.get("S") == roles["sum"]
         assert launch.grid[1].block == 4
+        # SiLU x up's scales its rows in a warpgroup of its own, after the consumer warp and the producer
+        assert tiles.get("SCALERS", False) == bool(roles["act"]) and launch.num_warps == (9 if roles["act"] else 5)
         weights = 16 * tiles["BLOCK_K"] * 2 * (2 if tiles["ACT"] else 1)
         stage = weights + 8 * tiles["BLOCK_K"] * 2 + tiles["BLOCK_K"] * 2
         assert tiles["MIN_BLOCKS"] * (tiles["STAGES"] * stage + 2048) <= SM90_SHARED, tiles
@@ -136,10 +146,10 @@ def test_gemms_with_a_norm_get_the_normed_tile_for_one_and_four_rows():
     assert served == {0, 1}, "QKV and gate/up"
 
 
-def test_single_gemms_get_the_two_chain_swapped_tile_for_four_rows():
-    """The single GEMMs (QKV, o_proj, down) get decode_gemm.py's swapped tile in two mma chains for steps of up to 4
+def test_single_gemms_get_the_four_chain_swapped_tile_for_four_rows():
+    """The single GEMMs (QKV, o_proj, down) get decode_gemm.py's swapped tile in four mma chains for steps of up to 4
     rows: the default where no norm tile leads the slot (o_proj, down), behind it for QKV (after the norm launch);
-    none for SiLU x up. 8 rows a CTA as mma's B operand, launched programmatically in one-token steps, and a ring
+    none for SiLU x up. 8 rows a CTA as mma's B operand, launched programmatically, and a ring
     that lets 3 CTAs share an SM."""
     from pegainfer.backends.tilelang.plan import SM90_SHARED
 
@@ -155,7 +165,7 @@ def test_single_gemms_get_the_two_chain_swapped_tile_for_four_rows():
         assert [n.function for n in norm] == (["add_rms_norm"] if roles["norm"] else [])
         tiles = launch.constexprs
         assert launch.function == "decode_gemm" and launch.module == "decode_gemm.py"
-        assert (tiles["SWAP_ROWS"], tiles["CHAINS"], tiles["PDL"], tiles["ACT"]) == (8, 2, True, 0)
+        assert (tiles["SWAP_ROWS"], tiles["CHAINS"], tiles["PDL"], tiles["ACT"]) == (8, 4, True, 0)
         assert launch.grid[1].block == 8 and launch.grid[0].block == tiles["BLOCK_N"] == 16
         stage = (16 + 8) * tiles["BLOCK_K"] * 2
         assert tiles["MIN_BLOCKS"] == 3 and 3 * (tiles["STAGES"] * stage + 2048) <= SM90_SHARED, tiles
@@ -169,13 +179,14 @@ def test_single_gemms_get_the_two_chain_swapped_tile_for_four_rows():
     (dict(ACT=1, CHAINS=2), "got 2 with ACT=1"),
     (dict(NORM=True, SWAP_ROWS=0), "a normed tile is a swapped one of 8 rows"),
     (dict(NORM=True, SWAP_ROWS=8, LAG=7), "NORM scales a step's rows LAG steps after loading them"),
-    (dict(PRE=1), "PRE (weight stages before the rows) is NORM's"),
+    (dict(PRE=6), "PRE: weight stages issued before the rows (the PDL wait), at most 5, got 6"),
+    (dict(SPLIT=2, NORM=True, SWAP_ROWS=8), "a normed tile is not split"),
     (dict(ADD=True), "ADD sums the rows of a norm prologue"),
     (dict(NORM=True, SWAP_ROWS=8, WRITE_SUM=True), "WRITE_SUM writes the sum of ADD's rows"),
 ])
 def test_decode_gemm_refuses_a_form_it_cannot_run(bad, says):
-    """decode_gemm.py refuses, before lowering, the settings its protocols do not cover (NORM's, CHAINS'), saying
-    which."""
+    """decode_gemm.py refuses, before lowering, the settings its protocols do not cover (NORM's, CHAINS', PRE's,
+    SPLIT's), saying which."""
     from pegainfer.backends.tilelang.kernels.decode_gemm import decode_gemm
 
     tile = dict(N=6144, K=2560, ACT=0, BLOCK_N=16, BLOCK_K=256, STAGES=5, THREADS=32, MIN_BLOCKS=3) | bad

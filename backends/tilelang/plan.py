@@ -2,7 +2,7 @@
 steps (TMA + wgmma, the SiLU x up epilogue over the merged gate/up weight; an RMSNorm prologue becomes a row
 launch first, since TMA feeds the tensor cores the operand as stored), the GEMMs of decode steps of 2 to 16 rows
 (weights streamed by TMA, mma.sync), of 1 to 4 rows where the GEMM has a norm (the norm inside the tile) and of 2 to
-4 rows of a single GEMM (the swapped tile in two mma chains), and causal attention of prefill-shaped steps. A kernel
+4 rows of a single GEMM (the swapped tile in four mma chains), and causal attention of prefill-shaped steps. A kernel
 TileLang cannot serve gets no candidate, and the other backends' variants serve it."""
 
 from pathlib import Path
@@ -42,33 +42,38 @@ GEMM_TILES = (
 # Decode steps of up to 16 rows on sm_90a (`_decode_gemm`): (name, BLOCK_N, BLOCK_K, consumer threads, CTAs an SM
 # holds). One 16-row tile a CTA; a producer warpgroup streams the weight tile by TMA through as many stages as the
 # shared memory of that many CTAs allows, and the activation rows by predicated cp.async (a TMA box reaching past
-# the step's rows made the 4-row GEMMs 1.2-1.5x slower); mma.sync on the consumers. gemm.py's tile, warp-specialised
-# by TileLang, for a single GEMM; decode_gemm.py, warp-specialised by hand, for SiLU x up (TileLang's released the
-# rows after the first of the two GEMMs: wrong results). On the H200 (docs/BENCHMARKS.md, session 6) they beat every
-# Triton variant of the 4- and 16-row slots on all four GEMMs of the 4B model: 16x32 is the faster for N <= 4096
-# (o_proj, down: 80 CTAs of four 24 KB stages), 16x16 for the wider QKV and gate/up.
+# the step's rows made the 4-row GEMMs 1.2-1.5x slower); mma.sync on the consumers. decode_16x16 is decode_gemm.py,
+# warp-specialised by hand (TileLang's own, with two GEMMs reading one activation stage, released the rows after the
+# first: wrong results), launched programmatically; 16x32 and 16x64 are gemm.py's tile, warp-specialised by
+# TileLang, for tuning (16x32 was the narrow GEMMs' default until session 11).
 DECODE_TILE_M = 16
 SM90_SHARED = 228 * 1024  # an SM's shared memory, of which each resident CTA also holds 1 KB for the system
 DECODE_TILES = {"decode_16x16": (16, 256, 64, 3), "decode_16x32": (32, 256, 128, 2), "decode_16x64": (64, 128, 128, 2)}
+# decode_16x16 of a single GEMM: (STAGES, CTAs an SM, CHAINS) for N <= 4096 (o_proj, down: 160 tiles) and wider
+# (QKV), each stage's K split over CHAINS sums. Launched programmatically at 16 rows (scripts/gpu/gemm_probe.py,
+# docs/BENCHMARKS.md session 11): o_proj 7.4 us (67% of the copy bandwidth), down 14.5 (81%), QKV 8.6-8.9 (84-87%),
+# against 8.4-8.6, 16.4 and 10.3 for gemm.py's 16x32 and 16x16 launched plainly; SiLU x up keeps 3 stages, 3 CTAs.
+CHAINED_TILE = {True: (6, 2, 4), False: (4, 3, 2)}
 DECODE_SLOTS = (4, 16)
 # Steps of up to 4 rows of a GEMM with an RMSNorm prologue (QKV, gate/up) on sm_90a: decode_gemm.py's NORM tile, the
 # norm in the tile instead of a launch of its own (whose 2.8 us cost what the tiles gained, session 8), the weight
-# tile as mma's A operand, launched programmatically in one-token steps. (STAGES, LAG, PRE) by ACT, from
-# scripts/gpu/gemm_probe.py and kernels.py on the H200 (docs/BENCHMARKS.md, sessions 9 and 10): one row, QKV 9.2 us
-# (80% of the copy bandwidth, the norm included) against Triton's `one_row` 12.4, gate/up 25.8 (91%) against 27.7,
-# the batch-1 step 2.60 ms against 2.75; 4 rows, launched plainly as such steps are, QKV 10.3 us against 12.0 for
-# the norm launch and decode_16x16, the batch-4 step 3.10 ms against 3.22. QKV's 6 stages fit 3 CTAs an SM too, no
-# faster (session 10). The GEMMs without a norm (o_proj, down) keep Triton's one-row GEMV, faster there.
-NORMED_TILE = {0: (5, 2, 1), 1: (3, 2, 1)}
+# tile as mma's A operand, launched programmatically. Its shape by ACT, from scripts/gpu/gemm_probe.py and kernels.py
+# on the H200 (docs/BENCHMARKS.md, sessions 9-11): one row, QKV 9.2 us (80% of the copy bandwidth, the norm
+# included) against Triton's `one_row` 12.4, gate/up 25.8 (91%) against 27.7, the batch-1 step 2.60 ms against 2.75;
+# 4 rows, launched plainly, QKV 10.3 us against 12.0 for the norm launch and a 16x16 tile. QKV's 6 stages fit 3 CTAs
+# an SM too, no faster (session 10); neither were its chains nor scalers (session 11). SiLU x up's tile scales the
+# rows in a warpgroup of its own (SCALERS; 288 threads a CTA): 24.9-25.1 us against 25.5-25.6 launched
+# programmatically, 26.2-26.4 against 27.0-27.3 plainly (session 11). o_proj and down keep Triton's one-row GEMV.
+NORMED_TILE = {0: dict(STAGES=5, LAG=2, PRE=1), 1: dict(STAGES=3, LAG=2, PRE=1, SCALERS=True)}
 # Steps of up to 4 rows of a single GEMM (o_proj, down): decode_gemm.py's swapped tile, 8 rows as mma's B operand, and
-# each stage's K halves summed in two chains of mma.sync (one chain's latency held a CTA to about 16 GB/s). Plainly
-# launched, down 15.3 us (77% of the copy bandwidth) against 16.6 for gemm.py's 16x32, o_proj 8.1 against 8.4
-# (scripts/gpu/gemm_probe.py, docs/BENCHMARKS.md session 10).
-SWAPPED_TILE = dict(BLOCK_N=16, BLOCK_K=256, STAGES=6, THREADS=32, MIN_BLOCKS=3, SWAP_ROWS=8, CHAINS=2)
+# each stage's K quarters summed in four chains of mma.sync (one chain's latency held a CTA to about 16 GB/s). Down
+# 13.7-13.9 us (85% of the copy bandwidth) launched programmatically, 14.9-15.1 plainly, against 16.6-16.8 for
+# gemm.py's 16x32; o_proj 6.9-7.0 and 8.1 against 8.4 (scripts/gpu/gemm_probe.py, docs/BENCHMARKS.md sessions 10-11).
+SWAPPED_TILE = dict(BLOCK_N=16, BLOCK_K=256, STAGES=6, THREADS=32, MIN_BLOCKS=3, SWAP_ROWS=8, CHAINS=4)
 # what CI compiles for every kernel they fit
 DEFAULT_VARIANTS = ("wgmma_128x160_rows", "wgmma_128x192_rows", "wgmma_128x256_merged", "wgmma_128x128_rows",
-                    "mma_128x128", "flash_ws_128x128", "flash_128x128", "decode_16x16", "decode_16x32",
-                    "decode_norm", "decode_swap8")
+                    "mma_128x128", "flash_ws_128x128", "flash_128x128", "decode_16x16", "decode_norm",
+                    "decode_swap8")
 
 
 def candidates(graph: Graph, node: Node, options: PlanOptions) -> list[VariantSpec]:
@@ -99,7 +104,7 @@ def _gemm(graph: Graph, node: Node) -> list[VariantSpec]:
     roles, n, k = gemm.roles, gemm.n, gemm.k
     row_symbol = gemm.types[roles["x"]].shape[0]
     dim = Param("M", "int", f"dim:{row_symbol}", "i32")
-    launches, operand, variants = [], roles["x"], []
+    launches, decode_launches, operand, variants = [], [], roles["x"], []
     if roles["norm"]:
         variants += _normed_rows(roles, n, k, dim, row_symbol)
         operand = "gemm.normed"
@@ -108,14 +113,16 @@ def _gemm(graph: Graph, node: Node) -> list[VariantSpec]:
             params.insert(1, _tensor("X2", roles["x2"]))
         if roles["sum"]:
             params.insert(3, _tensor("S", roles["sum"]))
-        launches.append(_launch("gemm.py", "add_rms_norm", params,
-                                dict(K=k, EPS=float(roles["eps"]), ADD=roles["x2"] is not None,
-                                     WRITE_SUM=roles["sum"] is not None, THREADS=128),
-                                (GridDim((row_symbol,)),), 128))
+        norm = dict(K=k, EPS=float(roles["eps"]), ADD=roles["x2"] is not None, WRITE_SUM=roles["sum"] is not None,
+                    THREADS=128)
+        launches.append(_launch("gemm.py", "add_rms_norm", params, norm, (GridDim((row_symbol,)),), 128))
+        # the decode tiles' (sm_90 only, where programmatic launch exists): their GEMM's weights stream meanwhile
+        decode_launches.append(_launch("gemm.py", "add_rms_norm", params, norm | dict(PDL=True),
+                                       (GridDim((row_symbol,)),), 128))
     elif roles["x2"]:
         return []  # an add without a norm before a GEMM: not a shape the passes make
     gemm_params = [_tensor("A", operand), _tensor("W", roles["weight"]), _tensor("C", roles["out"]), dim]
-    variants += _decode_gemm(launches, gemm_params, n, k, roles["act"], row_symbol)
+    variants += _decode_gemm(decode_launches, gemm_params, n, k, roles["act"], row_symbol)
     for name, sms, tiles in GEMM_TILES:
         if not _tile_fits(tiles, n, roles["act"]):
             continue
@@ -131,15 +138,16 @@ def _normed_rows(roles: dict, n: int, k: int, dim: Param, row_symbol: str) -> li
     rows (and X2's) as stored and writing the residual sum itself; one launch serves both slots (4 rows a CTA)."""
     if n % 16 or k % 256 or (roles["sum"] and not roles["x2"]):
         return []
-    stages, lag, pre = NORMED_TILE[roles["act"]]
+    shape = NORMED_TILE[roles["act"]]
     names = ["A", *(["X2"] if roles["x2"] else []), "G", *(["S"] if roles["sum"] else []), "W", "C"]
     values = dict(A=roles["x"], X2=roles["x2"], G=roles["norm"], S=roles["sum"], W=roles["weight"], C=roles["out"])
     params = [_tensor(name, values[name]) for name in names] + [dim]
-    tiles = dict(N=n, K=k, ACT=roles["act"], BLOCK_N=16, BLOCK_K=256, STAGES=stages, THREADS=32, MIN_BLOCKS=3,
-                 PDL=True, SWAP_ROWS=8, NORM=True, ADD=roles["x2"] is not None, WRITE_SUM=roles["sum"] is not None,
-                 EPS=float(roles["eps"]), LAG=lag, PRE=pre)
+    tiles = dict(N=n, K=k, ACT=roles["act"], BLOCK_N=16, BLOCK_K=256, THREADS=32, MIN_BLOCKS=3, PDL=True,
+                 SWAP_ROWS=8, NORM=True, ADD=roles["x2"] is not None, WRITE_SUM=roles["sum"] is not None,
+                 EPS=float(roles["eps"]), **shape)
     grid = (GridDim((n,), 16), GridDim((row_symbol,), 4))
-    gemm = _launch("decode_gemm.py", "decode_gemm", params, tiles, grid, 32 + 128, stages)
+    threads = 32 + 128 * (2 if shape.get("SCALERS") else 1)  # the consumer warp, the producer (and scalers)
+    gemm = _launch("decode_gemm.py", "decode_gemm", params, tiles, grid, threads, shape["STAGES"])
     return [VariantSpec("decode_norm", rows, [gemm], "tilelang", sms=(90,)) for rows in (1, 4)]
 
 
@@ -158,22 +166,24 @@ def _swapped_rows(launches: list[LaunchSpec], params: list[Param], n: int, k: in
 
 def _decode_gemm(launches: list[LaunchSpec], params: list[Param], n: int, k: int, act: int,
                  row_symbol: str) -> list[VariantSpec]:
-    """The 4- and 16-row slots: the default decode tile for N (see DECODE_TILES; behind the normed tile at 4 rows
-    where the GEMM has a norm), then 16x64 for tuning; a SiLU x up GEMM through decode_gemm.py (its own barrier
-    protocol: two GEMMs read each activation stage)."""
-    default = "decode_16x32" if n <= 4096 else "decode_16x16"
+    """The 4- and 16-row slots: decode_gemm.py's 16x16 tile (behind the normed tile at 4 rows where the GEMM has a
+    norm, behind the swapped one where it has none), then gemm.py's 16x32 (a single GEMM) and 16x64 for tuning."""
     variants = [] if act else _swapped_rows(launches, params, n, k, row_symbol)
-    for name in (default, "decode_16x64"):
+    for name in ("decode_16x16", "decode_16x32", "decode_16x64"):
         block_n, block_k, threads, min_blocks = DECODE_TILES[name]
-        if n % block_n or k % block_k:
+        if n % block_n or k % block_k or (act and name == "decode_16x32"):
             continue
         stage = (DECODE_TILE_M + block_n * (2 if act else 1)) * block_k * 2
         stages = min(12, (SM90_SHARED // min_blocks - 2048) // stage)
         grid = (GridDim((n,), block_n), GridDim((row_symbol,), DECODE_TILE_M))
         tiles = dict(N=n, K=k, ACT=act, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, THREADS=threads,
                      MIN_BLOCKS=min_blocks)
-        if act:
-            gemm = _launch("decode_gemm.py", "decode_gemm", params, tiles, grid, threads + 128, stages)
+        if name == "decode_16x16" and not act:  # see CHAINED_TILE
+            stages, min_blocks, chains = CHAINED_TILE[n <= 4096]
+            tiles |= dict(STAGES=stages, MIN_BLOCKS=min_blocks, CHAINS=chains)
+        if name == "decode_16x16" or act:
+            pdl = dict(PDL=True) if name == "decode_16x16" else {}
+            gemm = _launch("decode_gemm.py", "decode_gemm", params, tiles | pdl, grid, threads + 128, tiles["STAGES"])
         else:
             gemm = _launch("gemm.py", "gemm", params, dict(tiles, RESIDUAL=False, BLOCK_M=DECODE_TILE_M, SWIZZLE=0,
                                                            ASYNC_ROWS=True), grid, threads, stages)

@@ -14,7 +14,7 @@ from pegainfer.runtime.batch import Chunk, Sequence, commit_step, pack_step, rel
 from pegainfer.runtime.device_sampling import (SampleResult, finish, greedy_inputs, sampling_inputs,
                                                wants_top_logprobs)
 from pegainfer.runtime.cuda import driver
-from pegainfer.runtime.gpu.executor import GpuExecutor, Limits
+from pegainfer.runtime.gpu.executor import PDL_MAX_TOKENS, GpuExecutor, Limits
 from pegainfer.runtime.gpu.memory import kv_blocks_for_memory
 from pegainfer.runtime.kv_blocks import BlockAllocator
 from pegainfer.runtime.sampler import SamplingParams
@@ -40,9 +40,7 @@ class EngineOptions:
     gpu_memory_utilization: float = 0.9  # of the device's memory, for weights, activations and the KV cache
     block_size: int = 16
     cuda_graphs: bool = True
-    # Programmatic dependent launch (kernels compiled for sm_90 and later) for steps of at most this many tokens:
-    # on the H200 it took batch-1 decode from 3.02 to 2.92 ms and batch 8 from 5.84 to 7.27 (docs/BENCHMARKS.md).
-    pdl_max_tokens: int = 1
+    pdl_max_tokens: int = PDL_MAX_TOKENS  # programmatic dependent launch for steps of at most this many tokens
 
 
 class GpuEngine:

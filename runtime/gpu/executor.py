@@ -24,6 +24,12 @@ from pegainfer.runtime.gpu.launch import launch_kernel, load_function
 from pegainfer.runtime.gpu.memory import ALIGN, Arena, aligned
 from pegainfer.runtime.gpu.upload import params_bytes, upload_weights
 
+# Programmatic dependent launch (kernels compiled for sm_90 and later) for steps of at most this many tokens. On the
+# H200 it took the batch-1 step from 3.02 to 2.92 ms with Triton's GEMVs (docs/BENCHMARKS.md, session 2); with the
+# decode tiles of session 11, chosen launched so, batch 2 / 4 / 8 / 16 from 2.91 / 3.00 / 3.28 / 3.63 ms (medians;
+# programmatic launch at one token) to 2.87 / 2.94 / 3.22 / 3.58. Larger steps run kernels that do not opt in.
+PDL_MAX_TOKENS = 16
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -60,7 +66,7 @@ class GpuExecutor:
                 driver.memset(t.ptr, prod(t.shape) * t.dtype.itemsize, ctx.stream)
         self.states: dict[str, DeviceTensor] = {}  # the KV cache: allocate_kv, once the engine knows its size
         self.profile: list[tuple[str, driver.Event, driver.Event]] | None = None  # set to a list to time launches
-        self.pdl_max_tokens = 1  # programmatic dependent launch for steps of at most this many tokens (0: never)
+        self.pdl_max_tokens = PDL_MAX_TOKENS  # programmatic dependent launch up to this many tokens (0: never)
         self.inputs, self.staging, self.input_region = self._allocate_inputs(sizes)
         self.download = driver.alloc_pinned(1 << 20)  # fetch_all's landing area
 

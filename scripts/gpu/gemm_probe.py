@@ -42,7 +42,7 @@ class Case:
 
 def decode_case(label: str, n: int, k: int, act: int, block_n: int, stages: int, threads: int, min_blocks: int,
                 pdl: bool = True, template: str = "decode_gemm.py", block_k: int = 256, split: int = 1,
-                swap_rows: int = 0, norm: int = 0, pre: int = 0, chains: int = 1) -> Case:
+                swap_rows: int = 0, norm: int = 0, pre: int = 0, chains: int = 1, scalers: bool = False) -> Case:
     """A decode tile: decode_gemm.py's hand-specialised one (PDL: waits for the previous kernel after issuing its
     first weight stages; split: CTAs sharing a tile's K; swap_rows: the weight tile as mma's A operand, that many
     rows as its B; norm: the add + RMSNorm inside, scaled `norm` steps after loading, `pre` weight stages before the
@@ -52,8 +52,10 @@ def decode_case(label: str, n: int, k: int, act: int, block_n: int, stages: int,
     if template == "gemm.py":
         return Case(label, n, k, act, dict(tile, BLOCK_M=16, SWIZZLE=0, ASYNC_ROWS=True), decode=True)
     if norm:  # the rows' residual sum, RMSNorm and the sum's store in the tile, scaled `norm` steps after loading
-        tile |= dict(NORM=True, ADD=True, WRITE_SUM=True, EPS=EPS, LAG=norm, PRE=pre)
+        tile |= dict(NORM=True, ADD=True, WRITE_SUM=True, EPS=EPS, LAG=norm, PRE=pre) | (
+            dict(SCALERS=True) if scalers else {})
     tile |= dict(CHAINS=chains) if chains > 1 else {}
+    tile |= dict(PRE=pre) if pre and not norm else {}
     return Case(label, n, k, act, dict(tile, PDL=pdl, SPLIT=split, SWAP_ROWS=swap_rows), "decode_gemm", template,
                 decode=True)
 
@@ -103,6 +105,36 @@ CASES = (
       for name, n, k, act in DECODE_SHAPES if not act for st, mb in ((6, 3), (9, 2)) for ch in (2, 4)],
     *[decode_case(f"{name} swap16 16x16 s{st} b{mb} c{ch}", n, k, 0, 16, st, 32, mb, swap_rows=16, chains=ch)
       for name, n, k, act in DECODE_SHAPES if not act for st, mb in ((4, 3), (6, 2)) for ch in (2, 4)],
+    # the narrow GEMMs (160 tiles of 16 for 132 SMs) split in two, now that chains lift a CTA's pace
+    *[decode_case(f"{name} {kind} 16x16 s{st} b3 split2 c{ch}", n, k, 0, 16, st, th, 3, split=2, swap_rows=sw,
+                  chains=ch)
+      for name, n, k, act in DECODE_SHAPES if name in ("o_proj", "down")
+      for kind, st, th, sw in (("dg", 4, 64, 0), ("swap8", 6, 32, 8)) for ch in (2, 4)],
+    # o_proj in four K ranges: 640 CTAs, 4.85 an SM, each streaming its 16 x 1024 at once
+    *[decode_case(f"o_proj {kind} 16x16 s{st} b{mb} split4 c4", 2560, 4096, 0, 16, st, th, mb, split=4, swap_rows=sw,
+                  chains=4)
+      for kind, st, mb, th, sw in (("swap8", 4, 4, 32, 8), ("swap8", 2, 6, 32, 8), ("swap8", 4, 3, 32, 8),
+                                   ("dg", 4, 3, 64, 0), ("dg", 2, 5, 64, 0))],
+    # PRE: a few weight stages before the PDL wait, the rest after the rows, so that weights are in flight while
+    # the rows land (with every stage ahead, a CTA's DRAM traffic stopped until its first rows came)
+    *[decode_case(f"{name} {kind} 16x16 s{st} b{mb} c{ch} p{pre}", n, k, act, 16, st, th, mb, swap_rows=sw,
+                  chains=ch if not act else 1, pre=pre)
+      for name, n, k, act in DECODE_SHAPES
+      for kind, st, mb, th, sw, ch, pres in (("swap8", 6, 3, 32, 8, 4, (2, 3, 4)), ("swap8", 9, 2, 32, 8, 4, (3, 5)),
+                                             ("dg", 6, 2, 64, 0, 4, (2, 3)), ("dg", 4, 3, 64, 0, 2, (1, 2)),
+                                             ("dg", 3, 3, 64, 0, 1, (1, 2)))
+      if (kind == "dg" and st == 3) == bool(act) for pre in pres],
+    # the narrow GEMMs' K at widths of exactly one and two 16-wide tiles an SM (132 and 264 CTAs): what 160 tiles
+    # on 132 SMs cost
+    *[decode_case(f"n{n}k{k} swap8 16x16 s6 b3 c4", n, k, 0, 16, 6, 32, 3, swap_rows=8, chains=4)
+      for k in (4096, 9728) for n in (2112, 2560, 4224)],
+    # the norm's scaling by a warpgroup of its own (SCALERS), the producer's loads never waiting for rows to land
+    *[decode_case(f"{name} norm swap8 16x256 s{st} b{mb} p{pre} scalers", n, k, act, 16, st, 32, mb, swap_rows=8,
+                  norm=1, pre=pre, scalers=True) for name, n, k, act in DECODE_SHAPES if name in ("qkv", "gate_up")
+      for st, mb, pre in (((5, 3, 1), (6, 3, 1), (6, 3, 0), (8, 2, 1)) if not act else
+                          ((3, 3, 1), (3, 3, 0), (4, 2, 1)))],
+    *[decode_case(f"qkv norm swap8 16x256 s{st} b3 p1 scalers c{ch}", 6144, 2560, 0, 16, st, 32, 3, swap_rows=8,
+                  norm=1, pre=1, scalers=True, chains=ch) for st in (4, 5) for ch in (2, 4)],
     *[decode_case(f"qkv norm swap8 16x256 s{st} b3 l2 p1 c2", 6144, 2560, 0, 16, st, 32, 3, swap_rows=8, norm=2,
                   pre=1, chains=2) for st in (5, 6)],
 )
@@ -125,7 +157,8 @@ def launch_spec(case: Case):
     rows = case.tile.get("BLOCK_M", case.tile.get("SWAP_ROWS") or 16)  # a tile's rows (a normed tile: half its
     rows //= 2 if case.tile.get("NORM") else 1  # 8, the other half X2's rows and then the low halves)
     grid = (GridDim((case.n,), case.tile["BLOCK_N"]), GridDim(("tokens",), rows), GridDim((split,)))
-    threads = case.tile["THREADS"] + (128 if case.function == "decode_gemm" else 0)  # its producer warpgroup
+    warpgroups = 1 + case.tile.get("SCALERS", False)  # decode_gemm.py's producer, and its scalers
+    threads = case.tile["THREADS"] + (128 * warpgroups if case.function == "decode_gemm" else 0)
     source = (KERNELS / case.template).read_text()
     return LaunchSpec(case.function, case.template, source, params, constexprs, grid,
                       threads // 32, case.tile["STAGES"], backend="tilelang")
@@ -160,6 +193,26 @@ def prepare(out: Path, only: list[str] | None, decode: bool = False) -> None:
             index.append({"case": asdict(case), "launch": launch, "resources": compiled.resources})
             print(f"{case.label}: {compiled.resources}", flush=True)
     (out / "index.json").write_text(json.dumps(index, indent=1))
+
+
+def merge(out: Path, folders: list[Path]) -> None:
+    """One probe folder of several prepared ones (each case once, by label), grouped by shape as `run` expects, so
+    that cases compiled at different times are timed in one call."""
+    out.mkdir(parents=True, exist_ok=True)
+    entries = {}
+    for folder in folders:
+        for entry in json.loads((folder / "index.json").read_text()):
+            entries.setdefault(entry["case"]["label"], (folder, entry))
+    shapes = list(dict.fromkeys((e["case"]["n"], e["case"]["k"], e["case"]["act"]) for _, e in entries.values()))
+    ordered = sorted(entries.values(), key=lambda fe: shapes.index((fe[1]["case"]["n"], fe[1]["case"]["k"],
+                                                                    fe[1]["case"]["act"])))
+    index = []
+    for i, (folder, entry) in enumerate(ordered):
+        cubin = f"case{i}.cubin"
+        (out / cubin).write_bytes((folder / entry["launch"]["cubin"]).read_bytes())
+        index.append(entry | {"launch": entry["launch"] | {"key": cubin, "cubin": cubin}})
+    (out / "index.json").write_text(json.dumps(index, indent=1))
+    print(f"{len(index)} cases from {len(folders)} folders into {out}")
 
 
 def run(folder: Path, out: Path) -> None:
@@ -239,8 +292,8 @@ def run_decode(entries: list[dict], folder: Path, out: Path) -> None:
             ref = torch.nn.functional.silu(y[:, :n]) * y[:, n:] if act else y
             row = {"case": case["label"], "rows": rows, "n": w_rows, "k": k}
             try:
-                scratch = {"p": torch.zeros(32, n, device="cuda"),  # a split tile's planes (two of 16 rows)
-                           "tickets": torch.zeros(n // 16, device="cuda", dtype=torch.int32)}
+                scratch = {"p": torch.zeros(16 * case["tile"].get("SPLIT", 1), n, device="cuda"),  # split planes
+                           "tickets": torch.zeros(n // 8, device="cuda", dtype=torch.int32)}  # 2 row tiles
                 residual = prologue.pop("residual", None)
                 envs = [{"a": a, "w": w, "c": c} | prologue | scratch for w in copies]
                 plain.run([launch], envs[0], {"tokens": rows})
@@ -335,6 +388,9 @@ def main() -> None:
     prep.add_argument("--out", type=Path, required=True)
     prep.add_argument("--only", nargs="*", help="only the cases of these labels")
     prep.add_argument("--decode", action="store_true", help="only the decode cases")
+    join = sub.add_parser("merge", help="one folder of several prepared ones, to time them in one call")
+    join.add_argument("--out", type=Path, required=True)
+    join.add_argument("folders", type=Path, nargs="+")
     go = sub.add_parser("run")
     go.add_argument("--dir", type=Path, required=True)
     go.add_argument("--out", type=Path, required=True)
@@ -349,6 +405,8 @@ def main() -> None:
         if args.decode and args.only and not any(c.decode for c in CASES if c.label in args.only):
             parser.error(f"no case to compile: --only {args.only} with --decode selects none")
         prepare(args.out, args.only, args.decode)
+    elif args.command == "merge":
+        merge(args.out, args.folders)
     elif args.sustain < 0:
         parser.error(f"--sustain: seconds must not be negative, got {args.sustain}")
     elif args.sustain:

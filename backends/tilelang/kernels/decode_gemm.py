@@ -5,15 +5,15 @@ while the second still read them (wrong results on the H200, docs/BENCHMARKS.md 
 release a stage once its GEMMs are done. A producer warpgroup issues the TMA loads of the first STAGES weight tiles,
 then feeds the step's rows by predicated cp.async (rows past M zero-filled, never read) and the remaining weight
 tiles as stages free up; the consumers run mma.sync on 16-row tiles and the epilogue. M is dynamic; N and K are
-fixed. The plan serves SiLU x up at 16 rows with it (and at 4 where it has no norm), the steps of up to 4 rows of
-the GEMMs with an RMSNorm prologue with its NORM form (below), and those of the single GEMMs with its SWAP_ROWS form
-in two chains (CHAINS, below); its unswapped single-GEMM and SPLIT forms are decode cases of scripts/gpu/gemm_probe.py,
-which measured them no faster in a decode step (docs/BENCHMARKS.md, session 8).
+fixed. The plan serves every GEMM's steps of up to 16 rows with it (decode_16x16; single GEMMs in CHAINS, below), the
+steps of up to 4 rows of the GEMMs with an RMSNorm prologue with its NORM form, and those of the single GEMMs with
+its SWAP_ROWS form in four chains; its SPLIT form is a decode case of scripts/gpu/gemm_probe.py, which measured it
+no faster (docs/BENCHMARKS.md, sessions 8 and 11).
 
 CHAINS = 2 or 4 (a single GEMM): each stage's K halves (quarters) go to as many accumulators, summed before the
 epilogue, so a consumer warp runs independent chains of mma.sync; with one, each mma waited on the previous one's
-result and a CTA streamed near 16 GB/s (the swapped tiles, one consumer warp, gained 10-20% with two:
-docs/BENCHMARKS.md, session 10; four is a probe case).
+result and a CTA streamed near 16 GB/s (the swapped tiles, one consumer warp, gained 10-20% with two, a little more
+with four: docs/BENCHMARKS.md, sessions 10 and 11).
 
 PDL (programmatic dependent launch): every CTA lets the next kernel launch at once, and the producer issues its
 first STAGES weight tiles before it waits for the previous kernel (weights never depend on it), so a chain of
@@ -21,11 +21,12 @@ decode GEMMs keeps the weights streaming across the launch boundary. Only the pr
 kernel wrote (the rows); the consumers write only after rows that came after that wait.
 
 SPLIT > 1 (a single GEMM of at most 16 rows): the CTAs of an output tile share its K range, so that a narrow N
-(2560 columns make 80-160 tiles) still spreads over every SM. Each writes its fp32 sums to its plane of P and takes
-a ticket; the last of a tile adds the planes in plane order (the same sum whichever CTA is last), writes C and
-resets the tile's ticket to zero for the next launch (the runtime zeroes the tickets once).
+(2560 columns make 80-160 tiles) still spreads over every SM. Each writes its fp32 sums to its plane of P (16 rows:
+a swapped tile of 8 rows a CTA fills half of it) and takes its tile's ticket; the last of a tile adds the planes in
+plane order (the same sum whichever CTA is last), writes C and resets the ticket to zero for the next launch (the
+runtime zeroes the tickets once).
 
-SWAP_ROWS (8 or 16; unsplit): the weight tile (or each of gate's and up's) is mma.sync's A operand (BLOCK_N = 16
+SWAP_ROWS (8 or 16): the weight tile (or each of gate's and up's) is mma.sync's A operand (BLOCK_N = 16
 weight rows) and the step's rows its B operand, so a stage holds SWAP_ROWS rows where the A operand needs 16, and the
 freed shared memory holds more weight stages.
 
@@ -37,7 +38,12 @@ The products of both halves are added in the epilogue and scaled by 1/rms, known
 the GEMM to 16 bits, not rounded to bf16 before the scale as the norm launch rounds it. PRE: weight stages issued
 before the previous kernel's end (PDL); a step's rows then go out before its weights, since rows requested behind
 a full SM's worth of weight loads waited several steps for them (the decode step at one row: 2.60 ms with PRE = 1
-against 2.78-2.84 with every stage ahead, docs/BENCHMARKS.md session 9)."""
+against 2.78-2.84 with every stage ahead, docs/BENCHMARKS.md session 9). Without NORM, PRE likewise sends each step's
+rows before the weight stages not issued ahead (no faster for the single GEMMs, session 11).
+
+SCALERS (NORM): a second warpgroup after the producer scales each step's rows as they land, so that the producer's
+loads never wait for a landing (LAG no longer applies; G keeps a slot a stage). SiLU x up's tile ran 3% faster so,
+QKV's no faster (session 11)."""
 
 import tilelang.language as T
 
@@ -49,24 +55,27 @@ CONSUMERS_BARRIER = 1  # a named barrier of the consumers alone (0 is the whole 
 
 def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: int, THREADS: int, MIN_BLOCKS: int,
                 PDL: bool = False, SPLIT: int = 1, SWAP_ROWS: int = 0, NORM: bool = False, ADD: bool = False,
-                WRITE_SUM: bool = False, EPS: float = 1e-6, LAG: int = 2, PRE: int = 0, CHAINS: int = 1):
+                WRITE_SUM: bool = False, EPS: float = 1e-6, LAG: int = 2, PRE: int = 0, CHAINS: int = 1,
+                SCALERS: bool = False):
     assert K % (BLOCK_K * SPLIT) == 0, f"K={K} must split into {SPLIT} ranges of whole {BLOCK_K}-wide steps"
     assert SPLIT == 1 or not ACT, "a split tile sums one GEMM (SiLU x up needs both sums whole)"
-    assert not SWAP_ROWS or SPLIT == 1, "a swapped tile is not split"
+    assert not NORM or SPLIT == 1, "a normed tile is not split"
     assert not NORM or SWAP_ROWS == 8, f"a normed tile is a swapped one of 8 rows (4 and their pairs), got {SWAP_ROWS}"
     assert NORM or not ADD, "ADD sums the rows of a norm prologue: a tile without NORM has none"
     assert ADD or not WRITE_SUM, "WRITE_SUM writes the sum of ADD's rows"
     assert not NORM or 1 <= LAG <= STAGES, f"NORM scales a step's rows LAG steps after loading them: 1..{STAGES}"
-    assert not PRE or (NORM and PRE <= STAGES), f"PRE (weight stages before the rows) is NORM's, at most {STAGES}"
+    assert NORM or not SCALERS, "SCALERS scales a norm prologue's rows: a tile without NORM has none"
+    assert PRE <= STAGES, f"PRE: weight stages issued before the rows (the PDL wait), at most {STAGES}, got {PRE}"
     assert CHAINS in (1, 2, 4) and (CHAINS == 1 or not ACT), f"CHAINS splits a single GEMM's stages in 1, 2 or 4 " \
         f"(SiLU x up has two GEMMs already), got {CHAINS} with ACT={ACT}"
     rows = SWAP_ROWS or ROWS  # mma rows a tile; SWAP_ROWS: the weight tile is mma's A operand and the rows its B
     step_rows = rows // 2 if NORM else rows  # the step's rows a tile covers (NORM: each row's second half: below)
     sums_shape = (BLOCK_N, rows) if SWAP_ROWS else (ROWS, BLOCK_N)  # an accumulator's: acc, up and CHAINS' others
-    g_slots = min(STAGES, LAG + 1)  # NORM: G's slice of step k is read LAG steps after it is loaded
+    # NORM: G's slice of step k is read LAG steps after it is loaded (SCALERS: up to STAGES steps, the producer's lead)
+    g_slots = STAGES if SCALERS else min(STAGES, LAG + 1)
     M = T.dynamic("M")
     steps = K // BLOCK_K // SPLIT  # of one CTA
-    ahead = min(PRE or STAGES, steps)  # weight tiles issued before the first rows (PRE: NORM's own count)
+    ahead = min(PRE or STAGES, steps)  # weight tiles issued before the first rows
     w_rows = 2 * N if ACT else N
 
     def column(bz, k):
@@ -98,8 +107,8 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
 
     @T.macro
     def scale_rows(a_s, g_s, S, x, squares, landed, a_full, bx, by, k):
-        """NORM, by the producer, LAG steps after loading step k's rows, so that the wait for them seldom stalls the
-        weights issued after it: row r (+ X2's, in row r + 4) times G, split into a bf16 high part (row r) and the
+        """NORM, by the producer LAG steps after loading step k's rows, so that the wait for them seldom stalls the
+        weights issued after it (SCALERS: by the scalers, as they land): row r (+ X2's, in row r + 4) times G, split into a bf16 high part (row r) and the
         rest (row r + 4); the squares summed apart; the sum written to S by the first column tile."""
         stage = k % STAGES
         T.mbarrier_wait_parity(landed[stage], (k // STAGES) % 2)
@@ -174,29 +183,137 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
                 else:
                     C[by * step_rows + r, bx * BLOCK_N + i] = T.cast(gate, BF16)
 
+    def sum_at(acc, r, j):
+        """A split plane's row r, column j in acc, which is [ROWS, BLOCK_N], or [BLOCK_N, rows] swapped."""
+        return acc[j, r] if SWAP_ROWS else acc[r, j]
+
     @T.macro
-    def meet_split(C, P, tickets, acc, ticket, bx, bz):
-        """The split epilogue (M <= 16, so by is 0): this CTA's plane, its ticket, and the sum if it is last."""
-        for i, j in T.Parallel(ROWS, BLOCK_N):
-            P[bz * ROWS + i, bx * BLOCK_N + j] = acc[i, j]
+    def meet_split(C, P, tickets, acc, ticket, bx, by, bz):
+        """The split epilogue (M <= 16: a swapped tile's row tiles by share the 16 rows of a plane): this CTA's
+        plane, its ticket, and the sum if it is last. Loops over the plane's rows and columns: over acc's, a
+        swapped tile's __ldcg lost its address."""
+        first = by * rows if SWAP_ROWS else 0
+        for r, j in T.Parallel(rows, BLOCK_N):
+            P[bz * ROWS + first + r, bx * BLOCK_N + j] = sum_at(acc, r, j)
         T.call_extern("handle", "__threadfence")
         T.sync_threads(CONSUMERS_BARRIER, THREADS)
         if T.get_thread_binding() == 0:
-            ticket[0] = T.atomic_add(tickets[bx], 1, return_prev=True)
+            ticket[0] = T.atomic_add(tickets[by * (N // BLOCK_N) + bx], 1, return_prev=True)
         T.sync_threads(CONSUMERS_BARRIER, THREADS)
         if ticket[0] == SPLIT - 1:
             T.call_extern("handle", "__threadfence")
             T.clear(acc)
             for s in T.serial(SPLIT):  # past L1 (.cg): the other planes were written by other SMs
-                for i, j in T.Parallel(ROWS, BLOCK_N):
-                    acc[i, j] += T.call_extern("float32", "__ldcg", T.address_of(P[s * ROWS + i, bx * BLOCK_N + j]))
-            store(C, acc, None, bx, 0)
+                for r, j in T.Parallel(rows, BLOCK_N):
+                    plane = P[s * ROWS + first + r, bx * BLOCK_N + j]
+                    part = T.call_extern("float32", "__ldcg", T.access_ptr(plane, "r"))
+                    if SWAP_ROWS:
+                        acc[j, r] += part
+                    else:
+                        acc[r, j] += part
+            if SWAP_ROWS:
+                store_swapped(C, acc, None, bx, by)
+            else:
+                store(C, acc, None, bx, 0)
             if T.get_thread_binding() == 0:
-                tickets[bx] = 0
+                tickets[by * (N // BLOCK_N) + bx] = 0
+
+    @T.macro
+    def produce(A, X2, G, W, a_s, g_s, w_s, u_s, S, x, squares, total, rstd, w_full, a_full, landed, empty, rstd_full,
+                bx, by, bz):
+        """The producer warpgroup: weight stages by TMA, rows by cp.async (and, NORM without SCALERS, their
+        scaling)."""
+        if NORM and not SCALERS:
+            T.clear(squares)
+        for k in T.serial(ahead):
+            load_weights(W, w_s, u_s, w_full, bx, bz, k)
+        if PDL:
+            T.pdl_sync()
+        if NORM and not SCALERS:  # step k - LAG's rows scaled first: the loads after it may wait for a free stage
+            for k in T.serial(steps + LAG):
+                if k >= LAG:
+                    scale_rows(a_s, g_s, S, x, squares, landed, a_full, bx, by, k - LAG)
+                if k < steps:  # the rows first: behind the step's weights they would wait longer
+                    if k >= STAGES:
+                        T.mbarrier_wait_parity(empty[k % STAGES], (k // STAGES + 1) % 2)
+                    load_rows(A, X2, G, a_s, g_s, landed, by, bz, k)
+                    if k >= ahead:
+                        load_weights(W, w_s, u_s, w_full, bx, bz, k)
+            inverse_rms(squares, total, rstd, rstd_full)
+        elif PRE or SCALERS:  # the rows first, then the weight stages not issued before the wait
+            for k in T.serial(steps):
+                if k >= STAGES:
+                    T.mbarrier_wait_parity(empty[k % STAGES], (k // STAGES + 1) % 2)
+                if SCALERS:  # the scalers wait for `landed`, the consumers for `a_full` after them
+                    load_rows(A, X2, G, a_s, g_s, landed, by, bz, k)
+                else:
+                    load_rows(A, X2, G, a_s, g_s, a_full, by, bz, k)
+                if k >= ahead:
+                    load_weights(W, w_s, u_s, w_full, bx, bz, k)
+        else:
+            for k in T.serial(steps):
+                if k >= STAGES:
+                    T.mbarrier_wait_parity(empty[k % STAGES], (k // STAGES + 1) % 2)
+                    load_weights(W, w_s, u_s, w_full, bx, bz, k)
+                load_rows(A, X2, G, a_s, g_s, a_full, by, bz, k)
+
+    @T.macro
+    def scale_all(a_s, g_s, S, x, squares, total, rstd, landed, a_full, rstd_full, bx, by):
+        """SCALERS: each step's rows scaled as they land, by a warpgroup of their own, so that the producer's loads
+        never wait behind a landing (in the producer, each step waited for rows loaded LAG steps before)."""
+        T.clear(squares)
+        for k in T.serial(steps):
+            scale_rows(a_s, g_s, S, x, squares, landed, a_full, bx, by, k)
+        inverse_rms(squares, total, rstd, rstd_full)
+
+    @T.macro
+    def consume(C, P, tickets, a_s, w_s, u_s, acc, up, third, fourth, sums, rstd, ticket, w_full, a_full, empty,
+                rstd_full, bx, by, bz):
+        """The consumer warps: mma.sync over each stage once its weights and rows are in, then the epilogue."""
+        T.clear(acc)
+        if ACT or CHAINS > 1:
+            T.clear(up)
+        if CHAINS == 4:
+            T.clear(third)
+            T.clear(fourth)
+        for k in T.serial(steps):
+            T.mbarrier_wait_parity(w_full[k % STAGES], (k // STAGES) % 2)
+            T.mbarrier_wait_parity(a_full[k % STAGES], (k // STAGES) % 2)
+            if CHAINS > 1:
+                multiply_part(a_s, w_s, acc, k % STAGES, 0)
+                multiply_part(a_s, w_s, up, k % STAGES, 1)
+                if CHAINS == 4:
+                    multiply_part(a_s, w_s, third, k % STAGES, 2)
+                    multiply_part(a_s, w_s, fourth, k % STAGES, 3)
+            elif SWAP_ROWS:
+                T.gemm(w_s[k % STAGES, :, :], a_s[k % STAGES, :, :], acc, transpose_B=True)
+                if ACT:
+                    T.gemm(u_s[k % STAGES, :, :], a_s[k % STAGES, :, :], up, transpose_B=True)
+            else:
+                T.gemm(a_s[k % STAGES, :, :], w_s[k % STAGES, :, :], acc, transpose_B=True)
+                if ACT:
+                    T.gemm(a_s[k % STAGES, :, :], u_s[k % STAGES, :, :], up, transpose_B=True)
+            T.mbarrier_arrive(empty[k % STAGES])  # after the GEMMs: both read the same rows
+        if CHAINS == 2:
+            for i, j in T.Parallel(*acc.shape):
+                acc[i, j] += up[i, j]
+        if CHAINS == 4:
+            for i, j in T.Parallel(*acc.shape):
+                acc[i, j] += up[i, j] + third[i, j] + fourth[i, j]
+        if NORM:
+            T.mbarrier_wait_parity(rstd_full[0], 0)
+            store_normed(C, acc, up, sums, rstd, bx, by)
+        elif SPLIT > 1:
+            meet_split(C, P, tickets, acc, ticket, bx, by, bz)
+        elif SWAP_ROWS:
+            store_swapped(C, acc, up, bx, by)
+        else:
+            store(C, acc, up, bx, by)
 
     @T.macro
     def tile(A, X2, G, S, W, C, P, tickets):
-        with T.Kernel(N // BLOCK_N, T.ceildiv(M, step_rows), SPLIT, threads=THREADS + PRODUCER) as (bx, by, bz):
+        threads = THREADS + PRODUCER * (2 if SCALERS else 1)  # SCALERS: a warpgroup of scalers after the producer
+        with T.Kernel(N // BLOCK_N, T.ceildiv(M, step_rows), SPLIT, threads=threads) as (bx, by, bz):
             a_s = T.alloc_shared((STAGES, rows, BLOCK_K), BF16)
             w_s = T.alloc_shared((STAGES, BLOCK_N, BLOCK_K), BF16)
             u_s = None  # ACT=0: no up half
@@ -231,75 +348,27 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
             T.disable_warp_group_reg_alloc()
             if PDL:
                 T.pdl_trigger()
-            if T.get_thread_binding() >= THREADS:
-                if NORM:
-                    T.clear(squares)
-                for k in T.serial(ahead):
-                    load_weights(W, w_s, u_s, w_full, bx, bz, k)
-                if PDL:
-                    T.pdl_sync()
-                if NORM:  # step k - LAG's rows scaled first: the loads after it may wait for a free stage
-                    for k in T.serial(steps + LAG):
-                        if k >= LAG:
-                            scale_rows(a_s, g_s, S, x, squares, landed, a_full, bx, by, k - LAG)
-                        if k < steps:  # the rows first: behind the step's weights they would wait longer
-                            if k >= STAGES:
-                                T.mbarrier_wait_parity(empty[k % STAGES], (k // STAGES + 1) % 2)
-                            load_rows(A, X2, G, a_s, g_s, landed, by, bz, k)
-                            if k >= ahead:
-                                load_weights(W, w_s, u_s, w_full, bx, bz, k)
-                    inverse_rms(squares, total, rstd, rstd_full)
+            if SCALERS:  # loads by the producer warpgroup, the norm's scaling by the scaler warpgroup after it
+                if T.get_thread_binding() >= THREADS + PRODUCER:
+                    scale_all(a_s, g_s, S, x, squares, total, rstd, landed, a_full, rstd_full, bx, by)
+                elif T.get_thread_binding() >= THREADS:
+                    produce(A, X2, G, W, a_s, g_s, w_s, u_s, S, x, squares, total, rstd, w_full, a_full, landed, empty,
+                            rstd_full, bx, by, bz)
                 else:
-                    for k in T.serial(steps):
-                        if k >= STAGES:
-                            T.mbarrier_wait_parity(empty[k % STAGES], (k // STAGES + 1) % 2)
-                            load_weights(W, w_s, u_s, w_full, bx, bz, k)
-                        load_rows(A, X2, G, a_s, g_s, a_full, by, bz, k)
+                    consume(C, P, tickets, a_s, w_s, u_s, acc, up, third, fourth, sums, rstd, ticket, w_full, a_full,
+                            empty, rstd_full, bx, by, bz)
+            elif T.get_thread_binding() >= THREADS:
+                produce(A, X2, G, W, a_s, g_s, w_s, u_s, S, x, squares, total, rstd, w_full, a_full, landed, empty,
+                        rstd_full, bx, by, bz)
             else:
-                T.clear(acc)
-                if ACT or CHAINS > 1:
-                    T.clear(up)
-                if CHAINS == 4:
-                    T.clear(third)
-                    T.clear(fourth)
-                for k in T.serial(steps):
-                    T.mbarrier_wait_parity(w_full[k % STAGES], (k // STAGES) % 2)
-                    T.mbarrier_wait_parity(a_full[k % STAGES], (k // STAGES) % 2)
-                    if CHAINS > 1:
-                        multiply_part(a_s, w_s, acc, k % STAGES, 0)
-                        multiply_part(a_s, w_s, up, k % STAGES, 1)
-                        if CHAINS == 4:
-                            multiply_part(a_s, w_s, third, k % STAGES, 2)
-                            multiply_part(a_s, w_s, fourth, k % STAGES, 3)
-                    elif SWAP_ROWS:
-                        T.gemm(w_s[k % STAGES, :, :], a_s[k % STAGES, :, :], acc, transpose_B=True)
-                        if ACT:
-                            T.gemm(u_s[k % STAGES, :, :], a_s[k % STAGES, :, :], up, transpose_B=True)
-                    else:
-                        T.gemm(a_s[k % STAGES, :, :], w_s[k % STAGES, :, :], acc, transpose_B=True)
-                        if ACT:
-                            T.gemm(a_s[k % STAGES, :, :], u_s[k % STAGES, :, :], up, transpose_B=True)
-                    T.mbarrier_arrive(empty[k % STAGES])  # after the GEMMs: both read the same rows
-                if CHAINS == 2:
-                    for i, j in T.Parallel(*acc.shape):
-                        acc[i, j] += up[i, j]
-                if CHAINS == 4:
-                    for i, j in T.Parallel(*acc.shape):
-                        acc[i, j] += up[i, j] + third[i, j] + fourth[i, j]
-                if NORM:
-                    T.mbarrier_wait_parity(rstd_full[0], 0)
-                    store_normed(C, acc, up, sums, rstd, bx, by)
-                elif SPLIT > 1:
-                    meet_split(C, P, tickets, acc, ticket, bx, bz)
-                elif SWAP_ROWS:
-                    store_swapped(C, acc, up, bx, by)
-                else:
-                    store(C, acc, up, bx, by)
+                consume(C, P, tickets, a_s, w_s, u_s, acc, up, third, fourth, sums, rstd, ticket, w_full, a_full, empty,
+                        rstd_full, bx, by, bz)
 
     if SPLIT > 1:
         @T.prim_func
         def decode_gemm_split(A: T.Tensor((M, K), BF16), W: T.Tensor((w_rows, K), BF16), C: T.Tensor((M, N), BF16),
-                              P: T.Tensor((SPLIT * ROWS, N), T.float32), tickets: T.Tensor((N // BLOCK_N,), T.int32)):
+                              P: T.Tensor((SPLIT * ROWS, N), T.float32),
+                              tickets: T.Tensor((ROWS // rows * N // BLOCK_N,), T.int32)):
             tile(A, None, None, None, W, C, P, tickets)
         return decode_gemm_split
     if WRITE_SUM:

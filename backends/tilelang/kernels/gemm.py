@@ -123,14 +123,19 @@ def gemm_merged(N: int, K: int, BLOCK_M: int, BLOCK_N: int, BLOCK_K: int, STAGES
     return gemm
 
 
-def add_rms_norm(K: int, EPS: float, ADD: bool, WRITE_SUM: bool, THREADS: int):
+def add_rms_norm(K: int, EPS: float, ADD: bool, WRITE_SUM: bool, THREADS: int, PDL: bool = False):
     """The GEMM's prologue as its own launch (a TMA-fed GEMM reads its operand as stored): per row, the residual
-    sum X + X2 (written to S when WRITE_SUM) and its RMSNorm times G, rounded to bf16 as the GEMM reads it."""
+    sum X + X2 (written to S when WRITE_SUM) and its RMSNorm times G, rounded to bf16 as the GEMM reads it. PDL: it
+    lets the next kernel (the GEMM, launched programmatically) start at once, so that the GEMM's first weight stages
+    stream while the rows are normed, and waits for the previous kernel before reading its rows."""
     M = T.dynamic("M")
 
     @T.macro
     def row_kernel(X, X2, G, S, Y):
         with T.Kernel(M, threads=THREADS) as row:
+            if PDL:
+                T.pdl_trigger()
+                T.pdl_sync()
             x = T.alloc_fragment((1, K), T.float32)
             squares = T.alloc_fragment((1, K), T.float32)
             total = T.alloc_fragment((1,), T.float32)
