@@ -83,3 +83,9 @@ def test_gemm_probe_merge_keeps_each_label_once_grouped_by_shape(tmp_path):
     cubins = [(tmp_path / "m" / e["launch"]["cubin"]).read_bytes() for e in index]
     assert cubins == [b"qkv-a", b"qkv-b", b"o-a", b"down-b"]
     assert [e["launch"]["key"] for e in index] == [e["launch"]["cubin"] for e in index]
+
+
+def test_gemm_probe_merge_refuses_a_folder_never_prepared(tmp_path):
+    done = run(str(SCRIPTS / "gemm_probe.py"), "merge", "--out", str(tmp_path / "m"), str(tmp_path))
+    assert done.returncode == 2 and f"merge: no index.json (a `prepare --out` folder) in ['{tmp_path}']" in done.stderr
+    assert not (tmp_path / "m").exists()

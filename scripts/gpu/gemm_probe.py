@@ -45,9 +45,9 @@ def decode_case(label: str, n: int, k: int, act: int, block_n: int, stages: int,
                 swap_rows: int = 0, norm: int = 0, pre: int = 0, chains: int = 1, scalers: bool = False) -> Case:
     """A decode tile: decode_gemm.py's hand-specialised one (PDL: waits for the previous kernel after issuing its
     first weight stages; split: CTAs sharing a tile's K; swap_rows: the weight tile as mma's A operand, that many
-    rows as its B; norm: the add + RMSNorm inside, scaled `norm` steps after loading, `pre` weight stages before the
-    wait; chains: a single GEMM's stage as that many K slices into as many sums), or gemm.py's 16-row tile with
-    rows by cp.async (the plan's single-GEMM decode tile)."""
+    rows as its B; norm: the add + RMSNorm inside, scaled `norm` steps after loading (scalers: by a warpgroup of
+    their own, as they land); pre: weight stages before the wait; chains: a single GEMM's stage as that many K
+    slices into as many sums), or gemm.py's 16-row tile with rows by cp.async (a tuning candidate of the plan)."""
     tile = dict(BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, THREADS=threads, MIN_BLOCKS=min_blocks)
     if template == "gemm.py":
         return Case(label, n, k, act, dict(tile, BLOCK_M=16, SWIZZLE=0, ASYNC_ROWS=True), decode=True)
@@ -116,7 +116,7 @@ CASES = (
       for kind, st, mb, th, sw in (("swap8", 4, 4, 32, 8), ("swap8", 2, 6, 32, 8), ("swap8", 4, 3, 32, 8),
                                    ("dg", 4, 3, 64, 0), ("dg", 2, 5, 64, 0))],
     # PRE: a few weight stages before the PDL wait, the rest after the rows, so that weights are in flight while
-    # the rows land (with every stage ahead, a CTA's DRAM traffic stopped until its first rows came)
+    # the rows land (no faster than every stage ahead, session 11)
     *[decode_case(f"{name} {kind} 16x16 s{st} b{mb} c{ch} p{pre}", n, k, act, 16, st, th, mb, swap_rows=sw,
                   chains=ch if not act else 1, pre=pre)
       for name, n, k, act in DECODE_SHAPES
@@ -406,6 +406,9 @@ def main() -> None:
             parser.error(f"no case to compile: --only {args.only} with --decode selects none")
         prepare(args.out, args.only, args.decode)
     elif args.command == "merge":
+        unprepared = [str(f) for f in args.folders if not (f / "index.json").is_file()]
+        if unprepared:
+            parser.error(f"merge: no index.json (a `prepare --out` folder) in {unprepared}")
         merge(args.out, args.folders)
     elif args.sustain < 0:
         parser.error(f"--sustain: seconds must not be negative, got {args.sustain}")

@@ -108,8 +108,9 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
     @T.macro
     def scale_rows(a_s, g_s, S, x, squares, landed, a_full, bx, by, k):
         """NORM, by the producer LAG steps after loading step k's rows, so that the wait for them seldom stalls the
-        weights issued after it (SCALERS: by the scalers, as they land): row r (+ X2's, in row r + 4) times G, split into a bf16 high part (row r) and the
-        rest (row r + 4); the squares summed apart; the sum written to S by the first column tile."""
+        weights issued after it (SCALERS: by the scalers, as they land): row r (+ X2's, in row r + 4) times G, split
+        into a bf16 high part (row r) and the rest (row r + 4); the squares summed apart; the sum written to S by the
+        first column tile."""
         stage = k % STAGES
         T.mbarrier_wait_parity(landed[stage], (k // STAGES) % 2)
         for r, j in T.Parallel(step_rows, BLOCK_K):  # every load first: in one loop, each waited for the last store
