@@ -45,8 +45,12 @@ def test_gemm_probe_decode_cases_launch_what_their_template_declares(gemm_probe)
         assert launch.num_warps * 32 == tile["THREADS"] + (128 * warpgroups if case.function == "decode_gemm" else 0)
         assert case.k % (tile["BLOCK_K"] * split) == 0, case.label
         rows = tile.get("SWAP_ROWS") or 16  # a swapped tile stages 8 rows where mma's A operand needs 16
-        stage = (rows + tile["BLOCK_N"] * (2 if case.act else 1) + (1 if norm else 0)) * tile["BLOCK_K"] * 2
-        assert tile["MIN_BLOCKS"] * (tile["STAGES"] * stage + 1024) <= 228 * 1024, case.label
+        stage = (rows + tile["BLOCK_N"] * (2 if case.act else 1)) * tile["BLOCK_K"] * 2
+        # a normed tile's G slices: one a stage with SCALERS, else the LAG + 1 steps between loading and scaling
+        g_slots = 0 if not norm else tile["STAGES"] if tile.get("SCALERS") else min(tile["STAGES"], tile["LAG"] + 1)
+        # a CTA's static shared memory (the barriers: 1 KB) and the system's 1 KB beside its stages
+        dynamic = tile["STAGES"] * stage + g_slots * tile["BLOCK_K"] * 2
+        assert tile["MIN_BLOCKS"] * (dynamic + 2048) <= 228 * 1024, case.label
 
 
 def test_gemm_probe_refuses_a_selection_of_no_case(tmp_path):
@@ -89,3 +93,9 @@ def test_gemm_probe_merge_refuses_a_folder_never_prepared(tmp_path):
     done = run(str(SCRIPTS / "gemm_probe.py"), "merge", "--out", str(tmp_path / "m"), str(tmp_path))
     assert done.returncode == 2 and f"merge: no index.json (a `prepare --out` folder) in ['{tmp_path}']" in done.stderr
     assert not (tmp_path / "m").exists()
+
+
+def test_gemm_probe_merge_refuses_to_write_into_a_folder_it_reads(tmp_path):
+    (tmp_path / "index.json").write_text("[]")
+    done = run(str(SCRIPTS / "gemm_probe.py"), "merge", "--out", str(tmp_path), str(tmp_path))
+    assert done.returncode == 2 and f"merge: --out {tmp_path} is one of the folders merged" in done.stderr

@@ -181,6 +181,8 @@ def test_single_gemms_get_the_four_chain_swapped_tile_for_four_rows():
     (dict(NORM=True, SWAP_ROWS=8, LAG=7), "NORM scales a step's rows LAG steps after loading them"),
     (dict(PRE=6), "PRE: weight stages issued before the rows (the PDL wait), at most 5, got 6"),
     (dict(SPLIT=2, NORM=True, SWAP_ROWS=8), "a normed tile is not split"),
+    (dict(SPLIT=2, SWAP_ROWS=32), "a split tile's row tiles share a plane of 16 rows, got 32"),
+    (dict(SCALERS=True), "SCALERS scales a norm prologue's rows: a tile without NORM has none"),
     (dict(ADD=True), "ADD sums the rows of a norm prologue"),
     (dict(NORM=True, SWAP_ROWS=8, WRITE_SUM=True), "WRITE_SUM writes the sum of ADD's rows"),
 ])

@@ -50,9 +50,9 @@ DECODE_TILE_M = 16
 SM90_SHARED = 228 * 1024  # an SM's shared memory, of which each resident CTA also holds 1 KB for the system
 DECODE_TILES = {"decode_16x16": (16, 256, 64, 3), "decode_16x32": (32, 256, 128, 2), "decode_16x64": (64, 128, 128, 2)}
 # decode_16x16 of a single GEMM: (STAGES, CTAs an SM, CHAINS) for N <= 4096 (o_proj, down: 160 tiles) and wider
-# (QKV), each stage's K split over CHAINS sums. Launched programmatically at 16 rows (scripts/gpu/gemm_probe.py,
-# docs/BENCHMARKS.md session 11): o_proj 7.4 us (67% of the copy bandwidth), down 14.5 (81%), QKV 8.6-8.9 (84-87%),
-# against 8.4-8.6, 16.4 and 10.3 for gemm.py's 16x32 and 16x16 launched plainly; SiLU x up keeps 3 stages, 3 CTAs.
+# (QKV), each stage's K split over CHAINS sums. Launched programmatically at 16 rows (scripts/gpu/kernels.py,
+# docs/BENCHMARKS.md session 11): o_proj 7.0 us (70% of the copy bandwidth), down 14.6 (80%), QKV 11.2 with its norm
+# launch, against 8.3, 16.4 and 12.8 for gemm.py's 16x32; SiLU x up keeps 3 stages, 3 CTAs an SM.
 CHAINED_TILE = {True: (6, 2, 4), False: (4, 3, 2)}
 DECODE_SLOTS = (4, 16)
 # Steps of up to 4 rows of a GEMM with an RMSNorm prologue (QKV, gate/up) on sm_90a: decode_gemm.py's NORM tile, the
@@ -60,7 +60,7 @@ DECODE_SLOTS = (4, 16)
 # tile as mma's A operand, launched programmatically. Its shape by ACT, from scripts/gpu/gemm_probe.py and kernels.py
 # on the H200 (docs/BENCHMARKS.md, sessions 9-11): one row, QKV 9.2 us (80% of the copy bandwidth, the norm
 # included) against Triton's `one_row` 12.4, gate/up 25.8 (91%) against 27.7, the batch-1 step 2.60 ms against 2.75;
-# 4 rows, launched plainly, QKV 10.3 us against 12.0 for the norm launch and a 16x16 tile. QKV's 6 stages fit 3 CTAs
+# 4 rows, QKV 9.0 us (82%), gate/up 25.3 (93%), launched programmatically (session 11). QKV's 6 stages fit 3 CTAs
 # an SM too, no faster (session 10); neither were its chains nor scalers (session 11). SiLU x up's tile scales the
 # rows in a warpgroup of its own (SCALERS; 288 threads a CTA): 24.9-25.1 us against 25.5-25.6 launched
 # programmatically, 26.2-26.4 against 27.0-27.3 plainly (session 11). o_proj and down keep Triton's one-row GEMV.
@@ -68,7 +68,7 @@ NORMED_TILE = {0: dict(STAGES=5, LAG=2, PRE=1), 1: dict(STAGES=3, LAG=2, PRE=1, 
 # Steps of up to 4 rows of a single GEMM (o_proj, down): decode_gemm.py's swapped tile, 8 rows as mma's B operand, and
 # each stage's K quarters summed in four chains of mma.sync (one chain's latency held a CTA to about 16 GB/s). Down
 # 13.7-13.9 us (85% of the copy bandwidth) launched programmatically, 14.9-15.1 plainly, against 16.6-16.8 for
-# gemm.py's 16x32; o_proj 6.9-7.0 and 8.1 against 8.4 (scripts/gpu/gemm_probe.py, docs/BENCHMARKS.md sessions 10-11).
+# gemm.py's 16x32; o_proj 6.5-7.0 and 8.1 against 8.4 (scripts/gpu/gemm_probe.py, docs/BENCHMARKS.md sessions 10-11).
 SWAPPED_TILE = dict(BLOCK_N=16, BLOCK_K=256, STAGES=6, THREADS=32, MIN_BLOCKS=3, SWAP_ROWS=8, CHAINS=4)
 # what CI compiles for every kernel they fit
 DEFAULT_VARIANTS = ("wgmma_128x160_rows", "wgmma_128x192_rows", "wgmma_128x256_merged", "wgmma_128x128_rows",

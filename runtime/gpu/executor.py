@@ -25,9 +25,10 @@ from pegainfer.runtime.gpu.memory import ALIGN, Arena, aligned
 from pegainfer.runtime.gpu.upload import params_bytes, upload_weights
 
 # Programmatic dependent launch (kernels compiled for sm_90 and later) for steps of at most this many tokens. On the
-# H200 it took the batch-1 step from 3.02 to 2.92 ms with Triton's GEMVs (docs/BENCHMARKS.md, session 2); with the
-# decode tiles of session 11, chosen launched so, batch 2 / 4 / 8 / 16 from 2.91 / 3.00 / 3.28 / 3.63 ms (medians;
-# programmatic launch at one token) to 2.87 / 2.94 / 3.22 / 3.58. Larger steps run kernels that do not opt in.
+# H200 it took the batch-1 step from 3.02 to 2.92 ms with Triton's GEMVs (docs/BENCHMARKS.md, session 2). Session
+# 11's decode tiles were chosen launched so: with them at up to 16 tokens, batch 2 / 4 / 8 / 16 took 2.87 / 2.94 /
+# 3.22 / 3.58 ms (medians), against 2.91 / 3.00 / 3.28 / 3.63 for the tiles before at one token. Larger steps launch
+# every kernel plainly.
 PDL_MAX_TOKENS = 16
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from pegainfer.backends.select import slot_candidates, tuning_path
 from pegainfer.runtime.cuda import driver
+from pegainfer.runtime.gpu.executor import PDL_MAX_TOKENS
 from pegainfer.runtime.gpu.kernel_bench import (Buffers, kernel_types, launch_values, serving_variant,
                                                  synthetic_step, time_launches, weight_names)
 
@@ -50,7 +51,8 @@ def tune(ctx: driver.Context, manifest_path: Path, lowered, root: Path, spec, lo
                                     frozenset(kernel.get("candidate_scratch", kernel["scratch"])), copy, weights)
                         for copy in range(WEIGHT_COPIES if decode else 1)]
                 times[variant["label"]] = time_launches(ctx, folder, variant["launches"], envs, sizes,
-                                                        functions=functions, copies=WEIGHT_COPIES)
+                                                        functions=functions, copies=WEIGHT_COPIES,
+                                                        pdl_max_tokens=PDL_MAX_TOKENS)
             choice = min(times, key=times.get)
             results.setdefault(f"{kernel['graph']}/{kernel['node']}", {})[record["slot"]] = {
                 "choice": choice, "times_us": times, "sizes": {k: sizes[k] for k in ("tokens", "batch")}}

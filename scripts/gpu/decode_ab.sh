@@ -17,7 +17,7 @@ for round in $(seq "${ROUNDS:-2}"); do
         [[ $run == *:* ]] && pdl=(--pdl-max-tokens "${run##*:}")
         name=$(basename "$cache")${pdl[1]:+_pdl${pdl[1]}}
         PEGAINFER_CACHE=$cache pg bench decode qwen3-4b --batch "${BATCHES:-1,4}" --context 128 \
-            --steps "${STEPS:-300}" "${pdl[@]}" > "$WORK/round${round}_$name.txt" 2>&1
+            --steps "${STEPS:-300}" ${pdl[@]+"${pdl[@]}"} > "$WORK/round${round}_$name.txt" 2>&1
     done
 done
 for f in "$WORK"/round*.txt; do echo "== $(basename "$f" .txt)"; grep -v "loading weights" "$f" | tail -6; done

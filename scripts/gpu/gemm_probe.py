@@ -72,7 +72,7 @@ CASES = (
     Case("plain_128x256 N6144", 6144, 2560, 0, dict(BLOCK_M=128, BLOCK_N=256, **HOPPER)),
     Case("silu_merged_128x256", 9728, 2560, 1, dict(BLOCK_M=128, BLOCK_N=128, MERGED=True, **HOPPER)),
     Case("silu_128x128_rows", 9728, 2560, 1, dict(BLOCK_M=128, BLOCK_N=128, **HOPPER)),
-    # decode: the plan's 16x32 tile of o_proj and down (gemm.py), as the anchor of the cases after it
+    # decode: gemm.py's 16x32 tile of o_proj and down (the plan's until session 11), the anchor of the cases after it
     decode_case("o_proj gemm 16x32 s4", 2560, 4096, 0, 32, 4, 128, 2, template="gemm.py"),
     decode_case("down gemm 16x32 s4", 2560, 9728, 0, 32, 4, 128, 2, template="gemm.py"),
     # decode_gemm.py with PDL at the 4B model's shapes: 16x16 at 3 CTAs an SM as the plan's SiLU x up tile, split in
@@ -131,7 +131,7 @@ CASES = (
     # the norm's scaling by a warpgroup of its own (SCALERS), the producer's loads never waiting for rows to land
     *[decode_case(f"{name} norm swap8 16x256 s{st} b{mb} p{pre} scalers", n, k, act, 16, st, 32, mb, swap_rows=8,
                   norm=1, pre=pre, scalers=True) for name, n, k, act in DECODE_SHAPES if name in ("qkv", "gate_up")
-      for st, mb, pre in (((5, 3, 1), (6, 3, 1), (6, 3, 0), (8, 2, 1)) if not act else
+      for st, mb, pre in (((5, 3, 1), (8, 2, 1)) if not act else
                           ((3, 3, 1), (3, 3, 0), (4, 2, 1)))],
     *[decode_case(f"qkv norm swap8 16x256 s{st} b3 p1 scalers c{ch}", 6144, 2560, 0, 16, st, 32, 3, swap_rows=8,
                   norm=1, pre=1, scalers=True, chains=ch) for st in (4, 5) for ch in (2, 4)],
@@ -409,6 +409,8 @@ def main() -> None:
         unprepared = [str(f) for f in args.folders if not (f / "index.json").is_file()]
         if unprepared:
             parser.error(f"merge: no index.json (a `prepare --out` folder) in {unprepared}")
+        if args.out.resolve() in {f.resolve() for f in args.folders}:
+            parser.error(f"merge: --out {args.out} is one of the folders merged (its cubins would be overwritten)")
         merge(args.out, args.folders)
     elif args.sustain < 0:
         parser.error(f"--sustain: seconds must not be negative, got {args.sustain}")

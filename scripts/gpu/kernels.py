@@ -47,7 +47,7 @@ class Runner:
     def __init__(self, folder: Path, manifest: dict, pdl: bool = False) -> None:
         """`folder`: where the launches' cubin paths start (a cache root, or gemm_probe.py's folder)."""
         torch.cuda.init()
-        self.pdl = pdl  # launch kernels compiled for it with programmatic dependent launch, as one-token steps do
+        self.pdl = pdl  # programmatic dependent launch for the kernels compiled for it, as decode steps have
         self.ctx = driver.Context.create()
         self.folder = folder
         self.manifest = manifest
@@ -380,8 +380,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/out")))
     parser.add_argument("--nodes", nargs="*", help="only these kernel nodes (o_proj, attention...): default all")
     parser.add_argument("--pdl", action="store_true",
-                        help="programmatic dependent launch for the kernels compiled for it (the runtime's one-token "
-                             "steps): back-to-back runs then overlap as the kernels of a decode step do")
+                        help="programmatic dependent launch for the kernels compiled for it (as the runtime launches "
+                             "steps of up to 16 tokens): back-to-back runs then overlap as a decode step's kernels do")
     parser.add_argument("--decode-only", action="store_true", help="GEMMs at decode row counts only (no prefill M)")
     parser.add_argument("--sustain", type=float, default=0.0, metavar="SECONDS",
                         help="also time each prefill GEMM's TileLang variants and cuBLAS replayed back to back for "

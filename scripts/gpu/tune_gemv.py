@@ -8,7 +8,7 @@ On the GPU: `python scripts/gpu/tune_gemv.py run --dir .gpu/tune --out $OUT` lau
 bf16 data, checks its output against the plan's variant, and times it in a CUDA graph that cycles through enough
 copies of the weight to defeat the L2, printing microseconds and TB/s per candidate (best first per shape); with
 `--pdl`, each candidate compiled to wait for its predecessor is timed again launched programmatically, as the
-runtime launches one-token steps (each run may start while the one before drains)."""
+runtime launches steps of up to 16 tokens (each run may start while the one before drains)."""
 
 import argparse
 import json
@@ -198,7 +198,7 @@ def run(folder: Path, out: Path, pdl: bool = False) -> None:
             seconds = graph_seconds(ctx, lambda: [launch(args) for args in packed]) / len(packed)
             row = dict(kernel=kernel, rows=rows, label=entry["label"], us=seconds * 1e6,
                        tbps=w_bytes / seconds / 1e12, rel_err=error, grid=grid)
-            if pdl and entry.get("pdl"):  # as one-token steps launch it: each may start as the last drains
+            if pdl and entry.get("pdl"):  # as the runtime launches it: each may start as the last drains
                 pdl_seconds = graph_seconds(ctx, lambda: [launch(args, True) for args in packed]) / len(packed)
                 row.update(pdl_us=pdl_seconds * 1e6, pdl_tbps=w_bytes / pdl_seconds / 1e12)
             results.append(row)

@@ -16,7 +16,7 @@ result and a CTA streamed near 16 GB/s (the swapped tiles, one consumer warp, ga
 with four: docs/BENCHMARKS.md, sessions 10 and 11).
 
 PDL (programmatic dependent launch): every CTA lets the next kernel launch at once, and the producer issues its
-first STAGES weight tiles before it waits for the previous kernel (weights never depend on it), so a chain of
+first STAGES (PRE) weight tiles before it waits for the previous kernel (weights never depend on it), so a chain of
 decode GEMMs keeps the weights streaming across the launch boundary. Only the producer reads what the previous
 kernel wrote (the rows); the consumers write only after rows that came after that wait.
 
@@ -60,6 +60,7 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
     assert K % (BLOCK_K * SPLIT) == 0, f"K={K} must split into {SPLIT} ranges of whole {BLOCK_K}-wide steps"
     assert SPLIT == 1 or not ACT, "a split tile sums one GEMM (SiLU x up needs both sums whole)"
     assert not NORM or SPLIT == 1, "a normed tile is not split"
+    assert SPLIT == 1 or SWAP_ROWS <= ROWS, f"a split tile's row tiles share a plane of {ROWS} rows, got {SWAP_ROWS}"
     assert not NORM or SWAP_ROWS == 8, f"a normed tile is a swapped one of 8 rows (4 and their pairs), got {SWAP_ROWS}"
     assert NORM or not ADD, "ADD sums the rows of a norm prologue: a tile without NORM has none"
     assert ADD or not WRITE_SUM, "WRITE_SUM writes the sum of ADD's rows"
@@ -129,7 +130,7 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
 
     @T.macro
     def inverse_rms(squares, total, rstd, rstd_full):
-        """The producer's last step: each row's 1/rms, for the consumers' epilogue."""
+        """The last step of whoever scales the rows (the producer or the scalers): each row's 1/rms."""
         T.reduce_sum(squares, total, dim=1)
         for r in T.Parallel(step_rows):
             rstd[r] = T.rsqrt(total[r] / K + EPS)
@@ -331,7 +332,7 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
                 third = T.alloc_fragment(sums_shape, T.float32)
                 fourth = T.alloc_fragment(sums_shape, T.float32)
             landed, g_s, x, squares, total, rstd, rstd_full, sums = None, None, None, None, None, None, None, None
-            if NORM:  # the rows land (landed), the producer scales them (a_full), then the consumers read them
+            if NORM:  # the rows land (landed), the producer or the scalers scale them (a_full), the consumers read them
                 landed = T.alloc_barrier([PRODUCER] * STAGES)
                 g_s = T.alloc_shared((g_slots, BLOCK_K), BF16)
                 x = T.alloc_fragment((step_rows, BLOCK_K), T.float32)
