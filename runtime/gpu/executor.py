@@ -20,7 +20,7 @@ from pegainfer.ir.step import launch_sizes
 from pegainfer.ir.types import TensorType
 from pegainfer.runtime.cuda import driver
 from pegainfer.runtime.gpu.abi import DeviceTensor
-from pegainfer.runtime.gpu.launch import launch_kernel, load_function
+from pegainfer.runtime.gpu.launch import launch_kernel, load_function, programmatic
 from pegainfer.runtime.gpu.memory import ALIGN, Arena, aligned
 from pegainfer.runtime.gpu.upload import params_bytes, upload_weights
 
@@ -205,7 +205,7 @@ class GpuExecutor:
                 events = (driver.Event(), driver.Event())
                 events[0].record(self.ctx.stream)
             launch_kernel(function, launch, env, sizes, self.ctx.stream,  # the driver copies the arguments
-                          pdl=launch.get("pdl", False) and sizes["tokens"] <= self.pdl_max_tokens)
+                          pdl=programmatic(launch, sizes, self.pdl_max_tokens))
             if self.profile is not None:
                 events[1].record(self.ctx.stream)
                 self.profile.append((f"{kernel['kind']}/{variant['name']}/{launch['symbol']}", *events))

@@ -15,7 +15,7 @@ from pegainfer.ir.types import TensorType
 from pegainfer.runtime.batch import Chunk, Sequence, pack_step
 from pegainfer.runtime.cuda import driver
 from pegainfer.runtime.gpu.abi import DeviceTensor
-from pegainfer.runtime.gpu.launch import launch_kernel, load_function
+from pegainfer.runtime.gpu.launch import launch_kernel, load_function, programmatic
 from pegainfer.runtime.kv_blocks import BlockAllocator
 
 _RANDOM = (np.random.default_rng(0).standard_normal(1 << 22) * 0.5).astype(np.float32)
@@ -108,7 +108,7 @@ def time_launches(ctx: driver.Context, folder, launches: list[dict], env: dict |
         current = envs[next(runs) % len(envs)]
         for launch in launches:
             launch_kernel(functions[launch["key"]], launch, current, sizes, ctx.stream,
-                          pdl=launch.get("pdl", False) and sizes["tokens"] <= pdl_max_tokens)
+                          pdl=programmatic(launch, sizes, pdl_max_tokens))
     return graph_seconds(ctx, run, copies, repeats) * 1e6
 
 

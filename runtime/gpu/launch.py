@@ -89,6 +89,12 @@ def load_function(cubin: bytes, launch: dict):
     return module, function
 
 
+def programmatic(launch: dict, sizes: dict[str, int], max_tokens: int) -> bool:
+    """Whether a launch goes with programmatic dependent launch: its kernel opted in (the manifest's `pdl`) and the
+    step has at most `max_tokens` tokens, as the runtime and `pegainfer tune` both decide it."""
+    return launch.get("pdl", False) and sizes["tokens"] <= max_tokens
+
+
 def launch_kernel(function, launch: dict, tensors: dict[str, DeviceTensor], sizes: dict[str, int], stream,
                   scratch: dict[str, int] | None = None, *, pdl: bool = False) -> LaunchArguments:
     """Packs and launches (`pdl`: programmatic dependent launch, for a kernel compiled to wait on its predecessor);

@@ -138,9 +138,9 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
 
     @T.macro
     def multiply_part(a_s, w_s, sums, stage, part):
-        """CHAINS > 1: the stage's part-th K slice into `sums`, one of CHAINS independent chains of mma.sync, where
-        one chain's latency set the pace (a consumer warp waits on each mma's result before the next: one chain of
-        16 k-steps a stage held a CTA to about 16 GB/s, session 10)."""
+        """The stage's part-th K slice (of CHAINS) of rows times weights into `sums`: with CHAINS > 1, one of as many
+        independent chains of mma.sync, where one chain's latency set the pace (a consumer warp waits on each mma's
+        result before the next: one chain of 16 k-steps a stage held a CTA to about 16 GB/s, session 10)."""
         lo, hi = part * BLOCK_K // CHAINS, (part + 1) * BLOCK_K // CHAINS
         if SWAP_ROWS:
             T.gemm(w_s[stage, :, lo:hi], a_s[stage, :, lo:hi], sums, transpose_B=True)
@@ -281,20 +281,14 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
         for k in T.serial(steps):
             T.mbarrier_wait_parity(w_full[k % STAGES], (k // STAGES) % 2)
             T.mbarrier_wait_parity(a_full[k % STAGES], (k // STAGES) % 2)
+            multiply_part(a_s, w_s, acc, k % STAGES, 0)
+            if ACT:  # up's GEMM over the same rows
+                multiply_part(a_s, u_s, up, k % STAGES, 0)
             if CHAINS > 1:
-                multiply_part(a_s, w_s, acc, k % STAGES, 0)
                 multiply_part(a_s, w_s, up, k % STAGES, 1)
-                if CHAINS == 4:
-                    multiply_part(a_s, w_s, third, k % STAGES, 2)
-                    multiply_part(a_s, w_s, fourth, k % STAGES, 3)
-            elif SWAP_ROWS:
-                T.gemm(w_s[k % STAGES, :, :], a_s[k % STAGES, :, :], acc, transpose_B=True)
-                if ACT:
-                    T.gemm(u_s[k % STAGES, :, :], a_s[k % STAGES, :, :], up, transpose_B=True)
-            else:
-                T.gemm(a_s[k % STAGES, :, :], w_s[k % STAGES, :, :], acc, transpose_B=True)
-                if ACT:
-                    T.gemm(a_s[k % STAGES, :, :], u_s[k % STAGES, :, :], up, transpose_B=True)
+            if CHAINS == 4:
+                multiply_part(a_s, w_s, third, k % STAGES, 2)
+                multiply_part(a_s, w_s, fourth, k % STAGES, 3)
             T.mbarrier_arrive(empty[k % STAGES])  # after the GEMMs: both read the same rows
         if CHAINS == 2:
             for i, j in T.Parallel(*acc.shape):
