@@ -99,3 +99,30 @@ def test_gemm_probe_merge_refuses_to_write_into_a_folder_it_reads(tmp_path):
     (tmp_path / "index.json").write_text("[]")
     done = run(str(SCRIPTS / "gemm_probe.py"), "merge", "--out", str(tmp_path), str(tmp_path))
     assert done.returncode == 2 and f"merge: --out {tmp_path} is one of the folders merged" in done.stderr
+
+
+def test_probe_best_lists_the_fastest_matching_cases_and_flags_the_wrong_ones(tmp_path):
+    """probe_best.py: per GEMM and row count, the fastest cases whose output matched torch's, plain and PDL, with
+    their share of the copy bandwidth; a case that failed or read wrong values is named, never ranked."""
+    import json
+
+    def row(case, us, pdl_us, rel_err=1.6e-3, **more):
+        return dict(case=case, rows=4, n=2560, k=4096, us=us, pdl_us=pdl_us, rel_err=rel_err, pdl_rel_err=rel_err,
+                    **more)
+
+    probe = {"copy_tb_per_s": 4.0, "rows": [row("o_proj a", 8.0, 7.0), row("o_proj b", 9.0, 6.0),
+                                            row("o_proj wrong", 1.0, 1.0, rel_err=0.5),
+                                            {"case": "o_proj broken", "rows": 4, "error": "RuntimeError: boom"}]}
+    (tmp_path / "decode_probe.json").write_text(json.dumps(probe))
+    done = run(str(SCRIPTS / "probe_best.py"), str(tmp_path / "decode_probe.json"), "--top", "2")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert "WRONG o_proj wrong rows 4: (0.5, 0.5)" in lines
+    assert "WRONG o_proj broken rows 4: RuntimeError: boom" in lines
+    # 2560 x 4096 bf16 = 20.97 MB: in 8 us 2.62 TB/s, 66% of 4 TB/s
+    assert "o_proj   4 plain a 8.0 (66%), b 9.0 (58%)" in lines and "o_proj   4 PDL   b 6.0 (87%), a 7.0 (75%)" in lines
+
+
+def test_probe_best_refuses_a_missing_file(tmp_path):
+    done = run(str(SCRIPTS / "probe_best.py"), str(tmp_path / "none.json"))
+    assert done.returncode == 2 and f"no such file: {tmp_path / 'none.json'}" in done.stderr

@@ -6,9 +6,14 @@ import json
 from pathlib import Path
 
 
+def matched(row: dict) -> bool:
+    """A case ran and its outputs (plain and programmatic) matched torch's."""
+    return "error" not in row and row.get("rel_err", 1.0) < 1e-2 and row.get("pdl_rel_err", 0.0) < 1e-2
+
+
 def best(rows: list[dict], key: str, top: int) -> list[dict]:
     """The `top` cases of least `key` (us or pdl_us) whose result matched torch's."""
-    timed = [r for r in rows if key in r and r.get("rel_err", 1.0) < 1e-2 and r.get("pdl_rel_err", 0.0) < 1e-2]
+    timed = [r for r in rows if key in r and matched(r)]
     return sorted(timed, key=lambda r: r[key])[:top]
 
 
@@ -17,11 +22,11 @@ def main() -> None:
     parser.add_argument("probe", type=Path, help="a decode_probe.json")
     parser.add_argument("--top", type=int, default=3)
     args = parser.parse_args()
+    if not args.probe.is_file():
+        parser.error(f"no such file: {args.probe} (gemm_probe.py run writes $OUT/decode_probe.json)")
     probe = json.loads(args.probe.read_text())
     copy = probe["copy_tb_per_s"] * 1e12
-    wrong = [r for r in probe["rows"] if "error" in r or r.get("rel_err", 1.0) >= 1e-2
-             or r.get("pdl_rel_err", 0.0) >= 1e-2]
-    for r in wrong:
+    for r in (r for r in probe["rows"] if not matched(r)):
         print(f"WRONG {r['case']} rows {r['rows']}: {r.get('error') or (r.get('rel_err'), r.get('pdl_rel_err'))}")
     groups = {}
     for r in probe["rows"]:
