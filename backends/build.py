@@ -196,7 +196,8 @@ def _entry_files_and_meta(compiled, launch: LaunchSpec) -> tuple[dict[str, str],
     return compiled.files, {"backend": launch.backend, "function": compiled.function, "shared": compiled.shared,
                             "num_warps": compiled.threads // 32, "threads": compiled.threads, "abi": compiled.abi,
                             "resources": compiled.resources, "version": compiled.version, "source": launch.module,
-                            "pdl": bool(launch.constexprs.get("PDL", False))}  # a template opts in by PDL=True
+                            "pdl": bool(launch.constexprs.get("PDL", False)),  # a template opts in by PDL=True
+                            **({"cluster": list(compiled.cluster)} if compiled.cluster != (1, 1, 1) else {})}
 
 
 def _write_manifest(spec: ModelSpec, sm: int, root: Path, kernels: list[KernelSpec], entries: dict, keys: dict,
@@ -234,7 +235,7 @@ def _variant_record(variant: VariantSpec, sm: int, entries: dict, keys: dict) ->
         launch.update(key=key, cubin=entry["cubin"], sha256=entry["sha256"], symbol=entry["function"],
                       shared=entry["shared"], num_warps=entry["num_warps"],
                       threads=entry.get("threads", 32 * entry["num_warps"]), params=params,
-                      pdl=entry.get("pdl", False))
+                      pdl=entry.get("pdl", False), **({"cluster": entry["cluster"]} if "cluster" in entry else {}))
     return record
 
 

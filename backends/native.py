@@ -22,6 +22,7 @@ class NativeLaunch:
     abi: list[dict]  # the kernel's parameters in order: tensor, int, tma (with its descriptor), ...
     version: str  # the compiler's version, part of the cache key
     resources: dict[str, int] = field(default_factory=dict)  # registers, spills, static shared memory
+    cluster: tuple[int, int, int] = (1, 1, 1)  # the thread block cluster the launch must ask for
 
 
 def arch_name(sm: int) -> str:

@@ -25,17 +25,19 @@ def test_gemm_probe_refuses_a_negative_sustain(tmp_path):
 
 
 def test_gemm_probe_decode_cases_launch_what_their_template_declares(gemm_probe):
-    """A split decode case passes the fp32 planes and tickets and launches SPLIT CTAs along z, a swapped one a row
-    tile of SWAP_ROWS along y; every decode case (decode_gemm.py's and gemm.py's tiles) covers N with whole tiles
-    and K with whole steps of each split, and its stages fit the shared memory of the CTAs it asks an SM to hold."""
+    """A split decode case passes the fp32 planes and tickets (a cluster's none: its CTAs meet in shared memory) and
+    launches SPLIT CTAs along z, a swapped one a row tile of SWAP_ROWS along y; every decode case (decode_gemm.py's
+    and gemm.py's tiles) covers N with whole tiles and K with whole steps of each split, and its stages fit the
+    shared memory of the CTAs it asks an SM to hold."""
     decode = [c for c in gemm_probe.CASES if c.decode]
     assert {6144, 2560, 9728} <= {c.n for c in decode}  # the 4B model's, and the probe's own widths beside them
-    assert any(c.tile.get("NORM") for c in decode)
+    assert any(c.tile.get("NORM") for c in decode) and any(c.tile.get("CLUSTER") for c in decode)
     for case in decode:
         launch, tile = gemm_probe.launch_spec(case), case.tile
         split, norm = tile.get("SPLIT", 1), tile.get("NORM", False)
         names = [p.name for p in launch.params]
-        expected = ["A", "W", "C", "P", "tickets", "M"] if split > 1 else ["A", "W", "C", "M"]
+        planes = split > 1 and not tile.get("CLUSTER")
+        expected = ["A", "W", "C", "P", "tickets", "M"] if planes else ["A", "W", "C", "M"]
         assert names == (["A", "X2", "G", "S", "W", "C", "M"] if norm else expected), case.label
         assert launch.grid[2].factors == (split,) and case.n % tile["BLOCK_N"] == 0
         # a normed tile covers 4 rows: its 8-row stage holds X2's 4, then each product's low half

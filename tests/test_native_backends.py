@@ -144,7 +144,7 @@ def _evaluate(expression: str, names: list[str], m: int) -> int:
 
 
 @pytest.mark.parametrize("key", ["attn_residual/wgmma_128x128_rows/1", "attention/flash_128x128/0",
-                                 "attention/flash_ws_128x128/0"])
+                                 "attention/flash_ws_128x128/0", "down/decode_swap8/0"])
 def test_tilelang_abi_matches_its_host_stub(compiled, key):
     from pegainfer.backends.tilelang.compiler import host_stub
 
@@ -161,6 +161,8 @@ def test_tilelang_abi_matches_its_host_stub(compiled, key):
         assert [_evaluate(e, list(symbols), m) for e in grid] == [GridDim.size(d, sizes) for d in launch.grid]
     assert re.search(r"config\.blockDim = dim3\((\d+), 1, 1\)", stub).group(1) == str(native.threads)
     assert int(re.search(r"config\.dynamicSmemBytes = (\d+);", stub).group(1)) == native.shared
+    clusters = re.findall(r"val\.clusterDim = \{(\d+), (\d+), (\d+)\};", stub)  # TileLang's launch asks for it
+    assert [tuple(map(int, c)) for c in clusters] == ([] if native.cluster == (1, 1, 1) else [native.cluster])
     for param in (p for p in native.abi if p["kind"] == "tma"):
         d, name = param["tma"], param["name"]
 
@@ -370,6 +372,28 @@ def test_tilelang_four_chain_tile_sums_each_stage_quarter_into_its_own_accumulat
     assert all(f"*(float4*)({name} + 0)" in summed for name in chains) and "*(float4*)(acc + 0) = " in summed
     hmma = re.findall(r"HMMA\.\S+ (R\d+), R\d+, R\d+, (R\d+)", sass(native.cubin, tmp_path))
     assert len(hmma) >= 16 and not [b for a, b in zip(hmma, hmma[1:]) if b[1] == a[0]], hmma  # one chain: all are
+
+
+def test_tilelang_cluster_split_tile_meets_in_the_first_ctas_shared_memory(compiled, tmp_path):
+    """down's 1- and 4-row tile (K split over a cluster of two): rank 1 stores its sums into rank 0's `parts`
+    (mapa + st.shared::cluster), the consumers and the producer each meet at the cluster barrier once, then rank 0
+    adds the parts and writes C; no planes or tickets in global memory. The manifest records the cluster, which the
+    kernel leaves to its launch."""
+    from pegainfer.backends.build import _entry_files_and_meta
+
+    todo, _, results = compiled
+    launch, native = todo[(90, "down/decode_swap8/0")], results[(90, "down/decode_swap8/0")]
+    assert native.cluster == (1, 1, 2) and _entry_files_and_meta(native, launch)[1]["cluster"] == [1, 1, 2]
+    code = native.files["cu"]
+    assert "mapa.shared::cluster.u32" in code and "st.shared::cluster.f32" in code
+    producer, consumer = code[code.index("if (32 <= ((int)threadIdx.x))"):].split("} else {", 1)
+    assert producer.count("tl::cluster_arrive();") == producer.count("tl::cluster_wait();") == 1
+    meet = consumer[consumer.index("if (0 < ((int)blockIdx.z))"):]
+    assert meet.index("store_peer((&(parts[") < meet.index("tl::cluster_arrive();") < meet.index(
+        "tl::cluster_wait();") < meet.index("if (((int)blockIdx.z) == 0)") < meet.index("(parts + ") < meet.index("C[")
+    assert "tickets" not in code and "__threadfence" not in code
+    instructions = sass(native.cubin, tmp_path)
+    assert instructions.count("UCGABAR_ARV") == instructions.count("UCGABAR_WAIT") == 2
 
 
 def test_tilelang_launches_declare_programmatic_launch_in_the_manifest_as_their_ptx_waits(compiled):

@@ -72,3 +72,29 @@ def test_launch_shape_uses_the_recorded_block():
               "threads": 384, "num_warps": 12, "shared": 98304}
     shape = shape_of(launch, {"tokens": 1000})
     assert shape.grid == (20, 8, 1) and shape.threads == 384 and shape.shared == 98304
+
+
+def test_a_cluster_recorded_in_the_manifest_reaches_the_launch_as_its_attribute(monkeypatch):
+    """A launch whose kernel meets the other CTAs of its cluster (TileLang leaves the cluster to the launch) goes
+    with the manifest's cluster shape, as a cluster-dimension attribute beside the programmatic one; a launch
+    without a recorded cluster asks for none."""
+    from pegainfer.runtime.cuda import driver
+    from pegainfer.runtime.gpu import launch as launching
+
+    seen = []
+    monkeypatch.setattr(driver, "launch", lambda *args, **kwargs: seen.append(kwargs))
+    record = {"grid": [{"factors": [2560], "block": 16}, {"factors": ["tokens"], "block": 8},
+                       {"factors": [2], "block": 1}], "threads": 160, "num_warps": 5, "shared": 73728,
+              "symbol": "decode_gemm_kernel", "params": [{"name": "M", "kind": "int", "value": "dim:tokens"}]}
+    for cluster in ([1, 1, 2], None):
+        launching.launch_kernel(None, record | ({"cluster": cluster} if cluster else {}), {}, {"tokens": 4}, 0,
+                                pdl=True)
+    assert seen == [{"pdl": True, "cluster": (1, 1, 2)}, {"pdl": True, "cluster": (1, 1, 1)}]
+    config = driver._launch_config((160, 1, 2), 160, 73728, 0, True, (1, 1, 2))
+    kinds = driver._driver().CUlaunchAttributeID
+    assert [a.id for a in config.attrs] == [kinds.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+                                            kinds.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION] and config.numAttrs == 2
+    dim = config.attrs[1].value.clusterDim
+    assert (dim.x, dim.y, dim.z) == (1, 1, 2) and (config.gridDimX, config.gridDimZ) == (160, 2)
+    plain = driver._launch_config((160, 1, 2), 160, 0, 0, False, (1, 1, 2))  # held: attrs view its memory
+    assert [a.id for a in plain.attrs] == [kinds.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION]

@@ -44,8 +44,10 @@ def compile_launch(launch: LaunchSpec, sm: int) -> NativeLaunch:
     ptx, cubin, resources = compile_cuda(artifact.kernel_source, sm, [TILELANG_TEMPLATE_PATH, CUTLASS_INCLUDE_DIR],
                                          symbol)
     shared = int(device.attrs["dyn_shared_memory_buf"]) if "dyn_shared_memory_buf" in device.attrs else 0
+    # TileLang leaves a cluster to the launch (its host stub asks cudaLaunchKernelEx for it), not to the cubin
+    cluster = tuple(int(d) for d in device.attrs["cluster_dims"]) if "cluster_dims" in device.attrs else (1, 1, 1)
     return NativeLaunch(symbol, cubin, {"ptx": ptx, "cu": artifact.kernel_source, "py": launch.source}, shared,
-                        threads, abi, tilelang_version(), resources)
+                        threads, abi, tilelang_version(), resources, cluster)
 
 
 def _tma_args(artifact) -> dict:

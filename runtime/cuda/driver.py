@@ -93,30 +93,42 @@ def memset(ptr: int, nbytes: int, stream) -> None:
 
 
 def launch(function, symbol: str, grid: tuple[int, int, int], threads: int, shared: int, stream,
-           params_address: int, *, pdl: bool = False) -> None:
+           params_address: int, *, pdl: bool = False, cluster: tuple[int, int, int] = (1, 1, 1)) -> None:
     """`params_address`: the address of an array of pointers to each argument's value (kernelParams). `pdl`:
     programmatic dependent launch, for a kernel that waits on its predecessor itself (griddepcontrol.wait): it may
-    start while that one drains, which hides the launch gap between them."""
+    start while that one drains, which hides the launch gap between them. `cluster`: the thread block cluster's
+    shape, for a kernel compiled to meet the other CTAs of its cluster (TileLang leaves it to the launch)."""
     driver = _driver()
-    if not pdl:
+    if not pdl and cluster == (1, 1, 1):
         result = driver.cuLaunchKernel(function, *grid, threads, 1, 1, shared, stream, params_address, 0)
     else:
-        result = driver.cuLaunchKernelEx(_pdl_config(grid, threads, shared, stream), function, params_address, 0)
-    check(result, f"cuLaunchKernel({symbol}, grid={grid}, block={threads}{', pdl' if pdl else ''})")
+        result = driver.cuLaunchKernelEx(_launch_config(grid, threads, shared, stream, pdl, cluster), function,
+                                         params_address, 0)
+    shown = (", pdl" if pdl else "") + (f", cluster={cluster}" if cluster != (1, 1, 1) else "")
+    check(result, f"cuLaunchKernel({symbol}, grid={grid}, block={threads}{shown})")
 
 
-def _pdl_config(grid: tuple[int, int, int], threads: int, shared: int, stream):
+def _launch_config(grid: tuple[int, int, int], threads: int, shared: int, stream, pdl: bool,
+                   cluster: tuple[int, int, int]):
     driver = _driver()
-    attribute = driver.CUlaunchAttribute()
-    attribute.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-    attribute.value.programmaticStreamSerializationAllowed = 1
+    attributes = []
+    if pdl:
+        attribute = driver.CUlaunchAttribute()
+        attribute.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attribute.value.programmaticStreamSerializationAllowed = 1
+        attributes.append(attribute)
+    if cluster != (1, 1, 1):
+        attribute = driver.CUlaunchAttribute()
+        attribute.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        attribute.value.clusterDim.x, attribute.value.clusterDim.y, attribute.value.clusterDim.z = cluster
+        attributes.append(attribute)
     config = driver.CUlaunchConfig()
     config.gridDimX, config.gridDimY, config.gridDimZ = grid
     config.blockDimX, config.blockDimY, config.blockDimZ = threads, 1, 1
     config.sharedMemBytes = shared
     config.hStream = stream
-    config.attrs = [attribute]
-    config.numAttrs = 1
+    config.attrs = attributes
+    config.numAttrs = len(attributes)
     return config
 
 

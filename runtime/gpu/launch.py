@@ -102,5 +102,5 @@ def launch_kernel(function, launch: dict, tensors: dict[str, DeviceTensor], size
     args = pack_launch(launch["params"], tensors, sizes, scratch)
     shape = shape_of(launch, sizes)
     driver.launch(function, launch["symbol"], shape.grid, shape.threads, shape.shared, stream, args.address,
-                  pdl=pdl)
+                  pdl=pdl, cluster=tuple(launch.get("cluster") or (1, 1, 1)))
     return args

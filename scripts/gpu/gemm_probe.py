@@ -36,18 +36,19 @@ class Case:
     tile: dict  # the template's tile constexprs
     function: str = "gemm"
     template: str = "gemm.py"
-    cluster: int = 1  # CTAs a cluster (along M); the template declares it, the launch must ask for it
     decode: bool = False  # timed at DECODE_ROWS over weight copies past the L2, in TB/s, plain and with PDL
 
 
 def decode_case(label: str, n: int, k: int, act: int, block_n: int, stages: int, threads: int, min_blocks: int,
                 pdl: bool = True, template: str = "decode_gemm.py", block_k: int = 256, split: int = 1,
-                swap_rows: int = 0, norm: int = 0, pre: int = 0, chains: int = 1, scalers: bool = False) -> Case:
+                swap_rows: int = 0, norm: int = 0, pre: int = 0, chains: int = 1, scalers: bool = False,
+                cluster: bool = False) -> Case:
     """A decode tile: decode_gemm.py's hand-specialised one (PDL: waits for the previous kernel after issuing its
-    first weight stages; split: CTAs sharing a tile's K; swap_rows: the weight tile as mma's A operand, that many
-    rows as its B; norm: the add + RMSNorm inside, scaled `norm` steps after loading (scalers: by a warpgroup of
-    their own, as they land); pre: weight stages before the wait; chains: a single GEMM's stage as that many K
-    slices into as many sums), or gemm.py's 16-row tile with rows by cp.async (a tuning candidate of the plan)."""
+    first weight stages; split: CTAs sharing a tile's K (cluster: as a thread block cluster, the sums met in shared
+    memory); swap_rows: the weight tile as mma's A operand, that many rows as its B; norm: the add + RMSNorm inside,
+    scaled `norm` steps after loading (scalers: by a warpgroup of their own, as they land); pre: weight stages
+    before the wait; chains: a single GEMM's stage as that many K slices into as many sums), or gemm.py's 16-row
+    tile with rows by cp.async (a tuning candidate of the plan)."""
     tile = dict(BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, THREADS=threads, MIN_BLOCKS=min_blocks)
     if template == "gemm.py":
         return Case(label, n, k, act, dict(tile, BLOCK_M=16, SWIZZLE=0, ASYNC_ROWS=True), decode=True)
@@ -56,6 +57,7 @@ def decode_case(label: str, n: int, k: int, act: int, block_n: int, stages: int,
             dict(SCALERS=True) if scalers else {})
     tile |= dict(CHAINS=chains) if chains > 1 else {}
     tile |= dict(PRE=pre) if pre and not norm else {}
+    tile |= dict(CLUSTER=True) if cluster else {}
     return Case(label, n, k, act, dict(tile, PDL=pdl, SPLIT=split, SWAP_ROWS=swap_rows), "decode_gemm", template,
                 decode=True)
 
@@ -137,6 +139,19 @@ CASES = (
                   norm=1, pre=1, scalers=True, chains=ch) for st in (4, 5) for ch in (2, 4)],
     *[decode_case(f"qkv norm swap8 16x256 s{st} b3 l2 p1 c2", 6144, 2560, 0, 16, st, 32, 3, swap_rows=8, norm=2,
                   pre=1, chains=2) for st in (5, 6)],
+    # the narrow GEMMs' K split over a cluster of 2 or 4 CTAs, the sums met in the first one's shared memory (no
+    # planes, fence or ticket in global memory): 320 or 640 CTAs for their 160 tiles
+    *[decode_case(f"{name} {kind} 16x16 s{st} b{mb} cluster{sp} c4", n, k, 0, 16, st, th, mb, split=sp,
+                  swap_rows=sw, chains=4, cluster=True)
+      for name, n, k, act in DECODE_SHAPES if name in ("o_proj", "down")
+      for kind, st, mb, th, sw, sp in (("swap8", 6, 3, 32, 8, 2), ("swap8", 4, 4, 32, 8, 2), ("swap8", 3, 5, 32, 8, 4),
+                                       ("dg", 4, 3, 64, 0, 2), ("dg", 3, 4, 64, 0, 2), ("dg", 2, 5, 64, 0, 4),
+                                       ("swap16", 4, 3, 32, 16, 2), ("swap16", 6, 2, 32, 16, 2),
+                                       ("swap8", 5, 3, 32, 8, 2))
+      if k % (256 * sp) == 0],
+    *[decode_case(f"{name} swap8 16x128 s12 b3 cluster2 c{ch}", n, k, 0, 16, 12, 32, 3, block_k=128, split=2,
+                  swap_rows=8, chains=ch, cluster=True)
+      for name, n, k, act in DECODE_SHAPES if name in ("o_proj", "down") for ch in (2, 4)],
 )
 
 
@@ -148,7 +163,7 @@ def launch_spec(case: Case):
     prologue = [name for name, flag in (("X2", "ADD"), ("G", "NORM"), ("S", "WRITE_SUM")) if case.tile.get(flag)]
     params = [tensor(name) for name in ("A", *prologue, "W", "C")] + [Param("M", "int", "dim:tokens", "i32")]
     split = case.tile.get("SPLIT", 1)
-    if split > 1:  # the split tile's fp32 planes and tickets
+    if split > 1 and not case.tile.get("CLUSTER"):  # the split tile's fp32 planes and tickets
         params[-1:-1] = [Param("P", "tensor", "p", "*fp32", aligned=True),
                        Param("tickets", "tensor", "tickets", "*i32", aligned=True)]
     constexprs = dict(N=case.n, K=case.k, ACT=case.act, **case.tile)
@@ -189,7 +204,7 @@ def prepare(out: Path, only: list[str] | None, decode: bool = False) -> None:
             del launch["source"]
             launch.update(key=cubin, cubin=cubin, symbol=compiled.function, shared=compiled.shared,
                           threads=compiled.threads, num_warps=compiled.threads // 32, params=compiled.abi,
-                          cluster=case.cluster)
+                          cluster=list(compiled.cluster))
             index.append({"case": asdict(case), "launch": launch, "resources": compiled.resources})
             print(f"{case.label}: {compiled.resources}", flush=True)
     (out / "index.json").write_text(json.dumps(index, indent=1))

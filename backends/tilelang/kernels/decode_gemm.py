@@ -26,6 +26,10 @@ a swapped tile of 8 rows a CTA fills half of it) and takes its tile's ticket; th
 plane order (the same sum whichever CTA is last), writes C and resets the ticket to zero for the next launch (the
 runtime zeroes the tickets once).
 
+CLUSTER (SPLIT > 1): the SPLIT CTAs of an output tile form a thread block cluster, and instead of planes and tickets
+in global memory the others store their sums into the first one's shared memory (st.shared::cluster) before one
+cluster barrier; the first adds them in rank order and writes C. No global round trip, no ticket to reset.
+
 SWAP_ROWS (8 or 16): the weight tile (or each of gate's and up's) is mma.sync's A operand (BLOCK_N = 16
 weight rows) and the step's rows its B operand, so a stage holds SWAP_ROWS rows where the A operand needs 16, and the
 freed shared memory holds more weight stages.
@@ -47,6 +51,15 @@ QKV's no faster (session 11)."""
 
 import tilelang.language as T
 
+# CLUSTER: a CTA's store into the shared memory of another of its cluster, at the same offset as `local` in its own
+PEER_STORE = """
+__device__ __forceinline__ void store_peer(float* local, float value, int rank) {
+  unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(local)), remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(address), "r"(rank));
+  asm volatile("st.shared::cluster.f32 [%0], %1;" :: "r"(remote), "f"(value) : "memory");
+}
+"""
+
 BF16 = T.bfloat16
 ROWS = 16  # mma.sync's M
 PRODUCER = 128  # the producer warpgroup's threads, after the THREADS consumers
@@ -56,7 +69,7 @@ CONSUMERS_BARRIER = 1  # a named barrier of the consumers alone (0 is the whole 
 def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: int, THREADS: int, MIN_BLOCKS: int,
                 PDL: bool = False, SPLIT: int = 1, SWAP_ROWS: int = 0, NORM: bool = False, ADD: bool = False,
                 WRITE_SUM: bool = False, EPS: float = 1e-6, LAG: int = 2, PRE: int = 0, CHAINS: int = 1,
-                SCALERS: bool = False):
+                SCALERS: bool = False, CLUSTER: bool = False):
     assert K % (BLOCK_K * SPLIT) == 0, f"K={K} must split into {SPLIT} ranges of whole {BLOCK_K}-wide steps"
     assert SPLIT == 1 or not ACT, "a split tile sums one GEMM (SiLU x up needs both sums whole)"
     assert not NORM or SPLIT == 1, "a normed tile is not split"
@@ -66,6 +79,7 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
     assert ADD or not WRITE_SUM, "WRITE_SUM writes the sum of ADD's rows"
     assert not NORM or 1 <= LAG <= STAGES, f"NORM scales a step's rows LAG steps after loading them: 1..{STAGES}"
     assert NORM or not SCALERS, "SCALERS scales a norm prologue's rows: a tile without NORM has none"
+    assert not CLUSTER or SPLIT > 1, "CLUSTER sums a split tile's parts in a cluster: SPLIT > 1"
     assert PRE <= STAGES, f"PRE: weight stages issued before the rows (the PDL wait), at most {STAGES}, got {PRE}"
     assert CHAINS in (1, 2, 4) and (CHAINS == 1 or not ACT), f"CHAINS splits a single GEMM's stages in 1, 2 or 4 " \
         f"(SiLU x up has two GEMMs already), got {CHAINS} with ACT={ACT}"
@@ -221,6 +235,24 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
                 tickets[by * (N // BLOCK_N) + bx] = 0
 
     @T.macro
+    def meet_cluster(C, parts, acc, bx, by, bz):
+        """The cluster epilogue: ranks past 0 store their sums into rank 0's `parts`, every thread of the cluster
+        meets at its barrier (release, acquire), then rank 0 adds the parts in rank order and writes C."""
+        if bz > 0:
+            for i, j in T.Parallel(*acc.shape):
+                T.call_extern("handle", "store_peer", T.access_ptr(parts[bz - 1, i, j], "w"), acc[i, j], 0)
+        T.cluster_arrive()
+        T.cluster_wait()
+        if bz == 0:
+            for s in T.serial(SPLIT - 1):
+                for i, j in T.Parallel(*acc.shape):
+                    acc[i, j] += parts[s, i, j]
+            if SWAP_ROWS:
+                store_swapped(C, acc, None, bx, by)
+            else:
+                store(C, acc, None, bx, by)
+
+    @T.macro
     def produce(A, X2, G, W, a_s, g_s, w_s, u_s, S, x, squares, total, rstd, w_full, a_full, landed, empty, rstd_full,
                 bx, by, bz):
         """The producer warpgroup: weight stages by TMA, rows by cp.async (and, NORM without SCALERS, their
@@ -258,6 +290,9 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
                     T.mbarrier_wait_parity(empty[k % STAGES], (k // STAGES + 1) % 2)
                     load_weights(W, w_s, u_s, w_full, bx, bz, k)
                 load_rows(A, X2, G, a_s, g_s, a_full, by, bz, k)
+        if CLUSTER:  # every thread of the cluster meets at the epilogue's barrier
+            T.cluster_arrive()
+            T.cluster_wait()
 
     @T.macro
     def scale_all(a_s, g_s, S, x, squares, total, rstd, landed, a_full, rstd_full, bx, by):
@@ -269,8 +304,8 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
         inverse_rms(squares, total, rstd, rstd_full)
 
     @T.macro
-    def consume(C, P, tickets, a_s, w_s, u_s, acc, up, third, fourth, sums, rstd, ticket, w_full, a_full, empty,
-                rstd_full, bx, by, bz):
+    def consume(C, P, tickets, a_s, w_s, u_s, acc, up, third, fourth, sums, rstd, ticket, parts, w_full, a_full,
+                empty, rstd_full, bx, by, bz):
         """The consumer warps: mma.sync over each stage once its weights and rows are in, then the epilogue."""
         T.clear(acc)
         if ACT or CHAINS > 1:
@@ -299,6 +334,8 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
         if NORM:
             T.mbarrier_wait_parity(rstd_full[0], 0)
             store_normed(C, acc, up, sums, rstd, bx, by)
+        elif CLUSTER:
+            meet_cluster(C, parts, acc, bx, by, bz)
         elif SPLIT > 1:
             meet_split(C, P, tickets, acc, ticket, bx, by, bz)
         elif SWAP_ROWS:
@@ -309,7 +346,8 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
     @T.macro
     def tile(A, X2, G, S, W, C, P, tickets):
         threads = THREADS + PRODUCER * (2 if SCALERS else 1)  # SCALERS: a warpgroup of scalers after the producer
-        with T.Kernel(N // BLOCK_N, T.ceildiv(M, step_rows), SPLIT, threads=threads) as (bx, by, bz):
+        cluster = dict(cluster_dims=(1, 1, SPLIT), prelude=PEER_STORE) if CLUSTER else {}
+        with T.Kernel(N // BLOCK_N, T.ceildiv(M, step_rows), SPLIT, threads=threads, **cluster) as (bx, by, bz):
             a_s = T.alloc_shared((STAGES, rows, BLOCK_K), BF16)
             w_s = T.alloc_shared((STAGES, BLOCK_N, BLOCK_K), BF16)
             u_s = None  # ACT=0: no up half
@@ -337,8 +375,10 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
                 rstd = T.alloc_shared((step_rows,), T.float32, scope="shared")
                 rstd_full = T.alloc_barrier([PRODUCER])
                 sums = T.alloc_shared((2 if ACT else 1, BLOCK_N, rows), T.float32, scope="shared")
-            ticket = None
-            if SPLIT > 1:
+            ticket, parts = None, None
+            if CLUSTER:  # the other ranks' sums, in rank 0's shared memory
+                parts = T.alloc_shared((SPLIT - 1, *sums_shape), T.float32, scope="shared")
+            elif SPLIT > 1:
                 ticket = T.alloc_shared((1,), T.int32)
             T.annotate_min_blocks_per_sm(MIN_BLOCKS)
             T.disable_warp_group_reg_alloc()
@@ -351,16 +391,16 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
                     produce(A, X2, G, W, a_s, g_s, w_s, u_s, S, x, squares, total, rstd, w_full, a_full, landed, empty,
                             rstd_full, bx, by, bz)
                 else:
-                    consume(C, P, tickets, a_s, w_s, u_s, acc, up, third, fourth, sums, rstd, ticket, w_full, a_full,
-                            empty, rstd_full, bx, by, bz)
+                    consume(C, P, tickets, a_s, w_s, u_s, acc, up, third, fourth, sums, rstd, ticket, parts, w_full,
+                            a_full, empty, rstd_full, bx, by, bz)
             elif T.get_thread_binding() >= THREADS:
                 produce(A, X2, G, W, a_s, g_s, w_s, u_s, S, x, squares, total, rstd, w_full, a_full, landed, empty,
                         rstd_full, bx, by, bz)
             else:
-                consume(C, P, tickets, a_s, w_s, u_s, acc, up, third, fourth, sums, rstd, ticket, w_full, a_full, empty,
-                        rstd_full, bx, by, bz)
+                consume(C, P, tickets, a_s, w_s, u_s, acc, up, third, fourth, sums, rstd, ticket, parts, w_full, a_full,
+                        empty, rstd_full, bx, by, bz)
 
-    if SPLIT > 1:
+    if SPLIT > 1 and not CLUSTER:
         @T.prim_func
         def decode_gemm_split(A: T.Tensor((M, K), BF16), W: T.Tensor((w_rows, K), BF16), C: T.Tensor((M, N), BF16),
                               P: T.Tensor((SPLIT * ROWS, N), T.float32),
