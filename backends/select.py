@@ -8,11 +8,10 @@ every prefill GEMM of the 4B benchmark model at 4k and 8k rows, by 1.4x to 8.5x,
 at 8k), and so do the decode GEMMs of 2 to 16 rows (TileLang's only decode slots: its TMA-streamed tiles beat
 every Triton variant there, by 1.02x to 1.41x, session 6; at 4 rows its normed tile (GEMMs with a norm) and its
 swapped tile (o_proj, down) lead, which made the batch-2 and batch-4 steps 4-7% faster, session 10, and its K split
-over a cluster 5% more, session 12), and the one-row GEMMs (QKV, gate/up: TileLang's normed tile, which made the
-batch-1 step 5% faster, session 9; o_proj, down: the same swapped cluster tile, within the noise of the batch-1 step
-and of Triton's GEMV in isolation, session 12). CuTe DSL's GEMVs won some slots in isolation but made the batch-1
-step slower. Every other SM, and every family without an entry, is Triton's. A backend not compiled into
-the cache falls back to the next."""
+over a cluster 4-6% more, session 12), and the one-row GEMMs with a norm (QKV, gate/up: TileLang offers its normed
+tile there, which made the batch-1 step 5% faster, session 9); the other one-row GEMVs stay with Triton (CuTe DSL's
+won some slots in isolation but made the batch-1 step slower, and so did TileLang's swapped cluster tile, session
+12, which is not offered there since). Every other SM, and every family without an entry, is Triton's. A backend not compiled into the cache falls back to the next."""
 
 import json
 from pathlib import Path

@@ -1,7 +1,7 @@
 """Planning TileLang candidates for the kernels where Hopper's own instructions pay: the GEMMs of prefill-sized
 steps (TMA + wgmma, the SiLU x up epilogue over the merged gate/up weight; an RMSNorm prologue becomes a row
 launch first, since TMA feeds the tensor cores the operand as stored), the GEMMs of decode steps of 2 to 16 rows
-(weights streamed by TMA, mma.sync), of 1 to 4 rows where the GEMM has a norm (the norm inside the tile) and of 1 to
+(weights streamed by TMA, mma.sync), of 1 to 4 rows where the GEMM has a norm (the norm inside the tile) and of 2 to
 4 rows of a single GEMM (the swapped tile in four mma chains, K split over a cluster of two CTAs), and causal
 attention of prefill-shaped steps. A kernel TileLang cannot serve gets no candidate, and the other backends'
 variants serve it."""
@@ -64,15 +64,16 @@ DECODE_SLOTS = (4, 16)
 # 4 rows, QKV 9.0 us (82%), gate/up 25.3 (93%), launched programmatically (session 11). QKV's 6 stages fit 3 CTAs
 # an SM too, no faster (session 10); neither were its chains nor scalers (session 11). SiLU x up's tile scales the
 # rows in a warpgroup of its own (SCALERS; 288 threads a CTA): 24.9-25.1 us against 25.5-25.6 launched
-# programmatically, 26.2-26.4 against 27.0-27.3 plainly (session 11). o_proj and down: the swapped tile below.
+# programmatically, 26.2-26.4 against 27.0-27.3 plainly (session 11). o_proj and down keep Triton's one-row GEMV.
 NORMED_TILE = {0: dict(STAGES=5, LAG=2, PRE=1), 1: dict(STAGES=3, LAG=2, PRE=1, SCALERS=True)}
-# Steps of 1 and of up to 4 rows of a single GEMM (o_proj, down): decode_gemm.py's swapped tile, 8 rows as mma's B
-# operand, each stage's K quarters summed in four chains of mma.sync (one chain's latency held a CTA to about 16
-# GB/s), and K split over a cluster of two CTAs whose sums meet in shared memory (CLUSTER), so that 2560 columns
-# make 320 CTAs, not 160 for 132 SMs. Launched programmatically, 4 rows (scripts/gpu/gemm_probe.py,
+# Steps of up to 4 rows of a single GEMM (o_proj, down): decode_gemm.py's swapped tile, 8 rows as mma's B operand,
+# each stage's K quarters summed in four chains of mma.sync (one chain's latency held a CTA to about 16 GB/s), and K
+# split over a cluster of two CTAs whose sums meet in shared memory (CLUSTER), so that 2560 columns make 320 CTAs,
+# not 160 for 132 SMs. Launched programmatically, 4 rows (scripts/gpu/gemm_probe.py,
 # docs/BENCHMARKS.md session 12): down 13.1 us (89% of the copy bandwidth) against 14.0 unsplit, o_proj 6.2 (79%)
-# against 7.0; split through global planes and tickets instead, 15.0 and 7.4. One row: down 12.9 (91%), o_proj 6.0
-# (82%), against Triton's one-row GEMV's 13.6 and 5.9 (kernels.py, same session).
+# against 7.0; split through global planes and tickets instead, 15.0 and 7.4. At one row too (down 12.8 us, 91%,
+# o_proj 6.2, 79%, against Triton's one-row GEMV's 13.6 and 6.0) it made the batch-1 step 1.5% slower (medians of
+# 7 rounds), so one row stays Triton's.
 SWAPPED_TILE = dict(BLOCK_N=16, BLOCK_K=256, STAGES=6, THREADS=32, MIN_BLOCKS=3, SWAP_ROWS=8, CHAINS=4, SPLIT=2,
                     CLUSTER=True)
 # what CI compiles for every kernel they fit
@@ -158,8 +159,8 @@ def _normed_rows(roles: dict, n: int, k: int, dim: Param, row_symbol: str) -> li
 
 def _swapped_rows(launches: list[LaunchSpec], params: list[Param], n: int, k: int,
                   row_symbol: str) -> list[VariantSpec]:
-    """The 1- and 4-row slots of a single GEMM: decode_gemm.py's swapped tile (see SWAPPED_TILE), after the norm
-    launch where the GEMM has a norm; one launch serves both slots."""
+    """The 4-row slot of a single GEMM: decode_gemm.py's swapped tile (see SWAPPED_TILE), after the norm launch
+    where the GEMM has a norm."""
     if n % SWAPPED_TILE["BLOCK_N"] or k % (SWAPPED_TILE["BLOCK_K"] * SWAPPED_TILE["SPLIT"]):
         return []
     tiles = dict(N=n, K=k, ACT=0, PDL=True, **SWAPPED_TILE)
@@ -167,7 +168,7 @@ def _swapped_rows(launches: list[LaunchSpec], params: list[Param], n: int, k: in
             GridDim((SWAPPED_TILE["SPLIT"],)))
     gemm = _launch("decode_gemm.py", "decode_gemm", params, tiles, grid, SWAPPED_TILE["THREADS"] + 128,
                    SWAPPED_TILE["STAGES"])
-    return [VariantSpec("decode_swap8", rows, [*launches, gemm], "tilelang", sms=(90,)) for rows in (1, 4)]
+    return [VariantSpec("decode_swap8", 4, [*launches, gemm], "tilelang", sms=(90,))]
 
 
 def _decode_gemm(launches: list[LaunchSpec], params: list[Param], n: int, k: int, act: int,
