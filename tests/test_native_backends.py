@@ -396,6 +396,21 @@ def test_tilelang_cluster_split_tile_meets_in_the_first_ctas_shared_memory(compi
     assert instructions.count("UCGABAR_ARV") == instructions.count("UCGABAR_WAIT") == 2
 
 
+def test_tilelang_norm_launch_loads_its_weight_before_waiting_for_the_previous_kernel(compiled):
+    """The norm launch before a decode GEMM (PDL): G, a weight, is loaded first, then the wait for the previous
+    kernel, then the rows; so the only round trips after the wait are the rows' and the stores (G loaded after the
+    sum's reduction cost QKV's and gate/up's 16-row slots 0.6 and 1.6 us, session 12)."""
+    todo, _, results = compiled
+    keys = [key for (sm, key) in results if sm == 90 and key.startswith("hidden/decode_16x16/")
+            and todo[(sm, key)].function == "add_rms_norm"]
+    assert len(keys) == 1
+    code = results[(90, keys[0])].files["cu"]
+    body = code[code.index("add_rms_norm_kernel("):]
+    assert body.index("cudaTriggerProgrammaticLaunchCompletion") < body.index("(G + ") < body.index(
+        "cudaGridDependencySynchronize") < body.index("(X + ") < body.index("AllReduce") < body.index("(Y + ")
+    assert body.count("(G + ") == 1, "G is read once, before the wait"
+
+
 def test_tilelang_launches_declare_programmatic_launch_in_the_manifest_as_their_ptx_waits(compiled):
     """A TileLang launch's manifest record says `pdl` exactly when its template took PDL=True, and then its PTX waits
     for the previous kernel (griddepcontrol.wait): the runtime launches only those programmatically."""

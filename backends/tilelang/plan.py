@@ -53,7 +53,8 @@ DECODE_TILES = {"decode_16x16": (16, 256, 64, 3), "decode_16x32": (32, 256, 128,
 # decode_16x16 of a single GEMM: (STAGES, CTAs an SM, CHAINS) for N <= 4096 (o_proj, down: 160 tiles) and wider
 # (QKV), each stage's K split over CHAINS sums. Launched programmatically at 16 rows (scripts/gpu/kernels.py,
 # docs/BENCHMARKS.md session 11): o_proj 7.0 us (70% of the copy bandwidth), down 14.6 (80%), QKV 11.2 with its norm
-# launch, against 8.3, 16.4 and 12.8 for gemm.py's 16x32; SiLU x up keeps 3 stages, 3 CTAs an SM.
+# launch, against 8.3, 16.4 and 12.8 for gemm.py's 16x32 (QKV 10.6 since the norm launch loads G before its wait,
+# session 12); SiLU x up keeps 3 stages, 3 CTAs an SM.
 CHAINED_TILE = {True: (6, 2, 4), False: (4, 3, 2)}
 DECODE_SLOTS = (4, 16)
 # Steps of up to 4 rows of a GEMM with an RMSNorm prologue (QKV, gate/up) on sm_90a: decode_gemm.py's NORM tile, the

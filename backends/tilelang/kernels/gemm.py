@@ -127,18 +127,24 @@ def add_rms_norm(K: int, EPS: float, ADD: bool, WRITE_SUM: bool, THREADS: int, P
     """The GEMM's prologue as its own launch (a TMA-fed GEMM reads its operand as stored): per row, the residual
     sum X + X2 (written to S when WRITE_SUM) and its RMSNorm times G, rounded to bf16 as the GEMM reads it. PDL: it
     lets the next kernel (the GEMM, launched programmatically) start at once, so that the GEMM's first weight stages
-    stream while the rows are normed, and waits for the previous kernel before reading its rows."""
+    stream while the rows are normed, and waits for the previous kernel before reading its rows. G, a weight, is
+    loaded first (before that wait): loaded after the sum's reduction, its round trip lay on the path from the
+    previous kernel's end to the GEMM's rows."""
     M = T.dynamic("M")
 
     @T.macro
     def row_kernel(X, X2, G, S, Y):
         with T.Kernel(M, threads=THREADS) as row:
-            if PDL:
-                T.pdl_trigger()
-                T.pdl_sync()
             x = T.alloc_fragment((1, K), T.float32)
+            g = T.alloc_fragment((1, K), T.float32)
             squares = T.alloc_fragment((1, K), T.float32)
             total = T.alloc_fragment((1,), T.float32)
+            if PDL:
+                T.pdl_trigger()
+            for i, j in T.Parallel(1, K):
+                g[i, j] = T.cast(G[j], T.float32)
+            if PDL:
+                T.pdl_sync()
             for i, j in T.Parallel(1, K):
                 if ADD:
                     x[i, j] = T.cast(X[row, j], T.float32) + T.cast(X2[row, j], T.float32)
@@ -150,7 +156,7 @@ def add_rms_norm(K: int, EPS: float, ADD: bool, WRITE_SUM: bool, THREADS: int, P
                 squares[i, j] = x[i, j] * x[i, j]
             T.reduce_sum(squares, total, dim=1)
             for i, j in T.Parallel(1, K):
-                Y[row, j] = T.cast(x[i, j] * T.rsqrt(total[i] / K + EPS) * T.cast(G[j], T.float32), BF16)
+                Y[row, j] = T.cast(x[i, j] * T.rsqrt(total[i] / K + EPS) * g[i, j], BF16)
 
     if ADD and WRITE_SUM:
         @T.prim_func
