@@ -3,15 +3,16 @@
 shapes and writes the winner per slot into the cache; without tuning data the default below decides.
 
 Default (until tuning says otherwise), per SM and kernel family, from the H200 measurements in docs/BENCHMARKS.md
-(2026-11-30): on sm_90 the prefill GEMMs and prefill attention go to TileLang (its default tile beat Triton's on
-every prefill GEMM of the 4B benchmark model at 4k and 8k rows, by 1.4x to 8.5x, and its attention ran 3.5x faster
-at 8k), and so do the decode GEMMs of 2 to 16 rows (TileLang's only decode slots: its TMA-streamed tiles beat
-every Triton variant there, by 1.02x to 1.41x, session 6; at 4 rows its normed tile (GEMMs with a norm) and its
+(2026-11-30 to 2026-12-01): on sm_90 the prefill GEMMs and prefill attention go to TileLang (its default tile beat
+Triton's on every prefill GEMM of the 4B benchmark model at 4k and 8k rows, by 1.4x to 8.5x, and its attention ran
+3.5x faster at 8k), and so do the decode GEMMs of 2 to 16 rows (TileLang's only decode slots: its TMA-streamed tiles
+beat every Triton variant there, by 1.02x to 1.41x, session 6; at 4 rows its normed tile (GEMMs with a norm) and its
 swapped tile (o_proj, down) lead, which made the batch-2 and batch-4 steps 4-7% faster, session 10, and its K split
 over a cluster 4-6% more, session 12), and the one-row GEMMs with a norm (QKV, gate/up: TileLang offers its normed
 tile there, which made the batch-1 step 5% faster, session 9); the other one-row GEMVs stay with Triton (CuTe DSL's
 won some slots in isolation but made the batch-1 step slower, and so did TileLang's swapped cluster tile, session
-12, which is not offered there since). Every other SM, and every family without an entry, is Triton's. A backend not compiled into the cache falls back to the next."""
+12, which is not offered there since). Every other SM, and every family without an entry, is Triton's. A backend not
+compiled into the cache falls back to the next."""
 
 import json
 from pathlib import Path

@@ -375,10 +375,11 @@ def test_tilelang_four_chain_tile_sums_each_stage_quarter_into_its_own_accumulat
 
 
 def test_tilelang_cluster_split_tile_meets_in_the_first_ctas_shared_memory(compiled, tmp_path):
-    """down's 1- and 4-row tile (K split over a cluster of two): rank 1 stores its sums into rank 0's `parts`
-    (mapa + st.shared::cluster), the consumers and the producer each meet at the cluster barrier once, then rank 0
-    adds the parts and writes C; no planes or tickets in global memory. The manifest records the cluster, which the
-    kernel leaves to its launch."""
+    """down's 4-row tile (K split over a cluster of two): the consumers first check that the launch made a cluster of
+    two (a launch without it would make each CTA a cluster of one, storing into its own shared memory), rank 1 stores
+    its sums into rank 0's `parts` (mapa + st.shared::cluster), the consumers and the producer each meet at the
+    cluster barrier once, then rank 0 adds the parts and writes C; no planes or tickets in global memory. The
+    manifest records the cluster, which the kernel leaves to its launch."""
     from pegainfer.backends.build import _entry_files_and_meta
 
     todo, _, results = compiled
@@ -388,8 +389,10 @@ def test_tilelang_cluster_split_tile_meets_in_the_first_ctas_shared_memory(compi
     assert "mapa.shared::cluster.u32" in code and "st.shared::cluster.f32" in code
     producer, consumer = code[code.index("if (32 <= ((int)threadIdx.x))"):].split("} else {", 1)
     assert producer.count("tl::cluster_arrive();") == producer.count("tl::cluster_wait();") == 1
-    meet = consumer[consumer.index("if (0 < ((int)blockIdx.z))"):]
-    assert meet.index("store_peer((&(parts[") < meet.index("tl::cluster_arrive();") < meet.index(
+    assert "%%cluster_nctarank" in code and "__trap()" in code
+    meet = consumer[consumer.index("require_cluster(2);"):]
+    assert meet.index("if (0 < ((int)blockIdx.z))") < meet.index("store_peer((&(parts[") < meet.index(
+        "tl::cluster_arrive();") < meet.index(
         "tl::cluster_wait();") < meet.index("if (((int)blockIdx.z) == 0)") < meet.index("(parts + ") < meet.index("C[")
     assert "tickets" not in code and "__threadfence" not in code
     instructions = sass(native.cubin, tmp_path)

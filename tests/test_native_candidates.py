@@ -149,9 +149,8 @@ def test_gemms_with_a_norm_get_the_normed_tile_for_one_and_four_rows():
 def test_single_gemms_get_the_four_chain_swapped_tile_split_over_a_cluster_for_four_rows():
     """The single GEMMs (QKV, o_proj, down) get decode_gemm.py's swapped tile in four mma chains for steps of up to 4
     rows: the default where no norm tile leads the slot (o_proj, down), behind it for QKV (after the norm launch);
-    none for SiLU x up. 8 rows a CTA as mma's B operand, K split over a
-    cluster of two CTAs (a third grid axis of 2), launched programmatically, and a ring that lets 3 CTAs share an
-    SM."""
+    none for SiLU x up. 8 rows a CTA as mma's B operand, K split over a cluster of two CTAs (a third grid axis of
+    2), launched programmatically, and a ring that lets 3 CTAs share an SM."""
     from pegainfer.backends.tilelang.plan import SM90_SHARED
 
     defaults = set()

@@ -7,8 +7,9 @@ then feeds the step's rows by predicated cp.async (rows past M zero-filled, neve
 tiles as stages free up; the consumers run mma.sync on 16-row tiles and the epilogue. M is dynamic; N and K are
 fixed. The plan serves every GEMM's steps of up to 16 rows with it (decode_16x16; single GEMMs in CHAINS, below), the
 steps of up to 4 rows of the GEMMs with an RMSNorm prologue with its NORM form, and those of the single GEMMs with
-its SWAP_ROWS form in four chains; its SPLIT form is a decode case of scripts/gpu/gemm_probe.py, which measured it
-no faster (docs/BENCHMARKS.md, sessions 8 and 11).
+its SWAP_ROWS form in four chains, K split over a cluster of two (CLUSTER, session 12); the SPLIT form summed through
+global memory is a decode case of scripts/gpu/gemm_probe.py, which measured it no faster (docs/BENCHMARKS.md,
+sessions 8, 11 and 12).
 
 CHAINS = 2 or 4 (a single GEMM): each stage's K halves (quarters) go to as many accumulators, summed before the
 epilogue, so a consumer warp runs independent chains of mma.sync; with one, each mma waited on the previous one's
@@ -28,7 +29,9 @@ runtime zeroes the tickets once).
 
 CLUSTER (SPLIT > 1): the SPLIT CTAs of an output tile form a thread block cluster, and instead of planes and tickets
 in global memory the others store their sums into the first one's shared memory (st.shared::cluster) before one
-cluster barrier; the first adds them in rank order and writes C. No global round trip, no ticket to reset.
+cluster barrier; the first adds them in rank order and writes C. No global round trip, no ticket to reset. TileLang
+leaves the cluster to the launch: launched without it, each CTA would be a cluster of one and store into its own
+shared memory, so the epilogue traps unless the cluster holds SPLIT CTAs.
 
 SWAP_ROWS (8 or 16): the weight tile (or each of gate's and up's) is mma.sync's A operand (BLOCK_N = 16
 weight rows) and the step's rows its B operand, so a stage holds SWAP_ROWS rows where the A operand needs 16, and the
@@ -51,8 +54,15 @@ QKV's no faster (session 11)."""
 
 import tilelang.language as T
 
-# CLUSTER: a CTA's store into the shared memory of another of its cluster, at the same offset as `local` in its own
+# CLUSTER: a CTA's store into the shared memory of another of its cluster, at the same offset as `local` in its own;
+# and a trap unless the launch made a cluster of `expected` CTAs
 PEER_STORE = """
+__device__ __forceinline__ void require_cluster(int expected) {
+  unsigned ctas;
+  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(ctas));
+  if (ctas != static_cast<unsigned>(expected)) __trap();
+}
+
 __device__ __forceinline__ void store_peer(float* local, float value, int rank) {
   unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(local)), remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(address), "r"(rank));
@@ -79,7 +89,8 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
     assert ADD or not WRITE_SUM, "WRITE_SUM writes the sum of ADD's rows"
     assert not NORM or 1 <= LAG <= STAGES, f"NORM scales a step's rows LAG steps after loading them: 1..{STAGES}"
     assert NORM or not SCALERS, "SCALERS scales a norm prologue's rows: a tile without NORM has none"
-    assert not CLUSTER or SPLIT > 1, "CLUSTER sums a split tile's parts in a cluster: SPLIT > 1"
+    assert not CLUSTER or 1 < SPLIT <= 8, f"CLUSTER sums a split tile's parts in a portable cluster: SPLIT 2..8, got " \
+        f"{SPLIT}"
     assert PRE <= STAGES, f"PRE: weight stages issued before the rows (the PDL wait), at most {STAGES}, got {PRE}"
     assert CHAINS in (1, 2, 4) and (CHAINS == 1 or not ACT), f"CHAINS splits a single GEMM's stages in 1, 2 or 4 " \
         f"(SiLU x up has two GEMMs already), got {CHAINS} with ACT={ACT}"
@@ -238,6 +249,7 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
     def meet_cluster(C, parts, acc, bx, by, bz):
         """The cluster epilogue: ranks past 0 store their sums into rank 0's `parts`, every thread of the cluster
         meets at its barrier (release, acquire), then rank 0 adds the parts in rank order and writes C."""
+        T.call_extern("handle", "require_cluster", SPLIT)
         if bz > 0:
             for i, j in T.Parallel(*acc.shape):
                 T.call_extern("handle", "store_peer", T.access_ptr(parts[bz - 1, i, j], "w"), acc[i, j], 0)

@@ -127,23 +127,23 @@ def add_rms_norm(K: int, EPS: float, ADD: bool, WRITE_SUM: bool, THREADS: int, P
     """The GEMM's prologue as its own launch (a TMA-fed GEMM reads its operand as stored): per row, the residual
     sum X + X2 (written to S when WRITE_SUM) and its RMSNorm times G, rounded to bf16 as the GEMM reads it. PDL: it
     lets the next kernel (the GEMM, launched programmatically) start at once, so that the GEMM's first weight stages
-    stream while the rows are normed, and waits for the previous kernel before reading its rows. G, a weight, is
-    loaded first (before that wait): loaded after the sum's reduction, its round trip lay on the path from the
-    previous kernel's end to the GEMM's rows."""
+    stream while the rows are normed, and waits for the previous kernel before reading its rows; G, a weight, it
+    loads before that wait (loaded after the sum's reduction, its round trip lay on the path from the previous
+    kernel's end to the GEMM's rows). Without PDL, G is read last, as it costs registers and saves no wait."""
     M = T.dynamic("M")
 
     @T.macro
     def row_kernel(X, X2, G, S, Y):
         with T.Kernel(M, threads=THREADS) as row:
             x = T.alloc_fragment((1, K), T.float32)
-            g = T.alloc_fragment((1, K), T.float32)
             squares = T.alloc_fragment((1, K), T.float32)
             total = T.alloc_fragment((1,), T.float32)
+            g = None
             if PDL:
+                g = T.alloc_fragment((1, K), T.float32)
                 T.pdl_trigger()
-            for i, j in T.Parallel(1, K):
-                g[i, j] = T.cast(G[j], T.float32)
-            if PDL:
+                for i, j in T.Parallel(1, K):
+                    g[i, j] = T.cast(G[j], T.float32)
                 T.pdl_sync()
             for i, j in T.Parallel(1, K):
                 if ADD:
@@ -156,7 +156,8 @@ def add_rms_norm(K: int, EPS: float, ADD: bool, WRITE_SUM: bool, THREADS: int, P
                 squares[i, j] = x[i, j] * x[i, j]
             T.reduce_sum(squares, total, dim=1)
             for i, j in T.Parallel(1, K):
-                Y[row, j] = T.cast(x[i, j] * T.rsqrt(total[i] / K + EPS) * g[i, j], BF16)
+                weight = g[i, j] if PDL else T.cast(G[j], T.float32)
+                Y[row, j] = T.cast(x[i, j] * T.rsqrt(total[i] / K + EPS) * weight, BF16)
 
     if ADD and WRITE_SUM:
         @T.prim_func
