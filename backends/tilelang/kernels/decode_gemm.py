@@ -210,6 +210,14 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
                 else:
                     C[by * step_rows + r, bx * BLOCK_N + i] = T.cast(gate, BF16)
 
+    @T.macro
+    def store_sums(C, acc, up, bx, by):
+        """The epilogue of summed products, as the tile lays them out: swapped ([BLOCK_N, rows]) or not."""
+        if SWAP_ROWS:
+            store_swapped(C, acc, up, bx, by)
+        else:
+            store(C, acc, up, bx, by)
+
     def sum_at(acc, r, j):
         """A split plane's row r, column j in acc, which is [ROWS, BLOCK_N], or [BLOCK_N, rows] swapped."""
         return acc[j, r] if SWAP_ROWS else acc[r, j]
@@ -238,10 +246,7 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
                         acc[j, r] += part
                     else:
                         acc[r, j] += part
-            if SWAP_ROWS:
-                store_swapped(C, acc, None, bx, by)
-            else:
-                store(C, acc, None, bx, 0)
+            store_sums(C, acc, None, bx, by)  # unswapped, by is 0: the plane holds the step's 16 rows
             if T.get_thread_binding() == 0:
                 tickets[by * (N // BLOCK_N) + bx] = 0
 
@@ -259,10 +264,7 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
             for s in T.serial(SPLIT - 1):
                 for i, j in T.Parallel(*acc.shape):
                     acc[i, j] += parts[s, i, j]
-            if SWAP_ROWS:
-                store_swapped(C, acc, None, bx, by)
-            else:
-                store(C, acc, None, bx, by)
+            store_sums(C, acc, None, bx, by)
 
     @T.macro
     def produce(A, X2, G, W, a_s, g_s, w_s, u_s, S, x, squares, total, rstd, w_full, a_full, landed, empty, rstd_full,
@@ -350,10 +352,8 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
             meet_cluster(C, parts, acc, bx, by, bz)
         elif SPLIT > 1:
             meet_split(C, P, tickets, acc, ticket, bx, by, bz)
-        elif SWAP_ROWS:
-            store_swapped(C, acc, up, bx, by)
         else:
-            store(C, acc, up, bx, by)
+            store_sums(C, acc, up, bx, by)
 
     @T.macro
     def tile(A, X2, G, S, W, C, P, tickets):
