@@ -187,10 +187,12 @@ def test_single_gemms_get_the_four_chain_swapped_tile_split_over_a_cluster_for_f
     (dict(SCALERS=True), "SCALERS scales a norm prologue's rows: a tile without NORM has none"),
     (dict(ADD=True), "ADD sums the rows of a norm prologue"),
     (dict(NORM=True, SWAP_ROWS=8, WRITE_SUM=True), "WRITE_SUM writes the sum of ADD's rows"),
+    (dict(CLUSTER=True), "CLUSTER sums a split tile's parts in a portable cluster: SPLIT 2..8, got 1"),
+    (dict(CLUSTER=True, SPLIT=10, K=2560 * 4), "SPLIT 2..8, got 10"),
 ])
 def test_decode_gemm_refuses_a_form_it_cannot_run(bad, says):
     """decode_gemm.py refuses, before lowering, the settings its protocols do not cover (NORM's, CHAINS', PRE's,
-    SPLIT's), saying which."""
+    SPLIT's, CLUSTER's), saying which."""
     from pegainfer.backends.tilelang.kernels.decode_gemm import decode_gemm
 
     tile = dict(N=6144, K=2560, ACT=0, BLOCK_N=16, BLOCK_K=256, STAGES=5, THREADS=32, MIN_BLOCKS=3) | bad
