@@ -43,15 +43,13 @@ def test_gemm_probe_decode_cases_launch_what_their_template_declares(gemm_probe)
         # a normed tile covers 4 rows: its 8-row stage holds X2's 4, then each product's low half
         rows = 4 if norm else (tile.get("BLOCK_M") or tile.get("SWAP_ROWS") or 16)
         assert launch.grid[1].block == rows, case.label
-        warpgroups = 1 + tile.get("SCALERS", False)  # decode_gemm.py's producer, and the norm's scalers
+        warpgroups = 1 + norm  # decode_gemm.py's producer, and a normed tile's scalers
         assert launch.num_warps * 32 == tile["THREADS"] + (128 * warpgroups if case.function == "decode_gemm" else 0)
         assert case.k % (tile["BLOCK_K"] * split) == 0, case.label
         rows = tile.get("SWAP_ROWS") or 16  # a swapped tile stages 8 rows where mma's A operand needs 16
         stage = (rows + tile["BLOCK_N"] * (2 if case.act else 1)) * tile["BLOCK_K"] * 2
-        # a normed tile's G slices: one a stage with SCALERS, else the LAG + 1 steps between loading and scaling
-        g_slots = 0 if not norm else tile["STAGES"] if tile.get("SCALERS") else min(tile["STAGES"], tile["LAG"] + 1)
-        # a CTA's static shared memory (the barriers: 1 KB) and the system's 1 KB beside its stages
-        dynamic = tile["STAGES"] * stage + g_slots * tile["BLOCK_K"] * 2
+        # a CTA's static shared memory (the barriers: 1 KB), the system's 1 KB and a normed tile's G beside its stages
+        dynamic = tile["STAGES"] * stage + (case.k * 2 if norm else 0)
         assert tile["MIN_BLOCKS"] * (dynamic + 2048) <= 228 * 1024, case.label
 
 

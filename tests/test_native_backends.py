@@ -309,54 +309,58 @@ def test_decode_gemm_four_chains_take_a_k_quarter_each(gemm_probe):
     assert all(f"*(float4*)({name} + 0)" in total for name in ("acc", "up", "third", "fourth")), total[:600]
 
 
-def test_tilelang_normed_row_tile_scales_its_rows_in_the_producer_and_rstd_last(compiled):
-    """QKV's one-row tile with the norm inside: one weight stage goes out before the wait for the previous kernel;
-    then each step's rows (and X2's) go out before its weights; the producer scales step k - LAG's rows first (the
-    residual sum times G, its bf16 high part and the remainder in the stage's other 4 rows, then the stage handed
-    to the consumers) and ends with each row's 1/rms; the consumers add both halves' products times 1/rms. ABI:
-    rows, X2, G, the sum S and the weights' TMA descriptor."""
+def normed_tile_parts(code: str) -> tuple[str, str, str, str]:
+    """A normed tile's CUDA in its roles: the producer's code before the wait for the previous kernel, the
+    producer's after it, the scalers' (threads 160-287) and the consumer warp's."""
+    scalers = code[code.index("if (160 <= ((int)threadIdx.x))"):code.index("rstd_full[0].arrive();")]
+    producer = code[code.index("if (32 <= ((int)threadIdx.x))"):]
+    producer, consumer = producer[:producer.index("} else {")], producer[producer.index("} else {"):]
+    wait = producer.index("cudaGridDependencySynchronize")
+    return producer[:wait], producer[wait:], scalers, consumer
+
+
+def test_tilelang_normed_qkv_tile_copies_g_whole_before_the_wait(compiled):
+    """QKV's 1- and 4-row tile with the norm inside: before the wait for the previous kernel the producer issues two
+    weight stages and copies G whole (a weight: it never depends on that kernel), no rows; after it each step's
+    rows and X2's go out before the step's weights, never waiting for them to land; the scalers wait for each
+    step's landing (which also covers G, copied by the same threads first), write the residual sum, multiply by G
+    at the step's columns, split the result into the high part and remainder, and end with each row's 1/rms; the
+    consumer warp runs two mma chains, then adds both halves' products times 1/rms. ABI: rows, X2, G, the sum S
+    and the weights' TMA descriptor."""
     todo, _, results = compiled
     launch, native = todo[(90, "hidden/decode_norm/0")], results[(90, "hidden/decode_norm/0")]
-    assert launch.constexprs["PRE"] == 1 and launch.constexprs["LAG"] == 2 and not launch.constexprs.get("SCALERS")
+    assert launch.constexprs["PRE"] == 2 and launch.constexprs["CHAINS"] == 2 and native.threads == 288
     assert [a["name"] for a in native.abi] == ["A", "C", "G", "S", "W_desc", "X2", "M"]
-    code = native.files["cu"]
-    start, end = code.index("if (32 <= ((int)threadIdx.x))"), code.index("rstd_full[0].arrive();")
-    producer, consumer = code[start:end], code[end:]
-    wait = producer.index("cudaGridDependencySynchronize")
-    assert "w_full[0]" in producer[:wait] and "w_full[1]" not in producer[:wait] and "cp_async" not in producer[:wait]
-    loop = producer[wait:]  # 5 stages: step k - 2's stage is (k + 3) % 5
-    assert loop.index("landed[((k + 3) % 5)].wait") < loop.index("a_full[((k + 3) % 5)].arrive()") \
-        < loop.index("cp_async_gs_conditional<16>((&(((bfloat16_t*)a_s)") < loop.index("(&(X2[") \
-        < loop.index("tl::tma_load(W_desc")
-    scale = loop[:loop.index("a_full[((k + 3) % 5)].arrive()")]
-    assert "(S + " in scale and "g_s" in scale  # the remainder: the product less its bf16 rounding
-    assert re.search(r"__\d+\.x = \(v__\d+\.x-__\d+\.x\)", scale), scale[-1500:]
-    assert "rsqrtf(" in code[end - 800:end]
+    ahead, loop, scalers, consumer = normed_tile_parts(native.files["cu"])
+    assert "for (int k_1 = 0; k_1 < 2; ++k_1)" in ahead and "w_full[k_1].expect_transaction(8192)" in ahead
+    assert ahead.index("tl::tma_load(W_desc") < ahead.index("(&(G[") and "(&(A[" not in ahead and "(&(X2[" not in ahead
+    assert "(&(G[" not in loop and "landed[" not in loop.replace("mbarrier_cp_async_arrive_noinc(landed[", "")
+    assert loop.index("(&(A[") < loop.index("(&(X2[") < loop.index("tl::tma_load(W_desc")
+    assert scalers.index("landed[(k % 5)].wait") < scalers.index("(S + ") < scalers.index("a_full[(k % 5)].arrive()")
+    assert re.search(r"g_s\) \+ \(+k \* 256\)", scalers), scalers  # G at the step's 256 columns
+    assert re.search(r"__\d+\.x = \(v__\d+\.x-__\d+\.x\)", scalers) and "rsqrtf(" in scalers
+    chains = re.findall(r"mma_sync<[^>]*>\(reinterpret_cast<float\*>\((\w+) \+ 0\)", consumer)
+    assert chains == ["acc", "up"], chains
     epilogue = consumer[consumer.index("rstd_full[0].wait(0)"):]
     assert "sums[" in epilogue and "* rstd[" in epilogue and "expf(" not in epilogue
 
 
 def test_tilelang_normed_gate_up_tile_scales_its_rows_in_a_warpgroup_of_scalers(compiled):
-    """gate/up's normed tile (SCALERS): the producer (threads 32-159) issues one weight stage of gate and of up
-    before the wait, then each step's rows, X2's and G's slice, then the step's weights, never waiting for rows to
-    land; the scalers (threads 160-287) wait for each step's rows, write the residual sum, scale them into the high
-    part and remainder, hand the stage to the consumer warp, and end with each row's 1/rms; the consumer warp scales
-    both halves' products by 1/rms before SiLU x up."""
+    """gate/up's normed tile: the producer (threads 32-159) issues one weight stage of gate and of up and copies G
+    before the wait, then each step's rows, X2's, then the step's weights, never waiting for rows to land; the
+    scalers (threads 160-287) wait for each step's rows, write the residual sum, scale them into the high part and
+    remainder, hand the stage to the consumer warp, and end with each row's 1/rms; the consumer warp scales both
+    halves' products by 1/rms before SiLU x up."""
     todo, _, results = compiled
     launch, native = todo[(90, "attn_residual/decode_norm/0")], results[(90, "attn_residual/decode_norm/0")]
-    assert launch.constexprs["SCALERS"] and launch.num_warps == 9 and native.threads == 288
+    assert launch.constexprs["PRE"] == 1 and launch.num_warps == 9 and native.threads == 288
     assert [a["name"] for a in native.abi] == ["A", "C", "G", "S", "W_desc", "X2", "M"]
-    code = native.files["cu"]
-    scalers = code[code.index("if (160 <= ((int)threadIdx.x))"):code.index("rstd_full[0].arrive();")]
-    producer = code[code.index("if (32 <= ((int)threadIdx.x))"):]
-    producer, consumer = producer[:producer.index("} else {")], producer[producer.index("} else {"):]
+    ahead, loop, scalers, consumer = normed_tile_parts(native.files["cu"])
     assert scalers.index("landed[(k % 3)].wait") < scalers.index("(S + ") < scalers.index("a_full[(k % 3)].arrive()")
     assert re.search(r"__\d+\.x = \(v__\d+\.x-__\d+\.x\)", scalers) and "rsqrtf(" in scalers
-    wait = producer.index("cudaGridDependencySynchronize")
-    assert producer[:wait].count("tl::tma_load(W_desc") == 2 and "cp_async" not in producer[:wait]
-    loop = producer[wait:]
+    assert ahead.count("tl::tma_load(W_desc") == 2 and "(&(G[" in ahead and "(&(A[" not in ahead
     assert "landed[" not in loop.replace("mbarrier_cp_async_arrive_noinc(landed[", "") and "a_full" not in loop
-    assert loop.index("(&(A[") < loop.index("(&(X2[") < loop.index("(&(G[") < loop.index("tl::tma_load(W_desc")
+    assert "(&(G[" not in loop and loop.index("(&(A[") < loop.index("(&(X2[") < loop.index("tl::tma_load(W_desc")
     epilogue = consumer[consumer.index("rstd_full[0].wait(0)"):]
     assert "sums[" in epilogue and "* rstd[" in epilogue and "expf(" in epilogue
 

@@ -62,11 +62,12 @@ DECODE_SLOTS = (4, 16)
 # tile as mma's A operand, launched programmatically. Its shape by ACT, from scripts/gpu/gemm_probe.py and kernels.py
 # on the H200 (docs/BENCHMARKS.md, sessions 9-11): one row, QKV 9.2 us (80% of the copy bandwidth, the norm
 # included) against Triton's `one_row` 12.4, gate/up 25.8 (91%) against 27.7, the batch-1 step 2.60 ms against 2.75;
-# 4 rows, QKV 9.0 us (82%), gate/up 25.3 (93%), launched programmatically (session 11). QKV's 6 stages fit 3 CTAs
-# an SM too, no faster (session 10); neither were its chains nor scalers (session 11). SiLU x up's tile scales the
-# rows in a warpgroup of its own (SCALERS; 288 threads a CTA): 24.9-25.1 us against 25.5-25.6 launched
-# programmatically, 26.2-26.4 against 27.0-27.3 plainly (session 11). o_proj and down keep Triton's one-row GEMV.
-NORMED_TILE = {0: dict(STAGES=5, LAG=2, PRE=1), 1: dict(STAGES=3, LAG=2, PRE=1, SCALERS=True)}
+# 4 rows, QKV 9.0 us (82%), gate/up 25.3 (93%), launched programmatically (session 11). Both tiles scale the rows
+# in a warpgroup of their own (288 threads a CTA): SiLU x up's 24.9-25.1 us against 25.5-25.6 launched
+# programmatically, 26.2-26.4 against 27.0-27.3 plainly (session 11); QKV's, once G was copied whole before the PDL
+# wait, with two weight stages ahead of it and two mma chains, 8.5 us at 1 and 4 rows (86%, kernels.py) against
+# 9.2 / 9.0 (session 13). o_proj and down keep Triton's one-row GEMV.
+NORMED_TILE = {0: dict(STAGES=5, PRE=2, CHAINS=2), 1: dict(STAGES=3, PRE=1)}
 # Steps of up to 4 rows of a single GEMM (o_proj, down): decode_gemm.py's swapped tile, 8 rows as mma's B operand,
 # each stage's K quarters summed in four chains of mma.sync (one chain's latency held a CTA to about 16 GB/s), and K
 # split over a cluster of two CTAs whose sums meet in shared memory (CLUSTER), so that 2560 columns make 320 CTAs,
@@ -153,7 +154,7 @@ def _normed_rows(roles: dict, n: int, k: int, dim: Param, row_symbol: str) -> li
                  SWAP_ROWS=8, NORM=True, ADD=roles["x2"] is not None, WRITE_SUM=roles["sum"] is not None,
                  EPS=float(roles["eps"]), **shape)
     grid = (GridDim((n,), 16), GridDim((row_symbol,), 4))
-    threads = 32 + 128 * (2 if shape.get("SCALERS") else 1)  # the consumer warp, the producer (and scalers)
+    threads = 32 + 128 * 2  # the consumer warp, the producer and the scalers
     gemm = _launch("decode_gemm.py", "decode_gemm", params, tiles, grid, threads, shape["STAGES"])
     return [VariantSpec("decode_norm", rows, [gemm], "tilelang", sms=(90,)) for rows in (1, 4)]
 

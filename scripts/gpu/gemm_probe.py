@@ -41,20 +41,19 @@ class Case:
 
 def decode_case(label: str, n: int, k: int, act: int, block_n: int, stages: int, threads: int, min_blocks: int,
                 pdl: bool = True, template: str = "decode_gemm.py", block_k: int = 256, split: int = 1,
-                swap_rows: int = 0, norm: int = 0, pre: int = 0, chains: int = 1, scalers: bool = False,
+                swap_rows: int = 0, norm: bool = False, pre: int = 0, chains: int = 1,
                 cluster: bool = False) -> Case:
     """A decode tile: decode_gemm.py's hand-specialised one (PDL: waits for the previous kernel after issuing its
     first weight stages; split: CTAs sharing a tile's K (cluster: as a thread block cluster, the sums met in shared
     memory); swap_rows: the weight tile as mma's A operand, that many rows as its B; norm: the add + RMSNorm inside,
-    scaled `norm` steps after loading (scalers: by a warpgroup of their own, as they land); pre: weight stages
-    before the wait; chains: a single GEMM's stage as that many K slices into as many sums), or gemm.py's 16-row
-    tile with rows by cp.async (a tuning candidate of the plan)."""
+    scaled as they land by a warpgroup of their own; pre: weight stages before the wait; chains: a single GEMM's
+    stage as that many K slices into as many sums), or gemm.py's 16-row tile with rows by cp.async (a tuning
+    candidate of the plan)."""
     tile = dict(BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, THREADS=threads, MIN_BLOCKS=min_blocks)
     if template == "gemm.py":
         return Case(label, n, k, act, dict(tile, BLOCK_M=16, SWIZZLE=0, ASYNC_ROWS=True), decode=True)
-    if norm:  # the rows' residual sum, RMSNorm and the sum's store in the tile, scaled `norm` steps after loading
-        tile |= dict(NORM=True, ADD=True, WRITE_SUM=True, EPS=EPS, LAG=norm, PRE=pre) | (
-            dict(SCALERS=True) if scalers else {})
+    if norm:  # the rows' residual sum, RMSNorm and the sum's store in the tile, scaled as they land
+        tile |= dict(NORM=True, ADD=True, WRITE_SUM=True, EPS=EPS, PRE=pre)
     tile |= dict(CHAINS=chains) if chains > 1 else {}
     tile |= dict(PRE=pre) if pre and not norm else {}
     tile |= dict(CLUSTER=True) if cluster else {}
@@ -89,14 +88,16 @@ CASES = (
     *[decode_case(f"{name} swap{sw} 16x16 s{st} b{mb}", n, k, 0, 16, st, 32, mb, swap_rows=sw)
       for name, n, k, act in DECODE_SHAPES if not act
       for sw, st, mb in ((8, 9, 2), (8, 6, 3), (8, 12, 1), (16, 6, 2))],
-    # the norm in the tile (swapped, 4 rows a CTA): the producer scales each step's rows (+ X2's, loaded into the
-    # stage's other 4 rows) by G in place lL steps after loading them, into a bf16 high and low part, summing
-    # squares beside; 1/rms scales the products last; pP: P weight stages before the PDL wait (0: all of them)
-    *[decode_case(f"{name} norm swap8 16x256 s{st} b{mb} l{lag} p{pre}", n, k, act, 16, st, 32, mb, swap_rows=8,
-                  norm=lag, pre=pre) for name, n, k, act in DECODE_SHAPES if name in ("qkv", "gate_up")
-      for st, mb, lag, pre in (((4, 3, 2, 0), (4, 3, 2, 1), (5, 3, 2, 1), (5, 3, 1, 1), (5, 3, 3, 2), (6, 3, 2, 1),
-                                (6, 3, 1, 1), (6, 3, 2, 2), (6, 3, 3, 1)) if not act else
-                               ((3, 3, 2, 0), (3, 3, 2, 1), (3, 3, 1, 1), (3, 3, 2, 2)))],
+    # the norm in the tile (swapped, 4 rows a CTA): a warpgroup of scalers scales each step's rows (+ X2's, loaded
+    # into the stage's other 4 rows) by G in place as they land, into a bf16 high and low part, summing squares
+    # beside; 1/rms scales the products last; pP: P weight stages before the PDL wait (0: all of them: QKV 10.0-10.3
+    # us against 8.4-9.2 with 1-3, session 13); cC: C mma chains
+    *[decode_case(f"{name} norm swap8 16x256 s{st} b{mb} p{pre} c{ch}", n, k, act, 16, st, 32, mb, swap_rows=8,
+                  norm=True, pre=pre, chains=ch) for name, n, k, act in DECODE_SHAPES if name in ("qkv", "gate_up")
+      for st, mb, pre, chs in (((5, 3, 0, (1, 2)), (5, 3, 1, (1, 2, 4)), (5, 3, 2, (1, 2, 4)), (5, 3, 3, (1, 2, 4)),
+                                (4, 3, 2, (2,)), (8, 2, 2, (2,))) if not act else
+                               ((3, 3, 0, (1,)), (3, 3, 1, (1,)), (3, 3, 2, (1,)), (4, 2, 1, (1,))))
+      for ch in chs],
     decode_case("gate_up swap8 16x16 s3 b3", 9728, 2560, 1, 16, 3, 32, 3, swap_rows=8),
     # two (four) chains of mma.sync a consumer warp (each stage's K halves, quarters, into as many sums), as gate/up's
     # two GEMMs have; four not yet measured
@@ -130,15 +131,6 @@ CASES = (
     # on 132 SMs cost
     *[decode_case(f"n{n}k{k} swap8 16x16 s6 b3 c4", n, k, 0, 16, 6, 32, 3, swap_rows=8, chains=4)
       for k in (4096, 9728) for n in (2112, 2560, 4224)],
-    # the norm's scaling by a warpgroup of its own (SCALERS), the producer's loads never waiting for rows to land
-    *[decode_case(f"{name} norm swap8 16x256 s{st} b{mb} p{pre} scalers", n, k, act, 16, st, 32, mb, swap_rows=8,
-                  norm=1, pre=pre, scalers=True) for name, n, k, act in DECODE_SHAPES if name in ("qkv", "gate_up")
-      for st, mb, pre in (((5, 3, 1), (8, 2, 1)) if not act else
-                          ((3, 3, 1), (3, 3, 0), (4, 2, 1)))],
-    *[decode_case(f"qkv norm swap8 16x256 s{st} b3 p1 scalers c{ch}", 6144, 2560, 0, 16, st, 32, 3, swap_rows=8,
-                  norm=1, pre=1, scalers=True, chains=ch) for st in (4, 5) for ch in (2, 4)],
-    *[decode_case(f"qkv norm swap8 16x256 s{st} b3 l2 p1 c2", 6144, 2560, 0, 16, st, 32, 3, swap_rows=8, norm=2,
-                  pre=1, chains=2) for st in (5, 6)],
     # the narrow GEMMs' K split over a cluster of 2 or 4 CTAs, the sums met in the first one's shared memory (no
     # planes, fence or ticket in global memory): 320 or 640 CTAs for their 160 tiles
     *[decode_case(f"{name} {kind} 16x16 s{st} b{mb} cluster{sp} c4", n, k, 0, 16, st, th, mb, split=sp,
@@ -152,6 +144,17 @@ CASES = (
     *[decode_case(f"{name} swap8 16x128 s12 b3 cluster2 c{ch}", n, k, 0, 16, 12, 32, 3, block_k=128, split=2,
                   swap_rows=8, chains=ch, cluster=True)
       for name, n, k, act in DECODE_SHAPES if name in ("o_proj", "down") for ch in (2, 4)],
+    # wider weight tiles split over a cluster (2560 columns of 32 or 64 make 80 or 40 tiles, times 2-8 K ranges):
+    # at 16 rows a 16-wide stage is half rows, which the L2 serves but which take half the ring from the weights
+    *[decode_case(f"{name} {kind} 16x{bn}x{bk} s{st} b{mb} cluster{sp} c4", n, k, 0, bn, st, th, mb, block_k=bk,
+                  split=sp, swap_rows=sw, chains=4, cluster=True)
+      for name, n, k, act in DECODE_SHAPES if name in ("o_proj", "down")
+      for kind, bn, bk, st, mb, th, sw, sp in (
+          ("dg", 32, 256, 4, 2, 128, 0, 2), ("dg", 32, 128, 8, 2, 128, 0, 2),
+          ("dg", 32, 128, 5, 3, 128, 0, 4), ("dg", 64, 128, 4, 2, 128, 0, 4), ("dg", 64, 64, 4, 3, 128, 0, 8),
+          ("swap8", 32, 256, 3, 3, 32, 8, 4), ("swap8", 32, 128, 6, 3, 32, 8, 4), ("swap16", 32, 128, 5, 3, 32, 16, 4),
+          ("swap8", 32, 128, 10, 2, 32, 8, 2))
+      if k % (bk * sp) == 0],
 )
 
 
@@ -172,7 +175,7 @@ def launch_spec(case: Case):
     rows = case.tile.get("BLOCK_M", case.tile.get("SWAP_ROWS") or 16)  # a tile's rows (a normed tile: half its
     rows //= 2 if case.tile.get("NORM") else 1  # 8, the other half X2's rows and then the low halves)
     grid = (GridDim((case.n,), case.tile["BLOCK_N"]), GridDim(("tokens",), rows), GridDim((split,)))
-    warpgroups = 1 + case.tile.get("SCALERS", False)  # decode_gemm.py's producer, and its scalers
+    warpgroups = 1 + case.tile.get("NORM", False)  # decode_gemm.py's producer, and a normed tile's scalers
     threads = case.tile["THREADS"] + (128 * warpgroups if case.function == "decode_gemm" else 0)
     source = (KERNELS / case.template).read_text()
     return LaunchSpec(case.function, case.template, source, params, constexprs, grid,

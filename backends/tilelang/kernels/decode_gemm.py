@@ -38,19 +38,20 @@ weight rows) and the step's rows its B operand, so a stage holds SWAP_ROWS rows 
 freed shared memory holds more weight stages.
 
 NORM (SWAP_ROWS = 8, at most 4 rows a CTA): the [add +] RMSNorm prologue in the tile, where a launch of its own cost
-what the tile gained (2.8 us, session 8). A stage holds the step's 4 rows and X2's 4 (ADD); LAG steps after loading
-them the producer sums them, writes the residual sum to S (the first column tile), keeps each row's sum of squares,
-and overwrites the stage with the sum times G split into a bf16 high part (rows 0-3) and its remainder (rows 4-7).
-The products of both halves are added in the epilogue and scaled by 1/rms, known only then: the normed row reaches
-the GEMM to 16 bits, not rounded to bf16 before the scale as the norm launch rounds it. PRE: weight stages issued
-before the previous kernel's end (PDL); a step's rows then go out before its weights, since rows requested behind
-a full SM's worth of weight loads waited several steps for them (the decode step at one row: 2.60 ms with PRE = 1
-against 2.78-2.84 with every stage ahead, docs/BENCHMARKS.md session 9). Without NORM, PRE likewise sends each step's
-rows before the weight stages not issued ahead (no faster for the single GEMMs, session 11).
-
-SCALERS (NORM): a second warpgroup after the producer scales each step's rows as they land, so that the producer's
-loads never wait for a landing (LAG no longer applies; G keeps a slot a stage). SiLU x up's tile ran 3% faster so,
-QKV's no faster (session 11)."""
+what the tile gained (2.8 us, session 8). A stage holds the step's 4 rows and X2's 4 (ADD); as they land, a second
+warpgroup after the producer (the scalers) sums them, writes the residual sum to S (the first column tile), keeps
+each row's sum of squares, and overwrites the stage with the sum times G split into a bf16 high part (rows 0-3) and
+its remainder (rows 4-7), so that the producer's loads never wait for a landing. The products of both halves are
+added in the epilogue and scaled by 1/rms, known only then: the normed row reaches the GEMM to 16 bits, not rounded to
+bf16 before the scale as the norm launch rounds it. G, a weight like W, is copied whole before the PDL wait, ahead of
+the first rows (QKV 8.4-8.6 us against 9.0-9.3 with a slice of G loaded beside each step's rows, session 13). PRE:
+weight stages issued before the previous kernel's end (PDL); a step's rows then go out before its weights, since
+rows requested behind a full SM's worth of weight loads waited several steps for them (the decode step at one row:
+2.60 ms with PRE = 1 against 2.78-2.84 with every stage ahead, docs/BENCHMARKS.md session 9). Without NORM, PRE
+likewise sends each step's rows before the weight stages not issued ahead (no faster for the single GEMMs, session
+11). The producer once scaled the rows itself, two steps after loading them: no faster for QKV, 3% slower for SiLU
+x up (session 11), and no faster than the scalers once G came whole (QKV 9.2-9.4 us against 9.1-9.2 at the same
+PRE, session 13)."""
 
 import tilelang.language as T
 
@@ -78,8 +79,7 @@ CONSUMERS_BARRIER = 1  # a named barrier of the consumers alone (0 is the whole 
 
 def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: int, THREADS: int, MIN_BLOCKS: int,
                 PDL: bool = False, SPLIT: int = 1, SWAP_ROWS: int = 0, NORM: bool = False, ADD: bool = False,
-                WRITE_SUM: bool = False, EPS: float = 1e-6, LAG: int = 2, PRE: int = 0, CHAINS: int = 1,
-                SCALERS: bool = False, CLUSTER: bool = False):
+                WRITE_SUM: bool = False, EPS: float = 1e-6, PRE: int = 0, CHAINS: int = 1, CLUSTER: bool = False):
     assert K % (BLOCK_K * SPLIT) == 0, f"K={K} must split into {SPLIT} ranges of whole {BLOCK_K}-wide steps"
     assert SPLIT == 1 or not ACT, "a split tile sums one GEMM (SiLU x up needs both sums whole)"
     assert not NORM or SPLIT == 1, "a normed tile is not split"
@@ -87,8 +87,6 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
     assert not NORM or SWAP_ROWS == 8, f"a normed tile is a swapped one of 8 rows (4 and their pairs), got {SWAP_ROWS}"
     assert NORM or not ADD, "ADD sums the rows of a norm prologue: a tile without NORM has none"
     assert ADD or not WRITE_SUM, "WRITE_SUM writes the sum of ADD's rows"
-    assert not NORM or 1 <= LAG <= STAGES, f"NORM scales a step's rows LAG steps after loading them: 1..{STAGES}"
-    assert NORM or not SCALERS, "SCALERS scales a norm prologue's rows: a tile without NORM has none"
     assert not CLUSTER or 1 < SPLIT <= 8, f"CLUSTER sums a split tile's parts in a portable cluster: SPLIT 2..8, got " \
         f"{SPLIT}"
     assert PRE <= STAGES, f"PRE: weight stages issued before the rows (the PDL wait), at most {STAGES}, got {PRE}"
@@ -97,8 +95,6 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
     rows = SWAP_ROWS or ROWS  # mma rows a tile; SWAP_ROWS: the weight tile is mma's A operand and the rows its B
     step_rows = rows // 2 if NORM else rows  # the step's rows a tile covers (NORM: each row's second half: below)
     sums_shape = (BLOCK_N, rows) if SWAP_ROWS else (ROWS, BLOCK_N)  # an accumulator's: acc, up and CHAINS' others
-    # NORM: G's slice of step k is read LAG steps after it is loaded (SCALERS: up to STAGES steps, the producer's lead)
-    g_slots = STAGES if SCALERS else min(STAGES, LAG + 1)
     M = T.dynamic("M")
     steps = K // BLOCK_K // SPLIT  # of one CTA
     ahead = min(PRE or STAGES, steps)  # weight tiles issued before the first rows
@@ -118,25 +114,24 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
         T.mbarrier_arrive(w_full[stage])
 
     @T.macro
-    def load_rows(A, X2, G, a_s, g_s, a_full, by, bz, k):
-        """The step's rows by predicated cp.async (rows past M zero-filled); a_full: NORM's `landed`."""
+    def load_rows(A, X2, a_s, a_full, by, bz, k):
+        """The step's rows by predicated cp.async (rows past M zero-filled); a_full: NORM's `landed`, which also
+        waits for G (copied whole by the same threads before the first rows)."""
         stage, col = k % STAGES, column(bz, k)
-        if NORM:  # the step's 4 rows, then X2's 4 in the stage's second half; G's slice
+        if NORM:  # the step's 4 rows, then X2's 4 in the stage's second half
             T.async_copy(A[by * step_rows:(by + 1) * step_rows, col:col + BLOCK_K], a_s[stage, 0:step_rows, :])
             if ADD:
                 T.async_copy(X2[by * step_rows:(by + 1) * step_rows, col:col + BLOCK_K],
                              a_s[stage, step_rows:rows, :])
-            T.async_copy(G[col:col + BLOCK_K], g_s[k % g_slots, :])
         else:
             T.async_copy(A[by * rows:(by + 1) * rows, col:col + BLOCK_K], a_s[stage, :, :])
         T.cp_async_barrier_noinc(a_full[stage])  # arrives once all this thread's copies so far have landed
 
     @T.macro
     def scale_rows(a_s, g_s, S, x, squares, landed, a_full, bx, by, k):
-        """NORM, by the producer LAG steps after loading step k's rows, so that the wait for them seldom stalls the
-        weights issued after it (SCALERS: by the scalers, as they land): row r (+ X2's, in row r + 4) times G, split
-        into a bf16 high part (row r) and the rest (row r + 4); the squares summed apart; the sum written to S by the
-        first column tile."""
+        """NORM, by the scalers as step k's rows land: row r (+ X2's, in row r + 4) times G, split into a bf16 high
+        part (row r) and the rest (row r + 4); the squares summed apart; the sum written to S by the first column
+        tile."""
         stage = k % STAGES
         T.mbarrier_wait_parity(landed[stage], (k // STAGES) % 2)
         for r, j in T.Parallel(step_rows, BLOCK_K):  # every load first: in one loop, each waited for the last store
@@ -148,14 +143,14 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
             if WRITE_SUM:
                 if bx == 0 and by * step_rows + r < M:
                     S[by * step_rows + r, column(0, k) + j] = T.cast(x[r, j], BF16)
-            x[r, j] = x[r, j] * T.cast(g_s[k % g_slots, j], T.float32)
+            x[r, j] = x[r, j] * T.cast(g_s[column(0, k) + j], T.float32)
             a_s[stage, r, j] = T.cast(x[r, j], BF16)
             a_s[stage, r + step_rows, j] = T.cast(x[r, j] - T.cast(T.cast(x[r, j], BF16), T.float32), BF16)
         T.mbarrier_arrive(a_full[stage])  # each thread after its own stores: the phase completes after them all
 
     @T.macro
     def inverse_rms(squares, total, rstd, rstd_full):
-        """The last step of whoever scales the rows (the producer or the scalers): each row's 1/rms."""
+        """The scalers' last step: each row's 1/rms."""
         T.reduce_sum(squares, total, dim=1)
         for r in T.Parallel(step_rows):
             rstd[r] = T.rsqrt(total[r] / K + EPS)
@@ -267,35 +262,22 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
             store_sums(C, acc, None, bx, by)
 
     @T.macro
-    def produce(A, X2, G, W, a_s, g_s, w_s, u_s, S, x, squares, total, rstd, w_full, a_full, landed, empty, rstd_full,
-                bx, by, bz):
-        """The producer warpgroup: weight stages by TMA, rows by cp.async (and, NORM without SCALERS, their
-        scaling)."""
-        if NORM and not SCALERS:
-            T.clear(squares)
+    def produce(A, X2, G, W, a_s, g_s, w_s, u_s, w_full, a_full, landed, empty, bx, by, bz):
+        """The producer warpgroup: weight stages by TMA, rows (and G) by cp.async."""
         for k in T.serial(ahead):
             load_weights(W, w_s, u_s, w_full, bx, bz, k)
+        if NORM:  # G whole, a weight like W: before the wait, and ahead of the first rows that `landed` waits for
+            T.async_copy(G[0:K], g_s)
         if PDL:
             T.pdl_sync()
-        if NORM and not SCALERS:  # step k - LAG's rows scaled first: the loads after it may wait for a free stage
-            for k in T.serial(steps + LAG):
-                if k >= LAG:
-                    scale_rows(a_s, g_s, S, x, squares, landed, a_full, bx, by, k - LAG)
-                if k < steps:  # the rows first: behind the step's weights they would wait longer
-                    if k >= STAGES:
-                        T.mbarrier_wait_parity(empty[k % STAGES], (k // STAGES + 1) % 2)
-                    load_rows(A, X2, G, a_s, g_s, landed, by, bz, k)
-                    if k >= ahead:
-                        load_weights(W, w_s, u_s, w_full, bx, bz, k)
-            inverse_rms(squares, total, rstd, rstd_full)
-        elif PRE or SCALERS:  # the rows first, then the weight stages not issued before the wait
+        if PRE or NORM:  # the rows first, then the weight stages not issued before the wait
             for k in T.serial(steps):
                 if k >= STAGES:
                     T.mbarrier_wait_parity(empty[k % STAGES], (k // STAGES + 1) % 2)
-                if SCALERS:  # the scalers wait for `landed`, the consumers for `a_full` after them
-                    load_rows(A, X2, G, a_s, g_s, landed, by, bz, k)
+                if NORM:  # the scalers wait for `landed`, the consumers for `a_full` after them
+                    load_rows(A, X2, a_s, landed, by, bz, k)
                 else:
-                    load_rows(A, X2, G, a_s, g_s, a_full, by, bz, k)
+                    load_rows(A, X2, a_s, a_full, by, bz, k)
                 if k >= ahead:
                     load_weights(W, w_s, u_s, w_full, bx, bz, k)
         else:
@@ -303,15 +285,15 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
                 if k >= STAGES:
                     T.mbarrier_wait_parity(empty[k % STAGES], (k // STAGES + 1) % 2)
                     load_weights(W, w_s, u_s, w_full, bx, bz, k)
-                load_rows(A, X2, G, a_s, g_s, a_full, by, bz, k)
+                load_rows(A, X2, a_s, a_full, by, bz, k)
         if CLUSTER:  # every thread of the cluster meets at the epilogue's barrier
             T.cluster_arrive()
             T.cluster_wait()
 
     @T.macro
     def scale_all(a_s, g_s, S, x, squares, total, rstd, landed, a_full, rstd_full, bx, by):
-        """SCALERS: each step's rows scaled as they land, by a warpgroup of their own, so that the producer's loads
-        never wait behind a landing (in the producer, each step waited for rows loaded LAG steps before)."""
+        """NORM: each step's rows scaled as they land, by a warpgroup of their own, so that the producer's loads
+        never wait behind a landing (in the producer, each step had waited for rows loaded two steps before)."""
         T.clear(squares)
         for k in T.serial(steps):
             scale_rows(a_s, g_s, S, x, squares, landed, a_full, bx, by, k)
@@ -357,7 +339,7 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
 
     @T.macro
     def tile(A, X2, G, S, W, C, P, tickets):
-        threads = THREADS + PRODUCER * (2 if SCALERS else 1)  # SCALERS: a warpgroup of scalers after the producer
+        threads = THREADS + PRODUCER * (2 if NORM else 1)  # NORM: a warpgroup of scalers after the producer
         cluster = dict(cluster_dims=(1, 1, SPLIT), prelude=PEER_STORE) if CLUSTER else {}
         with T.Kernel(N // BLOCK_N, T.ceildiv(M, step_rows), SPLIT, threads=threads, **cluster) as (bx, by, bz):
             a_s = T.alloc_shared((STAGES, rows, BLOCK_K), BF16)
@@ -376,9 +358,9 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
                 third = T.alloc_fragment(sums_shape, T.float32)
                 fourth = T.alloc_fragment(sums_shape, T.float32)
             landed, g_s, x, squares, total, rstd, rstd_full, sums = None, None, None, None, None, None, None, None
-            if NORM:  # the rows land (landed), the producer or the scalers scale them (a_full), the consumers read them
+            if NORM:  # the rows land (landed), the scalers scale them (a_full), the consumers read them
                 landed = T.alloc_barrier([PRODUCER] * STAGES)
-                g_s = T.alloc_shared((g_slots, BLOCK_K), BF16)
+                g_s = T.alloc_shared((K,), BF16)
                 x = T.alloc_fragment((step_rows, BLOCK_K), T.float32)
                 squares = T.alloc_fragment((step_rows, BLOCK_K), T.float32)
                 total = T.alloc_fragment((step_rows,), T.float32)
@@ -396,18 +378,16 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
             T.disable_warp_group_reg_alloc()
             if PDL:
                 T.pdl_trigger()
-            if SCALERS:  # loads by the producer warpgroup, the norm's scaling by the scaler warpgroup after it
+            if NORM:  # loads by the producer warpgroup, the norm's scaling by the scaler warpgroup after it
                 if T.get_thread_binding() >= THREADS + PRODUCER:
                     scale_all(a_s, g_s, S, x, squares, total, rstd, landed, a_full, rstd_full, bx, by)
                 elif T.get_thread_binding() >= THREADS:
-                    produce(A, X2, G, W, a_s, g_s, w_s, u_s, S, x, squares, total, rstd, w_full, a_full, landed, empty,
-                            rstd_full, bx, by, bz)
+                    produce(A, X2, G, W, a_s, g_s, w_s, u_s, w_full, a_full, landed, empty, bx, by, bz)
                 else:
                     consume(C, P, tickets, a_s, w_s, u_s, acc, up, third, fourth, sums, rstd, ticket, parts, w_full,
                             a_full, empty, rstd_full, bx, by, bz)
             elif T.get_thread_binding() >= THREADS:
-                produce(A, X2, G, W, a_s, g_s, w_s, u_s, S, x, squares, total, rstd, w_full, a_full, landed, empty,
-                        rstd_full, bx, by, bz)
+                produce(A, X2, G, W, a_s, g_s, w_s, u_s, w_full, a_full, landed, empty, bx, by, bz)
             else:
                 consume(C, P, tickets, a_s, w_s, u_s, acc, up, third, fourth, sums, rstd, ticket, parts, w_full, a_full,
                         empty, rstd_full, bx, by, bz)
