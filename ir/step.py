@@ -4,12 +4,17 @@ A step is a packed batch of sequences (prefill chunks and decode tokens alike; s
 layout). The runtime fills these inputs by name, so a DAG file declares them through this module, never by hand.
 """
 
-from dataclasses import dataclass
+from __future__ import annotations
 
-from pegainfer.ir.builder import GraphBuilder, Value
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 from pegainfer.ir.dtypes import FP32, INT32, INT64
 from pegainfer.ir.graph import Graph
 from pegainfer.ir.types import TensorType
+
+if TYPE_CHECKING:  # the builder's module verifies graphs, and the verifier reads STEP_INPUTS from here
+    from pegainfer.ir.builder import GraphBuilder, Value
 
 TOKEN_INPUTS = ("input_ids", "positions", "slot_mapping")
 SEQUENCE_INPUTS = ("seq_starts", "query_lens", "context_lens")
@@ -70,6 +75,17 @@ SAMPLING_INPUTS: dict[str, TensorType] = {
     "sampling_seed": TensorType(INT64, ("samples",)),  # the request's seed (mod 2**64): the Philox key
     "sampling_step": TensorType(INT32, ("samples",)),  # the index of the token being drawn within its request
 }
+# Every input the runtime uploads for a step, in one copy before the step's first kernel.
+STEP_INPUTS = (*TOKEN_INPUTS, *SEQUENCE_INPUTS, BLOCK_TABLES, LOGITS_INDICES, *SAMPLING_INPUTS)
+
+
+def uploaded(graph: Graph, value: str) -> bool:
+    """Whether `value` is a step input of `graph` (the model's, or a repeated body's, which the verifier holds to
+    the model's input of the same name): uploaded before the step's first kernel and written by none, so that a
+    kernel may read it before waiting for its predecessor (programmatic dependent launch)."""
+    return value in STEP_INPUTS and value in graph.inputs
+
+
 # What the sampler tail appends to a model graph's outputs, after the logits, in this order.
 SAMPLER_OUTPUTS = ("top_values", "top_ids", "logsumexp", "sampled_ids", "sampled_logprobs")
 

@@ -6,6 +6,7 @@ from pegainfer.ir.dag import find_cycle
 from pegainfer.ir.graph import KERNEL, LAYER_PLACEHOLDER, REPEAT, Graph, Node, has_placeholder
 from pegainfer.ir.kernel import in_place_outputs, inner_nodes
 from pegainfer.ir.registry import infer_types
+from pegainfer.ir.step import STEP_INPUTS
 from pegainfer.ir.types import TensorType
 
 
@@ -16,11 +17,28 @@ def verify(graph: Graph, *, body: bool = False) -> None:
             raise GraphError(f"graph {body.name}: nested bodies are not supported")
         _verify_one(body, graph)
     _verify_one(graph, graph)
+    _check_step_bindings(graph)
     if body:
         return
     for name in (*graph.params, *graph.states):
         if has_placeholder(name):
             raise GraphError(f"graph {graph.name}: {name!r} uses {LAYER_PLACEHOLDER} outside a repeated body")
+
+
+def _check_step_bindings(graph: Graph) -> None:
+    """A body input named as a step input (ir/step.py's STEP_INPUTS) must be the model's input of that name, passed
+    unchanged to every layer: kernels read step inputs before waiting on the kernel before them."""
+    for node in graph.nodes:
+        if node.op != REPEAT or node.attrs.get("body") not in graph.subgraphs:
+            continue
+        body = graph.subgraphs[node.attrs["body"]]
+        carried = len(body.outputs)
+        for index, name in enumerate(body.inputs):
+            bound = node.inputs[index] if index < len(node.inputs) else None
+            if name in STEP_INPUTS and (index < carried or bound != name or name not in graph.inputs):
+                raise GraphError(f"graph {graph.name}, node %{node.name} (repeat): body input {name!r} is a step "
+                                 f"input's name, so it must be bound, as a layer invariant, to the graph's input "
+                                 f"{name!r}; found {bound!r}" + (" (carried)" if index < carried else ""))
 
 
 def _verify_one(graph: Graph, root: Graph) -> None:

@@ -48,8 +48,12 @@ def step_inputs(rng: np.random.Generator, heads: int, kv_heads: int, head_dim: i
 
 
 @pytest.mark.parametrize("variant, step", [("prefill_tiles", LONG_CHUNK), ("default", LONG_CHUNK),
-                                           ("split_kv", SHORT_CHUNK)], ids=["prefill_tiles", "default", "split_kv"])
+                                           ("split_kv", SHORT_CHUNK), ("split_kv_prefetch", SHORT_CHUNK)],
+                         ids=["prefill_tiles", "default", "split_kv", "split_kv_prefetch"])
 def test_attention_variant_matches_the_reference_on_a_mixed_step(attention, variant, step):
+    """split_kv_prefetch (one sequence's decode step on the GPU) reads each first tile's keys before the step's
+    first position apart from those after it (before and after the wait for the previous kernel): here every
+    sequence's first tile holds both."""
     check_variant(*attention, variant, step)
 
 

@@ -99,3 +99,61 @@ def test_cli_compile_and_inspect_compiled_kernels(built, capsys):
 def test_compile_without_a_gpu_asks_for_sm(capsys):
     assert main(["compile", "qwen3-4b"]) == 1
     assert "no GPU is visible here: name the target with --sm" in capsys.readouterr().err
+
+
+EARLY_KERNELS = ("qk_rope_kv_write_kernel", "paged_attention_split_kernel", "paged_attention_kernel")
+
+
+def loads_around_the_wait(ptx: str) -> tuple[list[str], list[str]]:
+    """The global loads of a kernel's PTX before and after its griddepcontrol.wait."""
+    wait = ptx.index("griddepcontrol.wait")
+    assert ptx.index("griddepcontrol.launch_dependents") < wait
+    loads = lambda text: re.findall(r"ld\.global[\w.]*", text)  # noqa: E731
+    return loads(ptx[:wait]), loads(ptx[wait:])
+
+
+def test_rope_and_attention_read_step_inputs_and_earlier_keys_before_waiting(built):
+    """sm_90, where a kernel may start before the one it follows ends: RoPE / KV write reads the position, the slot
+    and the norm's weights before waiting for that kernel (its output is the heads); attention reads the step's
+    lengths before waiting, and the one-sequence split variant (PREFETCH) also the first tile's keys and values of
+    earlier steps (vector loads), the queries and this step's keys after. Positions, slots, lengths and tables are
+    step inputs (EARLY)."""
+    _, _, report = built
+    seen = set()
+    for kernel, launch in launches(report.manifests[1]):
+        if launch["symbol"] not in EARLY_KERNELS:
+            continue
+        assert launch["constexprs"]["EARLY"] is True, kernel["node"]
+        before, after = loads_around_the_wait((report.manifests[1].parent.parent / f"{launch['key']}.ptx").read_text())
+        prefetch = launch["constexprs"].get("PREFETCH", False)
+        vectors = [load for load in before if ".v2" in load or ".v4" in load]
+        if launch["symbol"] == "qk_rope_kv_write_kernel":
+            assert len(before) >= 4 and len(after) >= 2, (before, after)  # pos, slot, w halves; the heads after
+        elif prefetch:  # the lengths, the table; the keys' and values' rows
+            assert len(vectors) >= 2 and len(after) >= len(vectors), (before, after)
+        else:  # start, query and context lengths
+            assert len(before) >= 3 and not vectors and len(after) >= 3, (before, after)
+        seen.add((launch["symbol"], prefetch))
+    assert seen == {(name, False) for name in EARLY_KERNELS} | {("paged_attention_split_kernel", True)}
+
+
+def test_without_early_inputs_the_wait_comes_before_every_load(built):
+    """The same kernels planned with EARLY off (inputs a kernel might write): no global load before the wait."""
+    import dataclasses
+
+    from pegainfer.backends.build import compile_many, plan_model
+    from pegainfer.backends.triton.plan import PlanOptions
+
+    _, kernels = plan_model(built[0], PlanOptions())
+    late = {}
+    for kernel in kernels:
+        for variant in kernel.variants:
+            for launch in variant.launches:
+                if launch.function in EARLY_KERNELS and (90, launch.function) not in late:
+                    late[(90, launch.function)] = dataclasses.replace(
+                        launch, constexprs=launch.constexprs | {"EARLY": False} | (
+                            {"PREFETCH": False} if "PREFETCH" in launch.constexprs else {}))
+    assert {name for _, name in late} == set(EARLY_KERNELS)
+    for (_, name), compiled in compile_many(late, 2, None):
+        before, after = loads_around_the_wait(compiled.ptx)
+        assert before == [] and after, (name, before)

@@ -126,3 +126,30 @@ def test_probe_best_lists_the_fastest_matching_cases_and_flags_the_wrong_ones(tm
 def test_probe_best_refuses_a_missing_file(tmp_path):
     done = run(str(SCRIPTS / "probe_best.py"), str(tmp_path / "none.json"))
     assert done.returncode == 2 and f"no such file: {tmp_path / 'none.json'}" in done.stderr
+
+
+def test_step_profile_charges_each_kernel_what_it_moved_the_step_end(tmp_path):
+    """step_profile.py's summary of a trace: each kernel is charged from the previous kernel's end to its own (an
+    overlapping one, waiting on its predecessor under programmatic launch, only past that end), so that the charges
+    add up to the step's span; idle gaps are counted apart; kernels of one name but different grids are kept apart;
+    figures are medians over the steps."""
+    import importlib.util
+    import json
+    spec = importlib.util.spec_from_file_location("step_profile", SCRIPTS / "step_profile.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    kernel = lambda name, grid, start, end: {"cat": "kernel", "name": name, "ts": start, "dur": end - start,  # noqa
+                                             "args": {"grid": grid}}
+    events = [kernel("gemv", [1, 8, 1], 0, 10), kernel("attend", [1, 1, 1], 5, 20), kernel("gemv", [1, 4, 1], 22, 30),
+              kernel("gemv", [1, 8, 1], 40, 50), kernel("attend", [1, 1, 1], 45, 61),
+              kernel("gemv", [1, 4, 1], 61, 70), {"cat": "gpu_memcpy", "name": "copy", "ts": 35, "dur": 3}]
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    kernels = module.kernel_records(trace)
+    assert len(kernels) == 6 and [k["start"] for k in kernels] == [0, 5, 22, 40, 45, 61]
+    summary = module.summarise(module.split_steps(kernels, 3))
+    assert summary["steps"] == 2 and summary["span_us"] == 30 and summary["idle_us"] == 2
+    rows = {(r["name"], tuple(r["grid"])): r for r in summary["kernels"]}
+    assert rows[("gemv", (1, 8, 1))]["charged_us"] == 10 and rows[("attend", (1, 1, 1))]["charged_us"] == 11
+    assert rows[("gemv", (1, 4, 1))]["charged_us"] == 10 and rows[("attend", (1, 1, 1))]["ran_us"] == 16
+    assert all(r["launches"] == 1 for r in summary["kernels"])

@@ -117,6 +117,29 @@ def test_layer_placeholder_only_inside_bodies():
         b.finish(x)
 
 
+def test_a_body_input_named_as_a_step_input_must_be_that_step_input():
+    """Kernels read step inputs (positions, block tables, ...) before waiting for the kernel before them, so a
+    body's input of such a name must be the model's own input, passed to every layer unchanged."""
+    def build(bind_positions_to: str) -> None:
+        body = GraphBuilder("body", body=True)
+        x = body.input("x", FP32, ("tokens", 2))
+        positions = body.input("positions", INT32, ("tokens",))
+        body_graph = body.finish(body.add(x, body.param("w.{layer}", FP32, ("tokens", 2)), name="plus"))
+        b = GraphBuilder("top")
+        x = b.input("x", FP32, ("tokens", 2))
+        step_positions = b.input("positions", INT32, ("tokens",))
+        other = b.input("other_positions", INT32, ("tokens",))
+        bound = {"positions": step_positions, "other": other}[bind_positions_to]
+        (out,) = b.repeat(body_graph, 2, carried=[x], invariant=[bound])
+        b.finish(out)
+        assert positions.name == "positions"
+
+    build("positions")
+    with pytest.raises(GraphError, match="body input 'positions' is a step input's name, so it must be bound, as a "
+                                         "layer invariant, to the graph's input 'positions'; found 'other_positions'"):
+        build("other")
+
+
 def test_repeat_runs_the_body_once_per_layer_with_its_own_weights():
     graph = layered_graph(3)
     assert format_graph(graph).count("add(") == 1, "the body is declared once, not copied per layer"

@@ -13,6 +13,7 @@ from pegainfer.ir.dtypes import dtype_from_name
 from pegainfer.ir.graph import Graph, Node
 from pegainfer.ir.kernel import fused_ops
 from pegainfer.ir.ops.sampling import FIXED_ONE, GREEDY_BELOW, TOP_P_SLACK
+from pegainfer.ir.step import uploaded
 from pegainfer.ir.types import TensorType
 
 KERNELS = Path(__file__).parent / "kernels"
@@ -381,6 +382,7 @@ def _plan_rope_kv_write(graph: Graph, node: Node) -> KernelSpec:
     constexprs = dict(HEADS=heads, KV_HEADS=kv_heads, HD=head_dim, EPS=q_norm.attrs["eps"] if norm else 1e-6,
                       NORM=norm, NORM_OFFSET=float(q_norm.attrs.get("offset", 0.0)) if norm else 0.0,
                       THETA=float(q_rope.attrs["theta"]), BLOCK_HALF=next_pow2(head_dim // 2),
+                      EARLY=uploaded(graph, q_rope.inputs[1]) and uploaded(graph, slots),
                       **_rope_scaling_constexprs(q_rope.attrs.get("scaling")))
     row_symbol = types[q_heads].shape[0]
     launch = _launch("attention.py", "qk_rope_kv_write_kernel", p, constexprs,
@@ -413,17 +415,25 @@ def _plan_attention(graph: Graph, node: Node, options: PlanOptions) -> KernelSpe
         p.tensor(name, value)
     for name, value in (("stride_q", q), ("stride_out", attention.outputs[0]), ("stride_tables", tables)):
         p.stride(name, value)
-    # 64 keys a tile: a decode program's time is its chain of dependent gathers through the block table
+    # 64 keys a tile: a decode program's time is its chain of dependent gathers through the block table. EARLY:
+    # the lengths and the table are step inputs, read before the wait for the previous kernel; with PREFETCH (the
+    # one-sequence split variant) so are the first tile's keys and values of earlier steps: attention's share of
+    # the batch-1 step 138 us against 196 (docs/BENCHMARKS.md, session 13)
     constexprs = dict(SCALE=float(attention.attrs["scale"]), KV_HEADS=kv_heads, HD=head_dim, GROUP=group,
                       CACHE_BLOCK=options.block_size, BLOCK_D=max(16, next_pow2(head_dim)), GROUP_P2=group_p2,
                       BLOCK_Q=block_q, BLOCK_KV=max(64, options.block_size), UPCAST_DOT=False,
-                      WINDOW=int(attention.attrs.get("window", 0)))
+                      WINDOW=int(attention.attrs.get("window", 0)),
+                      EARLY=all(uploaded(graph, v) for v in (tables, starts, q_lens, ctx_lens)), PREFETCH=False)
     batch = types[starts].shape[0]
     grid = (GridDim((batch,)), GridDim((kv_heads,)), GridDim(("max_query_len",), block_q))
     launch = _launch("attention.py", "paged_attention_kernel", p, constexprs, grid, num_warps=4)
     split_launches, scratch = _plan_split_attention(types, layout, attention, constexprs, heads, head_dim)
     variants = [VariantSpec("split_kv", options.split_kv_max_batch, split_launches)] \
         if options.split_kv_max_batch else []
+    if variants and constexprs["EARLY"]:  # one sequence: its programs fit one wave with PREFETCH's registers
+        prefetching, _ = _plan_split_attention(types, layout, attention, constexprs | {"PREFETCH": True}, heads,
+                                               head_dim)
+        variants.insert(0, VariantSpec("split_kv_prefetch", 1, prefetching))
     spec = _spec(graph, node, batch, [_prefill_attention(p, constexprs, batch, kv_heads, group_p2), *variants,
                                       VariantSpec("default", None, [launch])])
     spec.scratch = {name: (t.dtype.name, t.shape) for name, t in scratch.items()}

@@ -10,6 +10,8 @@
 #       PEGAINFER_CACHE=$PWD/.gpu/cache_qwen3 bash scripts/gpu/serve.sh pegainfer   (or: serve.sh hf)
 #   carry [".gpu/cache_qwen3"]:  PEGAINFER_CACHE=$PWD/.gpu/cache_qwen3 bash scripts/gpu/tune_run.sh
 #   carry two caches (one compiled before a kernel change, one after): bash scripts/gpu/decode_ab.sh A B
+#   carry [".gpu/cache_qwen3"]:  PEGAINFER_CACHE=$PWD/.gpu/cache_qwen3 python3 scripts/gpu/step_profile.py qwen3-4b \
+#       --batch 1 4 16 --out $OUT/prof   (where a decode step's time goes, kernel by kernel; source env.sh first)
 # and, after scripts/gpu/prepare_archs.sh, the other architectures' gate (see there).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
