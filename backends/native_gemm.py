@@ -25,6 +25,8 @@ def native_gemm(graph: Graph, node: Node) -> NativeGemm | None:
         return None
     if roles["rows"] or roles["top_k"] or roles["bias"] or roles["act"] not in (0, 1) or roles["norm_offset"]:
         return None
+    if not {roles["weight"], roles["norm"] or roles["weight"]} <= set(graph.params):
+        return None  # the decode tiles read their weights before waiting for the previous kernel: parameters only
     types = graph.value_types() | {o: t for n in node.attrs["nodes"] for o, t in zip(n.outputs, n.output_types)}
     layout = static_layout(graph)
     n, k = roles["n"], types[roles["weight"]].shape[1]

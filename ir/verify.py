@@ -12,10 +12,10 @@ from pegainfer.ir.types import TensorType
 
 def verify(graph: Graph, *, body: bool = False) -> None:
     """Raises GraphError naming the graph and node at fault. A body (run by `repeat`) may name per-layer values."""
-    for body in graph.subgraphs.values():
-        if body.subgraphs:
-            raise GraphError(f"graph {body.name}: nested bodies are not supported")
-        _verify_one(body, graph)
+    for sub in graph.subgraphs.values():
+        if sub.subgraphs:
+            raise GraphError(f"graph {sub.name}: nested bodies are not supported")
+        _verify_one(sub, graph)
     _verify_one(graph, graph)
     _check_step_bindings(graph)
     if body:

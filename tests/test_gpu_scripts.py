@@ -48,8 +48,9 @@ def test_gemm_probe_decode_cases_launch_what_their_template_declares(gemm_probe)
         assert case.k % (tile["BLOCK_K"] * split) == 0, case.label
         rows = tile.get("SWAP_ROWS") or 16  # a swapped tile stages 8 rows where mma's A operand needs 16
         stage = (rows + tile["BLOCK_N"] * (2 if case.act else 1)) * tile["BLOCK_K"] * 2
-        # a CTA's static shared memory (the barriers: 1 KB), the system's 1 KB and a normed tile's G beside its stages
-        dynamic = tile["STAGES"] * stage + (case.k * 2 if norm else 0)
+        # a CTA's static shared memory (the barriers: 1 KB), the system's 1 KB beside its stages; a normed tile's G
+        # and about 2 KB more (the scalers' reduction, 1/rms and the products' exchange)
+        dynamic = tile["STAGES"] * stage + (case.k * 2 + 2048 if norm else 0)
         assert tile["MIN_BLOCKS"] * (dynamic + 2048) <= 228 * 1024, case.label
 
 
@@ -144,7 +145,7 @@ def test_step_profile_charges_each_kernel_what_it_moved_the_step_end(tmp_path):
               kernel("gemv", [1, 8, 1], 40, 50), kernel("attend", [1, 1, 1], 45, 61),
               kernel("gemv", [1, 4, 1], 61, 70), {"cat": "gpu_memcpy", "name": "copy", "ts": 35, "dur": 3}]
     trace = tmp_path / "trace.json"
-    trace.write_text(json.dumps({"traceEvents": events}))
+    trace.write_text(json.dumps({"traceEvents": events[::-1]}))  # records in any order
     kernels = module.kernel_records(trace)
     assert len(kernels) == 6 and [k["start"] for k in kernels] == [0, 5, 22, 40, 45, 61]
     summary = module.summarise(module.split_steps(kernels, 3))

@@ -2,6 +2,7 @@
 symbol binding and storage rounding."""
 
 import dataclasses
+import re
 
 import ml_dtypes
 import numpy as np
@@ -119,25 +120,43 @@ def test_layer_placeholder_only_inside_bodies():
 
 def test_a_body_input_named_as_a_step_input_must_be_that_step_input():
     """Kernels read step inputs (positions, block tables, ...) before waiting for the kernel before them, so a
-    body's input of such a name must be the model's own input, passed to every layer unchanged."""
-    def build(bind_positions_to: str) -> None:
+    body's input of such a name must be the model's own input, passed to every layer unchanged (an invariant)."""
+    def build(bound_to: str, carried: bool = False) -> None:
         body = GraphBuilder("body", body=True)
         x = body.input("x", FP32, ("tokens", 2))
-        positions = body.input("positions", INT32, ("tokens",))
-        body_graph = body.finish(body.add(x, body.param("w.{layer}", FP32, ("tokens", 2)), name="plus"))
+        if carried:  # positions carried from layer to layer: the body returns them
+            positions = body.input("positions", INT32, ("tokens",))
+            body_graph = body.finish(body.add(x, body.param("w.{layer}", FP32, ("tokens", 2)), name="plus"),
+                                     positions)
+        else:
+            body.input("positions", INT32, ("tokens",))
+            body_graph = body.finish(body.add(x, body.param("w.{layer}", FP32, ("tokens", 2)), name="plus"))
         b = GraphBuilder("top")
         x = b.input("x", FP32, ("tokens", 2))
-        step_positions = b.input("positions", INT32, ("tokens",))
-        other = b.input("other_positions", INT32, ("tokens",))
-        bound = {"positions": step_positions, "other": other}[bind_positions_to]
-        (out,) = b.repeat(body_graph, 2, carried=[x], invariant=[bound])
+        values = {"positions": b.input("positions", INT32, ("tokens",)),
+                  "other_positions": b.input("other_positions", INT32, ("tokens",))}
+        values["computed"] = b.add(values["positions"], values["positions"], name="computed")
+        if carried:
+            out, _ = b.repeat(body_graph, 2, carried=[x, values[bound_to]], invariant=[])
+        else:
+            (out,) = b.repeat(body_graph, 2, carried=[x], invariant=[values[bound_to]])
         b.finish(out)
-        assert positions.name == "positions"
 
     build("positions")
-    with pytest.raises(GraphError, match="body input 'positions' is a step input's name, so it must be bound, as a "
-                                         "layer invariant, to the graph's input 'positions'; found 'other_positions'"):
-        build("other")
+    for bound_to, carried, found in (("other_positions", False, "'other_positions'"), ("computed", False,
+                                     "'computed'"), ("positions", True, "'positions' (carried)")):
+        with pytest.raises(GraphError, match=re.escape(f"body input 'positions' is a step input's name, so it must "
+                                                       f"be bound, as a layer invariant, to the graph's input "
+                                                       f"'positions'; found {found}")):
+            build(bound_to, carried)
+
+
+def test_layer_placeholder_only_inside_bodies_also_beside_a_body():
+    """The root's parameters may not name {layer} when the graph has bodies too (the check once skipped them)."""
+    graph = layered_graph(2)
+    graph.params["bad.{layer}"] = TensorType(FP32, (2,))
+    with pytest.raises(GraphError, match=r"'bad.\{layer\}' uses \{layer\} outside a repeated body"):
+        verify(graph)
 
 
 def test_repeat_runs_the_body_once_per_layer_with_its_own_weights():

@@ -42,6 +42,36 @@ def test_no_native_gemm_for_a_norm_with_an_offset(plan, tmp_path):
     assert any(offers(plan, g, n) for g, n in plain), "the GEMMs without a norm are still offered"
 
 
+def as_input(graph, name: str):
+    """A copy of the graph where parameter `name` is a graph input instead (a value some kernel could write)."""
+    import copy
+    moved = copy.deepcopy(graph)
+    moved.inputs[name] = moved.params.pop(name)
+    return moved
+
+
+@pytest.mark.parametrize("plan", [tilelang_plan, cute_plan], ids=["tilelang", "cute"])
+@pytest.mark.parametrize("role", ["weight", "norm"])
+def test_no_native_gemm_whose_weights_are_not_parameters(plan, role):
+    """The decode tiles read their weights (and the norm's) before waiting for the previous kernel: only a
+    parameter is sure not to be that kernel's output."""
+    (graph, node), *_ = [(g, n) for g, n in kernels(CONFIGS / "qwen3-4b.json")
+                         if "linear" in fused_ops(n) and gemm_roles(n)["norm"] and "top_k" not in fused_ops(n)]
+    assert offers(plan, graph, node)
+    assert not offers(plan, as_input(graph, gemm_roles(node)[role]), node)
+
+
+def test_rope_reads_before_its_wait_only_step_inputs_and_parameters():
+    """q/k norm + RoPE + KV write reads the position, the slot and the norms' weights before waiting (EARLY) only
+    when those are step inputs and parameters."""
+    from pegainfer.backends.triton.plan import plan_kernel
+    ((graph, node),) = [(g, n) for g, n in kernels(CONFIGS / "qwen3-4b.json") if "rope" in fused_ops(n)]
+    def early(g) -> bool:
+        return plan_kernel(g, node, PlanOptions(block_size=16)).variants[0].launches[0].constexprs["EARLY"]
+    norm_weight = next(n for n in node.attrs["nodes"] if n.op == "rms_norm").inputs[1]
+    assert early(graph) is True and early(as_input(graph, norm_weight)) is False
+
+
 def test_no_tilelang_attention_over_a_sliding_window():
     attention = [(g, n) for g, n in kernels(CONFIGS / "mistral-7b-v0.1.json") if fused_ops(n) == ["paged_attention"]]
     assert attention and all(n.attrs["nodes"][0].attrs.get("window", 0) > 0 for _, n in attention)
@@ -141,8 +171,9 @@ def test_gemms_with_a_norm_get_the_normed_tile_for_one_and_four_rows():
         assert launch.num_warps == 9
         weights = 16 * tiles["BLOCK_K"] * 2 * (2 if tiles["ACT"] else 1)
         stage = weights + 8 * tiles["BLOCK_K"] * 2
-        # G whole beside the stages, the static 1 KB (barriers, 1/rms, the products' exchange) and the system's 1 KB
-        assert tiles["MIN_BLOCKS"] * (tiles["STAGES"] * stage + tiles["K"] * 2 + 2048) <= SM90_SHARED, tiles
+        # G whole beside the stages, about 3 KB for the scalers' reduction, the barriers, 1/rms and the products'
+        # exchange, and the system's 1 KB
+        assert tiles["MIN_BLOCKS"] * (tiles["STAGES"] * stage + tiles["K"] * 2 + 4096) <= SM90_SHARED, tiles
         served.add(roles["act"])
     assert served == {0, 1}, "QKV and gate/up"
 

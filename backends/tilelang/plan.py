@@ -144,9 +144,12 @@ def _gemm(graph: Graph, node: Node) -> list[VariantSpec]:
 def _normed_rows(roles: dict, n: int, k: int, dim: Param, row_symbol: str) -> list[VariantSpec]:
     """The 1- and 4-row slots of a GEMM with a norm: decode_gemm.py's NORM tile (see NORMED_TILE), reading the
     rows (and X2's) as stored and writing the residual sum itself; one launch serves both slots (4 rows a CTA)."""
-    if n % 16 or k % 256 or (roles["sum"] and not roles["x2"]):
-        return []
     shape = NORMED_TILE[roles["act"]]
+    stage = (16 * (2 if roles["act"] else 1) + 8) * 256 * 2  # the weight rows (gate's and up's), the 8 row columns
+    # G whole beside the stages; about 4 KB more: the scalers' reduction, the static barriers, the system's 1 KB
+    fits = 3 * (shape["STAGES"] * stage + 2 * k + 4096) <= SM90_SHARED
+    if n % 16 or k % 256 or (roles["sum"] and not roles["x2"]) or not fits:
+        return []
     names = ["A", *(["X2"] if roles["x2"] else []), "G", *(["S"] if roles["sum"] else []), "W", "C"]
     values = dict(A=roles["x"], X2=roles["x2"], G=roles["norm"], S=roles["sum"], W=roles["weight"], C=roles["out"])
     params = [_tensor(name, values[name]) for name in names] + [dim]

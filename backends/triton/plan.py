@@ -382,7 +382,8 @@ def _plan_rope_kv_write(graph: Graph, node: Node) -> KernelSpec:
     constexprs = dict(HEADS=heads, KV_HEADS=kv_heads, HD=head_dim, EPS=q_norm.attrs["eps"] if norm else 1e-6,
                       NORM=norm, NORM_OFFSET=float(q_norm.attrs.get("offset", 0.0)) if norm else 0.0,
                       THETA=float(q_rope.attrs["theta"]), BLOCK_HALF=next_pow2(head_dim // 2),
-                      EARLY=uploaded(graph, q_rope.inputs[1]) and uploaded(graph, slots),
+                      EARLY=uploaded(graph, q_rope.inputs[1]) and uploaded(graph, slots)
+                      and (not norm or {q_norm.inputs[1], k_norm.inputs[1]} <= set(graph.params)),
                       **_rope_scaling_constexprs(q_rope.attrs.get("scaling")))
     row_symbol = types[q_heads].shape[0]
     launch = _launch("attention.py", "qk_rope_kv_write_kernel", p, constexprs,
@@ -430,7 +431,9 @@ def _plan_attention(graph: Graph, node: Node, options: PlanOptions) -> KernelSpe
     split_launches, scratch = _plan_split_attention(types, layout, attention, constexprs, heads, head_dim)
     variants = [VariantSpec("split_kv", options.split_kv_max_batch, split_launches)] \
         if options.split_kv_max_batch else []
-    if variants and constexprs["EARLY"]:  # one sequence: its programs fit one wave with PREFETCH's registers
+    # One sequence: a decode step's programs (KV heads x SPLIT_KV) fit one wave with PREFETCH's registers; a prompt
+    # chunk under PREFILL_QUERIES queries of one sequence runs it too, in more waves (not measured)
+    if variants and constexprs["EARLY"]:
         prefetching, _ = _plan_split_attention(types, layout, attention, constexprs | {"PREFETCH": True}, heads,
                                                head_dim)
         variants.insert(0, VariantSpec("split_kv_prefetch", 1, prefetching))

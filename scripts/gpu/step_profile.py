@@ -48,7 +48,7 @@ def charge(step: list[dict]) -> tuple[list[float], list[float]]:
 
 def summarise(steps: list[list[dict]]) -> dict:
     """Per kernel kind (name, grid): launches a step, charge and duration a step (medians over the steps), the
-    step's span and its idle gaps."""
+    step's span and its idle gaps (within a step: the wait between steps is the host's)."""
     kinds: dict[tuple, dict] = {}
     spans, idle = [], []
     for step in steps:
@@ -72,19 +72,20 @@ def summarise(steps: list[list[dict]]) -> dict:
     return {"steps": len(steps), "span_us": median(spans), "idle_us": median(idle), "kernels": rows}
 
 
-def profile(engine, batch: int, context: int, steps: int) -> dict:
-    """`steps` decode steps of `batch` sequences at `context` cached tokens, traced after the graph's capture."""
+def profile(engine, batch: int, context: int, steps: int, trace: Path) -> dict:
+    """`steps` decode steps of `batch` sequences at `context` cached tokens, traced after the graph's capture. Each
+    step is waited for, as `pegainfer bench` and serving wait: the next step's upload reuses the pinned staging
+    buffer that the last step's copy reads."""
     seqs = bench._sequences(engine, batch, context, steps + bench.WARMUP)
     for _ in range(bench.WARMUP):  # the graph's capture and first replays stay outside the trace
         engine.run([Chunk(s, 1) for s in seqs])
-    engine.ctx.synchronize()
+        engine.ctx.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             engine.run([Chunk(s, 1) for s in seqs])
-        engine.ctx.synchronize()
+            engine.ctx.synchronize()
     for seq in seqs:
         engine.release(seq)
-    trace = Path(f"/tmp/step_profile_b{batch}.json")
     prof.export_chrome_trace(str(trace))
     kernels = kernel_records(trace)
     if not kernels or len(kernels) % steps:
@@ -107,7 +108,7 @@ def main() -> None:
     engine = bench.engine_for(loaded, manifest, max_tokens=max(args.batch), max_batch=max(args.batch),
                               max_model_len=args.context + args.steps + bench.WARMUP + 16)
     for batch in args.batch:
-        summary = profile(engine, batch, args.context, args.steps)
+        summary = profile(engine, batch, args.context, args.steps, args.out / f"trace_batch{batch}.json")
         (args.out / f"batch{batch}.json").write_text(json.dumps(summary, indent=1))
         print(f"batch {batch}, context {args.context}: span {summary['span_us']:.0f} us a step, idle gaps "
               f"{summary['idle_us']:.0f} us ({summary['steps']} steps, medians)")

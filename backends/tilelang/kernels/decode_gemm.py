@@ -17,9 +17,10 @@ result and a CTA streamed near 16 GB/s (the swapped tiles, one consumer warp, ga
 with four: docs/BENCHMARKS.md, sessions 10 and 11).
 
 PDL (programmatic dependent launch): every CTA lets the next kernel launch at once, and the producer issues its
-first STAGES (PRE) weight tiles before it waits for the previous kernel (weights never depend on it), so a chain of
-decode GEMMs keeps the weights streaming across the launch boundary. Only the producer reads what the previous
-kernel wrote (the rows); the consumers write only after rows that came after that wait.
+first STAGES (PRE) weight tiles (and a normed tile's G) before it waits for the previous kernel (weights never
+depend on it: the planner takes only parameters), so a chain of decode GEMMs keeps the weights streaming across the
+launch boundary. Only the producer reads what the previous kernel wrote (the rows); the consumers and a normed
+tile's scalers write only after rows that came after that wait.
 
 SPLIT > 1 (a single GEMM of at most 16 rows): the CTAs of an output tile share its K range, so that a narrow N
 (2560 columns make 80-160 tiles) still spreads over every SM. Each writes its fp32 sums to its plane of P (16 rows:

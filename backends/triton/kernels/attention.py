@@ -249,7 +249,7 @@ def paged_attention_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, st
                                  BLOCK_D: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr,
                                  BLOCK_KV: tl.constexpr, SPLITS: tl.constexpr, WINDOW: tl.constexpr,
                                  UPCAST_DOT: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
-                           PREFETCH: tl.constexpr):
+                                 PREFETCH: tl.constexpr):
     """paged_attention_kernel over one of SPLITS slices of the visible keys (flash decoding): writes each row's
     normalised partial output and its log-sum-exp; attention_merge_kernel combines the slices."""
     if PDL:  # programmatic dependent launch: the next kernel may start at once; EARLY waits in _attend
