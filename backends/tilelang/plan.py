@@ -68,6 +68,9 @@ DECODE_SLOTS = (4, 16)
 # wait, with two weight stages ahead of it and two mma chains, 8.5 us at 1 and 4 rows (86%, kernels.py) against
 # 9.2 / 9.0 (session 13). o_proj and down keep Triton's one-row GEMV.
 NORMED_TILE = {0: dict(STAGES=5, PRE=2, CHAINS=2), 1: dict(STAGES=3, PRE=1)}
+# what both share: a weight tile of 16 rows (each of gate's and up's) over 256 columns, 8 row columns (4 rows and
+# their pairs), one consumer warp, 3 CTAs an SM
+NORMED_FORM = dict(BLOCK_N=16, BLOCK_K=256, THREADS=32, MIN_BLOCKS=3, SWAP_ROWS=8)
 # Steps of up to 4 rows of a single GEMM (o_proj, down): decode_gemm.py's swapped tile, 8 rows as mma's B operand,
 # each stage's K quarters summed in four chains of mma.sync (one chain's latency held a CTA to about 16 GB/s), and K
 # split over a cluster of two CTAs whose sums meet in shared memory (CLUSTER), so that 2560 columns make 320 CTAs,
@@ -144,20 +147,19 @@ def _gemm(graph: Graph, node: Node) -> list[VariantSpec]:
 def _normed_rows(roles: dict, n: int, k: int, dim: Param, row_symbol: str) -> list[VariantSpec]:
     """The 1- and 4-row slots of a GEMM with a norm: decode_gemm.py's NORM tile (see NORMED_TILE), reading the
     rows (and X2's) as stored and writing the residual sum itself; one launch serves both slots (4 rows a CTA)."""
-    shape = NORMED_TILE[roles["act"]]
-    stage = (16 * (2 if roles["act"] else 1) + 8) * 256 * 2  # the weight rows (gate's and up's), the 8 row columns
+    shape = NORMED_FORM | NORMED_TILE[roles["act"]]
+    stage = (shape["BLOCK_N"] * (2 if roles["act"] else 1) + shape["SWAP_ROWS"]) * shape["BLOCK_K"] * 2
     # G whole beside the stages; about 4 KB more: the scalers' reduction, the static barriers, the system's 1 KB
-    fits = 3 * (shape["STAGES"] * stage + 2 * k + 4096) <= SM90_SHARED
-    if n % 16 or k % 256 or (roles["sum"] and not roles["x2"]) or not fits:
+    fits = shape["MIN_BLOCKS"] * (shape["STAGES"] * stage + 2 * k + 4096) <= SM90_SHARED
+    if n % shape["BLOCK_N"] or k % shape["BLOCK_K"] or (roles["sum"] and not roles["x2"]) or not fits:
         return []
     names = ["A", *(["X2"] if roles["x2"] else []), "G", *(["S"] if roles["sum"] else []), "W", "C"]
     values = dict(A=roles["x"], X2=roles["x2"], G=roles["norm"], S=roles["sum"], W=roles["weight"], C=roles["out"])
     params = [_tensor(name, values[name]) for name in names] + [dim]
-    tiles = dict(N=n, K=k, ACT=roles["act"], BLOCK_N=16, BLOCK_K=256, THREADS=32, MIN_BLOCKS=3, PDL=True,
-                 SWAP_ROWS=8, NORM=True, ADD=roles["x2"] is not None, WRITE_SUM=roles["sum"] is not None,
-                 EPS=float(roles["eps"]), **shape)
-    grid = (GridDim((n,), 16), GridDim((row_symbol,), 4))
-    threads = 32 + 128 * 2  # the consumer warp, the producer and the scalers
+    tiles = dict(N=n, K=k, ACT=roles["act"], PDL=True, NORM=True, ADD=roles["x2"] is not None,
+                 WRITE_SUM=roles["sum"] is not None, EPS=float(roles["eps"]), **shape)
+    grid = (GridDim((n,), shape["BLOCK_N"]), GridDim((row_symbol,), shape["SWAP_ROWS"] // 2))  # 4 rows a CTA
+    threads = shape["THREADS"] + 128 * 2  # the consumer warp, the producer and the scalers
     gemm = _launch("decode_gemm.py", "decode_gemm", params, tiles, grid, threads, shape["STAGES"])
     return [VariantSpec("decode_norm", rows, [gemm], "tilelang", sms=(90,)) for rows in (1, 4)]
 
