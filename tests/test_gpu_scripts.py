@@ -129,6 +129,14 @@ def test_probe_best_refuses_a_missing_file(tmp_path):
     assert done.returncode == 2 and f"no such file: {tmp_path / 'none.json'}" in done.stderr
 
 
+def test_step_profile_refuses_a_batch_below_one_and_a_machine_without_a_gpu(tmp_path):
+    done = run(str(SCRIPTS / "step_profile.py"), "qwen3-4b", "--batch", "1", "0", "--out", str(tmp_path / "p"))
+    assert done.returncode == 2 and "--batch: at least 1, got 0" in done.stderr
+    done = run(str(SCRIPTS / "step_profile.py"), "qwen3-4b", "--out", str(tmp_path / "p"))  # this machine: no GPU
+    assert done.returncode == 2 and "needs a visible GPU" in done.stderr
+    assert not (tmp_path / "p").exists()
+
+
 def test_step_profile_charges_each_kernel_what_it_moved_the_step_end(tmp_path):
     """step_profile.py's summary of a trace: each kernel is charged from the previous kernel's end to its own (an
     overlapping one, waiting on its predecessor under programmatic launch, only past that end), so that the charges

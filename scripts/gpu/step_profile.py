@@ -20,6 +20,7 @@ from pegainfer.backends.cache import cache_root, manifest_path
 from pegainfer.runtime import bench
 from pegainfer.runtime.batch import Chunk
 from pegainfer.runtime.device import visible_sm
+from pegainfer.runtime.gpu.engine import missing_manifest
 
 
 def kernel_records(trace: Path) -> list[dict]:
@@ -102,9 +103,18 @@ def main() -> None:
     parser.add_argument("--cache-dir")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
+    for name in ("batch", "context", "steps"):
+        values = getattr(args, name) if name == "batch" else [getattr(args, name)]
+        if min(values) < 1:
+            parser.error(f"--{name}: at least 1, got {min(values)}")
+    sm = visible_sm()
+    if sm is None:
+        parser.error("needs a visible GPU (and cuda-bindings)")
     loaded = bench.bench_model(args.model)
-    manifest = manifest_path(cache_root(args.cache_dir), visible_sm(), loaded.spec)
+    manifest = manifest_path(cache_root(args.cache_dir), sm, loaded.spec)
+    if not manifest.is_file():
+        parser.error(str(missing_manifest(manifest, f"{args.model} --sm {sm}")))
+    args.out.mkdir(parents=True, exist_ok=True)
     engine = bench.engine_for(loaded, manifest, max_tokens=max(args.batch), max_batch=max(args.batch),
                               max_model_len=args.context + args.steps + bench.WARMUP + 16)
     for batch in args.batch:
