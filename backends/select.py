@@ -4,15 +4,16 @@ shapes and writes the winner per slot into the cache; without tuning data the de
 
 Default (until tuning says otherwise), per SM and kernel family, from the H200 measurements in docs/BENCHMARKS.md
 (2026-11-30 to 2026-12-01): on sm_90 the prefill GEMMs and prefill attention go to TileLang (its default tile beat
-Triton's on every prefill GEMM of the 4B benchmark model at 4k and 8k rows, by 1.4x to 8.5x, and its attention ran
-3.5x faster at 8k), and so do the decode GEMMs of 2 to 16 rows (TileLang's only decode slots: its TMA-streamed tiles
-beat every Triton variant there, by 1.02x to 1.41x, session 6; at 4 rows its normed tile (GEMMs with a norm) and its
-swapped tile (o_proj, down) lead, which made the batch-2 and batch-4 steps 4-7% faster, session 10, and its K split
-over a cluster 4-6% more, session 12), and the one-row GEMMs with a norm (QKV, gate/up: TileLang offers its normed
-tile there, which made the batch-1 step 5% faster, session 9); the other one-row GEMVs stay with Triton (CuTe DSL's
-won some slots in isolation but made the batch-1 step slower, and so did TileLang's swapped cluster tile, session
-12, which is not offered there since). Every other SM, and every family without an entry, is Triton's. A backend not
-compiled into the cache falls back to the next."""
+Triton's on every prefill GEMM of the 4B benchmark model at 4k and 8k rows, by 1.4x to 8.5x, and its attention ran 3.5x
+faster at 8k), and so do the decode GEMMs of 2 to 16 rows (its TMA-streamed tiles beat every Triton variant there, by
+1.02x to 1.41x, session 6; at 4 rows its normed tile (GEMMs with a norm) and its swapped tile (o_proj, down) lead, which
+made the batch-2 and batch-4 steps 4-7% faster, session 10, a K split over a cluster 4-6% more, session 12, and the
+swapped tile over both K halves of 8 weight rows a CTA, which replaced it: o_proj 8-10% faster, down the same, session
+14) and of one row: the normed tile for QKV and gate/up (the batch-1 step 5% faster, session 9), the halved tile for
+o_proj and down (83% / 85% of the copy bandwidth for Triton's one-row GEMV, 87% / 92% for it; the batch-1 step 2.47 ms
+against 2.53, session 14, where the cluster tile at one row had made it 1.5% slower, session 12). CuTe DSL's GEMVs won
+some slots in isolation but made the batch-1 step slower. Every other SM, and every family without an entry, is
+Triton's. A backend not compiled into the cache falls back to the next."""
 
 import json
 from pathlib import Path
@@ -112,7 +113,8 @@ def candidate_spec(candidate: dict) -> VariantSpec:
 
 def slot_candidates(kernel: dict, record: dict) -> list[dict]:
     """A selection record's alternatives, as the manifest's candidates of that slot (one variant may serve several
-    slots under one label, a TileLang decode tile the 4- and 16-row slots: the slot tells them apart)."""
+    slots under one label, a TileLang decode tile the 1- and 4-row or the 4- and 16-row slots: the slot tells them
+    apart)."""
     in_slot = {candidate_spec(v).label: v for v in kernel["candidates"]
                if slot_key(candidate_spec(v).slot) == record["slot"]}
     return [in_slot[label] for label in record["alternatives"]]

@@ -26,26 +26,30 @@ def test_gemm_probe_refuses_a_negative_sustain(tmp_path):
 
 def test_gemm_probe_decode_cases_launch_what_their_template_declares(gemm_probe):
     """A split decode case passes the fp32 planes and tickets (a cluster's none: its CTAs meet in shared memory) and
-    launches SPLIT CTAs along z, a swapped one a row tile of SWAP_ROWS along y; every decode case (decode_gemm.py's
+    launches SPLIT CTAs along z, a swapped one a row tile of SWAP_ROWS along y (a halved one 4 rows and 8 columns,
+    each over both K halves); every decode case (decode_gemm.py's
     and gemm.py's tiles) covers N with whole tiles and K with whole steps of each split, and its stages fit the
     shared memory of the CTAs it asks an SM to hold."""
     decode = [c for c in gemm_probe.CASES if c.decode]
     assert {6144, 2560, 9728} <= {c.n for c in decode}  # the 4B model's, and the probe's own widths beside them
     assert any(c.tile.get("NORM") for c in decode) and any(c.tile.get("CLUSTER") for c in decode)
+    assert any(c.tile.get("HALVES") for c in decode)
     for case in decode:
         launch, tile = gemm_probe.launch_spec(case), case.tile
-        split, norm = tile.get("SPLIT", 1), tile.get("NORM", False)
+        split, norm, halves = tile.get("SPLIT", 1), tile.get("NORM", False), tile.get("HALVES", False)
         names = [p.name for p in launch.params]
         planes = split > 1 and not tile.get("CLUSTER")
         expected = ["A", "W", "C", "P", "tickets", "M"] if planes else ["A", "W", "C", "M"]
         assert names == (["A", "X2", "G", "S", "W", "C", "M"] if norm else expected), case.label
         assert launch.grid[2].factors == (split,) and case.n % tile["BLOCK_N"] == 0
-        # a normed tile covers 4 rows: its 8-row stage holds X2's 4, then each product's low half
-        rows = 4 if norm else (tile.get("BLOCK_M") or tile.get("SWAP_ROWS") or 16)
+        # a normed tile covers 4 rows: its 8-row stage holds X2's 4, then each product's low half; a halved one 4
+        # rows over both K halves, and 8 weight rows over both
+        rows = 4 if norm or halves else (tile.get("BLOCK_M") or tile.get("SWAP_ROWS") or 16)
         assert launch.grid[1].block == rows, case.label
+        assert launch.grid[0].block == tile["BLOCK_N"] // (2 if halves else 1), case.label
         warpgroups = 1 + norm  # decode_gemm.py's producer, and a normed tile's scalers
         assert launch.num_warps * 32 == tile["THREADS"] + (128 * warpgroups if case.function == "decode_gemm" else 0)
-        assert case.k % (tile["BLOCK_K"] * split) == 0, case.label
+        assert case.k % (tile["BLOCK_K"] * split * (2 if halves else 1)) == 0, case.label
         rows = tile.get("SWAP_ROWS") or 16  # a swapped tile stages 8 rows where mma's A operand needs 16
         stage = (rows + tile["BLOCK_N"] * (2 if case.act else 1)) * tile["BLOCK_K"] * 2
         # a CTA's static shared memory (the barriers: 1 KB), the system's 1 KB beside its stages; a normed tile's G

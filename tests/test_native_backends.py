@@ -109,7 +109,7 @@ def test_tilelang_decode_tiles_stream_weights_by_tma_and_fit_their_ctas_per_sm(c
     past the rows), mma.sync (HMMA), and registers and shared memory that let an SM hold MIN_BLOCKS CTAs."""
     todo, _, results = compiled
     keys = [key for (sm, key) in results if sm == 90 and "/decode_" in key]
-    assert {key.split("/")[1] for key in keys} == {"decode_16x16", "decode_norm", "decode_swap8"}
+    assert {key.split("/")[1] for key in keys} == {"decode_16x16", "decode_norm", "decode_halves"}
     for key in keys:
         launch, native = todo[(90, key)], results[(90, key)]
         if launch.function == "add_rms_norm":
@@ -144,7 +144,7 @@ def _evaluate(expression: str, names: list[str], m: int) -> int:
 
 
 @pytest.mark.parametrize("key", ["attn_residual/wgmma_128x128_rows/1", "attention/flash_128x128/0",
-                                 "attention/flash_ws_128x128/0", "down/decode_swap8/0"])
+                                 "attention/flash_ws_128x128/0", "down/decode_halves/0"])
 def test_tilelang_abi_matches_its_host_stub(compiled, key):
     from pegainfer.backends.tilelang.compiler import host_stub
 
@@ -366,9 +366,10 @@ def test_tilelang_normed_gate_up_tile_scales_its_rows_in_a_warpgroup_of_scalers(
 
 
 def test_tilelang_four_chain_tile_sums_each_stage_quarter_into_its_own_accumulator(compiled, tmp_path):
-    """down's 4-row tile (swapped, CHAINS=4): each stage's four K quarters go to mma.sync into four accumulators,
-    whose sum is stored; in the SASS no HMMA accumulates onto the one just before it (a single chain's all do)."""
-    native = compiled[2][(90, "down/decode_swap8/0")]
+    """down's 1- and 4-row tile (swapped, CHAINS=4): each stage's four K quarters go to mma.sync into four
+    accumulators, whose sum is stored; in the SASS no HMMA accumulates onto the one just before it (a single chain's
+    all do)."""
+    native = compiled[2][(90, "down/decode_halves/0")]
     consumer = native.files["cu"][native.files["cu"].index("} else {"):]
     chains = re.findall(r"mma_sync<[^>]*>\(reinterpret_cast<float\*>\((\w+) \+ 0\)", consumer)
     assert chains == ["acc", "up", "third", "fourth"], chains
@@ -378,16 +379,45 @@ def test_tilelang_four_chain_tile_sums_each_stage_quarter_into_its_own_accumulat
     assert len(hmma) >= 16 and not [b for a, b in zip(hmma, hmma[1:]) if b[1] == a[0]], hmma  # one chain: all are
 
 
-def test_tilelang_cluster_split_tile_meets_in_the_first_ctas_shared_memory(compiled, tmp_path):
-    """down's 4-row tile (K split over a cluster of two): the consumers first check that the launch made a cluster of
-    two (a launch without it would make each CTA a cluster of one, storing into its own shared memory), rank 1 stores
-    its sums into rank 0's `parts` (mapa + st.shared::cluster), the consumers and the producer each meet at the
-    cluster barrier once, then rank 0 adds the parts and writes C; no planes or tickets in global memory. The
-    manifest records the cluster, which the kernel leaves to its launch."""
-    from pegainfer.backends.build import _entry_files_and_meta
-
+def test_tilelang_halved_tile_streams_both_k_halves_of_eight_weight_rows(compiled):
+    """o_proj's and down's 1- and 4-row tile (HALVES): the weights' TMA descriptor reads W as [2N, K/2] in boxes of
+    16 rows (8 weight rows over both halves), each step's 4 rows go out twice, at the step's column and half K past
+    it, the grid is 8 columns by 4 rows, and the epilogue adds products (2i, r) and (2i + 1, r + 4) of the [16, 8]
+    tile: like halves of weight row i and row r."""
     todo, _, results = compiled
-    launch, native = todo[(90, "down/decode_swap8/0")], results[(90, "down/decode_swap8/0")]
+    launch, native = todo[(90, "down/decode_halves/0")], results[(90, "down/decode_halves/0")]
+    n, k = launch.constexprs["N"], launch.constexprs["K"]
+    (descriptor,) = [p["tma"] for p in native.abi if p["kind"] == "tma"]
+    assert descriptor["dims"] == [k // 2, 2 * n] and descriptor["strides"][1] == k and descriptor["box"][1] == 16
+    assert (launch.grid[0].block, launch.grid[1].block) == (8, 4)
+    code = native.files["cu"]
+    producer = code[code.index("cudaGridDependencySynchronize"):code.index("} else {")]
+    rows = re.findall(r"\(&\(A\[(.*?)\]\)\)", producer)
+    assert len(rows) == 2 and f"(int64_t){k // 2})" in rows[1] and f"(int64_t){k // 2}" not in rows[0], rows
+    store = re.search(r"\] = \(\(bfloat16_t\)\(sums\[(.*?)\] \+ sums\[(.*?)\]\)\);", code)
+    for thread in range(32):
+        first, second = (eval(e.replace("((int)threadIdx.x)", str(thread))) for e in store.groups())
+        assert second == first + 8 + 4 and first % 16 < 4, (thread, first, second)  # (2i, r) -> (2i + 1, r + 4)
+    # stages issued before the wait: o_proj's 8 steps SHORT_PRE of them, down's 19 all its STAGES
+    for node, ahead in (("o_proj", 4), ("down", launch.constexprs["STAGES"])):
+        code = results[(90, f"{node}/decode_halves/0")].files["cu"]
+        before = code[code.index("if (32 <= ((int)threadIdx.x))"):code.index("cudaGridDependencySynchronize")]
+        assert re.findall(r"for \(int k = 0; k < (\d+); \+\+k\)", before) == [str(ahead)], node
+
+
+def test_tilelang_cluster_split_tile_meets_in_the_first_ctas_shared_memory(gemm_probe, tmp_path):
+    """The cluster-split form (gemm_probe.py's case of down's tile, the plan's 4-row tile in sessions 12 and 13): the
+    consumers first check that the launch made a cluster of two (a launch without it would make each CTA a cluster
+    of one, storing into its own shared memory), rank 1 stores its sums into rank 0's `parts` (mapa +
+    st.shared::cluster), the consumers and the producer each meet at the cluster barrier once, then rank 0 adds the
+    parts and writes C; no planes or tickets in global memory. The manifest records the cluster, which the kernel
+    leaves to its launch."""
+    from pegainfer.backends.build import _entry_files_and_meta
+    from pegainfer.backends.tilelang.compiler import compile_launch
+
+    case = next(c for c in gemm_probe.CASES if c.label == "down swap8 16x16 s6 b3 cluster2 c4")
+    launch = gemm_probe.launch_spec(case)
+    native = compile_launch(launch, 90)
     assert native.cluster == (1, 1, 2) and _entry_files_and_meta(native, launch)[1]["cluster"] == [1, 1, 2]
     code = native.files["cu"]
     assert "mapa.shared::cluster.u32" in code and "st.shared::cluster.f32" in code

@@ -97,7 +97,7 @@ def test_prefill_defaults_merged_gate_up_and_a_tile_per_width():
 
 
 def test_decode_tiles_serve_four_and_sixteen_rows_with_the_chained_tile_first():
-    """TileLang's decode GEMMs: slots of 4 and 16 rows (one row is Triton's unless the GEMM has a norm: below),
+    """TileLang's decode GEMMs: slots of 4 and 16 rows (one row: the normed and halved tiles, below),
     sm_90 only, decode_gemm.py's 16x16 tile first, launched programmatically, a single GEMM's stages in CHAINED_TILE's
     chains (the narrow o_proj and down deeper, at 2 CTAs an SM), then gemm.py's 16x32 (single GEMMs) and 16x64 for
     tuning; every stage ring fits the shared memory of the CTAs the tile asks an SM to hold."""
@@ -107,7 +107,7 @@ def test_decode_tiles_serve_four_and_sixteen_rows_with_the_chained_tile_first():
     offered = 0
     for graph, node in gemms:
         decode = [v for v in tilelang_plan.candidates(graph, node, PlanOptions(block_size=16))
-                  if v.max_rows is not None and v.name not in ("decode_norm", "decode_swap8")]
+                  if v.max_rows is not None and v.name not in ("decode_norm", "decode_halves")]
         if not decode:
             continue
         offered += 1
@@ -146,18 +146,19 @@ def test_gemms_with_a_norm_get_the_normed_tile_for_one_and_four_rows():
     """QKV and gate/up (an RMSNorm prologue) get decode_gemm.py's NORM tile for steps of one row and of up to 4,
     first in both slots (so the sm_90 default): no norm launch before it, the rows (and X2's) read as stored, the
     residual sum written by the tile, launched programmatically, 4 rows a CTA (the stage's other 4 hold X2's rows and
-    then each product's low half), and a ring that lets 3 CTAs share an SM. o_proj and down (no norm) get none:
-    Triton's one-row GEMV serves them."""
+    then each product's low half), and a ring that lets 3 CTAs share an SM. o_proj and down (no norm) get none
+    (the halved tile below serves their one-row slot)."""
     from pegainfer.backends.tilelang.plan import SM90_SHARED
 
     served = set()
     for node, roles, variants in qwen3_gemm_candidates():
         normed = [v for v in variants if v.name == "decode_norm"]
         if not roles["norm"] or roles["rows"]:
-            assert normed == [] and not [v for v in variants if v.max_rows == 1], node.name
+            assert normed == [] and {v.name for v in variants if v.max_rows == 1} <= {"decode_halves"}, node.name
             continue
         assert [v.max_rows for v in normed] == [1, 4] and normed[0].launches == normed[1].launches
         assert [v for v in variants if v.max_rows == 4][0] is normed[1], "the 4-row slot's first (default) tile"
+        assert [v for v in variants if v.max_rows == 1][0] is normed[0], "the 1-row slot's first (default) tile"
         (launch,) = normed[0].launches
         tiles = launch.constexprs
         assert normed[0].sms == (90,) and launch.function == "decode_gemm"
@@ -178,34 +179,60 @@ def test_gemms_with_a_norm_get_the_normed_tile_for_one_and_four_rows():
     assert served == {0, 1}, "QKV and gate/up"
 
 
-def test_single_gemms_get_the_four_chain_swapped_tile_split_over_a_cluster_for_four_rows():
-    """The single GEMMs (QKV, o_proj, down) get decode_gemm.py's swapped tile in four mma chains for steps of up to 4
-    rows: the default where no norm tile leads the slot (o_proj, down), behind it for QKV (after the norm launch);
-    none for SiLU x up. 8 rows a CTA as mma's B operand, K split over a cluster of two CTAs (a third grid axis of
-    2), launched programmatically, and a ring that lets 3 CTAs share an SM."""
-    from pegainfer.backends.tilelang.plan import SM90_SHARED
+def test_single_gemms_get_the_halved_tile_for_one_and_four_rows():
+    """The single GEMMs (QKV, o_proj, down) get decode_gemm.py's HALVES tile for steps of one row and of up to 4:
+    the default where no norm tile leads the slot (o_proj, down), behind it for QKV (after the norm launch); none for
+    SiLU x up. 8 weight rows a CTA over both K halves (W read as [2N, K/2]), 4 rows a CTA, no split, four mma
+    chains, launched programmatically, weight stages issued before the wait cut to SHORT_PRE for a short K range,
+    and a ring that lets 3 CTAs share an SM."""
+    from pegainfer.backends.tilelang.plan import SHORT_PRE, SHORT_STEPS, SM90_SHARED
 
     defaults = set()
     for node, roles, variants in qwen3_gemm_candidates():
-        swapped = [v for v in variants if v.name == "decode_swap8"]
+        halved = [v for v in variants if v.name == "decode_halves"]
         if roles["act"] or roles["rows"]:
-            assert swapped == [], node.name
+            assert halved == [], node.name
             continue
-        (variant,) = swapped
-        assert variant.max_rows == 4 and variant.sms == (90,)
-        *norm, launch = variant.launches
+        assert [v.max_rows for v in halved] == [1, 4] and halved[0].launches == halved[1].launches
+        *norm, launch = halved[0].launches
         assert [n.function for n in norm] == (["add_rms_norm"] if roles["norm"] else [])
         tiles = launch.constexprs
-        assert launch.function == "decode_gemm" and launch.module == "decode_gemm.py"
-        assert (tiles["SWAP_ROWS"], tiles["CHAINS"], tiles["PDL"], tiles["ACT"]) == (8, 4, True, 0)
-        assert (tiles["SPLIT"], tiles["CLUSTER"], launch.grid[2].size({})) == (2, True, 2)
+        assert launch.function == "decode_gemm" and launch.module == "decode_gemm.py" and halved[0].sms == (90,)
+        assert (tiles["SWAP_ROWS"], tiles["CHAINS"], tiles["PDL"], tiles["ACT"], tiles["HALVES"]) == (8, 4, True, 0,
+                                                                                                      True)
+        assert tiles.get("SPLIT", 1) == 1 and not tiles.get("CLUSTER") and len(launch.grid) == 3
+        assert launch.grid[0].block == 8 and launch.grid[1].block == 4 and launch.grid[2].size({}) == 1
+        steps = tiles["K"] // 2 // tiles["BLOCK_K"]
         assert tiles["K"] % (2 * tiles["BLOCK_K"]) == 0
-        assert launch.grid[1].block == 8 and launch.grid[0].block == tiles["BLOCK_N"] == 16
+        assert tiles.get("PRE", 0) == (SHORT_PRE if steps <= SHORT_STEPS else 0), (node.name, steps, tiles)
         stage = (16 + 8) * tiles["BLOCK_K"] * 2
         assert tiles["MIN_BLOCKS"] == 3 and 3 * (tiles["STAGES"] * stage + 2048) <= SM90_SHARED, tiles
-        if [v for v in variants if v.max_rows == 4][0] is variant:
+        first = {rows: [v for v in variants if v.max_rows == rows][0] for rows in (1, 4)}
+        if first[1] is halved[0] and first[4] is halved[1]:
             defaults.add(node.name)
     assert defaults == {"o_proj", "down"}
+
+
+def test_halved_tile_needs_two_ctas_an_sm():
+    """The halved tile is offered only where N makes HALVED_MIN_CTAS CTAs of 8 columns: Qwen3-30B-A3B's router (128
+    columns, 16 CTAs) and Gemma 3 1B's o_proj (1152 columns, 144) get none, so their one-row slot stays Triton's;
+    Llama 3.1 8B's o_proj and down (4096 columns) get it."""
+    from pegainfer.backends.tilelang.plan import HALVED_MIN_CTAS
+
+    def halved(config: str) -> dict[str, bool]:
+        offered = {}
+        for graph, node in kernels(CONFIGS / config):
+            roles = gemm_roles(node) if "linear" in fused_ops(node) else None
+            if roles and not roles["act"] and not roles["rows"]:
+                names = {v.name for v in tilelang_plan.candidates(graph, node, PlanOptions(block_size=16))}
+                offered[node.name] = ("decode_halves" in names, roles["n"] // 8 >= HALVED_MIN_CTAS)
+        return offered
+
+    for config in ("qwen3-30b-a3b.json", "gemma-3-1b.json", "llama-3.1-8b.json"):
+        for node, (offered, wide) in halved(config).items():
+            assert offered == wide, (config, node)
+    assert not halved("gemma-3-1b.json")["o_proj"][0] and halved("llama-3.1-8b.json")["down"][0]
+    assert any(not wide for wide in [w for _, w in halved("qwen3-30b-a3b.json").values()])
 
 
 @pytest.mark.parametrize("bad, says", [
@@ -219,10 +246,16 @@ def test_single_gemms_get_the_four_chain_swapped_tile_split_over_a_cluster_for_f
     (dict(NORM=True, SWAP_ROWS=8, WRITE_SUM=True), "WRITE_SUM writes the sum of ADD's rows"),
     (dict(CLUSTER=True), "CLUSTER sums a split tile's parts in a portable cluster: SPLIT 2..8, got 1"),
     (dict(CLUSTER=True, SPLIT=10, K=2560 * 4), "SPLIT 2..8, got 10"),
+    (dict(HALVES=True, SWAP_ROWS=16), "HALVES stacks a single GEMM's two K halves in a swapped tile of 8 rows, "
+                                      "unsplit: got SWAP_ROWS=16"),
+    (dict(HALVES=True, SWAP_ROWS=8, SPLIT=2), "got SWAP_ROWS=8, SPLIT=2"),
+    (dict(HALVES=True, SWAP_ROWS=8, NORM=True), "NORM=True"),
+    (dict(HALVES=True, SWAP_ROWS=8, ACT=1), "ACT=1"),
+    (dict(HALVES=True, SWAP_ROWS=8, K=256 * 3), "HALVES: K=768 must split into two halves of whole 256-wide steps"),
 ])
 def test_decode_gemm_refuses_a_form_it_cannot_run(bad, says):
     """decode_gemm.py refuses, before lowering, the settings its protocols do not cover (NORM's, CHAINS', PRE's,
-    SPLIT's, CLUSTER's), saying which."""
+    SPLIT's, CLUSTER's, HALVES'), saying which."""
     from pegainfer.backends.tilelang.kernels.decode_gemm import decode_gemm
 
     tile = dict(N=6144, K=2560, ACT=0, BLOCK_N=16, BLOCK_K=256, STAGES=5, THREADS=32, MIN_BLOCKS=3) | bad

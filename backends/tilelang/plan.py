@@ -1,8 +1,8 @@
 """Planning TileLang candidates for the kernels where Hopper's own instructions pay: the GEMMs of prefill-sized
 steps (TMA + wgmma, the SiLU x up epilogue over the merged gate/up weight; an RMSNorm prologue becomes a row
 launch first, since TMA feeds the tensor cores the operand as stored), the GEMMs of decode steps of 2 to 16 rows
-(weights streamed by TMA, mma.sync), of 1 to 4 rows where the GEMM has a norm (the norm inside the tile) and of 2 to
-4 rows of a single GEMM (the swapped tile in four mma chains, K split over a cluster of two CTAs), and causal
+(weights streamed by TMA, mma.sync), of 1 to 4 rows where the GEMM has a norm (the norm inside the tile) and of 1 to
+4 rows of a single GEMM (the swapped tile in four mma chains over both K halves of 8 weight rows), and causal
 attention of prefill-shaped steps. A kernel TileLang cannot serve gets no candidate, and the other backends'
 variants serve it."""
 
@@ -66,25 +66,30 @@ DECODE_SLOTS = (4, 16)
 # in a warpgroup of their own (288 threads a CTA): SiLU x up's 24.9-25.1 us against 25.5-25.6 launched
 # programmatically, 26.2-26.4 against 27.0-27.3 plainly (session 11); QKV's, once G was copied whole before the PDL
 # wait, with two weight stages ahead of it and two mma chains, 8.5 us at 1 and 4 rows (86%, kernels.py) against
-# 9.2 / 9.0 (session 13). o_proj and down keep Triton's one-row GEMV.
+# 9.2 / 9.0 (session 13). o_proj and down get the halved tile below at one row too.
 NORMED_TILE = {0: dict(STAGES=5, PRE=2, CHAINS=2), 1: dict(STAGES=3, PRE=1)}
 # what both share: a weight tile of 16 rows (each of gate's and up's) over 256 columns, 8 row columns (4 rows and
 # their pairs), one consumer warp, 3 CTAs an SM
 NORMED_FORM = dict(BLOCK_N=16, BLOCK_K=256, THREADS=32, MIN_BLOCKS=3, SWAP_ROWS=8)
-# Steps of up to 4 rows of a single GEMM (o_proj, down): decode_gemm.py's swapped tile, 8 rows as mma's B operand,
-# each stage's K quarters summed in four chains of mma.sync (one chain's latency held a CTA to about 16 GB/s), and K
-# split over a cluster of two CTAs whose sums meet in shared memory (CLUSTER), so that 2560 columns make 320 CTAs,
-# not 160 for 132 SMs. Launched programmatically, 4 rows (scripts/gpu/gemm_probe.py,
-# docs/BENCHMARKS.md session 12): down 13.1 us (89% of the copy bandwidth) against 14.0 unsplit, o_proj 6.2 (79%)
-# against 7.0; split through global planes and tickets instead, 15.0 and 7.4. At one row too (down 12.8 us, 91%,
-# o_proj 6.2, 79%, against Triton's one-row GEMV's 13.6 and 6.0) it made the batch-1 step 1.5% slower (medians of
-# 7 rounds), so one row stays Triton's.
-SWAPPED_TILE = dict(BLOCK_N=16, BLOCK_K=256, STAGES=6, THREADS=32, MIN_BLOCKS=3, SWAP_ROWS=8, CHAINS=4, SPLIT=2,
-                    CLUSTER=True)
+# Steps of one row and of up to 4 of a single GEMM (o_proj, down): decode_gemm.py's HALVES tile, 8 weight rows a CTA
+# over both K halves stacked as mma's A operand (W read as [2N, K/2]), 4 rows over both halves as its B, each
+# stage's K quarters summed in four chains of mma.sync (one chain's latency held a CTA to about 16 GB/s): 2560
+# columns make 320 CTAs of the whole K without a split, where 16 weight rows a tile made 160 for 132 SMs and a K
+# split over a cluster of two cost 0.4-0.6 us (scripts/gpu/gemm_probe.py, PDL, docs/BENCHMARKS.md session 14). In the
+# plan (kernels.py): o_proj 5.7 us at one row and at four (87 / 86%) against 5.9 for Triton's one-row GEMV and
+# 6.2-6.3 for the cluster tile; down 12.7 / 12.9 (92 / 91%) against 13.7 and 12.9-13.1; the batch-1 step 2.47 ms
+# against 2.53. SHORT_PRE: a CTA of at most SHORT_STEPS steps (o_proj's 8) issues that many weight stages before its
+# PDL wait and the rest after its rows (5.5 / 5.7 us against 5.8 / 5.9 with all six ahead); a longer one (down's 19)
+# issues all six ahead (12.6 / 13.0 against 13.1 / 13.2). Offered where N makes at least HALVED_MIN_CTAS CTAs (two
+# an SM of the H200, as the 320 measured): a router's 128 columns (16 CTAs) or a 1152-wide o_proj (144) keep
+# Triton's one-row GEMV and the 16-row tile.
+HALVED_TILE = dict(BLOCK_N=16, BLOCK_K=256, STAGES=6, THREADS=32, MIN_BLOCKS=3, SWAP_ROWS=8, CHAINS=4, HALVES=True)
+SHORT_STEPS, SHORT_PRE = 8, 4
+HALVED_MIN_CTAS = 264
 # what CI compiles for every kernel they fit
 DEFAULT_VARIANTS = ("wgmma_128x160_rows", "wgmma_128x192_rows", "wgmma_128x256_merged", "wgmma_128x128_rows",
                     "mma_128x128", "flash_ws_128x128", "flash_128x128", "decode_16x16", "decode_norm",
-                    "decode_swap8")
+                    "decode_halves")
 
 
 def candidates(graph: Graph, node: Node, options: PlanOptions) -> list[VariantSpec]:
@@ -164,25 +169,27 @@ def _normed_rows(roles: dict, n: int, k: int, dim: Param, row_symbol: str) -> li
     return [VariantSpec("decode_norm", rows, [gemm], "tilelang", sms=(90,)) for rows in (1, 4)]
 
 
-def _swapped_rows(launches: list[LaunchSpec], params: list[Param], n: int, k: int,
-                  row_symbol: str) -> list[VariantSpec]:
-    """The 4-row slot of a single GEMM: decode_gemm.py's swapped tile (see SWAPPED_TILE), after the norm launch
-    where the GEMM has a norm."""
-    if n % SWAPPED_TILE["BLOCK_N"] or k % (SWAPPED_TILE["BLOCK_K"] * SWAPPED_TILE["SPLIT"]):
+def _halved_rows(launches: list[LaunchSpec], params: list[Param], n: int, k: int,
+                 row_symbol: str) -> list[VariantSpec]:
+    """The 1- and 4-row slots of a single GEMM: decode_gemm.py's HALVES tile (see HALVED_TILE), after the norm
+    launch where the GEMM has a norm; one launch serves both slots (4 rows a CTA)."""
+    tile = HALVED_TILE
+    columns, step_rows = tile["BLOCK_N"] // 2, tile["SWAP_ROWS"] // 2  # a CTA's outputs: 8 columns of 4 rows
+    if n % columns or k % (2 * tile["BLOCK_K"]) or n // columns < HALVED_MIN_CTAS:
         return []
-    tiles = dict(N=n, K=k, ACT=0, PDL=True, **SWAPPED_TILE)
-    grid = (GridDim((n,), SWAPPED_TILE["BLOCK_N"]), GridDim((row_symbol,), SWAPPED_TILE["SWAP_ROWS"]),
-            GridDim((SWAPPED_TILE["SPLIT"],)))
-    gemm = _launch("decode_gemm.py", "decode_gemm", params, tiles, grid, SWAPPED_TILE["THREADS"] + 128,
-                   SWAPPED_TILE["STAGES"])
-    return [VariantSpec("decode_swap8", 4, [*launches, gemm], "tilelang", sms=(90,))]
+    steps = k // 2 // tile["BLOCK_K"]
+    tiles = dict(N=n, K=k, ACT=0, PDL=True, **tile) | (dict(PRE=SHORT_PRE) if steps <= SHORT_STEPS else {})
+    grid = (GridDim((n,), columns), GridDim((row_symbol,), step_rows))
+    gemm = _launch("decode_gemm.py", "decode_gemm", params, tiles, grid, tile["THREADS"] + 128, tile["STAGES"])
+    return [VariantSpec("decode_halves", slot, [*launches, gemm], "tilelang", sms=(90,)) for slot in (1, 4)]
 
 
 def _decode_gemm(launches: list[LaunchSpec], params: list[Param], n: int, k: int, act: int,
                  row_symbol: str) -> list[VariantSpec]:
     """The 4- and 16-row slots: decode_gemm.py's 16x16 tile (behind the normed tile at 4 rows where the GEMM has a
-    norm, behind the swapped one where it has none), then gemm.py's 16x32 (a single GEMM) and 16x64 for tuning."""
-    variants = [] if act else _swapped_rows(launches, params, n, k, row_symbol)
+    norm, behind the halved one where it has none, which also serves the one-row slot), then gemm.py's 16x32 (a
+    single GEMM) and 16x64 for tuning."""
+    variants = [] if act else _halved_rows(launches, params, n, k, row_symbol)
     for name in ("decode_16x16", "decode_16x32", "decode_16x64"):
         block_n, block_k, threads, min_blocks = DECODE_TILES[name]
         if n % block_n or k % block_k or (act and name == "decode_16x32"):

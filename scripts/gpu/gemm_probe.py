@@ -42,12 +42,13 @@ class Case:
 def decode_case(label: str, n: int, k: int, act: int, block_n: int, stages: int, threads: int, min_blocks: int,
                 pdl: bool = True, template: str = "decode_gemm.py", block_k: int = 256, split: int = 1,
                 swap_rows: int = 0, norm: bool = False, pre: int = 0, chains: int = 1,
-                cluster: bool = False) -> Case:
+                cluster: bool = False, halves: bool = False) -> Case:
     """A decode tile: decode_gemm.py's hand-specialised one (PDL: waits for the previous kernel after issuing its
     first weight stages; split: CTAs sharing a tile's K (cluster: as a thread block cluster, the sums met in shared
     memory); swap_rows: the weight tile as mma's A operand, that many rows as its B; norm: the add + RMSNorm inside,
     scaled as they land by a warpgroup of their own; pre: weight stages before the wait; chains: a single GEMM's
-    stage as that many K slices into as many sums), or gemm.py's 16-row tile with rows by cp.async (a tuning
+    stage as that many K slices into as many sums; halves: 8 weight rows and 4 rows a CTA, each over both K
+    halves), or gemm.py's 16-row tile with rows by cp.async (a tuning
     candidate of the plan)."""
     tile = dict(BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, THREADS=threads, MIN_BLOCKS=min_blocks)
     if template == "gemm.py":
@@ -57,6 +58,7 @@ def decode_case(label: str, n: int, k: int, act: int, block_n: int, stages: int,
     tile |= dict(CHAINS=chains) if chains > 1 else {}
     tile |= dict(PRE=pre) if pre and not norm else {}
     tile |= dict(CLUSTER=True) if cluster else {}
+    tile |= dict(HALVES=True) if halves else {}
     return Case(label, n, k, act, dict(tile, PDL=pdl, SPLIT=split, SWAP_ROWS=swap_rows), "decode_gemm", template,
                 decode=True)
 
@@ -155,6 +157,23 @@ CASES = (
           ("swap8", 32, 256, 3, 3, 32, 8, 4), ("swap8", 32, 128, 6, 3, 32, 8, 4), ("swap16", 32, 128, 5, 3, 32, 16, 4),
           ("swap8", 32, 128, 10, 2, 32, 8, 2))
       if k % (bk * sp) == 0],
+    # o_proj's 21 MB in other shapes: more CTAs an SM (N = 6144: 384), none split (N = 5120: o_proj's 320 CTAs of 8
+    # steps without the cluster's epilogue), fewer (4096: 256; 4608: 288)
+    *[decode_case(f"n{n}k{k} {kind} 16x16 s{st} b3 c{ch}", n, k, 0, 16, st, th, 3, swap_rows=sw, chains=ch)
+      for n, k in ((6144, 1792), (5120, 2048), (4608, 2304), (4096, 2560))
+      for kind, st, th, sw, ch in (("swap8", 6, 32, 8, 4), ("dg", 4, 64, 0, 2))],
+    # HALVES: a swapped tile of 8 weight rows over both K halves stacked (and 4 rows, each over both halves), so
+    # that o_proj makes 320 CTAs of 8 steps without a split, as N = 5120, K = 2048 does (88% against 78-81%)
+    *[decode_case(f"{name} swap8 halves 16x16 s{st} b3 c{ch}", n, k, 0, 16, st, 32, 3, swap_rows=8, chains=ch,
+                  halves=True)
+      for name, n, k, act in DECODE_SHAPES if not act for st, ch in ((6, 4), (6, 2), (5, 4))],
+    # HALVES at the narrow GEMMs' 4 rows: K steps of 128, four CTAs an SM, PRE weight stages ahead of the rows
+    *[decode_case(f"{name} swap8 halves 16x{bk} s{st} b{mb} c{ch}{f' p{pre}' if pre else ''}", n, k, 0, 16, st, 32, mb,
+                  swap_rows=8, chains=ch, halves=True, block_k=bk, pre=pre)
+      for name, n, k, act in DECODE_SHAPES if name in ("o_proj", "down")
+      for bk, st, mb, ch, pre in ((128, 12, 3, 4, 0), (128, 10, 3, 4, 0), (128, 12, 3, 2, 0), (128, 8, 4, 4, 0),
+                                  (256, 4, 4, 4, 0), (256, 3, 5, 4, 0), (256, 6, 3, 4, 2), (256, 6, 3, 4, 4),
+                                  (256, 5, 3, 4, 3))],
 )
 
 
@@ -172,9 +191,12 @@ def launch_spec(case: Case):
     constexprs = dict(N=case.n, K=case.k, ACT=case.act, **case.tile)
     if case.function == "gemm":
         constexprs["RESIDUAL"] = False
-    rows = case.tile.get("BLOCK_M", case.tile.get("SWAP_ROWS") or 16)  # a tile's rows (a normed tile: half its
-    rows //= 2 if case.tile.get("NORM") else 1  # 8, the other half X2's rows and then the low halves)
-    grid = (GridDim((case.n,), case.tile["BLOCK_N"]), GridDim(("tokens",), rows), GridDim((split,)))
+    # a tile's rows and output columns: a normed tile's 8 rows are 4 and X2's (then the low halves), a halved tile's
+    # 4 over both K halves, and its 16 weight rows 8 over both halves
+    halves = 2 if case.tile.get("NORM") or case.tile.get("HALVES") else 1
+    rows = case.tile.get("BLOCK_M", case.tile.get("SWAP_ROWS") or 16) // halves
+    columns = case.tile["BLOCK_N"] // (2 if case.tile.get("HALVES") else 1)
+    grid = (GridDim((case.n,), columns), GridDim(("tokens",), rows), GridDim((split,)))
     warpgroups = 1 + case.tile.get("NORM", False)  # decode_gemm.py's producer, and a normed tile's scalers
     threads = case.tile["THREADS"] + (128 * warpgroups if case.function == "decode_gemm" else 0)
     source = (KERNELS / case.template).read_text()

@@ -6,10 +6,10 @@ release a stage once its GEMMs are done. A producer warpgroup issues the TMA loa
 then feeds the step's rows by predicated cp.async (rows past M zero-filled, never read) and the remaining weight
 tiles as stages free up; the consumers run mma.sync on 16-row tiles and the epilogue. M is dynamic; N and K are
 fixed. The plan serves every GEMM's steps of up to 16 rows with it (decode_16x16; single GEMMs in CHAINS, below), the
-steps of up to 4 rows of the GEMMs with an RMSNorm prologue with its NORM form, and those of the single GEMMs with
-its SWAP_ROWS form in four chains, K split over a cluster of two (CLUSTER, session 12); the SPLIT form summed through
-global memory is a decode case of scripts/gpu/gemm_probe.py, which measured it no faster (docs/BENCHMARKS.md,
-sessions 8, 11 and 12).
+steps of up to 4 rows of the GEMMs with an RMSNorm prologue with its NORM form, and those of one row and of up to 4
+of the single GEMMs with its SWAP_ROWS form in four chains over both K halves (HALVES, session 14). The SPLIT forms,
+summed through global memory or over a cluster (CLUSTER, the plan's 4-row tile in sessions 12 and 13), are decode
+cases of scripts/gpu/gemm_probe.py: no faster than HALVES (docs/BENCHMARKS.md, sessions 8, 11, 12 and 14).
 
 CHAINS = 2 or 4 (a single GEMM): each stage's K halves (quarters) go to as many accumulators, summed before the
 epilogue, so a consumer warp runs independent chains of mma.sync; with one, each mma waited on the previous one's
@@ -38,21 +38,28 @@ SWAP_ROWS (8 or 16): the weight tile (or each of gate's and up's) is mma.sync's 
 weight rows) and the step's rows its B operand, so a stage holds SWAP_ROWS rows where the A operand needs 16, and the
 freed shared memory holds more weight stages.
 
+HALVES (SWAP_ROWS = 8, a single GEMM, unsplit): the A operand's 16 rows are 8 weight rows over both K halves (W read
+as [2N, K/2], the same memory: row 2i + h is weight row i's half h) and the B operand's 8 are 4 of the step's rows
+over both halves (rows 0-3 their first halves, 4-7 their second), so that a CTA streams 8 weight rows over the whole
+K: o_proj's 2560 columns make 320 CTAs of 8 steps with no split to sum across CTAs, as N = 5120, K = 2048 does
+(88% of the copy bandwidth, where the same 320 CTAs as a cluster-split o_proj reached 78-81%, session 14). Of the
+products, (2i, r) and (2i + 1, r + 4) pair like halves; the epilogue adds them, the rest go unused.
+
 NORM (SWAP_ROWS = 8, at most 4 rows a CTA): the [add +] RMSNorm prologue in the tile, where a launch of its own cost
 what the tile gained (2.8 us, session 8). A stage holds the step's 4 rows and X2's 4 (ADD); as they land, a second
-warpgroup after the producer (the scalers) sums them, writes the residual sum to S (the first column tile), keeps
-each row's sum of squares, and overwrites the stage with the sum times G split into a bf16 high part (rows 0-3) and
-its remainder (rows 4-7), so that the producer's loads never wait for a landing. The products of both halves are
-added in the epilogue and scaled by 1/rms, known only then: the normed row reaches the GEMM to 16 bits, not rounded to
-bf16 before the scale as the norm launch rounds it. G, a weight like W, is copied whole before the PDL wait, ahead of
-the first rows (QKV 8.4-8.6 us against 9.0-9.3 with a slice of G loaded beside each step's rows, session 13). PRE:
-weight stages issued before the previous kernel's end (PDL); a step's rows then go out before its weights, since
-rows requested behind a full SM's worth of weight loads waited several steps for them (the decode step at one row:
-2.60 ms with PRE = 1 against 2.78-2.84 with every stage ahead, docs/BENCHMARKS.md session 9). Without NORM, PRE
-likewise sends each step's rows before the weight stages not issued ahead (no faster for the single GEMMs, session
-11). The producer once scaled the rows itself, two steps after loading them: no faster for QKV, 3% slower for SiLU
-x up (session 11), and no faster than the scalers once G came whole (QKV 9.2-9.4 us against 9.1-9.2 at the same
-PRE, session 13)."""
+warpgroup after the producer (the scalers) sums them, writes the residual sum to S (the first column tile), keeps each
+row's sum of squares, and overwrites the stage with the sum times G split into a bf16 high part (rows 0-3) and its
+remainder (rows 4-7), so that the producer's loads never wait for a landing. The products of both halves are added in
+the epilogue and scaled by 1/rms, known only then: the normed row reaches the GEMM to 16 bits, not rounded to bf16
+before the scale as the norm launch rounds it. G, a weight like W, is copied whole before the PDL wait, ahead of the
+first rows (QKV 8.4-8.6 us against 9.0-9.3 with a slice of G loaded beside each step's rows, session 13). PRE: weight
+stages issued before the previous kernel's end (PDL); a step's rows then go out before its weights, since rows requested
+behind a full SM's worth of weight loads waited several steps for them (the decode step at one row: 2.60 ms with PRE = 1
+against 2.78-2.84 with every stage ahead, docs/BENCHMARKS.md session 9). Without NORM, PRE likewise sends each step's
+rows before the weight stages not issued ahead (no faster for the single GEMMs, session 11; for o_proj's halved tile of
+8 steps, 4 ahead of 6 stages, 5.5-5.7 us against 5.8-5.9, session 14). The producer once scaled the rows itself, two
+steps after loading them: no faster for QKV, 3% slower for SiLU x up (session 11), and no faster than the scalers once G
+came whole (QKV 9.2-9.4 us against 9.1-9.2 at the same PRE, session 13)."""
 
 import tilelang.language as T
 
@@ -80,7 +87,8 @@ CONSUMERS_BARRIER = 1  # a named barrier of the consumers alone (0 is the whole 
 
 def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: int, THREADS: int, MIN_BLOCKS: int,
                 PDL: bool = False, SPLIT: int = 1, SWAP_ROWS: int = 0, NORM: bool = False, ADD: bool = False,
-                WRITE_SUM: bool = False, EPS: float = 1e-6, PRE: int = 0, CHAINS: int = 1, CLUSTER: bool = False):
+                WRITE_SUM: bool = False, EPS: float = 1e-6, PRE: int = 0, CHAINS: int = 1, CLUSTER: bool = False,
+                HALVES: bool = False):
     assert K % (BLOCK_K * SPLIT) == 0, f"K={K} must split into {SPLIT} ranges of whole {BLOCK_K}-wide steps"
     assert SPLIT == 1 or not ACT, "a split tile sums one GEMM (SiLU x up needs both sums whole)"
     assert not NORM or SPLIT == 1, "a normed tile is not split"
@@ -93,11 +101,19 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
     assert PRE <= STAGES, f"PRE: weight stages issued before the rows (the PDL wait), at most {STAGES}, got {PRE}"
     assert CHAINS in (1, 2, 4) and (CHAINS == 1 or not ACT), f"CHAINS splits a single GEMM's stages in 1, 2 or 4 " \
         f"(SiLU x up has two GEMMs already), got {CHAINS} with ACT={ACT}"
+    assert not HALVES or (SWAP_ROWS == 8 and SPLIT == 1 and not (NORM or ACT)), "HALVES stacks a single GEMM's " \
+        f"two K halves in a swapped tile of 8 rows, unsplit: got SWAP_ROWS={SWAP_ROWS}, SPLIT={SPLIT}, NORM={NORM}, " \
+        f"ACT={ACT}"
+    assert not HALVES or K % (2 * BLOCK_K) == 0, f"HALVES: K={K} must split into two halves of whole {BLOCK_K}-wide " \
+        "steps"
     rows = SWAP_ROWS or ROWS  # mma rows a tile; SWAP_ROWS: the weight tile is mma's A operand and the rows its B
-    step_rows = rows // 2 if NORM else rows  # the step's rows a tile covers (NORM: each row's second half: below)
+    # the step's rows a tile covers: NORM's and HALVES' B holds 4 of them and a second part of each (below)
+    step_rows = rows // 2 if NORM or HALVES else rows
+    out_n = BLOCK_N // 2 if HALVES else BLOCK_N  # output columns a tile (HALVES: 8 weight rows, both K halves)
+    half = K // 2 if HALVES else 0  # HALVES: where the second K half begins
     sums_shape = (BLOCK_N, rows) if SWAP_ROWS else (ROWS, BLOCK_N)  # an accumulator's: acc, up and CHAINS' others
     M = T.dynamic("M")
-    steps = K // BLOCK_K // SPLIT  # of one CTA
+    steps = (K // 2 if HALVES else K) // BLOCK_K // SPLIT  # of one CTA
     ahead = min(PRE or STAGES, steps)  # weight tiles issued before the first rows
     w_rows = 2 * N if ACT else N
 
@@ -124,6 +140,10 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
             if ADD:
                 T.async_copy(X2[by * step_rows:(by + 1) * step_rows, col:col + BLOCK_K],
                              a_s[stage, step_rows:rows, :])
+        elif HALVES:  # the step's 4 rows over both K halves, as the weights
+            T.async_copy(A[by * step_rows:(by + 1) * step_rows, col:col + BLOCK_K], a_s[stage, 0:step_rows, :])
+            T.async_copy(A[by * step_rows:(by + 1) * step_rows, half + col:half + col + BLOCK_K],
+                         a_s[stage, step_rows:rows, :])
         else:
             T.async_copy(A[by * rows:(by + 1) * rows, col:col + BLOCK_K], a_s[stage, :, :])
         T.cp_async_barrier_noinc(a_full[stage])  # arrives once all this thread's copies so far have landed
@@ -205,6 +225,19 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
                     C[by * step_rows + r, bx * BLOCK_N + i] = T.cast(gate / (1.0 + T.exp(-gate)) * value, BF16)
                 else:
                     C[by * step_rows + r, bx * BLOCK_N + i] = T.cast(gate, BF16)
+
+    @T.macro
+    def store_halves(C, acc, sums, bx, by):
+        """HALVES: output (r, i) is weight row i's first K half times row r's plus its second times row r's second:
+        products (2i, r) and (2i + 1, r + 4) of the tile (W's [2N, K/2] view interleaves a row's halves; the
+        stage's rows are 4 first halves, then 4 second; the other products pair one half with the other: unused),
+        added across threads through shared memory."""
+        T.copy(acc, sums[0, :, :])
+        T.sync_threads(CONSUMERS_BARRIER, THREADS)
+        for i, r in T.Parallel(out_n, step_rows):
+            if by * step_rows + r < M:
+                C[by * step_rows + r, bx * out_n + i] = T.cast(sums[0, 2 * i, r] + sums[0, 2 * i + 1, r + step_rows],
+                                                               BF16)
 
     @T.macro
     def store_sums(C, acc, up, bx, by):
@@ -331,6 +364,8 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
         if NORM:
             T.mbarrier_wait_parity(rstd_full[0], 0)
             store_normed(C, acc, up, sums, rstd, bx, by)
+        elif HALVES:
+            store_halves(C, acc, sums, bx, by)
         elif CLUSTER:
             meet_cluster(C, parts, acc, bx, by, bz)
         elif SPLIT > 1:
@@ -342,7 +377,7 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
     def tile(A, X2, G, S, W, C, P, tickets):
         threads = THREADS + PRODUCER * (2 if NORM else 1)  # NORM: a warpgroup of scalers after the producer
         cluster = dict(cluster_dims=(1, 1, SPLIT), prelude=PEER_STORE) if CLUSTER else {}
-        with T.Kernel(N // BLOCK_N, T.ceildiv(M, step_rows), SPLIT, threads=threads, **cluster) as (bx, by, bz):
+        with T.Kernel(N // out_n, T.ceildiv(M, step_rows), SPLIT, threads=threads, **cluster) as (bx, by, bz):
             a_s = T.alloc_shared((STAGES, rows, BLOCK_K), BF16)
             w_s = T.alloc_shared((STAGES, BLOCK_N, BLOCK_K), BF16)
             u_s = None  # ACT=0: no up half
@@ -370,6 +405,8 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
                 rstd = T.alloc_shared((step_rows,), T.float32, scope="shared")
                 rstd_full = T.alloc_barrier([PRODUCER])
                 sums = T.alloc_shared((2 if ACT else 1, BLOCK_N, rows), T.float32, scope="shared")
+            if HALVES:  # the epilogue's pairs of products
+                sums = T.alloc_shared((1, BLOCK_N, rows), T.float32, scope="shared")
             ticket, parts = None, None
             if CLUSTER:  # the other ranks' sums, in rank 0's shared memory
                 parts = T.alloc_shared((SPLIT - 1, *sums_shape), T.float32, scope="shared")
@@ -420,7 +457,10 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
             tile(A, None, G, None, W, C, None, None)
         return decode_gemm_norm
 
+    # HALVES: W as [2N, K/2], the same memory, so that a TMA box of 16 rows holds 8 weight rows' two K halves
+    w_shape = (2 * N, K // 2) if HALVES else (w_rows, K)
+
     @T.prim_func
-    def decode_gemm(A: T.Tensor((M, K), BF16), W: T.Tensor((w_rows, K), BF16), C: T.Tensor((M, N), BF16)):
+    def decode_gemm(A: T.Tensor((M, K), BF16), W: T.Tensor(w_shape, BF16), C: T.Tensor((M, N), BF16)):
         tile(A, None, None, None, W, C, None, None)
     return decode_gemm
