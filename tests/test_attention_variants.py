@@ -82,3 +82,28 @@ def check_variant(graph, node, spec, variant: str, step: tuple[list[int], list[i
     got = to_numpy(launch_kernel(chosen, node, {n: to_torch(a) for n, a in arrays.items()}, sizes)[inner.outputs[0]])
     expected = get_op("paged_attention").reference(*values.values(), **inner.attrs)
     np.testing.assert_allclose(got.reshape(expected.shape), expected, atol=2e-5, rtol=2e-5)
+
+
+def test_split_kv_slices_past_the_keys_store_only_their_log_sum_exp(attention):
+    """Slices are whole tiles of keys, so a short context leaves most of a sequence's slices without any (here the
+    decode rows' contexts of 40 and 3: only slice 0 has keys): those write a log-sum-exp of -inf and leave their
+    partial output alone (the merge skips them), while slice 0 writes both."""
+    graph, node, spec = attention
+    (inner,) = node.attrs["nodes"]
+    types = graph.value_types()
+    _, heads, head_dim = types[inner.inputs[0]].shape
+    values = step_inputs(np.random.default_rng(7), heads, types[inner.inputs[1]].shape[2], head_dim, *SHORT_CHUNK)
+    sizes = {"tokens": sum(SHORT_CHUNK[0]), "batch": 3, "num_blocks": 16, "block_size": BLOCK_SIZE, "max_blocks": 5,
+             **launch_sizes(values["q_lens"])}
+    (picked,) = [v for v in spec.variants if v.name == "split_kv"]
+    chosen = dataclasses.replace(spec, variants=[dataclasses.replace(picked, max_rows=None, min_sizes={})])
+    scratch = {name: to_torch(np.full([sizes.get(d, d) for d in shape], np.nan, np.float32))
+               for name, (_, shape) in spec.scratch.items()}
+    env = {n: to_torch(a) for n, a in zip(inner.inputs, values.values())} | scratch
+    launch_kernel(chosen, node, env, sizes)
+    splits = picked.launches[0].constexprs["SPLITS"]
+    lse = to_numpy(scratch["attention.part_lse"]).reshape(sizes["tokens"], heads, splits)
+    out = to_numpy(scratch["attention.part_out"]).reshape(sizes["tokens"], heads, splits, head_dim)
+    decode_tokens = values["starts"][1:]  # the two one-query sequences
+    assert np.isfinite(lse[decode_tokens, :, 0]).all() and np.isfinite(out[decode_tokens, :, 0]).all()
+    assert (lse[decode_tokens, :, 1:] == -np.inf).all() and np.isnan(out[decode_tokens, :, 1:]).all()

@@ -251,7 +251,9 @@ def paged_attention_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, st
                                  UPCAST_DOT: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
                                  PREFETCH: tl.constexpr):
     """paged_attention_kernel over one of SPLITS slices of the visible keys (flash decoding): writes each row's
-    normalised partial output and its log-sum-exp; attention_merge_kernel combines the slices."""
+    normalised partial output and its log-sum-exp; attention_merge_kernel combines the slices. A slice past the
+    keys (slices are whole tiles of BLOCK_KV: at a context of 128, 13 of 16 see none) writes only a log-sum-exp of
+    -inf, after the wait, which the merge skips: no queries read, no partial output stored."""
     if PDL:  # programmatic dependent launch: the next kernel may start at once; EARLY waits in _attend
         gdc_launch_dependents()
         if not EARLY:
@@ -261,17 +263,23 @@ def paged_attention_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, st
     token, head, row_ok, q_pos, kv_begin, kv_end, fresh = _query_rows(
         starts_ptr, q_lens_ptr, ctx_lens_ptr, seq, kv_head, q_tile, GROUP, GROUP_P2, BLOCK_Q, WINDOW)
     span = tl.cdiv(tl.cdiv(kv_end - kv_begin, SPLITS), BLOCK_KV) * BLOCK_KV
-    acc, m_i, l_i = _attend(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, stride_q, stride_tables, seq, kv_head,
-                            token, head, row_ok, q_pos, kv_begin + split * span,
-                            tl.minimum(kv_end, kv_begin + (split + 1) * span), fresh, SCALE, KV_HEADS, HD,
-                            CACHE_BLOCK, BLOCK_D, BLOCK_Q * GROUP_P2, BLOCK_KV, WINDOW, UPCAST_DOT, PDL, EARLY,
-                            PREFETCH)
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i)))
+    lo = kv_begin + split * span
     slot = (token * HEADS + head) * SPLITS + split
-    offs_d = tl.arange(0, BLOCK_D)
-    tl.store(part_out_ptr + slot[:, None] * HD + offs_d[None, :], out, mask=row_ok[:, None] & (offs_d < HD)[None, :])
-    tl.store(part_lse_ptr + slot, lse, mask=row_ok)
+    if lo < kv_end:
+        acc, m_i, l_i = _attend(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, stride_q, stride_tables, seq, kv_head,
+                                token, head, row_ok, q_pos, lo, tl.minimum(kv_end, lo + span), fresh, SCALE,
+                                KV_HEADS, HD, CACHE_BLOCK, BLOCK_D, BLOCK_Q * GROUP_P2, BLOCK_KV, WINDOW, UPCAST_DOT,
+                                PDL, EARLY, PREFETCH)
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i)))
+        offs_d = tl.arange(0, BLOCK_D)
+        tl.store(part_out_ptr + slot[:, None] * HD + offs_d[None, :], out,
+                 mask=row_ok[:, None] & (offs_d < HD)[None, :])
+        tl.store(part_lse_ptr + slot, lse, mask=row_ok)
+    else:
+        if PDL and EARLY:  # the merge of the layer before may still read part_lse until then
+            gdc_wait()
+        tl.store(part_lse_ptr + slot, tl.full(slot.shape, float("-inf"), tl.float32), mask=row_ok)
 
 
 @triton.jit
