@@ -252,9 +252,10 @@ def paged_attention_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, st
                                  PREFETCH: tl.constexpr):
     """paged_attention_kernel over one of SPLITS slices of the visible keys (flash decoding): writes each row's
     normalised partial output and its log-sum-exp; attention_merge_kernel combines the slices. A slice past the
-    keys (slices are whole tiles of BLOCK_KV: at a context of 128, 13 of 16 see none) writes only a log-sum-exp of
-    -inf, after the wait, which the merge skips: no queries read, no partial output stored."""
-    if PDL:  # programmatic dependent launch: the next kernel may start at once; EARLY waits in _attend
+    keys (slices are whole tiles of BLOCK_KV: after 128 cached tokens, 13 of 16 see none) writes only a log-sum-exp
+    of -inf, after the wait, which the merge skips: no queries read, no partial output stored."""
+    if PDL:  # programmatic dependent launch: the next kernel may start at once; EARLY waits later (in _attend, or
+        # before an empty slice's log-sum-exp)
         gdc_launch_dependents()
         if not EARLY:
             gdc_wait()
