@@ -48,8 +48,7 @@ def decode_case(label: str, n: int, k: int, act: int, block_n: int, stages: int,
     memory); swap_rows: the weight tile as mma's A operand, that many rows as its B; norm: the add + RMSNorm inside,
     scaled as they land by a warpgroup of their own; pre: weight stages before the wait; chains: a single GEMM's
     stage as that many K slices into as many sums; halves: 8 weight rows and 4 rows a CTA, each over both K
-    halves), or gemm.py's 16-row tile with rows by cp.async (a tuning
-    candidate of the plan)."""
+    halves), or gemm.py's 16-row tile with rows by cp.async (a tuning candidate of the plan)."""
     tile = dict(BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, THREADS=threads, MIN_BLOCKS=min_blocks)
     if template == "gemm.py":
         return Case(label, n, k, act, dict(tile, BLOCK_M=16, SWIZZLE=0, ASYNC_ROWS=True), decode=True)
@@ -193,8 +192,8 @@ def launch_spec(case: Case):
         constexprs["RESIDUAL"] = False
     # a tile's rows and output columns: a normed tile's 8 rows are 4 and X2's (then the low halves), a halved tile's
     # 4 over both K halves, and its 16 weight rows 8 over both halves
-    halves = 2 if case.tile.get("NORM") or case.tile.get("HALVES") else 1
-    rows = case.tile.get("BLOCK_M", case.tile.get("SWAP_ROWS") or 16) // halves
+    paired = 2 if case.tile.get("NORM") or case.tile.get("HALVES") else 1
+    rows = case.tile.get("BLOCK_M", case.tile.get("SWAP_ROWS") or 16) // paired
     columns = case.tile["BLOCK_N"] // (2 if case.tile.get("HALVES") else 1)
     grid = (GridDim((case.n,), columns), GridDim(("tokens",), rows), GridDim((split,)))
     warpgroups = 1 + case.tile.get("NORM", False)  # decode_gemm.py's producer, and a normed tile's scalers
