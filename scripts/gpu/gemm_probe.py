@@ -173,6 +173,12 @@ CASES = (
       for bk, st, mb, ch, pre in ((128, 12, 3, 4, 0), (128, 10, 3, 4, 0), (128, 12, 3, 2, 0), (128, 8, 4, 4, 0),
                                   (256, 4, 4, 4, 0), (256, 3, 5, 4, 0), (256, 6, 3, 4, 2), (256, 6, 3, 4, 4),
                                   (256, 5, 3, 4, 3))],
+    # 8 weight rows a CTA at 16 rows (o_proj's 320 CTAs, as the halved tile's, each stage two thirds rows): 7.2-7.5
+    # us at 1, 4 and 16 rows alike, as the 160 CTAs of 16 weight rows (session 15)
+    *[decode_case(f"{name} dg 16x8 s{st} b{mb} c{ch}{f' p{pre}' if pre else ''}", n, k, 0, 8, st, 32, mb, chains=ch,
+                  pre=pre)
+      for name, n, k, act in DECODE_SHAPES if name in ("o_proj", "down")
+      for st, mb, ch, pre in ((6, 3, 4, 0), (6, 3, 2, 0), (5, 3, 4, 0), (8, 2, 4, 0), (6, 3, 4, 3), (4, 4, 4, 0))],
 )
 
 
