@@ -100,8 +100,7 @@ def plan_model(spec: ModelSpec, options: PlanOptions, backends: tuple[str, ...] 
                 from pegainfer.backends.tilelang import plan as tilelang_plan
                 extra = tilelang_plan.candidates(graph, node, options)
                 kernel.variants += extra
-                if any(launch.function == "add_rms_norm" for v in extra for launch in v.launches):
-                    kernel.scratch.update(tilelang_plan.gemm_scratch(graph, node))
+                kernel.scratch.update(tilelang_plan.gemm_scratch(graph, node, extra))
             if "cute" in backends:
                 from pegainfer.backends.cute import plan as cute_plan
                 kernel.variants += cute_plan.candidates(graph, node, options)

@@ -25,7 +25,9 @@ class GridDim:
 @dataclass(frozen=True)
 class Param:
     """One kernel parameter, in order. kind 'tensor': `value` names a graph value (its pointer is passed);
-    kind 'int': `value` is 'stride:<graph value>' (its leading-dim stride, in elements) or 'dim:<symbol>'.
+    kind 'int': `value` is 'stride:<graph value>' (its leading-dim stride, in elements), 'rows:<graph value>' (its
+    leading dim) or 'dim:<symbol>'. A tensor value 'planes:<graph value>' names a split GEMM's fp32 planes of that
+    value (runtime/gpu/planes.py).
     The TileLang and CuTe DSL backends name their kernel's buffers here; the ABI they record in the manifest is
     read from the compiler's output, in its order, with kinds of its own (tma: a descriptor passed by value)."""
     name: str
@@ -46,6 +48,9 @@ class LaunchSpec:
     num_warps: int = 4
     num_stages: int = 2
     backend: str = "triton"  # which compiler builds it: triton, tilelang, cute
+    # run by the runtime only where a kernel after it reads what it writes (a split GEMM's sum of its planes, which a
+    # norm launch after it can add itself)
+    deferred: bool = False
 
 
 def fits(max_rows: int | None, rows: int) -> bool:

@@ -25,7 +25,8 @@ def test_gemm_probe_refuses_a_negative_sustain(tmp_path):
 
 
 def test_gemm_probe_decode_cases_launch_what_their_template_declares(gemm_probe):
-    """A split decode case passes the fp32 planes and tickets (a cluster's none: its CTAs meet in shared memory) and
+    """A split decode case passes the fp32 planes and tickets (a cluster's none: its CTAs meet in shared memory; a
+    partial one its planes, its output, alone) and
     launches SPLIT CTAs along z, a swapped one a row tile of SWAP_ROWS along y (a halved one 4 rows and 8 columns,
     each over both K halves); every decode case (decode_gemm.py's
     and gemm.py's tiles) covers N with whole tiles and K with whole steps of each split, and its stages fit the
@@ -33,13 +34,15 @@ def test_gemm_probe_decode_cases_launch_what_their_template_declares(gemm_probe)
     decode = [c for c in gemm_probe.CASES if c.decode]
     assert {6144, 2560, 9728} <= {c.n for c in decode}  # the 4B model's, and the probe's own widths beside them
     assert any(c.tile.get("NORM") for c in decode) and any(c.tile.get("CLUSTER") for c in decode)
-    assert any(c.tile.get("HALVES") for c in decode)
+    assert any(c.tile.get("HALVES") for c in decode) and any(c.tile.get("PARTIAL") for c in decode)
     for case in decode:
         launch, tile = gemm_probe.launch_spec(case), case.tile
         split, norm, halves = tile.get("SPLIT", 1), tile.get("NORM", False), tile.get("HALVES", False)
         names = [p.name for p in launch.params]
         planes = split > 1 and not tile.get("CLUSTER")
         expected = ["A", "W", "C", "P", "tickets", "M"] if planes else ["A", "W", "C", "M"]
+        if tile.get("PARTIAL"):  # the planes are its output
+            expected = ["A", "W", "P", "M"]
         assert names == (["A", "X2", "G", "S", "W", "C", "M"] if norm else expected), case.label
         assert launch.grid[2].factors == (split,) and case.n % tile["BLOCK_N"] == 0
         # a normed tile covers 4 rows: its 8-row stage holds X2's 4, then each product's low half; a halved one 4

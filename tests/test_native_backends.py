@@ -109,11 +109,11 @@ def test_tilelang_decode_tiles_stream_weights_by_tma_and_fit_their_ctas_per_sm(c
     past the rows), mma.sync (HMMA), and registers and shared memory that let an SM hold MIN_BLOCKS CTAs."""
     todo, _, results = compiled
     keys = [key for (sm, key) in results if sm == 90 and "/decode_" in key]
-    assert {key.split("/")[1] for key in keys} == {"decode_16x16", "decode_norm", "decode_halves"}
+    assert {key.split("/")[1] for key in keys} == {"decode_16x16", "decode_norm", "decode_halves", "decode_planes"}
     for key in keys:
         launch, native = todo[(90, key)], results[(90, key)]
-        if launch.function == "add_rms_norm":
-            continue  # the norm launch before a GEMM with a norm
+        if launch.function in ("add_rms_norm", "sum_planes"):
+            continue  # the norm launch before a GEMM with a norm; a split GEMM's deferred sum
         code = sass(native.cubin, tmp_path)
         assert "UTMALDG" in code and "LDGSTS" in code and "HMMA" in code and "HGMMA" not in code, key
         blocks = launch.constexprs["MIN_BLOCKS"]
@@ -431,6 +431,29 @@ def test_tilelang_cluster_split_tile_meets_in_the_first_ctas_shared_memory(gemm_
     assert "tickets" not in code and "__threadfence" not in code
     instructions = sass(native.cubin, tmp_path)
     assert instructions.count("UCGABAR_ARV") == instructions.count("UCGABAR_WAIT") == 2
+
+
+def test_tilelang_split_gemm_leaves_its_planes_to_the_norm_launch_after_it(compiled, tmp_path):
+    """o_proj's and down's 16-row tile (PARTIAL) stores its fp32 planes with no fence, ticket or C; the deferred sum
+    adds them in plane order into C; the norm launch after o_proj adds up to 4 planes of its X2 (their loads issued
+    together, each predicated on the planes there are, PR: a branch a plane waited for each in turn) where they are
+    given, X2 as stored where not."""
+    todo, _, results = compiled
+    for node in ("o_proj", "down"):
+        gemm, total = results[(90, f"{node}/decode_planes/0")], results[(90, f"{node}/decode_planes/1")]
+        code = gemm.files["cu"]
+        assert "P[" in code or "(P + " in code
+        assert "tickets" not in code and "__threadfence" not in code and "atomic" not in code.lower()
+        assert [p["value"] for p in gemm.abi if p["kind"] == "tensor"] == ["gated" if node == "down" else
+                                                                           "attention_flat", f"planes:{node}"]
+        assert todo[(90, f"{node}/decode_planes/1")].deferred and not todo[(90, f"{node}/decode_planes/0")].deferred
+        assert {p["value"] for p in total.abi if p["kind"] == "tensor"} == {f"planes:{node}", node}
+    norm = results[(90, "attn_residual/decode_16x16/0")]
+    body = norm.files["cu"][norm.files["cu"].index("add_rms_norm_kernel("):]
+    assert "for (int s = 0; s < 4; ++s) {" in body and "(0 < PR)" in body
+    assert body.index("cudaGridDependencySynchronize") < body.index("(P + ") < body.index("AllReduce")
+    # each plane's loads predicated on PR, not behind a branch a plane: 3 planes' 5 16-byte loads at least
+    assert len(re.findall(r"@!?P\d+ LDG\.E\.128", sass(norm.cubin, tmp_path))) >= 15
 
 
 def test_tilelang_norm_launch_loads_its_weight_before_waiting_for_the_previous_kernel(compiled):

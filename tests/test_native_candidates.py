@@ -107,7 +107,7 @@ def test_decode_tiles_serve_four_and_sixteen_rows_with_the_chained_tile_first():
     offered = 0
     for graph, node in gemms:
         decode = [v for v in tilelang_plan.candidates(graph, node, PlanOptions(block_size=16))
-                  if v.max_rows is not None and v.name not in ("decode_norm", "decode_halves")]
+                  if v.max_rows is not None and v.name not in ("decode_norm", "decode_halves", "decode_planes")]
         if not decode:
             continue
         offered += 1
@@ -133,6 +133,63 @@ def test_decode_tiles_serve_four_and_sixteen_rows_with_the_chained_tile_first():
             assert [launch.function for launch in norm] == (["add_rms_norm"] if gemm_roles(node)["norm"] else [])
             assert all(launch.constexprs["PDL"] for launch in norm), "the norm launch lets its GEMM start at once"
     assert offered == 4, "QKV, o_proj, gate/up and down each get decode tiles"
+
+
+def test_split_tile_serves_sixteen_rows_where_the_next_norm_launch_adds_its_planes():
+    """o_proj and down (read only as the X2 of the next norm launch's add: down's through the next layer's input)
+    get decode_gemm.py's PARTIAL tile first at 16 rows: 32 weight rows a CTA over a quarter of K, its fp32 planes
+    ([64, N]) a scratch of the kernel, then the sum of those planes into C, deferred; the norm launches of QKV and
+    gate/up name X2's planes and their rows; QKV and gate/up, whose outputs go elsewhere, get no split tile."""
+    from pegainfer.backends.tilelang.plan import MAX_PLANES, PLANES_TILE, SM90_SHARED
+
+    planned = {}
+    for graph, node in kernels(CONFIGS / "qwen3-4b.json"):
+        if "linear" not in fused_ops(node) or "top_k" in fused_ops(node):
+            continue
+        variants = tilelang_plan.candidates(graph, node, PlanOptions(block_size=16))
+        planned[node.name] = (graph, node, variants)
+    for name in ("hidden", "attn_residual"):
+        graph, node, variants = planned[name]
+        assert "decode_planes" not in [v.name for v in variants], name
+        x2 = gemm_roles(node)["x2"]
+        for v in variants:
+            if v.name != "decode_16x16":
+                continue
+            norm = v.launches[0]
+            assert norm.function == "add_rms_norm" and norm.constexprs["PLANES"] == MAX_PLANES >= PLANES_TILE["SPLIT"]
+            assert [(p.name, p.kind, p.value) for p in norm.params[-2:]] == [
+                ("P", "tensor", f"planes:{x2}"), ("PR", "int", f"rows:planes:{x2}")]
+    for name, k in (("o_proj", 4096), ("down", 9728)):
+        graph, node, variants = planned[name]
+        sixteen = [v.name for v in variants if v.max_rows == 16]
+        assert sixteen[0] == "decode_planes" and "decode_16x16" in sixteen, sixteen
+        (v,) = [v for v in variants if v.name == "decode_planes"]
+        gemm, total = v.launches
+        tiles = gemm.constexprs
+        assert (tiles["PARTIAL"], tiles["SPLIT"], tiles["BLOCK_N"], tiles["PDL"]) == (True, 4, 32, True)
+        assert tiles["BLOCK_K"] == (256 if k == 4096 else 128) and k % (tiles["BLOCK_K"] * 4) == 0
+        stage = (16 + tiles["BLOCK_N"]) * tiles["BLOCK_K"] * 2
+        assert tiles["MIN_BLOCKS"] * (tiles["STAGES"] * stage + 2048) <= SM90_SHARED
+        assert [p.value for p in gemm.params] == [gemm_roles(node)["x"], gemm_roles(node)["weight"], f"planes:{name}",
+                                                  "dim:tokens"]
+        assert total.function == "sum_planes" and total.deferred and not gemm.deferred
+        assert {p.value for p in total.params} == {f"planes:{name}", name, "dim:tokens"}
+        assert tilelang_plan.gemm_scratch(graph, node, variants)[f"planes:{name}"] == ("f32", (64, 2560))
+        assert 2560 // tiles["BLOCK_N"] * tiles["SPLIT"] == 320
+
+
+def test_no_split_tile_where_a_kernel_reads_the_output_itself(tmp_path):
+    """Gemma 3 norms o_proj's output before its add (a plain norm launch reads it): the planes would be summed by a
+    launch of their own, so o_proj keeps the 16x16 tile there (at the 4B model's width, where it would have 320)."""
+    config = json.loads((CONFIGS / "gemma-3-1b.json").read_text()) | {"hidden_size": 2560}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    for graph, node in kernels(tmp_path / "config.json"):
+        if fused_ops(node) == ["linear"] and gemm_roles(node)["out"].startswith("o_proj"):
+            names = [v.name for v in tilelang_plan.candidates(graph, node, PlanOptions(block_size=16))]
+            assert "decode_planes" not in names and "decode_16x16" in names, names
+            break
+    else:
+        raise AssertionError(f"no o_proj kernel in {config['architectures']}")
 
 
 def qwen3_gemm_candidates():

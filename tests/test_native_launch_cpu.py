@@ -37,17 +37,20 @@ def test_pack_launch_lays_out_tma_pointer_and_int_arguments():
     params = [{"name": "A_desc", "kind": "tma", "value": "x", "tma": DESCRIPTOR},
               {"name": "R", "kind": "tensor", "value": "r"},
               {"name": "M", "kind": "int", "value": "dim:tokens"},
-              {"name": "MAXB", "kind": "int", "value": "stride:tables"}]
+              {"name": "MAXB", "kind": "int", "value": "stride:tables"},
+              {"name": "PR", "kind": "int", "value": "rows:planes:r"}]
     tensors = {"x": DeviceTensor.contiguous(0x10000, (300, 2560), BF16),
                "r": DeviceTensor.contiguous(0x20000, (300, 2560), BF16),
-               "tables": DeviceTensor(0x30000, (2, 7), dtype_from_name("i32"), 64)}
+               "tables": DeviceTensor(0x30000, (2, 7), dtype_from_name("i32"), 64),
+               "planes:r": DeviceTensor.contiguous(0x50000, (48, 2560), dtype_from_name("f32"))}
     args = pack_launch(params, tensors, {"tokens": 300}, encode=encode)
-    pointers = [args.pointers[i] for i in range(4)]
+    pointers = [args.pointers[i] for i in range(5)]
     assert pointers[0] % 64 == 0 and ctypes.string_at(pointers[0], TENSOR_MAP_BYTES) == bytes(range(128))
     assert seen[0].address == 0x10000 and seen[0].dims == (2560, 300)
     assert ctypes.c_uint64.from_address(pointers[1]).value == 0x20000
     assert ctypes.c_int32.from_address(pointers[2]).value == 300
     assert ctypes.c_int32.from_address(pointers[3]).value == 64
+    assert ctypes.c_int32.from_address(pointers[4]).value == 48  # rows:<value>, its leading dim
 
 
 def test_memoized_encoder_encodes_each_descriptor_once():

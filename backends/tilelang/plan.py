@@ -1,17 +1,20 @@
 """Planning TileLang candidates for the kernels where Hopper's own instructions pay: the GEMMs of prefill-sized
 steps (TMA + wgmma, the SiLU x up epilogue over the merged gate/up weight; an RMSNorm prologue becomes a row
 launch first, since TMA feeds the tensor cores the operand as stored), the GEMMs of decode steps of 2 to 16 rows
-(weights streamed by TMA, mma.sync), of 1 to 4 rows where the GEMM has a norm (the norm inside the tile) and of 1 to
-4 rows of a single GEMM (the swapped tile in four mma chains over both K halves of 8 weight rows), and causal
-attention of prefill-shaped steps. A kernel TileLang cannot serve gets no candidate, and the other backends'
+(weights streamed by TMA, mma.sync), of 1 to 4 rows where the GEMM has a norm (the norm inside the tile), of 1 to
+4 rows of a single GEMM (the swapped tile in four mma chains over both K halves of 8 weight rows) and of up to 16 rows
+of a single GEMM whose output the next kernel's norm launch adds (a K split into fp32 planes that launch adds), and
+causal attention of prefill-shaped steps. A kernel TileLang cannot serve gets no candidate, and the other backends'
 variants serve it."""
 
+from dataclasses import replace
 from pathlib import Path
 
 from pegainfer.backends.native_gemm import native_gemm
 from pegainfer.backends.spec import GridDim, LaunchSpec, Param, VariantSpec
 from pegainfer.backends.triton.plan import PREFILL_QUERIES, PlanOptions, gemm_roles, static_layout
-from pegainfer.ir.graph import Graph, Node
+from pegainfer.errors import PegainferError
+from pegainfer.ir.graph import KERNEL, Graph, Node
 from pegainfer.ir.kernel import fused_ops
 
 KERNELS = Path(__file__).parent / "kernels"
@@ -86,10 +89,23 @@ NORMED_FORM = dict(BLOCK_N=16, BLOCK_K=256, THREADS=32, MIN_BLOCKS=3, SWAP_ROWS=
 HALVED_TILE = dict(BLOCK_N=16, BLOCK_K=256, STAGES=6, THREADS=32, MIN_BLOCKS=3, SWAP_ROWS=8, CHAINS=4, HALVES=True)
 SHORT_STEPS, SHORT_PRE = 8, 4
 HALVED_MIN_CTAS = 264
+# Steps of up to 16 rows of a single GEMM whose output the next kernel adds (o_proj, down): decode_gemm.py's PARTIAL
+# tile, 32 weight rows a CTA over a quarter of K (SPLIT), so that a 16-row stage is two thirds weights at 320 CTAs for
+# 2560 columns, its four fp32 planes added by the next kernel's norm launch (rows.py's PLANES), since summing them in
+# the tile (a ticket, a cluster) cost 3 us of o_proj's 6. K steps of 256 where a quarter of K holds whole ones
+# (o_proj: 4 steps, 3 stages, 2 of them before the PDL wait), else of 128 in 6 stages (down: 19 steps). At 16 rows
+# (docs/BENCHMARKS.md session 16, kernels.py, PDL): o_proj 5.7 us (86% of the copy bandwidth) against 7.1 for the
+# 16x16 tile, down 13.3 (88%) against 14.7; the steps at batch 8 and 16 6-7% faster (medians of 3 rounds), though
+# the 72 norm launches adding the planes were charged 236 us a batch-16 step (148 in session 14's profile). Loading
+# the planes one after another (a loop over them) had made those launches slower still and the steps 3-4% slower.
+PLANES_TILE = dict(BLOCK_N=32, SPLIT=4, THREADS=64, MIN_BLOCKS=3, CHAINS=4)
+PLANES_LONG = dict(BLOCK_K=256, STAGES=3, PRE=2)
+PLANES_SHORT = dict(BLOCK_K=128, STAGES=6)
+MAX_PLANES = 4  # the planes a norm launch can add (rows.py's PLANES), at least PLANES_TILE's SPLIT
 # what CI compiles for every kernel they fit
 DEFAULT_VARIANTS = ("wgmma_128x160_rows", "wgmma_128x192_rows", "wgmma_128x256_merged", "wgmma_128x128_rows",
                     "mma_128x128", "flash_ws_128x128", "flash_128x128", "decode_16x16", "decode_norm",
-                    "decode_halves")
+                    "decode_halves", "decode_planes")
 
 
 def candidates(graph: Graph, node: Node, options: PlanOptions) -> list[VariantSpec]:
@@ -131,14 +147,21 @@ def _gemm(graph: Graph, node: Node) -> list[VariantSpec]:
             params.insert(3, _tensor("S", roles["sum"]))
         norm = dict(K=k, EPS=float(roles["eps"]), ADD=roles["x2"] is not None, WRITE_SUM=roles["sum"] is not None,
                     THREADS=128)
-        launches.append(_launch("gemm.py", "add_rms_norm", params, norm, (GridDim((row_symbol,)),), 128))
-        # the decode tiles' (sm_90 only, where programmatic launch exists): their GEMM's weights stream meanwhile
-        decode_launches.append(_launch("gemm.py", "add_rms_norm", params, norm | dict(PDL=True),
+        launches.append(_launch("rows.py", "add_rms_norm", params, norm, (GridDim((row_symbol,)),), 128))
+        # the decode tiles' (sm_90 only, where programmatic launch exists): their GEMM's weights stream meanwhile;
+        # X2 as stored, or as the planes of the split GEMM that made it (PLANES, see _planes_rows)
+        decode_params, planes = params, {}
+        if roles["x2"]:
+            decode_params = params + [_tensor("P", planes_of(roles["x2"]), "*fp32"),
+                                      Param("PR", "int", f"rows:{planes_of(roles['x2'])}", "i32")]
+            planes = dict(PLANES=MAX_PLANES)
+        decode_launches.append(_launch("rows.py", "add_rms_norm", decode_params, norm | dict(PDL=True) | planes,
                                        (GridDim((row_symbol,)),), 128))
     elif roles["x2"]:
         return []  # an add without a norm before a GEMM: not a shape the passes make
     gemm_params = [_tensor("A", operand), _tensor("W", roles["weight"]), _tensor("C", roles["out"]), dim]
-    variants += _decode_gemm(decode_launches, gemm_params, n, k, roles["act"], row_symbol)
+    variants += _decode_gemm(decode_launches, gemm_params, n, k, roles["act"], row_symbol,
+                             planes_read=_planes_read(graph, roles["out"]))
     for name, sms, tiles in GEMM_TILES:
         if not _tile_fits(tiles, n, roles["act"]):
             continue
@@ -184,12 +207,59 @@ def _halved_rows(launches: list[LaunchSpec], params: list[Param], n: int, k: int
     return [VariantSpec("decode_halves", slot, [*launches, gemm], "tilelang", sms=(90,)) for slot in (1, 4)]
 
 
-def _decode_gemm(launches: list[LaunchSpec], params: list[Param], n: int, k: int, act: int,
-                 row_symbol: str) -> list[VariantSpec]:
+def planes_of(value: str) -> str:
+    """The name a split GEMM's fp32 planes of `value` go by: its scratch, and the norm launch's P after it."""
+    return f"planes:{value}"
+
+
+def _planes_rows(params: list[Param], n: int, k: int, row_symbol: str) -> list[VariantSpec]:
+    """The 16-row slot of a single GEMM whose output the next kernel reads as its add's second operand:
+    decode_gemm.py's PARTIAL tile (see PLANES_TILE) writes SPLIT fp32 planes, which that kernel's norm launch adds;
+    `sum_planes` follows it, deferred: the runtime runs it only where a kernel reads C itself."""
+    a, w, c, dim = params
+    shape = PLANES_TILE | (PLANES_LONG if k % (PLANES_LONG["BLOCK_K"] * PLANES_TILE["SPLIT"]) == 0 else PLANES_SHORT)
+    if n % shape["BLOCK_N"] or k % (shape["BLOCK_K"] * shape["SPLIT"]) or \
+            n // shape["BLOCK_N"] * shape["SPLIT"] < HALVED_MIN_CTAS:
+        return []
+    planes = _tensor("P", planes_of(c.value), "*fp32")
+    grid = (GridDim((n,), shape["BLOCK_N"]), GridDim((row_symbol,), DECODE_TILE_M), GridDim((shape["SPLIT"],)))
+    gemm = _launch("decode_gemm.py", "decode_gemm", [a, w, planes, dim],
+                   dict(N=n, K=k, ACT=0, PDL=True, PARTIAL=True, **shape), grid, shape["THREADS"] + 128,
+                   shape["STAGES"])
+    total = _launch("rows.py", "sum_planes", [planes, c, dim], dict(N=n, SPLIT=shape["SPLIT"], THREADS=128, PDL=True),
+                    (GridDim((row_symbol,)),), 128)
+    return [VariantSpec("decode_planes", 16, [gemm, replace(total, deferred=True)], "tilelang", sms=(90,))]
+
+
+def _planes_read(graph: Graph, value: str) -> bool:
+    """Whether every kernel of `graph` reading `value` (or, for a body's carried output, the input it becomes in
+    the next repetition) adds it as its norm launch's second operand, which can read a split GEMM's planes: where
+    one does not, the runtime would sum the planes first, a launch more than the 16-row tile costs."""
+    names = [value]
+    if value in graph.outputs and graph.outputs.index(value) < len(graph.inputs):
+        names.append(list(graph.inputs)[graph.outputs.index(value)])
+    readers = [node for node in graph.nodes if set(names) & set(node.inputs)]
+    return bool(readers) and all(node.op == KERNEL and "linear" in fused_ops(node) and _adds_second(node, names)
+                                 for node in readers)
+
+
+def _adds_second(node: Node, names: list[str]) -> bool:
+    try:
+        roles = gemm_roles(node)
+    except PegainferError:
+        return False
+    return roles["norm"] is not None and roles["x2"] in names and roles["x"] not in names
+
+
+def _decode_gemm(launches: list[LaunchSpec], params: list[Param], n: int, k: int, act: int, row_symbol: str,
+                 planes_read: bool = False) -> list[VariantSpec]:
     """The 4- and 16-row slots: decode_gemm.py's 16x16 tile (behind the normed tile at 4 rows where the GEMM has a
-    norm, behind the halved one where it has none, which also serves the one-row slot), then gemm.py's 16x32 (a
-    single GEMM) and 16x64 for tuning."""
+    norm, behind the halved one where it has none, which also serves the one-row slot, and at 16 rows behind the
+    split tile whose planes the next kernel adds, where it does: `planes_read`), then gemm.py's 16x32 (a single
+    GEMM) and 16x64 for tuning."""
     variants = [] if act else _halved_rows(launches, params, n, k, row_symbol)
+    if not act and not launches and planes_read:
+        variants += _planes_rows(params, n, k, row_symbol)
     for name in ("decode_16x16", "decode_16x32", "decode_16x64"):
         block_n, block_k, threads, min_blocks = DECODE_TILES[name]
         if n % block_n or k % block_k or (act and name == "decode_16x32"):
@@ -222,11 +292,20 @@ def _tile_fits(tiles: dict, n: int, act: int) -> bool:
     return not act or tiles["BLOCK_M"] * tiles["BLOCK_N"] <= 128 * 128
 
 
-def gemm_scratch(graph: Graph, node: Node) -> dict[str, tuple[str, tuple]]:
-    """The normed rows a GEMM with a norm prologue writes for its TMA loads: [rows, K] bf16."""
-    roles = gemm_roles(node)
-    types = graph.value_types()
-    return {"gemm.normed": ("bf16", (types[roles["x"]].shape[0], types[roles["weight"]].shape[1]))}
+def gemm_scratch(graph: Graph, node: Node, variants: list[VariantSpec]) -> dict[str, tuple[str, tuple]]:
+    """What the variants' launches write besides the kernel's outputs: the normed rows of a norm launch, read by
+    the TMA loads of the GEMM after it ([rows, K] bf16), and a split GEMM's planes ([SPLIT x 16, N] fp32)."""
+    launches = [launch for v in variants for launch in v.launches]
+    scratch = {}
+    if any(launch.function == "add_rms_norm" for launch in launches):
+        roles = gemm_roles(node)
+        types = graph.value_types()
+        scratch["gemm.normed"] = ("bf16", (types[roles["x"]].shape[0], types[roles["weight"]].shape[1]))
+    for launch in launches:
+        if launch.constexprs.get("PARTIAL"):
+            rows = launch.constexprs["SPLIT"] * DECODE_TILE_M
+            scratch[launch.params[2].value] = ("f32", (rows, launch.constexprs["N"]))
+    return scratch
 
 
 def _attention(graph: Graph, node: Node, options: PlanOptions) -> list[VariantSpec]:

@@ -22,6 +22,7 @@ from pegainfer.runtime.cuda import driver
 from pegainfer.runtime.gpu.abi import DeviceTensor
 from pegainfer.runtime.gpu.launch import launch_kernel, load_function, programmatic
 from pegainfer.runtime.gpu.memory import ALIGN, Arena, aligned
+from pegainfer.runtime.gpu.planes import PLANES, DeferredSums, Pending
 from pegainfer.runtime.gpu.upload import params_bytes, upload_weights
 
 # Programmatic dependent launch (kernels compiled for sm_90 and later) for steps of at most this many tokens. On the
@@ -61,9 +62,10 @@ class GpuExecutor:
         arena = Arena(params_bytes(graph) + ALIGN * len(graph.expanded_params()), "weights")
         self.weights = upload_weights(graph, weights, ctx.stream, arena)
         sizes = limits.sizes()
-        self.buffers, self.scratch = self._allocate_activations(sizes)
-        for tensors in self.scratch.values():  # split GEMMs count on zeroed partial sums and tickets
-            for t in tensors.values():
+        self.buffers, self.scratch, self.planes = self._allocate_activations(sizes)
+        self.sums = DeferredSums()
+        for tensors in [*self.scratch.values(), *(c for copies in self.planes.values() for c in copies)]:
+            for t in tensors.values():  # split GEMMs count on zeroed partial sums and tickets
                 driver.memset(t.ptr, prod(t.shape) * t.dtype.itemsize, ctx.stream)
         self.states: dict[str, DeviceTensor] = {}  # the KV cache: allocate_kv, once the engine knows its size
         self.profile: list[tuple[str, driver.Event, driver.Event]] | None = None  # set to a list to time launches
@@ -97,23 +99,31 @@ class GpuExecutor:
                     functions[launch["key"]] = load_function(cubin, launch)
         return functions
 
-    def _allocate_activations(self, sizes: dict[str, int]) -> tuple[dict, dict]:
+    def _allocate_activations(self, sizes: dict[str, int]) -> tuple[dict, dict, dict]:
         """From one pool: (graph, buffer) -> device pointers (one, or two for a body's carry buffers, alternated
-        by layer), and each kernel's scratch tensors."""
+        by layer), each kernel's scratch tensors, and two copies of a split GEMM's planes (alternated by layer)."""
         need: dict[tuple[str, str], int] = {}
         for g in self.graph.all_graphs():
             types = g.value_types()
             for value, buffer in g.buffers.items():
                 need[(g.name, buffer)] = max(need.get((g.name, buffer), 0), _nbytes(types[value], sizes))
         copies = {key: 2 if key[1].startswith("carry") else 1 for key in need}
-        scratch_types = {key: _scratch_types(kernel) for key, kernel in self.kernels.items() if kernel.get("scratch")}
+        every = {key: _scratch_types(kernel) for key, kernel in self.kernels.items() if kernel.get("scratch")}
+        scratch_types = {key: {n: t for n, t in types.items() if not n.startswith(PLANES)}
+                         for key, types in every.items()}
+        plane_types = {key: {n: t for n, t in types.items() if n.startswith(PLANES)} for key, types in every.items()}
         total = sum(aligned(n) * copies[key] for key, n in need.items())
-        total += sum(aligned(_nbytes(t, sizes)) for types in scratch_types.values() for t in types.values())
+        total += sum(aligned(_nbytes(t, sizes)) * (2 if name.startswith(PLANES) else 1)
+                     for types in every.values() for name, t in types.items())
         arena = Arena(total, "activations")
         buffers = {key: [arena.take(n) for _ in range(copies[key])] for key, n in need.items()}
-        scratch = {key: {name: DeviceTensor.contiguous(arena.take(_nbytes(t, sizes)), t.concrete(sizes), t.dtype)
-                         for name, t in types.items()} for key, types in scratch_types.items()}
-        return buffers, scratch
+
+        def take(types: dict[str, TensorType]) -> dict[str, DeviceTensor]:
+            return {name: DeviceTensor.contiguous(arena.take(_nbytes(t, sizes)), t.concrete(sizes), t.dtype)
+                    for name, t in types.items()}
+        scratch = {key: take(types) for key, types in scratch_types.items()}
+        planes = {key: [take(types), take(types)] for key, types in plane_types.items() if types}
+        return buffers, scratch, planes
 
     def _allocate_inputs(self, sizes: dict[str, int]):
         """One device region and one pinned host region hold every step input, so a step uploads once."""
@@ -156,7 +166,9 @@ class GpuExecutor:
                for name, (offset, t) in self.inputs.items()}
         env["block_tables"] = DeviceTensor(env["block_tables"].ptr, env["block_tables"].shape,
                                            env["block_tables"].dtype, self.limits.max_blocks_per_seq)
+        self.sums = DeferredSums()
         outputs = self._run(self.graph, env, sizes, None)
+        self.sums.flush(outputs, self._run_pending)
         return dict(zip(self.graph.outputs, outputs))
 
     def _run(self, g: Graph, env: dict[str, DeviceTensor], sizes: dict[str, int], layer: int | None) -> list:
@@ -178,7 +190,8 @@ class GpuExecutor:
                 in_place = in_place_outputs(node)
                 for out in node.outputs:
                     env[out] = env[in_place[out]] if out in in_place else self._buffer(g, out, types[out], sizes, layer)
-                self._launch(self.kernels[(g.name, node.name)], env | self.scratch.get((g.name, node.name), {}), sizes)
+                self.sums.written([env[out] for out in node.outputs if out not in in_place])
+                self._launch(self.kernels[(g.name, node.name)], env | self._scratch(g.name, node.name, layer), sizes)
             elif node.op == "reshape":
                 source = env[node.inputs[0]]
                 env[node.outputs[0]] = source.reshape(types[node.outputs[0]].concrete(sizes))
@@ -197,18 +210,41 @@ class GpuExecutor:
         ptr = pointers[(layer or 0) % len(pointers)]
         return DeviceTensor.contiguous(ptr, type_.concrete(sizes), type_.dtype)
 
+    def _scratch(self, graph: str, node: str, layer: int | None) -> dict[str, DeviceTensor]:
+        """A kernel's scratch; a split GEMM's planes alternate by layer, as carry buffers do, so that the planes of
+        a layer's output, summed later, outlive the next layer's GEMM."""
+        planes = self.planes.get((graph, node), [{}])
+        return self.scratch.get((graph, node), {}) | planes[(layer or 0) % len(planes)]
+
     def _launch(self, kernel: dict, env: dict[str, DeviceTensor], sizes: dict[str, int]) -> None:
+        """The variant's launches; a deferred one (a split GEMM's sum) recorded instead, and run once a launch
+        reads its output other than through its planes (see runtime/gpu/planes.py)."""
         variant = pick_variant(kernel, sizes)
+        origin = f"{kernel['kind']}/{variant['name']}"
         for launch in variant["launches"]:
-            _, function = self.functions[launch["key"]]
-            if self.profile is not None:
-                events = (driver.Event(), driver.Event())
-                events[0].record(self.ctx.stream)
-            launch_kernel(function, launch, env, sizes, self.ctx.stream,  # the driver copies the arguments
-                          pdl=programmatic(launch, sizes, self.pdl_max_tokens))
-            if self.profile is not None:
-                events[1].record(self.ctx.stream)
-                self.profile.append((f"{kernel['kind']}/{variant['name']}/{launch['symbol']}", *events))
+            if launch.get("deferred"):
+                for pending in self.sums.defer(launch, env, sizes, origin):
+                    self._run_pending(pending)
+                continue
+            bound, first = self.sums.bind(launch, env)
+            for pending in first:
+                self._run_pending(pending)
+            self._run_launch(origin, launch, bound, sizes)
+
+    def _run_pending(self, pending: Pending) -> None:
+        self._run_launch(pending.origin, pending.launch, pending.env, pending.sizes)
+
+    def _run_launch(self, origin: str, launch: dict, env: dict[str, DeviceTensor], sizes: dict[str, int]) -> None:
+        """One launch; `origin` (kernel kind / variant) labels it in a profile."""
+        _, function = self.functions[launch["key"]]
+        if self.profile is not None:
+            events = (driver.Event(), driver.Event())
+            events[0].record(self.ctx.stream)
+        launch_kernel(function, launch, env, sizes, self.ctx.stream,  # the driver copies the arguments
+                      pdl=programmatic(launch, sizes, self.pdl_max_tokens))
+        if self.profile is not None:
+            events[1].record(self.ctx.stream)
+            self.profile.append((f"{origin}/{launch['symbol']}", *events))
 
     def fetch_all(self, tensors: list[DeviceTensor]) -> list[np.ndarray]:
         """Small contiguous tensors (a step's sampled tokens) in one round trip: each copied into pinned memory

@@ -16,6 +16,7 @@ from pegainfer.runtime.batch import Chunk, Sequence, pack_step
 from pegainfer.runtime.cuda import driver
 from pegainfer.runtime.gpu.abi import DeviceTensor
 from pegainfer.runtime.gpu.launch import launch_kernel, load_function, programmatic
+from pegainfer.runtime.gpu.planes import PLANES
 from pegainfer.runtime.kv_blocks import BlockAllocator
 
 _RANDOM = (np.random.default_rng(0).standard_normal(1 << 22) * 0.5).astype(np.float32)
@@ -48,7 +49,17 @@ def kernel_types(lowered: Graph, kernel: dict) -> dict[str, TensorType]:
     node = next(n for n in graph.nodes if n.name == kernel["node"])
     types = graph.value_types() | {o: t for n in node.attrs["nodes"] for o, t in zip(n.outputs, n.output_types)}
     scratch = kernel.get("candidate_scratch", kernel["scratch"])
-    return types | {name: TensorType(dtype_from_name(d), tuple(s)) for name, (d, s) in scratch.items()}
+    types |= {name: TensorType(dtype_from_name(d), tuple(s)) for name, (d, s) in scratch.items()}
+    # a norm launch's planes of its X2, which it reads when a split GEMM left them: none here (it reads X2)
+    read = {p["value"] for v in kernel["candidates"] for launch in v["launches"] for p in launch["params"]}
+    return types | {name: TensorType(dtype_from_name("f32"), (0, types[name[len(PLANES):]].shape[-1]))
+                    for name in read if name.startswith(PLANES) and name not in types}
+
+
+def step_launches(variant: dict) -> list[dict]:
+    """What a step runs of the variant where the kernels after it read its output as it leaves it: a deferred
+    launch (a split GEMM's sum of planes, which the norm launch after o_proj and down adds itself) left out."""
+    return [launch for launch in variant["launches"] if not launch.get("deferred")]
 
 
 class Buffers:

@@ -53,8 +53,9 @@ def pack_launch(params: list[dict], tensors: dict[str, DeviceTensor], sizes: dic
             assert len(data) == TENSOR_MAP_BYTES, f"{param['name']}: a CUtensorMap is 128 bytes, got {len(data)}"
             args.blob(data)
         elif kind == "int":
-            what, _, name = value.partition(":")
-            number = tensors[name].row_stride if what == "stride" else sizes[name]
+            what, _, name = value.partition(":")  # stride:<value>, rows:<value> (its leading dim) or dim:<symbol>
+            number = tensors[name].row_stride if what == "stride" else tensors[name].shape[0] if what == "rows" \
+                else sizes[name]
             assert -2**31 <= number < 2**31, f"{param['name']}={number} does not fit an i32 parameter"
             args.scalar(ctypes.c_int32(number))
         else:

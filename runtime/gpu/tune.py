@@ -2,7 +2,8 @@
 1k context; GEMMs and attention of a 4k-token prefill), write the winners into the cache per
 SM (sm_XX/tuning/<model>.json), and rewrite the manifest so the runtime launches them. A decode slot's runs each
 read their own copy of the weights, as a decode step streams them from memory: with one copy the L2 held much of
-a projection's weight, and the tuner chose tiles that lost in the decode step (docs/BENCHMARKS.md, session 6)."""
+a projection's weight, and the tuner chose tiles that lost in the decode step (docs/BENCHMARKS.md, session 6). A
+variant's deferred launch (a split GEMM's sum of planes, which the norm launch after it adds itself) is not timed."""
 
 import json
 import time
@@ -11,7 +12,7 @@ from pathlib import Path
 from pegainfer.backends.select import slot_candidates, tuning_path
 from pegainfer.runtime.cuda import driver
 from pegainfer.runtime.gpu.executor import PDL_MAX_TOKENS
-from pegainfer.runtime.gpu.kernel_bench import (Buffers, kernel_types, launch_values, serving_variant,
+from pegainfer.runtime.gpu.kernel_bench import (Buffers, kernel_types, launch_values, serving_variant, step_launches,
                                                  synthetic_step, time_launches, weight_names)
 
 PREFILL_ROWS = 4096  # the unbounded GEMM slots and prefill attention are timed at this many tokens
@@ -47,10 +48,11 @@ def tune(ctx: driver.Context, manifest_path: Path, lowered, root: Path, spec, lo
             times = {}
             decode = variants[0]["max_rows"] is not None and not variants[0]["min_sizes"]
             for variant in variants:
-                envs = [buffers.env(launch_values(variant["launches"]), types, sizes, step,
+                launches = step_launches(variant)
+                envs = [buffers.env(launch_values(launches), types, sizes, step,
                                     frozenset(kernel.get("candidate_scratch", kernel["scratch"])), copy, weights)
                         for copy in range(WEIGHT_COPIES if decode else 1)]
-                times[variant["label"]] = time_launches(ctx, folder, variant["launches"], envs, sizes,
+                times[variant["label"]] = time_launches(ctx, folder, launches, envs, sizes,
                                                         functions=functions, copies=WEIGHT_COPIES,
                                                         pdl_max_tokens=PDL_MAX_TOKENS)
             choice = min(times, key=times.get)

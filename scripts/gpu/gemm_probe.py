@@ -42,13 +42,14 @@ class Case:
 def decode_case(label: str, n: int, k: int, act: int, block_n: int, stages: int, threads: int, min_blocks: int,
                 pdl: bool = True, template: str = "decode_gemm.py", block_k: int = 256, split: int = 1,
                 swap_rows: int = 0, norm: bool = False, pre: int = 0, chains: int = 1,
-                cluster: bool = False, halves: bool = False) -> Case:
+                cluster: bool = False, halves: bool = False, partial: bool = False) -> Case:
     """A decode tile: decode_gemm.py's hand-specialised one (PDL: waits for the previous kernel after issuing its
     first weight stages; split: CTAs sharing a tile's K (cluster: as a thread block cluster, the sums met in shared
     memory); swap_rows: the weight tile as mma's A operand, that many rows as its B; norm: the add + RMSNorm inside,
     scaled as they land by a warpgroup of their own; pre: weight stages before the wait; chains: a single GEMM's
     stage as that many K slices into as many sums; halves: 8 weight rows and 4 rows a CTA, each over both K
-    halves), or gemm.py's 16-row tile with rows by cp.async (a tuning candidate of the plan)."""
+    halves; partial: a split tile's fp32 planes, its output, left for the next kernel to add), or gemm.py's 16-row
+    tile with rows by cp.async (a tuning candidate of the plan)."""
     tile = dict(BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, THREADS=threads, MIN_BLOCKS=min_blocks)
     if template == "gemm.py":
         return Case(label, n, k, act, dict(tile, BLOCK_M=16, SWIZZLE=0, ASYNC_ROWS=True), decode=True)
@@ -58,6 +59,7 @@ def decode_case(label: str, n: int, k: int, act: int, block_n: int, stages: int,
     tile |= dict(PRE=pre) if pre and not norm else {}
     tile |= dict(CLUSTER=True) if cluster else {}
     tile |= dict(HALVES=True) if halves else {}
+    tile |= dict(PARTIAL=True) if partial else {}
     return Case(label, n, k, act, dict(tile, PDL=pdl, SPLIT=split, SWAP_ROWS=swap_rows), "decode_gemm", template,
                 decode=True)
 
@@ -179,6 +181,31 @@ CASES = (
                   pre=pre)
       for name, n, k, act in DECODE_SHAPES if name in ("o_proj", "down")
       for st, mb, ch, pre in ((6, 3, 4, 0), (6, 3, 2, 0), (5, 3, 4, 0), (8, 2, 4, 0), (6, 3, 4, 3), (4, 4, 4, 0))],
+    # PARTIAL: a split tile's fp32 planes left for the next kernel (the norm launch, RoPE) to add, so that the split
+    # costs no fence, ticket or cluster barrier; wider weight tiles then cut a 16-row stage's share of rows
+    *[decode_case(f"{name} dg 16x{bn}x{bk} s{st} b{mb} split{sp} partial t{th}", n, k, 0, bn, st, th, mb,
+                  block_k=bk, split=sp, chains=4, partial=True)
+      for name, n, k, act in DECODE_SHAPES if not act
+      for bn, bk, st, mb, th, sp in ((16, 256, 6, 2, 64, 2), (16, 256, 4, 3, 64, 2), (16, 256, 4, 3, 64, 4),
+                                     (32, 256, 3, 3, 64, 4), (32, 256, 3, 3, 128, 4), (32, 256, 2, 4, 64, 8),
+                                     (64, 256, 2, 2, 128, 8), (64, 128, 4, 2, 128, 8), (32, 128, 6, 3, 64, 4),
+                                     (32, 256, 3, 3, 64, 2), (32, 128, 6, 3, 64, 2), (64, 128, 4, 2, 128, 5),
+                                     (64, 128, 4, 2, 128, 4), (16, 128, 8, 3, 64, 4))
+      if k % (bk * sp) == 0 and 300 <= (n // bn) * sp <= 800],
+    # the wide split tiles summed in the kernel after all: by the last CTA's ticket, or over a cluster
+    *[decode_case(f"{name} dg 16x{bn}x{bk} s{st} b{mb} split{sp} {how} t{th}", n, k, 0, bn, st, th, mb, block_k=bk,
+                  split=sp, chains=4, cluster=how == "cluster")
+      for name, n, k, act in DECODE_SHAPES if not act
+      for bn, bk, st, mb, th, sp in ((32, 256, 3, 3, 64, 4), (32, 128, 6, 3, 64, 4), (32, 128, 6, 3, 64, 2))
+      for how in ("ticket", "cluster")
+      if k % (bk * sp) == 0 and 300 <= (n // bn) * sp <= 800],
+    # o_proj's wide partial tile, other shapes of it
+    *[decode_case(f"o_proj dg 16x32x{bk} s{st} b{mb} split{sp} partial t{th} c{ch} p{pre}", 2560, 4096, 0, 32, st, th,
+                  mb, block_k=bk, split=sp, chains=ch, partial=True, pre=pre)
+      for bk, st, mb, th, sp, ch, pre in ((256, 3, 3, 32, 4, 4, 0), (256, 3, 3, 64, 4, 2, 0), (256, 3, 3, 64, 4, 4, 2),
+                                          (256, 4, 2, 64, 4, 4, 0), (256, 4, 2, 64, 2, 4, 0), (512, 2, 2, 64, 4, 4, 0),
+                                          (128, 5, 3, 64, 4, 4, 0),
+                                          (128, 6, 3, 32, 4, 4, 0))],
 )
 
 
@@ -190,7 +217,9 @@ def launch_spec(case: Case):
     prologue = [name for name, flag in (("X2", "ADD"), ("G", "NORM"), ("S", "WRITE_SUM")) if case.tile.get(flag)]
     params = [tensor(name) for name in ("A", *prologue, "W", "C")] + [Param("M", "int", "dim:tokens", "i32")]
     split = case.tile.get("SPLIT", 1)
-    if split > 1 and not case.tile.get("CLUSTER"):  # the split tile's fp32 planes and tickets
+    if case.tile.get("PARTIAL"):  # its planes are its output
+        params = [tensor("A"), tensor("W"), Param("P", "tensor", "p", "*fp32", aligned=True), params[-1]]
+    elif split > 1 and not case.tile.get("CLUSTER"):  # the split tile's fp32 planes and tickets
         params[-1:-1] = [Param("P", "tensor", "p", "*fp32", aligned=True),
                        Param("tickets", "tensor", "tickets", "*i32", aligned=True)]
     constexprs = dict(N=case.n, K=case.k, ACT=case.act, **case.tile)
@@ -337,22 +366,24 @@ def run_decode(entries: list[dict], folder: Path, out: Path) -> None:
             ref = torch.nn.functional.silu(y[:, :n]) * y[:, n:] if act else y
             row = {"case": case["label"], "rows": rows, "n": w_rows, "k": k}
             try:
-                scratch = {"p": torch.zeros(16 * case["tile"].get("SPLIT", 1), n, device="cuda"),  # split planes
+                # split planes, NaN until written (a PARTIAL tile's are its output)
+                scratch = {"p": torch.full((16 * case["tile"].get("SPLIT", 1), n), float("nan"), device="cuda"),
                            "tickets": torch.zeros(n // 8, device="cuda", dtype=torch.int32)}  # 2 row tiles
                 residual = prologue.pop("residual", None)
                 envs = [{"a": a, "w": w, "c": c} | prologue | scratch for w in copies]
                 plain.run([launch], envs[0], {"tokens": rows})
                 plain.sync()
-                row["rel_err"] = rel_error(c, ref)
+                row["rel_err"] = rel_error(output(case, c, scratch["p"], rows), ref)
                 row["ctas_per_sm"] = resident_ctas(plain.functions[launch["key"]], launch)
                 if residual is not None:  # the residual sum the tile stores: x + x2, rounded once
                     row["sum_err"] = rel_error(prologue["s"], residual)
                 row["us"] = plain.time_us([launch], envs, {"tokens": rows})
                 if launch["pdl"]:
                     c.zero_()
+                    scratch["p"].fill_(float("nan"))
                     row["pdl_us"] = chained.time_us([launch], envs, {"tokens": rows})
                     chained.sync()
-                    row["pdl_rel_err"] = rel_error(c, ref)
+                    row["pdl_rel_err"] = rel_error(output(case, c, scratch["p"], rows), ref)
             except Exception as error:
                 row["error"] = f"{type(error).__name__}: {error}"
                 traceback.print_exc()
@@ -370,6 +401,14 @@ def run_decode(entries: list[dict], folder: Path, out: Path) -> None:
         residual = f" sum err {r['sum_err']:.1e}" if "sum_err" in r else ""
         print(f"{r['case']:<36} {r['rows']:>4} {r['ctas_per_sm']:>6} {r['rel_err']:>9.2e} {r['us']:>7.1f} "
               f"{share(r['us']):>6.0%} {pdl}{residual}")
+
+
+def output(case: dict, c, planes, rows: int):
+    """What the case computed: C, or a PARTIAL tile's planes ([SPLIT x 16, N] fp32) added in plane order, as the
+    kernel after it would add them."""
+    if not case["tile"].get("PARTIAL"):
+        return c
+    return planes.view(case["tile"]["SPLIT"], 16, -1)[:, :rows].sum(0)
 
 
 def resident_ctas(function, launch: dict) -> int:

@@ -7,6 +7,8 @@ prompt in TFLOP/s of useful work; Triton's variant of the same slot beside each 
 the slot, of any backend, timed with its norm launch). Timings replay a CUDA graph of the repeats, so packing the
 arguments in Python (TMA descriptors encoded per launch) never starves the GPU; a GEMM's TFLOP/s counts its GEMM
 launch alone (a norm prologue launch is timed apart, as `prologue_us`), which is what cuBLAS's number covers. A
+decode variant's deferred launch (a split GEMM's sum, which the norm launch after it adds itself) is checked with it
+but timed apart (`deferred_us`); a norm launch that can add such planes is also checked given them. A
 failing case is recorded and the rest still run. Prints a table last; every number goes to $OUT/kernels.json.
 
     PEGAINFER_CACHE=.gpu/aot_cache python3 scripts/gpu/kernels.py --out $OUT
@@ -31,8 +33,9 @@ from pegainfer.ir.graph import KERNEL
 from pegainfer.passes.pipeline import lower
 from pegainfer.runtime.cuda import driver
 from pegainfer.runtime.gpu.abi import DeviceTensor
-from pegainfer.runtime.gpu.kernel_bench import synthetic_step
+from pegainfer.runtime.gpu.kernel_bench import step_launches, synthetic_step
 from pegainfer.runtime.gpu.launch import launch_kernel, load_function
+from pegainfer.runtime.gpu.planes import PLANES
 
 SM = 90
 GEMM_KINDS = ("add_rms_norm_linear", "linear", "add_rms_norm_linear_silu_mul")
@@ -183,6 +186,7 @@ def gemm_env(kernel: dict, roles: dict, rows: int, x, x2, g, w) -> tuple[dict, d
             for name, (dtype, shape) in kernel["candidate_scratch"].items()}  # split-K tickets start at zero
     if roles["x2"]:
         env[roles["x2"]] = x2
+        env[PLANES + roles["x2"]] = torch.zeros(0, x2.shape[1], device="cuda")  # X2 as stored (see planes_case)
     if roles["norm"]:
         env[roles["norm"]] = g
     if roles["sum"]:
@@ -281,15 +285,20 @@ def gemm_case(runner: Runner, kernel: dict, roles: dict, k: int, rows: int, vari
         row = {"kernel": kernel["node"], "variant": chosen["label"], "rows": rows, "n": w_rows, "k": k}
         try:
             torch.cuda.synchronize()
-            runner.run(chosen["launches"], env, sizes)
+            runner.run(chosen["launches"], env, sizes)  # a deferred sum too: it writes the output checked
             runner.sync()
             row["rel_err"] = rel_error(out, ref)
             if roles["sum"]:
                 row["sum_rel_err"] = rel_error(total, sum_ref)
+            if roles["x2"] and any(p["value"] == PLANES + roles["x2"] for p in chosen["launches"][0]["params"]):
+                row |= planes_case(runner, chosen, env, sizes, roles, x2, ref, sum_ref)
             timed = env if timing == "prefill" else [env | {roles["weight"]: copy} for copy in copies]
-            row["us"] = runner.time_us(chosen["launches"], timed, sizes)
-            if len(chosen["launches"]) > 1:
-                row["prologue_us"] = runner.time_us(chosen["launches"][:-1], timed, sizes)
+            launches = step_launches(chosen)  # what a step runs where the next kernel adds a split GEMM's planes
+            row["us"] = runner.time_us(launches, timed, sizes)
+            if len(launches) < len(chosen["launches"]):
+                row["deferred_us"] = runner.time_us(chosen["launches"][len(launches):], timed, sizes)
+            if len(launches) > 1:
+                row["prologue_us"] = runner.time_us(launches[:-1], timed, sizes)
             if timing == "prefill":  # the GEMM launch, best of ROUNDS alternated with cuBLAS's
                 gemm_us = []
                 for _ in range(ROUNDS):
@@ -298,8 +307,8 @@ def gemm_case(runner: Runner, kernel: dict, roles: dict, k: int, rows: int, vari
                 row["gemm_us"] = min(gemm_us)
                 row["tflops"] = 2 * rows * w_rows * k / row["gemm_us"] / 1e6
             else:
-                if len(chosen["launches"]) > 1:
-                    row["gemm_us"] = runner.time_us(chosen["launches"][-1:], timed, sizes)
+                if len(launches) > 1:
+                    row["gemm_us"] = runner.time_us(launches[-1:], timed, sizes)
                 row["tb_per_s"] = w.numel() * 2 / row["us"] / 1e6
         except Exception as error:  # keep going: one broken kernel must not hide the others' numbers
             row["error"] = f"{type(error).__name__}: {error}"
@@ -314,6 +323,24 @@ def gemm_case(runner: Runner, kernel: dict, roles: dict, k: int, rows: int, vari
         results.append({"kernel": kernel["node"], "variant": "cublas (torch)", "rows": rows, "n": w_rows, "k": k,
                         "us": us, "tb_per_s": w.numel() * 2 / us / 1e6})
     return results
+
+
+def planes_case(runner: Runner, chosen: dict, env: dict, sizes: dict, roles: dict, x2, ref, sum_ref) -> dict:
+    """A norm launch that can add a split GEMM's planes of X2, given X2 as four planes of a quarter of it each (a
+    sum exact in fp32) and X2's own buffer zeroed: its output and residual sum must be those of X2 as stored."""
+    planes = torch.zeros(64, x2.shape[1], device="cuda")  # a plane holds 16 rows, whatever the step's
+    for s in range(4):
+        planes[16 * s:16 * s + x2.shape[0]] = x2.float() / 4
+    trial = env | {roles["x2"]: torch.zeros_like(x2), PLANES + roles["x2"]: planes}
+    trial[roles["out"]] = torch.zeros_like(env[roles["out"]])
+    if roles["sum"]:
+        trial[roles["sum"]] = torch.zeros_like(env[roles["sum"]])
+    runner.run(chosen["launches"], trial, sizes)
+    runner.sync()
+    row = {"planes_rel_err": rel_error(trial[roles["out"]], ref)}
+    if roles["sum"]:
+        row["planes_sum_rel_err"] = rel_error(trial[roles["sum"]], sum_ref)
+    return row
 
 
 def attention_reference(q, k_cache, v_cache, step, scale):
@@ -435,6 +462,8 @@ def main() -> None:
         lines.append(_line(r, f"M{r['rows']} N{r['n']} K{r['k']}", f"{r.get('tflops', 0):.0f} TF/s{ratio}{norm}"))
     for r in report["gemv"]:
         metric = f"{r['tb_per_s']:.2f} TB/s ({r['tb_per_s'] / copy:.0%} copy)" if "tb_per_s" in r else ""
+        metric += f" +{r['deferred_us']:.1f}us sum if not deferred" if "deferred_us" in r else ""
+        metric += f" planes err {r['planes_rel_err']:.1e}" if "planes_rel_err" in r else ""
         lines.append(_line(r, f"rows{r['rows']} N{r['n']} K{r['k']}", metric))
     for r in report["attention"]:
         lines.append(_line(r, f"b{r['batch']} q{r['query_len']} ctx{r['context']}", f"{r.get('tflops', 0):.0f} TF/s"))

@@ -6,10 +6,11 @@ release a stage once its GEMMs are done. A producer warpgroup issues the TMA loa
 then feeds the step's rows by predicated cp.async (rows past M zero-filled, never read) and the remaining weight
 tiles as stages free up; the consumers run mma.sync on 16-row tiles and the epilogue. M is dynamic; N and K are
 fixed. The plan serves every GEMM's steps of up to 16 rows with it (decode_16x16; single GEMMs in CHAINS, below), the
-steps of up to 4 rows of the GEMMs with an RMSNorm prologue with its NORM form, and those of one row and of up to 4
-of the single GEMMs with its SWAP_ROWS form in four chains over both K halves (HALVES, session 14). The SPLIT forms,
-summed through global memory or over a cluster (CLUSTER, the plan's 4-row tile in sessions 12 and 13), are decode
-cases of scripts/gpu/gemm_probe.py: no faster than HALVES (docs/BENCHMARKS.md, sessions 8, 11, 12 and 14).
+steps of up to 4 rows of the GEMMs with an RMSNorm prologue with its NORM form, those of one row and of up to 4 of the
+single GEMMs with its SWAP_ROWS form in four chains over both K halves (HALVES, session 14), and those of up to 16 rows
+of a single GEMM whose output the next kernel's norm launch adds with its PARTIAL form (session 16). The SPLIT forms
+summed in the kernel, through global memory or over a cluster (CLUSTER, the plan's 4-row tile in sessions 12 and 13),
+are decode cases of scripts/gpu/gemm_probe.py: no faster than HALVES (docs/BENCHMARKS.md, sessions 8, 11, 12, 14, 16).
 
 CHAINS = 2 or 4 (a single GEMM): each stage's K halves (quarters) go to as many accumulators, summed before the
 epilogue, so a consumer warp runs independent chains of mma.sync; with one, each mma waited on the previous one's
@@ -27,6 +28,13 @@ SPLIT > 1 (a single GEMM of at most 16 rows): the CTAs of an output tile share i
 a swapped tile of 8 rows a CTA fills half of it) and takes its tile's ticket; the last of a tile adds the planes in
 plane order (the same sum whichever CTA is last), writes C and resets the ticket to zero for the next launch (the
 runtime zeroes the tickets once).
+
+PARTIAL (SPLIT > 1, no CLUSTER): the planes are the output; no fence, ticket or sum in the kernel. The kernel after it
+adds them where it reads this GEMM's output as its add's second operand (gemm.py's add_rms_norm with PLANES); where no
+kernel does, the runtime runs gemm.py's sum_planes first. Summed in the kernel, by ticket or over a cluster, the wide
+split tiles lost 3 us of o_proj's 6 at 16 rows; with the planes alone, 32 weight rows a CTA over a quarter of K (a
+16-row stage two thirds weights, o_proj's 320 CTAs) took o_proj to 5.8 us and down to 13.4 (docs/BENCHMARKS.md,
+session 16).
 
 CLUSTER (SPLIT > 1): the SPLIT CTAs of an output tile form a thread block cluster, and instead of planes and tickets
 in global memory the others store their sums into the first one's shared memory (st.shared::cluster) before one
@@ -88,7 +96,7 @@ CONSUMERS_BARRIER = 1  # a named barrier of the consumers alone (0 is the whole 
 def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: int, THREADS: int, MIN_BLOCKS: int,
                 PDL: bool = False, SPLIT: int = 1, SWAP_ROWS: int = 0, NORM: bool = False, ADD: bool = False,
                 WRITE_SUM: bool = False, EPS: float = 1e-6, PRE: int = 0, CHAINS: int = 1, CLUSTER: bool = False,
-                HALVES: bool = False):
+                HALVES: bool = False, PARTIAL: bool = False):
     assert K % (BLOCK_K * SPLIT) == 0, f"K={K} must split into {SPLIT} ranges of whole {BLOCK_K}-wide steps"
     assert SPLIT == 1 or not ACT, "a split tile sums one GEMM (SiLU x up needs both sums whole)"
     assert not NORM or SPLIT == 1, "a normed tile is not split"
@@ -98,6 +106,8 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
     assert ADD or not WRITE_SUM, "WRITE_SUM writes the sum of ADD's rows"
     assert not CLUSTER or 1 < SPLIT <= 8, f"CLUSTER sums a split tile's parts in a portable cluster: SPLIT 2..8, got " \
         f"{SPLIT}"
+    assert not PARTIAL or (SPLIT > 1 and not CLUSTER), f"PARTIAL leaves a split tile's planes to the next kernel: " \
+        f"SPLIT > 1 without CLUSTER, got SPLIT={SPLIT}, CLUSTER={CLUSTER}"
     assert PRE <= STAGES, f"PRE: weight stages issued before the rows (the PDL wait), at most {STAGES}, got {PRE}"
     assert CHAINS in (1, 2, 4) and (CHAINS == 1 or not ACT), f"CHAINS splits a single GEMM's stages in 1, 2 or 4 " \
         f"(SiLU x up has two GEMMs already), got {CHAINS} with ACT={ACT}"
@@ -252,13 +262,8 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
         return acc[j, r] if SWAP_ROWS else acc[r, j]
 
     @T.macro
-    def meet_split(C, P, tickets, acc, ticket, bx, by, bz):
-        """The split epilogue (M <= 16: a swapped tile's row tiles by share the 16 rows of a plane): this CTA's
-        plane, its ticket, and the sum if it is last. Loops over the plane's rows and columns: over acc's, a
-        swapped tile's __ldcg lost its address."""
-        first = by * rows if SWAP_ROWS else 0
-        for r, j in T.Parallel(rows, BLOCK_N):
-            P[bz * ROWS + first + r, bx * BLOCK_N + j] = sum_at(acc, r, j)
+    def meet_ticket(C, P, tickets, acc, ticket, bx, by, first):
+        """The split's last CTA of a tile (by its ticket) adds the planes and writes C."""
         T.call_extern("handle", "__threadfence")
         T.sync_threads(CONSUMERS_BARRIER, THREADS)
         if T.get_thread_binding() == 0:
@@ -278,6 +283,17 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
             store_sums(C, acc, None, bx, by)  # unswapped, by is 0: the plane holds the step's 16 rows
             if T.get_thread_binding() == 0:
                 tickets[by * (N // BLOCK_N) + bx] = 0
+
+    @T.macro
+    def meet_split(C, P, tickets, acc, ticket, bx, by, bz):
+        """The split epilogue (M <= 16: a swapped tile's row tiles by share the 16 rows of a plane): this CTA's
+        plane, then (unless PARTIAL) its ticket, and the sum if it is last. Loops over the plane's rows and columns:
+        over acc's, a swapped tile's __ldcg lost its address."""
+        first = by * rows if SWAP_ROWS else 0
+        for r, j in T.Parallel(rows, BLOCK_N):
+            P[bz * ROWS + first + r, bx * BLOCK_N + j] = sum_at(acc, r, j)
+        if not PARTIAL:
+            meet_ticket(C, P, tickets, acc, ticket, bx, by, first)
 
     @T.macro
     def meet_cluster(C, parts, acc, bx, by, bz):
@@ -430,6 +446,12 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
                 consume(C, P, tickets, a_s, w_s, u_s, acc, up, third, fourth, sums, rstd, ticket, parts, w_full, a_full,
                         empty, rstd_full, bx, by, bz)
 
+    if PARTIAL:
+        @T.prim_func
+        def decode_gemm_planes(A: T.Tensor((M, K), BF16), W: T.Tensor((w_rows, K), BF16),
+                               P: T.Tensor((SPLIT * ROWS, N), T.float32)):
+            tile(A, None, None, None, W, None, P, None)
+        return decode_gemm_planes
     if SPLIT > 1 and not CLUSTER:
         @T.prim_func
         def decode_gemm_split(A: T.Tensor((M, K), BF16), W: T.Tensor((w_rows, K), BF16), C: T.Tensor((M, N), BF16),

@@ -1,0 +1,113 @@
+"""Row launches beside the GEMMs: a GEMM's [add +] RMSNorm prologue as a launch of its own (a TMA-fed GEMM reads its
+operand as stored), and the sum of a split GEMM's fp32 planes (decode_gemm.py's PARTIAL) where no kernel after it
+reads them. One CTA a row; M is dynamic, K (N) fixed."""
+
+import tilelang.language as T
+
+BF16 = T.bfloat16
+PLANE_ROWS = 16  # a split GEMM's plane holds 16 rows (decode_gemm.py's ROWS), whatever M
+
+
+def add_rms_norm(K: int, EPS: float, ADD: bool, WRITE_SUM: bool, THREADS: int, PDL: bool = False,
+                 PLANES: int = 0):
+    """Per row, the residual sum X + X2 (written to S when WRITE_SUM) and its RMSNorm times G, rounded to bf16 as the
+    GEMM reads it. PDL: it lets the next kernel (the GEMM, launched programmatically) start at once, so that the
+    GEMM's first weight stages stream while the rows are normed, and waits for the previous kernel before reading its
+    rows; G, a weight, it loads before that wait (loaded after the sum's reduction, its round trip lay on the path
+    from the previous kernel's end to the GEMM's rows). Without PDL, G is read last, as it costs registers and saves
+    no wait. PLANES: X2 may come as a split GEMM's fp32 planes P ([PR, K], PR / 16 planes, at most PLANES; PR = 0:
+    X2 as stored), added in plane order and rounded to bf16 as sum_planes would have stored X2, so that the GEMM
+    before needs no sum of its own (decode_gemm.py's PARTIAL). Their loads unrolled and predicated, all issued at
+    once: a loop over the planes waited for each plane's loads in turn, on the path from the GEMM to the next."""
+    assert ADD or not (WRITE_SUM or PLANES), "WRITE_SUM and PLANES concern the add's sum and its second operand"
+    M = T.dynamic("M")
+    PR = T.dynamic("PR")
+
+    @T.macro
+    def row_kernel(X, X2, G, S, Y, P):
+        with T.Kernel(M, threads=THREADS) as row:
+            x = T.alloc_fragment((1, K), T.float32)
+            squares = T.alloc_fragment((1, K), T.float32)
+            total = T.alloc_fragment((1,), T.float32)
+            g, delta = None, None
+            if PDL:
+                g = T.alloc_fragment((1, K), T.float32)
+                T.pdl_trigger()
+                for i, j in T.Parallel(1, K):
+                    g[i, j] = T.cast(G[j], T.float32)
+                T.pdl_sync()
+            if PLANES:
+                delta = T.alloc_fragment((1, K), T.float32)
+                T.clear(delta)
+                for s in T.unroll(PLANES):
+                    for i, j in T.Parallel(1, K):
+                        delta[i, j] += T.if_then_else(s * PLANE_ROWS < PR, P[s * PLANE_ROWS + row, j], 0.0)
+            for i, j in T.Parallel(1, K):
+                if PLANES:
+                    if PR > 0:
+                        x[i, j] = T.cast(X[row, j], T.float32) + T.cast(T.cast(delta[i, j], BF16), T.float32)
+                    else:
+                        x[i, j] = T.cast(X[row, j], T.float32) + T.cast(X2[row, j], T.float32)
+                elif ADD:
+                    x[i, j] = T.cast(X[row, j], T.float32) + T.cast(X2[row, j], T.float32)
+                else:
+                    x[i, j] = T.cast(X[row, j], T.float32)
+            for i, j in T.Parallel(1, K):
+                if WRITE_SUM:
+                    S[row, j] = T.cast(x[i, j], BF16)
+                squares[i, j] = x[i, j] * x[i, j]
+            T.reduce_sum(squares, total, dim=1)
+            for i, j in T.Parallel(1, K):
+                weight = g[i, j] if PDL else T.cast(G[j], T.float32)
+                Y[row, j] = T.cast(x[i, j] * T.rsqrt(total[i] / K + EPS) * weight, BF16)
+
+    if PLANES and WRITE_SUM:
+        @T.prim_func
+        def add_rms_norm(X: T.Tensor((M, K), BF16), X2: T.Tensor((M, K), BF16), G: T.Tensor((K,), BF16),
+                         S: T.Tensor((M, K), BF16), Y: T.Tensor((M, K), BF16), P: T.Tensor((PR, K), T.float32)):
+            row_kernel(X, X2, G, S, Y, P)
+        return add_rms_norm
+    if PLANES:
+        @T.prim_func
+        def add_rms_norm(X: T.Tensor((M, K), BF16), X2: T.Tensor((M, K), BF16), G: T.Tensor((K,), BF16),
+                         Y: T.Tensor((M, K), BF16), P: T.Tensor((PR, K), T.float32)):
+            row_kernel(X, X2, G, None, Y, P)
+        return add_rms_norm
+    if ADD and WRITE_SUM:
+        @T.prim_func
+        def add_rms_norm(X: T.Tensor((M, K), BF16), X2: T.Tensor((M, K), BF16), G: T.Tensor((K,), BF16),
+                         S: T.Tensor((M, K), BF16), Y: T.Tensor((M, K), BF16)):
+            row_kernel(X, X2, G, S, Y, None)
+        return add_rms_norm
+    if ADD:
+        @T.prim_func
+        def add_rms_norm(X: T.Tensor((M, K), BF16), X2: T.Tensor((M, K), BF16), G: T.Tensor((K,), BF16),
+                         Y: T.Tensor((M, K), BF16)):
+            row_kernel(X, X2, G, None, Y, None)
+        return add_rms_norm
+
+    @T.prim_func
+    def rms_norm(X: T.Tensor((M, K), BF16), G: T.Tensor((K,), BF16), Y: T.Tensor((M, K), BF16)):
+        row_kernel(X, None, G, None, Y, None)
+    return rms_norm
+
+
+def sum_planes(N: int, SPLIT: int, THREADS: int, PDL: bool = False):
+    """C = a split GEMM's SPLIT fp32 planes added in plane order, rounded to bf16: the sum its PARTIAL tile leaves
+    out, run by the runtime only where a kernel after it reads C itself (add_rms_norm's PLANES adds them instead)."""
+    M = T.dynamic("M")
+
+    @T.prim_func
+    def sum_planes(P: T.Tensor((SPLIT * PLANE_ROWS, N), T.float32), C: T.Tensor((M, N), BF16)):
+        with T.Kernel(M, threads=THREADS) as row:
+            total = T.alloc_fragment((1, N), T.float32)
+            if PDL:
+                T.pdl_trigger()
+                T.pdl_sync()
+            T.clear(total)
+            for s in T.unroll(SPLIT):
+                for i, j in T.Parallel(1, N):
+                    total[i, j] += P[s * PLANE_ROWS + row, j]
+            for i, j in T.Parallel(1, N):
+                C[row, j] = T.cast(total[i, j], BF16)
+    return sum_planes
