@@ -10,12 +10,11 @@ faster at 8k), and so do the decode GEMMs of 2 to 16 rows (its TMA-streamed tile
 made the batch-2 and batch-4 steps 4-7% faster, session 10, a K split over a cluster 4-6% more, session 12, and the
 swapped tile over both K halves of 8 weight rows a CTA, which replaced it: o_proj 8-10% faster, down the same, session
 14; at 16 rows the K split of o_proj and down into fp32 planes that the next norm launch adds: steps at batch 8 and
-16 6-7% faster, session 16) and of one row: the normed tile for QKV and gate/up (the batch-1 step 5% faster, session
+16 3-4% faster, session 16) and of one row: the normed tile for QKV and gate/up (the batch-1 step 5% faster, session
 9), the halved tile for o_proj and down (83% / 85% of the copy bandwidth for Triton's one-row GEMV, 87% / 92% for it;
 the batch-1 step 2.47 ms against 2.53, session 14, where the cluster tile at one row had made it 1.5% slower, session
-12). CuTe DSL's GEMVs won
-some slots in isolation but made the batch-1 step slower. Every other SM, and every family without an entry, is
-Triton's. A backend not compiled into the cache falls back to the next."""
+12). CuTe DSL's GEMVs won some slots in isolation but made the batch-1 step slower. Every other SM, and every
+family without an entry, is Triton's. A backend not compiled into the cache falls back to the next."""
 
 import json
 from pathlib import Path

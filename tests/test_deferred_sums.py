@@ -1,89 +1,151 @@
 """A split GEMM's deferred sum (runtime/gpu/planes.py), with no GPU: a norm launch that names the planes of its X2
 gets them and no sum runs; any other launch touching the output's memory gets the sum run first; a kernel writing
-that memory drops it; planes about to be overwritten get their sum first; a step's end runs the sums of what it
-returns and forgets the rest."""
+that memory drops it; a GEMM about to overwrite planes still pending gets their sum run before it; a step's end runs
+the sums of what it returns and forgets the rest. Last, the executor's order over layers of o_proj, its norm
+launch, down and the next layer's, then the logits kernel."""
 
+import pytest
+
+from pegainfer.errors import PegainferError
 from pegainfer.ir.dtypes import dtype_from_name
 from pegainfer.runtime.gpu.abi import DeviceTensor
 from pegainfer.runtime.gpu.planes import DeferredSums, no_planes, overlaps
 
 BF16, F32 = dtype_from_name("bf16"), dtype_from_name("f32")
-SUM = {"key": "sum", "deferred": True, "params": [
-    {"name": "C", "kind": "tensor", "value": "o_proj"}, {"name": "P", "kind": "tensor", "value": "planes:o_proj"},
-    {"name": "M", "kind": "int", "value": "dim:tokens"}]}
-NORM = {"key": "norm", "constexprs": {"PLANES": 4}, "params": [
-    {"name": "X", "kind": "tensor", "value": "hidden"}, {"name": "X2", "kind": "tensor", "value": "o_proj"},
-    {"name": "P", "kind": "tensor", "value": "planes:o_proj"},
-    {"name": "PR", "kind": "int", "value": "rows:planes:o_proj"}]}
-READ = {"key": "read", "params": [{"name": "A", "kind": "tensor", "value": "x"}]}
 
 
-def tensors(c_ptr: int = 0x10000, planes_ptr: int = 0x90000, rows: int = 9) -> dict[str, DeviceTensor]:
-    return {"o_proj": DeviceTensor.contiguous(c_ptr, (rows, 2560), BF16),
-            "planes:o_proj": DeviceTensor.contiguous(planes_ptr, (64, 2560), F32),
-            "hidden": DeviceTensor.contiguous(0x40000, (rows, 2560), BF16)}
+def tensor(name: str, value: str) -> dict:
+    return {"name": name, "kind": "tensor", "value": value}
 
 
-def deferred(env: dict[str, DeviceTensor]) -> DeferredSums:
-    sums = DeferredSums()
-    assert sums.defer(SUM, env, {"tokens": 9}, "linear/decode_planes") == []
-    return sums
+def gemm(out: str) -> dict:
+    return {"key": f"gemm {out}", "constexprs": {"PARTIAL": True, "SPLIT": 4},
+            "params": [tensor("A", "a"), tensor("P", f"planes:{out}")]}
+
+
+def total(out: str) -> dict:
+    return {"key": f"sum {out}", "deferred": True, "params": [tensor("C", out), tensor("P", f"planes:{out}")]}
+
+
+def norm(x2: str) -> dict:
+    return {"key": f"norm {x2}", "constexprs": {"PLANES": 4},
+            "params": [tensor("X", "hidden"), tensor("X2", x2), tensor("P", f"planes:{x2}"),
+                       {"name": "PR", "kind": "int", "value": f"rows:planes:{x2}"}]}
+
+
+READ = {"key": "read", "params": [tensor("A", "x")]}
+
+
+def rows(ptr: int, n: int = 9, dtype=BF16, width: int = 2560) -> DeviceTensor:
+    return DeviceTensor.contiguous(ptr, (n, width), dtype)
+
+
+def produced(sums: DeferredSums, c_ptr: int = 0x10000, planes_ptr: int = 0x90000) -> dict[str, DeviceTensor]:
+    """o_proj's variant scheduled: its GEMM runs, its sum is deferred."""
+    env = {"a": rows(0x70000), "o_proj": rows(c_ptr), "planes:o_proj": rows(planes_ptr, 64, F32)}
+    runs = sums.schedule([gemm("o_proj"), total("o_proj")], env, {"tokens": 9}, "linear/decode_planes")
+    assert [launch["key"] for _, launch, _, _ in runs] == ["gemm o_proj"] and sums.pending[-1].output.ptr == c_ptr
+    return env
+
+
+def consumer(env: dict[str, DeviceTensor]) -> dict[str, DeviceTensor]:
+    return {"hidden": rows(0x40000), "o_proj": env["o_proj"]}  # the consumer's own env: no planes in it
 
 
 def test_norm_launch_gets_the_planes_and_no_sum_runs():
-    producer = tensors()
-    sums = deferred(producer)
-    consumer = {"hidden": producer["hidden"], "o_proj": producer["o_proj"]}  # the consumer's own env
-    bound, first = sums.bind(NORM, consumer)
-    assert first == [] and bound["planes:o_proj"] == producer["planes:o_proj"]
+    sums = DeferredSums()
+    env = produced(sums)
+    ((_, launch, bound, _),) = sums.schedule([norm("o_proj")], consumer(env), {"tokens": 9})
+    assert launch["key"] == "norm o_proj" and bound["planes:o_proj"] == env["planes:o_proj"]
     assert len(sums.pending) == 1, "another reader may still need the sum"
 
 
 def test_norm_launch_reads_x2_as_stored_where_no_gemm_left_planes():
-    bound, first = DeferredSums().bind(NORM, {"hidden": tensors()["hidden"], "o_proj": tensors()["o_proj"]})
-    assert first == [] and bound["planes:o_proj"].shape == (0, 2560) and bound["planes:o_proj"].ptr == 0
-    assert no_planes(tensors()["o_proj"]).shape == (0, 2560)
+    ((_, _, bound, _),) = DeferredSums().schedule([norm("o_proj")], {"hidden": rows(0x40000), "o_proj": rows(0)}, {})
+    assert bound["planes:o_proj"].shape == (0, 2560) and bound["planes:o_proj"].ptr == 0
+    assert no_planes(rows(0)).shape == (0, 2560)
 
 
 def test_a_launch_that_adds_fewer_planes_than_left_reads_the_sum():
-    sums = deferred(tensors())
-    two = dict(NORM, constexprs={"PLANES": 2})  # 64 rows of planes are 4: more than it adds
-    bound, first = sums.bind(two, {"hidden": tensors()["hidden"], "o_proj": tensors()["o_proj"]})
-    assert [p.launch["key"] for p in first] == ["sum"] and bound["planes:o_proj"].shape[0] == 0
-    assert sums.pending == []
+    sums = DeferredSums()
+    env = produced(sums)
+    two = dict(norm("o_proj"), constexprs={"PLANES": 2})  # 64 rows of planes are 4: more than it adds
+    runs = sums.schedule([two], consumer(env), {})
+    assert [launch["key"] for _, launch, _, _ in runs] == ["sum o_proj", "norm o_proj"]
+    assert runs[1][2]["planes:o_proj"].shape[0] == 0 and sums.pending == []
 
 
 def test_any_other_reader_of_the_memory_gets_the_sum_first_once():
-    sums = deferred(tensors())
-    column_view = tensors()["o_proj"].columns(1024, 512)  # overlaps the pending output
-    _, first = sums.bind(READ, {"x": column_view})
-    assert [(p.launch["key"], p.origin, p.sizes) for p in first] == [("sum", "linear/decode_planes", {"tokens": 9})]
-    assert sums.bind(READ, {"x": column_view})[1] == [], "summed once"
+    sums = DeferredSums()
+    env = produced(sums)
+    column_view = env["o_proj"].columns(1024, 512)  # overlaps the pending output
+    runs = sums.schedule([READ], {"x": column_view}, {"tokens": 9})
+    assert [(origin, launch["key"]) for origin, launch, _, _ in runs] == [("linear/decode_planes", "sum o_proj"),
+                                                                          ("", "read")]
+    assert runs[0][3] == {"tokens": 9} and runs[0][2]["planes:o_proj"] == env["planes:o_proj"]
+    assert [launch["key"] for _, launch, _, _ in sums.schedule([READ], {"x": column_view}, {})] == ["read"]
 
 
 def test_a_reader_of_other_memory_runs_nothing():
-    sums = deferred(tensors())
-    elsewhere = DeviceTensor.contiguous(0x10000 + 9 * 2560 * 2, (4, 2560), BF16)  # just past the output's rows
-    assert not overlaps(elsewhere, tensors()["o_proj"])
-    assert sums.bind(READ, {"x": elsewhere})[1] == [] and len(sums.pending) == 1
+    sums = DeferredSums()
+    env = produced(sums)
+    past = rows(env["o_proj"].ptr + 9 * 2560 * 2, 4)  # just past the output's rows
+    assert not overlaps(past, env["o_proj"]) and overlaps(rows(past.ptr - 2, 1), env["o_proj"])
+    assert len(sums.schedule([READ], {"x": past}, {})) == 1 and len(sums.pending) == 1
 
 
 def test_a_kernel_writing_the_memory_drops_the_sum():
-    sums = deferred(tensors())
-    sums.written([DeviceTensor.contiguous(0x10000, (16, 2560), BF16)])
+    sums = DeferredSums()
+    env = produced(sums)
+    sums.written([rows(env["o_proj"].ptr, 16)])
     assert sums.pending == []
 
 
-def test_planes_overwritten_while_pending_get_their_sum_first():
-    sums = deferred(tensors())
-    again = tensors(c_ptr=0x200000)  # another output, the same planes
-    first = sums.defer(SUM, again, {"tokens": 9})
-    assert [p.output.ptr for p in first] == [0x10000] and [p.output.ptr for p in sums.pending] == [0x200000]
+def test_a_gemm_overwriting_pending_planes_gets_their_sum_run_before_it():
+    sums = DeferredSums()
+    produced(sums)
+    again = {"a": rows(0x70000), "o_proj": rows(0x200000), "planes:o_proj": rows(0x90000, 64, F32)}
+    runs = sums.schedule([gemm("o_proj"), total("o_proj")], again, {})
+    assert [(launch["key"], env["o_proj"].ptr) for _, launch, env, _ in runs] == [("sum o_proj", 0x10000),
+                                                                                  ("gemm o_proj", 0x200000)]
+    assert [p.output.ptr for p in sums.pending] == [0x200000]
+
+
+def test_a_split_gemm_without_its_planes_scratch_is_an_error():
+    with pytest.raises(PegainferError, match="no scratch for its planes:o_proj"):
+        DeferredSums().schedule([gemm("o_proj")], {"a": rows(0x70000)}, {})
 
 
 def test_a_step_end_sums_what_it_returns_and_forgets_the_rest():
-    sums = deferred(tensors())
-    sums.defer(SUM, tensors(c_ptr=0x200000, planes_ptr=0x300000), {"tokens": 9})
-    ran = []
-    sums.flush([tensors(c_ptr=0x200000)["o_proj"]], ran.append)
-    assert [p.output.ptr for p in ran] == [0x200000] and sums.pending == []
+    sums = DeferredSums()
+    produced(sums)
+    env = produced(sums, c_ptr=0x200000, planes_ptr=0x300000)
+    assert [run[2]["o_proj"].ptr for run in sums.flush([env["o_proj"]])] == [0x200000] and sums.pending == []
+
+
+def test_layers_in_the_executors_order_sum_once_before_the_logits_with_the_last_layers_planes():
+    """Per layer: o_proj (its output buffer the same each layer), the norm launch adding its planes, down (a carry
+    buffer, two alternated by layer, as its planes are), then the next layer's norm launch adding down's planes;
+    the logits kernel reads the last layer's down. Every kernel's outputs are `written` first, as the executor
+    does."""
+    sums, runs, layers = DeferredSums(), [], 3
+    down_of = [rows(0x400000 + 0x100000 * (layer % 2)) for layer in range(layers)]
+    for layer in range(layers):
+        if layer:  # the layer's first norm launch adds the previous layer's down
+            runs += sums.schedule([norm("delta")], {"hidden": rows(0x40000), "delta": down_of[layer - 1]}, {})
+        sums.written([rows(0x10000)])
+        o_proj = {"a": rows(0x70000), "o_proj": rows(0x10000), "planes:o_proj": rows(0x900000, 64, F32)}
+        runs += sums.schedule([gemm("o_proj"), total("o_proj")], o_proj, {}, f"o_proj {layer}")
+        runs += sums.schedule([norm("o_proj")], {"hidden": rows(0x40000), "o_proj": rows(0x10000)}, {})
+        sums.written([down_of[layer]])
+        planes = rows(0xa00000 + 0x100000 * (layer % 2), 64, F32)
+        runs += sums.schedule([gemm("down"), total("down")], {"a": rows(0x70000), "down": down_of[layer],
+                                                            "planes:down": planes}, {}, f"down {layer}")
+    runs += sums.schedule([READ], {"x": down_of[-1]}, {})  # the logits kernel
+    keys = [launch["key"] for _, launch, _, _ in runs]
+    assert keys.count("sum down") == 1 and keys.count("sum o_proj") == 0 and keys[-2:] == ["sum down", "read"]
+    assert runs[-2][0] == f"down {layers - 1}" and runs[-2][2]["planes:down"].ptr == 0xa00000 + 0x100000 * (
+        (layers - 1) % 2)
+    bound = [env[p["value"]] for _, launch, env, _ in runs if launch["key"].startswith("norm")
+             for p in launch["params"] if p["value"].startswith("planes:")]
+    assert len(bound) == 2 * layers - 1 and all(t.shape[0] == 64 for t in bound), "every norm launch got planes"

@@ -95,9 +95,10 @@ HALVED_MIN_CTAS = 264
 # the tile (a ticket, a cluster) cost 3 us of o_proj's 6. K steps of 256 where a quarter of K holds whole ones
 # (o_proj: 4 steps, 3 stages, 2 of them before the PDL wait), else of 128 in 6 stages (down: 19 steps). At 16 rows
 # (docs/BENCHMARKS.md session 16, kernels.py, PDL): o_proj 5.7 us (86% of the copy bandwidth) against 7.1 for the
-# 16x16 tile, down 13.3 (88%) against 14.7; the steps at batch 8 and 16 6-7% faster (medians of 3 rounds), though
-# the 72 norm launches adding the planes were charged 236 us a batch-16 step (148 in session 14's profile). Loading
-# the planes one after another (a loop over them) had made those launches slower still and the steps 3-4% slower.
+# 16x16 tile, down 13.3 (88%) against 14.7; the steps at batch 8 and 16 3% and 4% faster (medians of 7 rounds in
+# two calls; 1-7% by call), as the 72 norm launches adding the planes spend most of what the GEMMs save (236 us a
+# batch-16 step against 148 in session 14's profile). Loading the planes one after another (a loop over them) had
+# made those launches slower still and the steps 3-4% slower.
 PLANES_TILE = dict(BLOCK_N=32, SPLIT=4, THREADS=64, MIN_BLOCKS=3, CHAINS=4)
 PLANES_LONG = dict(BLOCK_K=256, STAGES=3, PRE=2)
 PLANES_SHORT = dict(BLOCK_K=128, STAGES=6)
@@ -235,9 +236,11 @@ def _planes_read(graph: Graph, value: str) -> bool:
     """Whether every kernel of `graph` reading `value` (or, for a body's carried output, the input it becomes in
     the next repetition) adds it as its norm launch's second operand, which can read a split GEMM's planes: where
     one does not, the runtime would sum the planes first, a launch more than the 16-row tile costs."""
-    names = [value]
-    if value in graph.outputs and graph.outputs.index(value) < len(graph.inputs):
-        names.append(list(graph.inputs)[graph.outputs.index(value)])
+    names, types = [value], graph.value_types()
+    if value in graph.outputs and graph.outputs.index(value) < len(graph.inputs):  # carried: an input as it is
+        carried = list(graph.inputs)[graph.outputs.index(value)]
+        if graph.inputs[carried] == types[value]:
+            names.append(carried)
     readers = [node for node in graph.nodes if set(names) & set(node.inputs)]
     return bool(readers) and all(node.op == KERNEL and "linear" in fused_ops(node) and _adds_second(node, names)
                                  for node in readers)

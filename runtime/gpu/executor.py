@@ -22,7 +22,7 @@ from pegainfer.runtime.cuda import driver
 from pegainfer.runtime.gpu.abi import DeviceTensor
 from pegainfer.runtime.gpu.launch import launch_kernel, load_function, programmatic
 from pegainfer.runtime.gpu.memory import ALIGN, Arena, aligned
-from pegainfer.runtime.gpu.planes import PLANES, DeferredSums, Pending
+from pegainfer.runtime.gpu.planes import PLANES, DeferredSums
 from pegainfer.runtime.gpu.upload import params_bytes, upload_weights
 
 # Programmatic dependent launch (kernels compiled for sm_90 and later) for steps of at most this many tokens. On the
@@ -64,8 +64,8 @@ class GpuExecutor:
         sizes = limits.sizes()
         self.buffers, self.scratch, self.planes = self._allocate_activations(sizes)
         self.sums = DeferredSums()
-        for tensors in [*self.scratch.values(), *(c for copies in self.planes.values() for c in copies)]:
-            for t in tensors.values():  # split GEMMs count on zeroed partial sums and tickets
+        for tensors in self.scratch.values():  # split GEMMs count on zeroed partial sums and tickets
+            for t in tensors.values():
                 driver.memset(t.ptr, prod(t.shape) * t.dtype.itemsize, ctx.stream)
         self.states: dict[str, DeviceTensor] = {}  # the KV cache: allocate_kv, once the engine knows its size
         self.profile: list[tuple[str, driver.Event, driver.Event]] | None = None  # set to a list to time launches
@@ -168,7 +168,8 @@ class GpuExecutor:
                                            env["block_tables"].dtype, self.limits.max_blocks_per_seq)
         self.sums = DeferredSums()
         outputs = self._run(self.graph, env, sizes, None)
-        self.sums.flush(outputs, self._run_pending)
+        for run in self.sums.flush(outputs):
+            self._run_launch(*run)
         return dict(zip(self.graph.outputs, outputs))
 
     def _run(self, g: Graph, env: dict[str, DeviceTensor], sizes: dict[str, int], layer: int | None) -> list:
@@ -220,19 +221,8 @@ class GpuExecutor:
         """The variant's launches; a deferred one (a split GEMM's sum) recorded instead, and run once a launch
         reads its output other than through its planes (see runtime/gpu/planes.py)."""
         variant = pick_variant(kernel, sizes)
-        origin = f"{kernel['kind']}/{variant['name']}"
-        for launch in variant["launches"]:
-            if launch.get("deferred"):
-                for pending in self.sums.defer(launch, env, sizes, origin):
-                    self._run_pending(pending)
-                continue
-            bound, first = self.sums.bind(launch, env)
-            for pending in first:
-                self._run_pending(pending)
-            self._run_launch(origin, launch, bound, sizes)
-
-    def _run_pending(self, pending: Pending) -> None:
-        self._run_launch(pending.origin, pending.launch, pending.env, pending.sizes)
+        for run in self.sums.schedule(variant["launches"], env, sizes, f"{kernel['kind']}/{variant['name']}"):
+            self._run_launch(*run)
 
     def _run_launch(self, origin: str, launch: dict, env: dict[str, DeviceTensor], sizes: dict[str, int]) -> None:
         """One launch; `origin` (kernel kind / variant) labels it in a profile."""

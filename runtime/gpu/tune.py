@@ -3,7 +3,9 @@
 SM (sm_XX/tuning/<model>.json), and rewrite the manifest so the runtime launches them. A decode slot's runs each
 read their own copy of the weights, as a decode step streams them from memory: with one copy the L2 held much of
 a projection's weight, and the tuner chose tiles that lost in the decode step (docs/BENCHMARKS.md, session 6). A
-variant's deferred launch (a split GEMM's sum of planes, which the norm launch after it adds itself) is not timed."""
+variant's deferred launch (a split GEMM's sum of planes, which the norm launch after it adds itself) is not timed:
+true where that norm launch is TileLang's (its 16-row default), not where tuning gives the next kernel's slot to
+another backend, whose launch then reads the output summed, a launch more a layer (runtime/gpu/planes.py)."""
 
 import json
 import time

@@ -181,7 +181,7 @@ CASES = (
                   pre=pre)
       for name, n, k, act in DECODE_SHAPES if name in ("o_proj", "down")
       for st, mb, ch, pre in ((6, 3, 4, 0), (6, 3, 2, 0), (5, 3, 4, 0), (8, 2, 4, 0), (6, 3, 4, 3), (4, 4, 4, 0))],
-    # PARTIAL: a split tile's fp32 planes left for the next kernel (the norm launch, RoPE) to add, so that the split
+    # PARTIAL: a split tile's fp32 planes left for the next kernel (the norm launch) to add, so that the split
     # costs no fence, ticket or cluster barrier; wider weight tiles then cut a 16-row stage's share of rows
     *[decode_case(f"{name} dg 16x{bn}x{bk} s{st} b{mb} split{sp} partial t{th}", n, k, 0, bn, st, th, mb,
                   block_k=bk, split=sp, chains=4, partial=True)

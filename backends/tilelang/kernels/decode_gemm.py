@@ -30,8 +30,8 @@ plane order (the same sum whichever CTA is last), writes C and resets the ticket
 runtime zeroes the tickets once).
 
 PARTIAL (SPLIT > 1, no CLUSTER): the planes are the output; no fence, ticket or sum in the kernel. The kernel after it
-adds them where it reads this GEMM's output as its add's second operand (gemm.py's add_rms_norm with PLANES); where no
-kernel does, the runtime runs gemm.py's sum_planes first. Summed in the kernel, by ticket or over a cluster, the wide
+adds them where it reads this GEMM's output as its add's second operand (rows.py's add_rms_norm with PLANES); where no
+kernel does, the runtime runs rows.py's sum_planes first. Summed in the kernel, by ticket or over a cluster, the wide
 split tiles lost 3 us of o_proj's 6 at 16 rows; with the planes alone, 32 weight rows a CTA over a quarter of K (a
 16-row stage two thirds weights, o_proj's 320 CTAs) took o_proj to 5.8 us and down to 13.4 (docs/BENCHMARKS.md,
 session 16).
