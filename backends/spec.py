@@ -22,12 +22,21 @@ class GridDim:
         return cls(tuple(data["factors"]), data["block"], data.get("times", 1))
 
 
+PLANES = "planes:"  # a tensor value naming a split GEMM's fp32 planes of a graph value (planes_of)
+PLANE_ROWS = 16  # rows a plane holds, whatever the step's (decode_gemm.py's ROWS, rows.py's PLANE_ROWS)
+
+
+def planes_of(value: str) -> str:
+    """The name a split GEMM's planes of `value` go by: its scratch, and the norm launch's P that adds them."""
+    return PLANES + value
+
+
 @dataclass(frozen=True)
 class Param:
     """One kernel parameter, in order. kind 'tensor': `value` names a graph value (its pointer is passed);
     kind 'int': `value` is 'stride:<graph value>' (its leading-dim stride, in elements), 'rows:<graph value>' (its
-    leading dim) or 'dim:<symbol>'. A tensor value 'planes:<graph value>' names a split GEMM's fp32 planes of that
-    value (runtime/gpu/planes.py).
+    leading dim) or 'dim:<symbol>'. A tensor value 'planes:<graph value>' (planes_of) names a split GEMM's fp32
+    planes of that value (runtime/gpu/planes.py).
     The TileLang and CuTe DSL backends name their kernel's buffers here; the ABI they record in the manifest is
     read from the compiler's output, in its order, with kinds of its own (tma: a descriptor passed by value)."""
     name: str

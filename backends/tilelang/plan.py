@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from pegainfer.backends.native_gemm import native_gemm
-from pegainfer.backends.spec import GridDim, LaunchSpec, Param, VariantSpec
+from pegainfer.backends.spec import PLANE_ROWS, GridDim, LaunchSpec, Param, VariantSpec, planes_of
 from pegainfer.backends.triton.plan import PREFILL_QUERIES, PlanOptions, gemm_roles, static_layout
 from pegainfer.errors import PegainferError
 from pegainfer.ir.graph import KERNEL, Graph, Node
@@ -208,11 +208,6 @@ def _halved_rows(launches: list[LaunchSpec], params: list[Param], n: int, k: int
     return [VariantSpec("decode_halves", slot, [*launches, gemm], "tilelang", sms=(90,)) for slot in (1, 4)]
 
 
-def planes_of(value: str) -> str:
-    """The name a split GEMM's fp32 planes of `value` go by: its scratch, and the norm launch's P after it."""
-    return f"planes:{value}"
-
-
 def _planes_rows(params: list[Param], n: int, k: int, row_symbol: str) -> list[VariantSpec]:
     """The 16-row slot of a single GEMM whose output the next kernel reads as its add's second operand:
     decode_gemm.py's PARTIAL tile (see PLANES_TILE) writes SPLIT fp32 planes, which that kernel's norm launch adds;
@@ -306,8 +301,8 @@ def gemm_scratch(graph: Graph, node: Node, variants: list[VariantSpec]) -> dict[
         scratch["gemm.normed"] = ("bf16", (types[roles["x"]].shape[0], types[roles["weight"]].shape[1]))
     for launch in launches:
         if launch.constexprs.get("PARTIAL"):
-            rows = launch.constexprs["SPLIT"] * DECODE_TILE_M
-            scratch[launch.params[2].value] = ("f32", (rows, launch.constexprs["N"]))
+            (planes,) = [p.value for p in launch.params if p.name == "P"]
+            scratch[planes] = ("f32", (launch.constexprs["SPLIT"] * PLANE_ROWS, launch.constexprs["N"]))
     return scratch
 
 

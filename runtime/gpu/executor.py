@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from pegainfer.backends.cache import sha256_of
-from pegainfer.backends.spec import pick_variant
+from pegainfer.backends.spec import PLANES, pick_variant
 from pegainfer.errors import PegainferError
 from pegainfer.ir.dtypes import dtype_from_name
 from pegainfer.ir.graph import KERNEL, REPEAT, Graph, instantiate
@@ -22,7 +22,7 @@ from pegainfer.runtime.cuda import driver
 from pegainfer.runtime.gpu.abi import DeviceTensor
 from pegainfer.runtime.gpu.launch import launch_kernel, load_function, programmatic
 from pegainfer.runtime.gpu.memory import ALIGN, Arena, aligned
-from pegainfer.runtime.gpu.planes import PLANES, DeferredSums
+from pegainfer.runtime.gpu.planes import DeferredSums
 from pegainfer.runtime.gpu.upload import params_bytes, upload_weights
 
 # Programmatic dependent launch (kernels compiled for sm_90 and later) for steps of at most this many tokens. On the

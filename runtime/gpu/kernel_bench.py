@@ -8,7 +8,7 @@ from math import prod
 
 import numpy as np
 
-from pegainfer.backends.spec import serves
+from pegainfer.backends.spec import PLANES, serves
 from pegainfer.ir.dtypes import dtype_from_name
 from pegainfer.ir.graph import Graph
 from pegainfer.ir.types import TensorType
@@ -16,7 +16,6 @@ from pegainfer.runtime.batch import Chunk, Sequence, pack_step
 from pegainfer.runtime.cuda import driver
 from pegainfer.runtime.gpu.abi import DeviceTensor
 from pegainfer.runtime.gpu.launch import launch_kernel, load_function, programmatic
-from pegainfer.runtime.gpu.planes import PLANES
 from pegainfer.runtime.kv_blocks import BlockAllocator
 
 _RANDOM = (np.random.default_rng(0).standard_normal(1 << 22) * 0.5).astype(np.float32)

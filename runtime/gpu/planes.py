@@ -8,12 +8,11 @@ the executor runs what `schedule` and `flush` return, in order."""
 from dataclasses import dataclass
 from math import prod
 
+from pegainfer.backends.spec import PLANE_ROWS, PLANES
 from pegainfer.errors import PegainferError
 from pegainfer.ir.dtypes import dtype_from_name
 from pegainfer.runtime.gpu.abi import DeviceTensor
 
-PLANES = "planes:"  # a parameter value naming the planes of a graph value (backends/tilelang/plan.planes_of)
-PLANE_ROWS = 16  # rows a plane holds (backends/tilelang/kernels/rows.py)
 F32 = dtype_from_name("f32")
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from pegainfer.backends.cache import cache_root, manifest_path
+from pegainfer.backends.spec import planes_of
 from pegainfer.backends.triton.plan import gemm_roles
 from pegainfer.frontends.load import embedded_configs, load_spec
 from pegainfer.ir.dtypes import dtype_from_name
@@ -35,7 +36,6 @@ from pegainfer.runtime.cuda import driver
 from pegainfer.runtime.gpu.abi import DeviceTensor
 from pegainfer.runtime.gpu.kernel_bench import step_launches, synthetic_step
 from pegainfer.runtime.gpu.launch import launch_kernel, load_function
-from pegainfer.runtime.gpu.planes import PLANES
 
 SM = 90
 GEMM_KINDS = ("add_rms_norm_linear", "linear", "add_rms_norm_linear_silu_mul")
@@ -186,7 +186,7 @@ def gemm_env(kernel: dict, roles: dict, rows: int, x, x2, g, w) -> tuple[dict, d
             for name, (dtype, shape) in kernel["candidate_scratch"].items()}  # split-K tickets start at zero
     if roles["x2"]:
         env[roles["x2"]] = x2
-        env[PLANES + roles["x2"]] = torch.zeros(0, x2.shape[1], device="cuda")  # X2 as stored (see planes_case)
+        env[planes_of(roles["x2"])] = torch.zeros(0, x2.shape[1], device="cuda")  # X2 as stored (see planes_case)
     if roles["norm"]:
         env[roles["norm"]] = g
     if roles["sum"]:
@@ -290,7 +290,7 @@ def gemm_case(runner: Runner, kernel: dict, roles: dict, k: int, rows: int, vari
             row["rel_err"] = rel_error(out, ref)
             if roles["sum"]:
                 row["sum_rel_err"] = rel_error(total, sum_ref)
-            if roles["x2"] and any(p["value"] == PLANES + roles["x2"] for p in chosen["launches"][0]["params"]):
+            if roles["x2"] and any(p["value"] == planes_of(roles["x2"]) for p in chosen["launches"][0]["params"]):
                 row |= planes_case(runner, chosen, env, sizes, roles, x2, ref, sum_ref)
             timed = env if timing == "prefill" else [env | {roles["weight"]: copy} for copy in copies]
             launches = step_launches(chosen)  # what a step runs where the next kernel adds a split GEMM's planes
@@ -331,7 +331,7 @@ def planes_case(runner: Runner, chosen: dict, env: dict, sizes: dict, roles: dic
     planes = torch.zeros(64, x2.shape[1], device="cuda")  # a plane holds 16 rows, whatever the step's
     for s in range(4):
         planes[16 * s:16 * s + x2.shape[0]] = x2.float() / 4
-    trial = env | {roles["x2"]: torch.zeros_like(x2), PLANES + roles["x2"]: planes}
+    trial = env | {roles["x2"]: torch.zeros_like(x2), planes_of(roles["x2"]): planes}
     trial[roles["out"]] = torch.zeros_like(env[roles["out"]])
     if roles["sum"]:
         trial[roles["sum"]] = torch.zeros_like(env[roles["sum"]])
