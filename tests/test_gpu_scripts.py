@@ -31,7 +31,7 @@ def test_gemm_probe_decode_cases_launch_what_their_template_declares(gemm_probe)
     each over both K halves); every decode case (decode_gemm.py's
     and gemm.py's tiles) covers N with whole tiles and K with whole steps of each split, and its stages fit the
     shared memory of the CTAs it asks an SM to hold."""
-    decode = [c for c in gemm_probe.CASES if c.decode]
+    decode = [c for c in gemm_probe.CASES if c.decode and c.function != "add_rms_norm"]
     assert {6144, 2560, 9728} <= {c.n for c in decode}  # the 4B model's, and the probe's own widths beside them
     assert any(c.tile.get("NORM") for c in decode) and any(c.tile.get("CLUSTER") for c in decode)
     assert any(c.tile.get("HALVES") for c in decode) and any(c.tile.get("PARTIAL") for c in decode)
@@ -43,6 +43,8 @@ def test_gemm_probe_decode_cases_launch_what_their_template_declares(gemm_probe)
         expected = ["A", "W", "C", "P", "tickets", "M"] if planes else ["A", "W", "C", "M"]
         if tile.get("PARTIAL"):  # the planes are its output
             expected = ["A", "W", "P", "M"]
+        if tile.get("GRID_NORM"):  # the norm's inputs and outputs, X2's planes, the items' squares, the counter
+            expected = ["X", "X2", "G", "S", "Y", "W", "C", "P", "parts", "counter", "M", "PR"]
         assert names == (["A", "X2", "G", "S", "W", "C", "M"] if norm else expected), case.label
         assert launch.grid[2].factors == (split,) and case.n % tile["BLOCK_N"] == 0
         # a normed tile covers 4 rows: its 8-row stage holds X2's 4, then each product's low half; a halved one 4
@@ -54,11 +56,26 @@ def test_gemm_probe_decode_cases_launch_what_their_template_declares(gemm_probe)
         assert launch.num_warps * 32 == tile["THREADS"] + (128 * warpgroups if case.function == "decode_gemm" else 0)
         assert case.k % (tile["BLOCK_K"] * split * (2 if halves else 1)) == 0, case.label
         rows = tile.get("SWAP_ROWS") or 16  # a swapped tile stages 8 rows where mma's A operand needs 16
-        stage = (rows + tile["BLOCK_N"] * (2 if case.act else 1)) * tile["BLOCK_K"] * 2
+        weights = tile["BLOCK_N"] * (2 if case.act else 1) * tile["BLOCK_K"] * 2
         # a CTA's static shared memory (the barriers: 1 KB), the system's 1 KB beside its stages; a normed tile's G
-        # and about 2 KB more (the scalers' reduction, 1/rms and the products' exchange)
-        dynamic = tile["STAGES"] * stage + (case.k * 2 + 2048 if norm else 0)
+        # and about 2 KB more (the scalers' reduction, 1/rms and the products' exchange); ROW_STAGES: the rows' ring
+        ring = tile.get("ROW_STAGES") or tile["STAGES"]
+        dynamic = tile["STAGES"] * weights + ring * rows * tile["BLOCK_K"] * 2 + (case.k * 2 + 2048 if norm else 0)
         assert tile["MIN_BLOCKS"] * (dynamic + 2048) <= 228 * 1024, case.label
+
+
+def test_gemm_probe_paired_cases_follow_the_norm_launch_that_writes_their_rows(gemm_probe):
+    """A paired case is timed after rows.py's norm launch of X and X2's planes: that launch writes the case's rows
+    (A) from X, X2 as stored or its planes, and G, and the sum to S, at the case's K."""
+    norms = [c for c in gemm_probe.CASES if c.function == "add_rms_norm"]
+    paired = [c for c in gemm_probe.CASES if c.paired]
+    assert len(norms) == 1 and paired and all(c.k == norms[0].k and c.decode for c in paired)
+    launch = gemm_probe.launch_spec(norms[0])
+    assert [(p.name, p.value) for p in launch.params] == [
+        ("X", "x"), ("X2", "x2"), ("G", "g"), ("S", "s"), ("Y", "a"), ("M", "dim:tokens"), ("P", "xp"),
+        ("PR", "rows:xp")]
+    assert launch.constexprs["PLANES"] == 4 and launch.constexprs["PDL"] and launch.module == "rows.py"
+    assert all(gemm_probe.launch_spec(c).params[0].value == "a" for c in paired)
 
 
 def test_gemm_probe_refuses_a_selection_of_no_case(tmp_path):
