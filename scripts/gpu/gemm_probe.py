@@ -43,16 +43,14 @@ class Case:
 def decode_case(label: str, n: int, k: int, act: int, block_n: int, stages: int, threads: int, min_blocks: int,
                 pdl: bool = True, template: str = "decode_gemm.py", block_k: int = 256, split: int = 1,
                 swap_rows: int = 0, norm: bool = False, pre: int = 0, chains: int = 1,
-                cluster: bool = False, halves: bool = False, partial: bool = False, grid_norm: bool = False,
-                row_stages: int = 0) -> Case:
+                cluster: bool = False, halves: bool = False, partial: bool = False) -> Case:
     """A decode tile: decode_gemm.py's hand-specialised one (PDL: waits for the previous kernel after issuing its
     first weight stages; split: CTAs sharing a tile's K (cluster: as a thread block cluster, the sums met in shared
     memory); swap_rows: the weight tile as mma's A operand, that many rows as its B; norm: the add + RMSNorm inside,
     scaled as they land by a warpgroup of their own; pre: weight stages before the wait; chains: a single GEMM's
     stage as that many K slices into as many sums; halves: 8 weight rows and 4 rows a CTA, each over both K
-    halves; partial: a split tile's fp32 planes, its output, left for the next kernel to add; grid_norm: the add +
-    RMSNorm over the grid before a grid barrier, X2 as four planes), or gemm.py's 16-row tile with rows by cp.async
-    (a tuning candidate of the plan)."""
+    halves; partial: a split tile's fp32 planes, its output, left for the next kernel to add), or gemm.py's 16-row
+    tile with rows by cp.async (a tuning candidate of the plan)."""
     tile = dict(BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, THREADS=threads, MIN_BLOCKS=min_blocks)
     if template == "gemm.py":
         return Case(label, n, k, act, dict(tile, BLOCK_M=16, SWIZZLE=0, ASYNC_ROWS=True), decode=True)
@@ -63,8 +61,6 @@ def decode_case(label: str, n: int, k: int, act: int, block_n: int, stages: int,
     tile |= dict(CLUSTER=True) if cluster else {}
     tile |= dict(HALVES=True) if halves else {}
     tile |= dict(PARTIAL=True) if partial else {}
-    tile |= dict(GRID_NORM=True, PLANES=4, EPS=EPS) if grid_norm else {}
-    tile |= dict(ROW_STAGES=row_stages) if row_stages else {}
     return Case(label, n, k, act, dict(tile, PDL=pdl, SPLIT=split, SWAP_ROWS=swap_rows), "decode_gemm", template,
                 decode=True)
 
@@ -211,41 +207,22 @@ CASES = (
                                           (256, 4, 2, 64, 4, 4, 0), (256, 4, 2, 64, 2, 4, 0), (512, 2, 2, 64, 4, 4, 0),
                                           (128, 5, 3, 64, 4, 4, 0),
                                           (128, 6, 3, 32, 4, 4, 0))],
-    # QKV's 16-row tile with the add + RMSNorm over the grid before a grid barrier, X2 as planes (no norm launch)
-    *[decode_case(f"qkv dg 16x16 s4 b3 c{ch} gridnorm", 6144, 2560, 0, 16, 4, 64, 3, chains=ch, grid_norm=True)
-      for ch in (2, 4)],
 )
 
-# QKV's 16-row candidates after the norm launch that adds down's planes (the slot's hop), and that launch
+# QKV's 16-row candidates alone and after the norm launch that adds down's planes (the slot's hop), and that launch:
+# the hop costs 2-3 us whatever the tile; PRE (rows first after the wait) 2 is the fastest 16x16 tile alone
+# (docs/BENCHMARKS.md, session 17)
 NORM_LAUNCH = Case("norm launch K2560 planes", 2560, 2560, 0, dict(EPS=EPS, ADD=True, WRITE_SUM=True, THREADS=128,
                    PDL=True, PLANES=4), "add_rms_norm", "rows.py", decode=True)
 PAIRED_BASES = ("qkv dg 16x16 s4 b3 c2", "qkv dg 16x32x128 s6 b3 split2 partial t64",
                 "qkv dg 16x32x256 s3 b3 split2 partial t64", "qkv dg 16x16 s4 b3 c2 p1", "qkv dg 16x16 s4 b3 c2 p2",
                 "qkv dg 16x16 s4 b3 c2 p3", "qkv dg 16x32x128 s6 b3 split2 partial t64 p2",
                 "qkv dg 16x32x128 s6 b3 split2 partial t64 p4")
-CASES += tuple(decode_case(f"qkv dg 16x16 s4 b3 c2 p{pre}", 6144, 2560, 0, 16, 4, 64, 3, chains=2, pre=pre)
-               for pre in (1, 2, 3))
+CASES += (decode_case("qkv dg 16x16 s4 b3 c2 p3", 6144, 2560, 0, 16, 4, 64, 3, chains=2, pre=3),)
 CASES += tuple(decode_case(f"qkv dg 16x32x128 s6 b3 split2 partial t64 p{pre}", 6144, 2560, 0, 32, 6, 64, 3,
                            block_k=128, split=2, chains=4, partial=True, pre=pre) for pre in (2, 4))
-# a ring of rows apart from the weights' (ROW_STAGES), so that more weight stages fit the same memory: more weights in
-# flight across the wait for the norm launch
-ROW_RING = tuple(decode_case(f"qkv dg 16x16x{bk} s{st} r{r} b3 c2 p{pre}", 6144, 2560, 0, 16, st, 64, 3, block_k=bk,
-                             chains=2, pre=pre, row_stages=r)
-                 for bk, st, r, pre in ((256, 7, 2, 0), (256, 7, 2, 7), (256, 6, 3, 6), (256, 7, 2, 2),
-                                        (128, 14, 4, 14), (128, 13, 5, 13)))
-PAIRED_BASES += tuple(c.label for c in ROW_RING)
-CASES += ROW_RING
 CASES += (NORM_LAUNCH,) + tuple(Case(c.label + " after norm", c.n, c.k, c.act, c.tile, c.function, c.template,
                                      c.decode, paired=True) for c in CASES if c.label in PAIRED_BASES)
-
-# the same tiles with the rest of each CTA's weights prefetched into the L2 before the PDL wait (L2_AHEAD)
-L2_BASES = ("qkv dg 16x16 s4 b3 c2", "qkv dg 16x16 s4 b3 c2 gridnorm", "qkv norm swap8 16x256 s5 b3 p2 c2",
-            "gate_up norm swap8 16x256 s3 b3 p1 c1", "gate_up dg 16x16 s3 b3 split1",
-            "o_proj swap8 halves 16x256 s6 b3 c4 p4",
-            "down swap8 halves 16x16 s6 b3 c4", "o_proj dg 16x32x256 s3 b3 split4 partial t64 c4 p2",
-            "down dg 16x32x128 s6 b3 split4 partial t64")
-CASES += tuple(Case(c.label + f" l2{how}", c.n, c.k, c.act, c.tile | dict(L2_AHEAD=how), c.function, c.template,
-                    c.decode) for how in (1, 2) for c in CASES if c.label in L2_BASES)
 
 
 def launch_spec(case: Case):
@@ -265,12 +242,7 @@ def launch_spec(case: Case):
     prologue = [name for name, flag in (("X2", "ADD"), ("G", "NORM"), ("S", "WRITE_SUM")) if case.tile.get(flag)]
     params = [tensor(name) for name in ("A", *prologue, "W", "C")] + [Param("M", "int", "dim:tokens", "i32")]
     split = case.tile.get("SPLIT", 1)
-    if case.tile.get("GRID_NORM"):  # X's norm over the grid: X2 as stored or as planes, the rows, the barrier's
-        params = [tensor(name) for name in ("X", "X2", "G", "S", "Y", "W", "C")] + [
-            Param("P", "tensor", "xp", "*fp32", aligned=True), Param("parts", "tensor", "parts", "*fp32", aligned=True),
-            Param("counter", "tensor", "counter", "*u64", aligned=True), params[-1],
-            Param("PR", "int", "rows:xp", "i32")]
-    elif case.tile.get("PARTIAL"):  # its planes are its output
+    if case.tile.get("PARTIAL"):  # its planes are its output
         params = [tensor("A"), tensor("W"), Param("P", "tensor", "p", "*fp32", aligned=True), params[-1]]
     elif split > 1 and not case.tile.get("CLUSTER"):  # the split tile's fp32 planes and tickets
         params[-1:-1] = [Param("P", "tensor", "p", "*fp32", aligned=True),
@@ -419,10 +391,8 @@ def run_decode(entries: list[dict], folder: Path, out: Path) -> None:
             a = torch.randn(rows, k, device="cuda").to(torch.bfloat16)
             c = torch.zeros(rows, n, device="cuda", dtype=torch.bfloat16)
             prologue = norm_prologue(a) if case["tile"].get("NORM") else {}
-            if case["tile"].get("GRID_NORM") or case["paired"]:
-                prologue = grid_norm_prologue(a)
-            if case["paired"]:  # the norm launch writes the GEMM's rows
-                prologue["a"] = prologue.pop("y")
+            if case["paired"]:
+                prologue = planes_prologue(a)
             y = (prologue.pop("operand") if prologue else a.float()) @ copies[0].float().T
             ref = torch.nn.functional.silu(y[:, :n]) * y[:, n:] if act else y
             row = {"case": case["label"], "rows": rows, "n": w_rows, "k": k}
@@ -494,10 +464,10 @@ def norm_prologue(a):
     return {"x2": x2, "g": g, "s": torch.zeros_like(a), "residual": x, "operand": rms_normed(x, g, EPS).float()}
 
 
-def grid_norm_prologue(a):
-    """A grid-normed case's inputs: X (a), X2 as four fp32 planes (a split GEMM's, rows past `a`'s NaN: never read)
-    and unused as stored, g, the sum's and the rows' buffers, the items' squares, the barrier's counter (zero once);
-    the residual sum and the GEMM's operand as Hugging Face makes it, X2 being the planes' sum rounded to bf16."""
+def planes_prologue(a):
+    """A paired case's norm launch's inputs: X (a), X2 as four fp32 planes (a split GEMM's, rows past `a`'s NaN:
+    never read) and NaN as stored, g, the sum's buffer and the rows' (the case's A, which that launch writes); the
+    residual sum and the GEMM's operand as Hugging Face makes it, X2 being the planes' sum rounded to bf16."""
     import torch
     from kernels import rms_normed  # noqa: E402
 
@@ -508,10 +478,8 @@ def grid_norm_prologue(a):
     x2 = planes.view(4, 16, k)[:, :rows].sum(0).to(torch.bfloat16)  # in plane order, as the kernel adds them
     g = (1 + 0.2 * torch.randn(k, device=a.device)).to(torch.bfloat16)
     x = (a.float() + x2.float()).to(torch.bfloat16)
-    return {"x": a, "x2": torch.full_like(a, float("nan")), "g": g, "s": torch.zeros_like(a), "y": torch.zeros_like(a),
-            "xp": planes, "parts": torch.zeros(16 * k // 128, device=a.device),
-            "counter": torch.zeros(1, device=a.device, dtype=torch.int64), "residual": x,
-            "operand": rms_normed(x, g, EPS).float()}
+    return {"x": a, "x2": torch.full_like(a, float("nan")), "g": g, "s": torch.zeros_like(a), "a": torch.zeros_like(a),
+            "xp": planes, "residual": x, "operand": rms_normed(x, g, EPS).float()}
 
 
 def sustain(folder: Path, out: Path, m: int, seconds: float) -> None:

@@ -36,15 +36,6 @@ split tiles lost 3 us of o_proj's 6 at 16 rows; with the planes alone, 32 weight
 16-row stage two thirds weights, o_proj's 320 CTAs) took o_proj to 5.8 us and down to 13.4 (docs/BENCHMARKS.md,
 session 16).
 
-GRID_NORM (16 rows, unsplit, unswapped): the [add +] RMSNorm prologue spread over the grid, where a norm launch of its
-own cost a dependency hop (QKV at 16 rows 10.8 us with it, 9.0 alone, session 16). After the PDL wait, which the
-producer reaches with its first STAGES weight tiles issued, CTA i sums one row's PRODUCER columns (its X plus X2,
-which may come as a split GEMM's fp32 planes, PLANES at most, added as rows.py adds them), stores the sum to S and
-the sum times G to Y (the GEMM's rows), and that slice's squares to `parts`; every CTA then meets at a grid barrier
-(a counter that only grows, each launch waiting for its own multiple of the CTAs), loads Y's rows as any 16-row
-tile does, and scales its products by each row's 1/rms, from `parts`, in the epilogue. The barrier needs every CTA
-resident at once: the LaunchSpec says so (`resident`), and the runtime refuses a device that holds fewer.
-
 CLUSTER (SPLIT > 1): the SPLIT CTAs of an output tile form a thread block cluster, and instead of planes and tickets
 in global memory the others store their sums into the first one's shared memory (st.shared::cluster) before one
 cluster barrier; the first adds them in rank order and writes C. No global round trip, no ticket to reset. TileLang
@@ -96,95 +87,6 @@ __device__ __forceinline__ void store_peer(float* local, float value, int rank) 
 }
 """
 
-# GRID_NORM: one item of the grid's norm a CTA (the producer's threads, a column each), the grid barrier, and each
-# row's 1/rms from the items' squares. Fences: every thread's stores before its bar.sync, thread 0's fence before its
-# arrival (cumulative over what the barrier showed it) and after its wait; loads of other CTAs' stores past L1.
-GRID_NORM_CODE = """
-__device__ __forceinline__ void producers_sync() {{ asm volatile("bar.sync 3, {producer};" ::: "memory"); }}
-
-// templates: the prelude comes before TileLang's headers, which define bfloat16_t and uint64_t
-template <typename B, typename U>
-__device__ __forceinline__ void meet_grid_norm(const B* x, const B* x2, const float* planes, int plane_rows,
-    const B* g, B* s, B* y, float* parts, U* counter_, int rows, int tid) {{
-  unsigned long long* counter = reinterpret_cast<unsigned long long*>(counter_);
-  __shared__ float warp_sums[{producer} / 32];
-  if (rows > {rows} || gridDim.y != 1 || gridDim.z != 1) __trap();  // one 16-row tile of CTAs: the barrier's count
-  const int cta = blockIdx.x, row = cta % {rows}, chunk = cta / {rows};
-  if (chunk < {chunks}) {{
-    float square = 0.f;
-    if (row < rows) {{
-      const int at = row * {k} + chunk * {producer} + tid;
-      float other;
-      if (plane_rows > 0) {{  // X2 as planes: added in plane order, rounded to bf16 as sum_planes stores it
-        float delta = 0.f;
-        #pragma unroll
-        for (int p = 0; p < {planes}; ++p)
-          delta += p * {rows} < plane_rows ? planes[p * {rows} * {k} + at] : 0.f;
-        other = static_cast<float>(static_cast<B>(delta));
-      }} else {{
-        other = static_cast<float>(x2[at]);
-      }}
-      const float sum = static_cast<float>(x[at]) + other;
-      s[at] = static_cast<B>(sum);
-      y[at] = static_cast<B>(sum * static_cast<float>(g[chunk * {producer} + tid]));
-      square = sum * sum;
-    }}
-    #pragma unroll
-    for (int lanes = 16; lanes > 0; lanes >>= 1) square += __shfl_xor_sync(0xffffffffu, square, lanes);
-    if (tid % 32 == 0) warp_sums[tid / 32] = square;
-    producers_sync();
-    if (tid == 0) {{
-      float total = 0.f;
-      #pragma unroll
-      for (int w = 0; w < {producer} / 32; ++w) total += warp_sums[w];
-      parts[chunk * {rows} + row] = total;
-    }}
-  }}
-  __threadfence();
-  producers_sync();
-  if (tid == 0) {{
-    const unsigned long long ctas = gridDim.x;
-    __threadfence();
-    const unsigned long long target = (atomicAdd(counter, 1ull) / ctas + 1) * ctas;
-    unsigned long long seen;
-    while (true) {{
-      asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(seen) : "l"(counter) : "memory");
-      if (seen >= target) break;
-      __nanosleep(32);
-    }}
-    __threadfence();
-  }}
-  producers_sync();
-}}
-
-__device__ __forceinline__ void inverse_rms(const float* parts, float* rstd, int tid) {{
-  if (tid < {rows}) {{
-    float total = 0.f;
-    #pragma unroll
-    for (int chunk = 0; chunk < {chunks}; ++chunk) total += __ldcg(parts + chunk * {rows} + tid);
-    rstd[tid] = rsqrtf(total / {k} + {eps}f);
-  }}
-}}
-"""
-
-# L2_AHEAD: a producer thread's weight row segment prefetched into the L2 (no shared memory, no barrier)
-PREFETCH_CODE = """
-template <typename B>
-__device__ __forceinline__ void prefetch_l2(const B* at, int bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(at), "r"(bytes) : "memory");
-}
-
-template <typename B>
-__device__ __forceinline__ void prefetch_lines(const B* first, int row_stride, int rows, int bytes, int tid) {
-  const int lines = bytes / 128;
-  for (int i = tid; i < rows * lines; i += 128) {
-    const char* at = reinterpret_cast<const char*>(first + static_cast<long>(i / lines) * row_stride)
-        + (i % lines) * 128;
-    asm volatile("prefetch.global.L2 [%0];" :: "l"(at));
-  }
-}
-"""
-
 BF16 = T.bfloat16
 ROWS = 16  # mma.sync's M
 PRODUCER = 128  # the producer warpgroup's threads, after the THREADS consumers
@@ -194,8 +96,7 @@ CONSUMERS_BARRIER = 1  # a named barrier of the consumers alone (0 is the whole 
 def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: int, THREADS: int, MIN_BLOCKS: int,
                 PDL: bool = False, SPLIT: int = 1, SWAP_ROWS: int = 0, NORM: bool = False, ADD: bool = False,
                 WRITE_SUM: bool = False, EPS: float = 1e-6, PRE: int = 0, CHAINS: int = 1, CLUSTER: bool = False,
-                HALVES: bool = False, PARTIAL: bool = False, GRID_NORM: bool = False, PLANES: int = 0,
-                L2_AHEAD: int = 0, ROW_STAGES: int = 0):
+                HALVES: bool = False, PARTIAL: bool = False):
     assert K % (BLOCK_K * SPLIT) == 0, f"K={K} must split into {SPLIT} ranges of whole {BLOCK_K}-wide steps"
     assert SPLIT == 1 or not ACT, "a split tile sums one GEMM (SiLU x up needs both sums whole)"
     assert not NORM or SPLIT == 1, "a normed tile is not split"
@@ -215,13 +116,6 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
         f"ACT={ACT}"
     assert not HALVES or K % (2 * BLOCK_K) == 0, f"HALVES: K={K} must split into two halves of whole {BLOCK_K}-wide " \
         "steps"
-    assert not GRID_NORM or not (NORM or ACT or SWAP_ROWS or SPLIT > 1 or HALVES), "GRID_NORM serves an unsplit, " \
-        f"unswapped single GEMM: got NORM={NORM}, ACT={ACT}, SWAP_ROWS={SWAP_ROWS}, SPLIT={SPLIT}, HALVES={HALVES}"
-    chunks = K // PRODUCER  # GRID_NORM: a row's items
-    assert not GRID_NORM or (K % PRODUCER == 0 and N // BLOCK_N >= ROWS * chunks), f"GRID_NORM: a CTA an item of " \
-        f"{PRODUCER} columns, so K={K} a multiple of {PRODUCER} and {ROWS * chunks} items at most {N // BLOCK_N} CTAs"
-    assert not ROW_STAGES or not NORM, "ROW_STAGES: a ring of rows apart from the weights', not NORM's scaled stages"
-    rstages = ROW_STAGES or STAGES  # the rows' ring; ROW_STAGES < STAGES: more weight stages for the same memory
     rows = SWAP_ROWS or ROWS  # mma rows a tile; SWAP_ROWS: the weight tile is mma's A operand and the rows its B
     # the step's rows a tile covers: NORM's and HALVES' B holds 4 of them and a second part of each (below)
     step_rows = rows // 2 if NORM or HALVES else rows
@@ -232,8 +126,6 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
     steps = (K // 2 if HALVES else K) // BLOCK_K // SPLIT  # of one CTA
     ahead = min(PRE or STAGES, steps)  # weight tiles issued before the first rows
     w_rows = 2 * N if ACT else N
-    # HALVES: W as [2N, K/2], the same memory, so that a TMA box of 16 rows holds 8 weight rows' two K halves
-    w_shape = (2 * N, K // 2) if HALVES else (w_rows, K)
 
     def column(bz, k):
         """The first column of a CTA's k-th step (bz: its K range, when split)."""
@@ -252,7 +144,7 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
     def load_rows(A, X2, a_s, a_full, by, bz, k):
         """The step's rows by predicated cp.async (rows past M zero-filled); a_full: NORM's `landed`, which also
         waits for G (copied whole by the same threads before the first rows)."""
-        stage, col = k % rstages, column(bz, k)
+        stage, col = k % STAGES, column(bz, k)
         if NORM:  # the step's 4 rows, then X2's 4 in the stage's second half
             T.async_copy(A[by * step_rows:(by + 1) * step_rows, col:col + BLOCK_K], a_s[stage, 0:step_rows, :])
             if ADD:
@@ -296,18 +188,18 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
         T.mbarrier_arrive(rstd_full[0])
 
     @T.macro
-    def multiply_part(a_s, w_s, sums, k, part):
+    def multiply_part(a_s, w_s, sums, stage, part):
         """The stage's part-th K slice (of CHAINS) of rows times weights into `sums`: with CHAINS > 1, one of as many
         independent chains of mma.sync, where one chain's latency set the pace (a consumer warp waits on each mma's
         result before the next: one chain of 16 k-steps a stage held a CTA to about 16 GB/s, session 10)."""
         lo, hi = part * BLOCK_K // CHAINS, (part + 1) * BLOCK_K // CHAINS
         if SWAP_ROWS:
-            T.gemm(w_s[k % STAGES, :, lo:hi], a_s[k % rstages, :, lo:hi], sums, transpose_B=True)
+            T.gemm(w_s[stage, :, lo:hi], a_s[stage, :, lo:hi], sums, transpose_B=True)
         else:
-            T.gemm(a_s[k % rstages, :, lo:hi], w_s[k % STAGES, :, lo:hi], sums, transpose_B=True)
+            T.gemm(a_s[stage, :, lo:hi], w_s[stage, :, lo:hi], sums, transpose_B=True)
 
     @T.macro
-    def store(C, acc, up, rstd, bx, by):
+    def store(C, acc, up, bx, by):
         # expf and an IEEE division, not gemm.py's silu_times: the cache keys a launch by its own template's text, so
         # an import from gemm.py could change this kernel without rebuilding it (and 16 rows make the epilogue's cost
         # negligible, where it was 7-9% of a 128x256 prefill tile)
@@ -315,8 +207,6 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
             if by * ROWS + i < M:
                 if ACT:
                     C[by * ROWS + i, bx * BLOCK_N + j] = T.cast(acc[i, j] / (1.0 + T.exp(-acc[i, j])) * up[i, j], BF16)
-                elif GRID_NORM:  # the row's 1/rms, which the rows left out
-                    C[by * ROWS + i, bx * BLOCK_N + j] = T.cast(acc[i, j] * rstd[i], BF16)
                 else:
                     C[by * ROWS + i, bx * BLOCK_N + j] = T.cast(acc[i, j], BF16)
 
@@ -360,12 +250,12 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
                                                                BF16)
 
     @T.macro
-    def store_sums(C, acc, up, bx, by, rstd=None):
+    def store_sums(C, acc, up, bx, by):
         """The epilogue of summed products, as the tile lays them out: swapped ([BLOCK_N, rows]) or not."""
         if SWAP_ROWS:
             store_swapped(C, acc, up, bx, by)
         else:
-            store(C, acc, up, rstd, bx, by)
+            store(C, acc, up, bx, by)
 
     def sum_at(acc, r, j):
         """A split plane's row r, column j in acc, which is [ROWS, BLOCK_N], or [BLOCK_N, rows] swapped."""
@@ -422,43 +312,18 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
             store_sums(C, acc, None, bx, by)
 
     @T.macro
-    def meet_grid(Y, X2, G, X, P, S, parts, counter):
-        """GRID_NORM: this CTA's item of the norm (Y: the rows the GEMM reads), then the grid barrier."""
-        T.call_extern("handle", "meet_grid_norm", T.access_ptr(X[0, 0], "r"), T.access_ptr(X2[0, 0], "r"),
-                      T.access_ptr(P[0, 0], "r"), P.shape[0], T.access_ptr(G[0], "r"), T.access_ptr(S[0, 0], "w"),
-                      T.access_ptr(Y[0, 0], "w"), T.access_ptr(parts[0], "w"), T.access_ptr(counter[0], "rw"), M,
-                      T.get_thread_binding() - THREADS)
-
-    @T.macro
-    def produce(A, X2, G, W, a_s, g_s, w_s, u_s, w_full, a_full, landed, empty, rows_empty, bx, by, bz, X, P, S, parts,
-                counter, rstd, rstd_full):
-        """The producer warpgroup: weight stages by TMA, rows (and G) by cp.async; GRID_NORM's item and barrier
-        after the PDL wait, and the rows' 1/rms."""
+    def produce(A, X2, G, W, a_s, g_s, w_s, u_s, w_full, a_full, landed, empty, bx, by, bz):
+        """The producer warpgroup: weight stages by TMA, rows (and G) by cp.async."""
         for k in T.serial(ahead):
             load_weights(W, w_s, u_s, w_full, bx, bz, k)
         if NORM:  # G whole, a weight like W: before the wait, and ahead of the first rows that `landed` waits for
             T.async_copy(G[0:K], g_s)
-        if L2_AHEAD == 2 and steps > ahead:  # the CTA's other weight tiles into the L2, by lines
-            for half in T.unroll(2 if ACT else 1):
-                T.call_extern("handle", "prefetch_lines",
-                              T.access_ptr(W[bx * BLOCK_N + half * N, column(bz, ahead)], "r"), w_shape[1], BLOCK_N,
-                              (steps - ahead) * BLOCK_K * 2, T.get_thread_binding() - THREADS)
-        if L2_AHEAD == 1 and steps > ahead:  # the CTA's other weight tiles into the L2, a row segment a thread
-            tid = T.get_thread_binding() - THREADS
-            if tid < BLOCK_N * (2 if ACT else 1):
-                T.call_extern("handle", "prefetch_l2",
-                              T.access_ptr(W[bx * BLOCK_N + tid % BLOCK_N + (tid // BLOCK_N) * N, column(bz, ahead)],
-                                           "r"), (steps - ahead) * BLOCK_K * 2)
         if PDL:
             T.pdl_sync()
-        if GRID_NORM:
-            meet_grid(A, X2, G, X, P, S, parts, counter)
         if PRE or NORM:  # the rows first, then the weight stages not issued before the wait
             for k in T.serial(steps):
                 if k >= STAGES:
                     T.mbarrier_wait_parity(empty[k % STAGES], (k // STAGES + 1) % 2)
-                if rstages != STAGES and k >= rstages:
-                    T.mbarrier_wait_parity(rows_empty[k % rstages], (k // rstages + 1) % 2)
                 if NORM:  # the scalers wait for `landed`, the consumers for `a_full` after them
                     load_rows(A, X2, a_s, landed, by, bz, k)
                 else:
@@ -470,13 +335,7 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
                 if k >= STAGES:
                     T.mbarrier_wait_parity(empty[k % STAGES], (k // STAGES + 1) % 2)
                     load_weights(W, w_s, u_s, w_full, bx, bz, k)
-                if rstages != STAGES and k >= rstages:
-                    T.mbarrier_wait_parity(rows_empty[k % rstages], (k // rstages + 1) % 2)
                 load_rows(A, X2, a_s, a_full, by, bz, k)
-                if GRID_NORM and k == 0:  # the 1/rms the epilogue needs, its loads behind the first rows'
-                    T.call_extern("handle", "inverse_rms", T.access_ptr(parts[0], "r"), T.access_ptr(rstd[0], "w"),
-                                  T.get_thread_binding() - THREADS)
-                    T.mbarrier_arrive(rstd_full[0])
         if CLUSTER:  # every thread of the cluster meets at the epilogue's barrier
             T.cluster_arrive()
             T.cluster_wait()
@@ -492,7 +351,6 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
 
     @T.macro
     def consume(C, P, tickets, a_s, w_s, u_s, acc, up, third, fourth, sums, rstd, ticket, parts, w_full, a_full,
-                rows_empty,
                 empty, rstd_full, bx, by, bz):
         """The consumer warps: mma.sync over each stage once its weights and rows are in, then the epilogue."""
         T.clear(acc)
@@ -503,18 +361,16 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
             T.clear(fourth)
         for k in T.serial(steps):
             T.mbarrier_wait_parity(w_full[k % STAGES], (k // STAGES) % 2)
-            T.mbarrier_wait_parity(a_full[k % rstages], (k // rstages) % 2)
-            multiply_part(a_s, w_s, acc, k, 0)
+            T.mbarrier_wait_parity(a_full[k % STAGES], (k // STAGES) % 2)
+            multiply_part(a_s, w_s, acc, k % STAGES, 0)
             if ACT:  # up's GEMM over the same rows
-                multiply_part(a_s, u_s, up, k, 0)
+                multiply_part(a_s, u_s, up, k % STAGES, 0)
             if CHAINS > 1:
-                multiply_part(a_s, w_s, up, k, 1)
+                multiply_part(a_s, w_s, up, k % STAGES, 1)
             if CHAINS == 4:
-                multiply_part(a_s, w_s, third, k, 2)
-                multiply_part(a_s, w_s, fourth, k, 3)
+                multiply_part(a_s, w_s, third, k % STAGES, 2)
+                multiply_part(a_s, w_s, fourth, k % STAGES, 3)
             T.mbarrier_arrive(empty[k % STAGES])  # after the GEMMs: both read the same rows
-            if rstages != STAGES:
-                T.mbarrier_arrive(rows_empty[k % rstages])
         if CHAINS == 2:
             for i, j in T.Parallel(*acc.shape):
                 acc[i, j] += up[i, j]
@@ -530,34 +386,22 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
             meet_cluster(C, parts, acc, bx, by, bz)
         elif SPLIT > 1:
             meet_split(C, P, tickets, acc, ticket, bx, by, bz)
-        elif GRID_NORM:
-            T.mbarrier_wait_parity(rstd_full[0], 0)
-            store_sums(C, acc, up, bx, by, rstd)
         else:
             store_sums(C, acc, up, bx, by)
 
     @T.macro
-    def tile(A, X2, G, S, W, C, P, tickets, X=None, items=None, counter=None):
+    def tile(A, X2, G, S, W, C, P, tickets):
         threads = THREADS + PRODUCER * (2 if NORM else 1)  # NORM: a warpgroup of scalers after the producer
         cluster = dict(cluster_dims=(1, 1, SPLIT), prelude=PEER_STORE) if CLUSTER else {}
-        if L2_AHEAD:
-            cluster = dict(prelude=PREFETCH_CODE)
-        if GRID_NORM:
-            code = GRID_NORM_CODE.format(producer=PRODUCER, rows=ROWS, chunks=chunks, k=K, planes=PLANES,
-                                         eps=repr(float(EPS)))
-            cluster = dict(prelude=(PREFETCH_CODE if L2_AHEAD else "") + code)
         with T.Kernel(N // out_n, T.ceildiv(M, step_rows), SPLIT, threads=threads, **cluster) as (bx, by, bz):
-            a_s = T.alloc_shared((rstages, rows, BLOCK_K), BF16)
+            a_s = T.alloc_shared((STAGES, rows, BLOCK_K), BF16)
             w_s = T.alloc_shared((STAGES, BLOCK_N, BLOCK_K), BF16)
             u_s = None  # ACT=0: no up half
             if ACT:
                 u_s = T.alloc_shared((STAGES, BLOCK_N, BLOCK_K), BF16)
             w_full = T.alloc_barrier([PRODUCER] * STAGES)
-            a_full = T.alloc_barrier([PRODUCER] * rstages)
+            a_full = T.alloc_barrier([PRODUCER] * STAGES)
             empty = T.alloc_barrier([THREADS] * STAGES)
-            rows_empty = None
-            if rstages != STAGES:
-                rows_empty = T.alloc_barrier([THREADS] * rstages)
             acc = T.alloc_fragment(sums_shape, T.float32)
             up, third, fourth = None, None, None  # ACT: the up GEMM's sums; CHAINS: those of a stage's other slices
             if ACT or CHAINS > 1:
@@ -577,9 +421,6 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
                 rstd = T.alloc_shared((step_rows,), T.float32, scope="shared")
                 rstd_full = T.alloc_barrier([PRODUCER])
                 sums = T.alloc_shared((2 if ACT else 1, BLOCK_N, rows), T.float32, scope="shared")
-            if GRID_NORM:  # the rows' 1/rms, for the epilogue
-                rstd = T.alloc_shared((ROWS,), T.float32, scope="shared")
-                rstd_full = T.alloc_barrier([PRODUCER])
             if HALVES:  # the epilogue's pairs of products
                 sums = T.alloc_shared((1, BLOCK_N, rows), T.float32, scope="shared")
             ticket, parts = None, None
@@ -595,28 +436,16 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
                 if T.get_thread_binding() >= THREADS + PRODUCER:
                     scale_all(a_s, g_s, S, x, squares, total, rstd, landed, a_full, rstd_full, bx, by)
                 elif T.get_thread_binding() >= THREADS:
-                    produce(A, X2, G, W, a_s, g_s, w_s, u_s, w_full, a_full, landed, empty, rows_empty, bx, by, bz,
-                            X, P, S, items, counter, rstd, rstd_full)
+                    produce(A, X2, G, W, a_s, g_s, w_s, u_s, w_full, a_full, landed, empty, bx, by, bz)
                 else:
                     consume(C, P, tickets, a_s, w_s, u_s, acc, up, third, fourth, sums, rstd, ticket, parts, w_full,
-                            a_full, rows_empty, empty, rstd_full, bx, by, bz)
+                            a_full, empty, rstd_full, bx, by, bz)
             elif T.get_thread_binding() >= THREADS:
-                produce(A, X2, G, W, a_s, g_s, w_s, u_s, w_full, a_full, landed, empty, rows_empty, bx, by, bz, X,
-                        P, S, items, counter, rstd, rstd_full)
+                produce(A, X2, G, W, a_s, g_s, w_s, u_s, w_full, a_full, landed, empty, bx, by, bz)
             else:
                 consume(C, P, tickets, a_s, w_s, u_s, acc, up, third, fourth, sums, rstd, ticket, parts, w_full, a_full,
-                        rows_empty, empty, rstd_full, bx, by, bz)
+                        empty, rstd_full, bx, by, bz)
 
-    if GRID_NORM:
-        PR = T.dynamic("PR")
-
-        @T.prim_func
-        def decode_gemm_grid_norm(X: T.Tensor((M, K), BF16), X2: T.Tensor((M, K), BF16), G: T.Tensor((K,), BF16),
-                                  S: T.Tensor((M, K), BF16), Y: T.Tensor((M, K), BF16), W: T.Tensor((w_rows, K), BF16),
-                                  C: T.Tensor((M, N), BF16), P: T.Tensor((PR, K), T.float32),
-                                  parts: T.Tensor((ROWS * chunks,), T.float32), counter: T.Tensor((1,), T.uint64)):
-            tile(Y, X2, G, S, W, C, P, None, X, parts, counter)
-        return decode_gemm_grid_norm
     if PARTIAL:
         @T.prim_func
         def decode_gemm_planes(A: T.Tensor((M, K), BF16), W: T.Tensor((w_rows, K), BF16),
@@ -650,6 +479,8 @@ def decode_gemm(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: in
             tile(A, None, G, None, W, C, None, None)
         return decode_gemm_norm
 
+    # HALVES: W as [2N, K/2], the same memory, so that a TMA box of 16 rows holds 8 weight rows' two K halves
+    w_shape = (2 * N, K // 2) if HALVES else (w_rows, K)
 
     @T.prim_func
     def decode_gemm(A: T.Tensor((M, K), BF16), W: T.Tensor(w_shape, BF16), C: T.Tensor((M, N), BF16)):
