@@ -123,8 +123,10 @@ def test_decode_tiles_serve_four_and_sixteen_rows_with_the_chained_tile_first():
             # the 16x16 tile and SiLU x up through the hand-specialised template, else gemm.py's warp-specialised one
             assert launch.function == ("decode_gemm" if chained or act else "gemm"), (v.name, launch.function)
             assert tiles.get("PDL", False) == chained and tiles.get("CHAINS", 1) == (
-                CHAINED_TILE[n <= 4096][2] if chained and not act else 1), (v.name, tiles)
-            min_blocks = CHAINED_TILE[n <= 4096][1] if chained and not act else DECODE_TILES[v.name][3]
+                CHAINED_TILE[n <= 4096]["CHAINS"] if chained and not act else 1), (v.name, tiles)
+            assert tiles.get("PRE", 0) == (CHAINED_TILE[n <= 4096].get("PRE", 0) if chained and not act else 0)
+            assert tiles.get("PRE", 0) <= tiles["STAGES"]
+            min_blocks = CHAINED_TILE[n <= 4096]["MIN_BLOCKS"] if chained and not act else DECODE_TILES[v.name][3]
             assert tiles["MIN_BLOCKS"] == min_blocks
             assert chained or act or (tiles["ASYNC_ROWS"] and tiles["BLOCK_M"] == 16), tiles
             stage = (16 + tiles["BLOCK_N"] * (2 if act else 1)) * tiles["BLOCK_K"] * 2

@@ -53,12 +53,13 @@ GEMM_TILES = (
 DECODE_TILE_M = 16
 SM90_SHARED = 228 * 1024  # an SM's shared memory, of which each resident CTA also holds 1 KB for the system
 DECODE_TILES = {"decode_16x16": (16, 256, 64, 3), "decode_16x32": (32, 256, 128, 2), "decode_16x64": (64, 128, 128, 2)}
-# decode_16x16 of a single GEMM: (STAGES, CTAs an SM, CHAINS) for N <= 4096 (o_proj, down: 160 tiles) and wider
-# (QKV), each stage's K split over CHAINS sums. Launched programmatically at 16 rows (scripts/gpu/kernels.py,
-# docs/BENCHMARKS.md session 11): o_proj 7.0 us (70% of the copy bandwidth), down 14.6 (80%), QKV 11.2 with its norm
-# launch, against 8.3, 16.4 and 12.8 for gemm.py's 16x32 (QKV 10.6 since the norm launch loads G before its wait,
-# session 12); SiLU x up keeps 3 stages, 3 CTAs an SM.
-CHAINED_TILE = {True: (6, 2, 4), False: (4, 3, 2)}
+# decode_16x16 of a single GEMM: its shape for N <= 4096 (o_proj, down: 160 tiles) and wider (QKV), each stage's K
+# split over CHAINS sums. Launched programmatically at 16 rows (scripts/gpu/kernels.py, docs/BENCHMARKS.md session
+# 11): o_proj 7.0 us (70% of the copy bandwidth), down 14.6 (80%), QKV 11.2 with its norm launch, against 8.3, 16.4
+# and 12.8 for gemm.py's 16x32 (QKV 10.6 since the norm launch loads G before its wait, session 12). QKV's rows go
+# out first after the wait, before its last two weight stages (PRE): the GEMM alone 8.4-8.6 us at 16 rows against
+# 8.9 with every stage ahead (scripts/gpu/gemm_probe.py, session 17). SiLU x up keeps 3 stages, 3 CTAs an SM.
+CHAINED_TILE = {True: dict(STAGES=6, MIN_BLOCKS=2, CHAINS=4), False: dict(STAGES=4, MIN_BLOCKS=3, CHAINS=2, PRE=2)}
 DECODE_SLOTS = (4, 16)
 # Steps of up to 4 rows of a GEMM with an RMSNorm prologue (QKV, gate/up) on sm_90a: decode_gemm.py's NORM tile, the
 # norm in the tile instead of a launch of its own (whose 2.8 us cost what the tiles gained, session 8), the weight
@@ -268,8 +269,7 @@ def _decode_gemm(launches: list[LaunchSpec], params: list[Param], n: int, k: int
         tiles = dict(N=n, K=k, ACT=act, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, THREADS=threads,
                      MIN_BLOCKS=min_blocks)
         if name == "decode_16x16" and not act:  # see CHAINED_TILE
-            stages, min_blocks, chains = CHAINED_TILE[n <= 4096]
-            tiles |= dict(STAGES=stages, MIN_BLOCKS=min_blocks, CHAINS=chains)
+            tiles |= CHAINED_TILE[n <= 4096]
         if name == "decode_16x16" or act:
             pdl = dict(PDL=True) if name == "decode_16x16" else {}
             gemm = _launch("decode_gemm.py", "decode_gemm", params, tiles | pdl, grid, threads + 128, tiles["STAGES"])
