@@ -99,8 +99,9 @@ def test_prefill_defaults_merged_gate_up_and_a_tile_per_width():
 def test_decode_tiles_serve_four_and_sixteen_rows_with_the_chained_tile_first():
     """TileLang's decode GEMMs: slots of 4 and 16 rows (one row: the normed and halved tiles, below),
     sm_90 only, decode_gemm.py's 16x16 tile first, launched programmatically, a single GEMM's stages in CHAINED_TILE's
-    chains (the narrow o_proj and down deeper, at 2 CTAs an SM), then gemm.py's 16x32 (single GEMMs) and 16x64 for
-    tuning; every stage ring fits the shared memory of the CTAs the tile asks an SM to hold."""
+    chains (the narrow o_proj and down deeper, at 2 CTAs an SM; the wide QKV's rows first after its wait: PRE), then
+    gemm.py's 16x32 (single GEMMs) and 16x64 for tuning; every stage ring fits the shared memory of the CTAs the tile
+    asks an SM to hold."""
     from pegainfer.backends.tilelang.plan import CHAINED_TILE, DECODE_TILES, SM90_SHARED
 
     gemms = [(g, n) for g, n in kernels(CONFIGS / "qwen3-4b.json") if "linear" in fused_ops(n)]

@@ -10,7 +10,9 @@ of the same [M, rows of W, K] through torch), printing TFLOP/s and the share of 
 $OUT/probe.json. Decode cases (`prepare --decode`: decode_gemm.py's tiles with programmatic dependent launch, split,
 swapped, with the norm inside or in several mma chains, and gemm.py's 16-row tile, at the 4B model's decode GEMMs)
 are timed at 1, 4 and 16 rows as a chain of launches over weight copies past the L2, plainly and programmatically,
-in TB/s and as a share of the copy bandwidth measured in the same run ($OUT/decode_probe.json)."""
+in TB/s and as a share of the copy bandwidth measured in the same run ($OUT/decode_probe.json); a paired case ("...
+after norm") is timed with rows.py's norm launch before it, which writes its rows, as the plan runs QKV after down.
+"""
 
 import argparse
 import json
@@ -210,8 +212,8 @@ CASES = (
 )
 
 # QKV's 16-row candidates alone and after the norm launch that adds down's planes (the slot's hop), and that launch:
-# the hop costs 2-3 us whatever the tile; PRE (rows first after the wait) 2 is the fastest 16x16 tile alone
-# (docs/BENCHMARKS.md, session 17)
+# the hop costs 2.3-3.1 us at 16 rows whatever the tile; PRE (rows first after the wait) 2 is the fastest 16x16 tile
+# alone (docs/BENCHMARKS.md, session 17)
 NORM_LAUNCH = Case("norm launch K2560 planes", 2560, 2560, 0, dict(EPS=EPS, ADD=True, WRITE_SUM=True, THREADS=128,
                    PDL=True, PLANES=4), "add_rms_norm", "rows.py", decode=True)
 PAIRED_BASES = ("qkv dg 16x16 s4 b3 c2", "qkv dg 16x32x128 s6 b3 split2 partial t64",
@@ -274,6 +276,8 @@ def _compile(case: Case):
 
 def prepare(out: Path, only: list[str] | None, decode: bool = False) -> None:
     cases = [c for c in CASES if (not only or c.label in only) and (c.decode or not decode)]
+    if any(c.paired for c in cases) and NORM_LAUNCH not in cases:  # the launch a paired case is timed after
+        cases.append(NORM_LAUNCH)
     out.mkdir(parents=True, exist_ok=True)
     index = []
     with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
@@ -367,7 +371,8 @@ def run(folder: Path, out: Path) -> None:
 def run_decode(entries: list[dict], folder: Path, out: Path) -> None:
     """Each decode case at DECODE_ROWS: checked against torch, then timed as a chain of 20 launches cycling through
     weight copies past the L2 (serving's stream), launched plainly and, where the kernel waits for its predecessor
-    itself, with PDL; TB/s of weight read and its share of the copy bandwidth measured here."""
+    itself, with PDL; TB/s of weight read and its share of the copy bandwidth measured here. A paired case's chain
+    is the norm launch (its K's) and the case, and its time theirs together."""
     import torch
     from kernels import L2_DEFEAT_BYTES, Runner, copy_bandwidth, rel_error  # noqa: E402
 
@@ -386,12 +391,12 @@ def run_decode(entries: list[dict], folder: Path, out: Path) -> None:
             weights = {(w_rows, k): [w] + [w.clone() for _ in range(L2_DEFEAT_BYTES // w.nbytes)]}
         copies = weights[(w_rows, k)]
         launch = dict(launch, pdl=bool(case["tile"].get("PDL")))
-        chain = [norms[k], launch] if case["paired"] else [launch]
+        chain = [norms[k], launch] if case.get("paired") else [launch]
         for rows in DECODE_ROWS:
             a = torch.randn(rows, k, device="cuda").to(torch.bfloat16)
             c = torch.zeros(rows, n, device="cuda", dtype=torch.bfloat16)
             prologue = norm_prologue(a) if case["tile"].get("NORM") else {}
-            if case["paired"]:
+            if case.get("paired"):
                 prologue = planes_prologue(a)
             y = (prologue.pop("operand") if prologue else a.float()) @ copies[0].float().T
             ref = torch.nn.functional.silu(y[:, :n]) * y[:, n:] if act else y
@@ -412,6 +417,9 @@ def run_decode(entries: list[dict], folder: Path, out: Path) -> None:
                 if launch["pdl"]:
                     c.zero_()
                     scratch["p"].fill_(float("nan"))
+                    if case.get("paired"):  # the norm launch's rows and sum, written again or caught unwritten
+                        prologue["a"].fill_(float("nan"))
+                        prologue["s"].zero_()
                     row["pdl_us"] = chained.time_us(chain, envs, {"tokens": rows})
                     chained.sync()
                     row["pdl_rel_err"] = rel_error(output(case, c, scratch["p"], rows), ref)
@@ -422,15 +430,15 @@ def run_decode(entries: list[dict], folder: Path, out: Path) -> None:
             (out / "decode_probe.json").write_text(json.dumps({"copy_tb_per_s": copy / 1e12, "rows": results},
                                                               indent=1))
     print(f"copy bandwidth {copy / 1e12:.2f} TB/s; share = weight bytes / time / copy bandwidth")
-    print(f"{'case':<36} {'rows':>4} {'CTA/SM':>6} {'rel err':>9} {'us':>7} {'share':>6} {'pdl us':>7} {'share':>6}")
+    print(f"{'case':<56} {'rows':>4} {'CTA/SM':>6} {'rel err':>9} {'us':>7} {'share':>6} {'pdl us':>7} {'share':>6}")
     for r in results:
         if "error" in r:
-            print(f"{r['case']:<36} {r['rows']:>4} ERROR {r['error'][:80]}")
+            print(f"{r['case']:<56} {r['rows']:>4} ERROR {r['error'][:80]}")
             continue
         share = lambda us: r["n"] * r["k"] * 2 / (us * 1e-6) / copy  # noqa: E731
         pdl = f"{r['pdl_us']:>7.1f} {share(r['pdl_us']):>6.0%}" if "pdl_us" in r else ""
         residual = f" sum err {r['sum_err']:.1e}" if "sum_err" in r else ""
-        print(f"{r['case']:<36} {r['rows']:>4} {r['ctas_per_sm']:>6} {r['rel_err']:>9.2e} {r['us']:>7.1f} "
+        print(f"{r['case']:<56} {r['rows']:>4} {r['ctas_per_sm']:>6} {r['rel_err']:>9.2e} {r['us']:>7.1f} "
               f"{share(r['us']):>6.0%} {pdl}{residual}")
 
 
@@ -475,7 +483,10 @@ def planes_prologue(a):
     planes = torch.full((64, k), float("nan"), device=a.device)
     for p in range(4):
         planes[16 * p:16 * p + rows] = torch.randn(rows, k, device=a.device) * 0.5
-    x2 = planes.view(4, 16, k)[:, :rows].sum(0).to(torch.bfloat16)  # in plane order, as the kernel adds them
+    x2 = planes[0:rows]
+    for p in range(1, 4):  # in plane order, as the norm launch adds them
+        x2 = x2 + planes[16 * p:16 * p + rows]
+    x2 = x2.to(torch.bfloat16)
     g = (1 + 0.2 * torch.randn(k, device=a.device)).to(torch.bfloat16)
     x = (a.float() + x2.float()).to(torch.bfloat16)
     return {"x": a, "x2": torch.full_like(a, float("nan")), "g": g, "s": torch.zeros_like(a), "a": torch.zeros_like(a),

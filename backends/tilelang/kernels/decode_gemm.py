@@ -65,7 +65,8 @@ stages issued before the previous kernel's end (PDL); a step's rows then go out 
 behind a full SM's worth of weight loads waited several steps for them (the decode step at one row: 2.60 ms with PRE = 1
 against 2.78-2.84 with every stage ahead, docs/BENCHMARKS.md session 9). Without NORM, PRE likewise sends each step's
 rows before the weight stages not issued ahead (no faster for the single GEMMs, session 11; for o_proj's halved tile of
-8 steps, 4 ahead of 6 stages, 5.5-5.7 us against 5.8-5.9, session 14). The producer once scaled the rows itself, two
+8 steps, 4 ahead of 6 stages, 5.5-5.7 us against 5.8-5.9, session 14; for QKV's 16x16 tile, 2 ahead of 4 stages, 8.4-8.6
+us at 16 rows against 8.9, session 17). The producer once scaled the rows itself, two
 steps after loading them: no faster for QKV, 3% slower for SiLU x up (session 11), and no faster than the scalers once G
 came whole (QKV 9.2-9.4 us against 9.1-9.2 at the same PRE, session 13)."""
 
