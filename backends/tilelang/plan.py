@@ -58,7 +58,7 @@ DECODE_TILES = {"decode_16x16": (16, 256, 64, 3), "decode_16x32": (32, 256, 128,
 # 11): o_proj 7.0 us (70% of the copy bandwidth), down 14.6 (80%), QKV 11.2 with its norm launch, against 8.3, 16.4
 # and 12.8 for gemm.py's 16x32 (QKV 10.6 since the norm launch loads G before its wait, session 12). The wider
 # tile's rows go out first after the wait, before its last two weight stages (PRE), as measured for QKV (the only
-# single GEMM wider than 4096 in the Qwen3 plans measured): the GEMM alone 8.4-8.6 us at 16 rows against 8.9 with
+# single GEMM wider than 4096 in the plans measured): the GEMM alone 8.4-8.6 us at 16 rows against 8.9 with
 # every stage ahead (scripts/gpu/gemm_probe.py, session 17). SiLU x up keeps 3 stages, 3 CTAs an SM.
 CHAINED_TILE = {True: dict(STAGES=6, MIN_BLOCKS=2, CHAINS=4), False: dict(STAGES=4, MIN_BLOCKS=3, CHAINS=2, PRE=2)}
 DECODE_SLOTS = (4, 16)
