@@ -460,13 +460,15 @@ def resident_ctas(function, launch: dict) -> int:
     return driver.check(query, f"cuOccupancyMaxActiveBlocksPerMultiprocessor({launch['symbol']})")
 
 
-def norm_prologue(a):
-    """A normed case's other inputs (x2, the norm's weight g, the sum's buffer s), the residual sum, and the GEMM's
-    operand as Hugging Face makes it: RMSNorm of the bf16 sum a + x2, times g, in its roundings."""
+def norm_prologue(a, x2=None):
+    """A normed case's other inputs (x2, random where not given; the norm's weight g, the sum's buffer s), the
+    residual sum, and the GEMM's operand as Hugging Face makes it: RMSNorm of the bf16 sum a + x2, times g, in its
+    roundings."""
     import torch
     from kernels import rms_normed  # noqa: E402  (scripts/gpu/, beside this file)
 
-    x2 = torch.randn_like(a, dtype=torch.float32).to(torch.bfloat16)
+    if x2 is None:
+        x2 = torch.randn_like(a, dtype=torch.float32).to(torch.bfloat16)
     g = (1 + 0.2 * torch.randn(a.shape[1], device=a.device)).to(torch.bfloat16)
     x = (a.float() + x2.float()).to(torch.bfloat16)
     return {"x2": x2, "g": g, "s": torch.zeros_like(a), "residual": x, "operand": rms_normed(x, g, EPS).float()}
@@ -474,10 +476,9 @@ def norm_prologue(a):
 
 def planes_prologue(a):
     """A paired case's norm launch's inputs: X (a), X2 as four fp32 planes (a split GEMM's, rows past `a`'s NaN:
-    never read) and NaN as stored, g, the sum's buffer and the rows' (the case's A, which that launch writes); the
-    residual sum and the GEMM's operand as Hugging Face makes it, X2 being the planes' sum rounded to bf16."""
+    never read) and NaN as stored, and the rows' buffer (the case's A, which that launch writes); beside
+    norm_prologue's, X2 being the planes' sum rounded to bf16."""
     import torch
-    from kernels import rms_normed  # noqa: E402
 
     rows, k = a.shape
     planes = torch.full((64, k), float("nan"), device=a.device)
@@ -486,11 +487,8 @@ def planes_prologue(a):
     x2 = planes[0:rows]
     for p in range(1, 4):  # in plane order, as the norm launch adds them
         x2 = x2 + planes[16 * p:16 * p + rows]
-    x2 = x2.to(torch.bfloat16)
-    g = (1 + 0.2 * torch.randn(k, device=a.device)).to(torch.bfloat16)
-    x = (a.float() + x2.float()).to(torch.bfloat16)
-    return {"x": a, "x2": torch.full_like(a, float("nan")), "g": g, "s": torch.zeros_like(a), "a": torch.zeros_like(a),
-            "xp": planes, "residual": x, "operand": rms_normed(x, g, EPS).float()}
+    return norm_prologue(a, x2.to(torch.bfloat16)) | {"x": a, "x2": torch.full_like(a, float("nan")),
+                                                       "a": torch.zeros_like(a), "xp": planes}
 
 
 def sustain(folder: Path, out: Path, m: int, seconds: float) -> None:
