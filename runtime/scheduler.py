@@ -7,17 +7,22 @@ so a prefill chunk, a decode token and the recompute of a preempted sequence are
 tokens. The engine is anything with `sample(chunks, params, token_index) -> SampleResult`, `release(seq)` and
 `.allocator` (the reference engine on the CPU, the GPU engine): tokens are drawn where the logits are.
 
+Admission is fair between groups (the choices of one API request share a group): preempted sequences resume
+first, then the next is the oldest waiting request of the group with the fewest running sequences. So while one
+group holds every running slot, another group's request is admitted at the first step after any of them finishes
+(if it fits), not behind the first group's other waiting sequences. Ungrouped requests go in arrival order.
+
 KV memory: a request whose prompt and max_tokens can never fit the pool is refused when added, with its numbers.
 A waiting request is admitted only when its whole uncached sequence fits beside what the step already takes; it
-waits otherwise, in arrival order. When a running sequence needs a block and none is left (after evicting
-unreferenced prefix-cache blocks), the newest running sequence not yet in the step is preempted: its blocks are
-released and it goes back to the head of the queue, to be recomputed from its tokens later. An abort frees a
+waits otherwise, and the requests behind it with it. When a running sequence needs a block and none is left (after
+evicting unreferenced prefix-cache blocks), the newest running sequence not yet in the step is preempted: its blocks
+are released and it goes back to the head of the queue, to be recomputed from its tokens later. An abort frees a
 request's blocks at once.
 """
 
 import itertools
 import time
-from collections import deque
+from collections import Counter
 from dataclasses import dataclass, field
 
 
@@ -26,6 +31,7 @@ from pegainfer.runtime.batch import Chunk, Sequence
 from pegainfer.runtime.prefix_cache import ROOT, PrefixCache, chain_hashes
 from pegainfer.runtime.device_sampling import SampleResult
 from pegainfer.runtime.sampler import SamplingParams
+from pegainfer.runtime.waiting import WaitingQueue
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,7 @@ class EngineRequest:
     params: SamplingParams
     stop_token_ids: frozenset[int] = frozenset()
     arrival: float = field(default_factory=time.monotonic)
+    group: str | None = None  # requests sharing admission fairness (an API request's choices); None: its own
 
 
 @dataclass(frozen=True)
@@ -54,6 +61,7 @@ class TokenOutput:
     finish_reason: str | None
     num_cached_tokens: int  # prompt tokens the prefix cache supplied when the request was first admitted
     time: float
+    first_scheduled: float  # time.monotonic() when first admitted; a preempted and resumed request keeps it
 
 
 @dataclass
@@ -63,6 +71,7 @@ class SchedulerStats:
     prefill_tokens: int = 0  # tokens computed in prefill chunks, recomputes after preemption included
     preemptions: int = 0
     steps: int = 0
+    step_tokens: Counter[int] = field(default_factory=Counter)  # engine steps by tokens run; /metrics buckets them
 
 
 @dataclass(frozen=True)
@@ -84,6 +93,12 @@ class _State:
     num_generated: int = 0
     num_cached_tokens: int = 0
     admitted: bool = False
+    first_scheduled: float = 0.0
+
+    @property
+    def group(self) -> str | int:
+        """An ungrouped request is a group of its own, keyed by its sequence id (never equal to a str)."""
+        return self.request.group if self.request.group is not None else self.seq.seq_id
 
 
 class Scheduler:
@@ -96,7 +111,7 @@ class Scheduler:
         self.allocator = engine.allocator
         self.block_size = self.allocator.block_size
         self.cache = PrefixCache(self.allocator) if config.prefix_cache else None
-        self.waiting: deque[_State] = deque()
+        self.waiting = WaitingQueue()
         self.running: list[_State] = []
         self.stats = SchedulerStats()
         self._states: dict[str, _State] = {}
@@ -137,7 +152,7 @@ class Scheduler:
         if state is None:
             return False
         if state in self.running:
-            self.running.remove(state)
+            self._stop(state)
             self._free(state)
         else:
             self.waiting.remove(state)
@@ -166,10 +181,11 @@ class Scheduler:
         start = time.monotonic()
         result = self.engine.sample(chunks, [st.request.params for st in states], [st.num_generated for st in states])
         seconds = time.monotonic() - start
+        tokens = sum(c.num_tokens for c in chunks)
         self.stats.steps += 1
+        self.stats.step_tokens[tokens] += 1
         outputs = self._process(chunks, result)
-        self.last_step = StepRecord(start, seconds, len(chunks), sum(c.num_tokens for c in chunks), prefill,
-                                    len(outputs))
+        self.last_step = StepRecord(start, seconds, len(chunks), tokens, prefill, len(outputs))
         return outputs
 
     def schedule(self) -> list[Chunk]:
@@ -190,11 +206,13 @@ class Scheduler:
                 scheduled.add(state.seq.seq_id)
                 budget -= count
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
-            count = self._admit(self.waiting[0], budget)
+            state = self.waiting.peek()
+            count = self._admit(state, budget)
             if count == 0:
                 break
-            state = self.waiting.popleft()
+            self.waiting.popleft()
             self.running.append(state)
+            self.waiting.started(state)
             chunks.append(Chunk(state.seq, count))
             budget -= count
         return chunks
@@ -225,7 +243,7 @@ class Scheduler:
             self.cache.record_query(len(tokens), cached)
         seq.table.blocks, seq.num_cached, state.block_hashes = list(blocks), cached, list(hashes)
         if not state.admitted:
-            state.admitted, state.num_cached_tokens = True, cached
+            state.admitted, state.num_cached_tokens, state.first_scheduled = True, cached, time.monotonic()
             self.stats.prompt_tokens += len(tokens)
         count = min(len(tokens) - cached, budget)
         assert self._reserve(self._blocks_needed(seq, count)), "admission checked that the sequence fits"
@@ -245,10 +263,14 @@ class Scheduler:
         return True
 
     def _preempt(self, state: _State) -> None:
-        self.running.remove(state)
+        self._stop(state)
         self._free(state)
         self.waiting.appendleft(state)
         self.stats.preemptions += 1
+
+    def _stop(self, state: _State) -> None:
+        self.running.remove(state)
+        self.waiting.stopped(state)
 
     def _free(self, state: _State) -> None:
         """Cached blocks lose a reference and stay cached; the sequence's own blocks go back to the pool."""
@@ -296,7 +318,8 @@ class Scheduler:
         elif state.num_generated >= params.max_tokens or len(seq.token_ids) >= self.config.max_model_len:
             finish = "length"
         if finish:
-            self.running.remove(state)
+            self._stop(state)
             self._free(state)
             self._forget(state)
-        return TokenOutput(state.request.request_id, token, logprobs, finish, state.num_cached_tokens, now)
+        return TokenOutput(state.request.request_id, token, logprobs, finish, state.num_cached_tokens, now,
+                           state.first_scheduled)

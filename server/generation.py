@@ -69,10 +69,12 @@ async def run_choice(engine: EngineLoop, request: EngineRequest, tokenizer: Text
     A stop string ends the choice with "stop", cut before the stop string."""
     detokenizer, checker = IncrementalDetokenizer(tokenizer), StopChecker(stops)
     stream = RequestStream(engine, request)
-    last = request.arrival
+    last = first_token = request.arrival
     try:
         while (out := await stream.next()) is not None:
             (metrics.itl if choice.token_ids else metrics.ttft).observe(out.time - last)
+            if not choice.token_ids:
+                first_token = out.time
             last = out.time
             text = checker.feed(detokenizer.add(out.token_id))
             finish = "stop" if checker.stopped else out.finish_reason
@@ -86,8 +88,7 @@ async def run_choice(engine: EngineLoop, request: EngineRequest, tokenizer: Text
                 choice.logprobs.append(out.logprobs)
             if finish:
                 choice.finish_reason = finish
-                metrics.e2e.observe(out.time - request.arrival)
-                metrics.finished[finish] += 1
+                metrics.observe_finished(request, out, first_token, len(choice.token_ids), finish)
             yield Delta(index, text, out.token_id, out.logprobs, finish)
             if finish:
                 return

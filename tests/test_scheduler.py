@@ -1,8 +1,11 @@
 """The continuous-batching scheduler on the reference engine: outputs equal offline generation whatever the
 batching (chunked prefill, token budget, preemption and recompute), the KV pool is never over-committed, requests
-that can never fit are refused with their numbers, aborts free blocks at once; and the engine loop's failure path."""
+that can never fit are refused with their numbers, aborts free blocks at once, admission is fair between groups;
+and the engine loop's failure path."""
 
 import threading
+import time
+from collections import Counter
 from dataclasses import replace
 
 import numpy as np
@@ -145,6 +148,83 @@ def test_a_request_that_cannot_fit_yet_waits(model):
         for out in scheduler.step():
             done.setdefault(out.request_id, []).append(out.token_id)
     assert list(done) == ["a", "b"] and scheduler.stats.preemptions == 0
+
+
+def late_request_admission(model, group: str | None) -> tuple[int, int, list[str]]:
+    """Ten requests of `group` fill 4 slots (the first finishes alone, at step 3), then one 4-token request of
+    another group arrives: the step at which a slot frees, the step after which it runs, who waits then."""
+    scheduler, _ = make(model, max_num_seqs=4, max_num_batched_tokens=64)
+    for i, max_tokens in enumerate([3] + [9] * 9):
+        scheduler.add(EngineRequest(f"a{i}", [1 + i, 2, 3], replace(GREEDY, max_tokens=max_tokens), group=group))
+    scheduler.step()
+    assert [s.request.request_id for s in scheduler.running] == ["a0", "a1", "a2", "a3"]
+    scheduler.add(EngineRequest("b", [7, 8, 9], replace(GREEDY, max_tokens=4), group="late"))
+    freed = None
+    for step in range(2, 200):
+        finished = [o.request_id for o in scheduler.step() if o.finish_reason]
+        freed = freed or (step if finished else None)
+        if any(s.request.request_id == "b" for s in scheduler.running):
+            return freed, step, [s.request.request_id for s in scheduler.waiting]
+    raise AssertionError("b never ran")
+
+
+def test_a_new_group_is_admitted_at_the_first_step_after_a_slot_frees(model):
+    freed, admitted, waiting = late_request_admission(model, group="big")
+    assert (freed, admitted) == (3, 4)
+    assert waiting == [f"a{i}" for i in range(4, 10)]  # b took the freed slot; the big group's requests still wait
+    freed, admitted, _ = late_request_admission(model, group=None)  # ten separate requests: b is eleventh in line
+    assert freed == 3 and admitted > 10
+
+
+def test_admission_takes_the_group_with_fewest_running_then_the_oldest(model):
+    scheduler, _ = make(model, max_num_seqs=3)
+    for name, group in [("x0", "x"), ("x1", "x"), ("x2", "x"), ("y0", "y"), ("y1", "y")]:
+        scheduler.add(EngineRequest(name, [1, 2, 3], GREEDY, group=group))
+    assert [s.request.request_id for s in scheduler.waiting] == ["x0", "x1", "x2", "y0", "y1"]
+    assert scheduler.abort("x1")  # a waiting group's head leaves: x2 is next of its group
+    scheduler.step()
+    # x0 (both groups idle, x0 older), y0 (y runs none, x one), x2 (one each, x2 older than y1)
+    assert [s.request.request_id for s in scheduler.running] == ["x0", "y0", "x2"]
+    assert [s.request.request_id for s in scheduler.waiting] == ["y1"] and len(scheduler.waiting) == 1
+
+
+def test_a_preempted_sequence_resumes_before_a_less_busy_group(model):
+    scheduler, _ = make(model, kv_tokens=96, max_num_batched_tokens=256)  # 6 blocks
+    for name in ("g0", "g1"):
+        scheduler.add(EngineRequest(name, list(range(1, 30)), replace(GREEDY, max_tokens=60), group="g"))
+    scheduler.step()
+    while scheduler.stats.preemptions == 0:
+        scheduler.step()
+    assert [s.request.request_id for s in scheduler.waiting] == ["g1"]  # g still runs g0, so g weighs one
+    scheduler.add(EngineRequest("z", [1, 2, 3], replace(GREEDY, max_tokens=2), group="z"))  # fits in one block
+    order = []
+    while scheduler.has_work():
+        scheduler.step()
+        order += [s.request.request_id for s in scheduler.running if s.request.request_id not in order]
+    assert order == ["g0", "g1", "z"]  # z waited behind g1 although a block was free for it earlier
+
+
+def test_first_scheduled_survives_preemption_and_steps_are_counted_by_tokens(model):
+    scheduler, engine = make(model, kv_tokens=96, max_num_batched_tokens=256)
+    old = EngineRequest("old", list(range(1, 30)), replace(GREEDY, max_tokens=60))
+    new = EngineRequest("new", list(range(40, 69)), replace(GREEDY, max_tokens=60))
+    scheduler.add(old)
+    scheduler.add(new)
+    outputs: dict[str, list] = {"old": [], "new": []}
+    for out in scheduler.step():
+        outputs[out.request_id].append(out)
+    after_first_step = time.monotonic()
+    while scheduler.has_work():
+        for out in scheduler.step():
+            outputs[out.request_id].append(out)
+    assert scheduler.stats.preemptions > 0
+    for request in (old, new):
+        outs = outputs[request.request_id]
+        assert len(outs) == 60 and len({o.first_scheduled for o in outs}) == 1
+        assert request.arrival <= outs[0].first_scheduled <= outs[0].time <= after_first_step
+    tokens_per_step = [sum(s["tokens"]) for s in engine.steps]
+    assert scheduler.stats.step_tokens == Counter(tokens_per_step)
+    assert sum(scheduler.stats.step_tokens.values()) == scheduler.stats.steps
 
 
 def test_the_token_budget_must_hold_a_decode_token_of_every_sequence(model):
