@@ -5,6 +5,8 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from pegainfer.errors import PegainferError
@@ -22,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pegainfer", description=__doc__)
+    parser.add_argument("--version", action=_PrintVersion)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(commands)
     add_serve(commands)
@@ -42,10 +45,12 @@ def _add_generate(commands) -> None:
     prompt.add_argument("--prompt-ids", type=_token_ids, help="prompt token ids, comma-separated: 1,2,3")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens to generate at most (default 16)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (the default) is greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="sample from the smallest set of tokens this likely together (default 1: all)")
     p.add_argument("--top-k", type=int, default=0, help="0 keeps every token (default)")
     p.add_argument("--min-p", type=float, default=0.0, help="keep tokens at least this fraction as likely as the top")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None, help="seed of the sampler, for a repeatable sample "
+                   "(default: a fresh one)")
     p.add_argument("--logprobs", type=int, default=None, metavar="K", help="report the top K logprobs per token")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if present, else cpu")
@@ -60,47 +65,52 @@ def _add_make_checkpoint(commands) -> None:
                    help="config.json architecture, any with a DAG file (default Qwen3ForCausalLM)")
     p.add_argument("--set", dest="overrides", action="append", default=[], type=_override, metavar="KEY=JSON",
                    help="override a config.json key, e.g. --set num_hidden_layers=4 (repeatable)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    p.add_argument("--logit-std", type=float, default=6.0, help="spread of the next-token logits (default 6)")
+    p.add_argument("--seed", type=_seed, default=0, help="seed of the random weights, below 2**64 (default 0)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="dtype of the weights written (default float32)")
+    p.add_argument("--logit-std", type=_positive_float, default=6.0,
+                   help="spread of the next-token logits (default 6)")
     p.add_argument("--tokenizer", choices=["bpe", "words"], default="bpe",
                    help="bpe: byte-level BPE trained on a little text (default); words: one word per id, so every "
                         "token a random model draws is text at once (for serving benchmarks)")
-    p.set_defaults(run=run_make_checkpoint)
+    p.set_defaults(run=run_make_checkpoint, parser=p)
 
 
 def _add_inspect(commands) -> None:
     p = commands.add_parser("inspect", help="print a model's graph, its passes or its kernels")
     p.add_argument("model", help=MODEL_HELP)
-    p.add_argument("--show", choices=["graph", "passes", "dag", "kernels", "source", "ptx", "sass", "resources"],
+    p.add_argument("--show", choices=["graph", "passes", "dag", "kernels", *COMPILED_SHOWS],
                    default="kernels", help="graph: as declared; passes: the graph after each pass; dag: the "
                    "kernel DAG; kernels: the kernels a step launches (default), with --sm: which backend's "
                    "variant each kernel slot launches and by how much it won; with --sm: source, ptx, sass, "
                    "resources of the compiled kernels")
     p.add_argument("--sm", type=int, help="the SM whose compiled kernels to show (its manifest in the cache; "
-                   "compiled first if there is none)")
-    p.add_argument("--kernel", help="one kernel, by node name or kind (default: all)")
-    p.add_argument("--cache-dir", type=Path, default=None, help=CACHE_HELP)
+                   "compiled first if there is none or it is corrupt)")
+    p.add_argument("--kernel", help="for source, ptx, sass and resources: one kernel, by node name or kind "
+                   "(default: all)")
+    p.add_argument("--cache-dir", type=Path, default=None, help=CACHE_HELP + "; with --sm")
     p.add_argument("--format", choices=["text", "dot", "svg"], default="text",
                    help="for graph and dag: text, Graphviz source, or SVG (needs Graphviz's dot on the PATH)")
-    p.add_argument("--json", action="store_true", help="for kernels: one JSON object")
-    p.set_defaults(run=run_inspect)
+    p.add_argument("--json", action="store_true", help="for kernels without --sm: one JSON object")
+    p.set_defaults(run=run_inspect, parser=p)
 
 
 def _add_compile(commands) -> None:
     p = commands.add_parser("compile", help="lower a model and compile its kernels to cubins, ahead of time")
     p.add_argument("model", help=MODEL_HELP + " (no weights needed)")
     p.add_argument("--sm", help="target SMs, e.g. 90 or 80,90,120 (default: the visible GPU's)")
-    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiler processes (default: all cores)")
+    p.add_argument("--jobs", type=_positive_int, default=os.cpu_count() or 1,
+                   help="compiler processes (default: all cores)")
     p.add_argument("--cache-dir", type=Path, default=None, help=CACHE_HELP)
     p.add_argument("--backends", default=None, help="backends whose candidates to compile, e.g. triton or "
                    "triton,tilelang,cute (default: every one installed)")
     p.add_argument("--dump-after", metavar="PASS", help="write the graph after PASS (or after each: all)")
     p.add_argument("--dump-dir", type=Path, default=Path("pegainfer-dumps"),
                    help="where --dump-after writes (default ./pegainfer-dumps)")
-    p.set_defaults(run=run_compile)
+    p.set_defaults(run=run_compile, parser=p)
 
 
+COMPILED_SHOWS = ("source", "ptx", "sass", "resources")
 MODEL_HELP = "checkpoint folder, config.json, or an embedded config such as qwen3-4b"
 CACHE_HELP = "cubin cache (default: $PEGAINFER_CACHE, aot_cache/ of a checkout, or ~/.cache/pegainfer)"
 
@@ -108,29 +118,32 @@ CACHE_HELP = "cubin cache (default: $PEGAINFER_CACHE, aot_cache/ of a checkout, 
 def _add_bench(commands) -> None:
     p = commands.add_parser("bench", help="time decode steps or a prefill on the GPU, against the floor; or load a "
                             "running server (serve)")
-    p.add_argument("what", choices=["decode", "prefill", "serve"])
+    p.add_argument("what", choices=["decode", "prefill", "serve"], help="decode: ms per step by batch and context; "
+                   "prefill: by prompt length; serve: load a running OpenAI-compatible server")
     p.add_argument("model", nargs="?", help=MODEL_HELP + " (without weights: random bf16 weights); for serve: the "
                    "served model's name")
     p.add_argument("--batch", type=_int_list, default=[1, 8, 32, 64], help="decode batch sizes (default 1,8,32,64)")
     p.add_argument("--context", type=_int_list, default=[128, 1024], help="decode contexts (default 128,1024)")
     p.add_argument("--prompt-len", type=_int_list, default=[1024, 4096, 8192], help="prefill prompt lengths")
-    p.add_argument("--steps", type=int, default=20, help="timed decode steps per point (default 20)")
+    p.add_argument("--steps", type=_positive_int, default=20, help="timed decode steps per point (default 20)")
     p.add_argument("--no-graphs", action="store_true", help="decode eagerly instead of replaying CUDA graphs")
     p.add_argument("--breakdown", action="store_true", help="also time each launch of a batch-1 decode step")
-    p.add_argument("--pdl-max-tokens", type=int, default=None,
-                   help="programmatic dependent launch for steps of at most this many tokens (default: the engine's)")
+    p.add_argument("--pdl-max-tokens", type=_non_negative_int, default=None,
+                   help="programmatic dependent launch for steps of at most this many tokens, 0: never (default: "
+                        "the engine's)")
     p.add_argument("--cache-dir", type=Path, default=None, help=CACHE_HELP)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
     add_bench_serve_args(p)
-    p.set_defaults(run=run_bench)
+    p.set_defaults(run=run_bench, parser=p)
 
 
 def _add_tune(commands) -> None:
     p = commands.add_parser("tune", help="time each kernel's backend candidates on the GPU and keep the fastest")
     p.add_argument("model", help=MODEL_HELP + " (no weights needed)")
     p.add_argument("--cache-dir", type=Path, default=None, help=CACHE_HELP)
-    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiler processes (default: all cores)")
-    p.set_defaults(run=run_tune)
+    p.add_argument("--jobs", type=_positive_int, default=os.cpu_count() or 1,
+                   help="compiler processes, if the model is not compiled yet (default: all cores)")
+    p.set_defaults(run=run_tune, parser=p)
 
 
 def _token_ids(text: str) -> list[int]:
@@ -156,6 +169,78 @@ def _override(text: str) -> tuple[str, object]:
         return key, json.loads(value)
     except json.JSONDecodeError:
         return key, value
+
+
+def _positive_int(text: str) -> int:
+    return _bounded_int(text, 1, None, "a positive integer")
+
+
+def _non_negative_int(text: str) -> int:
+    return _bounded_int(text, 0, None, "an integer >= 0")
+
+
+def _seed(text: str) -> int:
+    """torch.manual_seed takes at most 64 bits."""
+    return _bounded_int(text, 0, 2 ** 64, "an integer in [0, 2**64)")
+
+
+def _bounded_int(text: str, low: int, end: int | None, expected: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < low or (end is not None and value >= end):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+class _PrintVersion(argparse.Action):
+    """--version, looked up only when asked for: reading package metadata would cost every command ~30 ms."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs) -> None:
+        super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, nargs=0,
+                         help="print pegainfer's version and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(f"pegainfer {package_version()}")
+        parser.exit()
+
+
+def package_version() -> str:
+    """The installed package's version; pyproject.toml's when the package metadata is missing (a bare checkout)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pegainfer")
+    except PackageNotFoundError:
+        pass
+    import tomllib
+
+    pyproject = Path(__file__).resolve().parent / "pyproject.toml"
+    try:
+        return tomllib.loads(pyproject.read_text())["project"]["version"]
+    except (OSError, tomllib.TOMLDecodeError, KeyError) as error:
+        raise PegainferError(f"no version: pegainfer has no package metadata and {pyproject} gives none "
+                             f"({type(error).__name__})") from None
+
+
+@contextmanager
+def _usage_errors(args: argparse.Namespace) -> Iterator[None]:
+    """A bad flag value found past argparse (it needs a registry or an import to judge) is a usage error still."""
+    try:
+        yield
+    except PegainferError as error:
+        args.parser.error(str(error))
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -192,8 +277,9 @@ def run_inspect(args: argparse.Namespace) -> int:
     from pegainfer.passes.kernels import format_kernels, list_kernels
     from pegainfer.passes.pipeline import lower
 
+    _check_inspect_flags(args)
     spec = load_spec(resolve_config_path(args.model))
-    if args.show in ("source", "ptx", "sass", "resources") or (args.show == "kernels" and args.sm is not None):
+    if args.sm is not None:
         return _inspect_compiled(spec, args)
     if args.show == "graph":
         print(_drawing(spec.graph, args.format), end="")
@@ -209,6 +295,24 @@ def run_inspect(args: argparse.Namespace) -> int:
     else:
         print(format_kernels(lowered), end="")
     return 0
+
+
+def _check_inspect_flags(args: argparse.Namespace) -> None:
+    """A flag that does nothing for this --show is refused rather than ignored."""
+    show, error = args.show, args.parser.error
+    if show in COMPILED_SHOWS and args.sm is None:
+        error(f"--show {show} needs --sm: the SM whose compiled kernels to show")
+    if args.sm is not None and show in ("graph", "passes", "dag"):
+        error(f"--sm applies to --show kernels, {', '.join(COMPILED_SHOWS)}; not to --show {show}")
+    if args.format != "text" and show not in ("graph", "dag"):
+        error(f"--format {args.format} applies to --show graph and dag; not to --show {show}")
+    if args.json and (show != "kernels" or args.sm is not None):
+        error(f"--json applies to --show kernels without --sm; not to --show {show}"
+              + (" --sm" if args.sm is not None else ""))
+    if args.kernel is not None and show not in COMPILED_SHOWS:
+        error(f"--kernel applies to --show {', '.join(COMPILED_SHOWS)}; not to --show {show}")
+    if args.cache_dir is not None and args.sm is None:
+        error("--cache-dir applies with --sm: the cache of the compiled kernels to show")
 
 
 def _drawing(graph, form: str) -> str:
@@ -228,16 +332,15 @@ def _drawing(graph, form: str) -> str:
 
 
 def _inspect_compiled(spec, args: argparse.Namespace) -> int:
-    if args.sm is None:
-        raise PegainferError(f"--show {args.show} needs --sm: the SM whose compiled kernels to show")
     build = _import_build()
+    from pegainfer.backends.cache import cache_root, manifest_path, read_manifest
     from pegainfer.backends.report import selection_table, show
 
-    from pegainfer.backends.cache import cache_root, manifest_path
-
-    sm = build.parse_sms(str(args.sm))[0]
+    with _usage_errors(args):
+        sm = build.parse_sms(str(args.sm))[0]
     manifest = manifest_path(cache_root(args.cache_dir), sm, spec)
-    if not manifest.is_file():  # compiled first, with every installed backend; else what was compiled is shown
+    if read_manifest(manifest) is None:  # missing or corrupt: compiled as `pegainfer compile` would, every backend
+        _writable_cache(args.cache_dir)
         manifest = build.build_model(spec, [sm], jobs=os.cpu_count() or 1, cache_dir=args.cache_dir,
                                      quiet=True).manifests[0]
     if args.show == "kernels":
@@ -247,12 +350,22 @@ def _inspect_compiled(spec, args: argparse.Namespace) -> int:
     return 0
 
 
+# bench's own flags, by the modes they apply to (bench serve's are server/cli.py's)
+BENCH_FLAGS = {"batch": ("--batch", ("decode",)), "context": ("--context", ("decode",)),
+               "steps": ("--steps", ("decode",)), "no_graphs": ("--no-graphs", ("decode",)),
+               "breakdown": ("--breakdown", ("decode",)), "pdl_max_tokens": ("--pdl-max-tokens", ("decode",)),
+               "prompt_len": ("--prompt-len", ("prefill",)), "cache_dir": ("--cache-dir", ("decode", "prefill"))}
+
+
 def run_bench(args: argparse.Namespace) -> int:
+    for dest, (flag, modes) in BENCH_FLAGS.items():  # a flag given is one whose value is not its default
+        if args.what not in modes and getattr(args, dest) != args.parser.get_default(dest):
+            args.parser.error(f"{flag} applies to bench {' and '.join(modes)}; not to bench {args.what}")
     if args.what == "serve":
         return run_bench_serve(args)
     if args.model is None:
         raise PegainferError(f"bench {args.what} needs a MODEL: {MODEL_HELP}")
-    from pegainfer.backends.cache import cache_root, manifest_path
+    from pegainfer.backends.cache import cache_root, manifest_path, read_manifest
     from pegainfer.runtime import bench
     from pegainfer.runtime.device import visible_sm
     from pegainfer.runtime.gpu.engine import missing_manifest
@@ -262,8 +375,9 @@ def run_bench(args: argparse.Namespace) -> int:
         raise PegainferError("pegainfer bench needs a visible GPU (and cuda-bindings: pip install -e '.[cuda]')")
     model = bench.bench_model(args.model)
     manifest = manifest_path(cache_root(args.cache_dir), sm, model.spec)
-    if not manifest.is_file():
-        raise missing_manifest(manifest, f"{args.model} --sm {sm}")
+    if read_manifest(manifest) is None:
+        raise missing_manifest(manifest, f"{args.model} --sm {sm}") if not manifest.is_file() else \
+            PegainferError(f"{manifest}: a corrupt manifest; `pegainfer compile {args.model} --sm {sm}` rewrites it")
     if args.what == "decode":
         engine = bench.engine_for(model, manifest, max_tokens=max(args.batch), max_batch=max(args.batch),
                                   max_model_len=max(args.context) + args.steps + 16)
@@ -286,16 +400,21 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def run_compile(args: argparse.Namespace) -> int:
     from pegainfer.frontends.load import load_spec, resolve_config_path
-    from pegainfer.passes.manager import write_dumps
     from pegainfer.passes.pipeline import lower
 
-    spec = load_spec(resolve_config_path(args.model))
-    sms = _target_sms(args.sm)
-    if args.dump_after:
-        written = write_dumps(lower(spec.graph)[1], args.dump_dir, args.dump_after)
-        print(f"pegainfer: wrote {len(written)} dumps to {args.dump_dir}", file=sys.stderr)
+    if args.dump_dir != args.parser.get_default("dump_dir") and not args.dump_after:
+        args.parser.error("--dump-dir applies with --dump-after: the graphs to write there")
     build = _import_build()
-    backends = build.parse_backends(args.backends) if args.backends else None
+    with _usage_errors(args):
+        sms = build.parse_sms(args.sm) if args.sm else None
+        backends = build.parse_backends(args.backends) if args.backends else None
+        _check_pass_name(args.dump_after)
+    spec = load_spec(resolve_config_path(args.model))
+    sms = sms or _visible_sm()
+    if args.dump_after:
+        written = _write_dumps(lower(spec.graph)[1], args.dump_dir, args.dump_after)
+        print(f"pegainfer: wrote {len(written)} dumps to {args.dump_dir}", file=sys.stderr)
+    _writable_cache(args.cache_dir)
     report = build.build_model(spec, sms, jobs=args.jobs, cache_dir=args.cache_dir, backends=backends)
     print(f"pegainfer: {spec.architecture} ({spec.config_path}): {report.summary()}", file=sys.stderr)
     for path in report.manifests:
@@ -311,7 +430,7 @@ def run_tune(args: argparse.Namespace) -> int:
     if sm is None:
         raise PegainferError("pegainfer tune times kernels on a GPU and none is visible here (it also needs "
                              "cuda-bindings); without tuning data `pegainfer compile` uses each SM's default")
-    from pegainfer.backends.cache import cache_root, manifest_path
+    from pegainfer.backends.cache import cache_root, manifest_path, read_manifest
     from pegainfer.backends.report import selection_table
     from pegainfer.backends.select import read_tuning, reselect
     from pegainfer.passes.pipeline import lower
@@ -321,7 +440,8 @@ def run_tune(args: argparse.Namespace) -> int:
     spec = load_spec(resolve_config_path(args.model))
     root = cache_root(args.cache_dir)
     manifest = manifest_path(root, sm, spec)
-    if not manifest.is_file():  # compiled here, with the backends installed here
+    if read_manifest(manifest) is None:  # compiled here, with the backends installed here
+        _writable_cache(args.cache_dir)
         manifest = _import_build().build_model(spec, [sm], jobs=args.jobs, cache_dir=args.cache_dir).manifests[0]
     path = tune(driver.Context.create(), manifest, lower(spec.graph)[0], root, spec,
                 log=lambda line: print(line, file=sys.stderr))
@@ -331,16 +451,51 @@ def run_tune(args: argparse.Namespace) -> int:
     return 0
 
 
-def _target_sms(text: str | None) -> list[int]:
+def _visible_sm() -> list[int]:
     from pegainfer.runtime.device import visible_sm
 
-    if text:
-        return _import_build().parse_sms(text)
     sm = visible_sm()
     if sm is None:
         raise PegainferError("no GPU is visible here: name the target with --sm, e.g. --sm 90 (H100/H200) or "
                              "--sm 80,90,120")
     return [sm]
+
+
+def _check_pass_name(name: str | None) -> None:
+    from pegainfer.passes.pipeline import DEFAULT_PASSES
+
+    names = [p.name for p in DEFAULT_PASSES]
+    if name is not None and name != "all" and name not in names:
+        raise PegainferError(f"--dump-after {name}: no such pass; passes: all, {', '.join(names)}")
+
+
+def _write_dumps(records, folder: Path, which: str) -> list[Path]:
+    from pegainfer.passes.manager import write_dumps
+
+    if folder.exists() and not folder.is_dir():
+        raise PegainferError(f"--dump-dir {folder}: exists and is not a folder (expected a folder for the dumps)")
+    try:
+        return write_dumps(records, folder, which)
+    except OSError as error:
+        raise PegainferError(f"--dump-dir {folder}: cannot write the dumps there ({error.strerror or error})") \
+            from None
+
+
+def _writable_cache(override: Path | None) -> Path:
+    """The cubin cache, created now: compiler processes that cannot write it fail each with a traceback."""
+    from pegainfer.backends.cache import cache_root
+
+    root = cache_root(override)
+    if root.exists() and not root.is_dir():
+        raise PegainferError(f"cubin cache {root}: exists and is not a folder (choose another with --cache-dir)")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise PegainferError(f"cubin cache {root}: cannot create it ({error.strerror or error}); choose another "
+                             f"with --cache-dir") from None
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise PegainferError(f"cubin cache {root}: not writable (choose another with --cache-dir)")
+    return root
 
 
 def _import_build():

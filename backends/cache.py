@@ -41,6 +41,19 @@ def manifest_path(root: Path, sm: int, spec: Any) -> Path:
     return sm_folder(root, sm) / "manifests" / f"{model_id(spec)}.json"
 
 
+def read_manifest(path: Path) -> dict | None:
+    """The manifest if it is one (a JSON object with its SM and kernels); None, like read_entry's, means build it:
+    `pegainfer compile` rewrites a manifest whole, so a truncated one costs no compiling."""
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("sm"), int) \
+            or not isinstance(manifest.get("kernels"), list):
+        return None
+    return manifest
+
+
 def launch_key(kernel_ir: str, launch: LaunchSpec, sm: int, backend: str, backend_version: str) -> str:
     blob = json.dumps({"ir": kernel_ir, "source": launch.source, "function": launch.function,
                        "constexprs": repr(sorted(launch.constexprs.items())),

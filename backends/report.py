@@ -6,6 +6,7 @@ import re
 import subprocess
 from pathlib import Path
 
+from pegainfer.backends.cache import read_manifest
 from pegainfer.errors import PegainferError
 
 SHOWS = ("source", "ptx", "sass", "resources")
@@ -14,12 +15,19 @@ BY = {"tuned": "tuned", "default": "default"}
 
 def compiled_launches(manifest: Path, kernel: str | None) -> list[tuple[dict, dict, dict]]:
     """(kernel, variant, launch) records of the manifest, for one kernel (by node name or kind) or all."""
-    kernels = json.loads(manifest.read_text())["kernels"]
+    kernels = load_manifest(manifest)["kernels"]
     chosen = [k for k in kernels if kernel in (None, k["node"], k["kind"])]
     if not chosen:
         names = sorted({k["node"] for k in kernels} | {k["kind"] for k in kernels})
         raise PegainferError(f"--kernel {kernel}: no such kernel; kernels: {', '.join(names)}")
     return [(k, v, launch) for k in chosen for v in k["variants"] for launch in v["launches"]]
+
+
+def load_manifest(manifest: Path) -> dict:
+    data = read_manifest(manifest)
+    if data is None:
+        raise PegainferError(f"{manifest}: missing or not a readable manifest; `pegainfer compile` rewrites it")
+    return data
 
 
 def show(manifest: Path, kernel: str | None, what: str) -> str:
@@ -38,18 +46,18 @@ def _text(folder: Path, launch: dict, what: str) -> str:
     key = launch["key"]
     if what == "source":
         generated = folder / f"{key}.cu"  # TileLang's lowering, what nvcc compiled
-        return (folder / f"{key}.py").read_text() + (
+        return _cached_text(folder / f"{key}.py") + (
             f"\n// generated CUDA\n{generated.read_text()}" if generated.is_file() else "")
     if what == "ptx":
-        return (folder / f"{key}.ptx").read_text()
-    return _run_tool("cuobjdump", "-sass", str(folder / f"{key}.cubin"))
+        return _cached_text(folder / f"{key}.ptx")
+    return _run_tool("cuobjdump", "-sass", str(_cached_cubin(folder / f"{key}.cubin")))
 
 
 def resources_table(folder: Path, launches: list[tuple[dict, dict, dict]]) -> str:
     lines = [f"{'kernel':<30} {'variant':<18} {'regs':>5} {'spill st':>9} {'spill ld':>9} {'stack':>6} "
              f"{'local':>6} {'smem static':>12} {'smem dyn':>9} {'warps':>5}"]
     for k, variant, launch in launches:
-        meta = json.loads((folder / f"{launch['key']}.json").read_text())
+        meta = _cached_meta(folder / f"{launch['key']}.json")
         usage = {"spill_stores": 0, "spill_loads": 0, "local": 0, **meta["resources"]} if "resources" in meta \
             else resource_usage(folder / f"{launch['key']}.cubin", folder / f"{launch['key']}.ptx")
         lines.append(f"{k['node'] + ' ' + k['kind']:<30.30} {variant['name']:<18} {usage['registers']:>5} "
@@ -63,7 +71,7 @@ def selection_table(manifest: Path) -> str:
     by how much it won (from the tuning times)."""
     from pegainfer.backends.select import margin
 
-    data = json.loads(manifest.read_text())
+    data = load_manifest(manifest)
     lines = [f"sm_{data['sm']}: backends {', '.join(f'{b} {v}' for b, v in data.get('backends', {}).items())}",
              f"{'kernel':<30} {'slot':<32} {'chosen':<24} {'by':<8} {'margin':<34} alternatives"]
     for k in data["kernels"]:
@@ -76,15 +84,38 @@ def selection_table(manifest: Path) -> str:
 
 def resource_usage(cubin: Path, ptx: Path) -> dict[str, int]:
     """Registers, stack, local and static shared memory from the cubin; spills from ptxas's own report."""
-    usage_text = _run_tool("cuobjdump", "-res-usage", str(cubin))
+    usage_text = _run_tool("cuobjdump", "-res-usage", str(_cached_cubin(cubin)))
     fields = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", usage_text))
-    target = re.search(r"^\.target\s+(\S+)", ptx.read_text(), re.M).group(1)
+    target = re.search(r"^\.target\s+(\S+)", _cached_text(ptx), re.M).group(1)
     assembler = "ptxas-blackwell" if int(re.sub(r"\D", "", target)) >= 100 else "ptxas"
     report = _run_tool(assembler, "-v", f"--gpu-name={target}", str(ptx), "-o", "/dev/null")
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     return {"registers": int(fields.get("REG", 0)), "stack": int(fields.get("STACK", 0)),
             "shared": int(fields.get("SHARED", 0)), "local": int(fields.get("LOCAL", 0)),
             "spill_stores": int(spills.group(1)) if spills else 0, "spill_loads": int(spills.group(2)) if spills else 0}
+
+
+def _cached_text(path: Path) -> str:
+    """A cache entry's text companion; compile rebuilds an entry only when its metadata or cubin is bad."""
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        raise PegainferError(f"{path}: missing from the cubin cache; delete {path.stem}.json beside it and run "
+                             f"`pegainfer compile` again to rebuild the entry") from None
+
+
+def _cached_cubin(path: Path) -> Path:
+    if not path.is_file():
+        raise PegainferError(f"{path}: missing from the cubin cache; `pegainfer compile` rebuilds it")
+    return path
+
+
+def _cached_meta(path: Path) -> dict:
+    """An entry's metadata: compile rebuilds the entry when this file is missing or corrupt."""
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
+        raise PegainferError(f"{path}: missing or corrupt cache entry; `pegainfer compile` rebuilds it") from None
 
 
 def _run_tool(name: str, *args: str) -> str:
@@ -95,5 +126,6 @@ def _run_tool(name: str, *args: str) -> str:
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
     result = subprocess.run([str(tool), *args], capture_output=True, text=True)
     if result.returncode != 0:
-        raise PegainferError(f"{name} {' '.join(args)} failed: {result.stderr.strip()}")
+        reason = "; ".join(line.strip() for line in result.stderr.splitlines() if line.strip())  # one line
+        raise PegainferError(f"{name} {' '.join(args)} failed: {reason or f'exit status {result.returncode}'}")
     return result.stdout + result.stderr

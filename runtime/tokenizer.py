@@ -37,10 +37,28 @@ def eos_token_ids(folder: Path) -> frozenset[int]:
     for name in ("generation_config.json", "config.json"):
         path = folder / name
         if path.is_file():
-            value = json.loads(path.read_text()).get("eos_token_id")
+            value = _read_json_object(path).get("eos_token_id")
             if value is not None:
-                return frozenset(value if isinstance(value, list) else [value])
+                return _token_ids(value, path)
     return frozenset()
+
+
+def _read_json_object(path: Path) -> dict:
+    try:
+        content = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{path}: not valid JSON ({error})") from None
+    if not isinstance(content, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, found {type(content).__name__}")
+    return content
+
+
+def _token_ids(value: object, path: Path) -> frozenset[int]:
+    ids = value if isinstance(value, list) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise CheckpointError(f"{path}: eos_token_id must be a token id or a list of token ids (integers >= 0), "
+                              f"found {json.dumps(value)}")
+    return frozenset(ids)
 
 
 def check_prompt_ids(token_ids: list[int], vocab_size: int) -> None:
