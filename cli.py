@@ -9,8 +9,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from pegainfer import __version__
 from pegainfer.errors import PegainferError
-from pegainfer.server.cli import add_bench_serve_args, add_serve, run_bench_serve
+from pegainfer.server.cli import DTYPE_CHOICES, DTYPE_HELP, add_bench_serve_args, add_serve, run_bench_serve
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pegainfer", description=__doc__)
-    parser.add_argument("--version", action=_PrintVersion)
+    parser.add_argument("--version", action="version", version=f"pegainfer {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(commands)
     add_serve(commands)
@@ -39,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_generate(commands) -> None:
     p = commands.add_parser("generate", help="generate tokens for one prompt")
     p.add_argument("--model-path", "--model", dest="model_path", type=Path, required=True,
-                   help="Hugging Face checkpoint folder")
+                   help="Hugging Face checkpoint folder, or a Hugging Face model id such as Qwen/Qwen3-4B")
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text, encoded with the checkpoint's tokenizer.json")
     prompt.add_argument("--prompt-ids", type=_token_ids, help="prompt token ids, comma-separated: 1,2,3")
@@ -54,6 +55,9 @@ def _add_generate(commands) -> None:
     p.add_argument("--logprobs", type=int, default=None, metavar="K", help="report the top K logprobs per token")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if present, else cpu")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP)
+    p.add_argument("--cache-dir", type=Path, default=None, help=CACHE_HELP + "; for cuda, kernels missing there "
+                   "are compiled at start when the compile extra is installed")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run_generate)
 
@@ -104,6 +108,8 @@ def _add_compile(commands) -> None:
     p.add_argument("--cache-dir", type=Path, default=None, help=CACHE_HELP)
     p.add_argument("--backends", default=None, help="backends whose candidates to compile, e.g. triton or "
                    "triton,tilelang,cute (default: every one installed)")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP.replace("on cuda", "(the "
+                   "kernels are for GPUs)"))
     p.add_argument("--dump-after", metavar="PASS", help="write the graph after PASS (or after each: all)")
     p.add_argument("--dump-dir", type=Path, default=Path("pegainfer-dumps"),
                    help="where --dump-after writes (default ./pegainfer-dumps)")
@@ -204,36 +210,6 @@ def _positive_float(text: str) -> float:
     return value
 
 
-class _PrintVersion(argparse.Action):
-    """--version, looked up only when asked for: reading package metadata would cost every command ~30 ms."""
-
-    def __init__(self, option_strings: list[str], dest: str, **kwargs) -> None:
-        super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, nargs=0,
-                         help="print pegainfer's version and exit")
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        print(f"pegainfer {package_version()}")
-        parser.exit()
-
-
-def package_version() -> str:
-    """The installed package's version; pyproject.toml's when the package metadata is missing (a bare checkout)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("pegainfer")
-    except PackageNotFoundError:
-        pass
-    import tomllib
-
-    pyproject = Path(__file__).resolve().parent / "pyproject.toml"
-    try:
-        return tomllib.loads(pyproject.read_text())["project"]["version"]
-    except (OSError, tomllib.TOMLDecodeError, KeyError) as error:
-        raise PegainferError(f"no version: pegainfer has no package metadata and {pyproject} gives none "
-                             f"({type(error).__name__})") from None
-
-
 @contextmanager
 def _usage_errors(args: argparse.Namespace) -> Iterator[None]:
     """A bad flag value found past argparse (it needs a registry or an import to judge) is a usage error still."""
@@ -252,8 +228,9 @@ def run_generate(args: argparse.Namespace) -> int:
                             min_p=args.min_p)
     started = time.perf_counter()
     result = generate_one(args.model_path, params, prompt=args.prompt, prompt_ids=args.prompt_ids,
-                          device=args.device)
-    print(f"pegainfer: device {result['device']} ({result['device_reason']})", file=sys.stderr)
+                          device=args.device, dtype=args.dtype, cache_dir=args.cache_dir)
+    print(f"pegainfer: device {result['device']} ({result['device_reason']}); dtype {result['dtype']}",
+          file=sys.stderr)
     if args.json:
         print(json.dumps(result, ensure_ascii=False))
     else:
@@ -278,7 +255,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     from pegainfer.passes.pipeline import lower
 
     _check_inspect_flags(args)
-    spec = load_spec(resolve_config_path(args.model))
+    spec = load_spec(resolve_config_path(args.model), device="cuda" if args.sm is not None else "cpu")
     if args.sm is not None:
         return _inspect_compiled(spec, args)
     if args.show == "graph":
@@ -365,19 +342,15 @@ def run_bench(args: argparse.Namespace) -> int:
         return run_bench_serve(args)
     if args.model is None:
         raise PegainferError(f"bench {args.what} needs a MODEL: {MODEL_HELP}")
-    from pegainfer.backends.cache import cache_root, manifest_path, read_manifest
     from pegainfer.runtime import bench
     from pegainfer.runtime.device import visible_sm
-    from pegainfer.runtime.gpu.engine import missing_manifest
+    from pegainfer.runtime.gpu.start import ensure_manifest
 
     sm = visible_sm()
     if sm is None:
         raise PegainferError("pegainfer bench needs a visible GPU (and cuda-bindings: pip install -e '.[cuda]')")
     model = bench.bench_model(args.model)
-    manifest = manifest_path(cache_root(args.cache_dir), sm, model.spec)
-    if read_manifest(manifest) is None:
-        raise missing_manifest(manifest, f"{args.model} --sm {sm}") if not manifest.is_file() else \
-            PegainferError(f"{manifest}: a corrupt manifest; `pegainfer compile {args.model} --sm {sm}` rewrites it")
+    manifest = ensure_manifest(model.spec, sm, args.cache_dir, label=args.model)  # compiled if missing
     if args.what == "decode":
         engine = bench.engine_for(model, manifest, max_tokens=max(args.batch), max_batch=max(args.batch),
                                   max_model_len=max(args.context) + args.steps + 16)
@@ -409,7 +382,7 @@ def run_compile(args: argparse.Namespace) -> int:
         sms = build.parse_sms(args.sm) if args.sm else None
         backends = build.parse_backends(args.backends) if args.backends else None
         _check_pass_name(args.dump_after)
-    spec = load_spec(resolve_config_path(args.model))
+    spec = load_spec(resolve_config_path(args.model), dtype=args.dtype, device="cuda")
     sms = sms or _visible_sm()
     if args.dump_after:
         written = _write_dumps(lower(spec.graph)[1], args.dump_dir, args.dump_after)
@@ -430,19 +403,18 @@ def run_tune(args: argparse.Namespace) -> int:
     if sm is None:
         raise PegainferError("pegainfer tune times kernels on a GPU and none is visible here (it also needs "
                              "cuda-bindings); without tuning data `pegainfer compile` uses each SM's default")
-    from pegainfer.backends.cache import cache_root, manifest_path, read_manifest
+    from pegainfer.backends.cache import cache_root
     from pegainfer.backends.report import selection_table
     from pegainfer.backends.select import read_tuning, reselect
     from pegainfer.passes.pipeline import lower
     from pegainfer.runtime.cuda import driver
+    from pegainfer.runtime.gpu.start import ensure_manifest
     from pegainfer.runtime.gpu.tune import tune
 
-    spec = load_spec(resolve_config_path(args.model))
+    spec = load_spec(resolve_config_path(args.model), device="cuda")
     root = cache_root(args.cache_dir)
-    manifest = manifest_path(root, sm, spec)
-    if read_manifest(manifest) is None:  # compiled here, with the backends installed here
-        _writable_cache(args.cache_dir)
-        manifest = _import_build().build_model(spec, [sm], jobs=args.jobs, cache_dir=args.cache_dir).manifests[0]
+    _writable_cache(args.cache_dir)
+    manifest = ensure_manifest(spec, sm, args.cache_dir, label=args.model, jobs=args.jobs)  # compiled if missing
     path = tune(driver.Context.create(), manifest, lower(spec.graph)[0], root, spec,
                 log=lambda line: print(line, file=sys.stderr))
     reselect(manifest, read_tuning(root, sm, spec))  # no compiler needed: the cubins are all in the manifest

@@ -1,7 +1,7 @@
 """From what a user names (a checkpoint folder, a config.json, or the name of an embedded config) to a model:
 its DAG module, parsed config, IR graph and, for a checkpoint, its weights bound by name."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 from types import ModuleType
@@ -14,6 +14,10 @@ from pegainfer.frontends.checkpoint import LazyWeights, check_weights, load_weig
 from pegainfer.frontends.config import architecture_of, parse_config, read_config
 from pegainfer.frontends.registry import dag_module_for
 from pegainfer.ir import Graph
+from pegainfer.ir.dtypes import dtype_from_name
+
+# --dtype's choices: auto is the checkpoint's own (see serving_dtype); the others cast the weights on load.
+DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 
 
 @dataclass
@@ -25,6 +29,7 @@ class ModelSpec:
     dag: ModuleType
     config: Any
     graph: Graph
+    dtype_override: str | None = None  # the torch_dtype the graph was built with, when not config.json's
 
     @property
     def dag_file(self) -> str:
@@ -58,7 +63,8 @@ def resolve_config_path(model: str) -> Path:
                       f"(embedded: {', '.join(sorted(embedded))})")
 
 
-def load_spec(config_path: Path) -> ModelSpec:
+def load_spec(config_path: Path, *, dtype: str = "auto", device: str = "cpu") -> ModelSpec:
+    """config.json and its DAG file's graph, stored in `dtype` (DTYPE_CHOICES) as the model runs on `device`."""
     raw = read_config(config_path)
     source = str(config_path)
     architecture = architecture_of(raw, source)
@@ -68,16 +74,41 @@ def load_spec(config_path: Path) -> ModelSpec:
         dag.check_config(config)
     except ConfigError as error:
         raise ConfigError(f"{source}: {error}") from None
-    return ModelSpec(config_path, raw, architecture, dag, config, dag.build_graph(config))
+    served = serving_dtype(dtype, config.torch_dtype, device, getattr(dag, "FLOAT16_UNSUPPORTED", None))
+    override = None if dtype_from_name(served) == dtype_from_name(config.torch_dtype) else served
+    if override is not None:  # a new torch_dtype: model_id (the cubin cache's key) changes with it
+        config = replace(config, torch_dtype=override)
+    return ModelSpec(config_path, raw, architecture, dag, config, dag.build_graph(config), override)
 
 
-def load_model(folder: Path, *, lazy: bool = False) -> LoadedModel:
-    """A checkpoint folder: config.json, the DAG file it names, and every weight the graph reads, checked.
-    `lazy` reads each weight from disk only when it is used (the GPU uploader's way)."""
+def serving_dtype(requested: str, checkpoint: str, device: str, float16_unsupported: str | None = None) -> str:
+    """vLLM's --dtype rule: auto is the checkpoint's dtype, except that a float32 checkpoint runs as bfloat16 on a
+    GPU (every SM pegainfer compiles for has bf16), and a model that declares float16 unstable
+    (`FLOAT16_UNSUPPORTED = reason` in its DAG file) runs as bfloat16 instead; there an explicit float16 is refused.
+    On the CPU a float32 checkpoint stays float32: the reference executor's math is float32 anyway."""
+    if requested not in DTYPE_CHOICES:
+        raise ConfigError(f"--dtype {requested}: expected one of {', '.join(DTYPE_CHOICES)}")
+    if requested != "auto":
+        if requested == "float16" and float16_unsupported:
+            raise ConfigError(f"--dtype float16: this model does not run in float16 ({float16_unsupported}); "
+                              f"use bfloat16 or float32")
+        return requested
+    stored = dtype_from_name(checkpoint).name
+    if stored == "f32" and device == "cuda":
+        return "bfloat16"
+    if stored == "f16" and float16_unsupported:
+        return "bfloat16"
+    return {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}[stored]
+
+
+def load_model(folder: Path, *, lazy: bool = False, dtype: str = "auto", device: str = "cpu") -> LoadedModel:
+    """A checkpoint folder: config.json, the DAG file it names, and every weight the graph reads, checked and cast
+    to the graph's dtype (see load_spec). `lazy` reads each weight from disk only when it is used (the GPU
+    uploader's way)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ConfigError(f"{folder}: not a checkpoint folder")
-    spec = load_spec(folder / "config.json")
+    spec = load_spec(folder / "config.json", dtype=dtype, device=device)
     expected = spec.graph.checkpoint_params()
     tensors = scan_checkpoint(folder)
     check_weights(expected, tensors, folder)

@@ -17,6 +17,7 @@ from pegainfer.models.blocks import (AttentionSpec, gated_mlp, glu_activation, l
 
 ARCHITECTURES = ("Gemma3ForCausalLM",)
 MODEL_TYPE = "gemma3_text"
+FLOAT16_UNSUPPORTED = "its activations overflow float16 (vLLM refuses it too)"
 SLIDING, FULL = "sliding_attention", "full_attention"
 NORM_OFFSET = 1.0  # Gemma's RMSNorm scales by 1 + weight
 

@@ -41,8 +41,8 @@ def bench_model(model: str) -> LoadedModel:
     """A checkpoint folder as it is; an embedded config or a config.json with random bf16 weights."""
     path = Path(model)
     if path.is_dir() and any(path.glob("*.safetensors")):
-        return load_model(path)
-    spec = load_spec(resolve_config_path(model))
+        return load_model(path, lazy=True, device="cuda")
+    spec = load_spec(resolve_config_path(model), device="cuda")
     return LoadedModel(spec, path, random_weights(spec))
 
 

@@ -5,7 +5,8 @@ from pathlib import Path
 from typing import Any
 
 from pegainfer.errors import RequestError
-from pegainfer.frontends.load import load_model
+from pegainfer.frontends.hub import resolve_checkpoint
+from pegainfer.frontends.load import LoadedModel, load_model
 from pegainfer.runtime.device import choose_device
 from pegainfer.runtime.generate import Request, generate
 from pegainfer.runtime.reference_engine import ReferenceEngine
@@ -13,15 +14,18 @@ from pegainfer.runtime.sampler import SamplingParams
 from pegainfer.runtime.tokenizer import check_prompt_ids, eos_token_ids, load_tokenizer
 
 
-def generate_one(model_path: Path, params: SamplingParams, *, prompt: str | None = None,
-                 prompt_ids: list[int] | None = None, device: str | None = None) -> dict[str, Any]:
-    """Returns {device, device_reason, prompt_token_ids, token_ids, text, finish_reason, logprobs}."""
+def generate_one(model_path: Path | str, params: SamplingParams, *, prompt: str | None = None,
+                 prompt_ids: list[int] | None = None, device: str | None = None, dtype: str = "auto",
+                 cache_dir: Path | None = None) -> dict[str, Any]:
+    """Returns {device, device_reason, dtype, prompt_token_ids, token_ids, text, finish_reason, logprobs}.
+    `model_path`: a checkpoint folder or a Hugging Face id; `dtype`: load_spec's; `cache_dir`: the cubin cache
+    for cuda (cache_root's rule), where missing kernels are compiled when a compiler is installed."""
     assert (prompt is None) != (prompt_ids is None), "give exactly one of prompt and prompt_ids"
     params.validate()
     device, reason = choose_device(device)
-    model = load_model(model_path, lazy=device == "cuda")
-    tokenizer = load_tokenizer(model_path) if prompt is not None or (model_path / "tokenizer.json").is_file() \
-        else None
+    folder = resolve_checkpoint(model_path).folder
+    model = load_model(folder, lazy=device == "cuda", dtype=dtype, device=device)
+    tokenizer = load_tokenizer(folder) if prompt is not None or (folder / "tokenizer.json").is_file() else None
     ids = tokenizer.encode(prompt) if prompt is not None else list(prompt_ids)
     check_prompt_ids(ids, model.spec.config.vocab_size)
     max_model_len = model.spec.raw_config.get("max_position_embeddings")
@@ -30,12 +34,13 @@ def generate_one(model_path: Path, params: SamplingParams, *, prompt: str | None
                            f"(max_position_embeddings {max_model_len})")
     if max_model_len is not None:
         params = replace(params, max_tokens=min(params.max_tokens, max_model_len - len(ids)))
-    engine = _engine(model, device, len(ids) + params.max_tokens)
-    eos = tokenizer.eos_token_ids if tokenizer else eos_token_ids(model_path)
+    engine = _engine(model, device, len(ids) + params.max_tokens, cache_dir)
+    eos = tokenizer.eos_token_ids if tokenizer else eos_token_ids(folder)
     (completion,) = generate(engine, [Request(ids, params)], eos)
     return {
         "device": device,
         "device_reason": reason,
+        "dtype": model.spec.config.torch_dtype,
         "prompt_token_ids": ids,
         "token_ids": completion.token_ids,
         "text": tokenizer.decode(completion.token_ids) if tokenizer else None,
@@ -45,16 +50,11 @@ def generate_one(model_path: Path, params: SamplingParams, *, prompt: str | None
     }
 
 
-def _engine(model, device: str, tokens: int):
+def _engine(model: LoadedModel, device: str, tokens: int, cache_dir: Path | None):
     if device == "cpu":
         return ReferenceEngine(model, max_tokens=tokens)
-    from pegainfer.backends.cache import cache_root, manifest_path
-    from pegainfer.runtime.device import visible_sm
-    from pegainfer.runtime.gpu.engine import EngineOptions, GpuEngine, missing_manifest
+    from pegainfer.runtime.gpu.engine import EngineOptions
+    from pegainfer.runtime.gpu.start import gpu_engine
 
-    manifest = manifest_path(cache_root(), visible_sm(), model.spec)
-    if not manifest.is_file():
-        raise missing_manifest(manifest, str(model.folder))
     options = EngineOptions(max_tokens=max(tokens, 16), max_batch=8, max_model_len=tokens + 16, kv_tokens=tokens + 16)
-    return GpuEngine(model, manifest, options)
-
+    return gpu_engine(model, options, cache_dir)

@@ -1,19 +1,21 @@
 """The OpenAI-compatible HTTP API over the engine loop: /v1/completions, /v1/chat/completions, /v1/models,
-/health, /metrics, /tokenize, /detokenize."""
+/tokenize, /detokenize, /health, /metrics, /version and /openapi.json."""
 
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
 
+from pegainfer import __version__
 from pegainfer.errors import RequestError
 from pegainfer.runtime.chat import ChatTemplate
 from pegainfer.runtime.engine_loop import EngineDead, EngineLoop
@@ -21,16 +23,18 @@ from pegainfer.runtime.sampler import SamplingParams
 from pegainfer.runtime.scheduler import EngineRequest
 from pegainfer.runtime.tokenizer import TextTokenizer
 from pegainfer.server import openai_format as fmt
-from pegainfer.server.errors import ApiError, api_error_handler, error_body, validation_error_handler
+from pegainfer.server import responses as schema
+from pegainfer.server.errors import (ApiError, api_error_handler, error_body, http_error_handler,
+                                     internal_error_handler, validation_error_handler)
 from pegainfer.server.generation import Choice, Delta, run_choice
 from pegainfer.server.guard import Guard
 from pegainfer.server.metrics import Metrics
+from pegainfer.server.openapi import openapi_document
+from pegainfer.server.prompts import PromptEncoder
 from pegainfer.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, \
-    TokenizeRequest, _Sampling
+    TokenizeRequest, _Sampling, unused_field_set
 
-# Known OpenAI fields pegainfer does not implement, with the value that means "not used".
-UNSUPPORTED = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "logit_bias": None,
-               "suffix": None, "tools": None, "response_format": None}
+MAX_SEQS_PER_REQUEST = 256  # prompts x n of one request, by default (--max-seqs-per-request)
 
 
 @dataclass
@@ -45,6 +49,11 @@ class ServerContext:
     metrics: Metrics
     api_key: str | None = None
     max_request_bytes: int = 8 << 20
+    max_seqs_per_request: int = MAX_SEQS_PER_REQUEST
+    encoder: PromptEncoder = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.encoder = PromptEncoder(self.tokenizer)
 
 
 @dataclass
@@ -57,65 +66,92 @@ class Prepared:
     stop_token_ids: frozenset[int]
 
 
-def build_app(ctx: ServerContext, on_ready: Callable[[], None] | None = None) -> Guard:
+def build_app(ctx: ServerContext) -> Guard:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        if on_ready is not None:
-            on_ready()
         yield
+        ctx.encoder.close()
 
-    app = FastAPI(title="pegainfer", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app = FastAPI(title="pegainfer", version=__version__, docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json", lifespan=lifespan)
     app.add_exception_handler(ApiError, api_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
+    app.add_exception_handler(HTTPException, http_error_handler)
+    app.add_exception_handler(Exception, internal_error_handler)
     app.state.ctx = ctx
+    add_info_routes(app, ctx)
+    add_generation_routes(app, ctx)
+    app.openapi = lambda: openapi_document(app, secured=ctx.api_key is not None)
+    return Guard(app, ctx)
 
-    @app.get("/health")
+
+def add_info_routes(app: FastAPI, ctx: ServerContext) -> None:
+    @app.get("/health", response_model=schema.Health, responses=schema.error_responses(503))
     async def health() -> Response:
         if not ctx.engine.healthy:
             reason = f"{type(ctx.engine.error).__name__}: {ctx.engine.error}" if ctx.engine.error else "stopped"
             return JSONResponse(error_body(503, f"the engine has failed: {reason}"), status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics() -> Response:
         text = ctx.metrics.render(ctx.engine.scheduler, ctx.engine.healthy)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [{"id": ctx.model_name, "object": "model", "created": 0,
-                                             "owned_by": "pegainfer", "root": ctx.model_root,
-                                             "max_model_len": ctx.max_model_len}]}
+    @app.get("/version", response_model=schema.Version)
+    async def version() -> dict:
+        return {"version": __version__}
 
-    @app.post("/tokenize")
+    @app.get("/v1/models", response_model=schema.ModelList, responses=schema.error_responses(401))
+    async def models() -> dict:
+        return {"object": "list", "data": [model_card(ctx)]}
+
+    @app.get("/v1/models/{model_id:path}", response_model=schema.ModelCard,
+             responses=schema.error_responses(401, 404))
+    async def model(model_id: str) -> dict:
+        check_model(ctx, model_id)
+        return model_card(ctx)
+
+    @app.post("/tokenize", response_model=schema.Tokenized, responses=schema.error_responses(400, 401, 404, 413, 415))
     async def tokenize(body: TokenizeRequest) -> dict:
         check_model(ctx, body.model)
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "give exactly one of prompt and messages", "prompt")
-        ids = ctx.tokenizer.encode(body.prompt) if body.prompt is not None else \
-            ctx.tokenizer.encode(render_chat(ctx, body.messages, body.add_generation_prompt,
-                                             body.chat_template_kwargs))
+        text, param = (body.prompt, "prompt") if body.prompt is not None else \
+            (render_chat(ctx, body.messages, body.add_generation_prompt, body.chat_template_kwargs), "messages")
+        ids = await ctx.encoder.encode(text, ctx.max_model_len, param, ctx.max_model_len)
         return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", response_model=schema.Detokenized,
+              responses=schema.error_responses(400, 401, 404, 413, 415))
     async def detokenize(body: DetokenizeRequest) -> dict:
         check_model(ctx, body.model)
         check_ids(ctx, body.tokens, "tokens")
         return {"prompt": ctx.tokenizer.decode(body.tokens)}
 
-    @app.post("/v1/completions")
+
+def add_generation_routes(app: FastAPI, ctx: ServerContext) -> None:
+    errors = schema.error_responses(400, 401, 404, 413, 415, 503)
+
+    @app.post("/v1/completions", response_model=None,
+              responses={200: {"model": schema.Completion, "content": schema.STREAM}, **errors})
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        prepared = prepare_completion(ctx, body)
+        prepared = await prepare_completion(ctx, body)
         echo = prepared.prompt_texts if body.echo else [""] * len(prepared.prompts)
         return await respond(ctx, request, body, prepared, chat=False, echo=echo, top=body.logprobs)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=None,
+              responses={200: {"model": schema.ChatCompletion, "content": schema.STREAM}, **errors})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        prepared = prepare_chat(ctx, body)
+        prepared = await prepare_chat(ctx, body)
         top = (body.top_logprobs or 0) if body.logprobs else None
         return await respond(ctx, request, body, prepared, chat=True, echo=[""], top=top)
 
-    return Guard(app, ctx)
+
+def model_card(ctx: ServerContext) -> dict:
+    return {"id": ctx.model_name, "object": "model", "created": 0, "owned_by": "pegainfer", "root": ctx.model_root,
+            "max_model_len": ctx.max_model_len}
 
 
 # --- preparing a request -----------------------------------------------------------------------------------------
@@ -133,15 +169,20 @@ def check_ids(ctx: ServerContext, ids: list[int], param: str) -> None:
                        param)
 
 
-def check_common(ctx: ServerContext, body: _Sampling) -> None:
+def check_common(ctx: ServerContext, body: _Sampling, prompts: int) -> None:
     check_model(ctx, body.model)
-    for name, unused in UNSUPPORTED.items():
-        if getattr(body, name, unused) not in (unused, [], {}):
-            raise ApiError(400, f"{name} is not supported by pegainfer: leave it out", name)
+    name = unused_field_set(body)
+    if name is not None:
+        raise ApiError(400, f"{name} is not supported by pegainfer yet: leave it out (set to "
+                            f"{json.dumps(getattr(body, name))[:80]})", name)
     if body.best_of not in (None, 1, body.n):
         raise ApiError(400, "best_of is not supported by pegainfer: leave it out or equal to n", "best_of")
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options is only allowed with stream: true", "stream_options")
+    if prompts * body.n > ctx.max_seqs_per_request:
+        raise ApiError(400, f"this request asks for {prompts} prompts x n={body.n} = {prompts * body.n} sequences; "
+                            f"this server takes at most {ctx.max_seqs_per_request} per request "
+                            f"(--max-seqs-per-request): split it", "n" if body.n > 1 else "prompt")
     check_ids(ctx, body.stop_token_ids or [], "stop_token_ids")
 
 
@@ -172,20 +213,23 @@ def sampling_params(ctx: ServerContext, body: _Sampling, prompt_len: int, max_to
                            max_tokens=max_tokens, ignore_eos=body.ignore_eos) for j in range(body.n)]
 
 
-def prepare_completion(ctx: ServerContext, body: CompletionRequest) -> Prepared:
-    check_common(ctx, body)
+async def prepare_completion(ctx: ServerContext, body: CompletionRequest) -> Prepared:
+    prompt = body.prompt
+    texts = [prompt] if isinstance(prompt, str) else prompt if isinstance(prompt[0], str) else None
+    id_prompts = None if texts is not None else [prompt] if isinstance(prompt[0], int) else prompt
+    check_common(ctx, body, len(texts if texts is not None else id_prompts))
     if body.echo and body.logprobs is not None:
         raise ApiError(400, "echo with logprobs needs the prompt's logprobs, which pegainfer does not compute: "
                             "use one or the other", "echo")
-    prompt = body.prompt
-    if isinstance(prompt, str) or isinstance(prompt[0], str):
-        texts = [prompt] if isinstance(prompt, str) else prompt
-        prompts = [ctx.tokenizer.encode(text) for text in texts]
+    if texts is not None:
+        prompts = [await ctx.encoder.encode(text, ctx.max_model_len - 1, "prompt", ctx.max_model_len)
+                   for text in texts]
     else:
-        prompts = [prompt] if isinstance(prompt[0], int) else prompt
+        prompts = id_prompts
         for ids in prompts:
-            check_ids(ctx, ids, "prompt")
-        texts = [ctx.tokenizer.decode(ids) for ids in prompts]
+            if len(ids) < ctx.max_model_len:  # longer ones are refused with their length below, unread
+                check_ids(ctx, ids, "prompt")
+        texts = [ctx.tokenizer.decode(ids) if body.echo else "" for ids in prompts]
     if any(not ids for ids in prompts):
         raise ApiError(400, "the prompt is empty: it encodes to no tokens", "prompt")
     params = []
@@ -209,12 +253,12 @@ def render_chat(ctx: ServerContext, messages, add_generation_prompt: bool, kwarg
         raise ApiError(400, str(error), "messages") from None
 
 
-def prepare_chat(ctx: ServerContext, body: ChatCompletionRequest) -> Prepared:
-    check_common(ctx, body)
+async def prepare_chat(ctx: ServerContext, body: ChatCompletionRequest) -> Prepared:
+    check_common(ctx, body, 1)
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     text = render_chat(ctx, body.messages, body.add_generation_prompt, body.chat_template_kwargs)
-    ids = ctx.tokenizer.encode(text)
+    ids = await ctx.encoder.encode(text, ctx.max_model_len - 1, "messages", ctx.max_model_len)
     if not ids:
         raise ApiError(400, "the messages render to an empty prompt", "messages")
     name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
@@ -232,7 +276,7 @@ async def merged(ctx: ServerContext, prepared: Prepared, prefix: str, choices: l
 
     async def pump(index: int) -> None:
         request = EngineRequest(f"{prefix}-{index}", prepared.prompts[index // n], prepared.params[index],
-                                prepared.stop_token_ids)
+                                prepared.stop_token_ids, group=prefix)
         try:
             async for delta in run_choice(ctx.engine, request, ctx.tokenizer, prepared.stops, index, ctx.metrics,
                                           choices[index]):

@@ -2,26 +2,41 @@
 listening server (model, tokenizer, chat template, engine, scheduler, engine loop, HTTP app)."""
 
 import argparse
+import errno
 import importlib
 import json
 import os
+import socket
 import sys
 import time
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, Callable, TextIO
 
 from pegainfer.errors import PegainferError
 
+if TYPE_CHECKING:  # the serving stack is imported inside the functions: `pegainfer --help` stays fast
+    from pegainfer.frontends.load import LoadedModel
+    from pegainfer.runtime.engine_loop import EngineLoop
+    from pegainfer.server.app import ServerContext
+
 CPU_KV_TOKENS = 65536  # the reference engine's default pool: NumPy arrays, sized for trying the API
+KV_BLOCK_SIZE = 16  # tokens a KV block holds, on either engine
+# frontends/load.py's DTYPE_CHOICES, spelled out so that the CLI's start does not import NumPy for every command
+DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
+DTYPE_HELP = ("weights and activations: auto (default) is config.json's torch_dtype, except that a float32 "
+              "checkpoint runs as bfloat16 on cuda (vLLM's rule); bfloat16, float16 or float32 cast the weights "
+              "on load")
 
 
 def add_serve(commands) -> None:
     p = commands.add_parser("serve", help="serve a checkpoint behind an OpenAI-compatible HTTP API")
     p.add_argument("--model-path", "--model", dest="model_path", type=Path, required=True,
-                   help="Hugging Face checkpoint folder")
+                   help="Hugging Face checkpoint folder, or a Hugging Face model id such as Qwen/Qwen3-4B (read "
+                        "from the hub cache, downloaded unless HF_HUB_OFFLINE is set)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    p.add_argument("--served-model-name", help="the model name clients send (default: the folder's name)")
+    p.add_argument("--port", type=_port, default=8000, help="port (default 8000; 0: any free one)")
+    p.add_argument("--served-model-name", help="the model name clients send (default: the model id as given for "
+                                               "a Hugging Face id, else the folder's name)")
     p.add_argument("--api-key", default=os.environ.get("PEGAINFER_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $PEGAINFER_API_KEY, else none)")
     p.add_argument("--max-num-seqs", type=_positive, default=64, help="sequences in a batch at most (default 64)")
@@ -36,12 +51,17 @@ def add_serve(commands) -> None:
                         f"or max-num-seqs x max-model-len if smaller)")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="do not share the KV blocks of common prompt prefixes")
+    p.add_argument("--max-seqs-per-request", type=_positive, default=256,
+                   help="prompts x n of one request at most; more is refused with a 400 (default 256)")
     p.add_argument("--max-request-bytes", type=_positive, default=8 << 20,
                    help="largest request body accepted (default 8 MiB)")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None,
                    help="cuda: the compiled kernels; cpu: the reference executor (slow; for trying the API). "
                         "Default: cuda if present, else cpu")
-    p.add_argument("--cache-dir", type=Path, default=None, help="cubin cache (see pegainfer compile)")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP)
+    p.add_argument("--cache-dir", type=Path, default=None,
+                   help="cubin cache (see pegainfer compile); kernels missing there are compiled at start when "
+                        "the compile extra is installed")
     p.add_argument("--trace-steps", type=Path, default=None, metavar="FILE",
                    help="write a JSON line per engine step to FILE: its sequences and tokens, the engine's seconds "
                         "and the serving loop's own (to profile a slow server)")
@@ -62,8 +82,9 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     group.add_argument("--request-rate", type=float, default=float("inf"),
                        help="mean requests per second, Poisson arrivals (default inf: all at once)")
     group.add_argument("--max-concurrency", type=_positive, default=None, help="requests in flight at most")
-    group.add_argument("--seed", type=int, default=0)
-    group.add_argument("--endpoint", choices=["/v1/completions", "/v1/chat/completions"], default="/v1/completions")
+    group.add_argument("--seed", type=int, default=0, help="seed of the random prompts and arrival times (default 0)")
+    group.add_argument("--endpoint", choices=["/v1/completions", "/v1/chat/completions"], default="/v1/completions",
+                       help="the route to load (default /v1/completions)")
     group.add_argument("--tokenizer", type=Path, default=None,
                        help="checkpoint folder whose tokenizer.json turns the random prompts into text (default: "
                             "send token ids, which /v1/completions of pegainfer and vLLM take)")
@@ -99,64 +120,130 @@ def run_bench_serve(args: argparse.Namespace) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from pegainfer.frontends.load import load_model
-    from pegainfer.runtime.device import choose_device
-
     trace = open_trace(args.trace_steps)  # before the slow part: a path that cannot be written fails at once
-    phases = {"imports": process_age()}
-    device, reason = choose_device(args.device)
-    model = load_model(args.model_path, lazy=device == "cuda")
-    max_model_len = _max_model_len(model.spec.raw_config, args.max_model_len)
-    step_tokens = max(args.max_num_batched_tokens, args.max_num_seqs)
-    phases["model"] = process_age() - sum(phases.values())
-    engine, tokenizer = load_engine_and_tokenizer(args, model, device, max_model_len, step_tokens, phases)
-    import uvicorn
-
-    from pegainfer.runtime.chat import load_chat_template
-    from pegainfer.runtime.engine_loop import EngineLoop
-    from pegainfer.runtime.scheduler import Scheduler, SchedulerConfig
-    from pegainfer.server.app import ServerContext, build_app
-    from pegainfer.server.metrics import Metrics
-
-    config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=step_tokens,
-                             max_model_len=max_model_len, prefix_cache=args.prefix_cache)
-    loop = EngineLoop(Scheduler(engine, tokenizer.eos_token_ids, config), engine_thread_init(engine), trace).start()
-    name = args.served_model_name or args.model_path.resolve().name
-    ctx = ServerContext(loop, tokenizer, load_chat_template(args.model_path), name, str(args.model_path),
-                        max_model_len, model.spec.config.vocab_size, Metrics(name), args.api_key,
-                        args.max_request_bytes)
-    allocator = engine.allocator
-
-    def ready() -> None:
-        ctx.metrics.startup_seconds = process_age()
-        phases["http"] = ctx.metrics.startup_seconds - sum(phases.values())
-        print(f"pegainfer: serving {name} on http://{args.host}:{args.port} (device {device}: {reason}; "
-              f"{allocator.num_blocks} KV blocks of {allocator.block_size} tokens; max_model_len {max_model_len}; "
-              f"prefix cache {'on' if args.prefix_cache else 'off'}); ready {ctx.metrics.startup_seconds:.2f} s "
-              f"after start ({', '.join(f'{k} {v:.2f} s' for k, v in phases.items())})", file=sys.stderr, flush=True)
+    listener = bind_listener(args.host, args.port)  # so does a port in use: the socket is handed to uvicorn
+    loop = None
     try:
-        uvicorn.run(build_app(ctx, on_ready=ready), host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=5)
+        loop, ctx, ready_line = start_serving(args, trace, listener)
+        serve_http(ctx, listener, args.log_level, ready_line)
     finally:
-        loop.stop()
+        listener.close()
+        if loop is not None:
+            loop.stop()
         if trace is not None:
             trace.close()
     return 0
 
 
-def load_engine_and_tokenizer(args: argparse.Namespace, model, device: str, max_model_len: int, step_tokens: int,
-                              phases: dict[str, float]):
+def start_serving(args: argparse.Namespace, trace: TextIO | None, listener: socket.socket
+                  ) -> tuple["EngineLoop", "ServerContext", Callable[[], str]]:
+    """Model, engine, tokenizer, scheduler and engine loop: (the loop, the app's context, a function that makes
+    the ready line once the HTTP server listens)."""
+    from pegainfer.frontends.hub import resolve_checkpoint
+    from pegainfer.frontends.load import load_model
+    from pegainfer.runtime.device import choose_device
+
+    phases = {"imports": process_age()}
+    device, reason = choose_device(args.device)
+    checkpoint = resolve_checkpoint(args.model_path)
+    model = load_model(checkpoint.folder, lazy=device == "cuda", dtype=args.dtype, device=device)
+    max_model_len, explicit = _max_model_len(model.spec.raw_config, args.max_model_len)
+    if args.kv_cache_tokens is not None:  # the pool's size is known: refuse before the slow part
+        fit_model_len(max_model_len, explicit, -(-args.kv_cache_tokens // KV_BLOCK_SIZE) * KV_BLOCK_SIZE)
+    step_tokens = max(args.max_num_batched_tokens, args.max_num_seqs)
+    phases["model"] = process_age() - sum(phases.values())
+    engine, tokenizer = load_engine_and_tokenizer(args, model, device, max_model_len, step_tokens, phases)
+    allocator = engine.allocator
+    max_model_len, clamp_note = fit_model_len(max_model_len, explicit, allocator.num_blocks * allocator.block_size)
+
+    from pegainfer.runtime.chat import load_chat_template
+    from pegainfer.runtime.engine_loop import EngineLoop
+    from pegainfer.runtime.scheduler import Scheduler, SchedulerConfig
+    from pegainfer.server.app import ServerContext
+    from pegainfer.server.metrics import Metrics
+
+    config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=step_tokens,
+                             max_model_len=max_model_len, prefix_cache=args.prefix_cache)
+    chat_template = load_chat_template(checkpoint.folder)  # before the loop's thread starts: it may be refused
+    loop = EngineLoop(Scheduler(engine, tokenizer.eos_token_ids, config), engine_thread_init(engine), trace).start()
+    name = args.served_model_name or checkpoint.name
+    cache_info = {"gpu_memory_utilization": args.gpu_memory_utilization} if device == "cuda" and \
+        args.kv_cache_tokens is None else {}
+    metrics = Metrics(name, max_model_len=max_model_len, cache_info=cache_info)
+    ctx = ServerContext(loop, tokenizer, chat_template, name, checkpoint.repo_id or str(args.model_path),
+                        max_model_len, model.spec.config.vocab_size, metrics, args.api_key,
+                        args.max_request_bytes, args.max_seqs_per_request)
+
+    def ready_line() -> str:
+        ctx.metrics.startup_seconds = process_age()
+        phases["http"] = ctx.metrics.startup_seconds - sum(phases.values())
+        return (f"pegainfer: serving {name} on http://{_address(listener)} (device {device}: {reason}; dtype "
+                f"{model.spec.config.torch_dtype}; {allocator.num_blocks} KV blocks of {allocator.block_size} "
+                f"tokens; max_model_len {max_model_len}{clamp_note}; prefix cache "
+                f"{'on' if args.prefix_cache else 'off'}); ready {ctx.metrics.startup_seconds:.2f} s after start "
+                f"({', '.join(f'{k} {v:.2f} s' for k, v in phases.items())})")
+    return loop, ctx, ready_line
+
+
+def serve_http(ctx: "ServerContext", listener: socket.socket, log_level: str, ready_line: Callable[[], str]) -> None:
+    """uvicorn on the socket bound at start; the ready line is printed once it accepts connections there."""
+    import uvicorn
+
+    from pegainfer.server.app import build_app
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started:
+                print(ready_line(), file=sys.stderr, flush=True)
+
+    config = uvicorn.Config(build_app(ctx), log_level=log_level, timeout_graceful_shutdown=5)
+    Server(config).run(sockets=[listener])
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port (not yet listening: connections are refused until the server is ready,
+    as vLLM does); every way it can fail is one line naming the address."""
+    try:
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as error:
+        raise PegainferError(f"--host {host}: cannot resolve it to an address ({error.strerror})") from None
+    family, kind, proto, _, address = min(found, key=lambda entry: entry[0] != socket.AF_INET)  # uvicorn's IPv4 first
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart binds past the last one's TIME_WAIT
+    try:
+        sock.bind(address)
+    except OSError as error:
+        sock.close()
+        why = {errno.EADDRINUSE: "the address is already in use (another server? choose another --port)",
+               errno.EADDRNOTAVAIL: "that address is not one of this machine's (see --host)",
+               errno.EACCES: "permission denied (ports below 1024 need privileges)"}.get(error.errno, error.strerror)
+        raise PegainferError(f"cannot listen on {_host_port(host, port)}: {why}") from None
+    return sock
+
+
+def _address(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return _host_port(host, port)
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def load_engine_and_tokenizer(args: argparse.Namespace, model: "LoadedModel", device: str, max_model_len: int,
+                              step_tokens: int, phases: dict[str, float]):
     """The weights stream to the device (I/O and copies, outside the GIL) in a worker thread while this one imports
     the HTTP stack and reads the tokenizer: start-up is the longer of the two, not their sum."""
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(1, thread_name_prefix="pegainfer-load") as pool:
         building = pool.submit(build_engine, model, device, args, max_model_len, step_tokens)
-        for module in ("uvicorn", "pegainfer.server.app"):  # imported during the load; run_serve uses them
+        for module in ("uvicorn", "pegainfer.server.app"):  # imported during the load; serve_http uses them
             importlib.import_module(module)
         from pegainfer.runtime.tokenizer import load_tokenizer
 
-        tokenizer = load_tokenizer(args.model_path)
+        tokenizer = load_tokenizer(model.folder)
         phases["http stack and tokenizer"] = process_age() - sum(phases.values())
         engine = building.result()
     phases["engine, beyond that"] = process_age() - sum(phases.values())
@@ -172,23 +259,32 @@ def open_trace(path: Path | None) -> TextIO | None:
         raise PegainferError(f"--trace-steps: cannot write {path}: {error.strerror}") from None
 
 
-def build_engine(model, device: str, args: argparse.Namespace, max_model_len: int, step_tokens: int):
-    """The reference engine on the CPU; on the GPU, the compiled kernels, wired as runtime/offline.py wires them."""
+def build_engine(model: "LoadedModel", device: str, args: argparse.Namespace, max_model_len: int, step_tokens: int):
+    """The reference engine on the CPU; on the GPU, the compiled kernels (compiled first if missing)."""
     if device == "cpu":
         from pegainfer.runtime.reference_engine import ReferenceEngine
 
         tokens = args.kv_cache_tokens or min(CPU_KV_TOKENS, args.max_num_seqs * max_model_len)
-        return ReferenceEngine(model, max_tokens=tokens)
-    from pegainfer.backends.cache import cache_root, manifest_path
-    from pegainfer.runtime.device import visible_sm
-    from pegainfer.runtime.gpu.engine import EngineOptions, GpuEngine, missing_manifest
+        return ReferenceEngine(model, max_tokens=tokens, block_size=KV_BLOCK_SIZE)
+    from pegainfer.runtime.gpu.engine import EngineOptions
+    from pegainfer.runtime.gpu.start import gpu_engine
 
-    manifest = manifest_path(cache_root(args.cache_dir), visible_sm(), model.spec)
-    if not manifest.is_file():
-        raise missing_manifest(manifest, str(model.folder))
     options = EngineOptions(max_tokens=step_tokens, max_batch=args.max_num_seqs, max_model_len=max_model_len,
-                            kv_tokens=args.kv_cache_tokens, gpu_memory_utilization=args.gpu_memory_utilization)
-    return GpuEngine(model, manifest, options)  # without --kv-cache-tokens: the KV cache fills the utilization
+                            kv_tokens=args.kv_cache_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
+                            block_size=KV_BLOCK_SIZE)
+    return gpu_engine(model, options, args.cache_dir)  # without --kv-cache-tokens: the KV cache fills the utilization
+
+
+def fit_model_len(max_model_len: int, explicit: bool, pool_tokens: int) -> tuple[int, str]:
+    """(max_model_len, a note for the ready line) once the KV pool's size is known: one sequence must fit in it,
+    as vLLM requires; a length given with --max-model-len that does not is refused, a defaulted one clamped."""
+    if max_model_len <= pool_tokens:
+        return max_model_len, ""
+    if explicit:
+        raise PegainferError(f"--max-model-len {max_model_len} is more than the KV cache holds ({pool_tokens} tokens "
+                             f"in blocks of {KV_BLOCK_SIZE}): lower --max-model-len, or give the cache more room "
+                             f"with --kv-cache-tokens or --gpu-memory-utilization")
+    return pool_tokens, f" (max_position_embeddings {max_model_len}, clamped to the KV cache)"
 
 
 def engine_thread_init(engine):
@@ -206,11 +302,12 @@ def engine_thread_init(engine):
     return bind
 
 
-def _max_model_len(raw_config: dict, requested: int | None) -> int:
+def _max_model_len(raw_config: dict, requested: int | None) -> tuple[int, bool]:
+    """(the length, whether --max-model-len gave it): a default may be clamped to the KV cache later."""
     limit = raw_config.get("max_position_embeddings")
     if requested is not None and limit is not None and requested > limit:
         raise PegainferError(f"--max-model-len {requested} is past this model's max_position_embeddings {limit}")
-    return requested or limit or 2048
+    return requested or limit or 2048, requested is not None
 
 
 def process_age() -> float:
@@ -231,6 +328,16 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number in 0..65535, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number in 0..65535, got {text!r}")
     return value
 
 

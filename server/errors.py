@@ -7,9 +7,13 @@ from typing import Any
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
 TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-         413: "invalid_request_error", 500: "server_error", 503: "server_error"}
+         405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
+         500: "server_error", 503: "server_error"}
+ROUTES = ("POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /v1/models/{model}",
+          "POST /tokenize", "POST /detokenize", "GET /health", "GET /metrics", "GET /version", "GET /openapi.json")
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "function-before"}
 
 
@@ -30,6 +34,26 @@ def error_response(error: ApiError) -> JSONResponse:
 
 async def api_error_handler(request: Request, error: ApiError) -> JSONResponse:
     return error_response(error)
+
+
+async def http_error_handler(request: Request, error: HTTPException) -> JSONResponse:
+    """Starlette's own refusals (no such route, a method the route does not take) as OpenAI error objects."""
+    if error.status_code == 404:
+        message = f"no route {request.method} {request.url.path}: this server has {', '.join(ROUTES)}"
+    elif error.status_code == 405:
+        allowed = error.headers.get("Allow", "") if error.headers else ""
+        message = f"{request.url.path} does not take {request.method}: use {allowed or 'another method'}"
+    else:
+        message = str(error.detail)
+    response = error_response(ApiError(error.status_code, message, None, error.status_code))
+    if error.headers:
+        response.headers.update(error.headers)
+    return response
+
+
+async def internal_error_handler(request: Request, error: Exception) -> JSONResponse:
+    """A bug: still an error object (the traceback goes to the log, where Starlette sends it)."""
+    return error_response(ApiError(500, f"internal error: {type(error).__name__}: {error}"))
 
 
 async def validation_error_handler(request: Request, error: RequestValidationError) -> JSONResponse:

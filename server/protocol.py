@@ -2,6 +2,7 @@
 refused before anything runs, with the parameter's name (server/errors.py turns the validation error into an
 OpenAI error object)."""
 
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -19,8 +20,8 @@ class StreamOptions(BaseModel):
 
 
 class _Sampling(BaseModel):
-    """Fields completions and chat share. Unknown fields are ignored, as OpenAI's own server does; known fields
-    pegainfer does not implement are refused when set (server/app.py: UNSUPPORTED)."""
+    """Fields completions and chat share. Unknown fields are ignored, as vLLM does; known fields pegainfer does
+    not implement are refused unless their value means nothing (UNUSED below)."""
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
@@ -36,12 +37,20 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     user: str | None = None
-    # known, not implemented: refused unless left at their defaults
+    best_of: int | None = None
+    # known, not implemented: refused unless their value means nothing (UNUSED)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[str, float] | None = None
-    best_of: int | None = None
+    response_format: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    structured_outputs: Any = None
+    prompt_logprobs: Any = None
 
     @field_validator("stop")
     @classmethod
@@ -98,8 +107,17 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # known, not implemented: refused unless their value means nothing (UNUSED)
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: Any = None
+    modalities: list[str] | None = None
+    reasoning_effort: Any = None
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
 
 
 class TokenizeRequest(BaseModel):
@@ -113,6 +131,34 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     model: str | None = None
     tokens: list[int]
+
+
+def _nothing(value: Any) -> bool:
+    return value is None
+
+
+def _empty(value: Any) -> bool:
+    return value in (None, [], {})
+
+
+# field -> whether a value means "nothing": such values are accepted, any other is refused with a 400 naming it.
+# tool_choice and function_call "auto" mean nothing without tools, and tools are refused.
+UNUSED: dict[str, Callable[[Any], bool]] = {
+    "presence_penalty": lambda v: v == 0, "frequency_penalty": lambda v: v == 0,
+    "repetition_penalty": lambda v: v == 1, "logit_bias": _empty, "suffix": lambda v: v in (None, ""),
+    "response_format": lambda v: v is None or v == {"type": "text"}, "tools": _empty, "functions": _empty,
+    "tool_choice": lambda v: v in (None, "none", "auto"), "function_call": lambda v: v in (None, "none", "auto"),
+    "parallel_tool_calls": lambda v: True, "modalities": lambda v: v in (None, ["text"]),
+    **{name: _nothing for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                                   "guided_decoding_backend", "structured_outputs", "prompt_logprobs",
+                                   "reasoning_effort", "audio", "prediction", "web_search_options")},
+}
+
+
+def unused_field_set(body: BaseModel) -> str | None:
+    """The first known-but-unimplemented field of the request set to a value that means something."""
+    return next((name for name, unused in UNUSED.items()
+                 if name in type(body).model_fields and not unused(getattr(body, name))), None)
 
 
 def _is_id(value: Any) -> bool:

@@ -513,21 +513,6 @@ def test_version_is_the_installed_package_version(capsys):
     assert exit_.value.code == 0 and capsys.readouterr().out == f"pegainfer {version('pegainfer')}\n"
 
 
-def test_version_without_package_metadata_is_pyproject_version(capsys, monkeypatch):
-    import importlib.metadata
-    import tomllib
-
-    def no_metadata(name: str) -> str:
-        raise importlib.metadata.PackageNotFoundError(name)
-
-    monkeypatch.setattr(importlib.metadata, "version", no_metadata)
-    pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
-    expected = tomllib.loads(pyproject.read_text())["project"]["version"]
-    with pytest.raises(SystemExit) as exit_:
-        main(["--version"])
-    assert exit_.value.code == 0 and capsys.readouterr().out == f"pegainfer {expected}\n"
-
-
 @pytest.fixture(scope="module")
 def compiled_tiny(tiny_checkpoint, tmp_path_factory) -> tuple[Path, Path]:
     """The tiny checkpoint compiled for sm_90 (every installed backend, as inspect compiles): (cache, manifest)."""

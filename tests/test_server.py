@@ -5,11 +5,7 @@ status and message, the API key, 64 concurrent streams, clients that leave midwa
 
 import asyncio
 import json
-import socket
-import subprocess
-import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -18,64 +14,10 @@ import openai
 import pytest
 from tokenizers import Tokenizer
 
+from live_server import KEY, MAX_MODEL_LEN, NAME, start_server
 from pegainfer.cli import main
 
-KEY = "test-key"
-NAME = "tiny"
-MAX_MODEL_LEN = 512
 MAX_REQUEST_BYTES = 65536
-
-
-@dataclass
-class Server:
-    url: str
-    process: subprocess.Popen
-    checkpoint: Path
-    log: Path
-
-    def client(self, key: str = KEY) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=120)
-
-    def post(self, path: str, body, key: str | None = KEY, **kwargs) -> httpx.Response:
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        if not isinstance(body, dict | list):
-            return httpx.post(self.url + path, content=body, headers=headers, timeout=60, **kwargs)
-        return httpx.post(self.url + path, json=body, headers=headers, timeout=60, **kwargs)
-
-    def metrics(self) -> dict[str, float]:
-        values = {}
-        for line in httpx.get(self.url + "/metrics", timeout=30).text.splitlines():
-            if line and not line.startswith("#"):
-                series, value = line.rsplit(" ", 1)
-                name, labels = series.split("{", 1)
-                reason = labels.split('finished_reason="')[1].split('"')[0] if "finished_reason" in labels else None
-                values[f"{name}:{reason}" if reason else name] = float(value)
-        return values
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_server(checkpoint: Path, *extra: str, log: Path) -> Server:
-    port = free_port()
-    command = [sys.executable, "-m", "pegainfer.cli", "serve", "--model-path", str(checkpoint), "--device", "cpu",
-               "--port", str(port), "--served-model-name", NAME, "--max-model-len", str(MAX_MODEL_LEN), *extra]
-    process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    server = Server(f"http://127.0.0.1:{port}", process, checkpoint, log)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        assert process.poll() is None, f"the server exited: {log.read_text()}"
-        try:
-            if httpx.get(server.url + "/health", timeout=2).status_code == 200:
-                return server
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    process.kill()
-    raise AssertionError(f"the server was not ready in 120 s: {log.read_text()}")
 
 
 @pytest.fixture(scope="module")
@@ -324,7 +266,8 @@ def test_request_bodies_are_size_limited(server):
         for _ in range(MAX_REQUEST_BYTES // 1000 + 1):
             yield b"y" * 1000
         yield b'"}'
-    response = httpx.post(server.url + COMPLETIONS, content=chunks(), headers={"Authorization": f"Bearer {KEY}"})
+    response = httpx.post(server.url + COMPLETIONS, content=chunks(), headers={"Authorization": f"Bearer {KEY}",
+                                                                                "Content-Type": "application/json"})
     assert response.status_code == 413
     assert server.client().completions.create(model=NAME, prompt="still here", max_tokens=2).usage
 

@@ -60,18 +60,13 @@ class GpuEngine:
         self.rng = np.random.default_rng()  # seeds for requests that have none
 
     def _kv_blocks(self) -> int:
-        """Blocks of the KV cache, the padding block included: from kv_tokens, or what the memory allows."""
+        """Blocks of the KV cache, the padding block included: from kv_tokens, or what the memory allows. A pool
+        smaller than max_model_len is the caller's to refuse or clamp to (allocator.num_blocks * block_size)."""
         options = self.options
         if options.kv_tokens is not None:
             return -(-options.kv_tokens // options.block_size) + PADDING_BLOCK + 1
         free, total = driver.device_memory()
-        blocks = kv_blocks_for_memory(options.gpu_memory_utilization, self.executor.kv_bytes_per_block(), free, total)
-        needed = self.executor.limits.max_blocks_per_seq + PADDING_BLOCK + 1
-        if blocks < needed:
-            raise PegainferError(f"the KV cache fits {blocks} blocks of {options.block_size} tokens in "
-                                 f"--gpu-memory-utilization {options.gpu_memory_utilization}; one sequence of "
-                                 f"--max-model-len {options.max_model_len} needs {needed}")
-        return blocks
+        return kv_blocks_for_memory(options.gpu_memory_utilization, self.executor.kv_bytes_per_block(), free, total)
 
     def step(self, chunks: list[Chunk], *, all_logits: bool = False) -> np.ndarray:
         """Runs one step and returns float32 logits, one row per chunk (or per token with all_logits)."""
@@ -144,5 +139,7 @@ def pad_decode_step(step: dict[str, np.ndarray], bucket: int) -> dict[str, np.nd
     }
 
 
-def missing_manifest(path: Path, model: str) -> PegainferError:
-    return PegainferError(f"no compiled kernels for this model at {path}: run `pegainfer compile {model}` first")
+def missing_manifest(path: Path, model: str, hint: str = "") -> PegainferError:
+    """`model`: the arguments of the `pegainfer compile` that writes `path`; `hint`: another way, if any."""
+    return PegainferError(f"no compiled kernels for this model at {path}: run `pegainfer compile {model}` first"
+                          + (f" ({hint})" if hint else ""))

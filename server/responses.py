@@ -1,0 +1,132 @@
+"""Response bodies of the API as pydantic models, for the OpenAPI document: server/openai_format.py builds the
+bodies themselves as dicts, and the schema tests hold every response the server gives against these."""
+
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+FinishReason = Literal["stop", "length"]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | int | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: FinishReason | None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason | None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Tokenized(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class Detokenized(BaseModel):
+    prompt: str
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+
+
+class Version(BaseModel):
+    version: str
+
+
+ERROR_STATUSES = {400: "Bad input: the message names the parameter", 401: "Missing or wrong API key",
+                  404: "No such model or route", 413: "Request body too large",
+                  415: "Request body not sent as application/json", 503: "The engine has failed"}
+STREAM = {"text/event-stream": {"schema": {"type": "string", "description": "server-sent events, one JSON chunk "
+                                                                            "each, then data: [DONE]"}}}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """FastAPI `responses=` for the error statuses a route can answer, each with the error object's schema."""
+    return {status: {"model": ErrorResponse, "description": ERROR_STATUSES[status]} for status in statuses}

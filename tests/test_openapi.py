@@ -1,0 +1,54 @@
+"""/openapi.json is true: schemathesis sends requests made from the document itself (valid bodies and broken
+ones) to a live server and checks that none gets a 5xx, and that every answer's status, media type and body are
+the ones the document gives for that route."""
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis.checks import not_a_server_error
+from schemathesis.generation import GenerationMode
+from schemathesis.specs.openapi.checks import (content_type_conformance, response_schema_conformance,
+                                               status_code_conformance)
+
+from live_server import start_server
+
+CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
+EXAMPLES = 25  # per operation and mode: bounded, so the suite stays short
+
+
+@pytest.fixture(scope="module")
+def api(tiny_checkpoint, tmp_path_factory):
+    log = tmp_path_factory.mktemp("openapi") / "serve.log"
+    # a short context and few sequences a request keep each generated completion to a few engine steps
+    server = start_server(tiny_checkpoint, "--max-seqs-per-request", "4", "--max-model-len", "48", log=log)
+    yield schemathesis.openapi.from_url(server.url + "/openapi.json")
+    server.process.terminate()
+    server.process.wait(30)
+    assert "Traceback" not in log.read_text(), log.read_text()
+
+
+def operations(api) -> dict[str, object]:
+    return {operation.label: operation for operation in (result.ok() for result in api.get_all_operations())}
+
+
+def test_the_document_lists_every_route(api):
+    assert set(operations(api)) == {
+        "GET /health", "GET /metrics", "GET /version", "GET /v1/models", "GET /v1/models/{model_id}",
+        "POST /tokenize", "POST /detokenize", "POST /v1/completions", "POST /v1/chat/completions"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
+def test_every_answer_matches_the_published_schema(api, mode):
+    for label, operation in operations(api).items():
+        if mode is GenerationMode.NEGATIVE and not operation.body:
+            continue  # no body to break: any path string is a valid model id
+        @given(case=operation.as_strategy(generation_mode=mode))
+        @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
+                  suppress_health_check=list(HealthCheck))
+        def check(case) -> None:
+            case.call_and_validate(checks=CHECKS, timeout=60)
+        try:
+            check()
+        except Exception as error:
+            raise AssertionError(f"{label} ({mode}): {error}") from error
