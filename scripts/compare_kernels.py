@@ -1,8 +1,8 @@
 """Are two trees' kernels the same? `build CACHE` compiles, for sm_90 and with every installed backend, the
-Qwen3-4B plan and every architecture's small plan (its DAG file's TINY_CONFIG) into CACHE; `diff A B` then
-compares, launch by launch in plan order, each launch's generated CUDA (TileLang's, CuTe DSL's where kept), its
-PTX and its cubin's SASS (not the Python templates, which a refactor rewrites), and prints every launch that differs. A refactor of the kernel half passes
-when `diff` finds nothing; renamed kernels or variants are matched by position, and their names are reported.
+Qwen3-4B plan and every architecture's small plan (its DAG file's TINY_CONFIG) into CACHE; `diff A B` compares,
+launch by launch in plan order, each launch's generated CUDA (TileLang's), its PTX and its cubin's SASS (not the
+Python templates, which a refactor rewrites), and prints every launch that differs. A refactor of the kernel half
+passes when `diff` finds nothing; renamed kernels or variants are matched by position, and their names reported.
 
     python scripts/compare_kernels.py build /tmp/before      # on the tree before the change
     python scripts/compare_kernels.py build /tmp/after       # on the tree after it

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, TextIO
 
+from pegainfer import argtypes
 from pegainfer.errors import PegainferError
 
 if TYPE_CHECKING:  # the serving stack is imported inside the functions: `pegainfer --help` stays fast
@@ -34,26 +35,27 @@ def add_serve(commands) -> None:
                    help="Hugging Face checkpoint folder, or a Hugging Face model id such as Qwen/Qwen3-4B (read "
                         "from the hub cache, downloaded unless HF_HUB_OFFLINE is set)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=_port, default=8000, help="port (default 8000; 0: any free one)")
+    p.add_argument("--port", type=argtypes.port, default=8000, help="port (default 8000; 0: any free one)")
     p.add_argument("--served-model-name", help="the model name clients send (default: the model id as given for "
                                                "a Hugging Face id, else the folder's name)")
     p.add_argument("--api-key", default=os.environ.get("PEGAINFER_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $PEGAINFER_API_KEY, else none)")
-    p.add_argument("--max-num-seqs", type=_positive, default=64, help="sequences in a batch at most (default 64)")
-    p.add_argument("--max-model-len", type=_positive, default=None,
+    p.add_argument("--max-num-seqs", type=argtypes.positive_int, default=64,
+                   help="sequences in a batch at most (default 64)")
+    p.add_argument("--max-model-len", type=argtypes.positive_int, default=None,
                    help="prompt + completion tokens at most (default: config.json's max_position_embeddings)")
-    p.add_argument("--max-num-batched-tokens", type=_positive, default=2048,
+    p.add_argument("--max-num-batched-tokens", type=argtypes.positive_int, default=2048,
                    help="tokens in one engine step at most: the chunked-prefill budget (default 2048)")
-    p.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9,
+    p.add_argument("--gpu-memory-utilization", type=argtypes.fraction, default=0.9,
                    help="fraction of GPU memory for weights, KV cache and activations (default 0.9)")
-    p.add_argument("--kv-cache-tokens", type=_positive, default=None,
+    p.add_argument("--kv-cache-tokens", type=argtypes.positive_int, default=None,
                    help=f"KV cache size in tokens, instead of sizing it from GPU memory (cpu default {CPU_KV_TOKENS} "
                         f"or max-num-seqs x max-model-len if smaller)")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="do not share the KV blocks of common prompt prefixes")
-    p.add_argument("--max-seqs-per-request", type=_positive, default=256,
+    p.add_argument("--max-seqs-per-request", type=argtypes.positive_int, default=256,
                    help="prompts x n of one request at most; more is refused with a 400 (default 256)")
-    p.add_argument("--max-request-bytes", type=_positive, default=8 << 20,
+    p.add_argument("--max-request-bytes", type=argtypes.positive_int, default=8 << 20,
                    help="largest request body accepted (default 8 MiB)")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None,
                    help="cuda: the compiled kernels; cpu: the reference executor (slow; for trying the API). "
@@ -76,12 +78,13 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     group.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (default http://127.0.0.1:8000)")
     group.add_argument("--model", dest="served_model", help="the model name to send (default: the MODEL argument)")
     group.add_argument("--dataset", choices=["random"], default="random", help="random token prompts")
-    group.add_argument("--input-len", type=_positive, default=1024, help="prompt tokens (default 1024)")
-    group.add_argument("--output-len", type=_positive, default=128, help="tokens per completion (default 128)")
-    group.add_argument("--num-prompts", type=_positive, default=100, help="requests to send (default 100)")
+    group.add_argument("--input-len", type=argtypes.positive_int, default=1024, help="prompt tokens (default 1024)")
+    group.add_argument("--output-len", type=argtypes.positive_int, default=128,
+                       help="tokens per completion (default 128)")
+    group.add_argument("--num-prompts", type=argtypes.positive_int, default=100, help="requests to send (default 100)")
     group.add_argument("--request-rate", type=float, default=float("inf"),
                        help="mean requests per second, Poisson arrivals (default inf: all at once)")
-    group.add_argument("--max-concurrency", type=_positive, default=None, help="requests in flight at most")
+    group.add_argument("--max-concurrency", type=argtypes.positive_int, default=None, help="requests in flight at most")
     group.add_argument("--seed", type=int, default=0, help="seed of the random prompts and arrival times (default 0)")
     group.add_argument("--endpoint", choices=["/v1/completions", "/v1/chat/completions"], default="/v1/completions",
                        help="the route to load (default /v1/completions)")
@@ -319,33 +322,3 @@ def process_age() -> float:
         return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         return time.process_time()
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number in 0..65535, got {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port number in 0..65535, got {text!r}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}")
-    return value
