@@ -28,8 +28,6 @@ FP32 = DType("f32", np.dtype(np.float32), True)
 INT32 = DType("i32", np.dtype(np.int32), False)
 INT64 = DType("i64", np.dtype(np.int64), False)
 
-ALL_DTYPES = (BF16, FP16, FP32, INT32, INT64)
-
 _ALIASES = {
     "bf16": BF16, "bfloat16": BF16, "torch.bfloat16": BF16, "BF16": BF16,
     "f16": FP16, "fp16": FP16, "float16": FP16, "torch.float16": FP16, "F16": FP16,
@@ -45,10 +43,3 @@ def dtype_from_name(name: str) -> DType:
         return _ALIASES[name]
     except KeyError:
         raise ConfigError(f"unknown dtype {name!r}; expected one of {sorted(_ALIASES)}") from None
-
-
-def dtype_of_array(array: np.ndarray) -> DType:
-    for dtype in ALL_DTYPES:
-        if array.dtype == dtype.np_dtype:
-            return dtype
-    raise ConfigError(f"unsupported array dtype {array.dtype}; expected one of {[str(d) for d in ALL_DTYPES]}")

@@ -14,7 +14,7 @@ from typing import Any
 from pegainfer.ir.types import TensorType
 
 REPEAT = "repeat"
-KERNEL = "kernel"  # a fusion group: attrs["nodes"] holds the primitive nodes it runs as one launch
+KERNEL = "kernel"  # a fusion group: attrs "nodes" (the primitive nodes it runs as one launch), "kind", "name"
 LAYER_PLACEHOLDER = "{layer}"
 _PLACEHOLDER = re.compile(r"\{layer(?:\*(\d+))?(?:\+(\d+))?\}")
 
@@ -38,7 +38,8 @@ class Node:
 
     @property
     def name(self) -> str:
-        return self.outputs[0]
+        """A node's first output; a kernel's own name when fusion gave it one (passes/rewrite.py: kernel_name)."""
+        return self.attrs.get("name", self.outputs[0]) if self.op == KERNEL else self.outputs[0]
 
 
 @dataclass

@@ -29,9 +29,6 @@ class TensorType:
     def with_shape(self, shape: tuple[Dim, ...]) -> "TensorType":
         return TensorType(self.dtype, tuple(shape))
 
-    def with_dtype(self, dtype: DType) -> "TensorType":
-        return TensorType(dtype, self.shape)
-
     def concrete(self, bindings: dict[str, int]) -> tuple[int, ...]:
         """The shape with every symbol replaced by its value; a missing symbol is a bug of the caller."""
         return tuple(d if isinstance(d, int) else bindings[d] for d in self.shape)

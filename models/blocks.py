@@ -87,8 +87,9 @@ def self_attention(b: GraphBuilder, x: Value, attention: AttentionInputs, prefix
     weight = weights(b, prefix, x.dtype)
 
     def project(name: str, heads: int) -> Value:
+        w = weight(f"{name}.weight", heads * spec.head_dim, spec.hidden)  # declared before its bias, as stored
         bias = [weight(f"{name}.bias", heads * spec.head_dim)] if spec.qkv_bias else []
-        flat = b.linear(x, weight(f"{name}.weight", heads * spec.head_dim, spec.hidden), *bias, name=name)
+        flat = b.linear(x, w, *bias, name=name)
         return b.reshape(flat, shape=("tokens", heads, spec.head_dim), name=f"{name}_heads")
 
     def norm_and_rope(value: Value, norm: str) -> Value:

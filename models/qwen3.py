@@ -1,12 +1,15 @@
-"""Qwen3 (dense): the architecture as a DAG of IR ops over Hugging Face weight names. No kernels, no scheduling."""
+"""Qwen3 (dense): Llama's pre-norm layer with an RMSNorm over each head of q and k before RoPE. A DAG of IR ops
+over Hugging Face weight names, built from models/blocks.py; no kernels, no scheduling."""
 
 from dataclasses import dataclass
 
 from pegainfer.errors import ConfigError
 from pegainfer.frontends.config import require_float_dtype, require_positive
 from pegainfer.ir import Graph, GraphBuilder, Value, dtype_from_name
-from pegainfer.ir.step import AttentionInputs, declare_attention_inputs, declare_step_inputs, kv_cache_shape
-from pegainfer.models.blocks import HeadShape
+from pegainfer.ir.layers import LayerSlot, repeat_layers
+from pegainfer.ir.step import AttentionInputs, declare_step_inputs
+from pegainfer.models.blocks import (AttentionSpec, HeadShape, glu_activation, lm_head, pre_norm_layer,
+                                     require_grouped_heads)
 
 ARCHITECTURES = ("Qwen3ForCausalLM",)
 MODEL_TYPE = "qwen3"
@@ -41,9 +44,7 @@ def check_config(config: Config) -> None:
         raise ConfigError(f"rope_scaling {config.rope_scaling!r} is not implemented for Qwen3 (expected null)")
     if config.use_sliding_window:
         raise ConfigError("use_sliding_window true is not implemented for Qwen3 (expected false)")
-    if config.num_attention_heads % config.num_key_value_heads:
-        raise ConfigError(f"num_attention_heads {config.num_attention_heads} must be a multiple of "
-                          f"num_key_value_heads {config.num_key_value_heads}")
+    require_grouped_heads(config.num_attention_heads, config.num_key_value_heads)
 
 
 def build_graph(config: Config) -> Graph:
@@ -52,65 +53,21 @@ def build_graph(config: Config) -> Graph:
     input_ids, attention, logits_indices = declare_step_inputs(b)
     embed = b.param("model.embed_tokens.weight", dtype, (config.vocab_size, config.hidden_size))
     hidden = b.embedding(input_ids, embed, name="embed")
-    (hidden,) = b.repeat(build_layer(config), config.num_hidden_layers, carried=[hidden],
-                         invariant=attention.as_list())
-    hidden = b.gather_rows(hidden, logits_indices, name="sampled_rows")
-    hidden = b.rms_norm(hidden, b.param("model.norm.weight", dtype, (config.hidden_size,)),
-                        eps=config.rms_norm_eps, name="final_norm")
-    lm_head = embed if config.tie_word_embeddings else \
-        b.param("lm_head.weight", dtype, (config.vocab_size, config.hidden_size))
-    return b.finish(b.linear(hidden, lm_head, name="logits"))
+    hidden = repeat_layers(b, "qwen3", ["decoder"] * config.num_hidden_layers, _layer(config), hidden, attention)
+    return b.finish(lm_head(b, hidden, logits_indices, embed, config.vocab_size, config.rms_norm_eps,
+                            config.tie_word_embeddings))
 
 
-def build_layer(config: Config) -> Graph:
-    """One decoder layer; `{layer}` in weight names is the layer index."""
-    dtype = dtype_from_name(config.torch_dtype)
-    b = GraphBuilder("qwen3_layer", body=True)
-    residual = b.input("hidden", dtype, ("tokens", config.hidden_size))
-    attention = declare_attention_inputs(b)
+def _layer(config: Config):
+    """The pre-norm decoder layer, with an RMSNorm over each head of q and k before RoPE (Qwen3's addition)."""
+    spec = AttentionSpec(hidden=config.hidden_size, heads=config.num_attention_heads, kv_heads=config.kv_heads,
+                         head_dim=config.dims_per_head, theta=config.rope_theta, qkv_bias=config.attention_bias,
+                         o_bias=config.attention_bias, qk_norm_eps=config.rms_norm_eps)
 
-    def weight(name: str, *shape: int) -> Value:
-        return b.param(f"model.layers.{{layer}}.{name}", dtype, shape)
-
-    normed = b.rms_norm(residual, weight("input_layernorm.weight", config.hidden_size), eps=config.rms_norm_eps,
-                        name="attn_norm")
-    attn = _self_attention(b, config, normed, attention, weight)
-    residual = b.add(residual, attn, name="attn_residual")
-    normed = b.rms_norm(residual, weight("post_attention_layernorm.weight", config.hidden_size),
-                        eps=config.rms_norm_eps, name="mlp_norm")
-    gate = b.linear(normed, weight("mlp.gate_proj.weight", config.intermediate_size, config.hidden_size), name="gate")
-    up = b.linear(normed, weight("mlp.up_proj.weight", config.intermediate_size, config.hidden_size), name="up")
-    act = b.mul(b.silu(gate, name="gate_act"), up, name="gated")
-    down = b.linear(act, weight("mlp.down_proj.weight", config.hidden_size, config.intermediate_size), name="down")
-    return b.finish(b.add(residual, down, name="mlp_residual"))
-
-
-def _self_attention(b: GraphBuilder, config: Config, x: Value, attention: AttentionInputs, weight) -> Value:
-    heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.dims_per_head
-    dtype = x.dtype
-
-    def project(name: str, out_heads: int) -> Value:
-        w = weight(f"self_attn.{name}.weight", out_heads * head_dim, config.hidden_size)
-        bias = [weight(f"self_attn.{name}.bias", out_heads * head_dim)] if config.attention_bias else []
-        flat = b.linear(x, w, *bias, name=name)
-        return b.reshape(flat, shape=("tokens", out_heads, head_dim), name=f"{name}_heads")
-
-    def norm_and_rope(value: Value, norm: str) -> Value:
-        normed = b.rms_norm(value, weight(f"self_attn.{norm}.weight", head_dim), eps=config.rms_norm_eps, name=norm)
-        return b.rope(normed, attention.positions, theta=config.rope_theta, name=f"{norm[0]}_rope")
-
-    q = norm_and_rope(project("q_proj", heads), "q_norm")
-    k = norm_and_rope(project("k_proj", kv_heads), "k_norm")
-    v = project("v_proj", kv_heads)
-    k_cache = b.state("kv.{layer}.k", dtype, kv_cache_shape(kv_heads, head_dim))
-    v_cache = b.state("kv.{layer}.v", dtype, kv_cache_shape(kv_heads, head_dim))
-    k_cache, v_cache = b.kv_write(k_cache, v_cache, k, v, attention.slot_mapping, name="kv_write")
-    out = b.paged_attention(q, k_cache, v_cache, attention.block_tables, attention.seq_starts, attention.query_lens,
-                            attention.context_lens, scale=head_dim ** -0.5, name="attention")
-    out = b.reshape(out, shape=("tokens", heads * head_dim), name="attention_flat")
-    o_bias = [weight("self_attn.o_proj.bias", config.hidden_size)] if config.attention_bias else []
-    return b.linear(out, weight("self_attn.o_proj.weight", config.hidden_size, heads * head_dim), *o_bias,
-                    name="o_proj")
+    def layer(b: GraphBuilder, residual: Value, attention: AttentionInputs, slot: LayerSlot) -> Value:
+        return pre_norm_layer(b, residual, attention, slot.index, spec, config.intermediate_size,
+                              config.rms_norm_eps, glu_activation(config.hidden_act))
+    return layer
 
 
 TINY_CONFIG = {

@@ -51,7 +51,7 @@ def fuse_add_rms_norm(graph: Graph, log: PassLog) -> Graph:
         for norm in [n for n in g.nodes if n.op == "rms_norm"]:
             source = producers.get(norm.inputs[0])
             if source is not None and source.op == "add":
-                _fuse_or_note(g, [source, norm], "add_rms_norm", log)
+                _fuse_or_note(g, [source, norm], "add_rms_norm", log, name=norm.name)
     return for_each_graph(graph, rewrite)
 
 
@@ -66,7 +66,7 @@ def fuse_qk_norm_rope_kv_write(graph: Graph, log: PassLog) -> Graph:
             q_chain = _row_chain(g, attention[0].inputs[0], readers, producers) if attention else []
             ops = list(dict.fromkeys("norm" if n.op == "rms_norm" else n.op for n in k_chain))
             kind = f"qk_{'_'.join(ops)}_kv_write" if ops else "kv_write"
-            _fuse_or_note(g, [*q_chain, *k_chain, write], kind, log)
+            _fuse_or_note(g, [*q_chain, *k_chain, write], kind, log, name=kind.removesuffix("_kv_write"))
     return for_each_graph(graph, rewrite)
 
 
@@ -138,7 +138,7 @@ def plan_sampler_tail(graph: Graph, log: PassLog) -> Graph:
     readers = consumers(graph)
     prologue = _row_chain(graph, head.inputs[0], readers, graph.producers(),
                           categories=(ELEMENTWISE, ROW_REDUCTION, GATHER))
-    _fuse_or_note(graph, [*prologue, head, top_k, lse, sample], "lm_head_tail", log)
+    _fuse_or_note(graph, [*prologue, head, top_k, lse, sample], "lm_head_tail", log, name="lm_head")
     return graph
 
 
@@ -170,7 +170,7 @@ def _first_op(node: Node) -> str:
     return _first_node(node).op
 
 
-def _fuse_or_note(g: Graph, members: list[Node], kind: str, log: PassLog) -> None:
-    if fuse(g, members, kind) is None:
+def _fuse_or_note(g: Graph, members: list[Node], kind: str, log: PassLog, name: str | None = None) -> None:
+    if fuse(g, members, kind, name) is None:
         log.note(f"{g.name}: could not fuse {', '.join('%' + n.name for n in members)} as {kind}: a node outside "
                  f"the group sits between its members")

@@ -6,6 +6,7 @@ from pegainfer.ir.graph import KERNEL, REPEAT, Graph, Node
 from pegainfer.ir.kernel import fused_ops, is_view
 from pegainfer.ir.types import TensorType
 from pegainfer.passes.manager import PassLog
+from pegainfer.passes.rewrite import kernel_attrs
 
 
 def form_kernels(graph: Graph, log: PassLog) -> Graph:
@@ -17,7 +18,7 @@ def form_kernels(graph: Graph, log: PassLog) -> Graph:
                 nodes.append(node)
                 continue
             nodes.append(Node(KERNEL, node.inputs, node.outputs, node.output_types,
-                              {"kind": node.op, "nodes": (node,)}))
+                              kernel_attrs(g, node.op, [node], list(node.outputs), replaced=[node])))
             log.note(f"{g.name}: %{node.name} ({node.op}) is a kernel of its own")
         g.nodes = nodes
     return graph
@@ -67,16 +68,19 @@ def kernels_per_layer(graph: Graph) -> dict[str, float]:
 
 
 def format_kernels(graph: Graph) -> str:
-    """The kernel table `pegainfer inspect --show kernels` prints."""
+    """The kernel table `pegainfer inspect --show kernels` prints: each kernel's name (what `--kernel` takes), its
+    kind (the fused ops' pattern, which picks its template), launches per step, and what it fuses and writes."""
     kernels = list_kernels(graph)
     per_layer = kernels_per_layer(graph)
     launches = sum(k.launches for k in kernels)
+    width = max([len("name"), *(len(k.name) for k in kernels)])
     lines = [f"{graph.name}: {launches} kernel launches per step; per layer: "
              + ", ".join(f"{n:g} kernels in {body}" for body, n in per_layer.items()),
              "Decode steps (tokens = batch) and prefill steps (tokens = prompt tokens) launch the same kernels; "
              "shapes are symbolic.",
-             f"{'#':>3}  {'graph':<14} {'kernel':<30} {'x':>3}  fuses -> writes"]
+             f"{'#':>3}  {'graph':<14} {'name':<{width}} {'kind':<30} {'x':>3}  fuses -> writes"]
     for index, k in enumerate(kernels, start=1):
         writes = ", ".join(f"{name}:{t}" for name, t in k.outputs)
-        lines.append(f"{index:>3}  {k.graph:<14} {k.kind:<30} {k.launches:>3}  {'+'.join(k.ops)} -> {writes}")
+        lines.append(f"{index:>3}  {k.graph:<14} {k.name:<{width}} {k.kind:<30} {k.launches:>3}  "
+                     f"{'+'.join(k.ops)} -> {writes}")
     return "\n".join(lines) + "\n"

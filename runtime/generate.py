@@ -1,12 +1,11 @@
-"""Offline generation: prefill every prompt in one packed step, then decode all live sequences together. Each step
-draws its tokens inside the engine (`engine.sample`), so only a few numbers per sequence come back."""
+"""Offline generation: the serving scheduler stepped until every request is done, in the caller's thread. Serve
+and generate so share one rule for sampling (inside the engine's step) and one for stopping (the scheduler's)."""
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Protocol
 
-from pegainfer.runtime.batch import Chunk, Sequence
-from pegainfer.runtime.device_sampling import SampleResult
 from pegainfer.runtime.sampler import SamplingParams
+from pegainfer.runtime.scheduler import Engine, EngineRequest, Scheduler, SchedulerConfig
 
 
 @dataclass(frozen=True)
@@ -19,44 +18,37 @@ class Request:
 class Completion:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
-    finish_reason: str | None = None  # "stop" (an end-of-sequence token) or "length" (max_tokens)
+    finish_reason: str | None = None  # "stop" (an end-of-sequence token) or "length" (max_tokens, the context)
 
 
-class Engine(Protocol):
-    """What both engines (reference_engine.ReferenceEngine, gpu.engine.GpuEngine) offer generation."""
+def offline_config(requests: list[Request], max_model_len: int | None = None) -> SchedulerConfig:
+    """Every request admitted at once and every prompt prefilled in the first step; no prefix cache (nothing is
+    shared between calls). `max_model_len` (the model's context) defaults to what the longest request can reach."""
+    prompt_tokens = sum(len(r.prompt_ids) for r in requests)
+    longest = max(len(r.prompt_ids) + r.params.max_tokens for r in requests)
+    return SchedulerConfig(max_num_seqs=len(requests), max_num_batched_tokens=max(prompt_tokens, len(requests)),
+                           max_model_len=max_model_len or longest, prefix_cache=False)
 
-    def sample(self, chunks: list[Chunk], params: list[SamplingParams], token_index: list[int]) -> SampleResult: ...
 
-    def release(self, seq: Sequence) -> None: ...
-
-
-def generate(engine: Engine, requests: list[Request], eos_ids: frozenset[int]) -> list[Completion]:
-    for request in requests:
-        request.params.validate()
-    seqs = [Sequence(i, list(r.prompt_ids)) for i, r in enumerate(requests)]
+def generate(engine: Engine, requests: list[Request], eos_ids: Collection[int],
+             max_model_len: int | None = None) -> list[Completion]:
+    """One completion per request, in order. Raises RequestError for a request the scheduler refuses (bad
+    parameters, a prompt past `max_model_len`, a sequence the KV pool can never hold)."""
+    if not requests:
+        return []
+    scheduler = Scheduler(engine, frozenset(eos_ids), offline_config(requests, max_model_len))
+    for index, request in enumerate(requests):
+        scheduler.add(EngineRequest(str(index), list(request.prompt_ids), request.params))
     outs = [Completion(logprobs=[] if r.params.logprobs is not None else None) for r in requests]
-    live = list(range(len(requests)))
-    chunks = [Chunk(seq, len(seq.token_ids)) for seq in seqs]
     try:
-        while live:
-            drawn = engine.sample(chunks, [requests[i].params for i in live], [len(outs[i].token_ids) for i in live])
-            for row, i in enumerate(live):
-                _append_token(seqs[i], outs[i], requests[i].params, drawn.tokens[row], drawn.logprobs[row], eos_ids)
-            live = [i for i in live if outs[i].finish_reason is None]
-            chunks = [Chunk(seqs[i], 1) for i in live]
-    finally:
-        for seq in seqs:
-            engine.release(seq)
+        while scheduler.has_work():
+            for token in scheduler.step():
+                out = outs[int(token.request_id)]
+                out.token_ids.append(token.token_id)
+                if out.logprobs is not None:
+                    out.logprobs.append(token.logprobs)
+                out.finish_reason = token.finish_reason
+    finally:  # a step that raised leaves sequences holding KV blocks of an engine the caller may reuse
+        for index in range(len(requests)):
+            scheduler.abort(str(index))
     return outs
-
-
-def _append_token(seq: Sequence, out: Completion, params: SamplingParams, token: int,
-                  logprobs: dict[int, float] | None, eos_ids: frozenset[int]) -> None:
-    out.token_ids.append(token)
-    seq.token_ids.append(token)
-    if out.logprobs is not None:
-        out.logprobs.append(logprobs)
-    if token in eos_ids and not params.ignore_eos:
-        out.finish_reason = "stop"
-    elif len(out.token_ids) >= params.max_tokens:
-        out.finish_reason = "length"

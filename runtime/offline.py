@@ -1,6 +1,5 @@
 """One prompt in, one completion out: what `pegainfer generate` does, as a function that returns plain data."""
 
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,11 +31,10 @@ def generate_one(model_path: Path | str, params: SamplingParams, *, prompt: str 
     if max_model_len is not None and len(ids) >= max_model_len:
         raise RequestError(f"the prompt has {len(ids)} tokens; this model takes at most {max_model_len - 1} "
                            f"(max_position_embeddings {max_model_len})")
-    if max_model_len is not None:
-        params = replace(params, max_tokens=min(params.max_tokens, max_model_len - len(ids)))
-    engine = _engine(model, device, len(ids) + params.max_tokens, cache_dir)
+    reach = len(ids) + params.max_tokens  # the most tokens the sequence can hold: what the KV pool is sized for
+    engine = _engine(model, device, min(reach, max_model_len or reach), cache_dir)
     eos = tokenizer.eos_token_ids if tokenizer else eos_token_ids(folder)
-    (completion,) = generate(engine, [Request(ids, params)], eos)
+    (completion,) = generate(engine, [Request(ids, params)], eos, max_model_len=max_model_len)
     return {
         "device": device,
         "device_reason": reason,

@@ -24,14 +24,24 @@ import itertools
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-
+from typing import Protocol
 
 from pegainfer.errors import RequestError
 from pegainfer.runtime.batch import Chunk, Sequence
-from pegainfer.runtime.prefix_cache import ROOT, PrefixCache, chain_hashes
 from pegainfer.runtime.device_sampling import SampleResult
+from pegainfer.runtime.kv_blocks import BlockAllocator
+from pegainfer.runtime.prefix_cache import ROOT, PrefixCache, chain_hashes
 from pegainfer.runtime.sampler import SamplingParams
 from pegainfer.runtime.waiting import WaitingQueue
+
+
+class Engine(Protocol):
+    """What both engines (reference_engine.ReferenceEngine, gpu.engine.GpuEngine) offer the scheduler."""
+    allocator: BlockAllocator
+
+    def sample(self, chunks: list[Chunk], params: list[SamplingParams], token_index: list[int]) -> SampleResult: ...
+
+    def release(self, seq: Sequence) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -102,7 +112,7 @@ class _State:
 
 
 class Scheduler:
-    def __init__(self, engine, eos_ids: frozenset[int], config: SchedulerConfig = SchedulerConfig()) -> None:
+    def __init__(self, engine: Engine, eos_ids: frozenset[int], config: SchedulerConfig = SchedulerConfig()) -> None:
         assert config.max_num_seqs >= 1 and config.max_model_len >= 2, config
         if config.max_num_batched_tokens < config.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be at least max_num_seqs "

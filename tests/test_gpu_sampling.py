@@ -31,7 +31,6 @@ from pegainfer.runtime.kv_blocks import BlockAllocator
 from pegainfer.runtime.offline import generate_one
 from pegainfer.runtime.reference_engine import ReferenceEngine
 from pegainfer.runtime.sampler import SamplingParams
-from pegainfer.runtime.sampler import sample as cpu_sample
 
 # Random123's known answers for Philox4x32-10: (counter, key, output).
 PHILOX_KAT = [((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
@@ -305,14 +304,6 @@ def test_min_p_is_validated(value):
     with pytest.raises(RequestError, match=r"^min_p must be in \[0, 1\], got"):
         SamplingParams(min_p=value).validate()
     SamplingParams(min_p=0.3).validate()
-
-
-def test_host_sampler_min_p_keeps_tokens_at_least_that_fraction_of_the_top():
-    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05])).astype(np.float32)
-    rng = np.random.default_rng(0)
-    drawn = {cpu_sample(logits, SamplingParams(temperature=1.0, min_p=0.35), rng) for _ in range(500)}
-    assert drawn == {0, 1}  # 0.3 >= 0.35 * 0.5 > 0.15
-
 
 
 def test_sampling_inputs_and_decode_padding():

@@ -1,6 +1,7 @@
 """The pass pipeline: every pass keeps the logits (a property over random configurations), Qwen3 lowers to at
-most 7 kernels per decoder layer, passes say what they could not do, malformed graphs are refused, the generic
-fusion rule groups chains by itself, and memory planning does not grow with depth."""
+most 7 kernels per decoder layer, kernels are named by what they compute, passes say what they could not do,
+malformed graphs are refused, the generic fusion rule groups chains by itself, and memory planning does not grow
+with depth."""
 
 import dataclasses
 import json
@@ -17,6 +18,7 @@ from pegainfer.passes.kernels import kernels_per_layer, list_kernels
 from pegainfer.passes.manager import write_dumps
 from pegainfer.passes.memory import activation_bytes, check_buffers
 from pegainfer.passes.pipeline import DEFAULT_PASSES, lower
+from pegainfer.passes.rewrite import gemm_name
 from random_models import random_qwen3_config, random_weights, run_workload, with_layers
 
 MAX_KERNELS_PER_LAYER = 7
@@ -41,6 +43,19 @@ LAYER_KERNELS = {
     # the normed rows feed both the router and the experts, so the norm is a row kernel of its own
     "Qwen3MoeForCausalLM": ["add_rms_norm_linear", "qk_norm_rope_kv_write", "paged_attention", "linear",
                             "add_rms_norm", "linear", "moe_route", "moe_experts"],
+}
+
+
+# The same layers' kernels by name: named after their GEMM (passes/rewrite.py: kernel_name), or what they compute.
+DENSE_NAMES = ["qkv", "qk_rope", "attention", "o_proj", "gate_up", "down"]
+LAYER_NAMES = {
+    "Qwen3ForCausalLM": ["qkv", "qk_norm_rope", "attention", "o_proj", "gate_up", "down"],
+    "LlamaForCausalLM": DENSE_NAMES,
+    "Qwen2ForCausalLM": DENSE_NAMES,
+    "MistralForCausalLM": DENSE_NAMES,
+    "Gemma3ForCausalLM": ["qkv", "qk_norm_rope", "attention", "o_proj", "post_attention_layernorm", "gate_up", "down",
+                          "post_feedforward_layernorm"],
+    "Qwen3MoeForCausalLM": ["qkv", "qk_norm_rope", "attention", "o_proj", "mlp_norm", "router", "route", "experts"],
 }
 
 
@@ -105,6 +120,30 @@ def test_every_embedded_config_of_the_other_architectures_lowers_to_its_layer_ke
             assert kinds == LAYER_KERNELS[architecture] * repeat.attrs.get("layers", 1), f"{name}: {body.name}"
         print(f"{name}: {kernels_per_layer(lowered)} kernels per decoder layer, "
               f"{sum(k.launches for k in list_kernels(lowered))} launches per step")
+
+
+@pytest.mark.parametrize("architecture", sorted(LAYER_NAMES))
+def test_kernels_are_named_by_what_they_compute_in_every_architecture(architecture):
+    """Each layer's kernels by name, the j-th layer of a body with `.j`; the step ends in `lm_head`. A kernel's
+    name is unique in its graph and never another node's value (the manifest and the executor key on it)."""
+    lowered, _ = lower(load_spec(embedded_configs()[embedded_of(architecture)[0]]).graph)
+    for repeat in [n for n in lowered.nodes if n.op == "repeat"]:
+        body = lowered.subgraphs[repeat.attrs["body"]]
+        expected = [name + (f".{j}" if j else "") for j in range(repeat.attrs.get("layers", 1))
+                    for name in LAYER_NAMES[architecture]]
+        assert [k.name for k in list_kernels(lowered) if k.graph == body.name] == expected
+    assert [k.name for k in list_kernels(lowered) if k.graph == lowered.name][-1] == "lm_head"
+    for g in lowered.all_graphs():
+        kernels = [n for n in g.nodes if n.op == KERNEL]
+        assert len({n.name for n in g.nodes}) == len(g.nodes), g.name
+        values = {out: n for n in g.nodes for out in n.outputs}
+        assert all(values.get(k.name, k) is k for k in kernels), g.name
+
+
+@pytest.mark.parametrize("value,name", [("q_proj+k_proj+v_proj", "qkv"), ("gate.3+up.3", "gate_up.3"),
+                                        ("o_proj", "o_proj"), ("q_proj.1+k_proj", "q_proj.1+k_proj")])
+def test_a_merged_gemm_is_named_by_the_stems_of_its_parts(value, name):
+    assert gemm_name(value) == name
 
 
 def test_a_body_of_alternating_layers_names_each_layer_by_its_index():

@@ -290,15 +290,17 @@ def test_logprobs_and_seeded_sampling_match_offline(model):
         assert np.allclose(list(out.logprobs.values()), list(expected.values()))
 
 
-def test_min_p_keeps_only_tokens_near_the_top():
-    from pegainfer.runtime.sampler import sample
-
-    logits = np.log(np.array([0.5, 0.3, 0.14, 0.06]))
-    rng = np.random.default_rng(0)
-    drawn = {sample(logits, SamplingParams(temperature=1.0, min_p=0.5), rng) for _ in range(300)}
-    assert drawn == {0, 1}  # 0.14 < 0.5 * 0.5
-    with pytest.raises(RequestError, match="min_p"):
-        SamplingParams(min_p=1.5).validate()
+def test_offline_generation_stops_by_the_scheduler_rules(model):
+    """generate() is the scheduler stepped to the end: an end-of-sequence token stops a request that does not
+    ignore it, max_model_len caps one that does, and every KV block is free after."""
+    alone = offline(model, [[1, 2, 3]], GREEDY)[0]
+    eos = alone[2]
+    engine = ReferenceEngine(model, max_tokens=256)
+    stopped, capped = generate(engine, [Request([1, 2, 3], replace(GREEDY, ignore_eos=False)),
+                                        Request([1, 2, 3], GREEDY)], {eos}, max_model_len=7)
+    assert stopped.token_ids == alone[: alone.index(eos) + 1] and stopped.finish_reason == "stop"
+    assert capped.token_ids == alone[:4] and capped.finish_reason == "length"
+    assert engine.allocator.num_free == engine.allocator.num_blocks
 
 
 # --- the engine loop ---------------------------------------------------------------------------------------------
