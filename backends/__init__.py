@@ -1,1 +1,1 @@
-"""Code generators that turn kernel DAG nodes into Triton, TileLang and CuTe DSL cubins (issues 4 and 7)."""
+"""Code generators that turn kernel DAG nodes into Triton, TileLang and CuTe DSL cubins, and the manifest they write."""

@@ -3,24 +3,26 @@ DSL where they are installed and have one), compile each launch for each SM it s
 (or take it from the cache), choose one variant per slot (tuning data, else the SM's default: select.py), and
 write one manifest per SM that the runtime reads without any compiler."""
 
-import json
 import multiprocessing
 import os
 import shutil
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from pegainfer.backends.cache import cache_root, launch_key, manifest_path, model_id, read_entry, sm_folder, write_entry
+from pegainfer.backends.manifest import Kernel, Launch, Manifest, Variant, dump, graph_digest, pipeline_digest
 from pegainfer.backends.select import choose, read_tuning, used_scratch
-from pegainfer.backends.spec import KernelSpec, LaunchSpec, VariantSpec
+from pegainfer.backends.spec import KernelSpec, LaunchSpec, Param, ParamKind, VariantSpec
 from pegainfer.backends.triton.plan import PlanOptions, plan_kernel
 from pegainfer.errors import PegainferError
 from pegainfer.frontends.load import ModelSpec
+from pegainfer.ir.dtypes import dtype_from_name
 from pegainfer.ir.graph import KERNEL, Graph
 from pegainfer.ir.printer import format_node
+from pegainfer.ir.types import TensorType
 from pegainfer.passes.pipeline import lower
 from pegainfer.progress import Progress
 
@@ -48,6 +50,16 @@ class BuildReport:
                 f"{self.built + self.hits} distinct cubins for sm_{', sm_'.join(map(str, self.sms))}: "
                 f"{self.built} compiled, {self.hits} cache hits, in {self.seconds:.1f} s "
                 f"({', '.join(self.backends)}){skipped}; cache {self.cache}")
+
+
+@dataclass
+class Compiled:
+    """The cache entries of a build's launches: (sm, id(planned launch)) -> key, (sm, key) -> entry metadata."""
+    keys: dict[tuple[int, int], str] = field(default_factory=dict)
+    entries: dict[tuple[int, str], dict] = field(default_factory=dict)
+
+    def entry(self, sm: int, launch: LaunchSpec) -> dict:
+        return self.entries[(sm, self.keys[(sm, id(launch))])]
 
 
 def parse_sms(text: str) -> list[int]:
@@ -117,35 +129,38 @@ def build_model(spec: ModelSpec, sms: list[int], *, jobs: int = 1, cache_dir: Pa
     root = cache_root(cache_dir)
     # Triton keeps a cache of its own; keep it inside ours, so that clearing ours means compiling from scratch.
     os.environ["TRITON_CACHE_DIR"] = str(root / ".triton")
-    ir_text = {(g.name, n.name): _kernel_ir(n) for g in lowered.all_graphs() for n in g.nodes if n.op == KERNEL}
-    keys: dict[tuple[int, int], str] = {}  # (sm, id(launch)) -> cache key
-    todo: dict[tuple[int, str], LaunchSpec] = {}
-    entries: dict[tuple[int, str], dict] = {}
-    for sm in sms:
-        for kernel in kernels:
-            for variant in _supported(kernel, sm):
-                for launch in variant.launches:
-                    key = launch_key(ir_text[(kernel.graph, kernel.node)], launch, sm, launch.backend,
-                                     versions[launch.backend])
-                    keys[(sm, id(launch))] = key
-                    cached = read_entry(sm_folder(root, sm), key)
-                    if cached is not None:
-                        entries[(sm, key)] = cached
-                    elif (sm, key) not in entries:
-                        todo[(sm, key)] = launch
+    compiled, todo = _look_up(lowered, kernels, sms, root, versions)
     launches = sum(len(v.launches) for k in kernels for v in _supported(k, sms[0]))
     report = BuildReport(sms, len(kernels), launches, cache=root, backends=versions, skipped=skipped)
-    report.hits = len(entries)
+    report.hits = len(compiled.entries)
     progress = None if quiet or not todo else Progress("compiling", len(todo))
-    for (sm, key), compiled in compile_many(todo, jobs, progress):
-        launch = todo[(sm, key)]
-        files, meta = _entry_files_and_meta(compiled, launch)
-        entries[(sm, key)] = write_entry(sm_folder(root, sm), key, compiled.cubin, files, meta)
+    for (sm, key), native in compile_many(todo, jobs, progress):
+        files, meta = _entry_files_and_meta(native, todo[(sm, key)])
+        compiled.entries[(sm, key)] = write_entry(sm_folder(root, sm), key, native.cubin, files, meta)
     report.built = len(todo)
     for sm in sms:
-        report.manifests.append(_write_manifest(spec, sm, root, kernels, entries, keys, versions, options))
+        report.manifests.append(_write_manifest(spec, sm, root, kernels, compiled, versions, options, lowered))
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _look_up(lowered: Graph, kernels: list[KernelSpec], sms: list[int], root: Path, versions: dict[str, str]
+             ) -> tuple[Compiled, dict[tuple[int, str], LaunchSpec]]:
+    """Every launch's cache key per SM, the entries the cache holds, and the launches left to compile."""
+    ir_text = {(g.name, n.name): _kernel_ir(n) for g in lowered.all_graphs() for n in g.nodes if n.op == KERNEL}
+    compiled, todo = Compiled(), {}
+    for sm in sms:
+        for kernel in kernels:
+            for launch in (launch for variant in _supported(kernel, sm) for launch in variant.launches):
+                key = launch_key(ir_text[(kernel.graph, kernel.node)], launch, sm, launch.backend,
+                                 versions[launch.backend])
+                compiled.keys[(sm, id(launch))] = key
+                cached = read_entry(sm_folder(root, sm), key)
+                if cached is not None:
+                    compiled.entries[(sm, key)] = cached
+                elif (sm, key) not in compiled.entries:
+                    todo[(sm, key)] = launch
+    return compiled, todo
 
 
 def _supported(kernel: KernelSpec, sm: int) -> list[VariantSpec]:
@@ -199,46 +214,44 @@ def _entry_files_and_meta(compiled, launch: LaunchSpec) -> tuple[dict[str, str],
                             **({"cluster": list(compiled.cluster)} if compiled.cluster != (1, 1, 1) else {})}
 
 
-def _write_manifest(spec: ModelSpec, sm: int, root: Path, kernels: list[KernelSpec], entries: dict, keys: dict,
-                    versions: dict[str, str], options: PlanOptions) -> Path:
+def _write_manifest(spec: ModelSpec, sm: int, root: Path, kernels: list[KernelSpec], compiled: Compiled,
+                    versions: dict[str, str], options: PlanOptions, lowered: Graph) -> Path:
     tuning = read_tuning(root, sm, spec)
-    records = []
-    for kernel in kernels:
-        supported = _supported(kernel, sm)
-        chosen, selection = choose(kernel, supported, sm, tuning)
-        record = kernel.as_json()
-        del record["variants"]
-        record["variants"] = [_variant_record(v, sm, entries, keys) for v in chosen]
-        record["candidates"] = [_variant_record(v, sm, entries, keys) for v in supported]
-        record["selection"] = selection
-        record["candidate_scratch"] = record["scratch"]  # what timing every candidate needs (pegainfer tune)
-        record["scratch"] = used_scratch(record)
-        records.append(record)
-    manifest = {"model": spec.architecture, "model_id": model_id(spec), "config": str(spec.config_path),
-                "sm": sm, "backend": "triton", "backend_version": versions["triton"], "backends": versions,
-                "block_size": options.block_size, "kernels": records}
+    manifest = Manifest(spec.architecture, model_id(spec), str(spec.config_path), sm, versions, options.block_size,
+                        pipeline_digest(), graph_digest(lowered),
+                        [_compiled_kernel(kernel, sm, tuning, compiled) for kernel in kernels])
     path = manifest_path(root, sm, spec)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(manifest, indent=1))
+    dump(manifest, path)
     return path
 
 
-def _variant_record(variant: VariantSpec, sm: int, entries: dict, keys: dict) -> dict:
-    record = asdict(variant)
-    record["label"] = variant.label
-    for launch, planned in zip(record["launches"], variant.launches):
-        del launch["source"]
-        key = keys[(sm, id(planned))]
-        entry = entries[(sm, key)]
-        params = entry["abi"] if "abi" in entry else launch["params"] + _scratch_params(entry["scratch"])
-        launch.update(key=key, cubin=entry["cubin"], sha256=entry["sha256"], symbol=entry["function"],
-                      shared=entry["shared"], num_warps=entry["num_warps"],
-                      threads=entry.get("threads", 32 * entry["num_warps"]), params=params,
-                      pdl=entry.get("pdl", False), **({"cluster": entry["cluster"]} if "cluster" in entry else {}))
-    return record
+def _compiled_kernel(kernel: KernelSpec, sm: int, tuning: dict, compiled: Compiled) -> Kernel:
+    """The kernel's candidates for the SM with their cubins, and the variants chosen among them."""
+    candidates = [Variant(v.name, v.max_rows, tuple(_compiled_launch(launch, compiled.entry(sm, launch))
+                                                    for launch in v.launches), v.backend, dict(v.min_sizes), v.sms)
+                  for v in _supported(kernel, sm)]
+    chosen, selection = choose(kernel, candidates, sm, tuning)
+    scratch = {name: TensorType(dtype_from_name(dtype), tuple(shape))
+               for name, (dtype, shape) in kernel.scratch.items()}
+    return Kernel(kernel.graph, kernel.node, kernel.kind, tuple(kernel.ops), kernel.row_symbol, chosen, candidates,
+                  selection, used_scratch(chosen, scratch), scratch)
 
 
-def _scratch_params(scratch: dict[str, int]) -> list[dict]:
-    """Triton 3.6 appends two pointers to every kernel: global and profile scratch (0 when their size is 0)."""
-    return [{"name": f"{which}_scratch", "kind": "scratch", "value": str(scratch[f"{which}_scratch_size"]),
-             "dtype": "*i8", "align": scratch[f"{which}_scratch_align"]} for which in ("global", "profile")]
+def _compiled_launch(planned: LaunchSpec, entry: dict) -> Launch:
+    """The planned launch with its cubin, and the ABI its compiler reports (Triton's: the plan's, then its two
+    scratch pointers)."""
+    params = tuple(Param.from_json(p) for p in entry["abi"]) if "abi" in entry else \
+        (*planned.params, *_scratch_params(planned.function, entry["scratch"]))
+    return Launch(planned.function, planned.module, params, dict(planned.constexprs), planned.grid,
+                  entry["num_warps"], planned.num_stages, planned.backend, planned.deferred, entry["key"],
+                  entry["cubin"], entry["sha256"], entry["function"], entry["shared"], entry["threads"], entry["pdl"],
+                  tuple(entry.get("cluster", (1, 1, 1))))
+
+
+def _scratch_params(function: str, scratch: dict[str, int]) -> tuple[Param, ...]:
+    """Triton 3.6 appends two pointers to every kernel, global and profile scratch, which the runtime passes null."""
+    for which in ("global", "profile"):
+        if scratch[f"{which}_scratch_size"]:
+            raise PegainferError(f"{function}: Triton asks {scratch[f'{which}_scratch_size']} bytes of {which} "
+                                 f"scratch, where the runtime passes none")
+    return tuple(Param(f"{which}_scratch", ParamKind.SCRATCH, "0", "*i8") for which in ("global", "profile"))

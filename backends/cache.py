@@ -6,10 +6,11 @@ import hashlib
 import json
 import os
 from dataclasses import asdict
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import pegainfer
+from pegainfer.backends.manifest import Manifest, read
 from pegainfer.backends.spec import LaunchSpec
 
 CACHE_ENV = "PEGAINFER_CACHE"
@@ -41,17 +42,10 @@ def manifest_path(root: Path, sm: int, spec: Any) -> Path:
     return sm_folder(root, sm) / "manifests" / f"{model_id(spec)}.json"
 
 
-def read_manifest(path: Path) -> dict | None:
-    """The manifest if it is one (a JSON object with its SM and kernels); None, like read_entry's, means build it:
-    `pegainfer compile` rewrites a manifest whole, so a truncated one costs no compiling."""
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-        return None
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("sm"), int) \
-            or not isinstance(manifest.get("kernels"), list):
-        return None
-    return manifest
+def read_manifest(path: Path) -> Manifest | None:
+    """The manifest if it is one of this pegainfer's format; None, like read_entry's, means build it: `pegainfer
+    compile` rewrites a manifest whole, so a truncated one costs no compiling."""
+    return read(path)
 
 
 def launch_key(kernel_ir: str, launch: LaunchSpec, sm: int, backend: str, backend_version: str) -> str:

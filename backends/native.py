@@ -1,6 +1,7 @@
 """What the TileLang and CuTe DSL backends hand the build: a cubin with its launch ABI read from the compiler's
 own output (not from our plan), and nvcc/ptxas run on CUDA source with no GPU present."""
 
+import hashlib
 import os
 import re
 import shutil
@@ -19,7 +20,7 @@ class NativeLaunch:
     files: dict[str, str]  # text companions kept beside the cubin: "ptx", "cu" (generated CUDA), "py" (template)
     shared: int  # bytes of dynamic shared memory the launch needs
     threads: int  # block size (x only: every kernel here is launched with a one-dimensional block)
-    abi: list[dict]  # the kernel's parameters in order: tensor, int, tma (with its descriptor), ...
+    abi: list[dict]  # the kernel's parameters in order, as JSON (Param.as_json's form; the build reads them)
     version: str  # the compiler's version, part of the cache key
     resources: dict[str, int] = field(default_factory=dict)  # registers, spills, static shared memory
     cluster: tuple[int, int, int] = (1, 1, 1)  # the thread block cluster the launch must ask for
@@ -42,14 +43,27 @@ def compile_cuda(source: str, sm: int, include_dirs: list[str], name: str) -> tu
     """CUDA source -> (PTX, cubin, resources): nvcc to PTX, then ptxas -v to the cubin for the one SM."""
     arch = arch_name(sm)
     nvcc = nvcc_path()
+    cu = source_file(source, name)
     with tempfile.TemporaryDirectory(prefix="pegainfer-nvcc-") as folder:
-        cu, ptx, cubin = (Path(folder) / f"{name}.{suffix}" for suffix in ("cu", "ptx", "cubin"))
-        cu.write_text(source)
+        ptx, cubin = (Path(folder) / f"{name}.{suffix}" for suffix in ("ptx", "cubin"))
         flags = ["-std=c++20", "-O3", "-w", *(f"-I{d}" for d in include_dirs)]
         _run([nvcc, "-ptx", f"-arch=compute_{arch[3:]}", *flags, str(cu), "-o", str(ptx)], name)
         ptxas = str(Path(nvcc).with_name("ptxas"))
         report = _run([ptxas, "-v", f"-arch={arch}", str(ptx), "-o", str(cubin)], name)
         return ptx.read_text(), cubin.read_bytes(), parse_ptxas_report(report)
+
+
+def source_file(source: str, name: str) -> Path:
+    """The CUDA source in a file whose path its content fixes: nvcc names internal symbols by a hash of the path,
+    so the same source then always gives the same PTX."""
+    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+    path = Path(tempfile.gettempdir()) / f"pegainfer-cuda-{os.getuid()}" / digest / f"{name}.cu"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        temporary.write_text(source)
+        temporary.replace(path)
+    return path
 
 
 def parse_ptxas_report(text: str) -> dict[str, int]:

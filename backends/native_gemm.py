@@ -4,7 +4,7 @@ only Triton's templates take (a gather, the sampler tail, a bias, GELU, a 1 + we
 
 from dataclasses import dataclass
 
-from pegainfer.backends.triton.plan import gemm_roles, static_layout
+from pegainfer.backends.planning import gemm_roles, static_layout
 from pegainfer.ir.graph import Graph, Node
 from pegainfer.ir.types import TensorType
 

@@ -6,28 +6,18 @@ import re
 import subprocess
 from pathlib import Path
 
-from pegainfer.backends.cache import read_manifest
+from pegainfer.backends.manifest import Kernel, Launch, Variant, load
+from pegainfer.backends.select import margin
 from pegainfer.errors import PegainferError
 
-SHOWS = ("source", "ptx", "sass", "resources")
-BY = {"tuned": "tuned", "default": "default"}
-
-
-def compiled_launches(manifest: Path, kernel: str | None) -> list[tuple[dict, dict, dict]]:
-    """(kernel, variant, launch) records of the manifest, for one kernel (by node name or kind) or all."""
-    kernels = load_manifest(manifest)["kernels"]
-    chosen = [k for k in kernels if kernel in (None, k["node"], k["kind"])]
+def compiled_launches(manifest: Path, kernel: str | None) -> list[tuple[Kernel, Variant, Launch]]:
+    """(kernel, variant, launch) of the manifest's chosen variants, for one kernel (by node name or kind) or all."""
+    kernels = load(manifest).kernels
+    chosen = [k for k in kernels if kernel in (None, k.node, k.kind)]
     if not chosen:
-        names = sorted({k["node"] for k in kernels} | {k["kind"] for k in kernels})
+        names = sorted({k.node for k in kernels} | {k.kind for k in kernels})
         raise PegainferError(f"--kernel {kernel}: no such kernel; kernels: {', '.join(names)}")
-    return [(k, v, launch) for k in chosen for v in k["variants"] for launch in v["launches"]]
-
-
-def load_manifest(manifest: Path) -> dict:
-    data = read_manifest(manifest)
-    if data is None:
-        raise PegainferError(f"{manifest}: missing or not a readable manifest; `pegainfer compile` rewrites it")
-    return data
+    return [(k, v, launch) for k in chosen for v in k.variants for launch in v.launches]
 
 
 def show(manifest: Path, kernel: str | None, what: str) -> str:
@@ -36,14 +26,14 @@ def show(manifest: Path, kernel: str | None, what: str) -> str:
     if what == "resources":
         return resources_table(folder, compiled_launches(manifest, kernel))
     for k, variant, launch in compiled_launches(manifest, kernel):
-        header = (f"// kernel %{k['node']} ({k['kind']}: {' + '.join(k['ops'])}), variant {variant['name']}, "
-                  f"launch {launch['symbol']}, cubin {launch['cubin']}")
+        header = (f"// kernel %{k.node} ({k.kind}: {' + '.join(k.ops)}), variant {variant.name}, "
+                  f"launch {launch.symbol}, cubin {launch.cubin}")
         parts.append(header + "\n" + _text(folder, launch, what))
     return "\n".join(parts)
 
 
-def _text(folder: Path, launch: dict, what: str) -> str:
-    key = launch["key"]
+def _text(folder: Path, launch: Launch, what: str) -> str:
+    key = launch.key
     if what == "source":
         generated = folder / f"{key}.cu"  # TileLang's lowering, what nvcc compiled
         return _cached_text(folder / f"{key}.py") + (
@@ -53,32 +43,30 @@ def _text(folder: Path, launch: dict, what: str) -> str:
     return _run_tool("cuobjdump", "-sass", str(_cached_cubin(folder / f"{key}.cubin")))
 
 
-def resources_table(folder: Path, launches: list[tuple[dict, dict, dict]]) -> str:
+def resources_table(folder: Path, launches: list[tuple[Kernel, Variant, Launch]]) -> str:
     lines = [f"{'kernel':<30} {'variant':<18} {'regs':>5} {'spill st':>9} {'spill ld':>9} {'stack':>6} "
              f"{'local':>6} {'smem static':>12} {'smem dyn':>9} {'warps':>5}"]
     for k, variant, launch in launches:
-        meta = _cached_meta(folder / f"{launch['key']}.json")
+        meta = _cached_meta(folder / f"{launch.key}.json")
         usage = {"spill_stores": 0, "spill_loads": 0, "local": 0, **meta["resources"]} if "resources" in meta \
-            else resource_usage(folder / f"{launch['key']}.cubin", folder / f"{launch['key']}.ptx")
-        lines.append(f"{k['node'] + ' ' + k['kind']:<30.30} {variant['name']:<18} {usage['registers']:>5} "
+            else resource_usage(folder / f"{launch.key}.cubin", folder / f"{launch.key}.ptx")
+        lines.append(f"{k.node + ' ' + k.kind:<30.30} {variant.name:<18} {usage['registers']:>5} "
                      f"{usage['spill_stores']:>9} {usage['spill_loads']:>9} {usage['stack']:>6} {usage['local']:>6} "
-                     f"{usage['shared']:>12} {launch['shared']:>9} {launch['num_warps']:>5}")
+                     f"{usage['shared']:>12} {launch.shared:>9} {launch.num_warps:>5}")
     return "\n".join(lines) + "\n"
 
 
 def selection_table(manifest: Path) -> str:
     """Per kernel and slot: the variant the manifest launches, whether tuning or the SM's default chose it, and
     by how much it won (from the tuning times)."""
-    from pegainfer.backends.select import margin
-
-    data = load_manifest(manifest)
-    lines = [f"sm_{data['sm']}: backends {', '.join(f'{b} {v}' for b, v in data.get('backends', {}).items())}",
+    data = load(manifest)
+    lines = [f"sm_{data.sm}: backends {', '.join(f'{b} {v}' for b, v in data.backends.items())}",
              f"{'kernel':<30} {'slot':<32} {'chosen':<24} {'by':<8} {'margin':<34} alternatives"]
-    for k in data["kernels"]:
-        for record in k.get("selection", []):
-            others = [label for label in record["alternatives"] if label != record["chosen"]]
-            lines.append(f"{k['node'] + ' ' + k['kind']:<30.30} {record['slot']:<32} {record['chosen']:<24} "
-                         f"{record['by']:<8} {margin(record):<34} {', '.join(others) or '-'}")
+    for k in data.kernels:
+        for s in k.selection:
+            others = [label for label in s.alternatives if label != s.chosen]
+            lines.append(f"{k.node + ' ' + k.kind:<30.30} {s.slot:<32} {s.chosen:<24} {s.by:<8} {margin(s):<34} "
+                         f"{', '.join(others) or '-'}")
     return "\n".join(lines) + "\n"
 
 

@@ -1,8 +1,11 @@
 """What a backend plans for one kernel node of the kernel DAG, in the form the manifest records and the runtime
 launches: variants chosen by the number of rows, each a list of launches with an explicit parameter ABI."""
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from math import prod
+from typing import Protocol, TypeVar
 
 
 @dataclass(frozen=True)
@@ -22,28 +25,84 @@ class GridDim:
         return cls(tuple(data["factors"]), data["block"], data.get("times", 1))
 
 
-PLANES = "planes:"  # a tensor value naming a split GEMM's fp32 planes of a graph value (planes_of)
-PLANE_ROWS = 16  # rows a plane holds, whatever the step's (decode_gemm.py's ROWS, rows.py's PLANE_ROWS)
+PLANE_ROWS = 16  # rows a plane holds, whatever the step's (TileLang's rows.py PLANE_ROWS, decode_ring.py ROWS)
 
 
 def planes_of(value: str) -> str:
-    """The name a split GEMM's planes of `value` go by: its scratch, and the norm launch's P that adds them."""
-    return PLANES + value
+    """The name a split GEMM's fp32 planes of `value` go by: its scratch, and the buffer a PLANES parameter reads."""
+    return "planes:" + value
+
+
+class ParamKind(StrEnum):
+    """What the runtime passes for a kernel parameter (runtime/gpu/launch.py), read off the step's buffers and
+    sizes; `Param.value` names the graph value (or scratch) it reads, or the step symbol of a DIM."""
+    TENSOR = "tensor"  # the value's pointer
+    PLANES = "planes"  # the pointer of a split GEMM's fp32 planes of the value (runtime/gpu/planes.py)
+    TMA = "tma"  # a CUtensorMap of the value's memory, by value (Param.tma describes it)
+    SCRATCH = "scratch"  # one of Triton's trailing scratch pointers, null (its value is the size it asked: 0)
+    STRIDE = "stride"  # i32: the value's leading-dim stride, in elements
+    ROWS = "rows"  # i32: the value's leading dim
+    PLANE_ROWS = "plane_rows"  # i32: the rows of the value's planes (none where it is stored whole)
+    DIM = "dim"  # i32: a step size
+
+    @property
+    def is_int(self) -> bool:
+        """An i32 argument; the others are pointers or, for TMA, a descriptor."""
+        return self in (ParamKind.STRIDE, ParamKind.ROWS, ParamKind.PLANE_ROWS, ParamKind.DIM)
+
+
+@dataclass(frozen=True)
+class TmaDescriptor:
+    """A tiled TMA descriptor as TileLang's lowering describes it (cuTensorMapEncodeTiled's arguments): dims
+    innermost first, byte strides with the element size first; a dim that is a step size is its symbol."""
+    dtype: int
+    dims: tuple[int | str, ...]
+    strides: tuple[int | str, ...]
+    box: tuple[int, ...]
+    element_strides: tuple[int, ...]
+    interleave: int
+    swizzle: int
+    l2_promotion: int
+    oob_fill: int
+
+    @classmethod
+    def from_json(cls, data: dict) -> "TmaDescriptor":
+        return cls(data["dtype"], tuple(data["dims"]), tuple(data["strides"]), tuple(data["box"]),
+                   tuple(data["element_strides"]), data["interleave"], data["swizzle"], data["l2_promotion"],
+                   data["oob_fill"])
+
+    def as_json(self) -> dict:
+        return {"dtype": self.dtype, "rank": len(self.dims), **{k: v for k, v in asdict(self).items() if k != "dtype"}}
 
 
 @dataclass(frozen=True)
 class Param:
-    """One kernel parameter, in order. kind 'tensor': `value` names a graph value (its pointer is passed);
-    kind 'int': `value` is 'stride:<graph value>' (its leading-dim stride, in elements), 'rows:<graph value>' (its
-    leading dim) or 'dim:<symbol>'. A tensor value 'planes:<graph value>' (planes_of) names a split GEMM's fp32
-    planes of that value (runtime/gpu/planes.py).
-    The TileLang and CuTe DSL backends name their kernel's buffers here; the ABI they record in the manifest is
-    read from the compiler's output, in its order, with kinds of its own (tma: a descriptor passed by value)."""
+    """One kernel parameter, in order. The TileLang and CuTe DSL backends name their kernel's buffers here; the ABI
+    they record in the manifest is read from the compiler's output, in its order."""
     name: str
-    kind: str
+    kind: ParamKind
     value: str
-    dtype: str  # Triton's signature type: *bf16, *fp32, *i32, i32
+    dtype: str  # Triton's signature type: *bf16, *fp32, *i32, i32 (tma: a descriptor)
     aligned: bool = False  # a pointer the runtime guarantees 16-byte aligned (compiled with that hint)
+    tma: TmaDescriptor | None = None  # a TMA parameter's descriptor
+
+    @property
+    def buffer(self) -> str | None:
+        """The buffer whose pointer, descriptor or size this parameter reads (None: a step size or scratch)."""
+        if self.kind in (ParamKind.PLANES, ParamKind.PLANE_ROWS):
+            return planes_of(self.value)
+        return None if self.kind in (ParamKind.DIM, ParamKind.SCRATCH) else self.value
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Param":
+        tma = TmaDescriptor.from_json(data["tma"]) if data.get("tma") is not None else None
+        return cls(data["name"], ParamKind(data["kind"]), data["value"], data["dtype"], data.get("aligned", False),
+                   tma)
+
+    def as_json(self) -> dict:
+        data = {"name": self.name, "kind": str(self.kind), "value": self.value, "dtype": self.dtype,
+                "aligned": self.aligned}
+        return data | ({"tma": self.tma.as_json()} if self.tma is not None else {})
 
 
 @dataclass
@@ -62,35 +121,12 @@ class LaunchSpec:
     deferred: bool = False
 
 
-def fits(max_rows: int | None, rows: int) -> bool:
-    """Whether a variant made for at most `max_rows` rows (None: any number) serves a step of `rows` rows."""
-    return max_rows is None or rows <= max_rows
-
-
-def serves(variant: dict, row_symbol: str, sizes: dict[str, int]) -> bool:
-    """A manifest variant serves a step when its row bound fits and every size it asks a minimum of reaches it
-    (an attention variant with 128-query tiles asks for max_query_len >= 64: prefill-shaped steps only)."""
-    return fits(variant["max_rows"], sizes[row_symbol]) and all(
-        sizes[name] >= least for name, least in variant.get("min_sizes", {}).items())
-
-
-def pick_variant(kernel: dict, sizes: dict[str, int]) -> dict:
-    """The first of a manifest kernel's variants that serves the step: the runtime's rule."""
-    for variant in kernel["variants"]:
-        if serves(variant, kernel["row_symbol"], sizes):
-            return variant
-    rows = sizes[kernel["row_symbol"]]
-    raise AssertionError(f"kernel {kernel['node']}: no variant for {kernel['row_symbol']}={rows}")
-
-
-@dataclass
-class VariantSpec:
+class Slotted:
+    """What a planned variant and a compiled one share: the slot it fills and its label."""
     name: str
-    max_rows: int | None  # use this variant when the row count is at most this; None: otherwise
-    launches: list[LaunchSpec]
-    backend: str = "triton"
-    min_sizes: dict[str, int] = field(default_factory=dict)  # other step sizes this variant needs at least
-    sms: tuple[int, ...] | None = None  # the SMs it compiles for; None: every SM the build supports
+    backend: str
+    max_rows: int | None  # serves steps of at most this many rows; None: any number
+    min_sizes: dict[str, int]  # other step sizes it needs at least
 
     @property
     def slot(self) -> tuple:
@@ -103,6 +139,16 @@ class VariantSpec:
 
 
 @dataclass
+class VariantSpec(Slotted):
+    name: str
+    max_rows: int | None
+    launches: list[LaunchSpec]
+    backend: str = "triton"
+    min_sizes: dict[str, int] = field(default_factory=dict)
+    sms: tuple[int, ...] | None = None  # the SMs it compiles for; None: every SM the build supports
+
+
+@dataclass
 class KernelSpec:
     graph: str
     node: str
@@ -112,15 +158,36 @@ class KernelSpec:
     variants: list[VariantSpec] = field(default_factory=list)
     scratch: dict[str, tuple[str, tuple[str | int, ...]]] = field(default_factory=dict)  # name -> (dtype, shape)
 
-    def variant_for(self, sizes: dict[str, int]) -> VariantSpec:
-        for variant in self.variants:
-            if serves({"max_rows": variant.max_rows, "min_sizes": variant.min_sizes}, self.row_symbol, sizes):
-                return variant
-        raise AssertionError(f"kernel {self.node}: no variant for {self.row_symbol}={sizes[self.row_symbol]}")
 
-    def as_json(self) -> dict:
-        data = asdict(self)
-        for variant in data["variants"]:
-            for launch in variant["launches"]:
-                del launch["source"]
-        return data
+V = TypeVar("V", bound=Slotted, covariant=True)
+
+
+class Variants(Protocol[V]):
+    """A kernel with variants: planned (KernelSpec) or compiled (the manifest's Kernel)."""
+    node: str
+    row_symbol: str
+
+    @property
+    def variants(self) -> Sequence[V]: ...
+
+
+def slot_rank(slot: tuple) -> tuple:
+    """The order the runtime tries slots in: conditional ones (minimum sizes) first, then by row bound, unbounded
+    last."""
+    return (not slot[1], slot[0] is None, slot[0] or 0)
+
+
+def serves(variant: Slotted, row_symbol: str, sizes: dict[str, int]) -> bool:
+    """A variant serves a step when its row bound fits and every size it asks a minimum of reaches it (an attention
+    variant with 128-query tiles asks for max_query_len >= 64: prefill-shaped steps only)."""
+    return (variant.max_rows is None or sizes[row_symbol] <= variant.max_rows) and all(
+        sizes[name] >= least for name, least in variant.min_sizes.items())
+
+
+def pick_variant(kernel: Variants[V], sizes: dict[str, int]) -> V:
+    """The variant a step launches: the first that serves it, slots in the runtime's order (a manifest's variants
+    are in that order already; a plan's keep each slot's alternatives in order, its default first)."""
+    for variant in sorted(kernel.variants, key=lambda v: slot_rank(v.slot)):
+        if serves(variant, kernel.row_symbol, sizes):
+            return variant
+    raise AssertionError(f"kernel {kernel.node}: no variant for {kernel.row_symbol}={sizes[kernel.row_symbol]}")

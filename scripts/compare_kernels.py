@@ -18,6 +18,7 @@ from pathlib import Path
 
 SM = 90
 FULL_MODELS = ("qwen3-4b",)
+_NVCC_ID = re.compile(r"(_INTERNAL_|_GLOBAL__N__)[0-9a-f]{8}_")  # nvcc's ids of one compilation (its temp path)
 _SASS_NOISE = re.compile(r"^\s*(code for sm_\d+|Function : \S+|\.section.*|\s*/\*[0-9a-f]{4}\*/\s*$)")
 
 
@@ -53,11 +54,11 @@ def launches(cache: Path) -> dict[str, list[tuple[str, dict]]]:
 
 
 def texts(cache: Path, launch: dict) -> dict[str, str]:
-    """The launch's generated CUDA and PTX as text ('' where the backend writes none)."""
+    """The launch's generated CUDA and PTX as text ('' where the backend writes none), nvcc's ids masked."""
     folder = cache / f"sm_{SM}"
     stem = launch["cubin"].removesuffix(".cubin")
-    return {suffix: (folder / f"{stem}.{suffix}").read_text() if (folder / f"{stem}.{suffix}").is_file() else ""
-            for suffix in ("cu", "ptx")}
+    return {suffix: _NVCC_ID.sub(r"\1id_", (folder / f"{stem}.{suffix}").read_text())
+            if (folder / f"{stem}.{suffix}").is_file() else "" for suffix in ("cu", "ptx")}
 
 
 def same_sass(before: Path, launch_a: dict, after: Path, launch_b: dict) -> bool:

@@ -30,14 +30,3 @@ def checkpoint_factory(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_checkpoint(checkpoint_factory) -> Path:
     return checkpoint_factory("tiny_tied")
-
-
-@pytest.fixture(scope="session")
-def gemm_probe():
-    """scripts/gpu/gemm_probe.py as a module: its cases and launch records are checked here, with no GPU."""
-    import importlib.util
-    path = Path(__file__).resolve().parent.parent / "scripts" / "gpu" / "gemm_probe.py"
-    spec = importlib.util.spec_from_file_location("gemm_probe", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module

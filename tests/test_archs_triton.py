@@ -10,8 +10,9 @@ import dataclasses
 import numpy as np
 import pytest
 
+from pegainfer.backends.planning import PlanOptions
 from pegainfer.backends.triton.execute import InterpretedExecutor, to_torch
-from pegainfer.backends.triton.plan import PlanOptions, plan_kernel
+from pegainfer.backends.triton.plan import plan_kernel
 from pegainfer.frontends.config import normalize_hf_config, parse_config
 from pegainfer.frontends.registry import dag_modules
 from pegainfer.ir.graph import KERNEL

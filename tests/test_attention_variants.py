@@ -9,8 +9,10 @@ import dataclasses
 import numpy as np
 import pytest
 
+from pegainfer.backends.planning import PlanOptions
+from pegainfer.backends.spec import pick_variant
 from pegainfer.backends.triton.execute import launch_kernel, to_numpy, to_torch
-from pegainfer.backends.triton.plan import PlanOptions, plan_kernel
+from pegainfer.backends.triton.plan import plan_kernel
 from pegainfer.ir.graph import KERNEL
 from pegainfer.ir.registry import get_op
 from pegainfer.ir.step import launch_sizes
@@ -76,7 +78,7 @@ def check_variant(graph, node, spec, variant: str, step: tuple[list[int], list[i
     sizes = {"tokens": sum(step[0]), "batch": 3, "num_blocks": 16, "block_size": BLOCK_SIZE, "max_blocks": 5,
              **launch_sizes(values["q_lens"])}
     if variant == "prefill_tiles":
-        assert spec.variant_for(sizes).name == variant, "the prefill tiles serve a step with a 70-query chunk"
+        assert pick_variant(spec, sizes).name == variant, "the prefill tiles serve a step with a 70-query chunk"
     (picked,) = [v for v in spec.variants if v.name == variant]
     chosen = dataclasses.replace(spec, variants=[dataclasses.replace(picked, max_rows=None, min_sizes={})])
     got = to_numpy(launch_kernel(chosen, node, {n: to_torch(a) for n, a in arrays.items()}, sizes)[inner.outputs[0]])

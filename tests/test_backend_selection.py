@@ -2,16 +2,17 @@
 that fall through), the runtime's variant rule, the steps `pegainfer tune` times each slot with, and `pegainfer
 tune` refusing to run without a GPU."""
 
-import json
-
 import pytest
 
 from pegainfer.backends.build import parse_backends
+from pegainfer.backends.manifest import Kernel, Launch, Manifest, Selection, Variant, dump, load
 from pegainfer.backends.report import selection_table
 from pegainfer.backends.select import choose, margin
-from pegainfer.backends.spec import GridDim, KernelSpec, LaunchSpec, VariantSpec, pick_variant
+from pegainfer.backends.spec import GridDim, KernelSpec, LaunchSpec, Param, ParamKind, VariantSpec, pick_variant
 from pegainfer.cli import main
 from pegainfer.errors import PegainferError
+from pegainfer.ir.dtypes import dtype_from_name
+from pegainfer.ir.types import TensorType
 
 
 def variant(backend: str, name: str, max_rows, min_sizes=None) -> VariantSpec:
@@ -41,7 +42,7 @@ def test_the_shipped_default_is_tilelang_for_hopper_prefill_and_small_decode_and
         chosen, records = choose(kernel, kernel.variants, sm, {})
         assert [v.label for v in chosen] == ["triton:one_row", "triton:small_rows", "triton:mid_rows",
                                              "triton:many_rows"]
-        assert [r["by"] for r in records] == ["default"] * 4
+        assert [r.by for r in records] == ["default"] * 4
     chosen, _ = choose(kernel, kernel.variants, 90, {})
     assert [v.label for v in chosen] == ["triton:one_row", "tilelang:decode_16x16", "triton:mid_rows",
                                          "tilelang:wgmma"]
@@ -54,7 +55,7 @@ def test_defaults_per_sm(hopper_preference):
     kernel = gemm_kernel()
     chosen, records = choose(kernel, kernel.variants, 90, {})
     assert [v.label for v in chosen] == ["cute:gemv_1", "triton:small_rows", "triton:mid_rows", "tilelang:wgmma"]
-    assert [r["by"] for r in records] == ["default"] * 4
+    assert [r.by for r in records] == ["default"] * 4
     chosen, _ = choose(kernel, kernel.variants, 80, {})
     assert [v.label for v in chosen] == ["triton:one_row", "triton:small_rows", "triton:mid_rows",
                                          "triton:many_rows"]
@@ -67,7 +68,7 @@ def test_a_backends_first_variant_of_a_slot_is_its_default(hopper_preference):
     kernel = KernelSpec("body", "down", "linear", ["linear"], "tokens", variants)
     chosen, records = choose(kernel, variants, 90, {})
     assert [v.label for v in chosen] == ["tilelang:wgmma_128x128"]
-    assert records[0]["alternatives"] == [v.label for v in variants]
+    assert records[0].alternatives == tuple(v.label for v in variants)
 
 
 def test_tuning_data_overrides_the_default_and_reports_the_margin():
@@ -76,7 +77,7 @@ def test_tuning_data_overrides_the_default_and_reports_the_margin():
                                                      "times_us": {"triton:many_rows": 50.0, "tilelang:wgmma": 80.0}}}}}
     chosen, records = choose(kernel, kernel.variants, 90, tuning)
     assert chosen[-1].label == "triton:many_rows"
-    assert records[-1]["by"] == "tuned" and margin(records[-1]) == "1.60x over tilelang:wgmma"
+    assert records[-1].by == "tuned" and margin(records[-1]) == "1.60x over tilelang:wgmma"
     assert margin(records[0]) == "untuned"
 
 
@@ -86,13 +87,12 @@ def test_a_conditional_slot_comes_first_and_can_fall_through(hopper_preference):
     kernel = KernelSpec("body", "attention", "paged_attention", ["paged_attention"], "batch", variants)
     chosen, records = choose(kernel, variants, 90, {})
     assert [v.label for v in chosen] == ["tilelang:flash", "triton:split_kv", "triton:default"]
-    assert records[0]["slot"] == "any rows, max_query_len>=64"
-    manifest = {"row_symbol": "batch", "node": "attention",
-                "variants": [{"name": v.name, "max_rows": v.max_rows, "min_sizes": v.min_sizes} for v in chosen]}
-    assert pick_variant(manifest, {"batch": 1, "max_query_len": 8192})["name"] == "flash"
-    assert pick_variant(manifest, {"batch": 1, "max_query_len": 1})["name"] == "split_kv"
-    assert pick_variant(manifest, {"batch": 40, "max_query_len": 1})["name"] == "default"
-    tuning = {"kernels": {"body/attention": {records[0]["slot"]: {"choice": "fallthrough", "times_us": {}}}}}
+    assert records[0].slot == "any rows, max_query_len>=64"
+    launched = KernelSpec("body", "attention", "paged_attention", ["paged_attention"], "batch", chosen)
+    assert pick_variant(launched, {"batch": 1, "max_query_len": 8192}).name == "flash"
+    assert pick_variant(launched, {"batch": 1, "max_query_len": 1}).name == "split_kv"
+    assert pick_variant(launched, {"batch": 40, "max_query_len": 1}).name == "default"
+    tuning = {"kernels": {"body/attention": {records[0].slot: {"choice": "fallthrough", "times_us": {}}}}}
     chosen, _ = choose(kernel, variants, 90, tuning)
     assert [v.label for v in chosen] == ["triton:split_kv", "triton:default"]
 
@@ -104,12 +104,25 @@ def test_parse_backends_needs_triton_and_known_names():
             parse_backends(bad)
 
 
+def compiled(backend: str, name: str, max_rows, buffer: str = "x") -> Variant:
+    """A manifest candidate whose one launch reads `buffer`."""
+    launch = Launch(name, "k.py", (Param("x_ptr", ParamKind.TENSOR, buffer, "*bf16"),), {}, (GridDim(),) * 3, 4, 2,
+                    backend, False, f"{name}{max_rows}", f"{name}{max_rows}.cubin", "", name, 0, 128, False)
+    return Variant(name, max_rows, (launch,), backend)
+
+
+def manifest_of(sm: int, candidates: list[Variant], scratch: dict | None = None,
+                selection: list[Selection] | None = None) -> Manifest:
+    kernel = Kernel("body", "down", "linear", ("linear",), "tokens", [], candidates, selection or [], {},
+                    scratch or {})
+    return Manifest("Qwen3ForCausalLM", "m", "config.json", sm, {"triton": "3.6.0"}, 16, "p", "g", [kernel])
+
+
 def test_selection_table_names_the_winner(tmp_path):
     manifest = tmp_path / "m.json"
-    manifest.write_text(json.dumps({"sm": 90, "backends": {"triton": "3.6.0"}, "kernels": [
-        {"node": "down", "kind": "linear", "selection": [
-            {"slot": "any rows", "alternatives": ["triton:many_rows", "tilelang:wgmma"], "chosen": "tilelang:wgmma",
-             "by": "tuned", "times_us": {"triton:many_rows": 90.0, "tilelang:wgmma": 60.0}}]}]}))
+    chosen = Selection("any rows", ("triton:many_rows", "tilelang:wgmma"), "tuned", "tilelang:wgmma",
+                       {"triton:many_rows": 90.0, "tilelang:wgmma": 60.0})
+    dump(manifest_of(90, [], selection=[chosen]), manifest)
     table = selection_table(manifest)
     assert "tilelang:wgmma" in table and "1.50x over triton:many_rows" in table and "tuned" in table
 
@@ -129,37 +142,29 @@ def test_synthetic_step_lands_in_the_slot_it_times():
     assert list(step["positions"][:5]) == [35, 36, 37, 38, 39]
     blocks = step["block_tables"]
     assert blocks.shape == (3, 3) and len(set(blocks.ravel())) == 9 and blocks.max() < sizes["num_blocks"]
-    gemm = {"row_symbol": "tokens"}
-    assert slot_sizes(gemm, {"bound": 4, "min_sizes": {}}, 16)[1]["tokens"] == 4
-    assert slot_sizes(gemm, {"bound": None, "min_sizes": {}}, 16)[1]["tokens"] == 4096
-    attention = {"row_symbol": "batch"}
-    assert slot_sizes(attention, {"bound": 16, "min_sizes": {}}, 16)[1]["batch"] == 16
-    prefill = slot_sizes(attention, {"bound": None, "min_sizes": {"max_query_len": 64}}, 16)[1]
+    assert slot_sizes("tokens", (4, ()), 16)[1]["tokens"] == 4
+    assert slot_sizes("tokens", (None, ()), 16)[1]["tokens"] == 4096
+    assert slot_sizes("batch", (16, ()), 16)[1]["batch"] == 16
+    prefill = slot_sizes("batch", (None, (("max_query_len", 64),)), 16)[1]
     assert prefill["batch"] == 1 and prefill["max_query_len"] == 4096
 
 
 def test_reselect_rewrites_a_manifest_from_its_candidates(tmp_path, hopper_preference):
     from pegainfer.backends.select import reselect
 
-    def record(backend, name, max_rows, scratch=None):
-        params = [{"kind": "tensor", "value": scratch or "x"}]
-        return {"name": name, "label": f"{backend}:{name}", "backend": backend, "max_rows": max_rows,
-                "min_sizes": {}, "launches": [{"key": name, "params": params}]}
-    candidates = [record("triton", "one_row", 1), record("triton", "many_rows", None),
-                  record("cute", "gemv_1", 1), record("tilelang", "wgmma", None, scratch="gemm.normed")]
+    candidates = [compiled("triton", "one_row", 1), compiled("triton", "many_rows", None),
+                  compiled("cute", "gemv_1", 1), compiled("tilelang", "wgmma", None, buffer="gemm.normed")]
+    normed = TensorType(dtype_from_name("bf16"), ("tokens", 8))
     path = tmp_path / "m.json"
-    path.write_text(json.dumps({"sm": 90, "kernels": [
-        {"graph": "body", "node": "down", "kind": "linear", "ops": ["linear"], "row_symbol": "tokens",
-         "variants": [], "candidates": candidates, "candidate_scratch": {"gemm.normed": ["bf16", ["tokens", 8]]},
-         "scratch": {}}]}))
+    dump(manifest_of(90, candidates, {"gemm.normed": normed}), path)
     reselect(path, {})
-    kernel = json.loads(path.read_text())["kernels"][0]
-    assert [v["label"] for v in kernel["variants"]] == ["cute:gemv_1", "tilelang:wgmma"]
-    assert kernel["scratch"] == {"gemm.normed": ["bf16", ["tokens", 8]]}
+    (kernel,) = load(path).kernels
+    assert [v.label for v in kernel.variants] == ["cute:gemv_1", "tilelang:wgmma"]
+    assert kernel.scratch == {"gemm.normed": normed}
     reselect(path, {"kernels": {"body/down": {"any rows": {"choice": "triton:many_rows", "times_us": {}}}}})
-    kernel = json.loads(path.read_text())["kernels"][0]
-    assert [v["label"] for v in kernel["variants"]] == ["cute:gemv_1", "triton:many_rows"]
-    assert kernel["scratch"] == {} and kernel["selection"][1]["by"] == "tuned"
+    (kernel,) = load(path).kernels
+    assert [v.label for v in kernel.variants] == ["cute:gemv_1", "triton:many_rows"]
+    assert kernel.scratch == {} and kernel.selection[1].by == "tuned"
 
 
 def test_reselect_keeps_a_variant_that_serves_two_slots_under_one_label(tmp_path):
@@ -167,19 +172,15 @@ def test_reselect_keeps_a_variant_that_serves_two_slots_under_one_label(tmp_path
     keeps it in that slot (a lookup by label alone kept only one of the two, and the other slot fell back)."""
     from pegainfer.backends.select import reselect, slot_candidates
 
-    def record(backend, name, max_rows):
-        return {"name": name, "label": f"{backend}:{name}", "backend": backend, "max_rows": max_rows,
-                "min_sizes": {}, "launches": [{"key": f"{name}{max_rows}", "params": []}]}
-    candidates = [record("triton", "fma_rows", 4), record("triton", "small_rows", 16), record("triton", "many", None),
-                  record("tilelang", "decode_16x16", 4), record("tilelang", "decode_16x16", 16)]
+    candidates = [compiled("triton", "fma_rows", 4), compiled("triton", "small_rows", 16),
+                  compiled("triton", "many", None), compiled("tilelang", "decode_16x16", 4),
+                  compiled("tilelang", "decode_16x16", 16)]
     path = tmp_path / "m.json"
-    path.write_text(json.dumps({"sm": 80, "kernels": [
-        {"graph": "body", "node": "down", "kind": "linear", "ops": ["linear"], "row_symbol": "tokens",
-         "variants": [], "candidates": candidates, "candidate_scratch": {}, "scratch": {}}]}))
+    dump(manifest_of(80, candidates), path)
     tuned = {"choice": "tilelang:decode_16x16", "times_us": {}}
     reselect(path, {"kernels": {"body/down": {"rows<=4": tuned, "rows<=16": tuned}}})
-    kernel = json.loads(path.read_text())["kernels"][0]
-    assert [(v["label"], v["max_rows"]) for v in kernel["variants"]] == [
+    (kernel,) = load(path).kernels
+    assert [(v.label, v.max_rows) for v in kernel.variants] == [
         ("tilelang:decode_16x16", 4), ("tilelang:decode_16x16", 16), ("triton:many", None)]
-    four = next(r for r in kernel["selection"] if r["slot"] == "rows<=4")
-    assert [v["max_rows"] for v in slot_candidates(kernel, four)] == [4, 4]
+    four = next(s for s in kernel.selection if s.slot == "rows<=4")
+    assert [v.max_rows for v in slot_candidates(kernel, four)] == [4, 4]

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from pegainfer.backends.manifest import load
 from pegainfer.cli import main
 from pegainfer.frontends.registry import dag_modules
 
@@ -32,16 +33,16 @@ def test_every_architecture_compiles_for_sm90(tmp_path, capsys):
         assert main(["compile", str(config), "--sm", "90", "--jobs", "2", "--cache-dir", str(cache)]) == 0
         err = capsys.readouterr().err
         manifest = Path(err.split("manifest ")[-1].strip())
-        data = json.loads(manifest.read_text())
-        assert data["sm"] == 90 and data["model"].startswith(architecture)
+        data = load(manifest)
+        assert data.sm == 90 and data.model.startswith(architecture)
         constexprs = {}
-        for kernel in data["kernels"]:
-            for variant in kernel["variants"]:
-                for launch in variant["launches"]:
-                    assert (manifest.parent.parent / launch["cubin"]).read_bytes()[:4] == b"\x7fELF"
-                    for key, value in launch["constexprs"].items():
+        for kernel in data.kernels:
+            for variant in kernel.variants:
+                for launch in variant.launches:
+                    assert (manifest.parent.parent / launch.cubin).read_bytes()[:4] == b"\x7fELF"
+                    for key, value in launch.constexprs.items():
                         constexprs.setdefault(key, set()).add(value)
         for key, value in expected.items():
             assert value in constexprs.get(key, set()), f"{architecture}: no launch with {key}={value}"
         if architecture == "Qwen3MoeForCausalLM":
-            assert {"moe_route", "moe_experts"} <= {k["kind"] for k in data["kernels"]}
+            assert {"moe_route", "moe_experts"} <= {k.kind for k in data.kernels}

@@ -6,6 +6,8 @@ launch, down and the next layer's, then the logits kernel."""
 
 import pytest
 
+from pegainfer.backends.manifest import Launch
+from pegainfer.backends.spec import GridDim, Param, ParamKind
 from pegainfer.errors import PegainferError
 from pegainfer.ir.dtypes import dtype_from_name
 from pegainfer.runtime.gpu.abi import DeviceTensor
@@ -14,26 +16,33 @@ from pegainfer.runtime.gpu.planes import DeferredSums, no_planes, overlaps
 BF16, F32 = dtype_from_name("bf16"), dtype_from_name("f32")
 
 
-def tensor(name: str, value: str) -> dict:
-    return {"name": name, "kind": "tensor", "value": value}
+def tensor(name: str, value: str) -> Param:
+    return Param(name, ParamKind.TENSOR, value, "*bf16")
 
 
-def gemm(out: str) -> dict:
-    return {"key": f"gemm {out}", "constexprs": {"PARTIAL": True, "SPLIT": 4},
-            "params": [tensor("A", "a"), tensor("P", f"planes:{out}")]}
+def planes(value: str) -> Param:
+    return Param("P", ParamKind.PLANES, value, "*fp32")
 
 
-def total(out: str) -> dict:
-    return {"key": f"sum {out}", "deferred": True, "params": [tensor("C", out), tensor("P", f"planes:{out}")]}
+def launch(key: str, params: list[Param], constexprs: dict | None = None, deferred: bool = False) -> Launch:
+    return Launch("k", "k.py", tuple(params), constexprs or {}, (GridDim(),) * 3, 4, 1, "tilelang", deferred, key,
+                  f"{key}.cubin", "", key, 0, 128, True)
 
 
-def norm(x2: str) -> dict:
-    return {"key": f"norm {x2}", "constexprs": {"PLANES": 4},
-            "params": [tensor("X", "hidden"), tensor("X2", x2), tensor("P", f"planes:{x2}"),
-                       {"name": "PR", "kind": "int", "value": f"rows:planes:{x2}"}]}
+def gemm(out: str) -> Launch:
+    return launch(f"gemm {out}", [tensor("A", "a"), planes(out)], {"PARTIAL": True, "SPLIT": 4})
 
 
-READ = {"key": "read", "params": [tensor("A", "x")]}
+def total(out: str) -> Launch:
+    return launch(f"sum {out}", [tensor("C", out), planes(out)], deferred=True)
+
+
+def norm(x2: str, added: int = 4) -> Launch:
+    return launch(f"norm {x2}", [tensor("X", "hidden"), tensor("X2", x2), planes(x2),
+                                 Param("PR", ParamKind.PLANE_ROWS, x2, "i32")], {"PLANES": added})
+
+
+READ = launch("read", [tensor("A", "x")])
 
 
 def rows(ptr: int, n: int = 9, dtype=BF16, width: int = 2560) -> DeviceTensor:
@@ -44,7 +53,7 @@ def produced(sums: DeferredSums, c_ptr: int = 0x10000, planes_ptr: int = 0x90000
     """o_proj's variant scheduled: its GEMM runs, its sum is deferred."""
     env = {"a": rows(0x70000), "o_proj": rows(c_ptr), "planes:o_proj": rows(planes_ptr, 64, F32)}
     runs = sums.schedule([gemm("o_proj"), total("o_proj")], env, {"tokens": 9}, "linear/decode_planes")
-    assert [launch["key"] for _, launch, _, _ in runs] == ["gemm o_proj"] and sums.pending[-1].output.ptr == c_ptr
+    assert [launch.key for _, launch, _, _ in runs] == ["gemm o_proj"] and sums.pending[-1].output.ptr == c_ptr
     return env
 
 
@@ -56,7 +65,7 @@ def test_norm_launch_gets_the_planes_and_no_sum_runs():
     sums = DeferredSums()
     env = produced(sums)
     ((_, launch, bound, _),) = sums.schedule([norm("o_proj")], consumer(env), {"tokens": 9})
-    assert launch["key"] == "norm o_proj" and bound["planes:o_proj"] == env["planes:o_proj"]
+    assert launch.key == "norm o_proj" and bound["planes:o_proj"] == env["planes:o_proj"]
     assert len(sums.pending) == 1, "another reader may still need the sum"
 
 
@@ -69,9 +78,9 @@ def test_norm_launch_reads_x2_as_stored_where_no_gemm_left_planes():
 def test_a_launch_that_adds_fewer_planes_than_left_reads_the_sum():
     sums = DeferredSums()
     env = produced(sums)
-    two = dict(norm("o_proj"), constexprs={"PLANES": 2})  # 64 rows of planes are 4: more than it adds
+    two = norm("o_proj", added=2)  # 64 rows of planes are 4: more than it adds
     runs = sums.schedule([two], consumer(env), {})
-    assert [launch["key"] for _, launch, _, _ in runs] == ["sum o_proj", "norm o_proj"]
+    assert [launch.key for _, launch, _, _ in runs] == ["sum o_proj", "norm o_proj"]
     assert runs[1][2]["planes:o_proj"].shape[0] == 0 and sums.pending == []
 
 
@@ -80,10 +89,10 @@ def test_any_other_reader_of_the_memory_gets_the_sum_first_once():
     env = produced(sums)
     column_view = env["o_proj"].columns(1024, 512)  # overlaps the pending output
     runs = sums.schedule([READ], {"x": column_view}, {"tokens": 9})
-    assert [(origin, launch["key"]) for origin, launch, _, _ in runs] == [("linear/decode_planes", "sum o_proj"),
+    assert [(origin, launch.key) for origin, launch, _, _ in runs] == [("linear/decode_planes", "sum o_proj"),
                                                                           ("", "read")]
     assert runs[0][3] == {"tokens": 9} and runs[0][2]["planes:o_proj"] == env["planes:o_proj"]
-    assert [launch["key"] for _, launch, _, _ in sums.schedule([READ], {"x": column_view}, {})] == ["read"]
+    assert [launch.key for _, launch, _, _ in sums.schedule([READ], {"x": column_view}, {})] == ["read"]
 
 
 def test_a_reader_of_other_memory_runs_nothing():
@@ -106,7 +115,7 @@ def test_a_gemm_overwriting_pending_planes_gets_their_sum_run_before_it():
     produced(sums)
     again = {"a": rows(0x70000), "o_proj": rows(0x200000), "planes:o_proj": rows(0x90000, 64, F32)}
     runs = sums.schedule([gemm("o_proj"), total("o_proj")], again, {})
-    assert [(launch["key"], env["o_proj"].ptr) for _, launch, env, _ in runs] == [("sum o_proj", 0x10000),
+    assert [(launch.key, env["o_proj"].ptr) for _, launch, env, _ in runs] == [("sum o_proj", 0x10000),
                                                                                   ("gemm o_proj", 0x200000)]
     assert [p.output.ptr for p in sums.pending] == [0x200000]
 
@@ -142,10 +151,10 @@ def test_layers_in_the_executors_order_sum_once_before_the_logits_with_the_last_
         runs += sums.schedule([gemm("down"), total("down")], {"a": rows(0x70000), "down": down_of[layer],
                                                             "planes:down": planes}, {}, f"down {layer}")
     runs += sums.schedule([READ], {"x": down_of[-1]}, {})  # the logits kernel
-    keys = [launch["key"] for _, launch, _, _ in runs]
+    keys = [launch.key for _, launch, _, _ in runs]
     assert keys.count("sum down") == 1 and keys.count("sum o_proj") == 0 and keys[-2:] == ["sum down", "read"]
     assert runs[-2][0] == f"down {layers - 1}" and runs[-2][2]["planes:down"].ptr == 0xa00000 + 0x100000 * (
         (layers - 1) % 2)
-    bound = [env[p["value"]] for _, launch, env, _ in runs if launch["key"].startswith("norm")
-             for p in launch["params"] if p["value"].startswith("planes:")]
+    bound = [env[p.buffer] for _, launch, env, _ in runs if launch.key.startswith("norm")
+             for p in launch.params if p.kind is ParamKind.PLANES]
     assert len(bound) == 2 * layers - 1 and all(t.shape[0] == 64 for t in bound), "every norm launch got planes"

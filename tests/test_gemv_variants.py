@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from pegainfer.backends.build import plan_model
+from pegainfer.backends.planning import PlanOptions
 from pegainfer.backends.triton.execute import launch_kernel, to_numpy, to_torch
-from pegainfer.backends.triton.plan import PlanOptions, plan_kernel
+from pegainfer.backends.triton.plan import plan_kernel
 from pegainfer.frontends.load import embedded_configs, load_spec
 from pegainfer.ir.graph import KERNEL
 from pegainfer.ir.registry import get_op

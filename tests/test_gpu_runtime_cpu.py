@@ -1,31 +1,37 @@
 """What the GPU runtime does that needs no GPU: argument packing by the manifest ABI, grid rules, device views,
-decode buckets and padding, the reserved padding block, and the rule that serving imports no compiler."""
+decode buckets and padding, the reserved padding block, the rule that serving imports no compiler, and the
+refusal of a manifest compiled from another lowering of the model."""
 
 import ctypes
 import subprocess
 import sys
+from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from pegainfer.backends.cache import sha256_of
+from pegainfer.backends.manifest import Launch, Manifest, check_lowering, dump, graph_digest, pipeline_digest
+from pegainfer.backends.spec import GridDim, Param, ParamKind, pick_variant
 from pegainfer.errors import PegainferError
 from pegainfer.ir import BF16, INT32
-from pegainfer.runtime.batch import Chunk, Sequence, pack_step
-from pegainfer.runtime.gpu.abi import DeviceTensor, grid_of
+from pegainfer.ir.graph import REPEAT
+from pegainfer.runtime.batch import Chunk, Sequence, commit_step, pack_step
+from pegainfer.runtime.gpu.abi import DeviceTensor
 from pegainfer.runtime.gpu.engine import PADDING_BLOCK, bucket_for, decode_buckets, pad_decode_step
-from pegainfer.runtime.gpu.launch import pack_launch
+from pegainfer.runtime.gpu.executor import GpuExecutor, Limits
+from pegainfer.runtime.gpu.launch import pack_launch, shape_of
 from pegainfer.runtime.gpu.memory import kv_blocks_for_memory
 from pegainfer.runtime.kv_blocks import BlockAllocator
 
 
 def test_arguments_are_packed_in_abi_order_with_the_right_types():
     tensors = {"x": DeviceTensor(0x7000, (5, 64), BF16, 192), "rows": DeviceTensor(0x9000, (3,), INT32, 1)}
-    params = [{"name": "x_ptr", "kind": "tensor", "value": "x"},
-              {"name": "rows_ptr", "kind": "tensor", "value": "rows"},
-              {"name": "M", "kind": "int", "value": "dim:tokens"},
-              {"name": "stride_x", "kind": "int", "value": "stride:x"},
-              {"name": "global_scratch", "kind": "scratch", "value": "0"},
-              {"name": "profile_scratch", "kind": "scratch", "value": "0"}]
+    params = [Param("x_ptr", ParamKind.TENSOR, "x", "*bf16"), Param("rows_ptr", ParamKind.TENSOR, "rows", "*i32"),
+              Param("M", ParamKind.DIM, "tokens", "i32"), Param("stride_x", ParamKind.STRIDE, "x", "i32"),
+              Param("global_scratch", ParamKind.SCRATCH, "0", "*i8"),
+              Param("profile_scratch", ParamKind.SCRATCH, "0", "*i8")]
     packed = pack_launch(params, tensors, {"tokens": 5})
     assert [type(v) for v in packed.values] == [ctypes.c_uint64] * 2 + [ctypes.c_int32] * 2 + [ctypes.c_uint64] * 2
     assert [v.value for v in packed.values] == [0x7000, 0x9000, 5, 192, 0, 0]
@@ -34,11 +40,18 @@ def test_arguments_are_packed_in_abi_order_with_the_right_types():
     assert ctypes.c_int32.from_address(pointers[3]).value == 192
 
 
+def launch_of(grid: tuple[GridDim, GridDim, GridDim], params: tuple[Param, ...] = (), **fields) -> Launch:
+    record = dict(function="k", module="k.py", params=params, constexprs={}, grid=grid, num_warps=4, num_stages=2,
+                  backend="triton", deferred=False, key="k", cubin="k.cubin", sha256="", symbol="k", shared=0,
+                  threads=128, pdl=False)
+    return Launch(**record | fields)
+
+
 def test_grid_rule_and_views():
-    launch = {"grid": [{"factors": ["batch"], "block": 1}, {"factors": [8], "block": 1},
-                       {"factors": ["max_query_len"], "block": 4}]}
-    assert grid_of(launch, {"batch": 3, "max_query_len": 9}) == (3, 8, 3)
-    assert grid_of(launch, {"batch": 3, "max_query_len": 0}) == (3, 8, 1)
+    launch = launch_of((GridDim(("batch",)), GridDim((8,)), GridDim(("max_query_len",), 4)), shared=512)
+    assert shape_of(launch, {"batch": 3, "max_query_len": 9}).grid == (3, 8, 3)
+    assert shape_of(launch, {"batch": 3, "max_query_len": 0}).grid == (3, 8, 1)
+    assert (shape_of(launch, {"batch": 1, "max_query_len": 1}).threads, launch.shared) == (128, 512)
     merged = DeviceTensor.contiguous(0x1000, (7, 6144), BF16)
     k = merged.columns(4096, 1024)
     assert (k.ptr, k.shape, k.row_stride) == (0x1000 + 4096 * 2, (7, 1024), 6144)
@@ -111,3 +124,103 @@ def test_kv_cache_sized_from_gpu_memory_utilization():
         kv_blocks_for_memory(0.1, gb, free=120 * gb, total=140 * gb)
     with pytest.raises(PegainferError, match="must be in"):
         kv_blocks_for_memory(1.5, gb, free=120 * gb, total=140 * gb)
+
+
+def test_a_manifest_from_another_lowering_is_refused_in_one_line(tmp_path):
+    """The engine lowers the model again at start; a manifest whose recorded digests differ from that lowering's
+    (another pass pipeline, another graph) is refused with a line naming it, before any cubin is loaded."""
+    from pegainfer.frontends.load import embedded_configs, load_spec
+    from pegainfer.passes.pipeline import lower
+
+    lowered, _ = lower(load_spec(embedded_configs()["qwen3-0.6b"]).graph)
+    path = tmp_path / "manifest.json"
+    manifest = Manifest("Qwen3ForCausalLM", "m", "config.json", 90, {"triton": "3.6.0"}, 16, pipeline_digest(),
+                        graph_digest(lowered), [])
+    check_lowering(manifest, path, lowered)
+    for stale in (dict(graph_digest="0" * 16), dict(pipeline_digest="0" * 16)):
+        with pytest.raises(PegainferError) as refused:
+            check_lowering(Manifest(**vars(manifest) | stale), path, lowered)
+        message = str(refused.value)
+        assert "\n" not in message and message.startswith(f"{path}: compiled from another lowering")
+        assert "run `pegainfer compile` again" in message
+    dump(Manifest(**vars(manifest) | dict(graph_digest="0" * 16)), path)
+    with pytest.raises(PegainferError, match="compiled from another lowering"):  # the executor checks first
+        GpuExecutor(None, lowered, path, {}, Limits(16, 4, 8, 0, 16))
+
+
+def stand_in_manifest(cache: Path, spec) -> tuple[Path, object, list, dict]:
+    """The model's Triton plan written as the build writes it, the compiler's cache entries stood in for:
+    (manifest, lowered graph, planned kernels, planned launch id -> cubin key)."""
+    from pegainfer.backends import build
+    from pegainfer.backends.planning import PlanOptions
+
+    lowered, kernels = build.plan_model(spec, PlanOptions())
+    compiled = build.Compiled()
+    (cache / "sm_90").mkdir()
+    for kernel in kernels:
+        for variant in kernel.variants:
+            for index, planned in enumerate(variant.launches):
+                key = f"{kernel.node}-{variant.name}-{index}"
+                (cache / "sm_90" / f"{key}.cubin").write_bytes(key.encode())
+                compiled.keys[(90, id(planned))] = key
+                compiled.entries[(90, key)] = {
+                    "key": key, "cubin": f"{key}.cubin", "sha256": sha256_of(key.encode()), "function": key,
+                    "shared": 0, "num_warps": planned.num_warps, "threads": 32 * planned.num_warps, "pdl": True,
+                    "scratch": dict.fromkeys(("global_scratch_size", "profile_scratch_size"), 0)}
+    path = build._write_manifest(spec, 90, cache, kernels, compiled, {"triton": "3.6.0"}, PlanOptions(), lowered)
+    return path, lowered, kernels, {id_: key for (_, id_), key in compiled.keys.items()}
+
+
+def test_a_step_launches_each_kernels_variant_by_its_manifest_on_a_stand_in_driver(tmp_path, monkeypatch,
+                                                                                     tiny_checkpoint):
+    """The executor over a manifest built from the tiny model's plan: a prefill and a decode step launch, kernel by
+    kernel and layer by layer, the variant the rule picks, with every pointer argument inside the device memory
+    taken and every size argument the step's."""
+    from types import SimpleNamespace
+
+    from pegainfer.frontends.load import load_spec
+    from pegainfer.runtime.cuda import driver
+    from pegainfer.runtime.gpu import executor as executing
+
+    path, lowered, kernels, keys = stand_in_manifest(tmp_path, load_spec(tiny_checkpoint / "config.json"))
+    memory, launched, loaded = [0x10000], [], {}
+
+    def alloc(nbytes: int) -> int:
+        memory.append(memory[-1] + -(-max(nbytes, 1) // 256) * 256)
+        return memory[-2]
+
+    def launch(function, symbol, grid, threads, shared, stream, address, *, pdl, cluster) -> None:
+        """Reads the arguments while they live: a pointer's 8 bytes, a size's 4."""
+        pointers = (ctypes.c_void_p * len(loaded[symbol].params)).from_address(address)
+        values = [(ctypes.c_uint64 if p.kind is ParamKind.TENSOR else ctypes.c_int32).from_address(at).value
+                  for p, at in zip(loaded[symbol].params, pointers)]
+        launched.append((symbol, values, pdl))
+    for name, stand_in in (("alloc", alloc), ("memset", lambda *args: None), ("copy_to_device", lambda *args: None),
+                           ("alloc_pinned", lambda n: np.zeros(n, np.uint8)), ("launch", launch)):
+        monkeypatch.setattr(driver, name, stand_in)
+    monkeypatch.setattr(executing, "load_function", lambda cubin, launch: (None, launch.symbol))
+    monkeypatch.setattr(executing, "upload_weights", lambda graph, weights, stream, arena: {
+        name: arena.take(t.dtype.itemsize * int(np.prod(t.shape))) for name, t in graph.expanded_params().items()})
+    gpu = GpuExecutor(SimpleNamespace(stream=0), lowered, path, {}, Limits(64, 4, 8, 0, 16))
+    gpu.allocate_kv(32)
+    loaded |= {launch.key: launch for k in gpu.kernels.values() for v in k.variants for launch in v.launches}
+    layers = {node.attrs["body"]: node.attrs["count"] for g in lowered.all_graphs() for node in g.nodes
+              if node.op == REPEAT}
+    allocator = BlockAllocator(num_blocks=32, block_size=16, reserved=1)
+    seqs = [Sequence(0, list(range(9))), Sequence(1, list(range(3)))]  # two prompts, then the first one's decode
+    for chunks in ([Chunk(seqs[0], 9), Chunk(seqs[1], 3)], [Chunk(seqs[0], 1)]):
+        sizes = gpu.upload_step(pack_step(chunks, allocator))
+        launched.clear()
+        gpu.run(sizes)
+        commit_step(chunks)
+        seqs[0].token_ids.append(7)  # the token the prefill drew, which the decode step brings
+        expected = Counter(keys[id(launch)] for kernel in kernels for launch in pick_variant(kernel, sizes).launches
+                           for _ in range(layers.get(kernel.graph, 1)))
+        assert Counter(symbol for symbol, _, _ in launched) == expected
+        for symbol, values, pdl in launched:
+            assert pdl == (sizes["tokens"] <= 16), symbol
+            for param, value in zip(loaded[symbol].params, values):
+                if param.kind is ParamKind.TENSOR:
+                    assert memory[0] <= value < memory[-1], (symbol, param.name)
+                elif param.kind is ParamKind.DIM:
+                    assert value == sizes[param.value], (symbol, param.name)

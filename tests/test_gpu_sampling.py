@@ -14,7 +14,9 @@ import pegainfer.backends.triton.plan as plan
 import pegainfer.passes.fusion as fusion
 from pegainfer.backends.triton.execute import launch_kernel, to_numpy, to_torch
 from pegainfer.backends.triton.loader import load_kernel_module, triton_interpret
-from pegainfer.backends.triton.plan import KERNELS, PlanOptions, plan_kernel
+from pegainfer.backends.planning import PlanOptions
+from pegainfer.backends.triton.launches import KERNELS
+from pegainfer.backends.triton.plan import plan_kernel
 from pegainfer.errors import RequestError
 from pegainfer.frontends.load import load_model
 from pegainfer.ir import BF16, FP32, GraphBuilder

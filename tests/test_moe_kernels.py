@@ -7,8 +7,10 @@ import numpy as np
 import pytest
 import torch
 
+from pegainfer.backends.planning import PlanOptions
+from pegainfer.backends.spec import pick_variant
 from pegainfer.backends.triton.execute import _run_launch, launch_kernel, to_numpy, to_torch
-from pegainfer.backends.triton.plan import PlanOptions, plan_kernel
+from pegainfer.backends.triton.plan import plan_kernel
 from pegainfer.ir import GraphBuilder, dtype_from_name
 from pegainfer.ir.graph import KERNEL
 from pegainfer.ir.interpreter import run_graph
@@ -53,7 +55,7 @@ def test_moe_kernels_write_every_element_they_read(rows):
     assert set(spec.scratch) == {"moe.hidden"}
     env["moe.hidden"] = torch.full((rows, K * INTER), float("nan"), dtype=torch.float32)
     env["experts"] = torch.full((rows, HIDDEN), float("nan"), dtype=torch.bfloat16)
-    for launch in spec.variant_for(sizes).launches:
+    for launch in pick_variant(spec, sizes).launches:
         _run_launch(launch, env, sizes)
     got = to_numpy(env["experts"])
     assert not np.isnan(to_numpy(env["moe.hidden"])).any(), "the gate/up launch leaves scratch unwritten"

@@ -11,7 +11,8 @@ import pytest
 
 from pegainfer.backends.cute import plan as cute_plan
 from pegainfer.backends.tilelang import plan as tilelang_plan
-from pegainfer.backends.triton.plan import PlanOptions, gemm_roles
+from pegainfer.backends.planning import PlanOptions, gemm_roles
+from pegainfer.backends.spec import ParamKind
 from pegainfer.frontends.load import load_spec
 from pegainfer.ir.graph import KERNEL
 from pegainfer.ir.kernel import fused_ops
@@ -82,8 +83,7 @@ def test_no_tilelang_attention_over_a_sliding_window():
 
 def test_prefill_defaults_merged_gate_up_and_a_tile_per_width():
     """The sm_90 prefill defaults (each kernel's first tile): the merged tile (gate and up in one accumulator) for
-    SiLU x up and nothing else; 128x192 where N allows (QKV, N = 6144) and 128x160 for N = 2560 (o_proj, down), the
-    tiles at 90% or more of cuBLAS at M = 1024, 4096 and 8192 on the H200 (docs/BENCHMARKS.md, session 7)."""
+    SiLU x up and nothing else; 128x192 where N allows (QKV, N = 6144) and 128x160 for N = 2560 (o_proj, down)."""
     gemms = [(g, n) for g, n in kernels(CONFIGS / "qwen3-4b.json") if "linear" in fused_ops(n)]
     names = {n.name: [v.name for v in tilelang_plan.candidates(g, n, PlanOptions(block_size=16)) if v.max_rows is None]
              for g, n in gemms}
@@ -92,17 +92,17 @@ def test_prefill_defaults_merged_gate_up_and_a_tile_per_width():
     for node in act:
         assert names[node][:2] == ["wgmma_128x256_merged", "wgmma_128x128_rows"], names[node]
     assert not any("wgmma_128x256_merged" in names[node] for node in names.keys() - act)
-    assert names["hidden"][0] == "wgmma_128x192_rows", names["hidden"]
+    assert names["qkv"][0] == "wgmma_128x192_rows", names["qkv"]
     assert names["o_proj"][0] == names["down"][0] == "wgmma_128x160_rows", (names["o_proj"], names["down"])
 
 
 def test_decode_tiles_serve_four_and_sixteen_rows_with_the_chained_tile_first():
     """TileLang's decode GEMMs: slots of 4 and 16 rows (one row: the normed and halved tiles, below),
-    sm_90 only, decode_gemm.py's 16x16 tile first, launched programmatically, a single GEMM's stages in CHAINED_TILE's
-    chains (the narrow o_proj and down deeper, at 2 CTAs an SM; the wide QKV's rows first after its wait: PRE), then
-    gemm.py's 16x32 (single GEMMs) and 16x64 for tuning; every stage ring fits the shared memory of the CTAs the tile
-    asks an SM to hold."""
-    from pegainfer.backends.tilelang.plan import CHAINED_TILE, DECODE_TILES, SM90_SHARED
+    sm_90 only, decode_tile.py's 16x16 tile first, launched programmatically, a single GEMM's stages in chains (the
+    narrow o_proj and down deeper, at 2 CTAs an SM; the wide QKV's rows first after its wait: PRE), then gemm.py's
+    16x32 (single GEMMs) and 16x64 for tuning (SiLU x up's through decode_tile.py); every stage ring fits the shared
+    memory of the CTAs the tile asks an SM to hold."""
+    from pegainfer.backends.tilelang.plan import NARROW_CHAINED, NARROW_N, SILU_16X16, SM90_SHARED, WIDE_CHAINED
 
     gemms = [(g, n) for g, n in kernels(CONFIGS / "qwen3-4b.json") if "linear" in fused_ops(n)]
     offered = 0
@@ -117,21 +117,23 @@ def test_decode_tiles_serve_four_and_sixteen_rows_with_the_chained_tile_first():
             names = [v.name for v in decode if v.max_rows == rows]
             assert names == ["decode_16x16", *([] if act else ["decode_16x32"]), "decode_16x64"], (node.name, names)
         assert {v.max_rows for v in decode} == {4, 16} and all(v.sms == (90,) for v in decode)
+        chained = SILU_16X16 if act else NARROW_CHAINED if n <= NARROW_N else WIDE_CHAINED
         for v in decode:
             launch = v.launches[-1]
             tiles = launch.constexprs
-            chained = v.name == "decode_16x16"
+            sixteen = v.name == "decode_16x16"
             # the 16x16 tile and SiLU x up through the hand-specialised template, else gemm.py's warp-specialised one
-            assert launch.function == ("decode_gemm" if chained or act else "gemm"), (v.name, launch.function)
-            assert tiles.get("PDL", False) == chained and tiles.get("CHAINS", 1) == (
-                CHAINED_TILE[n <= 4096]["CHAINS"] if chained and not act else 1), (v.name, tiles)
-            assert tiles.get("PRE", 0) == (CHAINED_TILE[n <= 4096].get("PRE", 0) if chained and not act else 0)
+            assert launch.function == ("decode_tile" if sixteen or act else "gemm"), (v.name, launch.function)
+            assert tiles.get("PDL", False) == sixteen, (v.name, tiles)
+            if sixteen:
+                assert (tiles["CHAINS"], tiles["PRE"], tiles["MIN_BLOCKS"]) == (
+                    chained.chains, chained.pre, chained.min_blocks), (v.name, tiles)
+            assert tiles.get("CHAINS", 1) == 1 or not act, "SiLU x up has two GEMMs a stage already"
             assert tiles.get("PRE", 0) <= tiles["STAGES"]
-            min_blocks = CHAINED_TILE[n <= 4096]["MIN_BLOCKS"] if chained and not act else DECODE_TILES[v.name][3]
-            assert tiles["MIN_BLOCKS"] == min_blocks
-            assert chained or act or (tiles["ASYNC_ROWS"] and tiles["BLOCK_M"] == 16), tiles
+            assert sixteen or act or (tiles["ASYNC_ROWS"] and tiles["BLOCK_M"] == 16), tiles
             stage = (16 + tiles["BLOCK_N"] * (2 if act else 1)) * tiles["BLOCK_K"] * 2
-            assert tiles["STAGES"] >= 2 and min_blocks * (tiles["STAGES"] * stage + 2048) <= SM90_SHARED, tiles
+            assert tiles["STAGES"] >= 2 and tiles["MIN_BLOCKS"] * (tiles["STAGES"] * stage + 2048) <= SM90_SHARED, \
+                tiles
             norm = v.launches[:-1]
             assert [launch.function for launch in norm] == (["add_rms_norm"] if gemm_roles(node)["norm"] else [])
             assert all(launch.constexprs["PDL"] for launch in norm), "the norm launch lets its GEMM start at once"
@@ -140,10 +142,10 @@ def test_decode_tiles_serve_four_and_sixteen_rows_with_the_chained_tile_first():
 
 def test_split_tile_serves_sixteen_rows_where_the_next_norm_launch_adds_its_planes():
     """o_proj and down (read only as the X2 of the next norm launch's add: down's through the next layer's input)
-    get decode_gemm.py's PARTIAL tile first at 16 rows: 32 weight rows a CTA over a quarter of K, its fp32 planes
+    get decode_planes.py's tile first at 16 rows: 32 weight rows a CTA over a quarter of K, its fp32 planes
     ([64, N]) a scratch of the kernel, then the sum of those planes into C, deferred; the norm launches of QKV and
     gate/up name X2's planes and their rows; QKV and gate/up, whose outputs go elsewhere, get no split tile."""
-    from pegainfer.backends.tilelang.plan import MAX_PLANES, PLANES_TILE, SM90_SHARED
+    from pegainfer.backends.tilelang.plan import MAX_PLANES, PLANES_SPLIT, SM90_SHARED
 
     planned = {}
     for graph, node in kernels(CONFIGS / "qwen3-4b.json"):
@@ -151,7 +153,7 @@ def test_split_tile_serves_sixteen_rows_where_the_next_norm_launch_adds_its_plan
             continue
         variants = tilelang_plan.candidates(graph, node, PlanOptions(block_size=16))
         planned[node.name] = (graph, node, variants)
-    for name in ("hidden", "attn_residual"):
+    for name in ("qkv", "gate_up"):
         graph, node, variants = planned[name]
         assert "decode_planes" not in [v.name for v in variants], name
         x2 = gemm_roles(node)["x2"]
@@ -159,9 +161,9 @@ def test_split_tile_serves_sixteen_rows_where_the_next_norm_launch_adds_its_plan
             if v.name != "decode_16x16":
                 continue
             norm = v.launches[0]
-            assert norm.function == "add_rms_norm" and norm.constexprs["PLANES"] == MAX_PLANES >= PLANES_TILE["SPLIT"]
+            assert norm.function == "add_rms_norm" and norm.constexprs["PLANES"] == MAX_PLANES >= PLANES_SPLIT
             assert [(p.name, p.kind, p.value) for p in norm.params[-2:]] == [
-                ("P", "tensor", f"planes:{x2}"), ("PR", "int", f"rows:planes:{x2}")]
+                ("P", ParamKind.PLANES, x2), ("PR", ParamKind.PLANE_ROWS, x2)]
     for name, k in (("o_proj", 4096), ("down", 9728)):
         graph, node, variants = planned[name]
         sixteen = [v.name for v in variants if v.max_rows == 16]
@@ -169,14 +171,16 @@ def test_split_tile_serves_sixteen_rows_where_the_next_norm_launch_adds_its_plan
         (v,) = [v for v in variants if v.name == "decode_planes"]
         gemm, total = v.launches
         tiles = gemm.constexprs
+        assert (gemm.module, gemm.function) == ("decode_planes.py", "decode_planes")
         assert (tiles["PARTIAL"], tiles["SPLIT"], tiles["BLOCK_N"], tiles["PDL"]) == (True, 4, 32, True)
         assert tiles["BLOCK_K"] == (256 if k == 4096 else 128) and k % (tiles["BLOCK_K"] * 4) == 0
         stage = (16 + tiles["BLOCK_N"]) * tiles["BLOCK_K"] * 2
         assert tiles["MIN_BLOCKS"] * (tiles["STAGES"] * stage + 2048) <= SM90_SHARED
-        assert [p.value for p in gemm.params] == [gemm_roles(node)["x"], gemm_roles(node)["weight"], f"planes:{name}",
-                                                  "dim:tokens"]
+        assert [p.buffer for p in gemm.params] == [gemm_roles(node)["x"], gemm_roles(node)["weight"],
+                                                   f"planes:{name}", None]
         assert total.function == "sum_planes" and total.deferred and not gemm.deferred
-        assert {p.value for p in total.params} == {f"planes:{name}", name, "dim:tokens"}
+        assert {(p.kind, p.value) for p in total.params} == {(ParamKind.PLANES, name), (ParamKind.TENSOR, name),
+                                                             (ParamKind.DIM, "tokens")}
         assert tilelang_plan.gemm_scratch(graph, node, variants)[f"planes:{name}"] == ("f32", (64, 2560))
         assert 2560 // tiles["BLOCK_N"] * tiles["SPLIT"] == 320
 
@@ -203,7 +207,7 @@ def qwen3_gemm_candidates():
 
 
 def test_gemms_with_a_norm_get_the_normed_tile_for_one_and_four_rows():
-    """QKV and gate/up (an RMSNorm prologue) get decode_gemm.py's NORM tile for steps of one row and of up to 4,
+    """QKV and gate/up (an RMSNorm prologue) get decode_normed.py's tile for steps of one row and of up to 4,
     first in both slots (so the sm_90 default): no norm launch before it, the rows (and X2's) read as stored, the
     residual sum written by the tile, launched programmatically, 4 rows a CTA (the stage's other 4 hold X2's rows and
     then each product's low half), and a ring that lets 3 CTAs share an SM. o_proj and down (no norm) get none
@@ -221,8 +225,8 @@ def test_gemms_with_a_norm_get_the_normed_tile_for_one_and_four_rows():
         assert [v for v in variants if v.max_rows == 1][0] is normed[0], "the 1-row slot's first (default) tile"
         (launch,) = normed[0].launches
         tiles = launch.constexprs
-        assert normed[0].sms == (90,) and launch.function == "decode_gemm"
-        assert tiles["NORM"] and tiles["PDL"] and tiles["SWAP_ROWS"] == 8 and tiles["ACT"] == roles["act"]
+        assert normed[0].sms == (90,) and (launch.module, launch.function) == ("decode_normed.py", "decode_normed")
+        assert tiles["PDL"] and tiles["ACT"] == roles["act"] and tiles["CHAINS"] == (1 if roles["act"] else 2)
         assert tiles["ADD"] == (roles["x2"] is not None) and tiles["WRITE_SUM"] == (roles["sum"] is not None)
         values = {p.name: p.value for p in launch.params}
         assert values["A"] == roles["x"] and values["G"] == roles["norm"] and values["C"] == roles["out"]
@@ -240,7 +244,7 @@ def test_gemms_with_a_norm_get_the_normed_tile_for_one_and_four_rows():
 
 
 def test_single_gemms_get_the_halved_tile_for_one_and_four_rows():
-    """The single GEMMs (QKV, o_proj, down) get decode_gemm.py's HALVES tile for steps of one row and of up to 4:
+    """The single GEMMs (QKV, o_proj, down) get decode_halved.py's tile for steps of one row and of up to 4:
     the default where no norm tile leads the slot (o_proj, down), behind it for QKV (after the norm launch); none for
     SiLU x up. 8 weight rows a CTA over both K halves (W read as [2N, K/2]), 4 rows a CTA, no split, four mma
     chains, launched programmatically, weight stages issued before the wait cut to SHORT_PRE for a short K range,
@@ -257,10 +261,8 @@ def test_single_gemms_get_the_halved_tile_for_one_and_four_rows():
         *norm, launch = halved[0].launches
         assert [n.function for n in norm] == (["add_rms_norm"] if roles["norm"] else [])
         tiles = launch.constexprs
-        assert launch.function == "decode_gemm" and launch.module == "decode_gemm.py" and halved[0].sms == (90,)
-        assert (tiles["SWAP_ROWS"], tiles["CHAINS"], tiles["PDL"], tiles["ACT"], tiles["HALVES"]) == (8, 4, True, 0,
-                                                                                                      True)
-        assert tiles.get("SPLIT", 1) == 1 and not tiles.get("CLUSTER") and len(launch.grid) == 3
+        assert (launch.module, launch.function) == ("decode_halved.py", "decode_halved") and halved[0].sms == (90,)
+        assert (tiles["BLOCK_N"], tiles["CHAINS"], tiles["PDL"]) == (16, 4, True) and len(launch.grid) == 3
         assert launch.grid[0].block == 8 and launch.grid[1].block == 4 and launch.grid[2].size({}) == 1
         steps = tiles["K"] // 2 // tiles["BLOCK_K"]
         assert tiles["K"] % (2 * tiles["BLOCK_K"]) == 0
@@ -295,29 +297,30 @@ def test_halved_tile_needs_two_ctas_an_sm():
     assert any(not wide for wide in [w for _, w in halved("qwen3-30b-a3b.json").values()])
 
 
-@pytest.mark.parametrize("bad, says", [
-    (dict(CHAINS=3), "CHAINS splits a single GEMM's stages in 1, 2 or 4 (SiLU x up has two GEMMs already), got 3"),
-    (dict(ACT=1, CHAINS=2), "got 2 with ACT=1"),
-    (dict(NORM=True, SWAP_ROWS=0), "a normed tile is a swapped one of 8 rows"),
-    (dict(PRE=6), "PRE: weight stages issued before the rows (the PDL wait), at most 5, got 6"),
-    (dict(SPLIT=2, NORM=True, SWAP_ROWS=8), "a normed tile is not split"),
-    (dict(SPLIT=2, SWAP_ROWS=32), "a split tile's row tiles share a plane of 16 rows, got 32"),
-    (dict(ADD=True), "ADD sums the rows of a norm prologue"),
-    (dict(NORM=True, SWAP_ROWS=8, WRITE_SUM=True), "WRITE_SUM writes the sum of ADD's rows"),
-    (dict(CLUSTER=True), "CLUSTER sums a split tile's parts in a portable cluster: SPLIT 2..8, got 1"),
-    (dict(CLUSTER=True, SPLIT=10, K=2560 * 4), "SPLIT 2..8, got 10"),
-    (dict(HALVES=True, SWAP_ROWS=16), "HALVES stacks a single GEMM's two K halves in a swapped tile of 8 rows, "
-                                      "unsplit: got SWAP_ROWS=16"),
-    (dict(HALVES=True, SWAP_ROWS=8, SPLIT=2), "got SWAP_ROWS=8, SPLIT=2"),
-    (dict(HALVES=True, SWAP_ROWS=8, NORM=True), "NORM=True"),
-    (dict(HALVES=True, SWAP_ROWS=8, ACT=1), "ACT=1"),
-    (dict(HALVES=True, SWAP_ROWS=8, K=256 * 3), "HALVES: K=768 must split into two halves of whole 256-wide steps"),
-])
-def test_decode_gemm_refuses_a_form_it_cannot_run(bad, says):
-    """decode_gemm.py refuses, before lowering, the settings its protocols do not cover (NORM's, CHAINS', PRE's,
-    SPLIT's, CLUSTER's, HALVES'), saying which."""
-    from pegainfer.backends.tilelang.kernels.decode_gemm import decode_gemm
+TILE = dict(N=6144, K=2560, BLOCK_N=16, BLOCK_K=256, STAGES=5, THREADS=32, MIN_BLOCKS=3)
+NORMED = dict(TILE, ACT=0, ADD=True, WRITE_SUM=True, EPS=1e-6)
 
-    tile = dict(N=6144, K=2560, ACT=0, BLOCK_N=16, BLOCK_K=256, STAGES=5, THREADS=32, MIN_BLOCKS=3) | bad
+
+@pytest.mark.parametrize("form, tile, says", [
+    ("decode_tile", dict(TILE, ACT=0, CHAINS=3), "CHAINS splits a single GEMM's stages in 1, 2 or 4 (SiLU x up has "
+                                                 "two GEMMs already), got 3"),
+    ("decode_tile", dict(TILE, ACT=1, CHAINS=2), "got 2 with ACT=1"),
+    ("decode_tile", dict(TILE, ACT=0, PRE=6), "PRE: weight stages issued before the rows, at most 5, got 6"),
+    ("decode_tile", dict(TILE, ACT=0, K=2560 + 128), "K=2688 must be whole 256-wide steps"),
+    ("decode_normed", dict(NORMED, ADD=False), "WRITE_SUM writes the sum of ADD's rows"),
+    ("decode_normed", dict(NORMED, CHAINS=4, ACT=1), "got 4 with ACT=1"),
+    ("decode_halved", dict(TILE, K=256 * 3), "K=768 must split into two halves of whole 256-wide steps"),
+    ("decode_halved", dict(TILE, BLOCK_N=15), "BLOCK_N=15: whole weight rows over both K halves"),
+    ("decode_planes", dict(TILE, SPLIT=1), "K=2560 must split into 1 > 1 ranges"),
+    ("decode_planes", dict(TILE, SPLIT=4), "K=2560 must split into 4 > 1 ranges of whole 256-wide steps"),
+    ("decode_planes", dict(TILE, SPLIT=2, PARTIAL=False), "decode_planes always leaves its sum to the kernel after"),
+])
+def test_decode_forms_refuse_a_tile_they_cannot_run(form, tile, says):
+    """Each decode form refuses, before lowering, the settings its protocol does not cover (CHAINS', PRE's, K's
+    steps, WRITE_SUM without its add, the halves' and the split's whole steps), saying which."""
+    import importlib
+    pytest.importorskip("tilelang")
+
+    build = getattr(importlib.import_module(f"pegainfer.backends.tilelang.kernels.{form}"), form)
     with pytest.raises(AssertionError, match=re.escape(says)):
-        decode_gemm(**tile)
+        build(**tile)

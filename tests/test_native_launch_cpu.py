@@ -3,9 +3,12 @@ and checked as the driver would, arguments packed by the manifest ABI (a 128-byt
 aligned; pointers; sizes and strides), and the launch shape from the recorded block."""
 
 import ctypes
+from dataclasses import replace
 
 import pytest
 
+from pegainfer.backends.manifest import Launch
+from pegainfer.backends.spec import GridDim, Param, ParamKind, TmaDescriptor
 from pegainfer.errors import PegainferError
 from pegainfer.ir.dtypes import dtype_from_name
 from pegainfer.runtime.gpu.abi import DeviceTensor
@@ -13,8 +16,15 @@ from pegainfer.runtime.gpu.launch import pack_launch, shape_of
 from pegainfer.runtime.gpu.tma import TENSOR_MAP_BYTES, TiledDescriptor, memoized, resolve
 
 BF16 = dtype_from_name("bf16")
-DESCRIPTOR = {"dtype": 9, "rank": 2, "dims": [2560, "tokens"], "strides": [2, 5120], "box": [64, 128],
-              "element_strides": [1, 1], "interleave": 0, "swizzle": 3, "l2_promotion": 2, "oob_fill": 0}
+DESCRIPTOR = TmaDescriptor(dtype=9, dims=(2560, "tokens"), strides=(2, 5120), box=(64, 128), element_strides=(1, 1),
+                           interleave=0, swizzle=3, l2_promotion=2, oob_fill=0)
+TMA = Param("A_desc", ParamKind.TMA, "x", "tma", tma=DESCRIPTOR)
+
+
+def launch(grid: tuple[GridDim, ...], threads: int, shared: int, params: tuple[Param, ...] = (), **more) -> Launch:
+    """A manifest launch record with the fields the launcher reads; the rest filler."""
+    return Launch("decode_tile", "decode_tile.py", params, {}, grid, threads // 32, 1, "tilelang", False, "key",
+                  "key.cubin", "0" * 64, "decode_gemm_kernel", shared, threads, True, **more)
 
 
 def test_tma_descriptor_resolves_step_sizes_and_checks_alignment():
@@ -23,7 +33,7 @@ def test_tma_descriptor_resolves_step_sizes_and_checks_alignment():
     with pytest.raises(PegainferError, match="not 16-byte aligned"):
         resolve(DESCRIPTOR, 0x1008, {"tokens": 300})
     with pytest.raises(PegainferError, match="multiples of 16 bytes"):
-        resolve({**DESCRIPTOR, "strides": [2, 5122]}, 0x1000, {"tokens": 300})
+        resolve(replace(DESCRIPTOR, strides=(2, 5122)), 0x1000, {"tokens": 300})
     with pytest.raises(PegainferError, match="not a size of this step"):
         resolve(DESCRIPTOR, 0x1000, {"batch": 3})
 
@@ -34,11 +44,8 @@ def test_pack_launch_lays_out_tma_pointer_and_int_arguments():
     def encode(d: TiledDescriptor) -> bytes:
         seen.append(d)
         return bytes(range(TENSOR_MAP_BYTES))
-    params = [{"name": "A_desc", "kind": "tma", "value": "x", "tma": DESCRIPTOR},
-              {"name": "R", "kind": "tensor", "value": "r"},
-              {"name": "M", "kind": "int", "value": "dim:tokens"},
-              {"name": "MAXB", "kind": "int", "value": "stride:tables"},
-              {"name": "PR", "kind": "int", "value": "rows:planes:r"}]
+    params = [TMA, Param("R", ParamKind.TENSOR, "r", "*bf16"), Param("M", ParamKind.DIM, "tokens", "i32"),
+              Param("MAXB", ParamKind.STRIDE, "tables", "i32"), Param("PR", ParamKind.PLANE_ROWS, "r", "i32")]
     tensors = {"x": DeviceTensor.contiguous(0x10000, (300, 2560), BF16),
                "r": DeviceTensor.contiguous(0x20000, (300, 2560), BF16),
                "tables": DeviceTensor(0x30000, (2, 7), dtype_from_name("i32"), 64),
@@ -50,7 +57,7 @@ def test_pack_launch_lays_out_tma_pointer_and_int_arguments():
     assert ctypes.c_uint64.from_address(pointers[1]).value == 0x20000
     assert ctypes.c_int32.from_address(pointers[2]).value == 300
     assert ctypes.c_int32.from_address(pointers[3]).value == 64
-    assert ctypes.c_int32.from_address(pointers[4]).value == 48  # rows:<value>, its leading dim
+    assert ctypes.c_int32.from_address(pointers[4]).value == 48  # the planes' rows, their leading dim
 
 
 def test_memoized_encoder_encodes_each_descriptor_once():
@@ -60,7 +67,7 @@ def test_memoized_encoder_encodes_each_descriptor_once():
     def encode(d: TiledDescriptor) -> bytes:
         calls.append(d)
         return d.dims[1].to_bytes(2, "little") * 64
-    params = [{"name": "A_desc", "kind": "tma", "value": "x", "tma": DESCRIPTOR}]
+    params = [TMA]
     cached = memoized(encode)
     for tokens, address in ((300, 0x10000), (300, 0x10000), (512, 0x10000), (300, 0x40000), (512, 0x10000)):
         tensors = {"x": DeviceTensor.contiguous(address, (tokens, 2560), BF16)}
@@ -70,10 +77,8 @@ def test_memoized_encoder_encodes_each_descriptor_once():
 
 
 def test_launch_shape_uses_the_recorded_block():
-    launch = {"grid": [{"factors": [2560], "block": 128}, {"factors": ["tokens"], "block": 128},
-                        {"factors": [1], "block": 1}],
-              "threads": 384, "num_warps": 12, "shared": 98304}
-    shape = shape_of(launch, {"tokens": 1000})
+    record = launch((GridDim((2560,), 128), GridDim(("tokens",), 128), GridDim((1,), 1)), 384, 98304)
+    shape = shape_of(record, {"tokens": 1000})
     assert shape.grid == (20, 8, 1) and shape.threads == 384 and shape.shared == 98304
 
 
@@ -86,11 +91,10 @@ def test_a_cluster_recorded_in_the_manifest_reaches_the_launch_as_its_attribute(
 
     seen = []
     monkeypatch.setattr(driver, "launch", lambda *args, **kwargs: seen.append(kwargs))
-    record = {"grid": [{"factors": [2560], "block": 16}, {"factors": ["tokens"], "block": 8},
-                       {"factors": [2], "block": 1}], "threads": 160, "num_warps": 5, "shared": 73728,
-              "symbol": "decode_gemm_kernel", "params": [{"name": "M", "kind": "int", "value": "dim:tokens"}]}
-    for cluster in ([1, 1, 2], None):
-        launching.launch_kernel(None, record | ({"cluster": cluster} if cluster else {}), {}, {"tokens": 4}, 0,
+    record = launch((GridDim((2560,), 16), GridDim(("tokens",), 8), GridDim((2,), 1)), 160, 73728,
+                    (Param("M", ParamKind.DIM, "tokens", "i32"),))
+    for cluster in ((1, 1, 2), None):
+        launching.launch_kernel(None, replace(record, cluster=cluster) if cluster else record, {}, {"tokens": 4}, 0,
                                 pdl=True)
     assert seen == [{"pdl": True, "cluster": (1, 1, 2)}, {"pdl": True, "cluster": (1, 1, 1)}]
     config = driver._launch_config((160, 1, 2), 160, 73728, 0, True, (1, 1, 2))

@@ -6,10 +6,11 @@ import dataclasses
 
 import numpy as np
 import pytest
+import torch
 
-from pegainfer.backends.triton.execute import (InterpretedExecutor, launch_kernel, step_sizes, to_numpy, to_torch,
-                                               with_row_stride)
-from pegainfer.backends.triton.plan import PlanOptions, plan_kernel, static_layout
+from pegainfer.backends.planning import PlanOptions, static_layout
+from pegainfer.backends.triton.execute import InterpretedExecutor, launch_kernel, step_sizes, to_numpy, to_torch
+from pegainfer.backends.triton.plan import plan_kernel
 from pegainfer.ir import FP32, GraphBuilder
 from pegainfer.ir.graph import KERNEL
 from pegainfer.ir.interpreter import run_graph
@@ -35,6 +36,18 @@ class Model:
     specs: dict
     plain_attention: dict  # the attention kernels planned without the split-KV variant
     weights: dict
+
+
+def with_row_stride(array: np.ndarray, stride: int | None) -> torch.Tensor:
+    """`array` as a torch tensor whose leading dim steps `stride` elements (a view into a wider buffer), the layout
+    a kernel compiled for that static stride expects."""
+    tensor = to_torch(array)
+    row = int(np.prod(array.shape[1:]))
+    if stride is None or array.ndim < 2 or stride == row:
+        return tensor
+    base = torch.zeros((array.shape[0], stride), dtype=tensor.dtype)
+    base[:, :row] = tensor.reshape(array.shape[0], row)
+    return base[:, :row].view(array.shape)
 
 
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])

@@ -12,7 +12,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 from pegainfer.backends.native import NativeLaunch, arch_name, cubin_resources
-from pegainfer.backends.spec import GridDim, LaunchSpec
+from pegainfer.backends.spec import GridDim, LaunchSpec, ParamKind
 from pegainfer.errors import PegainferError
 
 TEMPLATES = "pegainfer.backends.cute.kernels"
@@ -80,12 +80,12 @@ def launch_abi(launch: LaunchSpec, entry: list[tuple[str, int]]) -> list[dict]:
                              f"{len(launch.params)}")
     abi = []
     for param, (kind, size) in zip(launch.params, entry):
-        if param.kind == "tensor" and (kind, size) != ("struct", 8):
+        if param.kind is ParamKind.TENSOR and (kind, size) != ("struct", 8):
             raise PegainferError(f"{launch.function}: tensor {param.name} is a {size}-byte {kind} in the PTX; "
                                  f"only static layouts (an 8-byte pointer struct) are launched")
-        if param.kind == "int" and (kind, size) not in (("u32", 4), ("s32", 4), ("b32", 4)):
+        if param.kind.is_int and (kind, size) not in (("u32", 4), ("s32", 4), ("b32", 4)):
             raise PegainferError(f"{launch.function}: int {param.name} is a {size}-byte {kind} in the PTX")
-        abi.append({"name": param.name, "kind": param.kind, "value": param.value, "dtype": param.dtype})
+        abi.append({"name": param.name, "kind": str(param.kind), "value": param.value, "dtype": param.dtype})
     return abi
 
 

@@ -3,9 +3,9 @@ for every GEMM kernel whose prologue and epilogue the template covers (not the L
 
 from pathlib import Path
 
-from pegainfer.backends.spec import GridDim, LaunchSpec, Param, VariantSpec
 from pegainfer.backends.native_gemm import native_gemm
-from pegainfer.backends.triton.plan import PlanOptions
+from pegainfer.backends.planning import PlanOptions
+from pegainfer.backends.spec import GridDim, LaunchSpec, Param, ParamKind, VariantSpec
 from pegainfer.ir.graph import Graph, Node
 from pegainfer.ir.kernel import fused_ops
 
@@ -24,10 +24,10 @@ def candidates(graph: Graph, node: Node, options: PlanOptions) -> list[VariantSp
     roles, types, n, k = gemm.roles, gemm.types, gemm.n, gemm.k
     row_symbol = types[roles["x"]].shape[0]
     x = roles["x"]
-    params = [Param("x", "tensor", x, "*bf16", True), Param("x2", "tensor", roles["x2"] or x, "*bf16", True),
-              Param("g", "tensor", roles["norm"] or x, "*bf16", True),
-              Param("w", "tensor", roles["weight"], "*bf16", True), Param("y", "tensor", roles["out"], "*bf16", True),
-              Param("s", "tensor", roles["sum"] or x, "*bf16", True), Param("m", "int", f"dim:{row_symbol}", "i32")]
+    tensors = dict(x=x, x2=roles["x2"] or x, g=roles["norm"] or x, w=roles["weight"], y=roles["out"],
+                   s=roles["sum"] or x)
+    params = [Param(name, ParamKind.TENSOR, value, "*bf16", True) for name, value in tensors.items()]
+    params.append(Param("m", ParamKind.DIM, row_symbol, "i32"))
     variants = []
     for rows, name, cols in BUCKETS:
         if n % (cols * WARPS):

@@ -8,7 +8,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 from pegainfer.backends.native import NativeLaunch, arch_name, compile_cuda
-from pegainfer.backends.spec import GridDim, LaunchSpec, Param
+from pegainfer.backends.spec import GridDim, LaunchSpec
 from pegainfer.errors import PegainferError
 
 TEMPLATES = "pegainfer.backends.tilelang.kernels"
@@ -59,7 +59,7 @@ def launch_abi(launch: LaunchSpec, func, device, tma_args: dict) -> list[dict]:
     """The device function's parameters in TileLang's order, each tied to the plan's parameter of that buffer."""
     by_name = {p.name: p for p in launch.params}
     buffers = {b.data.name: b.name for b in func.buffer_map.values()}
-    symbols = {p.name: p.value.partition(":")[2] for p in launch.params if p.kind == "int"}
+    symbols = {p.name: p.value for p in launch.params if p.kind.is_int}
     descriptors = {str(var.name): args for var, args in tma_args.items()}
     abi = []
     for param in device.params:
@@ -71,9 +71,10 @@ def launch_abi(launch: LaunchSpec, func, device, tma_args: dict) -> list[dict]:
                         "tma": _descriptor(args, symbols, name)})
         elif name in buffers:
             planned = by_name[buffers[name]]
-            abi.append({"name": name, "kind": "tensor", "value": planned.value, "dtype": planned.dtype})
-        elif name in by_name and by_name[name].kind == "int" and str(param.dtype) == "int32":
-            abi.append({"name": name, "kind": "int", "value": by_name[name].value, "dtype": "i32"})
+            abi.append({"name": name, "kind": str(planned.kind), "value": planned.value, "dtype": planned.dtype})
+        elif name in by_name and by_name[name].kind.is_int and str(param.dtype) == "int32":
+            abi.append({"name": name, "kind": str(by_name[name].kind), "value": by_name[name].value,
+                        "dtype": "i32"})
         else:
             raise PegainferError(f"{launch.function}: kernel parameter {name} ({param.dtype}) has no planned value")
     return abi
@@ -113,7 +114,7 @@ def _check_launch_shape(launch: LaunchSpec, device) -> int:
     if int(extents.get("threadIdx.y", 1)) != 1 or int(extents.get("threadIdx.z", 1)) != 1:
         raise PegainferError(f"{launch.function}: a block of {extents} threads; the runtime launches x only")
     variables = {str(v.name): v for e in extents.values() for v in tirx.analysis.undefined_vars(e)}
-    symbols = {p.name: p.value.partition(":")[2] for p in launch.params if p.kind == "int"}
+    symbols = {p.name: p.value for p in launch.params if p.kind.is_int}
     analyzer = tvm.arith.Analyzer()
     for rows in SAMPLE_SIZES:
         sizes = {symbols[name]: rows for name in variables}
@@ -139,7 +140,3 @@ def host_stub(launch: LaunchSpec, sm: int) -> str:
     wrapper = TLCUDASourceWrapper(tvm.IRModule({launch.function: func}), artifact.kernel_source, target,
                                   artifact.device_mod, artifact.host_mod)
     return wrapper.lib_code[len(artifact.kernel_source):]
-
-
-def planned_param(name: str, value: str, dtype: str = "*bf16") -> Param:
-    return Param(name, "tensor", value, dtype)

@@ -1,12 +1,13 @@
 """Runs a kernel DAG with its planned Triton launches under Triton's CPU interpreter (torch tensors on the CPU).
 It walks the graph exactly as the GPU runtime will: views are views, kernels are launches of the planned
-variant with arguments packed by the parameter ABI. Tests compare it with the reference interpreter."""
+variant with arguments packed by the parameter ABI. Only the tests run it: it is how every generated Triton
+kernel is checked against the reference interpreter with no GPU (DESIGN.md, correctness layer 3)."""
 
 import ml_dtypes
 import numpy as np
 import torch
 
-from pegainfer.backends.spec import KernelSpec, LaunchSpec
+from pegainfer.backends.spec import KernelSpec, LaunchSpec, Param, ParamKind, pick_variant
 from pegainfer.backends.triton.loader import load_kernel_module, triton_interpret
 from pegainfer.ir.graph import KERNEL, REPEAT, Graph, Node, instantiate
 from pegainfer.ir.kernel import in_place_outputs
@@ -21,18 +22,6 @@ def to_torch(array: np.ndarray) -> torch.Tensor:
     if array.dtype == ml_dtypes.bfloat16:
         return torch.from_numpy(np.ascontiguousarray(array).view(np.uint16)).view(torch.bfloat16)
     return torch.from_numpy(np.ascontiguousarray(array))
-
-
-def with_row_stride(array: np.ndarray, stride: int | None) -> torch.Tensor:
-    """`array` as a torch tensor whose leading dim steps `stride` elements (a view into a wider buffer), the layout
-    a kernel compiled for that static stride expects."""
-    tensor = to_torch(array)
-    row = int(np.prod(array.shape[1:]))
-    if stride is None or array.ndim < 2 or stride == row:
-        return tensor
-    base = torch.zeros((array.shape[0], stride), dtype=tensor.dtype)
-    base[:, :row] = tensor.reshape(array.shape[0], row)
-    return base[:, :row].view(array.shape)
 
 
 def to_numpy(tensor: torch.Tensor) -> np.ndarray:
@@ -86,7 +75,7 @@ def launch_kernel(spec: KernelSpec, node: Node, env: dict[str, torch.Tensor], si
             local[name] = env[in_place[name]]
         elif module is None or name not in env:
             local[name] = _poisoned(type_, sizes)
-    for launch in spec.variant_for(sizes).launches:
+    for launch in pick_variant(spec, sizes).launches:
         if module is None or launch.module == module:
             _run_launch(launch, local, sizes)
     return {name: local[name] for name in node.outputs}
@@ -94,11 +83,7 @@ def launch_kernel(spec: KernelSpec, node: Node, env: dict[str, torch.Tensor], si
 
 def _run_launch(launch: LaunchSpec, env: dict[str, torch.Tensor], sizes: dict[str, int]) -> None:
     module = load_kernel_module(launch.source, launch.module, interpret=True)
-    args = {}
-    for param in launch.params:
-        kind, _, value = param.value.partition(":") if param.kind == "int" else ("tensor", "", param.value)
-        args[param.name] = env[value] if kind == "tensor" else env[value].stride(0) if kind == "stride" \
-            else sizes[value]
+    args = {param.name: _argument(param, env, sizes) for param in launch.params}
     grid = tuple(dim.size(sizes) for dim in launch.grid)
     constexprs = dict(launch.constexprs)
     if "UPCAST_DOT" in constexprs:
@@ -108,6 +93,19 @@ def _run_launch(launch: LaunchSpec, env: dict[str, torch.Tensor], sizes: dict[st
         constexprs["PDL"] = False  # the interpreter runs launches one after another (and has no griddepcontrol)
     with triton_interpret(True):
         function[grid](**args, **constexprs)
+
+
+def _argument(param: Param, env: dict[str, torch.Tensor], sizes: dict[str, int]) -> torch.Tensor | int:
+    """What the GPU runtime passes for the parameter (runtime/gpu/launch.py), here from torch tensors."""
+    if param.kind in (ParamKind.TENSOR, ParamKind.PLANES):
+        return env[param.buffer]
+    if param.kind is ParamKind.STRIDE:
+        return env[param.buffer].stride(0)
+    if param.kind in (ParamKind.ROWS, ParamKind.PLANE_ROWS):
+        return env[param.buffer].shape[0]
+    if param.kind is ParamKind.DIM:
+        return sizes[param.value]
+    raise AssertionError(f"parameter {param.name}: no {param.kind} parameter runs under the interpreter")
 
 
 def _poisoned(type_: TensorType, sizes: dict[str, int]) -> torch.Tensor:

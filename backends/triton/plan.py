@@ -2,12 +2,11 @@
 constexprs, or a generated row kernel), their parameter ABI, grid rule and row-count variants."""
 
 from dataclasses import dataclass
-from itertools import accumulate
-from math import prod
-from pathlib import Path
 
-from pegainfer.backends.spec import GridDim, KernelSpec, LaunchSpec, Param, VariantSpec
+from pegainfer.backends.planning import PlanOptions, gemm_roles, static_layout
+from pegainfer.backends.spec import GridDim, KernelSpec, LaunchSpec, VariantSpec
 from pegainfer.backends.triton import rowwise
+from pegainfer.backends.triton.launches import Params, kernel_spec, launch, next_pow2
 from pegainfer.errors import PegainferError
 from pegainfer.ir.dtypes import dtype_from_name
 from pegainfer.ir.graph import Graph, Node
@@ -16,11 +15,7 @@ from pegainfer.ir.ops.sampling import FIXED_ONE, GREEDY_BELOW, TOP_P_SLACK
 from pegainfer.ir.step import uploaded
 from pegainfer.ir.types import TensorType
 
-KERNELS = Path(__file__).parent / "kernels"
 SMALL_ROWS = 16  # up to this many rows a GEMM uses its decode-shaped tiles
-SPLIT_KV = 16  # key slices per sequence for attention at small batch
-PREFILL_QUERIES = 64  # attention takes prefill-shaped tiles when some sequence of the step brings this many queries
-PREFILL_ROWS = 64  # query rows (queries x the heads sharing a KV head) in such a tile
 TAIL_CHUNK = 4096  # vocabulary entries per program of the sampler tail's first launch
 GEMV_PROGRAMS = 528  # a few-rows GEMV aims for at least this many programs: 4 per SM of an H100/H200
 DECODE_TILE_ROWS = 16  # the tensor-core tiles of decode steps (up to SMALL_ROWS rows): their norm runs apart
@@ -28,23 +23,34 @@ DECODE_TILE_ROWS = 16  # the tensor-core tiles of decode steps (up to SMALL_ROWS
 # as the fused prologue does (and Triton's interpreter, whose bf16 stores truncate, is not asked to)
 NORMED = "gemm.normed_rows"
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension (the GEMMs' column tiles)
-_TRITON_TYPES = {"bf16": "bf16", "f16": "fp16", "f32": "fp32", "i32": "i32", "i64": "i64"}
 
 
 @dataclass(frozen=True)
-class PlanOptions:
-    block_size: int = 16  # KV-cache block size: a compile-time constant of the attention kernel
-    split_kv_max_batch: int = 16  # up to this many sequences attention splits each one's keys over programs
+class GemmTile:
+    """A GEMM variant: the rows it serves at most (None: any), the M, N and K tile of a program, and the kernel."""
+    name: str
+    max_rows: int | None
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+    function: str
+
+    @property
+    def split(self) -> bool:
+        return self.function == "linear_split_kernel"
 
 
 def plan_kernel(graph: Graph, node: Node, options: PlanOptions) -> KernelSpec:
     ops = fused_ops(node)
     if "paged_attention" in ops:
-        return _plan_attention(graph, node, options)
+        from pegainfer.backends.triton.attention import plan_attention
+        return plan_attention(graph, node, options)
     if "kv_write" in ops:
         return _plan_rope_kv_write(graph, node)
     if ops in (["moe_route"], ["moe_experts"]):
-        from pegainfer.backends.triton import moe  # it plans with this module's helpers
+        from pegainfer.backends.triton import moe
         return moe.plan_moe_route(graph, node) if ops == ["moe_route"] else moe.plan_moe_experts(graph, node)
     if "linear" in ops:
         return _plan_gemm(graph, node)
@@ -53,67 +59,6 @@ def plan_kernel(graph: Graph, node: Node, options: PlanOptions) -> KernelSpec:
     if rowwise.supports(node.attrs["nodes"]):
         return _plan_row_kernel(graph, node)
     raise PegainferError(f"kernel {node.name} ({node.attrs['kind']}: {' + '.join(ops)}) has no Triton template")
-
-
-def next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def static_layout(graph: Graph) -> dict[str, tuple[int | None, int]]:
-    """value -> (row stride in elements, or None when it depends on a step size; byte offset from the start of
-    its allocation). Views keep their source's stride; a split moves the offset by the columns before it."""
-    layout: dict[str, tuple[int | None, int]] = {}
-    for name, t in graph.value_types().items():
-        inner = t.shape[1:]
-        layout[name] = (prod(inner) if all(isinstance(d, int) for d in inner) else None, 0)
-    for node in graph.nodes:
-        if node.op == "reshape":
-            layout[node.outputs[0]] = layout[node.inputs[0]]
-        elif node.op == "split":
-            stride, offset = layout[node.inputs[0]]
-            itemsize = node.output_types[0].dtype.itemsize
-            for out, start in zip(node.outputs, [0, *accumulate(node.attrs["sizes"])]):
-                layout[out] = (stride, offset + start * itemsize)
-    return layout
-
-
-class _Params:
-    """Collects a launch's runtime parameters, and the constexprs that stand for absent pointers and for row
-    strides, which are static for every value but the block tables (so the compiler sees them, and vectorises)."""
-
-    def __init__(self, types: dict[str, TensorType], layout: dict[str, tuple[int | None, int]]) -> None:
-        self.types, self.layout = types, layout
-        self.params: list[Param] = []
-        self.constexprs: dict = {}
-
-    def tensor(self, name: str, value: str | None) -> None:
-        if value is None:
-            self.constexprs[name] = None
-        else:
-            aligned = self.layout[value][1] % 16 == 0
-            self.params.append(Param(name, "tensor", value, "*" + _TRITON_TYPES[self.types[value].dtype.name],
-                                     aligned))
-
-    def stride(self, name: str, value: str | None) -> None:
-        static = self.layout[value][0] if value is not None else 0
-        if static is not None:
-            self.constexprs[name] = static
-        else:
-            self.params.append(Param(name, "int", f"stride:{value}", "i32"))
-
-    def dim(self, name: str, symbol: str) -> None:
-        self.params.append(Param(name, "int", f"dim:{symbol}", "i32"))
-
-
-def _launch(template: str, function: str, params: _Params, constexprs: dict, grid: tuple[GridDim, ...],
-            num_warps: int = 4, num_stages: int = 2) -> LaunchSpec:
-    grid = tuple(grid) + (GridDim(),) * (3 - len(grid))
-    return LaunchSpec(function, template, (KERNELS / template).read_text(), params.params,
-                      {**params.constexprs, **constexprs}, grid, num_warps, num_stages)
-
-
-def _spec(graph: Graph, node: Node, row_symbol: str, variants: list[VariantSpec]) -> KernelSpec:
-    return KernelSpec(graph.name, node.name, node.attrs["kind"], fused_ops(node), row_symbol, variants)
 
 
 def _plan_gemm(graph: Graph, node: Node) -> KernelSpec:
@@ -125,38 +70,37 @@ def _plan_gemm(graph: Graph, node: Node) -> KernelSpec:
     variants, scratch = [], {}
     own_scratch = _split_scratch(n, k, roles) | {NORMED: TensorType(dtype_from_name("f32"), (SMALL_ROWS, k))}
     types, layout = types | own_scratch, layout | {name: (t.shape[-1], 0) for name, t in own_scratch.items()}
-    for name, max_rows, block_m, block_n, block_k, warps, stages, function in _gemm_tiles(n, k, bool(roles["act"]),
-                                                                                   roles["norm"] is not None):
-        split = split_count(n, k, block_n, block_k) if function == "linear_split_kernel" else 1
-        if function == "linear_split_kernel" and (roles["top_k"] is not None or split == 1):
+    for tile in _gemm_tiles(n, k, bool(roles["act"]), roles["norm"] is not None):
+        split = split_count(n, k, tile.block_n, tile.block_k) if tile.split else 1
+        if tile.split and (roles["top_k"] is not None or split == 1):
             continue  # not before the sampler's tail (its own scratch), nor where one slice is enough
-        assert function != "linear_split_kernel" or max_rows <= block_m, (name, max_rows)  # one row tile a plane
+        assert not tile.split or tile.max_rows <= tile.block_m, tile  # one row tile a plane
         launches, tile_roles = [], roles
-        if roles["norm"] and block_m == DECODE_TILE_ROWS and roles["top_k"] is None:
-            assert max_rows is not None and max_rows <= SMALL_ROWS, (name, max_rows)  # NORMED holds SMALL_ROWS rows
+        if roles["norm"] and tile.block_m == DECODE_TILE_ROWS and roles["top_k"] is None:
+            assert tile.max_rows is not None and tile.max_rows <= SMALL_ROWS, tile  # NORMED holds SMALL_ROWS rows
             launches.append(_norm_launch(types, layout, roles, row_symbol, k))
             tile_roles = roles | dict(x=NORMED, x2=None, rows=None, norm=None, sum=None)
             scratch[NORMED] = own_scratch[NORMED]
-        if function == "linear_split_kernel":
+        if tile.split:
             scratch |= {name: own_scratch[name] for name in ("gemm.split_part", "gemm.split_count")}
-        tile = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
-        launches.append(_gemm_launch(types, layout, tile_roles, function, row_symbol, n, k, tile, split, warps, stages))
+        launches.append(_gemm_launch(types, layout, tile_roles, tile, row_symbol, n, k, split))
         if roles["top_k"] is not None:
             tail, tail_scratch = _plan_tail_reduction(types, roles, layout)
             launches += tail
             scratch |= tail_scratch
-        variants.append(VariantSpec(name, max_rows, launches))
-    spec = _spec(graph, node, row_symbol, variants)
+        variants.append(VariantSpec(tile.name, tile.max_rows, launches))
+    spec = kernel_spec(graph, node, row_symbol, variants)
     spec.scratch = {name: (t.dtype.name, t.shape) for name, t in scratch.items()}
     return spec
 
 
-def _gemm_launch(types: dict, layout: dict, roles: dict, function: str, row_symbol: str, n: int, k: int, tile: dict,
-                 split: int, warps: int, stages: int) -> LaunchSpec:
-    p = _Params(types, layout)
+def _gemm_launch(types: dict, layout: dict, roles: dict, tile: GemmTile, row_symbol: str, n: int, k: int,
+                 split: int) -> LaunchSpec:
+    function, warps, block_m, block_n, block_k = tile.function, tile.warps, tile.block_m, tile.block_n, tile.block_k
+    p = Params(types, layout)
     for param in ("x", "x2", "rows", "norm", "weight", "bias", "out", "sum"):
         p.tensor(f"{param if param != 'weight' else 'w'}_ptr", roles[param])
-    if function == "linear_split_kernel":
+    if tile.split:
         p.tensor("part_ptr", "gemm.split_part")
         p.tensor("count_ptr", "gemm.split_count")
     p.dim("M", row_symbol)
@@ -164,24 +108,23 @@ def _gemm_launch(types: dict, layout: dict, roles: dict, function: str, row_symb
         p.stride(f"stride_{param}", roles[param])
     constexprs = dict(N=n, K=k, EPS=roles["eps"], ADD=roles["x2"] is not None, GATHER=roles["rows"] is not None,
                       NORM=roles["norm"] is not None, BIAS=roles["bias"] is not None, ACT=roles["act"],
-                      WRITE_SUM=roles["sum"] is not None, **tile, UPCAST_DOT=False, NORM_OFFSET=roles["norm_offset"])
-    block_m, block_n, block_k = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]
+                      WRITE_SUM=roles["sum"] is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                      UPCAST_DOT=False, NORM_OFFSET=roles["norm_offset"])
     if function in ("gemv_row_kernel", "gemv_rows_kernel"):  # the RMSNorm prologue in a few wide chunks
         constexprs["RMS_BLOCK"] = min(max(16, next_pow2(k)), 1024 * warps // block_m)
     if function == "gemv_rows_kernel":  # each thread sums its 8-wide loads' products at once
         constexprs["VEC"] = min(8, block_k)
     grid = (GridDim((row_symbol,), block_m), GridDim((n,), block_n))
-    if function == "linear_split_kernel":
+    if tile.split:
         constexprs["SPLIT"] = split
         grid += (GridDim((split,)),)
-    return _launch("gemm.py", function, p, constexprs, grid, warps, stages)
+    return launch("gemm.py", function, p, constexprs, grid, warps, tile.stages)
 
 
 def _norm_launch(types: dict, layout: dict, roles: dict, row_symbol: str, k: int) -> LaunchSpec:
     """The [add +] RMSNorm of a decode GEMM's rows as a launch of its own, a program a row, into NORMED: repeated
-    by every program of the GEMM (K / BLOCK_K dependent loads before its first weight tile), it took 18.9 us of
-    the QKV GEMM at 4 rows, which runs in 10.8 us on rows normed beforehand (H200, docs/BENCHMARKS.md)."""
-    p = _Params(types, layout)
+    by every program of the GEMM, it would put K / BLOCK_K dependent loads before each one's first weight tile."""
+    p = Params(types, layout)
     for param in ("x", "x2", "rows", "norm", "sum"):
         p.tensor(f"{param}_ptr", roles[param])
     p.tensor("out_ptr", NORMED)
@@ -191,34 +134,32 @@ def _norm_launch(types: dict, layout: dict, roles: dict, row_symbol: str, k: int
     constexprs = dict(K=k, EPS=roles["eps"], ADD=roles["x2"] is not None, GATHER=roles["rows"] is not None,
                       WRITE_SUM=roles["sum"] is not None, NORM_OFFSET=roles["norm_offset"],
                       BLOCK_K=max(16, next_pow2(k)))
-    return _launch("gemm.py", "add_rms_norm_kernel", p, constexprs, (GridDim((row_symbol,)),), 4, 1)
+    return launch("gemm.py", "add_rms_norm_kernel", p, constexprs, (GridDim((row_symbol,)),), 4, 1)
 
 
-def _gemm_tiles(n: int, k: int, act: bool, norm: bool) -> list[tuple]:
-    """(variant, max rows, M, N and K tiles, warps, stages, kernel) of a GEMM, by the step's row count; the first
-    of each row bound is its default."""
+def _gemm_tiles(n: int, k: int, act: bool, norm: bool) -> list[GemmTile]:
+    """A GEMM's tiles by the step's row count; the first of each row bound is its default."""
     row_n, row_k, row_warps = one_row_tile(n, k, act)
-    row_tiles = (min(row_n, next_pow2(n)), min(row_k, max(16, next_pow2(k))), row_warps, 1, "gemv_row_kernel")
+    row = (min(row_n, next_pow2(n)), min(row_k, max(16, next_pow2(k))), row_warps, 1, "gemv_row_kernel")
     fma_n = min(4, next_pow2(n))
     while -(-n // fma_n) > MAX_GRID_Y:  # a vocabulary-wide projection: wider column tiles
         fma_n *= 2
-    tiles = [("one_row", 1, 1, *row_tiles),
-             ("few_rows", 4, 16, *_mma_tile(n, k, 32, 256), 4, 3, "linear_kernel"),
-             ("row_programs", 4, 1, *row_tiles),
-             ("fma_rows", 4, 4, fma_n, min(1024, max(16, next_pow2(k))), 4, 1, "gemv_rows_kernel"),
-             ("split_rows", 4, 16, *_split_tile(n, k), 4, 4, "linear_split_kernel"),
-             ("small_rows", SMALL_ROWS, 16, *_mma_tile(n, k, 32, 256), 4, 3, "linear_kernel"),
-             ("small_split_rows", SMALL_ROWS, 16, *_split_tile(n, k), 4, 4, "linear_split_kernel"),
-             ("mid_rows", 64, 32, *_mma_tile(n, k, 16, 256), 4, 3, "linear_kernel"),
-             ("many_rows", None, 64, *_mma_tile(n, k, 64 if act else 128, 64), 8, 3,
-              "linear_kernel")]  # no spills at 8 warps
-    # The defaults at 4 and 16 rows, from scripts/gpu/kernels.py and tune_gemv.py on the H200 over the 4B benchmark
-    # model's shapes (docs/BENCHMARKS.md, session 5): one 16x32 tile a program, on rows normed by a launch of their
-    # own where the GEMM has a norm; a plain projection at 4 rows on the CUDA cores (gemv_rows_kernel, 4 rows x 4
-    # columns, 8-wide K sums), at 16 rows split-K where K is long (down).
+    tiles = [GemmTile("one_row", 1, 1, *row),
+             GemmTile("few_rows", 4, 16, *_mma_tile(n, k, 32, 256), 4, 3, "linear_kernel"),
+             GemmTile("row_programs", 4, 1, *row),
+             GemmTile("fma_rows", 4, 4, fma_n, min(1024, max(16, next_pow2(k))), 4, 1, "gemv_rows_kernel"),
+             GemmTile("split_rows", 4, 16, *_split_tile(n, k), 4, 4, "linear_split_kernel"),
+             GemmTile("small_rows", SMALL_ROWS, 16, *_mma_tile(n, k, 32, 256), 4, 3, "linear_kernel"),
+             GemmTile("small_split_rows", SMALL_ROWS, 16, *_split_tile(n, k), 4, 4, "linear_split_kernel"),
+             GemmTile("mid_rows", 64, 32, *_mma_tile(n, k, 16, 256), 4, 3, "linear_kernel"),
+             GemmTile("many_rows", None, 64, *_mma_tile(n, k, 64 if act else 128, 64), 8, 3,
+                      "linear_kernel")]  # no spills at 8 warps
+    # The defaults at 4 and 16 rows (docs/BENCHMARKS.md): one 16x32 tile a program, on rows normed by a launch of
+    # their own where the GEMM has a norm; a plain projection at 4 rows on the CUDA cores (gemv_rows_kernel, 4 rows
+    # x 4 columns, 8-wide K sums), at 16 rows split-K where K is long (down).
     defaults = {4: "few_rows" if norm else "fma_rows",
                 SMALL_ROWS: "small_split_rows" if not norm and k >= 2 * n else "small_rows"}
-    return sorted(tiles, key=lambda tile: tile[0] != defaults.get(tile[1]))  # stable: the rest keep their order
+    return sorted(tiles, key=lambda tile: tile.name != defaults.get(tile.max_rows))  # stable: the rest keep order
 
 
 def _mma_tile(n: int, k: int, block_n: int, block_k: int) -> tuple[int, int]:
@@ -251,9 +192,8 @@ def _split_scratch(n: int, k: int, roles: dict) -> dict[str, TensorType]:
 
 
 def one_row_tile(n: int, k: int, act: bool) -> tuple[int, int, int]:
-    """(columns, K tile, warps) of the batch-1 GEMV, from a search on the H200 over a 4B model's shapes
-    (scripts/gpu/tune_gemv.py, docs/BENCHMARKS.md): few columns want one or two columns per program and long K
-    tiles (thousands of programs); more columns, four or eight per program at four warps."""
+    """(columns, K tile, warps) of the batch-1 GEMV, as a search over a 4B model's shapes found them: few columns
+    want one or two columns per program and long K tiles (thousands of programs); more, four or eight at 4 warps."""
     if act:
         tile = (4, 512, 4)
     elif n <= 4096:
@@ -263,48 +203,6 @@ def one_row_tile(n: int, k: int, act: bool) -> tuple[int, int, int]:
     while -(-n // tile[0]) > MAX_GRID_Y:
         tile = (tile[0] * 2, *tile[1:])
     return tile
-
-
-def gemm_roles(node: Node) -> dict:
-    """Reads the kernel's primitive nodes in order: [add] [gather_rows] [rms_norm] linear [split act mul |
-    top_k logsumexp sample]. Anything else has no template."""
-    inner = [n for n in node.attrs["nodes"]]
-    ops = [n.op for n in inner]
-    roles: dict = dict(x=None, x2=None, rows=None, norm=None, eps=1e-6, norm_offset=0.0, bias=None, sum=None, act=0,
-                       top_k=None, lse=None, sample=None)
-    index = 0
-    if ops[index] == "add":
-        roles["x"], roles["x2"] = inner[index].inputs
-        if inner[index].outputs[0] in node.outputs:
-            roles["sum"] = inner[index].outputs[0]
-        index += 1
-    if ops[index] == "gather_rows":
-        roles["x"] = roles["x"] or inner[index].inputs[0]
-        roles["rows"] = inner[index].inputs[1]
-        index += 1
-    if ops[index] == "rms_norm":
-        roles["x"] = roles["x"] or inner[index].inputs[0]
-        roles["norm"], roles["eps"] = inner[index].inputs[1], inner[index].attrs["eps"]
-        roles["norm_offset"] = float(inner[index].attrs.get("offset", 0.0))
-        index += 1
-    linear = inner[index]
-    if linear.op != "linear" or (roles["sum"] and roles["rows"]):
-        raise PegainferError(f"kernel {node.name}: no GEMM template for {' + '.join(ops)}")
-    roles["x"] = roles["x"] or linear.inputs[0]
-    roles["weight"] = linear.inputs[1]
-    roles["bias"] = linear.inputs[2] if len(linear.inputs) == 3 else None
-    roles["out"] = linear.outputs[0]
-    rest = ops[index + 1:]
-    if rest[:1] == ["split"] and len(rest) == 3 and rest[2] == "mul":
-        roles["act"] = {"silu": 1, "gelu_tanh": 2}[rest[1]]
-        roles["out"] = inner[-1].outputs[0]
-    elif rest == ["top_k", "logsumexp", "sample"]:
-        roles["top_k"], roles["lse"], roles["sample"] = inner[-3:]
-    elif rest:
-        raise PegainferError(f"kernel {node.name}: no GEMM epilogue for {' + '.join(rest)}")
-    n_total = linear.output_types[0].shape[-1]
-    roles["n"] = n_total // 2 if roles["act"] else n_total
-    return roles
 
 
 def _plan_tail_reduction(types: dict[str, TensorType], roles: dict, layout: dict) -> tuple[list[LaunchSpec], dict]:
@@ -324,25 +222,25 @@ def _plan_tail_reduction(types: dict[str, TensorType], roles: dict, layout: dict
                "tail.best": TensorType(dtype_from_name("i32"), (rows_symbol, chunks))}
     types = types | scratch | {o: t for o, t in zip(sample.outputs, sample.output_types)}
     layout = layout | {name: (t.shape[1], 0) for name, t in scratch.items()}
-    partial = _Params(types, layout)
+    partial = Params(types, layout)
     for name, value in (("logits_ptr", logits), *((f"{role}_ptr", v) for role, v in sampling.items()),
                         ("keys_ptr", "tail.keys"), ("stats_ptr", "tail.stats"), ("best_ptr", "tail.best")):
         partial.tensor(name, value)
     partial.stride("stride_logits", logits)
-    merge = _Params(types, layout)
+    merge = Params(types, layout)
     for name, value in (("keys_ptr", "tail.keys"), ("stats_ptr", "tail.stats"), ("best_ptr", "tail.best"),
                         ("logits_ptr", logits), *((f"{role}_ptr", v) for role, v in sampling.items()),
                         ("values_ptr", values), ("ids_ptr", ids), ("lse_ptr", roles["lse"].outputs[0]),
                         ("tokens_ptr", sample.outputs[0]), ("logprobs_ptr", sample.outputs[1])):
         merge.tensor(name, value)
     merge.stride("stride_logits", logits)
-    return [_launch("sampling.py", "tail_partial_kernel", partial,
-                    dict(VOCAB=vocab, K_P2=k_p2, CHUNK=chunk, CHUNKS=chunks, BLOCK=min(chunk, 1024),
-                         GREEDY_BELOW=GREEDY_BELOW), (GridDim((rows_symbol,)), GridDim((chunks,))), num_warps=4),
-            _launch("sampling.py", "tail_merge_kernel", merge,
-                    dict(VOCAB=vocab, K=k, K_P2=k_p2, CHUNKS=chunks, CHUNKS_P2=next_pow2(chunks),
-                         GREEDY_BELOW=GREEDY_BELOW, TOP_P_SLACK=TOP_P_SLACK, FIXED_ONE=FIXED_ONE),
-                    (GridDim((rows_symbol,)),), num_warps=8)], scratch
+    return [launch("sampling.py", "tail_partial_kernel", partial,
+                   dict(VOCAB=vocab, K_P2=k_p2, CHUNK=chunk, CHUNKS=chunks, BLOCK=min(chunk, 1024),
+                        GREEDY_BELOW=GREEDY_BELOW), (GridDim((rows_symbol,)), GridDim((chunks,))), num_warps=4),
+            launch("sampling.py", "tail_merge_kernel", merge,
+                   dict(VOCAB=vocab, K=k, K_P2=k_p2, CHUNKS=chunks, CHUNKS_P2=next_pow2(chunks),
+                        GREEDY_BELOW=GREEDY_BELOW, TOP_P_SLACK=TOP_P_SLACK, FIXED_ONE=FIXED_ONE),
+                   (GridDim((rows_symbol,)),), num_warps=8)], scratch
 
 
 def _plan_rope_kv_write(graph: Graph, node: Node) -> KernelSpec:
@@ -369,7 +267,7 @@ def _plan_rope_kv_write(graph: Graph, node: Node) -> KernelSpec:
     k_heads = k_norm.inputs[0] if norm else k_rope.inputs[0]
     heads, head_dim = types[q_heads].shape[1], types[q_heads].shape[2]
     kv_heads = types[k_cache].shape[2]
-    p = _Params(types | {q_rope.outputs[0]: q_rope.output_types[0]}, static_layout(graph))
+    p = Params(types | {q_rope.outputs[0]: q_rope.output_types[0]}, static_layout(graph))
     for name, value in (("q_ptr", q_heads), ("k_ptr", k_heads), ("v_ptr", v_heads),
                         ("q_norm_ptr", q_norm.inputs[1] if norm else None),
                         ("k_norm_ptr", k_norm.inputs[1] if norm else None), ("pos_ptr", q_rope.inputs[1]),
@@ -386,9 +284,9 @@ def _plan_rope_kv_write(graph: Graph, node: Node) -> KernelSpec:
                       and (not norm or {q_norm.inputs[1], k_norm.inputs[1]} <= set(graph.params)),
                       **_rope_scaling_constexprs(q_rope.attrs.get("scaling")))
     row_symbol = types[q_heads].shape[0]
-    launch = _launch("attention.py", "qk_rope_kv_write_kernel", p, constexprs,
-                     (GridDim((row_symbol,)), GridDim((heads + kv_heads,))), num_warps=1)
-    return _spec(graph, node, row_symbol, [VariantSpec("default", None, [launch])])
+    rope = launch("attention.py", "qk_rope_kv_write_kernel", p, constexprs,
+                  (GridDim((row_symbol,)), GridDim((heads + kv_heads,))), num_warps=1)
+    return kernel_spec(graph, node, row_symbol, [VariantSpec("default", None, [rope])])
 
 
 def _rope_scaling_constexprs(scaling: tuple | None) -> dict:
@@ -399,113 +297,28 @@ def _rope_scaling_constexprs(scaling: tuple | None) -> dict:
     return dict(SCALING=kind, FACTOR=numbers[0], LOW_FREQ=numbers[1], HIGH_FREQ=numbers[2], ORIGINAL=numbers[3])
 
 
-def _plan_attention(graph: Graph, node: Node, options: PlanOptions) -> KernelSpec:
-    (attention,) = node.attrs["nodes"]
-    q, k_cache, v_cache, tables, starts, q_lens, ctx_lens = attention.inputs
-    types = graph.value_types()
-    heads, head_dim = types[q].shape[1], types[q].shape[2]
-    kv_heads = types[k_cache].shape[2]
-    group = heads // kv_heads
-    group_p2 = next_pow2(group)
-    block_q = max(1, 16 // group_p2)
-    layout = static_layout(graph)
-    p = _Params(types | {attention.outputs[0]: attention.output_types[0]}, layout)
-    for name, value in (("q_ptr", q), ("k_cache_ptr", k_cache), ("v_cache_ptr", v_cache), ("tables_ptr", tables),
-                        ("starts_ptr", starts), ("q_lens_ptr", q_lens), ("ctx_lens_ptr", ctx_lens),
-                        ("out_ptr", attention.outputs[0])):
-        p.tensor(name, value)
-    for name, value in (("stride_q", q), ("stride_out", attention.outputs[0]), ("stride_tables", tables)):
-        p.stride(name, value)
-    # 64 keys a tile: a decode program's time is its chain of dependent gathers through the block table. EARLY:
-    # the lengths and the table are step inputs, read before the wait for the previous kernel; with PREFETCH (the
-    # one-sequence split variant) so are the first tile's keys and values of earlier steps: attention's share of
-    # the batch-1 step 138 us against 196 (docs/BENCHMARKS.md, session 13)
-    constexprs = dict(SCALE=float(attention.attrs["scale"]), KV_HEADS=kv_heads, HD=head_dim, GROUP=group,
-                      CACHE_BLOCK=options.block_size, BLOCK_D=max(16, next_pow2(head_dim)), GROUP_P2=group_p2,
-                      BLOCK_Q=block_q, BLOCK_KV=max(64, options.block_size), UPCAST_DOT=False,
-                      WINDOW=int(attention.attrs.get("window", 0)),
-                      EARLY=all(uploaded(graph, v) for v in (tables, starts, q_lens, ctx_lens)), PREFETCH=False)
-    batch = types[starts].shape[0]
-    grid = (GridDim((batch,)), GridDim((kv_heads,)), GridDim(("max_query_len",), block_q))
-    launch = _launch("attention.py", "paged_attention_kernel", p, constexprs, grid, num_warps=4)
-    split_launches, scratch = _plan_split_attention(types, layout, attention, constexprs, heads, head_dim)
-    variants = [VariantSpec("split_kv", options.split_kv_max_batch, split_launches)] \
-        if options.split_kv_max_batch else []
-    # One sequence: a decode step's programs (KV heads x SPLIT_KV) fit one wave with PREFETCH's registers; a prompt
-    # chunk under PREFILL_QUERIES queries of one sequence runs it too, in more waves (not measured)
-    if variants and constexprs["EARLY"]:
-        prefetching, _ = _plan_split_attention(types, layout, attention, constexprs | {"PREFETCH": True}, heads,
-                                               head_dim)
-        variants.insert(0, VariantSpec("split_kv_prefetch", 1, prefetching))
-    spec = _spec(graph, node, batch, [_prefill_attention(p, constexprs, batch, kv_heads, group_p2), *variants,
-                                      VariantSpec("default", None, [launch])])
-    spec.scratch = {name: (t.dtype.name, t.shape) for name, t in scratch.items()}
-    return spec
-
-
-def _prefill_attention(p: _Params, constexprs: dict, batch: str, kv_heads: int, group_p2: int) -> VariantSpec:
-    """Steps holding a prompt chunk: tiles of PREFILL_ROWS query rows feed the tensor cores far better than
-    decode's 16 (a few queries times the heads sharing a KV head), which keep more programs busy on few rows."""
-    block_q = max(1, PREFILL_ROWS // group_p2)
-    constexprs = {**constexprs, "BLOCK_Q": block_q}
-    grid = (GridDim((batch,)), GridDim((kv_heads,)), GridDim(("max_query_len",), block_q))
-    launch = _launch("attention.py", "paged_attention_kernel", p, constexprs, grid, num_warps=4, num_stages=2)
-    return VariantSpec("prefill_tiles", None, [launch], min_sizes={"max_query_len": PREFILL_QUERIES})
-
-
-def _plan_split_attention(types: dict, layout: dict, attention: Node, constexprs: dict, heads: int, head_dim: int):
-    """Few sequences (decode at small batch) leave most SMs idle with one program per KV head: split each
-    sequence's keys over SPLIT_KV programs and merge their partial softmaxes."""
-    q, k_cache, v_cache, tables, starts, q_lens, ctx_lens = attention.inputs
-    tokens = types[q].shape[0]
-    scratch = {"attention.part_out": TensorType(dtype_from_name("f32"), (tokens, heads * SPLIT_KV * head_dim)),
-               "attention.part_lse": TensorType(dtype_from_name("f32"), (tokens, heads * SPLIT_KV))}
-    types = types | scratch | {attention.outputs[0]: attention.output_types[0]}
-    layout = layout | {name: (t.shape[1], 0) for name, t in scratch.items()}
-    split = _Params(types, layout)
-    for name, value in (("q_ptr", q), ("k_cache_ptr", k_cache), ("v_cache_ptr", v_cache), ("tables_ptr", tables),
-                        ("starts_ptr", starts), ("q_lens_ptr", q_lens), ("ctx_lens_ptr", ctx_lens),
-                        ("part_out_ptr", "attention.part_out"), ("part_lse_ptr", "attention.part_lse")):
-        split.tensor(name, value)
-    split.stride("stride_q", q)
-    split.stride("stride_tables", tables)
-    split_constexprs = {**constexprs, "HEADS": heads, "SPLITS": SPLIT_KV}
-    batch = types[starts].shape[0]
-    kv_heads = constexprs["KV_HEADS"]
-    grid = (GridDim((batch,)), GridDim((kv_heads,)), GridDim(("max_query_len",), constexprs["BLOCK_Q"], SPLIT_KV))
-    merge = _Params(types, layout)
-    for name, value in (("part_out_ptr", "attention.part_out"), ("part_lse_ptr", "attention.part_lse"),
-                        ("out_ptr", attention.outputs[0])):
-        merge.tensor(name, value)
-    merge.stride("stride_out", attention.outputs[0])
-    merge_constexprs = dict(HEADS=heads, HD=head_dim, BLOCK_D=constexprs["BLOCK_D"], SPLITS=SPLIT_KV)
-    return [_launch("attention.py", "paged_attention_split_kernel", split, split_constexprs, grid, num_warps=4),
-            _launch("attention.py", "attention_merge_kernel", merge, merge_constexprs,
-                    (GridDim((tokens,)), GridDim((heads,))), num_warps=4)], scratch
-
-
 def _plan_embedding(graph: Graph, node: Node) -> KernelSpec:
     (embedding,) = node.attrs["nodes"]
     types = graph.value_types() | {embedding.outputs[0]: embedding.output_types[0]}
     ids, table = embedding.inputs
     hidden = types[table].shape[1]
     block = min(1024, next_pow2(hidden))
-    p = _Params(types, static_layout(graph))
+    p = Params(types, static_layout(graph))
     for name, value in (("ids_ptr", ids), ("table_ptr", table), ("out_ptr", embedding.outputs[0])):
         p.tensor(name, value)
     p.stride("stride_out", embedding.outputs[0])
     row_symbol = types[ids].shape[0]
-    launch = _launch("embedding.py", "embedding_kernel", p,
-                     dict(HIDDEN=hidden, BLOCK=block, SCALE=float(embedding.attrs.get("scale", 1.0))),
-                     (GridDim((row_symbol,)), GridDim((hidden,), block)))
-    return _spec(graph, node, row_symbol, [VariantSpec("default", None, [launch])])
+    lookup = launch("embedding.py", "embedding_kernel", p,
+                    dict(HIDDEN=hidden, BLOCK=block, SCALE=float(embedding.attrs.get("scale", 1.0))),
+                    (GridDim((row_symbol,)), GridDim((hidden,), block)))
+    return kernel_spec(graph, node, row_symbol, [VariantSpec("default", None, [lookup])])
 
 
 def _plan_row_kernel(graph: Graph, node: Node) -> KernelSpec:
     types = graph.value_types() | {o: t for n in node.attrs["nodes"] for o, t in zip(n.outputs, n.output_types)}
     function = f"row_{node.attrs['kind']}"
     source = rowwise.generate_row_kernel(function, node, types, set(graph.params))
-    p = _Params(types, static_layout(graph))
+    p = Params(types, static_layout(graph))
     values = [*node.inputs, *node.outputs]
     local = rowwise.local_names(node)
     for value in values:
@@ -516,7 +329,7 @@ def _plan_row_kernel(graph: Graph, node: Node) -> KernelSpec:
     out_type = node.output_types[0]
     width, inner = out_type.shape[-1], rowwise.inner_rows(out_type)
     row_symbol = out_type.shape[0]
-    launch = LaunchSpec(function, f"{function}.py", source, p.params,
-                        {**p.constexprs, "D": width, "INNER": inner, "BLOCK_D": next_pow2(width)},
-                        (GridDim((row_symbol, inner)), GridDim(), GridDim()), num_warps=1)
-    return _spec(graph, node, row_symbol, [VariantSpec("default", None, [launch])])
+    row = LaunchSpec(function, f"{function}.py", source, p.params,
+                     {**p.constexprs, "D": width, "INNER": inner, "BLOCK_D": next_pow2(width)},
+                     (GridDim((row_symbol, inner)), GridDim(), GridDim()), num_warps=1)
+    return kernel_spec(graph, node, row_symbol, [VariantSpec("default", None, [row])])

@@ -1,10 +1,9 @@
-"""Device views of tensors (pointer, shape, row stride) and a launch's grid by the manifest's rule; packing the
-arguments is runtime/gpu/launch.py. Pure Python: tested on the CPU."""
+"""Device views of tensors (pointer, shape, row stride): what the executor binds graph values to, and what the
+launcher reads pointers, strides and sizes from (runtime/gpu/launch.py). Pure Python: tested on the CPU."""
 
 from dataclasses import dataclass
 from math import prod
 
-from pegainfer.backends.spec import GridDim
 from pegainfer.ir.dtypes import DType
 
 
@@ -32,7 +31,3 @@ class DeviceTensor:
         return DeviceTensor(self.ptr + start * self.dtype.itemsize, (*self.shape[:-1], width), self.dtype,
                             self.row_stride)
 
-
-def grid_of(launch: dict, sizes: dict[str, int]) -> tuple[int, int, int]:
-    """The launch's grid for this step, by the rule the manifest records (backends/spec.GridDim)."""
-    return tuple(GridDim.from_json(dim).size(sizes) for dim in launch["grid"])

@@ -2,7 +2,6 @@
 Walks the graph as the reference interpreter does: views are pointer arithmetic, kernels are launches of the
 variant for the step's row count, a repeated body runs once per layer with that layer's weights and KV cache."""
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from math import prod
@@ -11,9 +10,9 @@ from pathlib import Path
 import numpy as np
 
 from pegainfer.backends.cache import sha256_of
-from pegainfer.backends.spec import PLANES, pick_variant
+from pegainfer.backends.manifest import Kernel, Launch, check_lowering, load
+from pegainfer.backends.spec import ParamKind, pick_variant, planes_of
 from pegainfer.errors import PegainferError
-from pegainfer.ir.dtypes import dtype_from_name
 from pegainfer.ir.graph import KERNEL, REPEAT, Graph, instantiate
 from pegainfer.ir.kernel import in_place_outputs
 from pegainfer.ir.step import launch_sizes
@@ -25,11 +24,8 @@ from pegainfer.runtime.gpu.memory import ALIGN, Arena, aligned
 from pegainfer.runtime.gpu.planes import DeferredSums
 from pegainfer.runtime.gpu.upload import params_bytes, upload_weights
 
-# Programmatic dependent launch (kernels compiled for sm_90 and later) for steps of at most this many tokens. On the
-# H200 it took the batch-1 step from 3.02 to 2.92 ms with Triton's GEMVs (docs/BENCHMARKS.md, session 2). Session
-# 11's decode tiles were chosen launched so: with them at up to 16 tokens, batch 2 / 4 / 8 / 16 took 2.87 / 2.94 /
-# 3.22 / 3.58 ms (medians), against 2.91 / 3.00 / 3.28 / 3.63 for the tiles before at one token. Larger steps launch
-# every kernel plainly.
+# Programmatic dependent launch (kernels compiled for sm_90 and later) for steps of at most this many tokens: the
+# decode tiles were chosen launched so (docs/BENCHMARKS.md); larger steps launch every kernel plainly.
 PDL_MAX_TOKENS = 16
 
 
@@ -53,11 +49,12 @@ class GpuExecutor:
         """`weights` holds the checkpoint's tensors (read lazily is best); derived params are assembled on the
         device from their sources, one host tensor at a time."""
         self.ctx, self.graph, self.limits = ctx, graph, limits
-        manifest = json.loads(manifest_path.read_text())
-        if manifest["block_size"] != limits.block_size:
-            raise PegainferError(f"{manifest_path}: compiled for KV blocks of {manifest['block_size']} tokens, "
+        manifest = load(manifest_path)
+        check_lowering(manifest, manifest_path, graph)
+        if manifest.block_size != limits.block_size:
+            raise PegainferError(f"{manifest_path}: compiled for KV blocks of {manifest.block_size} tokens, "
                                  f"asked for {limits.block_size}")
-        self.kernels = {(k["graph"], k["node"]): k for k in manifest["kernels"]}
+        self.kernels = {(k.graph, k.node): k for k in manifest.kernels}
         self.functions = self._load_functions(manifest_path.parent.parent)
         arena = Arena(params_bytes(graph) + ALIGN * len(graph.expanded_params()), "weights")
         self.weights = upload_weights(graph, weights, ctx.stream, arena)
@@ -89,14 +86,12 @@ class GpuExecutor:
 
     def _load_functions(self, folder: Path) -> dict[str, tuple]:
         functions = {}
-        for kernel in self.kernels.values():
-            for variant in kernel["variants"]:
-                for launch in variant["launches"]:
-                    cubin = (folder / launch["cubin"]).read_bytes()
-                    if sha256_of(cubin) != launch["sha256"]:
-                        raise PegainferError(f"{folder / launch['cubin']}: sha256 differs from the manifest; "
-                                             f"run pegainfer compile again")
-                    functions[launch["key"]] = load_function(cubin, launch)
+        for launch in (launch for k in self.kernels.values() for v in k.variants for launch in v.launches):
+            cubin = (folder / launch.cubin).read_bytes()
+            if sha256_of(cubin) != launch.sha256:
+                raise PegainferError(f"{folder / launch.cubin}: sha256 differs from the manifest; run pegainfer "
+                                     f"compile again")
+            functions[launch.key] = load_function(cubin, launch)
         return functions
 
     def _allocate_activations(self, sizes: dict[str, int]) -> tuple[dict, dict, dict]:
@@ -108,13 +103,14 @@ class GpuExecutor:
             for value, buffer in g.buffers.items():
                 need[(g.name, buffer)] = max(need.get((g.name, buffer), 0), _nbytes(types[value], sizes))
         copies = {key: 2 if key[1].startswith("carry") else 1 for key in need}
-        every = {key: _scratch_types(kernel) for key, kernel in self.kernels.items() if kernel.get("scratch")}
-        scratch_types = {key: {n: t for n, t in types.items() if not n.startswith(PLANES)}
-                         for key, types in every.items()}
-        plane_types = {key: {n: t for n, t in types.items() if n.startswith(PLANES)} for key, types in every.items()}
+        own = {key: _own_planes(kernel) for key, kernel in self.kernels.items()}
+        scratch_types = {key: {n: t for n, t in k.scratch.items() if n not in own[key]}
+                         for key, k in self.kernels.items() if k.scratch}
+        plane_types = {key: {n: t for n, t in k.scratch.items() if n in own[key]}
+                       for key, k in self.kernels.items() if k.scratch}
         total = sum(aligned(n) * copies[key] for key, n in need.items())
-        total += sum(aligned(_nbytes(t, sizes)) * (2 if name.startswith(PLANES) else 1)
-                     for types in every.values() for name, t in types.items())
+        total += sum(aligned(_nbytes(t, sizes)) * (2 if name in own[key] else 1)
+                     for key, k in self.kernels.items() for name, t in k.scratch.items())
         arena = Arena(total, "activations")
         buffers = {key: [arena.take(n) for _ in range(copies[key])] for key, n in need.items()}
 
@@ -217,16 +213,16 @@ class GpuExecutor:
         planes = self.planes.get((graph, node), [{}])
         return self.scratch.get((graph, node), {}) | planes[(layer or 0) % len(planes)]
 
-    def _launch(self, kernel: dict, env: dict[str, DeviceTensor], sizes: dict[str, int]) -> None:
+    def _launch(self, kernel: Kernel, env: dict[str, DeviceTensor], sizes: dict[str, int]) -> None:
         """The variant's launches; a deferred one (a split GEMM's sum) recorded instead, and run once a launch
         reads its output other than through its planes (see runtime/gpu/planes.py)."""
         variant = pick_variant(kernel, sizes)
-        for run in self.sums.schedule(variant["launches"], env, sizes, f"{kernel['kind']}/{variant['name']}"):
+        for run in self.sums.schedule(variant.launches, env, sizes, f"{kernel.kind}/{variant.name}"):
             self._run_launch(*run)
 
-    def _run_launch(self, origin: str, launch: dict, env: dict[str, DeviceTensor], sizes: dict[str, int]) -> None:
+    def _run_launch(self, origin: str, launch: Launch, env: dict[str, DeviceTensor], sizes: dict[str, int]) -> None:
         """One launch; `origin` (kernel kind / variant) labels it in a profile."""
-        _, function = self.functions[launch["key"]]
+        _, function = self.functions[launch.key]
         if self.profile is not None:
             events = (driver.Event(), driver.Event())
             events[0].record(self.ctx.stream)
@@ -234,7 +230,7 @@ class GpuExecutor:
                       pdl=programmatic(launch, sizes, self.pdl_max_tokens))
         if self.profile is not None:
             events[1].record(self.ctx.stream)
-            self.profile.append((f"{origin}/{launch['symbol']}", *events))
+            self.profile.append((f"{origin}/{launch.symbol}", *events))
 
     def fetch_all(self, tensors: list[DeviceTensor]) -> list[np.ndarray]:
         """Small contiguous tensors (a step's sampled tokens) in one round trip: each copied into pinned memory
@@ -258,9 +254,10 @@ class GpuExecutor:
         return host
 
 
-def _scratch_types(kernel: dict) -> dict[str, TensorType]:
-    return {name: TensorType(dtype_from_name(dtype), tuple(shape))
-            for name, (dtype, shape) in kernel["scratch"].items()}
+def _own_planes(kernel: Kernel) -> set[str]:
+    """The kernel's scratch that holds planes its split GEMMs write (alternated by layer, see _scratch)."""
+    return {planes_of(p.value) for v in kernel.variants for launch in v.launches for p in launch.params
+            if p.kind is ParamKind.PLANES} & set(kernel.scratch)
 
 
 def _nbytes(t: TensorType, sizes: dict[str, int]) -> int:

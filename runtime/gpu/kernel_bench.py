@@ -8,7 +8,8 @@ from math import prod
 
 import numpy as np
 
-from pegainfer.backends.spec import PLANES, serves
+from pegainfer.backends.manifest import Kernel, Launch, Variant
+from pegainfer.backends.spec import ParamKind, planes_of, serves
 from pegainfer.ir.dtypes import dtype_from_name
 from pegainfer.ir.graph import Graph
 from pegainfer.ir.types import TensorType
@@ -37,28 +38,28 @@ def synthetic_step(batch: int, query_len: int, context: int, block_size: int) ->
     return step, sizes
 
 
-def weight_names(lowered: Graph, kernel: dict) -> frozenset[str]:
+def weight_names(lowered: Graph, kernel: Kernel) -> frozenset[str]:
     """The kernel's graph's parameters (weights): what a decode step streams from memory."""
-    return frozenset(next(g for g in lowered.all_graphs() if g.name == kernel["graph"]).params)
+    return frozenset(next(g for g in lowered.all_graphs() if g.name == kernel.graph).params)
 
 
-def kernel_types(lowered: Graph, kernel: dict) -> dict[str, TensorType]:
-    """Every value a kernel's launches may name: its graph's values, its inner nodes' outputs, its scratch."""
-    graph = next(g for g in lowered.all_graphs() if g.name == kernel["graph"])
-    node = next(n for n in graph.nodes if n.name == kernel["node"])
+def kernel_types(lowered: Graph, kernel: Kernel) -> dict[str, TensorType]:
+    """Every buffer a kernel's launches may name: its graph's values, its inner nodes' outputs, its scratch."""
+    graph = next(g for g in lowered.all_graphs() if g.name == kernel.graph)
+    node = next(n for n in graph.nodes if n.name == kernel.node)
     types = graph.value_types() | {o: t for n in node.attrs["nodes"] for o, t in zip(n.outputs, n.output_types)}
-    scratch = kernel.get("candidate_scratch", kernel["scratch"])
-    types |= {name: TensorType(dtype_from_name(d), tuple(s)) for name, (d, s) in scratch.items()}
+    types |= kernel.candidate_scratch
     # a norm launch's planes of its X2, which it reads when a split GEMM left them: none here (it reads X2)
-    read = {p["value"] for v in kernel["candidates"] for launch in v["launches"] for p in launch["params"]}
-    return types | {name: TensorType(dtype_from_name("f32"), (0, types[name[len(PLANES):]].shape[-1]))
-                    for name in read if name.startswith(PLANES) and name not in types}
+    read = {p.value for v in kernel.candidates for launch in v.launches for p in launch.params
+            if p.kind is ParamKind.PLANES}
+    return types | {planes_of(value): TensorType(dtype_from_name("f32"), (0, types[value].shape[-1]))
+                    for value in read if planes_of(value) not in types}
 
 
-def step_launches(variant: dict) -> list[dict]:
+def step_launches(variant: Variant) -> list[Launch]:
     """What a step runs of the variant where the kernels after it read its output as it leaves it: a deferred
     launch (a split GEMM's sum of planes, which the norm launch after o_proj and down adds itself) left out."""
-    return [launch for launch in variant["launches"] if not launch.get("deferred")]
+    return [launch for launch in variant.launches if not launch.deferred]
 
 
 class Buffers:
@@ -96,28 +97,27 @@ def _random(t: TensorType, shape: tuple[int, ...]) -> np.ndarray:
     return np.zeros(shape, dtype=t.dtype.np_dtype)
 
 
-def launch_values(launches: list[dict]) -> set[str]:
-    return {p["value"] for launch in launches for p in launch["params"] if p["kind"] in ("tensor", "tma")} | \
-        {p["value"].partition(":")[2] for launch in launches for p in launch["params"]
-         if p["kind"] == "int" and p["value"].startswith("stride:")}
+def launch_values(launches: list[Launch]) -> set[str]:
+    """The buffers the launches read pointers, descriptors, strides or rows of."""
+    return {p.buffer for launch in launches for p in launch.params if p.buffer is not None}
 
 
-def time_launches(ctx: driver.Context, folder, launches: list[dict], env: dict | list[dict], sizes: dict[str, int],
+def time_launches(ctx: driver.Context, folder, launches: list[Launch], env: dict | list[dict], sizes: dict[str, int],
                   repeats: int = 20, functions: dict | None = None, copies: int = 4, pdl_max_tokens: int = 0) -> float:
     """Microseconds of one run of the launches on the device alone (graph_seconds); a list of envs is cycled
     through, one a run. Launches that opt in are launched programmatically at up to `pdl_max_tokens` tokens, as the
     runtime launches them (a decode tile chosen for that launch was 5% slower launched plainly)."""
     functions = {} if functions is None else functions
     for launch in launches:
-        if launch["key"] not in functions:
-            functions[launch["key"]] = load_function((folder / launch["cubin"]).read_bytes(), launch)[1]
+        if launch.key not in functions:
+            functions[launch.key] = load_function((folder / launch.cubin).read_bytes(), launch)[1]
     envs = env if isinstance(env, list) else [env]
     runs = count()
 
     def run() -> None:  # called `copies` times, while the graph is captured
         current = envs[next(runs) % len(envs)]
         for launch in launches:
-            launch_kernel(functions[launch["key"]], launch, current, sizes, ctx.stream,
+            launch_kernel(functions[launch.key], launch, current, sizes, ctx.stream,
                           pdl=programmatic(launch, sizes, pdl_max_tokens))
     return graph_seconds(ctx, run, copies, repeats) * 1e6
 
@@ -141,10 +141,10 @@ def graph_seconds(ctx: driver.Context, run: Callable[[], object], copies: int = 
     return end.seconds_since(start) / (repeats * copies)
 
 
-def serving_variant(kernel: dict, sizes: dict[str, int], backend: str = "triton") -> dict:
+def serving_variant(kernel: Kernel, sizes: dict[str, int], backend: str = "triton") -> Variant:
     """The first of a backend's candidates that serves these sizes, conditional slots left out: what a step
     falls through to when a conditional slot is not chosen."""
-    for variant in kernel["candidates"]:
-        if variant["backend"] == backend and not variant["min_sizes"] and serves(variant, kernel["row_symbol"], sizes):
+    for variant in kernel.candidates:
+        if variant.backend == backend and not variant.min_sizes and serves(variant, kernel.row_symbol, sizes):
             return variant
-    raise AssertionError(f"kernel {kernel['node']}: no {backend} variant serves {sizes}")
+    raise AssertionError(f"kernel {kernel.node}: no {backend} variant serves {sizes}")

@@ -28,9 +28,10 @@ def gpu_engine(model: LoadedModel, options: "engine.EngineOptions", cache_dir: P
 
 def ensure_manifest(spec: ModelSpec, sm: int, cache_dir: Path | None = None, *, label: str,
                     compile_missing: bool = True, jobs: int | None = None) -> Path:
-    """The model's manifest for `sm`; when there is none (or it is corrupt), compiled with every installed backend (with compile's
-    progress bar) where the compile extra is installed, else an error saying which command makes it.
-    `label` names the model in that command (a folder, a config.json or an embedded name)."""
+    """The model's manifest for `sm`; when there is none (or it is corrupt, or of an older format), compiled with
+    every installed backend (with compile's progress bar) where the compile extra is installed, else an error
+    saying which command makes it. `label` names the model in that command (a folder, a config.json or an embedded
+    name)."""
     path = manifest_path(cache_root(cache_dir), sm, spec)
     if read_manifest(path) is not None:  # a corrupt one is rewritten, as `pegainfer compile` would
         return path

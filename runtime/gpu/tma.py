@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
+from pegainfer.backends.spec import TmaDescriptor
 from pegainfer.errors import PegainferError
 
 TENSOR_MAP_BYTES = 128
@@ -27,7 +28,7 @@ class TiledDescriptor:
     oob_fill: int
 
 
-def resolve(descriptor: dict, address: int, sizes: dict[str, int]) -> TiledDescriptor:
+def resolve(descriptor: TmaDescriptor, address: int, sizes: dict[str, int]) -> TiledDescriptor:
     """The manifest's descriptor for this step: symbols replaced by sizes, then checked."""
     def size(dim: int | str) -> int:
         if isinstance(dim, int):
@@ -35,11 +36,10 @@ def resolve(descriptor: dict, address: int, sizes: dict[str, int]) -> TiledDescr
         if dim not in sizes:
             raise PegainferError(f"TMA descriptor dim {dim!r} is not a size of this step ({', '.join(sizes)})")
         return sizes[dim]
-    strides = [size(s) for s in descriptor["strides"]]
-    resolved = TiledDescriptor(descriptor["dtype"], address, tuple(size(d) for d in descriptor["dims"]),
-                               tuple(strides[1:]), tuple(descriptor["box"]), tuple(descriptor["element_strides"]),
-                               descriptor["interleave"], descriptor["swizzle"], descriptor["l2_promotion"],
-                               descriptor["oob_fill"])
+    strides = [size(s) for s in descriptor.strides]
+    resolved = TiledDescriptor(descriptor.dtype, address, tuple(size(dim) for dim in descriptor.dims),
+                               tuple(strides[1:]), descriptor.box, descriptor.element_strides, descriptor.interleave,
+                               descriptor.swizzle, descriptor.l2_promotion, descriptor.oob_fill)
     check(resolved, element_bytes=strides[0])
     return resolved
 

@@ -10,15 +10,15 @@ from pathlib import Path
 
 import numpy as np
 
-from pegainfer.backends.cache import cache_root, manifest_path
 from pegainfer.frontends.load import LoadedModel, embedded_configs, load_model
 from pegainfer.runtime import bench
 from pegainfer.runtime.batch import Chunk, Sequence
-from pegainfer.runtime.gpu.engine import EngineOptions, GpuEngine
+from pegainfer.runtime.device import visible_sm
+from pegainfer.runtime.gpu.engine import EngineOptions
+from pegainfer.runtime.gpu.start import ensure_manifest, gpu_engine
 from pegainfer.runtime.reference_engine import ReferenceEngine
-from pegainfer.runtime.sampler import log_softmax
 
-SM = 90
+SMALL = EngineOptions(max_tokens=512, max_batch=64, max_model_len=256, kv_tokens=32 * 256)  # the small checkpoints'
 
 
 def relative_error(ours: np.ndarray, theirs: np.ndarray) -> float:
@@ -77,6 +77,11 @@ def hf_greedy(model, prompts, steps: int) -> tuple[list[list[int]], list[np.ndar
     return continuations, hf_rows
 
 
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
 def gate_stats(hf_rows: list[np.ndarray], ours: list[np.ndarray]) -> dict:
     regrets, deltas = [], []
     for theirs, mine in zip(hf_rows, ours):
@@ -93,9 +98,7 @@ def gate_stats(hf_rows: list[np.ndarray], ours: list[np.ndarray]) -> dict:
 
 def check_small(folder: Path, results: dict) -> None:
     model = load_model(folder)
-    manifest = manifest_path(cache_root(), SM, model.spec)
-    options = EngineOptions(max_tokens=512, max_batch=64, max_model_len=256, kv_tokens=32 * 256)
-    gpu = GpuEngine(model, manifest, options)
+    gpu = gpu_engine(model, SMALL)
     cpu = ReferenceEngine(model, max_tokens=32 * 256)
     rng = np.random.default_rng(0)
     vocab = model.spec.config.vocab_size
@@ -129,8 +132,7 @@ def check_small(folder: Path, results: dict) -> None:
     hf_gate(folder, prompts, 16, lambda p, cont: teacher_forced(gpu, p, cont), results)
     soft = folder.with_name(folder.name + "_soft")
     if soft.is_dir():
-        soft_model = load_model(soft)
-        soft_gpu = GpuEngine(soft_model, manifest_path(cache_root(), SM, soft_model.spec), options)
+        soft_gpu = gpu_engine(load_model(soft), SMALL)
         gate: dict = {}
         hf_gate(soft, prompts, 16, lambda p, cont: teacher_forced(soft_gpu, p, cont), gate)
         results["hf_gate_logit_std_2"] = gate["hf_gate"]
@@ -140,12 +142,9 @@ def check_sampling(folder: Path, results: dict) -> None:
     """The sampler tail on the GPU (scripts/gpu/sampling_check.py): the small model and the Qwen3-4B shape."""
     import sampling_check
 
-    small_model = load_model(folder)
-    small = GpuEngine(small_model, manifest_path(cache_root(), SM, small_model.spec),
-                      EngineOptions(max_tokens=512, max_batch=64, max_model_len=256, kv_tokens=32 * 256))
+    small = gpu_engine(load_model(folder), SMALL)
     large_model = bench.bench_model("qwen3-4b")
-    large = bench.engine_for(large_model, manifest_path(cache_root(), SM, large_model.spec), max_tokens=512,
-                             max_batch=64, max_model_len=1280)
+    large = bench.engine_for(large_model, manifest_4b(large_model), max_tokens=512, max_batch=64, max_model_len=1280)
     sampling_check.run(small, large, results)
 
 
@@ -153,7 +152,7 @@ def bench_4b(results: dict) -> None:
     """`pegainfer bench decode` and `prefill` on the Qwen3-4B shape, and Hugging Face eager decode beside it."""
     started = time.perf_counter()
     model = bench.bench_model("qwen3-4b")
-    manifest = manifest_path(cache_root(), SM, model.spec)
+    manifest = manifest_4b(model)
     engine = bench.engine_for(model, manifest, max_tokens=64, max_batch=64, max_model_len=1280)
     results["qwen3_4b_engine_start_s"] = time.perf_counter() - started
     rows = bench.bench_decode(engine, [1, 8, 32, 64], [128, 1024])
@@ -194,8 +193,8 @@ def gate_4b(results: dict, logit_std: float = 2.0) -> None:
                for name, t in hf.state_dict().items() if name in wanted}
     missing = sorted(set(wanted) - set(weights))
     assert not missing, f"Hugging Face's state dict lacks {missing[:3]}"
-    engine = bench.engine_for(LoadedModel(spec, Path("qwen3-4b"), weights), manifest_path(cache_root(), SM, spec),
-                              max_tokens=256, max_batch=16, max_model_len=512)
+    model = LoadedModel(spec, Path("qwen3-4b"), weights)
+    engine = bench.engine_for(model, manifest_4b(model), max_tokens=256, max_batch=16, max_model_len=512)
     rng = np.random.default_rng(4)
     prompts = [rng.integers(0, vocab, n).tolist() for n in (7, 30, 1, 61)]
     gate = {"logits_std_before_scaling": spread}
@@ -206,6 +205,11 @@ def gate_4b(results: dict, logit_std: float = 2.0) -> None:
     batch9 = [rng.integers(0, vocab, int(rng.integers(1, 40))).tolist() for _ in range(9)]
     gate["graph_batch9"] = gate_against(hf, batch9, 4, lambda p, cont: teacher_forced(engine, p, cont))
     results["qwen3_4b_hf_gate"] = gate
+
+
+def manifest_4b(model: LoadedModel) -> Path:
+    """The Qwen3-4B shape's manifest for the visible GPU, compiled first where it is missing."""
+    return ensure_manifest(model.spec, visible_sm(), label="qwen3-4b")
 
 
 def qwen3_4b_hf_config():

@@ -17,173 +17,61 @@ failing case is recorded and the rest still run. Prints a table last; every numb
 import argparse
 import json
 import os
-import subprocess
-import time
 import traceback
-from datetime import datetime
 from pathlib import Path
 
 import torch
 
+from pegainfer.backends import manifest as manifests
 from pegainfer.backends.cache import cache_root, manifest_path
-from pegainfer.backends.spec import planes_of
-from pegainfer.backends.triton.plan import gemm_roles
+from pegainfer.backends.manifest import Kernel, Variant
+from pegainfer.backends.planning import gemm_roles
+from pegainfer.backends.spec import ParamKind, planes_of
 from pegainfer.frontends.load import embedded_configs, load_spec
-from pegainfer.ir.dtypes import dtype_from_name
 from pegainfer.ir.graph import KERNEL
 from pegainfer.passes.pipeline import lower
-from pegainfer.runtime.cuda import driver
-from pegainfer.runtime.gpu.abi import DeviceTensor
 from pegainfer.runtime.gpu.kernel_bench import step_launches, synthetic_step
-from pegainfer.runtime.gpu.launch import launch_kernel, load_function
+
+from kernel_runs import (L2_DEFEAT_BYTES, PowerSampler, Runner, copy_bandwidth, rel_error,  # beside this file
+                         rms_normed, torch_graph, torch_graph_time_us, torch_time_us)
 
 SM = 90
 GEMM_KINDS = ("add_rms_norm_linear", "linear", "add_rms_norm_linear_silu_mul")
 PREFILL_M = (1024, 4096, 8192)
 DECODE_ROWS = (1, 4, 16)
 ROUNDS = 3  # prefill GEMMs: each timed this many times alternated with cuBLAS, best of each (the clock drifts)
-L2_DEFEAT_BYTES = 256 << 20  # weight copies cycled through by the decode timings (the H200's L2 holds 50 MB)
 TORCH_DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32, "i64": torch.int64}
 
 
-class Runner:
-    def __init__(self, folder: Path, manifest: dict, pdl: bool = False) -> None:
-        """`folder`: where the launches' cubin paths start (a cache root, or gemm_probe.py's folder)."""
-        torch.cuda.init()
-        self.pdl = pdl  # programmatic dependent launch for the kernels compiled for it, as decode steps have
-        self.ctx = driver.Context.create()
-        self.folder = folder
-        self.manifest = manifest
-        self.functions: dict[str, object] = {}
-
-    def kernel(self, graph: str, node: str) -> dict:
-        return next(k for k in self.manifest["kernels"] if (k["graph"], k["node"]) == (graph, node))
-
-    def run(self, launches: list[dict], env: dict[str, torch.Tensor], sizes: dict[str, int]) -> None:
-        tensors = {}
-        for name, t in env.items():
-            dtype = dtype_from_name({torch.bfloat16: "bf16", torch.float32: "f32", torch.int32: "i32",
-                                     torch.int64: "i64"}[t.dtype])
-            tensors[name] = DeviceTensor(t.data_ptr(), tuple(t.shape), dtype, t.stride(0) if t.dim() > 1 else 1)
-        for launch in launches:
-            if launch["key"] not in self.functions:
-                cubin = (self.folder / launch["cubin"]).read_bytes()
-                self.functions[launch["key"]] = load_function(cubin, launch)[1]
-            launch_kernel(self.functions[launch["key"]], launch, tensors, sizes, self.ctx.stream,
-                          pdl=self.pdl and launch.get("pdl", False))
-
-    def replayer(self, launches, env: dict | list[dict], sizes, repeats: int = 20):
-        """A callable replaying a CUDA graph of `repeats` runs (warmed up once), cycling through `env` when it is a
-        list (weight copies that defeat the L2); eager runs, back to back, should the capture fail."""
-        envs = env if isinstance(env, list) else [env]
-        torch.cuda.synchronize()
-        self.run(launches, envs[0], sizes)
-        self.ctx.synchronize()
-        try:
-            with driver.Graph(self.ctx.stream) as graph:
-                for i in range(repeats):
-                    self.run(launches, envs[i % len(envs)], sizes)
-            replay = graph.replay
-            replay()
-        except driver.CudaError as error:
-            print(f"graph capture failed ({error}); timing eagerly", flush=True)
-            replay = lambda: [self.run(launches, envs[i % len(envs)], sizes) for i in range(repeats)]  # noqa: E731
-        return replay
-
-    def time_us(self, launches, env: dict | list[dict], sizes, repeats: int = 20, rounds: int = 3) -> float:
-        """Microseconds per run, from the fastest of `rounds` replays of `replayer`'s graph (a single replay of a
-        chain of 5-us kernels is a sample of ~100 us, at the mercy of one clock dip)."""
-        replay = self.replayer(launches, env, sizes, repeats)
-        best = float("inf")
-        for _ in range(rounds):
-            start, end = driver.Event(), driver.Event()
-            start.record(self.ctx.stream)
-            replay()
-            end.record(self.ctx.stream)
-            self.ctx.synchronize()
-            best = min(best, end.seconds_since(start) / repeats * 1e6)
-        return best
-
-    def sync(self) -> None:
-        self.ctx.synchronize()
-        torch.cuda.synchronize()
+def variant(kernel: Kernel, label: str) -> Variant:
+    return next(v for v in kernel.candidates if v.label == label)
 
 
-def torch_time_us(fn, repeats: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(repeats):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats * 1e3
+def triton_for(kernel: Kernel, rows: int) -> Variant:
+    return next(v for v in kernel.candidates if v.backend == "triton" and not v.min_sizes
+                and (v.max_rows is None or rows <= v.max_rows))
 
 
-def torch_graph(calls: list, repeats: int = 20) -> "torch.cuda.CUDAGraph":
-    """A torch CUDA graph of `repeats` calls cycling through `calls`, each run once first (cuBLAS sets up its
-    handle and workspace outside the capture), replayed once."""
-    for call in calls:
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(repeats):
-            calls[i % len(calls)]()
-    graph.replay()
-    return graph
-
-
-def torch_graph_time_us(calls: list, repeats: int = 20) -> float:
-    """Microseconds per call from a replay of `torch_graph`: a GEMM of a few rows takes less time on the GPU than
-    torch takes to launch it, so eager timing measures Python."""
-    graph = torch_graph(calls, repeats)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats * 1e3
-
-
-def rel_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((ours.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
-
-
-def copy_bandwidth() -> float:
-    """Bytes read + written per second of a 2 GiB device-to-device copy (the H200.md ceiling's measure)."""
-    a = torch.empty(1 << 31, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    return 2 * a.numel() / (torch_time_us(lambda: b.copy_(a), 10) / 1e6)
-
-
-def variant(kernel: dict, label: str) -> dict:
-    return next(v for v in kernel["candidates"] if v["label"] == label)
-
-
-def triton_for(kernel: dict, rows: int) -> dict:
-    return next(v for v in kernel["candidates"] if v["backend"] == "triton" and not v["min_sizes"]
-                and (v["max_rows"] is None or rows <= v["max_rows"]))
-
-
-def slot_variants(kernel: dict, rows: int) -> list[dict]:
+def slot_variants(kernel: Kernel, rows: int) -> list[Variant]:
     """Every variant, of any backend, of the row-bounded slot serving `rows` rows (what `pegainfer tune` chooses
     among), taken from that slot: one label may name a variant of several slots."""
-    bound = min(v["max_rows"] for v in kernel["candidates"]
-                if v["max_rows"] is not None and not v["min_sizes"] and rows <= v["max_rows"])
-    return [v for v in kernel["candidates"] if not v["min_sizes"] and v["max_rows"] == bound]
+    bound = min(v.max_rows for v in kernel.candidates
+                if v.max_rows is not None and not v.min_sizes and rows <= v.max_rows)
+    return [v for v in kernel.candidates if not v.min_sizes and v.max_rows == bound]
 
 
-def gemm_env(kernel: dict, roles: dict, rows: int, x, x2, g, w) -> tuple[dict, dict]:
+def scratch_tensors(kernel: Kernel, sizes: dict[str, int], fill=torch.zeros) -> dict[str, torch.Tensor]:
+    """Every candidate's scratch at these step sizes (zeros by default: split-K tickets start at zero)."""
+    return {name: fill(tuple(sizes.get(d, d) for d in t.shape), dtype=TORCH_DTYPES[t.dtype.name], device="cuda")
+            for name, t in kernel.candidate_scratch.items()}
+
+
+def gemm_env(kernel: Kernel, roles: dict, rows: int, x, x2, g, w) -> tuple[dict, dict]:
     """A GEMM kernel's tensors (output, residual sum and scratch zeroed) and step sizes at `rows` rows."""
     sizes = {"tokens": rows, "samples": rows, "batch": rows}
     env = {roles["x"]: x, roles["weight"]: w, roles["out"]: torch.zeros(rows, roles["n"], device="cuda",
                                                                          dtype=torch.bfloat16)}
-    env |= {name: torch.zeros([sizes.get(d, d) for d in shape], dtype=TORCH_DTYPES[dtype], device="cuda")
-            for name, (dtype, shape) in kernel["candidate_scratch"].items()}  # split-K tickets start at zero
+    env |= scratch_tensors(kernel, sizes)
     if roles["x2"]:
         env[roles["x2"]] = x2
         env[planes_of(roles["x2"])] = torch.zeros(0, x2.shape[1], device="cuda")  # X2 as stored (see planes_case)
@@ -194,7 +82,7 @@ def gemm_env(kernel: dict, roles: dict, rows: int, x, x2, g, w) -> tuple[dict, d
     return env, sizes
 
 
-def sustained_case(runner: Runner, kernel: dict, roles: dict, k: int, m: int, variants: list[dict],
+def sustained_case(runner: Runner, kernel: Kernel, roles: dict, k: int, m: int, variants: list[Variant],
                    seconds: float, power: "PowerSampler") -> list[dict]:
     """Each variant's GEMM launch and cuBLAS's GEMM of the same shape, replayed back to back for `seconds` each,
     with the SM clock and board power of the window: a long prefill runs at the H200's 700 W cap, where the clock
@@ -207,61 +95,17 @@ def sustained_case(runner: Runner, kernel: dict, roles: dict, k: int, m: int, va
     results = []
     for chosen in variants:
         env, sizes = gemm_env(kernel, roles, m, x, x2, g, w)
-        runner.run(chosen["launches"], env, sizes)  # the norm prologue fills the GEMM's operand
-        replay = runner.replayer(chosen["launches"][-1:], env, sizes)
-        results.append({"kernel": kernel["node"], "variant": chosen["label"], "rows": m}
+        runner.run(chosen.launches, env, sizes)  # the norm prologue fills the GEMM's operand
+        replay = runner.replayer(chosen.launches[-1:], env, sizes)
+        results.append({"kernel": kernel.node, "variant": chosen.label, "rows": m}
                        | power.measure(replay, runner.sync, seconds, 20 * flops))
     graph = torch_graph([lambda: x @ w.T])
-    results.append({"kernel": kernel["node"], "variant": "cublas (torch)", "rows": m}
+    results.append({"kernel": kernel.node, "variant": "cublas (torch)", "rows": m}
                    | power.measure(graph.replay, torch.cuda.synchronize, seconds, 20 * flops))
     return results
 
 
-class PowerSampler:
-    """nvidia-smi sampling the SM clock, board power and temperature every 50 ms into a CSV while it runs."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.process = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu",
-                                         "--format=csv,noheader,nounits", "-lms", "50"], stdout=path.open("w"))
-
-    def measure(self, replay, sync, seconds: float, flops_per_replay: int) -> dict:
-        """TFLOP/s of `replay` run back to back for `seconds`, and the mean clock, power and temperature over
-        the window's second half (past the clock's response to the switch of kernel)."""
-        replay()
-        sync()
-        start, count = time.time(), 0
-        while time.time() - start < seconds:
-            for _ in range(10):
-                replay()
-            count += 10
-            sync()
-        end = time.time()
-        time.sleep(0.1)  # nvidia-smi's last samples of the window
-        samples = [s for s in self.samples() if (start + end) / 2 <= s[0] <= end] or [(0.0,) * 4]
-        mhz, watts, celsius = (sum(s[i] for s in samples) / len(samples) for i in (1, 2, 3))
-        return {"sustained_tflops": flops_per_replay * count / (end - start) / 1e12, "mhz": mhz, "watts": watts,
-                "celsius": celsius, "seconds": end - start}
-
-    def samples(self) -> list[tuple[float, float, float, float]]:
-        rows = [line.split(", ") for line in self.path.read_text().splitlines() if line.count(",") == 3]
-        return [(datetime.strptime(r[0], "%Y/%m/%d %H:%M:%S.%f").timestamp(), float(r[1]), float(r[2]), float(r[3]))
-                for r in rows if "N/A" not in r]
-
-    def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait()
-
-
-def rms_normed(x: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:
-    """Hugging Face's RMSNorm (Qwen3RMSNorm) of bf16 rows, the reference GEMM operand: in float32, the normed row
-    rounded to bf16 before the weight scales it, the product rounded again."""
-    x = x.float()
-    normed = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(torch.bfloat16)
-    return (normed.float() * g.float()).to(torch.bfloat16)
-
-
-def gemm_case(runner: Runner, kernel: dict, roles: dict, k: int, rows: int, variants: list[dict], timing: str):
+def gemm_case(runner: Runner, kernel: Kernel, roles: dict, k: int, rows: int, variants: list[Variant], timing: str):
     """Numerics of each variant at `rows` rows against torch, then timings (and cuBLAS for prefill)."""
     n, act = roles["n"], roles["act"]
     w_rows = 2 * n if act else n
@@ -282,27 +126,28 @@ def gemm_case(runner: Runner, kernel: dict, roles: dict, k: int, rows: int, vari
     for chosen in variants:
         env, sizes = gemm_env(kernel, roles, rows, x, x2, g, w)
         out, total = env[roles["out"]], env.get(roles["sum"])
-        row = {"kernel": kernel["node"], "variant": chosen["label"], "rows": rows, "n": w_rows, "k": k}
+        row = {"kernel": kernel.node, "variant": chosen.label, "rows": rows, "n": w_rows, "k": k}
         try:
             torch.cuda.synchronize()
-            runner.run(chosen["launches"], env, sizes)  # a deferred sum too: it writes the output checked
+            runner.run(chosen.launches, env, sizes)  # a deferred sum too: it writes the output checked
             runner.sync()
             row["rel_err"] = rel_error(out, ref)
             if roles["sum"]:
                 row["sum_rel_err"] = rel_error(total, sum_ref)
-            if roles["x2"] and any(p["value"] == planes_of(roles["x2"]) for p in chosen["launches"][0]["params"]):
+            if roles["x2"] and any(p.kind is ParamKind.PLANES and p.value == roles["x2"]
+                                   for p in chosen.launches[0].params):
                 row |= planes_case(runner, chosen, env, sizes, roles, x2, ref, sum_ref)
             timed = env if timing == "prefill" else [env | {roles["weight"]: copy} for copy in copies]
             launches = step_launches(chosen)  # what a step runs where the next kernel adds a split GEMM's planes
             row["us"] = runner.time_us(launches, timed, sizes)
-            if len(launches) < len(chosen["launches"]):
-                row["deferred_us"] = runner.time_us(chosen["launches"][len(launches):], timed, sizes)
+            if len(launches) < len(chosen.launches):
+                row["deferred_us"] = runner.time_us(chosen.launches[len(launches):], timed, sizes)
             if len(launches) > 1:
                 row["prologue_us"] = runner.time_us(launches[:-1], timed, sizes)
             if timing == "prefill":  # the GEMM launch, best of ROUNDS alternated with cuBLAS's
                 gemm_us = []
                 for _ in range(ROUNDS):
-                    gemm_us.append(runner.time_us(chosen["launches"][-1:], timed, sizes))
+                    gemm_us.append(runner.time_us(chosen.launches[-1:], timed, sizes))
                     cublas_us.append(torch_time_us(lambda: a_bf @ w.T))
                 row["gemm_us"] = min(gemm_us)
                 row["tflops"] = 2 * rows * w_rows * k / row["gemm_us"] / 1e6
@@ -316,16 +161,16 @@ def gemm_case(runner: Runner, kernel: dict, roles: dict, k: int, rows: int, vari
         results.append(row)
     if timing == "prefill":
         us = min(cublas_us or [torch_time_us(lambda: a_bf @ w.T)])
-        results.append({"kernel": kernel["node"], "variant": "cublas (torch)", "rows": rows, "n": w_rows, "k": k,
+        results.append({"kernel": kernel.node, "variant": "cublas (torch)", "rows": rows, "n": w_rows, "k": k,
                         "us": us, "tflops": 2 * rows * w_rows * k / us / 1e6})
     else:  # the same weight stream through cuBLAS (the plain GEMM on normed rows: no norm, no SiLU), as an anchor
         us = torch_graph_time_us([lambda copy=copy: a_bf @ copy.T for copy in copies])
-        results.append({"kernel": kernel["node"], "variant": "cublas (torch)", "rows": rows, "n": w_rows, "k": k,
+        results.append({"kernel": kernel.node, "variant": "cublas (torch)", "rows": rows, "n": w_rows, "k": k,
                         "us": us, "tb_per_s": w.numel() * 2 / us / 1e6})
     return results
 
 
-def planes_case(runner: Runner, chosen: dict, env: dict, sizes: dict, roles: dict, x2, ref, sum_ref) -> dict:
+def planes_case(runner: Runner, chosen: Variant, env: dict, sizes: dict, roles: dict, x2, ref, sum_ref) -> dict:
     """A norm launch that can add a split GEMM's planes of X2, given X2 as four planes of a quarter of it each (a
     sum exact in fp32) and X2's own buffer zeroed: its output and residual sum must be those of X2 as stored."""
     planes = torch.zeros(64, x2.shape[1], device="cuda")  # a plane holds 16 rows, whatever the step's
@@ -335,7 +180,7 @@ def planes_case(runner: Runner, chosen: dict, env: dict, sizes: dict, roles: dic
     trial[roles["out"]] = torch.zeros_like(env[roles["out"]])
     if roles["sum"]:
         trial[roles["sum"]] = torch.zeros_like(env[roles["sum"]])
-    runner.run(chosen["launches"], trial, sizes)
+    runner.run(chosen.launches, trial, sizes)
     runner.sync()
     row = {"planes_rel_err": rel_error(trial[roles["out"]], ref)}
     if roles["sum"]:
@@ -360,13 +205,13 @@ def attention_reference(q, k_cache, v_cache, step, scale):
     return out
 
 
-def attention_case(runner: Runner, kernel: dict, node, types: dict, batch: int, q_len: int, ctx: int,
+def attention_case(runner: Runner, kernel: Kernel, node, types: dict, batch: int, q_len: int, ctx: int,
                    labels: list[str], check: bool) -> list[dict]:
     (inner,) = node.attrs["nodes"]
     q_name, k_name, v_name = inner.inputs[:3]
     heads, head_dim = inner.output_types[0].shape[1:]
     kv_heads = types[k_name].shape[2]
-    step, sizes = synthetic_step(batch, q_len, ctx, runner.manifest["block_size"])
+    step, sizes = synthetic_step(batch, q_len, ctx, runner.manifest.block_size)
     gen = torch.Generator(device="cuda").manual_seed(q_len)
     bf = torch.bfloat16
     q = torch.randn(sizes["tokens"], heads, head_dim, device="cuda", generator=gen).to(bf)
@@ -382,18 +227,16 @@ def attention_case(runner: Runner, kernel: dict, node, types: dict, batch: int, 
     for label in labels:
         chosen = variant(kernel, label)
         out = torch.zeros_like(q)
-        scratch = {name: torch.empty(tuple(sizes[d] if isinstance(d, str) else d for d in shape),
-                                     dtype=TORCH_DTYPES[dtype], device="cuda")
-                   for name, (dtype, shape) in kernel.get("candidate_scratch", {}).items()}
+        scratch = scratch_tensors(kernel, sizes, torch.empty)
         row = {"kernel": "attention", "variant": label, "batch": batch, "query_len": q_len, "context": ctx}
         try:
             run_env = env | scratch | {inner.outputs[0]: out}
             torch.cuda.synchronize()
-            runner.run(chosen["launches"], run_env, sizes)
+            runner.run(chosen.launches, run_env, sizes)
             runner.sync()
             if check:
                 row["rel_err"] = rel_error(out, ref)
-            row["us"] = runner.time_us(chosen["launches"], run_env, sizes, repeats=10)
+            row["us"] = runner.time_us(chosen.launches, run_env, sizes, repeats=10)
             row["tflops"] = 4 * heads * head_dim * visible / row["us"] / 1e6
         except Exception as error:
             row["error"] = f"{type(error).__name__}: {error}"
@@ -423,7 +266,7 @@ def main() -> None:
     if set(args.nodes or ()) - known:
         parser.error(f"--nodes: no kernel named {sorted(set(args.nodes) - known)}; the kernels: {sorted(known)}")
     manifest = manifest_path(cache_root(), SM, spec)
-    runner = Runner(manifest.parent.parent, json.loads(manifest.read_text()), args.pdl)
+    runner = Runner(manifest.parent.parent, manifests.load(manifest), args.pdl)
     report: dict = {"device": runner.ctx.name(), "copy_tb_per_s": copy_bandwidth() / 1e12, "gemm": [], "gemv": [],
                     "attention": [], "sustained": []}
     power = PowerSampler(args.out / "smi.csv") if args.sustain else None
@@ -431,13 +274,13 @@ def main() -> None:
     for graph in lowered.all_graphs():
         for node in (n for n in graph.nodes if n.op == KERNEL and (not args.nodes or n.name in args.nodes)):
             kernel = runner.kernel(graph.name, node.name)
-            labels = {v["label"] for v in kernel["candidates"]}
+            labels = {v.label for v in kernel.candidates}
             if node.attrs["kind"] in GEMM_KINDS:
                 roles = gemm_roles(node)
                 k = graph.value_types()[roles["weight"]].shape[1]
                 for m in PREFILL_M if not args.decode_only else ():
                     chosen = [variant(kernel, label) for label in sorted(labels) if label.startswith("tilelang:")]
-                    chosen = [v for v in chosen if v["max_rows"] is None]  # the prefill tiles, not the decode ones
+                    chosen = [v for v in chosen if v.max_rows is None]  # the prefill tiles, not the decode ones
                     chosen.append(triton_for(kernel, m))
                     report["gemm"] += gemm_case(runner, kernel, roles, k, m, chosen, "prefill")
                     if args.sustain:

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# Prepares a GPU session on this (CPU) machine, under .gpu/ (git-ignored): small random bf16 Qwen3 checkpoints,
+# Prepares the GPU checks on this (CPU) machine, under .gpu/ (git-ignored): small random bf16 Qwen3 checkpoints,
 # the sm_90 cubins of them (Triton) and of the full-size Qwen3-4B config (every installed backend, so the sm_90
-# default, TileLang for prefill, is what runs), compiled into .gpu/aot_cache (content-addressed: kept between
-# sessions), and .gpu/cache_qwen3, the per-call cache holding just those manifests and cubins (the device tool
-# carries 64 MB). Then on the H200, one call each (docs/BENCHMARKS.md gives the last results):
+# default, TileLang for prefill, is what runs), compiled into .gpu/aot_cache (content-addressed: kept from one
+# preparation to the next), and .gpu/cache_qwen3, the per-call cache holding just those manifests and cubins (the
+# device tool carries 64 MB). Then on the H200, one call each (docs/BENCHMARKS.md gives the last results):
 #   carry [".gpu/small", ".gpu/small_soft", ".gpu/cache_qwen3"]:
 #       PEGAINFER_CACHE=$PWD/.gpu/cache_qwen3 bash scripts/gpu/run.sh
 #   carry [".gpu/small", ".gpu/cache_qwen3", ".gpu/wheels"] (after scripts/gpu/serve_wheels.sh):
 #       PEGAINFER_CACHE=$PWD/.gpu/cache_qwen3 bash scripts/gpu/serve.sh pegainfer   (or: serve.sh hf)
-#   carry [".gpu/cache_qwen3"]:  PEGAINFER_CACHE=$PWD/.gpu/cache_qwen3 bash scripts/gpu/tune_run.sh
-#   carry two caches (one compiled before a kernel change, one after): bash scripts/gpu/decode_ab.sh A B
+#   carry [".gpu/cache_qwen3"]:  PEGAINFER_CACHE=$PWD/.gpu/cache_qwen3 bash lab/tune_run.sh
+#   carry two caches (one compiled before a kernel change, one after): bash lab/decode_ab.sh A B
 #   carry [".gpu/cache_qwen3"]:  PEGAINFER_CACHE=$PWD/.gpu/cache_qwen3 python3 scripts/gpu/step_profile.py qwen3-4b \
 #       --batch 1 4 16 --out $OUT/prof   (where a decode step's time goes, kernel by kernel; source env.sh first)
 # and, after scripts/gpu/prepare_archs.sh, the other architectures' gate (see there).

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Prepares the GPU golden gate of every architecture besides Qwen3 (issue 8) on this CPU machine: one small random
+# Prepares the GPU golden gate of every architecture besides Qwen3 on this CPU machine: one small random
 # bf16 checkpoint per architecture under .gpu/archs/ (windows shorter than the gate's prompts, Llama 3 RoPE scaling,
 # Gemma 3 local/global layers, 16 experts top-4), their sm_90 cubins in .gpu/aot_cache, and .gpu/cache_archs, the
 # per-call cache of just their manifests. The checkpoints pass the carry limit, so the GPU machine makes its own

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import torch
 
-from pegainfer.backends.cache import cache_root, manifest_path
+from pegainfer.errors import PegainferError
 from pegainfer.runtime import bench
 from pegainfer.runtime.batch import Chunk
 from pegainfer.runtime.device import visible_sm
-from pegainfer.runtime.gpu.engine import missing_manifest
+from pegainfer.runtime.gpu.start import ensure_manifest
 
 
 def kernel_records(trace: Path) -> list[dict]:
@@ -111,9 +111,10 @@ def main() -> None:
     if sm is None:
         parser.error("needs a visible GPU (and cuda-bindings)")
     loaded = bench.bench_model(args.model)
-    manifest = manifest_path(cache_root(args.cache_dir), sm, loaded.spec)
-    if not manifest.is_file():
-        parser.error(str(missing_manifest(manifest, f"{args.model} --sm {sm}")))
+    try:  # compiled first where it is missing, as `pegainfer bench` does
+        manifest = ensure_manifest(loaded.spec, sm, args.cache_dir, label=args.model)
+    except PegainferError as error:
+        parser.error(str(error))
     args.out.mkdir(parents=True, exist_ok=True)
     engine = bench.engine_for(loaded, manifest, max_tokens=max(args.batch), max_batch=max(args.batch),
                               max_model_len=args.context + args.steps + bench.WARMUP + 16)

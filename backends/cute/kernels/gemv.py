@@ -14,12 +14,8 @@ from cutlass.cute.runtime import make_fake_compact_tensor
 VEC = 8  # bf16 elements per 16-byte load
 
 
-def gemv(ROWS: int, N: int, K: int, ACT: int, NORM: bool, ADD: bool, WRITE_SUM: bool, EPS: float, COLS: int,
-         WARPS: int):
-    iters = K // (32 * VEC)
-    per_cta = COLS * WARPS
-    unroll = 2 if ROWS <= 4 else 1  # 16 rows are 32 loads an iteration already; unrolling only slows compiling
-
+def _loaders(ADD: bool, NORM: bool):
+    """(load, activation): 8 bf16 of a row as fp32, and a row's chunk of the GEMM's operand after the prologue."""
     @cute.jit
     def load(t: cute.Tensor, row, chunk):
         view = cute.local_tile(t[row, None], (VEC,), (chunk,))
@@ -39,6 +35,46 @@ def gemv(ROWS: int, N: int, K: int, ACT: int, NORM: bool, ADD: bool, WRITE_SUM: 
             a = (a * rstd[row] * gf.load().to(Float32)).to(BFloat16).to(Float32)
         return a
 
+    return load, activation
+
+
+def _row_scales(ROWS: int, K: int, ADD: bool, WRITE_SUM: bool, EPS: float, WARPS: int, load):
+    iters = K // (32 * VEC)
+
+    @cute.jit
+    def row_scales(x: cute.Tensor, x2: cute.Tensor, s: cute.Tensor, rstd: cute.Tensor, m, warp, lane, bidx):
+        """1/rms of each row into rstd, a warp a row (its residual sum written by the first block)."""
+        for r in cutlass.range_constexpr(ROWS):
+            if warp == r % WARPS and r < m:
+                squares = Float32(0.0)
+                for it in cutlass.range(iters, unroll=2):
+                    chunk = lane + 32 * it
+                    v = load(x, r, chunk)
+                    if cutlass.const_expr(ADD):
+                        v = v + load(x2, r, chunk)
+                    if cutlass.const_expr(WRITE_SUM):
+                        if bidx == 0:
+                            out = cute.local_tile(s[r, None], (VEC,), (chunk,))
+                            frag = cute.make_rmem_tensor_like(out)
+                            frag.store(v.to(BFloat16))
+                            cute.autovec_copy(frag, out)
+                    squares += (v * v).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                squares = cute.arch.warp_reduction(squares, lambda a, b: a + b)
+                if lane == 0:
+                    rstd[r] = cute.math.rsqrt(squares / K + EPS)
+
+    return row_scales
+
+
+def gemv(ROWS: int, N: int, K: int, ACT: int, NORM: bool, ADD: bool, WRITE_SUM: bool, EPS: float, COLS: int,
+         WARPS: int):
+    iters = K // (32 * VEC)
+    per_cta = COLS * WARPS
+    unroll = 2 if ROWS <= 4 else 1  # 16 rows are 32 loads an iteration already; unrolling only slows compiling
+
+    load, activation = _loaders(ADD, NORM)
+    row_scales = _row_scales(ROWS, K, ADD, WRITE_SUM, EPS, WARPS, load)
+
     @cute.kernel
     def gemv_kernel(x: cute.Tensor, x2: cute.Tensor, g: cute.Tensor, w: cute.Tensor, y: cute.Tensor,
                     s: cute.Tensor, m: Int32):
@@ -48,25 +84,8 @@ def gemv(ROWS: int, N: int, K: int, ACT: int, NORM: bool, ADD: bool, WRITE_SUM: 
         lane = tidx % 32
         smem = cutlass.memory.SmemAllocator()
         rstd = smem.allocate_tensor(Float32, cute.make_layout(ROWS), 16)
-        if cutlass.const_expr(NORM):  # 1/rms of each row (its residual sum written by the first block)
-            for r in cutlass.range_constexpr(ROWS):
-                if warp == r % WARPS and r < m:
-                    squares = Float32(0.0)
-                    for it in cutlass.range(iters, unroll=2):
-                        chunk = lane + 32 * it
-                        v = load(x, r, chunk)
-                        if cutlass.const_expr(ADD):
-                            v = v + load(x2, r, chunk)
-                        if cutlass.const_expr(WRITE_SUM):
-                            if bidx == 0:
-                                out = cute.local_tile(s[r, None], (VEC,), (chunk,))
-                                frag = cute.make_rmem_tensor_like(out)
-                                frag.store(v.to(BFloat16))
-                                cute.autovec_copy(frag, out)
-                        squares += (v * v).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-                    squares = cute.arch.warp_reduction(squares, lambda a, b: a + b)
-                    if lane == 0:
-                        rstd[r] = cute.math.rsqrt(squares / K + EPS)
+        if cutlass.const_expr(NORM):
+            row_scales(x, x2, s, rstd, m, warp, lane, bidx)
             cute.arch.sync_threads()
         acc = cute.make_rmem_tensor((ROWS, COLS), Float32)
         acc.fill(0.0)

@@ -5,6 +5,9 @@ gathered through the block table into shared memory, S = Q K^T and O += P V run 
 sm_90a), with an online softmax in base 2 between them. `attention` is the plain form (any SM TileLang serves);
 `attention_ws` overlaps the softmax, the gather and the tensor cores on sm_90a."""
 
+from dataclasses import dataclass
+from typing import Any
+
 import tilelang.language as T
 
 BF16 = T.bfloat16
@@ -177,28 +180,54 @@ def _overlap_products(BLOCK_M: int, BLOCK_N: int, HD: int, THREADS: int):
     return scores, wait_scores, rescaled_pv, wait_pv
 
 
-def attention_ws(HEADS: int, KV_HEADS: int, HD: int, CACHE_BLOCK: int, SCALE: float, BLOCK_M: int, BLOCK_N: int,
-                 THREADS: int):
-    """The same attention with FlashAttention-3's two overlaps. Within a warpgroup (64 query rows each) the
-    softmax runs under the tensor cores: the GEMMs are issued as async wgmma, and step k issues S_k = Q K_k^T,
-    rescales O to tile k - 1's maximum while that runs, issues O += P_{k-1} V_{k-1}, waits for S_k only
-    (wait_wgmma(1): groups complete in order) and runs S_k's softmax while P V is on the tensor cores, then waits
-    for P V before overwriting P with P_k. Key 0 is visible to every row, so the running maximum is finite from
-    tile 0 on and a masked key's exp2 is 0. Across warpgroups the loads are split off (a producer/consumer split): a
-    producer warpgroup added to the THREADS consumers gathers the K and V pages by cp.async into two-stage rings,
-    each stage guarded by a full mbarrier (the producer's 128 threads arrive through
-    cp.async.mbarrier.arrive.noinc, so the phase completes when their copies have landed, with no wait in the
-    producer) and an empty one (every consumer thread arrives once it is done reading the stage). The consumers
-    wait only on the stage they read: no block-wide barrier in the loop, so the warpgroups drift apart and neither
-    issues loads. (Measured on the H200: 467 TFLOP/s at 8k, against 344 with the first overlap alone and 331 with
-    the gather double-buffered by the consumers themselves; docs/BENCHMARKS.md.) The producer gathers K_k, then V_{k-1}, in the consumers' order of use (S_k, then
-    P_{k-1} V_{k-1}). setmaxnreg gives the producer 24 registers and the consumers 240 (128 x 24 + 256 x 240 is the
-    launch's 384 x 168). cp.async writes through the generic proxy and wgmma reads through the async one, hence a
-    proxy fence after each full wait. The output is staged in the query tile (each warpgroup reads only its own
-    rows of it, and TileLang's consumer-only barrier orders the rest), not in a buffer that could alias a stage
-    the other warpgroup still reads."""
-    tokens, batch, blocks, max_blocks = (T.dynamic(name) for name in ("M", "B", "NB", "MAXB"))
-    group = HEADS // KV_HEADS
+@dataclass(frozen=True)
+class OverlapTiles:
+    """attention_ws's shared memory, barriers and fragments (allocated by `_overlap_tiles`): the query tile, the K and
+    V rings of two stages with their full and empty barriers, the scores S and probabilities P, the accumulator O
+    and the online softmax's state."""
+    q_s: Any
+    k_s: Any
+    v_s: Any
+    k_full: Any
+    v_full: Any
+    k_empty: Any
+    v_empty: Any
+    s: Any
+    p: Any
+    acc: Any
+    m: Any
+    m_prev: Any
+    rescale: Any
+    row_sum: Any
+    l: Any
+
+
+def _overlap_tiles(BLOCK_M: int, BLOCK_N: int, HD: int, THREADS: int):
+    @T.macro
+    def alloc_tiles():
+        q_s = T.alloc_shared((BLOCK_M, HD), BF16)
+        k_s = T.alloc_shared((2, BLOCK_N, HD), BF16)
+        v_s = T.alloc_shared((2, BLOCK_N, HD), BF16)
+        k_full = T.alloc_barrier([128, 128])
+        v_full = T.alloc_barrier([128, 128])
+        k_empty = T.alloc_barrier([THREADS, THREADS])
+        v_empty = T.alloc_barrier([THREADS, THREADS])
+        s = T.alloc_fragment((BLOCK_M, BLOCK_N), T.float32)
+        p = T.alloc_fragment((BLOCK_M, BLOCK_N), BF16)
+        acc = T.alloc_fragment((BLOCK_M, HD), T.float32)
+        m = T.alloc_fragment((BLOCK_M,), T.float32)
+        m_prev = T.alloc_fragment((BLOCK_M,), T.float32)
+        rescale = T.alloc_fragment((BLOCK_M,), T.float32)
+        row_sum = T.alloc_fragment((BLOCK_M,), T.float32)
+        l = T.alloc_fragment((BLOCK_M,), T.float32)
+        return OverlapTiles(q_s, k_s, v_s, k_full, v_full, k_empty, v_empty, s, p, acc, m, m_prev, rescale, row_sum, l)
+
+    return alloc_tiles
+
+
+def _overlap_roles(BLOCK_M: int, BLOCK_N: int, HD: int, CACHE_BLOCK: int, SCALE: float, THREADS: int):
+    """attention_ws's two roles: the producer warpgroup's gather of every K and V tile into the rings, and the
+    consumers' walk over the key tiles with the softmax under the P V product."""
     load_queries, write_rows = _tile_io(BLOCK_M, HD)
     load_tile, softmax = _overlap_steps(BLOCK_M, BLOCK_N, CACHE_BLOCK, SCALE * LOG2E, unroll=2)
     scores, wait_scores, rescaled_pv, wait_pv = _overlap_products(BLOCK_M, BLOCK_N, HD, THREADS)
@@ -214,6 +243,69 @@ def attention_ws(HEADS: int, KV_HEADS: int, HD: int, CACHE_BLOCK: int, SCALE: fl
         T.mbarrier_wait_parity(full[tile % 2], (tile // 2) % 2)
         T.fence_proxy_async()
 
+    @T.macro
+    def gather(KC, VC, b, TABLES, seq, kv_head, last_page, n):
+        """K_k, then V_{k-1}: the consumers' order of use (S_k, then P_{k-1} V_{k-1})."""
+        T.dec_max_nreg(24)
+        for k in T.serial(n):
+            produce(KC, b.k_s, b.k_full, b.k_empty, k, TABLES, seq, kv_head, last_page)
+            if k > 0:
+                produce(VC, b.v_s, b.v_full, b.v_empty, k - 1, TABLES, seq, kv_head, last_page)
+        produce(VC, b.v_s, b.v_full, b.v_empty, n - 1, TABLES, seq, kv_head, last_page)
+        # no copy of this thread's still in flight when it exits
+        T.mbarrier_wait_parity(b.v_full[(n - 1) % 2], ((n - 1) // 2) % 2)
+
+    @T.macro
+    def attend(Q, O, b, start, q0, q_len, head, first_pos, kv_end, n):
+        T.inc_max_nreg(240)
+        load_queries(Q, b.q_s, b.acc, b.l, b.m, start, q0, q_len, head)
+        consume(b.k_full, 0)
+        scores(b.q_s, b.k_s[0, :, :], b.s)
+        wait_scores(b.s, 0)
+        T.mbarrier_arrive(b.k_empty[0])
+        softmax(b.s, b.m, b.m_prev, b.rescale, b.row_sum, b.l, 0, first_pos, kv_end)
+        T.copy(b.s, b.p)
+        for k in T.serial(1, n):
+            consume(b.k_full, k)
+            scores(b.q_s, b.k_s[k % 2, :, :], b.s)
+            consume(b.v_full, k - 1)
+            rescaled_pv(b.acc, b.rescale, b.p, b.v_s[(k - 1) % 2, :, :])
+            wait_scores(b.s, 1)  # S_k is done; P_{k-1} V_{k-1} may still run
+            T.mbarrier_arrive(b.k_empty[k % 2])
+            softmax(b.s, b.m, b.m_prev, b.rescale, b.row_sum, b.l, k, first_pos, kv_end)
+            wait_pv(b.acc)
+            T.mbarrier_arrive(b.v_empty[(k - 1) % 2])
+            T.copy(b.s, b.p)
+        consume(b.v_full, n - 1)
+        rescaled_pv(b.acc, b.rescale, b.p, b.v_s[(n - 1) % 2, :, :])
+        wait_pv(b.acc)
+        write_rows(b.acc, b.l, b.q_s, O, start, q0, q_len, head)
+
+    return gather, attend
+
+
+def attention_ws(HEADS: int, KV_HEADS: int, HD: int, CACHE_BLOCK: int, SCALE: float, BLOCK_M: int, BLOCK_N: int,
+                 THREADS: int):
+    """The same attention with FlashAttention-3's two overlaps. Within a warpgroup (64 query rows each) the
+    softmax runs under the tensor cores: the GEMMs are issued as async wgmma, and step k issues S_k = Q K_k^T,
+    rescales O to tile k - 1's maximum while that runs, issues O += P_{k-1} V_{k-1}, waits for S_k only
+    (wait_wgmma(1): groups complete in order) and runs S_k's softmax while P V is on the tensor cores, then waits
+    for P V before overwriting P with P_k. Key 0 is visible to every row, so the running maximum is finite from
+    tile 0 on and a masked key's exp2 is 0. Across warpgroups the loads are split off: a producer warpgroup added to
+    the THREADS consumers gathers the K and V pages by cp.async into two-stage rings, each stage guarded by a full
+    mbarrier (the producer's 128 threads arrive through cp.async.mbarrier.arrive.noinc, so the phase completes when
+    their copies have landed, with no wait in the producer) and an empty one (every consumer thread arrives once it
+    is done reading the stage). The consumers wait only on the stage they read: no block-wide barrier in the loop,
+    so the warpgroups drift apart and neither issues loads. setmaxnreg gives the producer 24 registers and the
+    consumers 240 (128 x 24 + 256 x 240 is the launch's 384 x 168). cp.async writes through the generic proxy and
+    wgmma reads through the async one, hence a proxy fence after each full wait. The output is staged in the query
+    tile (each warpgroup reads only its own rows of it, and TileLang's consumer-only barrier orders the rest), not
+    in a buffer that could alias a stage the other warpgroup still reads."""
+    tokens, batch, blocks, max_blocks = (T.dynamic(name) for name in ("M", "B", "NB", "MAXB"))
+    group = HEADS // KV_HEADS
+    alloc_tiles = _overlap_tiles(BLOCK_M, BLOCK_N, HD, THREADS)
+    gather, attend = _overlap_roles(BLOCK_M, BLOCK_N, HD, CACHE_BLOCK, SCALE, THREADS)
+
     @T.prim_func
     def attention_ws(Q: T.Tensor((tokens, HEADS, HD), BF16),
                      KC: T.Tensor((blocks, CACHE_BLOCK, KV_HEADS, HD), BF16),
@@ -222,21 +314,7 @@ def attention_ws(HEADS: int, KV_HEADS: int, HD: int, CACHE_BLOCK: int, SCALE: fl
                      Q_LENS: T.Tensor((batch,), T.int32), CTX_LENS: T.Tensor((batch,), T.int32),
                      O: T.Tensor((tokens, HEADS, HD), BF16)):
         with T.Kernel(T.ceildiv(tokens, BLOCK_M), HEADS, batch, threads=THREADS + 128) as (bx, head, seq):
-            q_s = T.alloc_shared((BLOCK_M, HD), BF16)
-            k_s = T.alloc_shared((2, BLOCK_N, HD), BF16)
-            v_s = T.alloc_shared((2, BLOCK_N, HD), BF16)
-            k_full = T.alloc_barrier([128, 128])
-            v_full = T.alloc_barrier([128, 128])
-            k_empty = T.alloc_barrier([THREADS, THREADS])
-            v_empty = T.alloc_barrier([THREADS, THREADS])
-            s = T.alloc_fragment((BLOCK_M, BLOCK_N), T.float32)
-            p = T.alloc_fragment((BLOCK_M, BLOCK_N), BF16)
-            acc = T.alloc_fragment((BLOCK_M, HD), T.float32)
-            m = T.alloc_fragment((BLOCK_M,), T.float32)
-            m_prev = T.alloc_fragment((BLOCK_M,), T.float32)
-            rescale = T.alloc_fragment((BLOCK_M,), T.float32)
-            row_sum = T.alloc_fragment((BLOCK_M,), T.float32)
-            l = T.alloc_fragment((BLOCK_M,), T.float32)
+            b = alloc_tiles()
             kv_head = head // group
             tile = T.ceildiv(tokens, BLOCK_M) - 1 - bx  # the longest tiles (last queries) start first
             start = STARTS[seq]
@@ -249,37 +327,8 @@ def attention_ws(HEADS: int, KV_HEADS: int, HD: int, CACHE_BLOCK: int, SCALE: fl
             n = T.ceildiv(kv_end, BLOCK_N)
             if q0 < q_len:
                 if T.get_thread_binding() >= THREADS:
-                    T.dec_max_nreg(24)
-                    for k in T.serial(n):
-                        produce(KC, k_s, k_full, k_empty, k, TABLES, seq, kv_head, last_page)
-                        if k > 0:
-                            produce(VC, v_s, v_full, v_empty, k - 1, TABLES, seq, kv_head, last_page)
-                    produce(VC, v_s, v_full, v_empty, n - 1, TABLES, seq, kv_head, last_page)
-                    # no copy of this thread's still in flight when it exits
-                    T.mbarrier_wait_parity(v_full[(n - 1) % 2], ((n - 1) // 2) % 2)
+                    gather(KC, VC, b, TABLES, seq, kv_head, last_page, n)
                 else:
-                    T.inc_max_nreg(240)
-                    load_queries(Q, q_s, acc, l, m, start, q0, q_len, head)
-                    consume(k_full, 0)
-                    scores(q_s, k_s[0, :, :], s)
-                    wait_scores(s, 0)
-                    T.mbarrier_arrive(k_empty[0])
-                    softmax(s, m, m_prev, rescale, row_sum, l, 0, first_pos, kv_end)
-                    T.copy(s, p)
-                    for k in T.serial(1, n):
-                        consume(k_full, k)
-                        scores(q_s, k_s[k % 2, :, :], s)
-                        consume(v_full, k - 1)
-                        rescaled_pv(acc, rescale, p, v_s[(k - 1) % 2, :, :])
-                        wait_scores(s, 1)  # S_k is done; P_{k-1} V_{k-1} may still run
-                        T.mbarrier_arrive(k_empty[k % 2])
-                        softmax(s, m, m_prev, rescale, row_sum, l, k, first_pos, kv_end)
-                        wait_pv(acc)
-                        T.mbarrier_arrive(v_empty[(k - 1) % 2])
-                        T.copy(s, p)
-                    consume(v_full, n - 1)
-                    rescaled_pv(acc, rescale, p, v_s[(n - 1) % 2, :, :])
-                    wait_pv(acc)
-                    write_rows(acc, l, q_s, O, start, q0, q_len, head)
+                    attend(Q, O, b, start, q0, q_len, head, first_pos, kv_end, n)
 
     return attention_ws

@@ -4,7 +4,7 @@ residual added to the product (RESIDUAL); `gemm_merged` computes the SiLU x up e
 both halves. The row count M is dynamic; N and K are fixed per kernel. The decode tiles (16 rows on mma.sync) set
 MIN_BLOCKS, the CTAs an SM must hold (register cap, no setmaxnreg), and ASYNC_ROWS, the rows by predicated
 cp.async instead of a TMA box reaching past M (single GEMMs only: with two, TileLang frees the row stage after the
-first, see decode_gemm.py)."""
+first, see decode_tile.py)."""
 
 import tilelang.language as T
 
@@ -13,15 +13,15 @@ BF16 = T.bfloat16
 
 def silu_times(gate, up):
     """SiLU(gate) * up with the approximate exp and reciprocal (ex2.approx, rcp.approx, as Triton's epilogue
-    lowers them): expf and an IEEE division made the SiLU x up epilogue cost a 128x256 tile 7-9% on the H200
-    (docs/BENCHMARKS.md, session 7); their error is far below the bf16 rounding of the result."""
+    lowers them): expf and an IEEE division cost a 128x256 tile's epilogue dearly, and the approximations' error is
+    far below the bf16 rounding of the result."""
     return gate * T.fast_rcp(1.0 + T.__exp(-gate)) * up
 
 
 def gemm(N: int, K: int, ACT: int, RESIDUAL: bool, BLOCK_M: int, BLOCK_N: int, BLOCK_K: int, STAGES: int,
          THREADS: int, SWIZZLE: int, FULL_ROW: bool = False, MERGED: bool = False, MIN_BLOCKS: int = 1,
          ASYNC_ROWS: bool = False):
-    assert not (ACT and ASYNC_ROWS), "a 16-row SiLU x up tile is decode_gemm.py's: TileLang's frees rows too early"
+    assert not (ACT and ASYNC_ROWS), "a 16-row SiLU x up tile is decode_tile.py's: TileLang's frees rows too early"
     if MERGED:  # only the SiLU x up epilogue has two halves to merge
         assert ACT == 1 and not RESIDUAL, "a merged tile computes SiLU(gate) * up"
         return gemm_merged(N, K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, THREADS, SWIZZLE, FULL_ROW)

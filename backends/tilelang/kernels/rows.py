@@ -1,24 +1,21 @@
 """Row launches beside the GEMMs: a GEMM's [add +] RMSNorm prologue as a launch of its own (a TMA-fed GEMM reads its
-operand as stored), and the sum of a split GEMM's fp32 planes (decode_gemm.py's PARTIAL) where no kernel after it
-reads them. One CTA a row; M is dynamic, K (N) fixed."""
+operand as stored), and the sum of a split GEMM's fp32 planes (decode_planes.py) where no kernel after it adds
+them. One CTA a row; M is dynamic, K (N) fixed."""
 
 import tilelang.language as T
 
 BF16 = T.bfloat16
-PLANE_ROWS = 16  # a split GEMM's plane holds 16 rows (decode_gemm.py's ROWS), whatever M
+PLANE_ROWS = 16  # a split GEMM's plane holds 16 rows (decode_ring.py's ROWS), whatever M
 
 
 def add_rms_norm(K: int, EPS: float, ADD: bool, WRITE_SUM: bool, THREADS: int, PDL: bool = False,
                  PLANES: int = 0):
     """Per row, the residual sum X + X2 (written to S when WRITE_SUM) and its RMSNorm times G, rounded to bf16 as the
-    GEMM reads it. PDL: it lets the next kernel (the GEMM, launched programmatically) start at once, so that the
-    GEMM's first weight stages stream while the rows are normed, and waits for the previous kernel before reading its
-    rows; G, a weight, it loads before that wait (loaded after the sum's reduction, its round trip lay on the path
-    from the previous kernel's end to the GEMM's rows). Without PDL, G is read last, as it costs registers and saves
-    no wait. PLANES: X2 may come as a split GEMM's fp32 planes P ([PR, K], PR / 16 planes, at most PLANES; PR = 0:
-    X2 as stored), added in plane order and rounded to bf16 as sum_planes would have stored X2, so that the GEMM
-    before needs no sum of its own (decode_gemm.py's PARTIAL). Their loads unrolled and predicated, all issued at
-    once: a loop over the planes waited for each plane's loads in turn, on the path from the GEMM to the next."""
+    GEMM reads it. PDL: the next kernel (the GEMM, launched programmatically) may start at once, so that its first
+    weight stages stream while the rows are normed; G, a weight, is loaded before the wait for the previous kernel,
+    off the path from that kernel's end to the GEMM's rows. PLANES: X2 may come as a split GEMM's fp32 planes P
+    ([PR, K], PR / 16 planes, at most PLANES; PR = 0: X2 as stored), added in plane order and rounded to bf16 as
+    sum_planes would have stored X2 (decode_planes.py), their loads unrolled, predicated and issued at once."""
     assert ADD or not (WRITE_SUM or PLANES), "WRITE_SUM and PLANES concern the add's sum and its second operand"
     M = T.dynamic("M")
     PR = T.dynamic("PR")
@@ -93,7 +90,7 @@ def add_rms_norm(K: int, EPS: float, ADD: bool, WRITE_SUM: bool, THREADS: int, P
 
 
 def sum_planes(N: int, SPLIT: int, THREADS: int, PDL: bool = False):
-    """C = a split GEMM's SPLIT fp32 planes added in plane order, rounded to bf16: the sum its PARTIAL tile leaves
+    """C = a split GEMM's SPLIT fp32 planes added in plane order, rounded to bf16: the sum decode_planes.py leaves
     out, run by the runtime only where a kernel after it reads C itself (add_rms_norm's PLANES adds them instead)."""
     M = T.dynamic("M")
 

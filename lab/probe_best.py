@@ -1,5 +1,5 @@
 """The fastest decode cases of a gemm_probe.py run, per GEMM and row count, plain and programmatic: a short table
-where the probe's own lists every case (`python3 scripts/gpu/probe_best.py $OUT/decode_probe.json [--top N]`)."""
+where the probe's own lists every case (`python3 lab/probe_best.py $OUT/decode_probe.json [--top N]`)."""
 
 import argparse
 import json

@@ -1,10 +1,10 @@
 """Tile search for the decode GEMMs of a model (the measurement behind backends/triton/plan.py's GEMV tiles).
 
-Here, with no GPU: `python scripts/gpu/tune_gemv.py prepare --out .gpu/tune [--rows 1 4 16] [--only PREFIX...]`
+Here, with no GPU: `python lab/tune_gemv.py prepare --out .gpu/tune [--rows 1 4 16] [--only PREFIX...]`
 compiles, for every GEMM kernel of Qwen3-4B and each row count, the plan's own decode variants for it plus candidate
 tiles (at 1 row, gemv_row_kernel's; at more, gemv_rows_kernel's, row_programs', and the tensor-core
 linear_kernel's and linear_split_kernel's) to sm_90 cubins.
-On the GPU: `python scripts/gpu/tune_gemv.py run --dir .gpu/tune --out $OUT` launches each candidate on random
+On the GPU: `python lab/tune_gemv.py run --dir .gpu/tune --out $OUT` launches each candidate on random
 bf16 data, checks its output against the plan's variant, and times it in a CUDA graph that cycles through enough
 copies of the weight to defeat the L2, printing microseconds and TB/s per candidate (best first per shape); with
 `--pdl`, each candidate compiled to wait for its predecessor is timed again launched programmatically, as the

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# On the GPU machine (device tool, carry [".gpu/cache_tl"]): issue 7's measurements in one call. A per-call cache
-# compiled here with every backend (`pegainfer compile qwen3-4b --sm 90 --backends triton,tilelang,cute`, then
+# On the GPU machine (device tool, carry [".gpu/cache_tl"]): the prefill tuning measurements in one call. A per-call
+# cache compiled here with every backend (`pegainfer compile qwen3-4b --sm 90 --backends triton,tilelang,cute`, then
 # scripts/gpu/slim_cache.py into .gpu/cache_tl):
 #   1. the time to first token of 1k/4k/8k prompts with the untuned selection (Triton everywhere);
 #   2. scripts/gpu/kernels.py: every TileLang / CuTe DSL / Triton variant checked against torch and timed against
@@ -9,7 +9,7 @@
 #   4. the same prefill again with the tuned selection.
 # Everything goes to $OUT/tune.tgz and $OUT/tune_console.log; the tables print last.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/.."
 export PEGAINFER_CACHE="${PEGAINFER_CACHE:-$PWD/.gpu/cache_tl}"
 . scripts/gpu/env.sh
 keep_work /tmp/tune_work tune.tgz

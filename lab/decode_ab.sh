@@ -2,13 +2,13 @@
 # On the GPU machine (device tool): the decode step of the Qwen3-4B shape under each cubin cache given, alternated
 # ROUNDS times (default 2) so that clock and thermal drift fall on every cache alike: the A/B comparison a change to
 # a decode kernel needs, since isolated kernel chains have ranked tiles differently than the step does
-# (docs/BENCHMARKS.md, session 9). BATCHES (default 1,4) and STEPS (default 300) as `pegainfer bench decode` takes
+# (docs/BENCHMARKS.md). BATCHES (default 1,4) and STEPS (default 300) as `pegainfer bench decode` takes
 # them; context 128. Carry the caches (scripts/gpu/slim_cache.py makes them); CACHE:T runs that cache with
 # programmatic dependent launch in steps of up to T tokens (`--pdl-max-tokens T`; the engine's default otherwise):
-#   bash scripts/gpu/decode_ab.sh .gpu/cache_before .gpu/cache_after .gpu/cache_after:16
+#   bash lab/decode_ab.sh .gpu/cache_before .gpu/cache_after .gpu/cache_after:16
 # Logs go to $OUT/decode_ab.tgz; the step times print last, one line per round and cache.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/.."
 . scripts/gpu/env.sh
 keep_work /tmp/decode_ab decode_ab.tgz
 for round in $(seq "${ROUNDS:-2}"); do

@@ -5,10 +5,10 @@
 # tune qwen3-4b` on a copy of the last cache and the same benchmarks with the tuned choice; then the small
 # checkpoint against the CPU reference with the last cache (batches 4, 9, 17 through the new variants). Carry the
 # caches and .gpu/small, .gpu/small_soft:
-#   bash scripts/gpu/decode_rows.sh .gpu/cache_qwen3_old .gpu/cache_qwen3
+#   bash lab/decode_rows.sh .gpu/cache_qwen3_old .gpu/cache_qwen3
 # Logs go to $OUT/decode_rows.tgz; the tables print last.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/.."
 . scripts/gpu/env.sh  # each command below names its own PEGAINFER_CACHE
 keep_work /tmp/decode_rows decode_rows.tgz
 BATCHES=${BATCHES:-1,2,4,8,16}
