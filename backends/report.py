@@ -44,13 +44,13 @@ def _text(folder: Path, launch: Launch, what: str) -> str:
 
 
 def resources_table(folder: Path, launches: list[tuple[Kernel, Variant, Launch]]) -> str:
-    lines = [f"{'kernel':<30} {'variant':<18} {'regs':>5} {'spill st':>9} {'spill ld':>9} {'stack':>6} "
+    lines = [f"{'kernel':<30} {'variant':<22} {'regs':>5} {'spill st':>9} {'spill ld':>9} {'stack':>6} "
              f"{'local':>6} {'smem static':>12} {'smem dyn':>9} {'warps':>5}"]
     for k, variant, launch in launches:
         meta = _cached_meta(folder / f"{launch.key}.json")
         usage = {"spill_stores": 0, "spill_loads": 0, "local": 0, **meta["resources"]} if "resources" in meta \
             else resource_usage(folder / f"{launch.key}.cubin", folder / f"{launch.key}.ptx")
-        lines.append(f"{k.node + ' ' + k.kind:<30.30} {variant.name:<18} {usage['registers']:>5} "
+        lines.append(f"{k.node + ' ' + k.kind:<30.30} {variant.name:<22} {usage['registers']:>5} "
                      f"{usage['spill_stores']:>9} {usage['spill_loads']:>9} {usage['stack']:>6} {usage['local']:>6} "
                      f"{usage['shared']:>12} {launch.shared:>9} {launch.num_warps:>5}")
     return "\n".join(lines) + "\n"
@@ -61,11 +61,11 @@ def selection_table(manifest: Path) -> str:
     by how much it won (from the tuning times)."""
     data = load(manifest)
     lines = [f"sm_{data.sm}: backends {', '.join(f'{b} {v}' for b, v in data.backends.items())}",
-             f"{'kernel':<30} {'slot':<32} {'chosen':<24} {'by':<8} {'margin':<34} alternatives"]
+             f"{'kernel':<30} {'slot':<32} {'chosen':<31} {'by':<8} {'margin':<42} alternatives"]
     for k in data.kernels:
         for s in k.selection:
             others = [label for label in s.alternatives if label != s.chosen]
-            lines.append(f"{k.node + ' ' + k.kind:<30.30} {s.slot:<32} {s.chosen:<24} {s.by:<8} {margin(s):<34} "
+            lines.append(f"{k.node + ' ' + k.kind:<30.30} {s.slot:<32} {s.chosen:<31} {s.by:<8} {margin(s):<42} "
                          f"{', '.join(others) or '-'}")
     return "\n".join(lines) + "\n"
 

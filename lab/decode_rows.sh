@@ -29,5 +29,5 @@ PEGAINFER_CACHE=/tmp/cache_tuned python3 -m pegainfer.cli inspect qwen3-4b --sho
 PEGAINFER_CACHE=$last python3 scripts/gpu/check.py --small .gpu/small --out "$WORK" --skip sampling bench gate4b hf \
     > "$WORK/check.log" 2>&1
 grep -E "rel_err|replay|hf_gate " "$WORK/check.log" | head -20
-grep -E "rows|one_row|->|few|fma|small" "$WORK/inspect_tuned.txt" | head -40
+grep -E "rows|gemv|dot|split_k|decode|->" "$WORK/inspect_tuned.txt" | head -40
 for f in "$WORK"/decode_*.txt; do echo "== $(basename "$f")"; cat "$f"; done

@@ -2,8 +2,8 @@
 
 Here, with no GPU: `python lab/tune_gemv.py prepare --out .gpu/tune [--rows 1 4 16] [--only PREFIX...]`
 compiles, for every GEMM kernel of Qwen3-4B and each row count, the plan's own decode variants for it plus candidate
-tiles (at 1 row, gemv_row_kernel's; at more, gemv_rows_kernel's, row_programs', and the tensor-core
-linear_kernel's and linear_split_kernel's) to sm_90 cubins.
+tiles (at 1 row, gemv_row_kernel's; at more, gemv_rows_kernel's, gemv_row_kernel's a row a program (the plan's
+gemv_1 at 4 rows), and the tensor-core linear_kernel's and linear_split_kernel's) to sm_90 cubins.
 On the GPU: `python lab/tune_gemv.py run --dir .gpu/tune --out $OUT` launches each candidate on random
 bf16 data, checks its output against the plan's variant, and times it in a CUDA graph that cycles through enough
 copies of the weight to defeat the L2, printing microseconds and TB/s per candidate (best first per shape); with
@@ -30,11 +30,10 @@ def candidates(launch, act: bool, rows: int, split_launch=None) -> list[tuple[st
     out = []
     row_tiles = [(1, 1024, 2), (2, 512, 2), (2, 1024, 2), (4, 256, 2), (1, 1024, 4), (2, 1024, 4), (4, 512, 4),
                  (4, 1024, 4), (8, 256, 4), (8, 512, 4), (16, 256, 4), (1, 2048, 8), (2, 2048, 8), (4, 1024, 8)]
-    for bn, bk, warps in row_tiles if rows == 1 else row_tiles[4:10]:  # at more rows, as row_programs
+    for bn, bk, warps in row_tiles if rows == 1 else row_tiles[4:10]:  # at more rows, a program a row
         if bn * bk * (2 if act else 1) // (32 * warps) > 64 or -(-n // bn) > MAX_GRID_Y:
             continue
-        label = "row" if rows == 1 else "row_programs"
-        out.append((f"{label} n{bn} k{bk} w{warps}", _tile(launch, "gemv_row_kernel", 1, bn, bk, warps, 1)))
+        out.append((f"gemv_1 n{bn} k{bk} w{warps}", _tile(launch, "gemv_row_kernel", 1, bn, bk, warps, 1)))
     if rows == 1:
         return out
     for warps in (2, 4, 8):  # K tiles of 256 a warp: every warp on K, so the products need no layout change
@@ -107,12 +106,12 @@ def prepare(out: Path, row_counts: list[int], only: list[str] | None = None) -> 
     todo, index = {}, []
     for kernel in kernels:
         variants = {v.name: v for v in kernel.variants}
-        if "one_row" not in variants or len(variants["one_row"].launches) > 1:  # not the sampler's tail
+        if "gemv_1" not in variants or len(variants["gemv_1"].launches) > 1:  # not the sampler's tail
             continue
         for rows in row_counts:
             plans = [v for v in kernel.variants if v.max_rows is None or rows <= v.max_rows]
             plans = [v for v in plans if v.max_rows == min(p.max_rows or 1 << 30 for p in plans)]
-            base = variants["one_row"].launches[0]
+            base = variants["gemv_1"].launches[0]
             # one launch each: a variant with its norm as a launch of its own is timed by kernels.py instead (and
             # a GEMM with a norm has no split pattern here: its split variant runs the norm first)
             entries = [(f"plan {v.name}", v.launches[0]) for v in plans if len(v.launches) == 1]

@@ -1,7 +1,7 @@
-"""Each Triton attention variant (prefill tiles, split-KV, default) on one step that mixes a long prompt chunk
-with decode rows, under TRITON_INTERPRET, against the op's reference: the prefill tiles are what every step with
-a prompt chunk of 64 or more queries runs, and the decode rows beside it are what query tiles past a sequence's
-end must leave alone."""
+"""Each Triton attention variant (flash_64's prefill tiles, split_kv_16, split_kv_prefetch_16, flash_16) on one
+step that mixes a long prompt chunk with decode rows, under TRITON_INTERPRET, against the op's reference: the
+prefill tiles are what every step with a prompt chunk of 64 or more queries runs, and the decode rows beside it are
+what query tiles past a sequence's end must leave alone."""
 
 import copy
 import dataclasses
@@ -49,22 +49,22 @@ def step_inputs(rng: np.random.Generator, heads: int, kv_heads: int, head_dim: i
             "q_lens": np.array(query_lens, np.int32), "ctx_lens": np.array(context_lens, np.int32)}
 
 
-@pytest.mark.parametrize("variant, step", [("prefill_tiles", LONG_CHUNK), ("default", LONG_CHUNK),
-                                           ("split_kv", SHORT_CHUNK), ("split_kv_prefetch", SHORT_CHUNK)],
-                         ids=["prefill_tiles", "default", "split_kv", "split_kv_prefetch"])
+@pytest.mark.parametrize("variant, step", [("flash_64", LONG_CHUNK), ("flash_16", LONG_CHUNK),
+                                           ("split_kv_16", SHORT_CHUNK), ("split_kv_prefetch_16", SHORT_CHUNK)],
+                         ids=["flash_64", "flash_16", "split_kv_16", "split_kv_prefetch_16"])
 def test_attention_variant_matches_the_reference_on_a_mixed_step(attention, variant, step):
-    """split_kv_prefetch (one sequence's decode step on the GPU) reads each first tile's keys before the step's
+    """split_kv_prefetch_16 (one sequence's decode step on the GPU) reads each first tile's keys before the step's
     first position apart from those after it (before and after the wait for the previous kernel): here every
     sequence's first tile holds both."""
     check_variant(*attention, variant, step)
 
 
-def test_prefill_tiles_keep_a_sliding_window(attention):
+def test_flash_64_keeps_a_sliding_window(attention):
     """Windowed models' long prompts run these tiles (no TileLang candidate takes a window)."""
     graph, node, _ = attention
     windowed = copy.deepcopy(node)
     windowed.attrs["nodes"][0].attrs["window"] = 12  # shorter than the 70-query chunk and its 9 cached keys
-    check_variant(graph, windowed, plan_kernel(graph, windowed, PlanOptions(block_size=BLOCK_SIZE)), "prefill_tiles",
+    check_variant(graph, windowed, plan_kernel(graph, windowed, PlanOptions(block_size=BLOCK_SIZE)), "flash_64",
                   LONG_CHUNK)
 
 
@@ -77,7 +77,7 @@ def check_variant(graph, node, spec, variant: str, step: tuple[list[int], list[i
     arrays = dict(zip(inner.inputs, values.values()))
     sizes = {"tokens": sum(step[0]), "batch": 3, "num_blocks": 16, "block_size": BLOCK_SIZE, "max_blocks": 5,
              **launch_sizes(values["q_lens"])}
-    if variant == "prefill_tiles":
+    if variant == "flash_64":
         assert pick_variant(spec, sizes).name == variant, "the prefill tiles serve a step with a 70-query chunk"
     (picked,) = [v for v in spec.variants if v.name == variant]
     chosen = dataclasses.replace(spec, variants=[dataclasses.replace(picked, max_rows=None, min_sizes={})])
@@ -97,7 +97,7 @@ def test_split_kv_slices_past_the_keys_store_only_their_log_sum_exp(attention):
     values = step_inputs(np.random.default_rng(7), heads, types[inner.inputs[1]].shape[2], head_dim, *SHORT_CHUNK)
     sizes = {"tokens": sum(SHORT_CHUNK[0]), "batch": 3, "num_blocks": 16, "block_size": BLOCK_SIZE, "max_blocks": 5,
              **launch_sizes(values["q_lens"])}
-    (picked,) = [v for v in spec.variants if v.name == "split_kv"]
+    (picked,) = [v for v in spec.variants if v.name == "split_kv_16"]
     chosen = dataclasses.replace(spec, variants=[dataclasses.replace(picked, max_rows=None, min_sizes={})])
     scratch = {name: to_torch(np.full([sizes.get(d, d) for d in shape], np.nan, np.float32))
                for name, (_, shape) in spec.scratch.items()}

@@ -21,9 +21,9 @@ def variant(backend: str, name: str, max_rows, min_sizes=None) -> VariantSpec:
 
 
 def gemm_kernel() -> KernelSpec:
-    variants = [variant("triton", "one_row", 1), variant("triton", "small_rows", 16), variant("triton", "mid_rows", 64),
-                variant("triton", "many_rows", None), variant("cute", "gemv_1", 1),
-                variant("tilelang", "decode_16x16", 16), variant("tilelang", "wgmma", None)]
+    variants = [variant("triton", "gemv_1", 1), variant("triton", "dot_16", 16), variant("triton", "dot_32", 64),
+                variant("triton", "dot_64", None), variant("cute", "gemv_1", 1),
+                variant("tilelang", "decode_tile_16x16", 16), variant("tilelang", "wgmma", None)]
     return KernelSpec("body", "down", "linear", ["linear"], "tokens", variants)
 
 
@@ -40,31 +40,31 @@ def test_the_shipped_default_is_tilelang_for_hopper_prefill_and_small_decode_and
     kernel = gemm_kernel()
     for sm in (80, 120):
         chosen, records = choose(kernel, kernel.variants, sm, {})
-        assert [v.label for v in chosen] == ["triton:one_row", "triton:small_rows", "triton:mid_rows",
-                                             "triton:many_rows"]
+        assert [v.label for v in chosen] == ["triton:gemv_1", "triton:dot_16", "triton:dot_32",
+                                             "triton:dot_64"]
         assert [r.by for r in records] == ["default"] * 4
     chosen, _ = choose(kernel, kernel.variants, 90, {})
-    assert [v.label for v in chosen] == ["triton:one_row", "tilelang:decode_16x16", "triton:mid_rows",
+    assert [v.label for v in chosen] == ["triton:gemv_1", "tilelang:decode_tile_16x16", "triton:dot_32",
                                          "tilelang:wgmma"]
     without_tilelang = [v for v in kernel.variants if v.backend != "tilelang"]
     chosen, _ = choose(kernel, without_tilelang, 90, {})  # compiled with --backends triton
-    assert chosen[-1].label == "triton:many_rows"
+    assert chosen[-1].label == "triton:dot_64"
 
 
 def test_defaults_per_sm(hopper_preference):
     kernel = gemm_kernel()
     chosen, records = choose(kernel, kernel.variants, 90, {})
-    assert [v.label for v in chosen] == ["cute:gemv_1", "triton:small_rows", "triton:mid_rows", "tilelang:wgmma"]
+    assert [v.label for v in chosen] == ["cute:gemv_1", "triton:dot_16", "triton:dot_32", "tilelang:wgmma"]
     assert [r.by for r in records] == ["default"] * 4
     chosen, _ = choose(kernel, kernel.variants, 80, {})
-    assert [v.label for v in chosen] == ["triton:one_row", "triton:small_rows", "triton:mid_rows",
-                                         "triton:many_rows"]
+    assert [v.label for v in chosen] == ["triton:gemv_1", "triton:dot_16", "triton:dot_32",
+                                         "triton:dot_64"]
 
 
 def test_a_backends_first_variant_of_a_slot_is_its_default(hopper_preference):
     """Tuning tiles sit beside a backend's default tile in the same slot; untuned, the default one runs."""
-    variants = [variant("triton", "many_rows", None), variant("tilelang", "wgmma_128x128", None),
-                variant("tilelang", "wgmma_128x256_rows", None)]
+    variants = [variant("triton", "dot_64", None), variant("tilelang", "wgmma_128x128", None),
+                variant("tilelang", "wgmma_fullrow_128x256", None)]
     kernel = KernelSpec("body", "down", "linear", ["linear"], "tokens", variants)
     chosen, records = choose(kernel, variants, 90, {})
     assert [v.label for v in chosen] == ["tilelang:wgmma_128x128"]
@@ -73,28 +73,28 @@ def test_a_backends_first_variant_of_a_slot_is_its_default(hopper_preference):
 
 def test_tuning_data_overrides_the_default_and_reports_the_margin():
     kernel = gemm_kernel()
-    tuning = {"kernels": {"body/down": {"any rows": {"choice": "triton:many_rows",
-                                                     "times_us": {"triton:many_rows": 50.0, "tilelang:wgmma": 80.0}}}}}
+    tuning = {"kernels": {"body/down": {"any rows": {"choice": "triton:dot_64",
+                                                     "times_us": {"triton:dot_64": 50.0, "tilelang:wgmma": 80.0}}}}}
     chosen, records = choose(kernel, kernel.variants, 90, tuning)
-    assert chosen[-1].label == "triton:many_rows"
+    assert chosen[-1].label == "triton:dot_64"
     assert records[-1].by == "tuned" and margin(records[-1]) == "1.60x over tilelang:wgmma"
     assert margin(records[0]) == "untuned"
 
 
 def test_a_conditional_slot_comes_first_and_can_fall_through(hopper_preference):
-    variants = [variant("triton", "split_kv", 16), variant("triton", "default", None),
+    variants = [variant("triton", "split_kv_16", 16), variant("triton", "flash_16", None),
                 variant("tilelang", "flash", None, {"max_query_len": 64})]
     kernel = KernelSpec("body", "attention", "paged_attention", ["paged_attention"], "batch", variants)
     chosen, records = choose(kernel, variants, 90, {})
-    assert [v.label for v in chosen] == ["tilelang:flash", "triton:split_kv", "triton:default"]
+    assert [v.label for v in chosen] == ["tilelang:flash", "triton:split_kv_16", "triton:flash_16"]
     assert records[0].slot == "any rows, max_query_len>=64"
     launched = KernelSpec("body", "attention", "paged_attention", ["paged_attention"], "batch", chosen)
     assert pick_variant(launched, {"batch": 1, "max_query_len": 8192}).name == "flash"
-    assert pick_variant(launched, {"batch": 1, "max_query_len": 1}).name == "split_kv"
-    assert pick_variant(launched, {"batch": 40, "max_query_len": 1}).name == "default"
+    assert pick_variant(launched, {"batch": 1, "max_query_len": 1}).name == "split_kv_16"
+    assert pick_variant(launched, {"batch": 40, "max_query_len": 1}).name == "flash_16"
     tuning = {"kernels": {"body/attention": {records[0].slot: {"choice": "fallthrough", "times_us": {}}}}}
     chosen, _ = choose(kernel, variants, 90, tuning)
-    assert [v.label for v in chosen] == ["triton:split_kv", "triton:default"]
+    assert [v.label for v in chosen] == ["triton:split_kv_16", "triton:flash_16"]
 
 
 def test_parse_backends_needs_triton_and_known_names():
@@ -120,11 +120,11 @@ def manifest_of(sm: int, candidates: list[Variant], scratch: dict | None = None,
 
 def test_selection_table_names_the_winner(tmp_path):
     manifest = tmp_path / "m.json"
-    chosen = Selection("any rows", ("triton:many_rows", "tilelang:wgmma"), "tuned", "tilelang:wgmma",
-                       {"triton:many_rows": 90.0, "tilelang:wgmma": 60.0})
+    chosen = Selection("any rows", ("triton:dot_64", "tilelang:wgmma"), "tuned", "tilelang:wgmma",
+                       {"triton:dot_64": 90.0, "tilelang:wgmma": 60.0})
     dump(manifest_of(90, [], selection=[chosen]), manifest)
     table = selection_table(manifest)
-    assert "tilelang:wgmma" in table and "1.50x over triton:many_rows" in table and "tuned" in table
+    assert "tilelang:wgmma" in table and "1.50x over triton:dot_64" in table and "tuned" in table
 
 
 def test_tune_without_a_gpu_says_so(capsys):
@@ -152,7 +152,7 @@ def test_synthetic_step_lands_in_the_slot_it_times():
 def test_reselect_rewrites_a_manifest_from_its_candidates(tmp_path, hopper_preference):
     from pegainfer.backends.select import reselect
 
-    candidates = [compiled("triton", "one_row", 1), compiled("triton", "many_rows", None),
+    candidates = [compiled("triton", "gemv_1", 1), compiled("triton", "dot_64", None),
                   compiled("cute", "gemv_1", 1), compiled("tilelang", "wgmma", None, buffer="gemm.normed")]
     normed = TensorType(dtype_from_name("bf16"), ("tokens", 8))
     path = tmp_path / "m.json"
@@ -161,9 +161,9 @@ def test_reselect_rewrites_a_manifest_from_its_candidates(tmp_path, hopper_prefe
     (kernel,) = load(path).kernels
     assert [v.label for v in kernel.variants] == ["cute:gemv_1", "tilelang:wgmma"]
     assert kernel.scratch == {"gemm.normed": normed}
-    reselect(path, {"kernels": {"body/down": {"any rows": {"choice": "triton:many_rows", "times_us": {}}}}})
+    reselect(path, {"kernels": {"body/down": {"any rows": {"choice": "triton:dot_64", "times_us": {}}}}})
     (kernel,) = load(path).kernels
-    assert [v.label for v in kernel.variants] == ["cute:gemv_1", "triton:many_rows"]
+    assert [v.label for v in kernel.variants] == ["cute:gemv_1", "triton:dot_64"]
     assert kernel.scratch == {} and kernel.selection[1].by == "tuned"
 
 
@@ -172,15 +172,15 @@ def test_reselect_keeps_a_variant_that_serves_two_slots_under_one_label(tmp_path
     keeps it in that slot (a lookup by label alone kept only one of the two, and the other slot fell back)."""
     from pegainfer.backends.select import reselect, slot_candidates
 
-    candidates = [compiled("triton", "fma_rows", 4), compiled("triton", "small_rows", 16),
-                  compiled("triton", "many", None), compiled("tilelang", "decode_16x16", 4),
-                  compiled("tilelang", "decode_16x16", 16)]
+    candidates = [compiled("triton", "gemv_4", 4), compiled("triton", "dot_16", 16),
+                  compiled("triton", "many", None), compiled("tilelang", "decode_tile_16x16", 4),
+                  compiled("tilelang", "decode_tile_16x16", 16)]
     path = tmp_path / "m.json"
     dump(manifest_of(80, candidates), path)
-    tuned = {"choice": "tilelang:decode_16x16", "times_us": {}}
+    tuned = {"choice": "tilelang:decode_tile_16x16", "times_us": {}}
     reselect(path, {"kernels": {"body/down": {"rows<=4": tuned, "rows<=16": tuned}}})
     (kernel,) = load(path).kernels
     assert [(v.label, v.max_rows) for v in kernel.variants] == [
-        ("tilelang:decode_16x16", 4), ("tilelang:decode_16x16", 16), ("triton:many", None)]
+        ("tilelang:decode_tile_16x16", 4), ("tilelang:decode_tile_16x16", 16), ("triton:many", None)]
     four = next(s for s in kernel.selection if s.slot == "rows<=4")
     assert [v.max_rows for v in slot_candidates(kernel, four)] == [4, 4]

@@ -52,7 +52,7 @@ def rows(ptr: int, n: int = 9, dtype=BF16, width: int = 2560) -> DeviceTensor:
 def produced(sums: DeferredSums, c_ptr: int = 0x10000, planes_ptr: int = 0x90000) -> dict[str, DeviceTensor]:
     """o_proj's variant scheduled: its GEMM runs, its sum is deferred."""
     env = {"a": rows(0x70000), "o_proj": rows(c_ptr), "planes:o_proj": rows(planes_ptr, 64, F32)}
-    runs = sums.schedule([gemm("o_proj"), total("o_proj")], env, {"tokens": 9}, "linear/decode_planes")
+    runs = sums.schedule([gemm("o_proj"), total("o_proj")], env, {"tokens": 9}, "linear/decode_planes_16x32")
     assert [launch.key for _, launch, _, _ in runs] == ["gemm o_proj"] and sums.pending[-1].output.ptr == c_ptr
     return env
 
@@ -89,8 +89,8 @@ def test_any_other_reader_of_the_memory_gets_the_sum_first_once():
     env = produced(sums)
     column_view = env["o_proj"].columns(1024, 512)  # overlaps the pending output
     runs = sums.schedule([READ], {"x": column_view}, {"tokens": 9})
-    assert [(origin, launch.key) for origin, launch, _, _ in runs] == [("linear/decode_planes", "sum o_proj"),
-                                                                          ("", "read")]
+    assert [(origin, launch.key) for origin, launch, _, _ in runs] == [("linear/decode_planes_16x32", "sum o_proj"),
+                                                                       ("", "read")]
     assert runs[0][3] == {"tokens": 9} and runs[0][2]["planes:o_proj"] == env["planes:o_proj"]
     assert [launch.key for _, launch, _, _ in sums.schedule([READ], {"x": column_view}, {})] == ["read"]
 

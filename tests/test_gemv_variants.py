@@ -1,5 +1,5 @@
-"""The decode GEMM variants (few_rows, row_programs and fma_rows share the slot of up to 4 rows: `pegainfer tune`
-chooses between them on a GPU; small_rows takes up to 16), each against the kernel's ops run by their references,
+"""The decode GEMM variants (dot_16, gemv_1 and gemv_4 share the slot of up to 4 rows: `pegainfer tune`
+chooses between them on a GPU; dot_16 also takes up to 16), each against the kernel's ops run by their references,
 under TRITON_INTERPRET, on the plain projection, the fused residual add + RMSNorm + QKV projection and the gate/up
 projection with its SiLU x up epilogue."""
 
@@ -43,13 +43,13 @@ def run_reference(node, env: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return env
 
 
-def variant_case(graph, kind: str, variant: str, seed: int, scale: float = 1.0):
-    """The first kernel of `kind`, planned with only `variant` (serving any row count), random inputs of ROWS rows,
-    and the outputs of its ops' references."""
+def variant_case(graph, kind: str, variant: str, max_rows: int, seed: int, scale: float = 1.0):
+    """The first kernel of `kind`, planned with only `variant` of the slot of `max_rows` rows (one name may serve two
+    slots), serving any row count, random inputs of ROWS rows, and the outputs of its ops' references."""
     body = next(g for g in graph.all_graphs() for n in g.nodes if n.op == KERNEL and n.attrs["kind"] == kind)
     node = next(n for n in body.nodes if n.op == KERNEL and n.attrs["kind"] == kind)
     spec = plan_kernel(body, node, PlanOptions(block_size=16))
-    (picked,) = [v for v in spec.variants if v.name == variant]
+    (picked,) = [v for v in spec.variants if v.name == variant and v.max_rows == max_rows]
     chosen = dataclasses.replace(spec, variants=[dataclasses.replace(picked, max_rows=None)])
     types = body.value_types()
     rng = np.random.default_rng(seed)
@@ -59,9 +59,9 @@ def variant_case(graph, kind: str, variant: str, seed: int, scale: float = 1.0):
 
 
 @pytest.mark.parametrize("kind", ["linear", "add_rms_norm_linear", "add_rms_norm_linear_silu_mul"])
-@pytest.mark.parametrize("variant", ["few_rows", "row_programs", "fma_rows", "small_rows"])
-def test_decode_gemm_variant_matches_the_reference(graph, kind, variant):
-    node, chosen, inputs, expected = variant_case(graph, kind, variant, seed=4)
+@pytest.mark.parametrize("variant, max_rows", [("dot_16", 4), ("gemv_1", 4), ("gemv_4", 4), ("dot_16", 16)])
+def test_decode_gemm_variant_matches_the_reference(graph, kind, variant, max_rows):
+    node, chosen, inputs, expected = variant_case(graph, kind, variant, max_rows, seed=4)
     got = launch_kernel(chosen, node, {name: to_torch(a) for name, a in inputs.items()}, {"tokens": ROWS})
     for name in node.outputs:
         np.testing.assert_allclose(to_numpy(got[name]), expected[name], rtol=2e-5, atol=2e-5, err_msg=name)
@@ -88,12 +88,12 @@ def wide_graph():
 
 
 @pytest.mark.parametrize("kind", ["linear", "add_rms_norm_linear_silu_mul"])
-@pytest.mark.parametrize("variant", ["split_rows", "small_split_rows"])
-def test_split_gemm_matches_the_reference_and_leaves_its_tickets_zeroed(wide_graph, kind, variant):
+@pytest.mark.parametrize("variant, max_rows", [("split_k_16", 4), ("split_k_16", 16)])
+def test_split_gemm_matches_the_reference_and_leaves_its_tickets_zeroed(wide_graph, kind, variant, max_rows):
     """Twice on the same scratch: each launch's last program per tile must reset the tile's ticket, or the second
     launch would never find its last program (the sums' planes are overwritten, not added to)."""
     # inputs of 0.1: gates of a few units, not hundreds
-    node, chosen, inputs, expected = variant_case(wide_graph, kind, variant, seed=5, scale=0.1)
+    node, chosen, inputs, expected = variant_case(wide_graph, kind, variant, max_rows, seed=5, scale=0.1)
     assert chosen.variants[0].launches[-1].constexprs["SPLIT"] > 1
     scratch = {name: torch.zeros(shape, dtype=torch.float32 if dtype == "f32" else torch.int32)
                for name, (dtype, shape) in chosen.scratch.items() if name.startswith("gemm.split")}

@@ -31,12 +31,12 @@ def sample_manifest() -> Manifest:
     params = (Param("A_desc", ParamKind.TMA, "x", "tma", tma=TMA), Param("P", ParamKind.PLANES, "o_proj", "*fp32"),
               Param("PR", ParamKind.PLANE_ROWS, "o_proj", "i32"), Param("M", ParamKind.DIM, "tokens", "i32"),
               Param("S", ParamKind.STRIDE, "block_tables", "i32", aligned=False))
-    decode = Variant("decode_16x16", 16, (launch("a", params, cluster=(1, 1, 2)),), "tilelang", {}, (90,))
-    prefill = Variant("many_rows", None, (launch("b", deferred=True),), "triton", {"max_query_len": 64})
+    decode = Variant("decode_tile_16x16", 16, (launch("a", params, cluster=(1, 1, 2)),), "tilelang", {}, (90,))
+    prefill = Variant("dot_64", None, (launch("b", deferred=True),), "triton", {"max_query_len": 64})
     normed = TensorType(dtype_from_name("bf16"), ("tokens", 2560))
     kernel = Kernel("body", "down", "linear", ("linear",), "tokens", [decode, prefill], [decode, prefill],
-                    [Selection("rows<=16", ("tilelang:decode_16x16",), "tuned", "tilelang:decode_16x16",
-                               {"tilelang:decode_16x16": 7.5})], {"gemm.normed": normed}, {"gemm.normed": normed})
+                    [Selection("rows<=16", ("tilelang:decode_tile_16x16",), "tuned", "tilelang:decode_tile_16x16",
+                               {"tilelang:decode_tile_16x16": 7.5})], {"gemm.normed": normed}, {"gemm.normed": normed})
     return Manifest("Qwen3ForCausalLM", "Qwen3ForCausalLM-0123", "config.json", 90,
                     {"triton": "3.6.0", "tilelang": "0.1.15"}, 16, "p" * 16, "g" * 16, [kernel])
 
@@ -46,7 +46,7 @@ def test_a_manifest_loads_back_as_it_was_dumped_and_names_kinds_in_json(tmp_path
     dump(sample_manifest(), path)
     assert load(path) == sample_manifest()
     data = json.loads(path.read_text())
-    assert data["format"] == FORMAT and data["kernels"][0]["variants"][0]["label"] == "tilelang:decode_16x16"
+    assert data["format"] == FORMAT and data["kernels"][0]["variants"][0]["label"] == "tilelang:decode_tile_16x16"
     params = data["kernels"][0]["candidates"][0]["launches"][0]["params"]
     assert [(p["kind"], p["value"]) for p in params] == [("tma", "x"), ("planes", "o_proj"), ("plane_rows", "o_proj"),
                                                          ("dim", "tokens"), ("stride", "block_tables")]
@@ -90,8 +90,8 @@ def test_native_abi_entries_read_into_parameter_kinds():
 
 def test_one_variant_rule_for_a_manifest_kernel():
     (kernel,) = sample_manifest().kernels
-    assert pick_variant(kernel, {"tokens": 16, "max_query_len": 1}).name == "decode_16x16"
-    assert pick_variant(kernel, {"tokens": 17, "max_query_len": 64}).name == "many_rows"
+    assert pick_variant(kernel, {"tokens": 16, "max_query_len": 1}).name == "decode_tile_16x16"
+    assert pick_variant(kernel, {"tokens": 17, "max_query_len": 64}).name == "dot_64"
     with pytest.raises(AssertionError, match="no variant for tokens=17"):
         pick_variant(kernel, {"tokens": 17, "max_query_len": 1})
 

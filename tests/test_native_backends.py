@@ -82,8 +82,8 @@ def test_tilelang_sm90a_gemm_and_attention_run_on_hgmma(compiled, tmp_path):
     assert "HGMMA" not in sass(sm80.cubin, tmp_path) and "HMMA" in sass(sm80.cubin, tmp_path)
 
 
-TUNING_VARIANTS = {"wgmma_128x128": "gate_up", "wgmma_128x256_rows": "o_proj",
-                   "wgmma_256x128_rows": "down", "decode_16x64": "o_proj", "decode_16x32": "down"}
+TUNING_VARIANTS = {"wgmma_128x128": "gate_up", "wgmma_fullrow_128x256": "o_proj", "wgmma_fullrow_256x128": "down",
+                   "mma_16x64": "o_proj", "mma_16x32": "down", "decode_tile_16x64": "gate_up"}
 
 
 def test_every_tilelang_variant_is_compiled_by_some_test(kernels):
@@ -93,15 +93,15 @@ def test_every_tilelang_variant_is_compiled_by_some_test(kernels):
 
 @pytest.mark.parametrize("name", sorted(TUNING_VARIANTS))
 def test_tilelang_tuning_variant_compiles_for_sm90a(kernels, name, tmp_path):
-    """Each extra variant `pegainfer tune` may choose, on one kernel: HGMMA in its SASS, fed by TMA, and no
-    register spills."""
+    """Each extra variant `pegainfer tune` may choose, on one kernel: its form's instruction in its SASS (HGMMA for
+    wgmma, mma.sync's HMMA for the 16-row tiles), fed by TMA, and no register spills."""
     kernel = next(k for k in kernels if k.node == TUNING_VARIANTS[name])
     variant = next(v for v in kernel.variants if v.name == name)
     todo = {(90, f"{kernel.node}/{name}"): variant.launches[-1]}
     ((_, native),) = compile_many(todo, 1, None)
     assert native.resources["spill_stores"] == 0, native.resources
     code = sass(native.cubin, tmp_path)
-    assert ("HMMA" if name.startswith("decode_") else "HGMMA") in code and "UTMALDG" in code
+    assert ("HGMMA" if name.startswith("wgmma_") else "HMMA") in code and "UTMALDG" in code
 
 
 def test_tilelang_decode_tiles_stream_weights_by_tma_and_fit_their_ctas_per_sm(compiled, tmp_path):
@@ -109,7 +109,8 @@ def test_tilelang_decode_tiles_stream_weights_by_tma_and_fit_their_ctas_per_sm(c
     past the rows), mma.sync (HMMA), and registers and shared memory that let an SM hold MIN_BLOCKS CTAs."""
     todo, _, results = compiled
     keys = [key for (sm, key) in results if sm == 90 and "/decode_" in key]
-    assert {key.split("/")[1] for key in keys} == {"decode_16x16", "decode_norm", "decode_halves", "decode_planes"}
+    assert {key.split("/")[1] for key in keys} == {"decode_tile_16x16", "decode_normed_4x16", "decode_halved_4x8",
+                                                   "decode_planes_16x32"}
     for key in keys:
         launch, native = todo[(90, key)], results[(90, key)]
         if launch.function in ("add_rms_norm", "sum_planes"):
@@ -128,7 +129,7 @@ def test_tilelang_merged_gate_up_is_one_wgmma_n256_per_k_step(compiled, tmp_path
     the 227 KB of shared memory a block may opt into; its SiLU takes the approximate exp and reciprocal (expf and
     an IEEE division cost the tile 7-9% on the H200)."""
     _, _, results = compiled
-    native = results[(90, "gate_up/wgmma_128x256_merged/1")]  # launch 0 is the norm
+    native = results[(90, "gate_up/wgmma_merged_128x256/1")]  # launch 0 is the norm
     assert native.resources["spill_stores"] == 0 and native.resources["spill_loads"] == 0, native.resources
     wgmma = re.findall(r"tl::wgmma_ss<[^>]*>", native.files["cu"])
     assert len(wgmma) == 1 and ", 64, 256, 16," in wgmma[0], wgmma
@@ -143,8 +144,8 @@ def _evaluate(expression: str, names: list[str], m: int) -> int:
     return eval(expression.replace("/", "//"), {}, {name: m for name in names})
 
 
-@pytest.mark.parametrize("key", ["gate_up/wgmma_128x128_rows/1", "attention/flash_128x128/0",
-                                 "attention/flash_ws_128x128/0", "down/decode_halves/0"])
+@pytest.mark.parametrize("key", ["gate_up/wgmma_fullrow_128x128/1", "attention/flash_128x128/0",
+                                 "attention/flash_ws_128x128/0", "down/decode_halved_4x8/0"])
 def test_tilelang_abi_matches_its_host_stub(compiled, key):
     from pegainfer.backends.tilelang.compiler import host_stub
 
@@ -237,7 +238,7 @@ def test_tilelang_silu_mul_decode_tile_frees_a_row_stage_after_both_gemms(compil
     rows too (TileLang's own warp specialisation of a two-GEMM mma.sync tile released it after the first, and the
     next rows overwrote the stage under the second: wrong results on the H200)."""
     _, _, results = compiled
-    native = results[(90, "gate_up/decode_16x16/1")]
+    native = results[(90, "gate_up/decode_tile_16x16/1")]
     code = native.files["cu"]
     consumer = code[code.index("} else {"):]
     loop = consumer[:consumer.index("empty[")]
@@ -250,7 +251,7 @@ def test_tilelang_decode_tile_with_pdl_streams_weights_before_waiting_for_the_pr
     the producer issues its first weight stages by TMA, then waits for the previous kernel, and only then loads the
     rows; its ABI is the rows, the output, the weights' TMA descriptor and M."""
     todo, _, results = compiled
-    launch, native = todo[(90, "o_proj/decode_16x16/0")], results[(90, "o_proj/decode_16x16/0")]
+    launch, native = todo[(90, "o_proj/decode_tile_16x16/0")], results[(90, "o_proj/decode_tile_16x16/0")]
     code = native.files["cu"]
     producer_branch = f"if ({launch.constexprs['THREADS']} <= ((int)threadIdx.x))"
     assert code.index("cudaTriggerProgrammaticLaunchCompletion") < code.index(producer_branch)
@@ -279,7 +280,7 @@ def test_tilelang_normed_qkv_tile_copies_g_whole_before_the_wait(compiled):
     consumer warp runs two mma chains, then adds both halves' products times 1/rms. ABI: rows, X2, G, the sum S
     and the weights' TMA descriptor."""
     todo, _, results = compiled
-    launch, native = todo[(90, "qkv/decode_norm/0")], results[(90, "qkv/decode_norm/0")]
+    launch, native = todo[(90, "qkv/decode_normed_4x16/0")], results[(90, "qkv/decode_normed_4x16/0")]
     assert launch.constexprs["PRE"] == 2 and launch.constexprs["CHAINS"] == 2 and native.threads == 288
     assert [a["name"] for a in native.abi] == ["A", "C", "G", "S", "W_desc", "X2", "M"]
     ahead, loop, scalers, consumer = normed_tile_parts(native.files["cu"])
@@ -303,7 +304,7 @@ def test_tilelang_normed_gate_up_tile_scales_its_rows_in_a_warpgroup_of_scalers(
     remainder, hand the stage to the consumer warp, and end with each row's 1/rms; the consumer warp scales both
     halves' products by 1/rms before SiLU x up."""
     todo, _, results = compiled
-    launch, native = todo[(90, "gate_up/decode_norm/0")], results[(90, "gate_up/decode_norm/0")]
+    launch, native = todo[(90, "gate_up/decode_normed_4x16/0")], results[(90, "gate_up/decode_normed_4x16/0")]
     assert launch.constexprs["PRE"] == 1 and launch.num_warps == 9 and native.threads == 288
     assert [a["name"] for a in native.abi] == ["A", "C", "G", "S", "W_desc", "X2", "M"]
     ahead, loop, scalers, consumer = normed_tile_parts(native.files["cu"])
@@ -321,7 +322,7 @@ def test_tilelang_four_chain_tile_sums_each_stage_quarter_into_its_own_accumulat
     from the weight stage) and the rows its B (x2 from the 8-row stage), m16n8k16; each stage's four K quarters (4
     k-steps of 16) go to mma.sync into four accumulators in turn, whose sum is stored; in the SASS no HMMA
     accumulates onto the one just before it (a single chain's all do)."""
-    native = compiled[2][(90, "down/decode_halves/0")]
+    native = compiled[2][(90, "down/decode_halved_4x8/0")]
     consumer = native.files["cu"][native.files["cu"].index("} else {"):]
     assert re.search(r"ptx_ldmatrix_x4\(\(&\(\(\(bfloat16_t\*\)w_s\)", consumer), consumer[:800]
     assert re.search(r"ptx_ldmatrix_x2\(\(&\(\(\(bfloat16_t\*\)a_s\)", consumer)
@@ -341,7 +342,7 @@ def test_tilelang_halved_tile_streams_both_k_halves_of_eight_weight_rows(compile
     K past it, the grid is 8 columns by 4 rows, and the epilogue adds products (2i, r) and (2i + 1, r + 4) of the
     [16, 8] tile: like halves of weight row i and row r."""
     todo, _, results = compiled
-    launch, native = todo[(90, "down/decode_halves/0")], results[(90, "down/decode_halves/0")]
+    launch, native = todo[(90, "down/decode_halved_4x8/0")], results[(90, "down/decode_halved_4x8/0")]
     n, k = launch.constexprs["N"], launch.constexprs["K"]
     (descriptor,) = [p["tma"] for p in native.abi if p["kind"] == "tma"]
     assert descriptor["dims"] == [k // 2, 2 * n] and descriptor["strides"][1] == k and descriptor["box"][1] == 16
@@ -358,7 +359,7 @@ def test_tilelang_halved_tile_streams_both_k_halves_of_eight_weight_rows(compile
     from pegainfer.backends.tilelang.plan import SHORT_PRE
 
     for node, ahead in (("o_proj", SHORT_PRE), ("down", launch.constexprs["STAGES"])):
-        code = results[(90, f"{node}/decode_halves/0")].files["cu"]
+        code = results[(90, f"{node}/decode_halved_4x8/0")].files["cu"]
         before = code[code.index("if (32 <= ((int)threadIdx.x))"):code.index("cudaGridDependencySynchronize")]
         assert re.findall(r"for \(int k = 0; k < (\d+); \+\+k\)", before) == [str(ahead)], node
 
@@ -370,15 +371,16 @@ def test_tilelang_split_gemm_leaves_its_planes_to_the_norm_launch_after_it(compi
     where they are given, X2 as stored where not."""
     todo, _, results = compiled
     for node in ("o_proj", "down"):
-        gemm, total = results[(90, f"{node}/decode_planes/0")], results[(90, f"{node}/decode_planes/1")]
+        gemm_key, total_key = (90, f"{node}/decode_planes_16x32/0"), (90, f"{node}/decode_planes_16x32/1")
+        gemm, total = results[gemm_key], results[total_key]
         code = gemm.files["cu"]
         assert "P[" in code or "(P + " in code
         assert "tickets" not in code and "__threadfence" not in code and "atomic" not in code.lower()
         assert [(p["kind"], p["value"]) for p in gemm.abi if p["kind"] in ("tensor", "planes")] == [
             ("tensor", "gated" if node == "down" else "attention_flat"), ("planes", node)]
-        assert todo[(90, f"{node}/decode_planes/1")].deferred and not todo[(90, f"{node}/decode_planes/0")].deferred
+        assert todo[total_key].deferred and not todo[gemm_key].deferred
         assert {(p["kind"], p["value"]) for p in total.abi} >= {("planes", node), ("tensor", node)}
-    norm = results[(90, "gate_up/decode_16x16/0")]
+    norm = results[(90, "gate_up/decode_tile_16x16/0")]
     body = norm.files["cu"][norm.files["cu"].index("add_rms_norm_kernel("):]
     assert "for (int s = 0; s < 4; ++s) {" in body and "(0 < PR)" in body
     assert body.index("cudaGridDependencySynchronize") < body.index("(P + ") < body.index("AllReduce")
@@ -390,7 +392,7 @@ def test_tilelang_norm_launch_loads_its_weight_before_waiting_for_the_previous_k
     """The norm launch before a decode GEMM (PDL): G, a weight, is loaded first, then the wait for the previous
     kernel, then the rows; so the only round trips after the wait are the rows' and the stores."""
     todo, _, results = compiled
-    keys = [key for (sm, key) in results if sm == 90 and key.startswith("qkv/decode_16x16/")
+    keys = [key for (sm, key) in results if sm == 90 and key.startswith("qkv/decode_tile_16x16/")
             and todo[(sm, key)].function == "add_rms_norm"]
     assert len(keys) == 1
     code = results[(90, keys[0])].files["cu"]

@@ -90,38 +90,40 @@ def test_prefill_defaults_merged_gate_up_and_a_tile_per_width():
     act = {n.name for _, n in gemms if gemm_roles(n)["act"]}
     assert act, "Qwen3's MLP has a SiLU x up kernel"
     for node in act:
-        assert names[node][:2] == ["wgmma_128x256_merged", "wgmma_128x128_rows"], names[node]
-    assert not any("wgmma_128x256_merged" in names[node] for node in names.keys() - act)
-    assert names["qkv"][0] == "wgmma_128x192_rows", names["qkv"]
-    assert names["o_proj"][0] == names["down"][0] == "wgmma_128x160_rows", (names["o_proj"], names["down"])
+        assert names[node][:2] == ["wgmma_merged_128x256", "wgmma_fullrow_128x128"], names[node]
+    assert not any("wgmma_merged_128x256" in names[node] for node in names.keys() - act)
+    assert names["qkv"][0] == "wgmma_fullrow_128x192", names["qkv"]
+    assert names["o_proj"][0] == names["down"][0] == "wgmma_fullrow_128x160", (names["o_proj"], names["down"])
 
 
 def test_decode_tiles_serve_four_and_sixteen_rows_with_the_chained_tile_first():
     """TileLang's decode GEMMs: slots of 4 and 16 rows (one row: the normed and halved tiles, below),
     sm_90 only, decode_tile.py's 16x16 tile first, launched programmatically, a single GEMM's stages in chains (the
-    narrow o_proj and down deeper, at 2 CTAs an SM; the wide QKV's rows first after its wait: PRE), then gemm.py's
-    16x32 (single GEMMs) and 16x64 for tuning (SiLU x up's through decode_tile.py); every stage ring fits the shared
-    memory of the CTAs the tile asks an SM to hold."""
+    narrow o_proj and down deeper, at 2 CTAs an SM; the wide QKV's rows first after its wait: PRE), then for tuning
+    gemm.py's mma_16x32 and mma_16x64 (single GEMMs) or decode_tile.py's decode_tile_16x64 (SiLU x up); every stage
+    ring fits the shared memory of the CTAs the tile asks an SM to hold."""
     from pegainfer.backends.tilelang.plan import NARROW_CHAINED, NARROW_N, SILU_16X16, SM90_SHARED, WIDE_CHAINED
 
     gemms = [(g, n) for g, n in kernels(CONFIGS / "qwen3-4b.json") if "linear" in fused_ops(n)]
     offered = 0
     for graph, node in gemms:
         decode = [v for v in tilelang_plan.candidates(graph, node, PlanOptions(block_size=16))
-                  if v.max_rows is not None and v.name not in ("decode_norm", "decode_halves", "decode_planes")]
+                  if v.max_rows is not None
+                  and v.name not in ("decode_normed_4x16", "decode_halved_4x8", "decode_planes_16x32")]
         if not decode:
             continue
         offered += 1
         n, act = gemm_roles(node)["n"], gemm_roles(node)["act"]
         for rows in (4, 16):
             names = [v.name for v in decode if v.max_rows == rows]
-            assert names == ["decode_16x16", *([] if act else ["decode_16x32"]), "decode_16x64"], (node.name, names)
+            assert names == ["decode_tile_16x16", *(["decode_tile_16x64"] if act else ["mma_16x32", "mma_16x64"])], \
+                (node.name, names)
         assert {v.max_rows for v in decode} == {4, 16} and all(v.sms == (90,) for v in decode)
         chained = SILU_16X16 if act else NARROW_CHAINED if n <= NARROW_N else WIDE_CHAINED
         for v in decode:
             launch = v.launches[-1]
             tiles = launch.constexprs
-            sixteen = v.name == "decode_16x16"
+            sixteen = v.name == "decode_tile_16x16"
             # the 16x16 tile and SiLU x up through the hand-specialised template, else gemm.py's warp-specialised one
             assert launch.function == ("decode_tile" if sixteen or act else "gemm"), (v.name, launch.function)
             assert tiles.get("PDL", False) == sixteen, (v.name, tiles)
@@ -155,10 +157,10 @@ def test_split_tile_serves_sixteen_rows_where_the_next_norm_launch_adds_its_plan
         planned[node.name] = (graph, node, variants)
     for name in ("qkv", "gate_up"):
         graph, node, variants = planned[name]
-        assert "decode_planes" not in [v.name for v in variants], name
+        assert "decode_planes_16x32" not in [v.name for v in variants], name
         x2 = gemm_roles(node)["x2"]
         for v in variants:
-            if v.name != "decode_16x16":
+            if v.name != "decode_tile_16x16":
                 continue
             norm = v.launches[0]
             assert norm.function == "add_rms_norm" and norm.constexprs["PLANES"] == MAX_PLANES >= PLANES_SPLIT
@@ -167,8 +169,8 @@ def test_split_tile_serves_sixteen_rows_where_the_next_norm_launch_adds_its_plan
     for name, k in (("o_proj", 4096), ("down", 9728)):
         graph, node, variants = planned[name]
         sixteen = [v.name for v in variants if v.max_rows == 16]
-        assert sixteen[0] == "decode_planes" and "decode_16x16" in sixteen, sixteen
-        (v,) = [v for v in variants if v.name == "decode_planes"]
+        assert sixteen[0] == "decode_planes_16x32" and "decode_tile_16x16" in sixteen, sixteen
+        (v,) = [v for v in variants if v.name == "decode_planes_16x32"]
         gemm, total = v.launches
         tiles = gemm.constexprs
         assert (gemm.module, gemm.function) == ("decode_planes.py", "decode_planes")
@@ -193,7 +195,7 @@ def test_no_split_tile_where_a_kernel_reads_the_output_itself(tmp_path):
     for graph, node in kernels(tmp_path / "config.json"):
         if fused_ops(node) == ["linear"] and gemm_roles(node)["out"].startswith("o_proj"):
             names = [v.name for v in tilelang_plan.candidates(graph, node, PlanOptions(block_size=16))]
-            assert "decode_planes" not in names and "decode_16x16" in names, names
+            assert "decode_planes_16x32" not in names and "decode_tile_16x16" in names, names
             break
     else:
         raise AssertionError(f"no o_proj kernel in {config['architectures']}")
@@ -216,9 +218,10 @@ def test_gemms_with_a_norm_get_the_normed_tile_for_one_and_four_rows():
 
     served = set()
     for node, roles, variants in qwen3_gemm_candidates():
-        normed = [v for v in variants if v.name == "decode_norm"]
+        normed = [v for v in variants if v.name == "decode_normed_4x16"]
         if not roles["norm"] or roles["rows"]:
-            assert normed == [] and {v.name for v in variants if v.max_rows == 1} <= {"decode_halves"}, node.name
+            assert normed == [] and {v.name for v in variants if v.max_rows == 1} <= {"decode_halved_4x8"}, \
+                node.name
             continue
         assert [v.max_rows for v in normed] == [1, 4] and normed[0].launches == normed[1].launches
         assert [v for v in variants if v.max_rows == 4][0] is normed[1], "the 4-row slot's first (default) tile"
@@ -253,7 +256,7 @@ def test_single_gemms_get_the_halved_tile_for_one_and_four_rows():
 
     defaults = set()
     for node, roles, variants in qwen3_gemm_candidates():
-        halved = [v for v in variants if v.name == "decode_halves"]
+        halved = [v for v in variants if v.name == "decode_halved_4x8"]
         if roles["act"] or roles["rows"]:
             assert halved == [], node.name
             continue
@@ -287,7 +290,7 @@ def test_halved_tile_needs_two_ctas_an_sm():
             roles = gemm_roles(node) if "linear" in fused_ops(node) else None
             if roles and not roles["act"] and not roles["rows"]:
                 names = {v.name for v in tilelang_plan.candidates(graph, node, PlanOptions(block_size=16))}
-                offered[node.name] = ("decode_halves" in names, roles["n"] // 8 >= HALVED_MIN_CTAS)
+                offered[node.name] = ("decode_halved_4x8" in names, roles["n"] // 8 >= HALVED_MIN_CTAS)
         return offered
 
     for config in ("qwen3-30b-a3b.json", "gemma-3-1b.json", "llama-3.1-8b.json"):

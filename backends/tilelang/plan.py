@@ -2,7 +2,9 @@
 an RMSNorm prologue becomes a row launch first, since TMA feeds the tensor cores the operand as stored), the GEMMs
 of decode steps of up to 16 rows (weights streamed by TMA into mma.sync, in one of the four decode forms), and causal
 attention of prefill-shaped steps. A kernel TileLang cannot serve gets no candidate, and the other backends'
-variants serve it."""
+variants serve it. Variants are named <form>_<M>x<N>, a CTA's tile (step rows x columns; attention's queries x
+keys): the form is the decode template's file (decode_tile, decode_normed, decode_halved, decode_planes), gemm.py's
+instruction (wgmma, with its warp policy or merge: wgmma_fullrow, wgmma_merged; mma: mma.sync) or flash, flash_ws."""
 
 import re
 from dataclasses import dataclass, replace
@@ -25,9 +27,10 @@ PAIRED_ROWS = 4  # the step's rows of a normed or halved CTA: its stage's 8 hold
 
 @dataclass(frozen=True)
 class GemmTile:
-    """A prefill tile of gemm.py, by its variant's name and the SMs it compiles for. full_row: each consumer
-    warpgroup on whole tile rows (wgmma m64nN with N = BLOCK_N, fewer shared-memory reads a flop than m64n64);
-    merged: SiLU x up's gate and up rows in one shared tile and one accumulator, the A tile read once."""
+    """A prefill tile of gemm.py, by its variant's name (<instruction>[_<warp policy or merge>]_<M>x<N>) and the
+    SMs it compiles for. full_row (fullrow): each consumer warpgroup on whole tile rows (wgmma m64nN with N =
+    BLOCK_N, fewer shared-memory reads a flop than m64n64); merged: SiLU x up's gate and up rows in one shared tile
+    and one accumulator (its N counts both), the A tile read once."""
     name: str
     sms: tuple[int, ...]
     block_m: int
@@ -58,13 +61,13 @@ class GemmTile:
 # 128x192 suits N that 192 divides (QKV); the merged tile suits SiLU x up. Bigger tiles and a fourth stage trade wave
 # quantization at small M for operand reuse.
 GEMM_TILES = (
-    GemmTile("wgmma_128x160_rows", (90,), 128, 160, 4, full_row=True),
-    GemmTile("wgmma_128x192_rows", (90,), 128, 192, 4, full_row=True),
-    GemmTile("wgmma_128x256_merged", (90,), 128, 128, 4, full_row=True, merged=True),
-    GemmTile("wgmma_128x128_rows", (90,), 128, 128, 4, full_row=True),
+    GemmTile("wgmma_fullrow_128x160", (90,), 128, 160, 4, full_row=True),
+    GemmTile("wgmma_fullrow_128x192", (90,), 128, 192, 4, full_row=True),
+    GemmTile("wgmma_merged_128x256", (90,), 128, 128, 4, full_row=True, merged=True),
+    GemmTile("wgmma_fullrow_128x128", (90,), 128, 128, 4, full_row=True),
     GemmTile("wgmma_128x128", (90,), 128, 128, 3),
-    GemmTile("wgmma_128x256_rows", (90,), 128, 256, 4, full_row=True),
-    GemmTile("wgmma_256x128_rows", (90,), 256, 128, 4, full_row=True),
+    GemmTile("wgmma_fullrow_128x256", (90,), 128, 256, 4, full_row=True),
+    GemmTile("wgmma_fullrow_256x128", (90,), 256, 128, 4, full_row=True),
     GemmTile("mma_128x128", (80, 86, 89), 128, 128, 3, block_k=32),
 )
 
@@ -98,14 +101,16 @@ class DecodeTile:
 
 
 DECODE_SLOTS = (4, 16)
-# decode_16x16 of a single GEMM: the narrow ones (N <= NARROW_N: o_proj, down) stream a deeper ring at 2 CTAs an SM;
-# a wider one (QKV) sends each step's rows ahead of its last weight stages
+# decode_tile_16x16 of a single GEMM: the narrow ones (N <= NARROW_N: o_proj, down) stream a deeper ring at 2 CTAs
+# an SM; a wider one (QKV) sends each step's rows ahead of its last weight stages
 NARROW_N = 4096
 NARROW_CHAINED = DecodeTile(16, 256, 6, 64, 2, chains=4)
 WIDE_CHAINED = DecodeTile(16, 256, 4, 64, 3, chains=2, pre=2)
-SILU_16X16 = DecodeTile(16, 256, 0, 64, 3)  # decode_16x16 of SiLU x up: two GEMMs a stage, no chains
-# for tuning: gemm.py's 16-row tile, warp-specialised by TileLang (single GEMMs), and SiLU x up's through decode_tile.py
-TUNING_TILES = (("decode_16x32", DecodeTile(32, 256, 0, 128, 2)), ("decode_16x64", DecodeTile(64, 128, 0, 128, 2)))
+SILU_16X16 = DecodeTile(16, 256, 0, 64, 3)  # decode_tile_16x16 of SiLU x up: two GEMMs a stage, no chains
+# for tuning: gemm.py's 16-row mma.sync tiles, warp-specialised by TileLang (single GEMMs), and SiLU x up's 16x64
+# through decode_tile.py: (a single GEMM's variant, SiLU x up's or None, the tile)
+TUNING_TILES = (("mma_16x32", None, DecodeTile(32, 256, 0, 128, 2)),
+                ("mma_16x64", "decode_tile_16x64", DecodeTile(64, 128, 0, 128, 2)))
 # The norm inside the tile for steps of up to 4 rows (decode_normed.py): a single GEMM (QKV) in two chains with two
 # weight stages ahead of the wait; SiLU x up's two GEMMs a stage, with one
 NORMED_SINGLE = DecodeTile(16, 256, 5, 32, 3, chains=2, pre=2)
@@ -123,9 +128,9 @@ PLANES_SPLIT = 4
 PLANES_TILES = (DecodeTile(32, 256, 3, 64, 3, chains=4, pre=2), DecodeTile(32, 128, 6, 64, 3, chains=4))
 MAX_PLANES = 4  # the planes a norm launch can add (rows.py's PLANES), at least PLANES_SPLIT
 # what CI compiles for every kernel they fit
-DEFAULT_VARIANTS = ("wgmma_128x160_rows", "wgmma_128x192_rows", "wgmma_128x256_merged", "wgmma_128x128_rows",
-                    "mma_128x128", "flash_ws_128x128", "flash_128x128", "decode_16x16", "decode_norm",
-                    "decode_halves", "decode_planes")
+DEFAULT_VARIANTS = ("wgmma_fullrow_128x160", "wgmma_fullrow_128x192", "wgmma_merged_128x256",
+                    "wgmma_fullrow_128x128", "mma_128x128", "flash_ws_128x128", "flash_128x128",
+                    "decode_tile_16x16", "decode_normed_4x16", "decode_halved_4x8", "decode_planes_16x32")
 
 
 def candidates(graph: Graph, node: Node, options: PlanOptions) -> list[VariantSpec]:
@@ -224,7 +229,7 @@ def _normed_rows(roles: dict, n: int, k: int, dim: Param, row_symbol: str) -> li
     grid = (GridDim((n,), tile.block_n), GridDim((row_symbol,), PAIRED_ROWS))
     threads = tile.threads + 2 * PRODUCER  # the consumer warp, the producer and the scalers
     gemm = _launch("decode_normed.py", "decode_normed", params, constexprs, grid, threads, tile.stages)
-    return [VariantSpec("decode_norm", rows, [gemm], "tilelang", sms=(90,)) for rows in (1, 4)]
+    return [VariantSpec("decode_normed_4x16", rows, [gemm], "tilelang", sms=(90,)) for rows in (1, 4)]
 
 
 def _halved_rows(launches: list[LaunchSpec], params: list[Param], n: int, k: int,
@@ -238,7 +243,7 @@ def _halved_rows(launches: list[LaunchSpec], params: list[Param], n: int, k: int
     grid = (GridDim((n,), columns), GridDim((row_symbol,), PAIRED_ROWS))
     gemm = _launch("decode_halved.py", "decode_halved", params, dict(N=n, K=k, PDL=True) | tile.constexprs(), grid,
                    tile.threads + PRODUCER, tile.stages)
-    return [VariantSpec("decode_halves", slot, [*launches, gemm], "tilelang", sms=(90,)) for slot in (1, 4)]
+    return [VariantSpec("decode_halved_4x8", slot, [*launches, gemm], "tilelang", sms=(90,)) for slot in (1, 4)]
 
 
 def _planes_rows(params: list[Param], n: int, k: int, row_symbol: str) -> list[VariantSpec]:
@@ -256,7 +261,7 @@ def _planes_rows(params: list[Param], n: int, k: int, row_symbol: str) -> list[V
                    tile.stages)
     total = _launch("rows.py", "sum_planes", [planes, c, dim], dict(N=n, SPLIT=PLANES_SPLIT, THREADS=128, PDL=True),
                     (GridDim((row_symbol,)),), 128)
-    return [VariantSpec("decode_planes", 16, [gemm, replace(total, deferred=True)], "tilelang", sms=(90,))]
+    return [VariantSpec("decode_planes_16x32", 16, [gemm, replace(total, deferred=True)], "tilelang", sms=(90,))]
 
 
 def _planes_read(graph: Graph, value: str) -> bool:
@@ -285,19 +290,21 @@ def _decode_gemm(launches: list[LaunchSpec], params: list[Param], n: int, k: int
                  planes_read: bool = False) -> list[VariantSpec]:
     """The 1-, 4- and 16-row slots of the GEMM kernel (`launches`: the norm launch before them, if any): the halved
     tile at 1 and 4 rows and the planes tile at 16 (where the next kernel adds the planes: `planes_read`) for a
-    single GEMM, then the 16-row tiles at 4 and 16 rows (decode_16x16, and for tuning decode_16x32 of a single GEMM
-    and decode_16x64)."""
+    single GEMM, then the 16-row tiles at 4 and 16 rows (decode_tile_16x16, and for tuning a single GEMM's mma_16x32
+    and mma_16x64, SiLU x up's decode_tile_16x64)."""
     variants = [] if act else _halved_rows(launches, params, n, k, row_symbol)
     if not act and not launches and planes_read:
         variants += _planes_rows(params, n, k, row_symbol)
     chained = SILU_16X16 if act else NARROW_CHAINED if n <= NARROW_N else WIDE_CHAINED
-    for name, tile in (("decode_16x16", chained), *TUNING_TILES):
+    tiles = [("decode_tile_16x16", chained, True)] + [(silu if act else single, tile, False)
+                                                      for single, silu, tile in TUNING_TILES]
+    for name, tile, default in tiles:
         tile = tile.filled(act)
-        if n % tile.block_n or k % tile.block_k or (act and name == "decode_16x32"):
+        if name is None or n % tile.block_n or k % tile.block_k:
             continue
         grid = (GridDim((n,), tile.block_n), GridDim((row_symbol,), DECODE_TILE_M))
-        if name == "decode_16x16" or act:  # decode_tile.py: its consumers free a stage after both GEMMs
-            constexprs = dict(N=n, K=k, ACT=act, PDL=name == "decode_16x16") | tile.constexprs()
+        if default or act:  # decode_tile.py: its consumers free a stage after both GEMMs
+            constexprs = dict(N=n, K=k, ACT=act, PDL=default) | tile.constexprs()
             gemm = _launch("decode_tile.py", "decode_tile", params, constexprs, grid, tile.threads + PRODUCER,
                            tile.stages)
         else:

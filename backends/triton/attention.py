@@ -1,5 +1,6 @@
-"""Planning paged attention: the default launch (a program per sequence and KV head), the split variants of
-decode at small batch (each sequence's keys over SPLIT_KV programs, then a merge) and prefill-shaped tiles."""
+"""Planning paged attention, named <form>_<query rows of a program>: flash_16, the launch of any step (a program
+per sequence, KV head and 16-row query tile), split_kv_16 and split_kv_prefetch_16 for decode at small batch (each
+sequence's keys over SPLIT_KV programs, then a merge) and flash_64, prefill-shaped tiles."""
 
 from pegainfer.backends.planning import PREFILL_QUERIES, PlanOptions, static_layout
 from pegainfer.backends.spec import GridDim, KernelSpec, LaunchSpec, VariantSpec
@@ -42,16 +43,16 @@ def plan_attention(graph: Graph, node: Node, options: PlanOptions) -> KernelSpec
     grid = (GridDim((batch,)), GridDim((kv_heads,)), GridDim(("max_query_len",), block_q))
     default = launch("attention.py", "paged_attention_kernel", p, constexprs, grid, num_warps=4)
     split_launches, scratch = _plan_split_attention(types, layout, attention, constexprs, heads, head_dim)
-    variants = [VariantSpec("split_kv", options.split_kv_max_batch, split_launches)] \
+    variants = [VariantSpec("split_kv_16", options.split_kv_max_batch, split_launches)] \
         if options.split_kv_max_batch else []
     # One sequence: a decode step's programs (KV heads x SPLIT_KV) fit one wave with PREFETCH's registers; a prompt
     # chunk under PREFILL_QUERIES queries of one sequence runs it too, in more waves (not measured)
     if variants and constexprs["EARLY"]:
         prefetching, _ = _plan_split_attention(types, layout, attention, constexprs | {"PREFETCH": True}, heads,
                                                head_dim)
-        variants.insert(0, VariantSpec("split_kv_prefetch", 1, prefetching))
+        variants.insert(0, VariantSpec("split_kv_prefetch_16", 1, prefetching))
     spec = kernel_spec(graph, node, batch, [_prefill_attention(p, constexprs, batch, kv_heads, group_p2), *variants,
-                                            VariantSpec("default", None, [default])])
+                                            VariantSpec("flash_16", None, [default])])
     spec.scratch = {name: (t.dtype.name, t.shape) for name, t in scratch.items()}
     return spec
 
@@ -63,7 +64,7 @@ def _prefill_attention(p: Params, constexprs: dict, batch: str, kv_heads: int, g
     constexprs = {**constexprs, "BLOCK_Q": block_q}
     grid = (GridDim((batch,)), GridDim((kv_heads,)), GridDim(("max_query_len",), block_q))
     tiles = launch("attention.py", "paged_attention_kernel", p, constexprs, grid, num_warps=4, num_stages=2)
-    return VariantSpec("prefill_tiles", None, [tiles], min_sizes={"max_query_len": PREFILL_QUERIES})
+    return VariantSpec("flash_64", None, [tiles], min_sizes={"max_query_len": PREFILL_QUERIES})
 
 
 def _plan_split_attention(types: dict, layout: dict, attention: Node, constexprs: dict, heads: int,

@@ -138,27 +138,30 @@ def _norm_launch(types: dict, layout: dict, roles: dict, row_symbol: str, k: int
 
 
 def _gemm_tiles(n: int, k: int, act: bool, norm: bool) -> list[GemmTile]:
-    """A GEMM's tiles by the step's row count; the first of each row bound is its default."""
-    row_n, row_k, row_warps = one_row_tile(n, k, act)
+    """A GEMM's tiles by the step's row count; the first of each row bound is its default. A tile is named
+    <form>_<rows of its program>: gemv (CUDA cores: gemv_row_kernel at 1 row, gemv_rows_kernel at more), dot
+    (tl.dot tensor-core tiles), split_k (tl.dot over K slices); its N and K tiles follow the GEMM's shape. One tile
+    may serve two row bounds under one name (gemv_1 at 1 and 4 rows, dot_16 and split_k_16 at 4 and 16)."""
+    row_n, row_k, row_warps = gemv_1_tile(n, k, act)
     row = (min(row_n, next_pow2(n)), min(row_k, max(16, next_pow2(k))), row_warps, 1, "gemv_row_kernel")
     fma_n = min(4, next_pow2(n))
     while -(-n // fma_n) > MAX_GRID_Y:  # a vocabulary-wide projection: wider column tiles
         fma_n *= 2
-    tiles = [GemmTile("one_row", 1, 1, *row),
-             GemmTile("few_rows", 4, 16, *_mma_tile(n, k, 32, 256), 4, 3, "linear_kernel"),
-             GemmTile("row_programs", 4, 1, *row),
-             GemmTile("fma_rows", 4, 4, fma_n, min(1024, max(16, next_pow2(k))), 4, 1, "gemv_rows_kernel"),
-             GemmTile("split_rows", 4, 16, *_split_tile(n, k), 4, 4, "linear_split_kernel"),
-             GemmTile("small_rows", SMALL_ROWS, 16, *_mma_tile(n, k, 32, 256), 4, 3, "linear_kernel"),
-             GemmTile("small_split_rows", SMALL_ROWS, 16, *_split_tile(n, k), 4, 4, "linear_split_kernel"),
-             GemmTile("mid_rows", 64, 32, *_mma_tile(n, k, 16, 256), 4, 3, "linear_kernel"),
-             GemmTile("many_rows", None, 64, *_mma_tile(n, k, 64 if act else 128, 64), 8, 3,
+    tiles = [GemmTile("gemv_1", 1, 1, *row),
+             GemmTile("dot_16", 4, 16, *_mma_tile(n, k, 32, 256), 4, 3, "linear_kernel"),
+             GemmTile("gemv_1", 4, 1, *row),
+             GemmTile("gemv_4", 4, 4, fma_n, min(1024, max(16, next_pow2(k))), 4, 1, "gemv_rows_kernel"),
+             GemmTile("split_k_16", 4, 16, *_split_tile(n, k), 4, 4, "linear_split_kernel"),
+             GemmTile("dot_16", SMALL_ROWS, 16, *_mma_tile(n, k, 32, 256), 4, 3, "linear_kernel"),
+             GemmTile("split_k_16", SMALL_ROWS, 16, *_split_tile(n, k), 4, 4, "linear_split_kernel"),
+             GemmTile("dot_32", 64, 32, *_mma_tile(n, k, 16, 256), 4, 3, "linear_kernel"),
+             GemmTile("dot_64", None, 64, *_mma_tile(n, k, 64 if act else 128, 64), 8, 3,
                       "linear_kernel")]  # no spills at 8 warps
     # The defaults at 4 and 16 rows (docs/BENCHMARKS.md): one 16x32 tile a program, on rows normed by a launch of
     # their own where the GEMM has a norm; a plain projection at 4 rows on the CUDA cores (gemv_rows_kernel, 4 rows
     # x 4 columns, 8-wide K sums), at 16 rows split-K where K is long (down).
-    defaults = {4: "few_rows" if norm else "fma_rows",
-                SMALL_ROWS: "small_split_rows" if not norm and k >= 2 * n else "small_rows"}
+    defaults = {4: "dot_16" if norm else "gemv_4",
+                SMALL_ROWS: "split_k_16" if not norm and k >= 2 * n else "dot_16"}
     return sorted(tiles, key=lambda tile: tile.name != defaults.get(tile.max_rows))  # stable: the rest keep order
 
 
@@ -191,7 +194,7 @@ def _split_scratch(n: int, k: int, roles: dict) -> dict[str, TensorType]:
             "gemm.split_count": TensorType(dtype_from_name("i32"), (-(-SMALL_ROWS // 16) * -(-n // 16),))}
 
 
-def one_row_tile(n: int, k: int, act: bool) -> tuple[int, int, int]:
+def gemv_1_tile(n: int, k: int, act: bool) -> tuple[int, int, int]:
     """(columns, K tile, warps) of the batch-1 GEMV, as a search over a 4B model's shapes found them: few columns
     want one or two columns per program and long K tiles (thousands of programs); more, four or eight at 4 warps."""
     if act:

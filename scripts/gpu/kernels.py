@@ -292,9 +292,9 @@ def main() -> None:
                 flash = [label for label in sorted(labels) if label.startswith("tilelang:")]
                 for batch, q_len, ctx in ((2, 300, 700), (3, 130, 130)):  # the second: tiles of one and two key tiles
                     report["attention"] += attention_case(runner, kernel, node, graph.value_types(), batch, q_len,
-                                                          ctx, flash + ["triton:default"], True)
+                                                          ctx, flash + ["triton:flash_16"], True)
                 report["attention"] += attention_case(runner, kernel, node, graph.value_types(), 1, 8192, 8192,
-                                                      flash + ["triton:split_kv"], True)
+                                                      flash + ["triton:split_kv_16"], True)
             (args.out / "kernels.json").write_text(json.dumps(report, indent=1))
     copy = report["copy_tb_per_s"]
     cublas = {(r["kernel"], r["rows"]): r["tflops"] for r in report["gemm"] if r["variant"] == "cublas (torch)"}
