@@ -15,6 +15,7 @@ from pegainfer.server.cli import DTYPE_CHOICES, DTYPE_HELP, add_serve
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # for the snapshots of `bench --result-file`
     try:
         return args.run(args)
     except PegainferError as error:

@@ -79,6 +79,9 @@ def add_bench(commands) -> None:
                         "the engine's)")
     p.add_argument("--cache-dir", type=Path, default=None, help=CACHE_HELP)
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--result-file", type=Path, default=None, metavar="FILE",
+                   help="also write the JSON report to FILE, with the date, commit, card and command (a snapshot "
+                        "for docs/benchmarks/)")
     add_bench_serve_args(p)
     p.set_defaults(run=run_bench, parser=p)
 
@@ -210,6 +213,10 @@ def run_bench(args: argparse.Namespace) -> int:
                                   max_model_len=max(args.prompt_len) + 16)
         rows = bench.bench_prefill(engine, args.prompt_len)
         report, text = {"prefill": bench.as_json(rows)}, bench.format_prefill(rows)
+    if args.result_file:
+        from pegainfer.runtime.snapshot import write_snapshot
+
+        write_snapshot(args.result_file, report, engine.ctx.name(), args.argv)
     print(json.dumps(report, indent=1) if args.json else text, end="\n" if args.json else "")
     return 0
 

@@ -96,7 +96,6 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
                             "report counts the output tokens the server says it made")
     group.add_argument("--api-key", dest="bench_api_key", default=os.environ.get("OPENAI_API_KEY"),
                        help="bearer key for the server (default $OPENAI_API_KEY)")
-    group.add_argument("--result-file", type=Path, default=None, help="also write the JSON report here")
 
 
 def run_bench_serve(args: argparse.Namespace) -> int:
@@ -113,7 +112,9 @@ def run_bench_serve(args: argparse.Namespace) -> int:
                          tokenizer=args.tokenizer, api_key=args.bench_api_key, ignore_eos=args.ignore_eos)
     report = asyncio.run(run_bench(config))
     if args.result_file:
-        args.result_file.write_text(json.dumps(report, indent=1) + "\n")
+        from pegainfer.runtime.snapshot import write_snapshot
+
+        write_snapshot(args.result_file, report, None, args.argv)  # the card is the server's, unknown to its client
     print(json.dumps(report, indent=1) if args.json else format_report(report), end="\n" if args.json else "")
     if report["completed"] < report["num_prompts"]:
         print(f"pegainfer: {report['num_prompts'] - report['completed']} requests failed; first error: "

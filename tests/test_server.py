@@ -5,6 +5,7 @@ status and message, the API key, 64 concurrent streams, clients that leave midwa
 
 import asyncio
 import json
+import re
 import time
 from pathlib import Path
 
@@ -379,6 +380,8 @@ def test_bench_serve_against_the_live_server(server, capsys, tmp_path):
     out = capsys.readouterr().out
     assert code == 0, out
     report = json.loads(result_file.read_text())
+    assert report["command"].startswith("pegainfer bench serve --base-url") and report["card"] is None
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d UTC", report["date"]) and report["commit"]
     assert report["completed"] == 6 and report["total_output_tokens"] == 30
     assert 6 <= report["total_input_tokens"] <= 6 * 24 * 4  # random tokens decoded to text, re-encoded by the server
     assert report["errors"] == [] and report["max_concurrency"] == 3 and report["request_rate"] == 50
