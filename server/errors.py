@@ -43,6 +43,8 @@ async def http_error_handler(request: Request, error: HTTPException) -> JSONResp
     elif error.status_code == 405:
         allowed = error.headers.get("Allow", "") if error.headers else ""
         message = f"{request.url.path} does not take {request.method}: use {allowed or 'another method'}"
+    elif isinstance(error.__cause__, RecursionError):
+        message = "the request body could not be parsed: its JSON is nested too deeply"
     else:
         message = str(error.detail)
     response = error_response(ApiError(error.status_code, message, None, error.status_code))

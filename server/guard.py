@@ -39,15 +39,17 @@ class Guard:
         if not is_json_media_type(media):
             return await reply(send, 415, f"the request body must be JSON sent as Content-Type: application/json, "
                                           f"found {media or 'no Content-Type'}", code="unsupported_media_type")
-        body, more = b"", True
-        while more:
+        chunks, size, more = [], 0, True
+        while more:  # chunks joined once at the end: += would copy the growing body at every chunk
             message = await receive()
             if message["type"] == "http.disconnect":
                 return
-            body += message.get("body", b"")
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
             more = message.get("more_body", False)
-            if len(body) > limit:
+            if size > limit:
                 return await _too_large(send, f"more than {limit} bytes", limit)
+        body = b"".join(chunks)
         problem = body_problem(body)
         if problem is not None:
             return await reply(send, 400, problem[0], param=problem[1])
@@ -70,24 +72,24 @@ def is_json_media_type(value: str) -> bool:
 
 
 def body_problem(body: bytes) -> tuple[str, str | None] | None:
-    """(message, param) for a body that is not strict UTF-8 JSON or that holds a lone surrogate; None when fine.
-    The body is parsed again by FastAPI: parsing is cheap beside what a bad body would cost later."""
+    """(message, param) for a body that is not strict UTF-8 or that holds a lone surrogate; None when fine. The JSON
+    itself is FastAPI's to parse (its errors become error objects too): it is parsed here only when a surrogate
+    escape is there to find, so a large body costs one parse."""
     try:
-        text = body.decode("utf-8")
+        body.decode("utf-8")
     except UnicodeDecodeError as error:
         return f"the request body is not valid UTF-8: byte 0x{body[error.start]:02x} at offset {error.start}", None
+    if not _SURROGATE_ESCAPE.search(body):  # only \uXXXX escapes can make one: strict UTF-8 cannot carry surrogates
+        return None
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError as error:
-        return f"the request body is not valid JSON ({error.msg}: line {error.lineno} column {error.colno})", None
-    except RecursionError:
-        return "the request body is not valid JSON: it is nested too deeply", None
-    if _SURROGATE_ESCAPE.search(body):  # only \uXXXX escapes can make one: strict UTF-8 cannot carry surrogates
-        where = lone_surrogate(value)
-        if where is not None:
-            return (f"{where or 'the request body'}: a string holds a lone UTF-16 surrogate (an unpaired \\ud800-"
-                    f"\\udfff escape), which is not a character: send valid Unicode", where or None)
-    return None
+        value = json.loads(body)
+    except (ValueError, RecursionError):
+        return None  # not JSON: FastAPI says so
+    where = lone_surrogate(value)
+    if where is None:
+        return None
+    return (f"{where or 'the request body'}: a string holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff "
+            f"escape), which is not a character: send valid Unicode", where or None)
 
 
 def lone_surrogate(value: Any) -> str | None:
