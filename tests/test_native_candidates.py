@@ -97,7 +97,8 @@ def test_prefill_defaults_merged_gate_up_and_a_tile_per_width():
 
 
 def test_decode_tiles_serve_four_and_sixteen_rows_with_the_chained_tile_first():
-    """TileLang's decode GEMMs: slots of 4 and 16 rows (one row: the normed and halved tiles, below),
+    """TileLang's decode GEMMs: slots of 4 and 16 rows (one row: the normed and halved tiles, below) and the 16x64 tile
+    at 17-64 rows,
     sm_90 only, decode_tile.py's 16x16 tile first, launched programmatically, a single GEMM's stages in chains (the
     narrow o_proj and down deeper, at 2 CTAs an SM; the wide QKV's rows first after its wait: PRE), then for tuning
     gemm.py's mma_16x32 and mma_16x64 (single GEMMs) or decode_tile.py's decode_tile_16x64 (SiLU x up); every stage
@@ -118,7 +119,11 @@ def test_decode_tiles_serve_four_and_sixteen_rows_with_the_chained_tile_first():
             names = [v.name for v in decode if v.max_rows == rows]
             assert names == ["decode_tile_16x16", *(["decode_tile_16x64"] if act else ["mma_16x32", "mma_16x64"])], \
                 (node.name, names)
-        assert {v.max_rows for v in decode} == {4, 16} and all(v.sms == (90,) for v in decode)
+        assert {v.max_rows for v in decode} == {4, 16, 64} and all(v.sms == (90,) for v in decode)
+        # steps of 17-64 rows: the 16x64 tile alone, the same launches as at 16 rows
+        mid = [v for v in decode if v.max_rows == 64]
+        assert [v.name for v in mid] == ["decode_tile_16x64" if act else "mma_16x64"], (node.name, mid)
+        assert mid[0].launches == next(v for v in decode if v.max_rows == 16 and v.name == mid[0].name).launches
         chained = SILU_16X16 if act else NARROW_CHAINED if n <= NARROW_N else WIDE_CHAINED
         for v in decode:
             launch = v.launches[-1]

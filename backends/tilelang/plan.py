@@ -107,10 +107,13 @@ NARROW_N = 4096
 NARROW_CHAINED = DecodeTile(16, 256, 6, 64, 2, chains=4)
 WIDE_CHAINED = DecodeTile(16, 256, 4, 64, 3, chains=2, pre=2)
 SILU_16X16 = DecodeTile(16, 256, 0, 64, 3)  # decode_tile_16x16 of SiLU x up: two GEMMs a stage, no chains
-# for tuning: gemm.py's 16-row mma.sync tiles, warp-specialised by TileLang (single GEMMs), and SiLU x up's 16x64
-# through decode_tile.py: (a single GEMM's variant, SiLU x up's or None, the tile)
-TUNING_TILES = (("mma_16x32", None, DecodeTile(32, 256, 0, 128, 2)),
-                ("mma_16x64", "decode_tile_16x64", DecodeTile(64, 128, 0, 128, 2)))
+# gemm.py's 16-row mma.sync tiles, warp-specialised by TileLang (single GEMMs), and SiLU x up's 16x64 through
+# decode_tile.py: (a single GEMM's variant, SiLU x up's or None, the tile, the slots it serves). The 16x64 one also
+# serves steps of 17 to MID_ROWS rows, block after block of 16 rows sharing each weight tile through the L2: the
+# default there until a tile made for those rows exists.
+MID_ROWS = 64
+TUNING_TILES = (("mma_16x32", None, DecodeTile(32, 256, 0, 128, 2), DECODE_SLOTS),
+                ("mma_16x64", "decode_tile_16x64", DecodeTile(64, 128, 0, 128, 2), (*DECODE_SLOTS, MID_ROWS)))
 # The norm inside the tile for steps of up to 4 rows (decode_normed.py): a single GEMM (QKV) in two chains with two
 # weight stages ahead of the wait; SiLU x up's two GEMMs a stage, with one
 NORMED_SINGLE = DecodeTile(16, 256, 5, 32, 3, chains=2, pre=2)
@@ -291,14 +294,14 @@ def _decode_gemm(launches: list[LaunchSpec], params: list[Param], n: int, k: int
     """The 1-, 4- and 16-row slots of the GEMM kernel (`launches`: the norm launch before them, if any): the halved
     tile at 1 and 4 rows and the planes tile at 16 (where the next kernel adds the planes: `planes_read`) for a
     single GEMM, then the 16-row tiles at 4 and 16 rows (decode_tile_16x16, and for tuning a single GEMM's mma_16x32
-    and mma_16x64, SiLU x up's decode_tile_16x64)."""
+    and mma_16x64, SiLU x up's decode_tile_16x64, which also serve 17 to MID_ROWS rows)."""
     variants = [] if act else _halved_rows(launches, params, n, k, row_symbol)
     if not act and not launches and planes_read:
         variants += _planes_rows(params, n, k, row_symbol)
     chained = SILU_16X16 if act else NARROW_CHAINED if n <= NARROW_N else WIDE_CHAINED
-    tiles = [("decode_tile_16x16", chained, True)] + [(silu if act else single, tile, False)
-                                                      for single, silu, tile in TUNING_TILES]
-    for name, tile, default in tiles:
+    tiles = [("decode_tile_16x16", chained, True, DECODE_SLOTS)] + [(silu if act else single, tile, False, slots)
+                                                                    for single, silu, tile, slots in TUNING_TILES]
+    for name, tile, default, slots in tiles:
         tile = tile.filled(act)
         if name is None or n % tile.block_n or k % tile.block_k:
             continue
@@ -310,7 +313,7 @@ def _decode_gemm(launches: list[LaunchSpec], params: list[Param], n: int, k: int
         else:
             constexprs = dict(N=n, K=k, ACT=act, RESIDUAL=False, BLOCK_M=DECODE_TILE_M, SWIZZLE=0, ASYNC_ROWS=True)
             gemm = _launch("gemm.py", "gemm", params, constexprs | tile.shape(), grid, tile.threads, tile.stages)
-        variants += [VariantSpec(name, rows, [*launches, gemm], "tilelang", sms=(90,)) for rows in DECODE_SLOTS]
+        variants += [VariantSpec(name, rows, [*launches, gemm], "tilelang", sms=(90,)) for rows in slots]
     return variants
 
 
