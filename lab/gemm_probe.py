@@ -119,7 +119,7 @@ CASES += (NORM_LAUNCH,) + tuple(replace(c, label=c.label + " after norm", paired
 
 def launch_spec(case: Case):
     from pegainfer.backends.spec import GridDim, LaunchSpec, Param
-    from pegainfer.backends.tilelang.plan import KERNELS
+    from pegainfer.backends.tilelang.launches import KERNELS
 
     source = (KERNELS / case.template).read_text()
     tensor = lambda name, dtype="*bf16": Param(name, "tensor", name.lower(), dtype, aligned=True)  # noqa: E731

@@ -1,7 +1,7 @@
-"""Decode GEMMs of 17 to 64 rows: the plan's rows<=64 slot (Triton's 32-row tiles) against the TileLang tiles of the
-16-row slot run over more rows (their M is dynamic: blocks of 16 rows, or the tile's own row width), each launched as
-the runtime launches it and checked against torch, timed over weight copies past the L2 as gemm_case does.
-The split-K planes tile is left out: its scratch holds planes of 16 rows.
+"""Decode GEMMs of 17 to 256 rows: every variant of the slot serving the rows (the swapped tiles, Triton's), the
+prefill tile of the row-unbounded slot and, up to 64 rows, the TileLang tiles of the 16-row slot run over more rows
+(their M is dynamic: blocks of 16 rows), each launched as the runtime launches it and checked against torch, timed
+over weight copies past the L2 as gemm_case does. The 16-row planes tile is left out: its scratch holds 16 rows.
 
     PEGAINFER_CACHE=$PWD/.gpu/cache_qwen3 python3 lab/rows_probe.py --out $OUT   # on the GPU, after env.sh
 """
@@ -24,15 +24,16 @@ from pegainfer.passes.pipeline import lower  # noqa: E402
 
 
 def candidates(kernel, rows: int) -> list:
-    """The rows<=64 slot's variants, then the 16-row slot's TileLang tiles other than the planes one."""
+    """The slot's variants, the prefill tile, and up to 64 rows the 16-row slot's TileLang tiles but the planes one."""
+    prefill = [v for v in kernel.candidates if v.max_rows is None and not v.min_sizes and v.backend == "tilelang"]
     sixteen = [v for v in slot_variants(kernel, 16) if v.backend == "tilelang" and "planes" not in v.label]
-    return slot_variants(kernel, rows) + sixteen
+    return slot_variants(kernel, rows) + prefill[:1] + (sixteen if rows <= 64 else [])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--rows", type=int, nargs="*", default=[24, 32, 48, 64])
+    parser.add_argument("--rows", type=int, nargs="*", default=[24, 32, 48, 64, 96, 128, 192, 256])
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     spec = load_spec(embedded_configs()["qwen3-4b"])

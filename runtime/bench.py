@@ -137,9 +137,11 @@ def kernel_breakdown(engine: GpuEngine, context: int) -> dict[str, float]:
 
 
 def format_decode(rows: list[DecodeRow]) -> str:
-    lines = [f"{'mode':<7} {'batch':>5} {'context':>7} {'ms/step':>8} {'tok/s':>8} {'floor ms':>8} {'TB/s':>5}"]
+    lines = [f"{'mode':<7} {'batch':>5} {'context':>7} {'ms/step':>8} {'tok/s':>8} {'floor ms':>8} {'share':>5} "
+             f"{'TB/s':>5}"]
     lines += [f"{'graphs' if r.graphs else 'eager':<7} {r.batch:>5} {r.context:>7} {r.ms_per_step:>8.2f} "
-              f"{r.tokens_per_s:>8.0f} {r.floor_ms:>8.2f} {r.achieved_tb_per_s:>5.2f}" for r in rows]
+              f"{r.tokens_per_s:>8.0f} {r.floor_ms:>8.2f} {r.floor_ms / r.ms_per_step:>5.0%} "
+              f"{r.achieved_tb_per_s:>5.2f}" for r in rows]
     return "\n".join(lines) + "\n"
 
 

@@ -11,6 +11,7 @@ import numpy as np
 from pegainfer.ir.ops.sampling import UNRESOLVED, logsumexp_row, sample_row
 from pegainfer.ir.registry import get_op
 from pegainfer.ir.step import SAMPLER_OUTPUTS, SAMPLING_INPUTS
+from pegainfer.runtime.constraint import TokenConstraint, draw_constrained
 from pegainfer.runtime.sampler import SamplingParams
 
 _INT32_MAX = 2 ** 31 - 1
@@ -65,14 +66,20 @@ def wants_top_logprobs(params: list[SamplingParams]) -> bool:
 
 
 def finish(outputs: dict[str, np.ndarray], inputs: dict[str, np.ndarray], params: list[SamplingParams],
-           row_logits: Callable[[int], np.ndarray]) -> SampleResult:
+           row_logits: Callable[[int], np.ndarray],
+           constraints: list[TokenConstraint | None] | None = None) -> SampleResult:
     """The tokens and logprobs of a step's rows from its sampler outputs (`top_values`, `top_ids`, `logsumexp`
     may be left out when no row asks for top logprobs). `row_logits(r)`: row r's float32 logits, fetched only for
-    rows the device left unresolved."""
+    rows the device left unresolved and for rows under a constraint (drawn on the host: runtime/constraint.py)."""
     result = SampleResult([], [])
     for r, p in enumerate(params):
         token, logprob = int(outputs["sampled_ids"][r]), float(outputs["sampled_logprobs"][r])
-        if token == UNRESOLVED:
+        constraint = constraints[r] if constraints else None
+        if constraint is not None:
+            token, logprob = draw_constrained(np.asarray(row_logits(r), dtype=np.float32), constraint,
+                                              tuple(inputs[name][r].item() for name in SAMPLING_INPUTS))
+            result.host_rows.append(r)
+        elif token == UNRESOLVED:
             x = np.asarray(row_logits(r), dtype=np.float32)
             token = sample_row(x, *(inputs[name][r].item() for name in SAMPLING_INPUTS))
             logprob = float(x[token] - logsumexp_row(x))

@@ -10,6 +10,7 @@ from pegainfer.ir.interpreter import run_graph
 from pegainfer.ir.step import sampler_outputs
 from pegainfer.passes.fusion import TAIL_TOP_K
 from pegainfer.runtime.batch import Chunk, Sequence, commit_step, pack_step, release_sequence
+from pegainfer.runtime.constraint import TokenConstraint
 from pegainfer.runtime.device_sampling import SampleResult, finish, sampling_inputs, tail_reference
 from pegainfer.runtime.kv_blocks import BlockAllocator
 from pegainfer.runtime.sampler import SamplingParams
@@ -38,9 +39,11 @@ class ReferenceEngine:
         commit_step(chunks)
         return logits.astype(np.float32)
 
-    def sample(self, chunks: list[Chunk], params: list[SamplingParams], token_index: list[int]) -> SampleResult:
+    def sample(self, chunks: list[Chunk], params: list[SamplingParams], token_index: list[int],
+               constraints: list[TokenConstraint | None] | None = None) -> SampleResult:
         """Runs one step and draws one token per chunk as the GPU does (the `sample` op, same seeds, same
-        tokens); `token_index[i]`: which generated token of its request chunk i's row draws (0 for the first)."""
+        tokens); `token_index[i]`: which generated token of its request chunk i's row draws (0 for the first);
+        `constraints[i]`: the row's, if any (runtime/constraint.py)."""
         sampling = sampling_inputs(params, token_index, self.rng)
         inputs = pack_step(chunks, self.allocator) | sampling
         outputs = dict(zip(self.graph.outputs, run_graph(self.graph, inputs, self.weights, self.states)))
@@ -49,7 +52,7 @@ class ReferenceEngine:
         names = sampler_outputs(self.graph)  # a lowered graph samples itself
         tail = {role: outputs[name] for role, name in names.items()} if names else \
             tail_reference(logits, sampling, TAIL_TOP_K)
-        return finish(tail, sampling, params, lambda row: logits[row])
+        return finish(tail, sampling, params, lambda row: logits[row], constraints)
 
     def release(self, seq: Sequence) -> None:
         release_sequence(self.allocator, seq)

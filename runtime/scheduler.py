@@ -28,6 +28,7 @@ from typing import Protocol
 
 from pegainfer.errors import RequestError
 from pegainfer.runtime.batch import Chunk, Sequence
+from pegainfer.runtime.constraint import TokenConstraint
 from pegainfer.runtime.device_sampling import SampleResult
 from pegainfer.runtime.kv_blocks import BlockAllocator
 from pegainfer.runtime.prefix_cache import ROOT, PrefixCache, chain_hashes
@@ -39,14 +40,15 @@ class Engine(Protocol):
     """What both engines (reference_engine.ReferenceEngine, gpu.engine.GpuEngine) offer the scheduler."""
     allocator: BlockAllocator
 
-    def sample(self, chunks: list[Chunk], params: list[SamplingParams], token_index: list[int]) -> SampleResult: ...
+    def sample(self, chunks: list[Chunk], params: list[SamplingParams], token_index: list[int],
+               constraints: list[TokenConstraint | None] | None = None) -> SampleResult: ...
 
     def release(self, seq: Sequence) -> None: ...
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64
+    max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     prefix_cache: bool = True
@@ -60,6 +62,7 @@ class EngineRequest:
     stop_token_ids: frozenset[int] = frozenset()
     arrival: float = field(default_factory=time.monotonic)
     group: str | None = None  # requests sharing admission fairness (an API request's choices); None: its own
+    constraint: TokenConstraint | None = None  # what its tokens may be (a grammar); its own, never shared
 
 
 @dataclass(frozen=True)
@@ -189,7 +192,11 @@ class Scheduler:
         prefill = sum(c.num_tokens for c, st in zip(chunks, states) if not (c.num_tokens == 1 and st.num_generated))
         self.stats.prefill_tokens += prefill
         start = time.monotonic()
-        result = self.engine.sample(chunks, [st.request.params for st in states], [st.num_generated for st in states])
+        # a constraint sees only draws that become tokens: not those of prompt chunks short of the prompt's end
+        constraints = [st.request.constraint if c.seq.num_cached + c.num_tokens >= len(c.seq.token_ids) else None
+                       for c, st in zip(chunks, states)]
+        result = self.engine.sample(chunks, [st.request.params for st in states], [st.num_generated for st in states],
+                                    constraints if any(c is not None for c in constraints) else None)
         seconds = time.monotonic() - start
         tokens = sum(c.num_tokens for c in chunks)
         self.stats.steps += 1

@@ -23,7 +23,7 @@ class InstantEngine:
         self.allocator = BlockAllocator(num_blocks, 16, reserved=1)
         self.pack_seconds = 0.0
 
-    def sample(self, chunks: list[Chunk], params, token_index) -> SampleResult:
+    def sample(self, chunks: list[Chunk], params, token_index, constraints=None) -> SampleResult:
         started = time.perf_counter()
         pack_step(chunks, self.allocator)
         self.pack_seconds += time.perf_counter() - started

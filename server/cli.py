@@ -40,8 +40,8 @@ def add_serve(commands) -> None:
                                                "a Hugging Face id, else the folder's name)")
     p.add_argument("--api-key", default=os.environ.get("PEGAINFER_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $PEGAINFER_API_KEY, else none)")
-    p.add_argument("--max-num-seqs", type=argtypes.positive_int, default=64,
-                   help="sequences in a batch at most (default 64)")
+    p.add_argument("--max-num-seqs", type=argtypes.positive_int, default=256,
+                   help="sequences in a batch at most (default 256, as vLLM)")
     p.add_argument("--max-model-len", type=argtypes.positive_int, default=None,
                    help="prompt + completion tokens at most (default: config.json's max_position_embeddings)")
     p.add_argument("--max-num-batched-tokens", type=argtypes.positive_int, default=2048,

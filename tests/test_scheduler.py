@@ -46,7 +46,7 @@ class Recorder:
     def __init__(self, engine) -> None:
         self.engine, self.allocator, self.steps = engine, engine.allocator, []
 
-    def sample(self, chunks: list[Chunk], params, token_index):
+    def sample(self, chunks: list[Chunk], params, token_index, constraints=None):
         need = sum(self.allocator.blocks_for(c.seq.num_cached + c.num_tokens) - len(c.seq.table.blocks)
                    for c in chunks)
         self.steps.append({"tokens": [c.num_tokens for c in chunks], "free": self.allocator.num_free, "need": need})
@@ -114,7 +114,7 @@ def test_preemption_under_kv_pressure_recomputes_and_keeps_outputs(model):
     params = [replace(GREEDY, max_tokens=20) if i % 2 else
               SamplingParams(temperature=1.0, seed=i, max_tokens=20, ignore_eos=True) for i in range(6)]
     # 10 blocks of 16 tokens: a sequence needs 3 at its end, six of them cannot all stay resident
-    scheduler, engine = make(model, kv_tokens=160, max_num_batched_tokens=64)
+    scheduler, engine = make(model, kv_tokens=160, max_num_batched_tokens=64, max_num_seqs=64)
     outputs = run_all(scheduler, requests_for(batch, params))
     assert scheduler.stats.preemptions > 0
     assert tokens(outputs) == offline(model, batch, params)
@@ -336,7 +336,7 @@ class BrokenEngine:
     def __init__(self, engine) -> None:
         self.allocator, self._engine = engine.allocator, engine
 
-    def sample(self, chunks, params, token_index):
+    def sample(self, chunks, params, token_index, constraints=None):
         raise RuntimeError("illegal memory access")
 
     def release(self, seq) -> None:

@@ -422,7 +422,7 @@ class BrokenEngine:
     def __init__(self, engine) -> None:
         self.allocator, self._engine = engine.allocator, engine
 
-    def sample(self, chunks, params, token_index):
+    def sample(self, chunks, params, token_index, constraints=None):
         raise RuntimeError("CUDA_ERROR_ILLEGAL_ADDRESS")
 
     def release(self, seq) -> None:

@@ -6,20 +6,18 @@ variants serve it. Variants are named <form>_<M>x<N>, a CTA's tile (step rows x 
 keys): the form is the decode template's file (decode_tile, decode_normed, decode_halved, decode_planes), gemm.py's
 instruction (wgmma, with its warp policy or merge: wgmma_fullrow, wgmma_merged; mma: mma.sync) or flash, flash_ws."""
 
-import re
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 from pegainfer.backends.native_gemm import native_gemm
 from pegainfer.backends.planning import PREFILL_QUERIES, PlanOptions, gemm_roles, static_layout
 from pegainfer.backends.spec import PLANE_ROWS, GridDim, LaunchSpec, Param, ParamKind, VariantSpec
+from pegainfer.backends.tilelang.launches import SM90_SHARED, launch as _launch, tensor as _tensor
+from pegainfer.backends.tilelang.swapped_plan import swapped_rows, swapped_scratch
 from pegainfer.errors import PegainferError
 from pegainfer.ir.graph import KERNEL, Graph, Node
 from pegainfer.ir.kernel import fused_ops
 
-KERNELS = Path(__file__).parent / "kernels"
 SMS = (80, 86, 89, 90)  # TMA and wgmma on 90 (sm_90a); cp.async and mma.sync on the others
-SM90_SHARED = 228 * 1024  # an SM's shared memory, of which each resident CTA also holds 1 KB for the system
 PRODUCER = 128  # the decode forms' producer warpgroup, after their consumer threads
 DECODE_TILE_M = 16  # mma.sync's M: the rows of a 16-row tile's stage
 PAIRED_ROWS = 4  # the step's rows of a normed or halved CTA: its stage's 8 hold them and their pairs
@@ -145,25 +143,6 @@ def candidates(graph: Graph, node: Node, options: PlanOptions) -> list[VariantSp
     return []
 
 
-def _source(template: str) -> str:
-    """The template's text and that of the kernels modules it imports (decode_ring.py): the cache key covers
-    them all, so that a change to a shared piece rebuilds every form built on it."""
-    text = (KERNELS / template).read_text()
-    shared = re.findall(r"^from pegainfer\.backends\.tilelang\.kernels\.(\w+) import", text, re.M)
-    return text + "".join((KERNELS / f"{name}.py").read_text() for name in shared)
-
-
-def _launch(template: str, function: str, params: list[Param], constexprs: dict, grid: tuple[GridDim, ...],
-            threads: int, stages: int = 1) -> LaunchSpec:
-    grid = tuple(grid) + (GridDim(),) * (3 - len(grid))
-    return LaunchSpec(function, template, _source(template), params, constexprs, grid, threads // 32, stages,
-                      backend="tilelang")
-
-
-def _tensor(name: str, value: str, dtype: str = "*bf16") -> Param:
-    return Param(name, ParamKind.TENSOR, value, dtype, aligned=True)
-
-
 def _gemm(graph: Graph, node: Node) -> list[VariantSpec]:
     """Every slot of a GEMM kernel: the decode forms, then the row-unbounded slot's [add +] RMSNorm row launch and
     the TMA GEMM over its rows."""
@@ -181,16 +160,19 @@ def _gemm(graph: Graph, node: Node) -> list[VariantSpec]:
     elif roles["x2"]:
         return []  # an add without a norm before a GEMM: not a shape the passes make
     gemm_params = [_tensor("A", operand), _tensor("W", roles["weight"]), _tensor("C", roles["out"]), dim]
-    variants += _decode_gemm(decode_launches, gemm_params, n, k, roles["act"], row_symbol,
-                             planes_read=_planes_read(graph, roles["out"]))
+    prefill = []
     for tile in GEMM_TILES:
         if not tile.fits(n, roles["act"]):
             continue
         constexprs = dict(N=n, K=k, ACT=roles["act"], RESIDUAL=False) | tile.constexprs()
         gemm = _launch("gemm.py", "gemm", gemm_params, constexprs,
                        (GridDim((n,), tile.block_n), GridDim((row_symbol,), tile.block_m)), tile.threads, tile.stages)
-        variants.append(VariantSpec(tile.name, None, [*launches, gemm], "tilelang", sms=tile.sms))
-    return variants
+        prefill.append(VariantSpec(tile.name, None, [*launches, gemm], "tilelang", sms=tile.sms))
+    variants += swapped_rows(launches, gemm_params, n, k, roles["act"], row_symbol,
+                             next((v for v in prefill if 90 in v.sms), None))
+    variants += _decode_gemm(decode_launches, gemm_params, n, k, roles["act"], row_symbol,
+                             planes_read=_planes_read(graph, roles["out"]))
+    return variants + prefill
 
 
 def _norm_launches(roles: dict, k: int, dim: Param, row_symbol: str,
@@ -319,13 +301,15 @@ def _decode_gemm(launches: list[LaunchSpec], params: list[Param], n: int, k: int
 
 def gemm_scratch(graph: Graph, node: Node, variants: list[VariantSpec]) -> dict[str, tuple[str, tuple]]:
     """What the variants' launches write besides the kernel's outputs: the normed rows of a norm launch, read by
-    the TMA loads of the GEMM after it ([rows, K] bf16), and a split GEMM's planes ([SPLIT x 16, N] fp32)."""
+    the TMA loads of the GEMM after it ([rows, K] bf16), and a split GEMM's planes ([SPLIT x 16, N] fp32; the
+swapped tiles': swapped_plan.py)."""
     launches = [launch for v in variants for launch in v.launches]
     scratch = {}
     if any(launch.function == "add_rms_norm" for launch in launches):
         roles = gemm_roles(node)
         types = graph.value_types()
         scratch["gemm.normed"] = ("bf16", (types[roles["x"]].shape[0], types[roles["weight"]].shape[1]))
+    scratch |= swapped_scratch(launches)
     for launch in launches:
         if launch.constexprs.get("PARTIAL"):
             (planes,) = [p.buffer for p in launch.params if p.kind is ParamKind.PLANES]

@@ -1,7 +1,7 @@
 """Planning: each kernel node of the kernel DAG -> the Triton launches that run it (a template specialised by
 constexprs, or a generated row kernel), their parameter ABI, grid rule and row-count variants."""
 
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 from pegainfer.backends.planning import PlanOptions, gemm_roles, static_layout
 from pegainfer.backends.spec import GridDim, KernelSpec, LaunchSpec, VariantSpec
@@ -22,6 +22,9 @@ DECODE_TILE_ROWS = 16  # the tensor-core tiles of decode steps (up to SMALL_ROWS
 # the rows a decode GEMM's norm launch writes for its tiles, in float32: the tiles round them to the weights' type
 # as the fused prologue does (and Triton's interpreter, whose bf16 stores truncate, is not asked to)
 NORMED = "gemm.normed_rows"
+# the LM head's normed rows for its 64-row tiles ([rows, K] float32): with the norm in each of its thousands of
+# programs, every one would first read all its rows twice over
+NORMED_ALL = "gemm.normed_all"
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension (the GEMMs' column tiles)
 
 
@@ -68,9 +71,10 @@ def _plan_gemm(graph: Graph, node: Node) -> KernelSpec:
     n, k = roles["n"], types[roles["weight"]].shape[1]
     layout = static_layout(graph)
     variants, scratch = [], {}
-    own_scratch = _split_scratch(n, k, roles) | {NORMED: TensorType(dtype_from_name("f32"), (SMALL_ROWS, k))}
+    own_scratch = _split_scratch(n, k, roles) | {NORMED: TensorType(dtype_from_name("f32"), (SMALL_ROWS, k)),
+                                                 NORMED_ALL: TensorType(dtype_from_name("f32"), (row_symbol, k))}
     types, layout = types | own_scratch, layout | {name: (t.shape[-1], 0) for name, t in own_scratch.items()}
-    for tile in _gemm_tiles(n, k, bool(roles["act"]), roles["norm"] is not None):
+    for tile in _gemm_tiles(n, k, bool(roles["act"]), roles["norm"] is not None, roles["top_k"] is not None):
         split = split_count(n, k, tile.block_n, tile.block_k) if tile.split else 1
         if tile.split and (roles["top_k"] is not None or split == 1):
             continue  # not before the sampler's tail (its own scratch), nor where one slice is enough
@@ -81,6 +85,10 @@ def _plan_gemm(graph: Graph, node: Node) -> KernelSpec:
             launches.append(_norm_launch(types, layout, roles, row_symbol, k))
             tile_roles = roles | dict(x=NORMED, x2=None, rows=None, norm=None, sum=None)
             scratch[NORMED] = own_scratch[NORMED]
+        elif roles["norm"] and roles["top_k"] is not None and tile.block_m == 64:
+            launches.append(_norm_launch(types, layout, roles, row_symbol, k, NORMED_ALL))
+            tile_roles = roles | dict(x=NORMED_ALL, x2=None, rows=None, norm=None, sum=None)
+            scratch[NORMED_ALL] = own_scratch[NORMED_ALL]
         if tile.split:
             scratch |= {name: own_scratch[name] for name in ("gemm.split_part", "gemm.split_count")}
         launches.append(_gemm_launch(types, layout, tile_roles, tile, row_symbol, n, k, split))
@@ -121,27 +129,29 @@ def _gemm_launch(types: dict, layout: dict, roles: dict, tile: GemmTile, row_sym
     return launch("gemm.py", function, p, constexprs, grid, warps, tile.stages)
 
 
-def _norm_launch(types: dict, layout: dict, roles: dict, row_symbol: str, k: int) -> LaunchSpec:
-    """The [add +] RMSNorm of a decode GEMM's rows as a launch of its own, a program a row, into NORMED: repeated
+def _norm_launch(types: dict, layout: dict, roles: dict, row_symbol: str, k: int, out: str = NORMED) -> LaunchSpec:
+    """The [add +] RMSNorm of a decode GEMM's rows as a launch of its own, a program a row, into `out`: repeated
     by every program of the GEMM, it would put K / BLOCK_K dependent loads before each one's first weight tile."""
     p = Params(types, layout)
     for param in ("x", "x2", "rows", "norm", "sum"):
         p.tensor(f"{param}_ptr", roles[param])
-    p.tensor("out_ptr", NORMED)
+    p.tensor("out_ptr", out)
     for param in ("x", "x2", "sum"):
         p.stride(f"stride_{param}", roles[param])
-    p.stride("stride_out", NORMED)
+    p.stride("stride_out", out)
     constexprs = dict(K=k, EPS=roles["eps"], ADD=roles["x2"] is not None, GATHER=roles["rows"] is not None,
                       WRITE_SUM=roles["sum"] is not None, NORM_OFFSET=roles["norm_offset"],
                       BLOCK_K=max(16, next_pow2(k)))
     return launch("gemm.py", "add_rms_norm_kernel", p, constexprs, (GridDim((row_symbol,)),), 4, 1)
 
 
-def _gemm_tiles(n: int, k: int, act: bool, norm: bool) -> list[GemmTile]:
+def _gemm_tiles(n: int, k: int, act: bool, norm: bool, head: bool = False) -> list[GemmTile]:
     """A GEMM's tiles by the step's row count; the first of each row bound is its default. A tile is named
     <form>_<rows of its program>: gemv (CUDA cores: gemv_row_kernel at 1 row, gemv_rows_kernel at more), dot
     (tl.dot tensor-core tiles), split_k (tl.dot over K slices); its N and K tiles follow the GEMM's shape. One tile
-    may serve two row bounds under one name (gemv_1 at 1 and 4 rows, dot_16 and split_k_16 at 4 and 16)."""
+    may serve two row bounds under one name (gemv_1 at 1 and 4 rows, dot_16 and split_k_16 at 4 and 16). The LM
+    head (`head`) runs its 64-row tiles from 17 rows on, after a norm launch: its 32-row tiles read the weights
+    twice a 64-row step."""
     row_n, row_k, row_warps = gemv_1_tile(n, k, act)
     row = (min(row_n, next_pow2(n)), min(row_k, max(16, next_pow2(k))), row_warps, 1, "gemv_row_kernel")
     fma_n = min(4, next_pow2(n))
@@ -157,10 +167,12 @@ def _gemm_tiles(n: int, k: int, act: bool, norm: bool) -> list[GemmTile]:
              GemmTile("dot_32", 64, 32, *_mma_tile(n, k, 16, 256), 4, 3, "linear_kernel"),
              GemmTile("dot_64", None, 64, *_mma_tile(n, k, 64 if act else 128, 64), 8, 3,
                       "linear_kernel")]  # no spills at 8 warps
+    if head:
+        tiles.insert(-1, GemmTile("dot_64", 64, *astuple(tiles[-1])[2:]))
     # The defaults at 4 and 16 rows (docs/BENCHMARKS.md): one 16x32 tile a program, on rows normed by a launch of
     # their own where the GEMM has a norm; a plain projection at 4 rows on the CUDA cores (gemv_rows_kernel, 4 rows
     # x 4 columns, 8-wide K sums), at 16 rows split-K where K is long (down).
-    defaults = {4: "dot_16" if norm else "gemv_4",
+    defaults = {4: "dot_16" if norm else "gemv_4", 64: "dot_64" if head else "dot_32",
                 SMALL_ROWS: "split_k_16" if not norm and k >= 2 * n else "dot_16"}
     return sorted(tiles, key=lambda tile: tile.name != defaults.get(tile.max_rows))  # stable: the rest keep order
 

@@ -11,6 +11,7 @@ from pegainfer.frontends.load import LoadedModel
 from pegainfer.ir.step import SAMPLING_INPUTS, sampler_outputs
 from pegainfer.passes.pipeline import lower
 from pegainfer.runtime.batch import Chunk, Sequence, commit_step, pack_step, release_sequence
+from pegainfer.runtime.constraint import TokenConstraint
 from pegainfer.runtime.device_sampling import (SampleResult, finish, greedy_inputs, sampling_inputs,
                                                wants_top_logprobs)
 from pegainfer.runtime.cuda import driver
@@ -34,7 +35,7 @@ def bucket_for(batch: int, buckets: list[int]) -> int:
 @dataclass
 class EngineOptions:
     max_tokens: int = 2048
-    max_batch: int = 64
+    max_batch: int = 256
     max_model_len: int = 4096
     kv_tokens: int | None = None  # the KV cache's size in tokens; None: from gpu_memory_utilization
     gpu_memory_utilization: float = 0.9  # of the device's memory, for weights, activations and the KV cache
@@ -74,10 +75,12 @@ class GpuEngine:
         outputs = self.run(chunks, all_logits=all_logits)
         return self.executor.fetch(outputs["logits"])[:rows].astype(np.float32)
 
-    def sample(self, chunks: list[Chunk], params: list[SamplingParams], token_index: list[int]) -> SampleResult:
+    def sample(self, chunks: list[Chunk], params: list[SamplingParams], token_index: list[int],
+               constraints: list[TokenConstraint | None] | None = None) -> SampleResult:
         """Runs one step and draws a token per chunk on the device (the tail's `sample` op): downloads the tokens
         and their logprobs, the top-k candidates only when a row asks for top logprobs, and a full logits row
-        only for a row whose kept set reaches past the candidates (drawn on the host with the same noise)."""
+        only for a row whose kept set reaches past the candidates or that a constraint holds (drawn on the host
+        with the same noise)."""
         sampling = sampling_inputs(params, token_index, self.rng)
         outputs = self.run(chunks, sampling=sampling)
         names = sampler_outputs(self.executor.graph)
@@ -86,7 +89,7 @@ class GpuEngine:
         fetched = self.executor.fetch_all([outputs[names[role]] for role in wanted])
         logits = outputs[self.executor.graph.outputs[0]]
         return finish({role: array[: len(chunks)] for role, array in zip(wanted, fetched)}, sampling, params,
-                      lambda row: self.executor.fetch(logits.row(row))[0].astype(np.float32))
+                      lambda row: self.executor.fetch(logits.row(row))[0].astype(np.float32), constraints)
 
     def run(self, chunks: list[Chunk], *, all_logits: bool = False, sampling: dict | None = None) -> dict:
         """Launches one step; `sampling` (device_sampling.sampling_inputs) replaces the greedy defaults."""

@@ -177,7 +177,8 @@ def gate_4b(results: dict, logit_std: float = 2.0) -> None:
     """The golden gate on the full Qwen3-4B shape: Hugging Face's random init (bf16, on this GPU), its final norm
     scaled so that the logits spread `logit_std` (as the small checkpoints are), and the same weights handed to
     our engine; teacher-forced at batch 4 (prompts of different lengths), at batch 1 replayed twice, and at graph
-    batches just past bucket edges (9, and 33: the 17-64-row GEMMs)."""
+    batches just past bucket edges (9; 17, 33, 65 and 129: the first steps of the 32-, 64-, 128- and 256-row
+    slots)."""
     import ml_dtypes
     import torch
     import transformers
@@ -195,19 +196,19 @@ def gate_4b(results: dict, logit_std: float = 2.0) -> None:
     missing = sorted(set(wanted) - set(weights))
     assert not missing, f"Hugging Face's state dict lacks {missing[:3]}"
     model = LoadedModel(spec, Path("qwen3-4b"), weights)
-    engine = bench.engine_for(model, manifest_4b(model), max_tokens=1024, max_batch=40, max_model_len=512)
+    engine = bench.engine_for(model, manifest_4b(model), max_tokens=4096, max_batch=136, max_model_len=512)
     rng = np.random.default_rng(4)
     prompts = [rng.integers(0, vocab, n).tolist() for n in (7, 30, 1, 61)]
-    gate = {"logits_std_before_scaling": spread}
+    gate = results["qwen3_4b_hf_gate"] = {"logits_std_before_scaling": spread}  # kept if a later case fails
     gate["batch4"] = gate_against(hf, prompts, 16, lambda p, cont: teacher_forced(engine, p, cont))
     gate["batch1"] = gate_against(hf, prompts[:1], 16, lambda p, cont: teacher_forced(engine, p, cont))
     first = teacher_forced(engine, prompts[:1], [[1] * 8])[0]
     gate["batch1_replay_bit_identical"] = bool(np.array_equal(first, teacher_forced(engine, prompts[:1], [[1] * 8])[0]))
     batch9 = [rng.integers(0, vocab, int(rng.integers(1, 40))).tolist() for _ in range(9)]
     gate["graph_batch9"] = gate_against(hf, batch9, 4, lambda p, cont: teacher_forced(engine, p, cont))
-    batch33 = [rng.integers(0, vocab, int(rng.integers(1, 24))).tolist() for _ in range(33)]
-    gate["graph_batch33"] = gate_against(hf, batch33, 4, lambda p, cont: teacher_forced(engine, p, cont))
-    results["qwen3_4b_hf_gate"] = gate
+    for size in (17, 33, 65, 129):
+        batch = [rng.integers(0, vocab, int(rng.integers(1, 24))).tolist() for _ in range(size)]
+        gate[f"graph_batch{size}"] = gate_against(hf, batch, 4, lambda p, cont: teacher_forced(engine, p, cont))
 
 
 def manifest_4b(model: LoadedModel) -> Path:

@@ -99,7 +99,7 @@ STARTS=${STARTS:-first second}
 for start in $STARTS; do
     echo "== Qwen3-4B shape: $start start"
     python3 -m pegainfer.cli serve --model-path "$MODEL" --device cuda --port 8000 --served-model-name qwen3-4b \
-        --max-num-seqs 128 --trace-steps "$WORK/trace.jsonl" >"$WORK/serve_4b_$start.log" 2>&1 &
+        --max-num-seqs "${MAX_NUM_SEQS:-256}" --trace-steps "$WORK/trace.jsonl" >"$WORK/serve_4b_$start.log" 2>&1 &
     pid=$!
     ready http://127.0.0.1:8000 || { tail -30 "$WORK/serve_4b_$start.log"; exit 1; }
     sleep 2
