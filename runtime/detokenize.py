@@ -1,26 +1,30 @@
 """Text out of a token stream: incremental detokenization that never cuts a UTF-8 character, stop strings matched
 across token boundaries, and each token's own text and bytes for logprobs."""
 
+from collections.abc import Sequence
 from functools import lru_cache
 
 from pegainfer.runtime.tokenizer import TextTokenizer
 
 REPLACEMENT = "\ufffd"  # what decoding gives for bytes that are not (yet) a whole character
+PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded before the first generated one, as vLLM's detokenizer starts
 
 
 class IncrementalDetokenizer:
-    """Decodes a window of recent tokens instead of the whole output each time: `prefix` tokens (already emitted,
-    kept for context) and the tokens after them. New text is released only once it no longer ends in a partial
-    character, so a character split over several byte tokens comes out whole, in the chunk of its last byte."""
+    """Decodes a window of recent tokens instead of the whole output each time: context tokens (already emitted,
+    or the prompt's last few) and the tokens after them. New text is released only once it no longer ends in a
+    partial character, so a character split over several byte tokens comes out whole, in the chunk of its last byte.
 
-    def __init__(self, tokenizer: TextTokenizer) -> None:
+    Starting from the prompt's tail (vLLM's prefix and read offsets) keeps the space a SentencePiece or word-level
+    tokenizer puts before the first generated word, which decoding that token alone drops."""
+
+    def __init__(self, tokenizer: TextTokenizer, prompt_ids: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
-        self.token_ids: list[int] = []
-        self._prefix = 0  # first token of the decode window
-        self._read = 0  # tokens before this one have been emitted
+        self._window: list[int] = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
+        self._read = len(self._window)  # the window's tokens before this one have been emitted (or are prompt)
 
     def add(self, token_id: int) -> str:
-        self.token_ids.append(token_id)
+        self._window.append(token_id)
         return self._advance(final=False)
 
     def flush(self) -> str:
@@ -28,12 +32,21 @@ class IncrementalDetokenizer:
         return self._advance(final=True)
 
     def _advance(self, final: bool) -> str:
-        emitted = self.tokenizer.decode(self.token_ids[self._prefix:self._read])
-        window = self.tokenizer.decode(self.token_ids[self._prefix:])
-        if len(window) <= len(emitted) or (window.endswith(REPLACEMENT) and not final):
+        emitted = self.tokenizer.decode(self._window[:self._read])
+        text = self.tokenizer.decode(self._window)
+        # a prompt that ends inside a character: the token completing it emits the whole character
+        start = len(emitted) if text.startswith(emitted) else len(emitted.rstrip(REPLACEMENT))
+        if len(text) <= start or (text.endswith(REPLACEMENT) and not final):
             return ""
-        self._prefix, self._read = self._read, len(self.token_ids)
-        return window[len(emitted):]
+        self._window = self._window[self._read:]
+        self._read = len(self._window)
+        return text[start:]
+
+
+def decode_completion(tokenizer: TextTokenizer, prompt_ids: Sequence[int], token_ids: Sequence[int]) -> str:
+    """The completion's text as the server streams it after this prompt (with the space before its first word)."""
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
+    return "".join(detokenizer.add(t) for t in token_ids) + detokenizer.flush()
 
 
 class StopChecker:

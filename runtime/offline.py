@@ -6,6 +6,7 @@ from typing import Any
 from pegainfer.errors import RequestError
 from pegainfer.frontends.hub import resolve_checkpoint
 from pegainfer.frontends.load import LoadedModel, load_model
+from pegainfer.runtime.detokenize import decode_completion
 from pegainfer.runtime.device import choose_device
 from pegainfer.runtime.generate import Request, generate
 from pegainfer.runtime.reference_engine import ReferenceEngine
@@ -41,7 +42,7 @@ def generate_one(model_path: Path | str, params: SamplingParams, *, prompt: str 
         "dtype": model.spec.config.torch_dtype,
         "prompt_token_ids": ids,
         "token_ids": completion.token_ids,
-        "text": tokenizer.decode(completion.token_ids) if tokenizer else None,
+        "text": decode_completion(tokenizer, ids, completion.token_ids) if tokenizer else None,
         "finish_reason": completion.finish_reason,
         "logprobs": None if completion.logprobs is None else
         [{str(token): logprob for token, logprob in step.items()} for step in completion.logprobs],

@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP API over the engine loop: /v1/completions, /v1/chat/completions, /v1/models,
-/tokenize, /detokenize, /health, /metrics, /version and /openapi.json."""
+/tokenize, /detokenize, /tokenizer_info, /health, /metrics, /version and /openapi.json."""
 
 import asyncio
 import json
@@ -19,20 +19,22 @@ from pegainfer import __version__
 from pegainfer.errors import RequestError
 from pegainfer.runtime.chat import ChatTemplate
 from pegainfer.runtime.engine_loop import EngineDead, EngineLoop
-from pegainfer.runtime.sampler import SamplingParams
 from pegainfer.runtime.scheduler import EngineRequest
 from pegainfer.runtime.tokenizer import TextTokenizer
 from pegainfer.server import openai_format as fmt
 from pegainfer.server import responses as schema
+from pegainfer.server.chat_output import ChatOutputStream
 from pegainfer.server.errors import (ApiError, api_error_handler, error_body, http_error_handler,
                                      internal_error_handler, validation_error_handler)
 from pegainfer.server.generation import Choice, Delta, run_choice
 from pegainfer.server.guard import Guard
 from pegainfer.server.metrics import Metrics
 from pegainfer.server.openapi import openapi_document
+from pegainfer.server.prepare import Prepared, check_ids, check_model, prepare_chat, prepare_completion, render_chat
 from pegainfer.server.prompts import PromptEncoder
 from pegainfer.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, \
-    TokenizeRequest, _Sampling, unused_field_set
+    TokenizeRequest, _Sampling
+from pegainfer.server.structured import Grammars
 
 MAX_SEQS_PER_REQUEST = 256  # prompts x n of one request, by default (--max-seqs-per-request)
 
@@ -50,20 +52,15 @@ class ServerContext:
     api_key: str | None = None
     max_request_bytes: int = 8 << 20
     max_seqs_per_request: int = MAX_SEQS_PER_REQUEST
+    tool_call_parser: str | None = None  # --tool-call-parser: how tool calls are read from (and forced into) text
+    auto_tool_choice: bool = False  # --enable-auto-tool-choice
+    reasoning_parser: str | None = None  # --reasoning-parser
     encoder: PromptEncoder = field(init=False)
+    grammars: Grammars = field(init=False)
 
     def __post_init__(self) -> None:
         self.encoder = PromptEncoder(self.tokenizer)
-
-
-@dataclass
-class Prepared:
-    """A validated request: its prompts as ids, and what each choice needs."""
-    prompts: list[list[int]]
-    prompt_texts: list[str]
-    params: list[SamplingParams]  # one per choice of each prompt
-    stops: list[str]
-    stop_token_ids: frozenset[int]
+        self.grammars = Grammars(self.tokenizer, self.vocab_size)
 
 
 def build_app(ctx: ServerContext) -> Guard:
@@ -118,9 +115,11 @@ def add_info_routes(app: FastAPI, ctx: ServerContext) -> None:
         check_model(ctx, body.model)
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "give exactly one of prompt and messages", "prompt")
+        add_special = body.messages is None if body.add_special_tokens is None else body.add_special_tokens
         text, param = (body.prompt, "prompt") if body.prompt is not None else \
             (render_chat(ctx, body.messages, body.add_generation_prompt, body.chat_template_kwargs), "messages")
         ids = await ctx.encoder.encode(text, ctx.max_model_len, param, ctx.max_model_len)
+        ids = ids if add_special else ctx.tokenizer.without_added_specials(ids)
         return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
 
     @app.post("/detokenize", response_model=schema.Detokenized,
@@ -129,6 +128,11 @@ def add_info_routes(app: FastAPI, ctx: ServerContext) -> None:
         check_model(ctx, body.model)
         check_ids(ctx, body.tokens, "tokens")
         return {"prompt": ctx.tokenizer.decode(body.tokens)}
+
+    @app.get("/tokenizer_info", response_model=dict[str, Any], responses=schema.error_responses(401))
+    async def tokenizer_info() -> dict:
+        """vLLM's /tokenizer_info, which lm-eval's remote tokenizer and vLLM clients read."""
+        return ctx.tokenizer.info(ctx.chat_template and ctx.chat_template.source, ctx.max_model_len)
 
 
 def add_generation_routes(app: FastAPI, ctx: ServerContext) -> None:
@@ -154,119 +158,6 @@ def model_card(ctx: ServerContext) -> dict:
             "max_model_len": ctx.max_model_len}
 
 
-# --- preparing a request -----------------------------------------------------------------------------------------
-
-def check_model(ctx: ServerContext, model: str | None) -> None:
-    if model is not None and model != ctx.model_name:
-        raise ApiError(404, f"The model `{model}` does not exist; this server serves `{ctx.model_name}`",
-                       "model", "model_not_found")
-
-
-def check_ids(ctx: ServerContext, ids: list[int], param: str) -> None:
-    bad = [t for t in ids if not 0 <= t < ctx.vocab_size]
-    if bad:
-        raise ApiError(400, f"token id {bad[0]} is out of range: the vocabulary has ids 0..{ctx.vocab_size - 1}",
-                       param)
-
-
-def check_common(ctx: ServerContext, body: _Sampling, prompts: int) -> None:
-    check_model(ctx, body.model)
-    name = unused_field_set(body)
-    if name is not None:
-        raise ApiError(400, f"{name} is not supported by pegainfer yet: leave it out (set to "
-                            f"{json.dumps(getattr(body, name))[:80]})", name)
-    if body.best_of not in (None, 1, body.n):
-        raise ApiError(400, "best_of is not supported by pegainfer: leave it out or equal to n", "best_of")
-    if body.stream_options is not None and not body.stream:
-        raise ApiError(400, "stream_options is only allowed with stream: true", "stream_options")
-    if prompts * body.n > ctx.max_seqs_per_request:
-        raise ApiError(400, f"this request asks for {prompts} prompts x n={body.n} = {prompts * body.n} sequences; "
-                            f"this server takes at most {ctx.max_seqs_per_request} per request "
-                            f"(--max-seqs-per-request): split it", "n" if body.n > 1 else "prompt")
-    check_ids(ctx, body.stop_token_ids or [], "stop_token_ids")
-
-
-def resolve_max_tokens(ctx: ServerContext, prompt_len: int, requested: int | None, param: str,
-                       prompt_param: str) -> int:
-    limit = ctx.max_model_len
-    if prompt_len >= limit:
-        raise ApiError(400, f"This model's maximum context length is {limit} tokens; the prompt has {prompt_len} "
-                            f"tokens, which leaves none to generate. Shorten the prompt.", prompt_param)
-    if requested is None:
-        return limit - prompt_len
-    if prompt_len + requested > limit:
-        raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
-                            f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the "
-                            f"completion). Reduce the prompt or {param}.", param)
-    return requested
-
-
-def sampling_params(ctx: ServerContext, body: _Sampling, prompt_len: int, max_tokens: int | None,
-                    max_tokens_param: str, prompt_param: str, logprobs: int | None) -> list[SamplingParams]:
-    max_tokens = resolve_max_tokens(ctx, prompt_len, max_tokens, max_tokens_param, prompt_param)
-    try:
-        ctx.engine.scheduler.check(prompt_len, max_tokens)
-    except RequestError as error:
-        raise ApiError(400, str(error), prompt_param) from None
-    return [SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
-                           seed=None if body.seed is None else (body.seed + j) % 2**63, logprobs=logprobs,
-                           max_tokens=max_tokens, ignore_eos=body.ignore_eos) for j in range(body.n)]
-
-
-async def prepare_completion(ctx: ServerContext, body: CompletionRequest) -> Prepared:
-    prompt = body.prompt
-    texts = [prompt] if isinstance(prompt, str) else prompt if isinstance(prompt[0], str) else None
-    id_prompts = None if texts is not None else [prompt] if isinstance(prompt[0], int) else prompt
-    check_common(ctx, body, len(texts if texts is not None else id_prompts))
-    if body.echo and body.logprobs is not None:
-        raise ApiError(400, "echo with logprobs needs the prompt's logprobs, which pegainfer does not compute: "
-                            "use one or the other", "echo")
-    if texts is not None:
-        prompts = [await ctx.encoder.encode(text, ctx.max_model_len - 1, "prompt", ctx.max_model_len)
-                   for text in texts]
-    else:
-        prompts = id_prompts
-        for ids in prompts:
-            if len(ids) < ctx.max_model_len:  # longer ones are refused with their length below, unread
-                check_ids(ctx, ids, "prompt")
-        texts = [ctx.tokenizer.decode(ids) if body.echo else "" for ids in prompts]
-    if any(not ids for ids in prompts):
-        raise ApiError(400, "the prompt is empty: it encodes to no tokens", "prompt")
-    params = []
-    for ids in prompts:
-        params += sampling_params(ctx, body, len(ids), body.max_tokens, "max_tokens", "prompt", body.logprobs)
-    return Prepared(prompts, texts, params, body.stop, frozenset(body.stop_token_ids or []))
-
-
-def render_chat(ctx: ServerContext, messages, add_generation_prompt: bool, kwargs: dict | None) -> str:
-    if ctx.chat_template is None:
-        raise ApiError(400, "this model's checkpoint has no chat template (tokenizer_config.json chat_template): "
-                            "use /v1/completions", "messages")
-    kwargs = kwargs or {}
-    clash = {"messages", "add_generation_prompt"} & kwargs.keys()
-    if clash:
-        raise ApiError(400, f"chat_template_kwargs may not set {sorted(clash)[0]}", "chat_template_kwargs")
-    try:
-        return ctx.chat_template.render([m.as_template_input() for m in messages],
-                                        add_generation_prompt=add_generation_prompt, **kwargs)
-    except RequestError as error:
-        raise ApiError(400, str(error), "messages") from None
-
-
-async def prepare_chat(ctx: ServerContext, body: ChatCompletionRequest) -> Prepared:
-    check_common(ctx, body, 1)
-    if body.top_logprobs is not None and not body.logprobs:
-        raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-    text = render_chat(ctx, body.messages, body.add_generation_prompt, body.chat_template_kwargs)
-    ids = await ctx.encoder.encode(text, ctx.max_model_len - 1, "messages", ctx.max_model_len)
-    if not ids:
-        raise ApiError(400, "the messages render to an empty prompt", "messages")
-    name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    params = sampling_params(ctx, body, len(ids), body.max_completion_tokens or body.max_tokens, name,
-                             "messages", (body.top_logprobs or 0) if body.logprobs else None)
-    return Prepared([ids], [text], params, body.stop, frozenset(body.stop_token_ids or []))
-
-
 # --- running it ----------------------------------------------------------------------------------------------------
 
 async def merged(ctx: ServerContext, prepared: Prepared, prefix: str, choices: list[Choice]) -> AsyncIterator[Delta]:
@@ -275,8 +166,9 @@ async def merged(ctx: ServerContext, prepared: Prepared, prefix: str, choices: l
     n = len(prepared.params) // len(prepared.prompts)
 
     async def pump(index: int) -> None:
+        constraint = prepared.constraint() if prepared.constraint is not None else None
         request = EngineRequest(f"{prefix}-{index}", prepared.prompts[index // n], prepared.params[index],
-                                prepared.stop_token_ids, group=prefix)
+                                prepared.stop_token_ids, group=prefix, constraint=constraint)
         try:
             async for delta in run_choice(ctx.engine, request, ctx.tokenizer, prepared.stops, index, ctx.metrics,
                                           choices[index]):
@@ -321,7 +213,7 @@ async def respond(ctx: ServerContext, request: Request, body: _Sampling, prepare
     _raise_engine_errors(task.exception())
     base = fmt.envelope(request_id, "chat.completion" if chat else "text_completion", ctx.model_name)
     if chat:
-        body_choices = [fmt.chat_choice(ctx.tokenizer, c, top) for c in choices]
+        body_choices = [fmt.chat_choice(ctx.tokenizer, c, top, prepared.output) for c in choices]
     else:
         body_choices = [fmt.completion_choice(ctx.tokenizer, c, echo[c.index // n], top is not None)
                         for c in choices]
@@ -358,12 +250,15 @@ async def stream_events(ctx: ServerContext, prepared: Prepared, request_id: str,
         for index in range(len(choices)):
             yield _sse(fmt.chat_role_chunk(base, index))
     echoed: set[int] = set()
+    outputs = [prepared.output.stream() for _ in choices] if chat else []
     try:
         async for delta in merged(ctx, prepared, request_id, choices):
             if not (delta.text or delta.finish_reason or delta.logprobs is not None):
                 continue  # held-back text with nothing else to say
             if chat:
-                chunk = fmt.chat_chunk(ctx.tokenizer, base, delta, top)
+                for chunk in chat_chunks(ctx, base, delta, top, outputs[delta.index]):
+                    yield _sse(chunk)
+                continue
             else:
                 prefix = "" if delta.index in echoed else echo[delta.index // n]
                 echoed.add(delta.index)
@@ -377,6 +272,20 @@ async def stream_events(ctx: ServerContext, prepared: Prepared, request_id: str,
         if include_usage:
             yield _sse({**base, "choices": [], "usage": fmt.usage(prompt_tokens, choices, n)})
     yield "data: [DONE]\n\n"
+
+
+def chat_chunks(ctx: ServerContext, base: dict, delta: Delta, top: int | None,
+                output: ChatOutputStream) -> list[dict]:
+    """A delta's chunks: its text through the choice's reasoning and tool-call parsers (which may hold text back,
+    or send it as several pieces); the last one carries the finish_reason, "tool_calls" after a call."""
+    pieces = output.feed(delta.text) + (output.finish() if delta.finish_reason else [])
+    if not pieces and (delta.finish_reason or delta.logprobs is not None):
+        pieces = [{"content": ""}]
+    chunks = [fmt.chat_chunk(ctx.tokenizer, base, delta, top if i == 0 else None, piece, None)
+              for i, piece in enumerate(pieces)]
+    if delta.finish_reason and chunks:
+        chunks[-1]["choices"][0]["finish_reason"] = fmt.tool_finish(delta.finish_reason, output.calls)
+    return chunks
 
 
 def _sse(payload: dict[str, Any]) -> str:

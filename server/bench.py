@@ -11,8 +11,16 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+from pegainfer.errors import PegainferError
+
+if TYPE_CHECKING:
+    from pegainfer.runtime.tokenizer import TextTokenizer
+
+FIT_ROUNDS = 64  # decode, encode, cut or pad: rounds before giving up on a prompt of the exact length
 
 
 @dataclass(frozen=True)
@@ -44,16 +52,60 @@ class Result:
 
 def random_prompts(config: BenchConfig) -> list[list[int] | str]:
     """`num_prompts` prompts of `input_len` random token ids. Without a tokenizer the ids are the 1000 past the
-    byte range, which every real vocabulary has; with one, any of its ordinary tokens, decoded to text (which the
-    server re-encodes to about as many tokens: the report counts the server's own number when it says it)."""
+    byte range, which every real vocabulary has; with one, any of its whole tokens, as text that encodes back to
+    exactly `input_len` tokens (fit_prompt), so the server counts the prompt tokens asked for (on
+    /v1/chat/completions, the chat template's own tokens come on top)."""
     rng = np.random.default_rng(config.seed)
     if config.tokenizer is None:
         return rng.integers(256, 1256, (config.num_prompts, config.input_len)).tolist()
     from pegainfer.runtime.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(config.tokenizer)
-    vocab = tokenizer.tokenizer.get_vocab_size(with_added_tokens=False)
-    return [tokenizer.decode(ids) for ids in rng.integers(0, vocab, (config.num_prompts, config.input_len)).tolist()]
+    pool = whole_tokens(tokenizer)
+    return [fit_prompt(tokenizer, rng.choice(pool, config.input_len).tolist(), config.input_len, pool, rng)
+            for _ in range(config.num_prompts)]
+
+
+def whole_tokens(tokenizer: "TextTokenizer") -> np.ndarray:
+    """The ordinary tokens whose text encodes back to that token alone: no special token, no part of a character
+    (random ids of those decode to U+FFFD, which re-encodes to three bytes)."""
+    inner = tokenizer.tokenizer
+    ids = list(range(inner.get_vocab_size(with_added_tokens=False)))
+    texts = inner.decode_batch([[i] for i in ids], skip_special_tokens=True)
+    encodings = inner.encode_batch(texts, add_special_tokens=False)
+    pool = np.array([i for i, encoding in zip(ids, encodings) if encoding.ids == [i]], dtype=np.int64)
+    if not pool.size:
+        raise PegainferError("--tokenizer: no token of this tokenizer encodes back to itself from its text, so no "
+                             "random prompt of an exact length can be made with it")
+    return pool
+
+
+def fit_prompt(tokenizer: "TextTokenizer", ids: list[int], length: int, pool: np.ndarray,
+               rng: np.random.Generator) -> str:
+    """Text that encodes (as the server encodes a prompt: special tokens included) to exactly `length` tokens,
+    as SGLang's and vLLM's random datasets make it: decode the ids, encode the text, cut the excess or add random
+    tokens of `pool`, decode again, until the count holds. Decoded random ids alone re-encode to other counts:
+    neighbours merge, and a byte-level BPE's partial characters come back as U+FFFD's three bytes."""
+    from pegainfer.runtime.detokenize import REPLACEMENT
+
+    added = len(tokenizer.encode(""))
+    if length < added:
+        raise PegainferError(f"--input-len {length}: this tokenizer adds {added} special tokens to every prompt, "
+                             f"so no prompt has fewer")
+    for _ in range(FIT_ROUNDS):
+        text = tokenizer.decode(ids)
+        excess = len(tokenizer.encode(text)) - length
+        if excess == 0:
+            return text
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if excess < 0:
+            ids += rng.choice(pool, -excess).tolist()
+            continue
+        del ids[max(len(ids) - excess, 0):]
+        while ids and tokenizer.decode(ids).endswith(REPLACEMENT):  # a cut inside a character: back to its start
+            ids.pop()
+    raise PegainferError(f"--input-len {length}: found no text that this tokenizer encodes to exactly {length} "
+                         f"tokens in {FIT_ROUNDS} rounds; try another --input-len or --seed")
 
 
 def request_body(config: BenchConfig, prompt: list[int] | str) -> dict:

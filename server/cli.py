@@ -24,6 +24,9 @@ CPU_KV_TOKENS = 65536  # the reference engine's default pool: NumPy arrays, size
 KV_BLOCK_SIZE = 16  # tokens a KV block holds, on either engine
 # frontends/load.py's DTYPE_CHOICES, spelled out so that the CLI's start does not import NumPy for every command
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
+# server/tool_parsers.py's and server/reasoning.py's registries, spelled out as DTYPE_CHOICES is
+TOOL_PARSERS = ("hermes", "llama3_json", "mistral")
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
 DTYPE_HELP = ("weights and activations: auto (default) is config.json's torch_dtype, except that a float32 "
               "checkpoint runs as bfloat16 on cuda (vLLM's rule); bfloat16, float16 or float32 cast the weights "
               "on load")
@@ -67,6 +70,14 @@ def add_serve(commands) -> None:
     p.add_argument("--trace-steps", type=Path, default=None, metavar="FILE",
                    help="write a JSON line per engine step to FILE: its sequences and tokens, the engine's seconds "
                         "and the serving loop's own (to profile a slow server)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="let the model decide to call the request's tools (tool_choice auto); needs "
+                        "--tool-call-parser")
+    p.add_argument("--tool-call-parser", choices=TOOL_PARSERS, default=None,
+                   help="how tool calls are read from the model's text and forced into it (tool_choice required "
+                        "or a named function): hermes (Qwen2.5, Qwen3), llama3_json (Llama 3.1-3.3), mistral")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                   help="split a thinking model's <think>...</think> into reasoning_content: qwen3, deepseek_r1")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                    help="uvicorn's log level (default warning)")
     p.set_defaults(run=run_serve)
@@ -176,7 +187,8 @@ def start_serving(args: argparse.Namespace, trace: TextIO | None, listener: sock
     metrics = Metrics(name, max_model_len=max_model_len, cache_info=cache_info)
     ctx = ServerContext(loop, tokenizer, chat_template, name, checkpoint.repo_id or str(args.model_path),
                         max_model_len, model.spec.config.vocab_size, metrics, args.api_key,
-                        args.max_request_bytes, args.max_seqs_per_request)
+                        args.max_request_bytes, args.max_seqs_per_request, args.tool_call_parser,
+                        args.enable_auto_tool_choice, args.reasoning_parser)
 
     def ready_line() -> str:
         ctx.metrics.startup_seconds = process_age()

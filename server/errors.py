@@ -13,7 +13,8 @@ TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "inval
          405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
          500: "server_error", 503: "server_error"}
 ROUTES = ("POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /v1/models/{model}",
-          "POST /tokenize", "POST /detokenize", "GET /health", "GET /metrics", "GET /version", "GET /openapi.json")
+          "POST /tokenize", "POST /detokenize", "GET /tokenizer_info", "GET /health", "GET /metrics", "GET /version",
+          "GET /openapi.json")
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "function-before"}
 
 

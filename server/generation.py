@@ -67,7 +67,7 @@ async def run_choice(engine: EngineLoop, request: EngineRequest, tokenizer: Text
                      index: int, metrics: Metrics, choice: Choice) -> AsyncIterator[Delta]:
     """Yields a Delta per generated token and fills `choice` as it goes; the last Delta has the finish_reason.
     A stop string ends the choice with "stop", cut before the stop string."""
-    detokenizer, checker = IncrementalDetokenizer(tokenizer), StopChecker(stops)
+    detokenizer, checker = IncrementalDetokenizer(tokenizer, request.prompt_ids), StopChecker(stops)
     stream = RequestStream(engine, request)
     last = first_token = request.arrival
     try:

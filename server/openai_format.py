@@ -5,6 +5,7 @@ from typing import Any
 
 from pegainfer.runtime.detokenize import token_bytes, token_text
 from pegainfer.runtime.tokenizer import TextTokenizer
+from pegainfer.server.chat_output import ChatOutput
 from pegainfer.server.generation import Choice, Delta
 
 
@@ -63,18 +64,26 @@ def _token_entry(tokenizer: TextTokenizer, token_id: int, logprob: float) -> dic
             "bytes": list(token_bytes(tokenizer, token_id))}
 
 
-def chat_choice(tokenizer: TextTokenizer, choice: Choice, top: int | None) -> dict:
+def chat_choice(tokenizer: TextTokenizer, choice: Choice, top: int | None, output: ChatOutput) -> dict:
     logprobs = None if top is None else {"content": [chat_logprob(tokenizer, t, step, top)
                                                      for t, step in zip(choice.token_ids, choice.logprobs)]}
-    return {"index": choice.index, "message": {"role": "assistant", "content": choice.text},
-            "logprobs": logprobs, "finish_reason": choice.finish_reason}
+    message, calls = output.message(choice.text)
+    return {"index": choice.index, "message": message, "logprobs": logprobs,
+            "finish_reason": tool_finish(choice.finish_reason, calls)}
 
 
-def chat_chunk(tokenizer: TextTokenizer, base: dict, delta: Delta, top: int | None) -> dict:
+def tool_finish(finish_reason: str | None, calls: bool) -> str | None:
+    """A choice that stopped after calling tools finishes with "tool_calls", as OpenAI's do."""
+    return "tool_calls" if calls and finish_reason == "stop" else finish_reason
+
+
+def chat_chunk(tokenizer: TextTokenizer, base: dict, delta: Delta, top: int | None, message: dict,
+               finish_reason: str | None) -> dict:
+    """A chunk of one choice: `message` the delta object (content, reasoning or tool-call pieces)."""
     logprobs = None if top is None or delta.logprobs is None else \
         {"content": [chat_logprob(tokenizer, delta.token_id, delta.logprobs, top)]}
-    return {**base, "choices": [{"index": delta.index, "delta": {"content": delta.text}, "logprobs": logprobs,
-                                 "finish_reason": delta.finish_reason}]}
+    return {**base, "choices": [{"index": delta.index, "delta": message, "logprobs": logprobs,
+                                 "finish_reason": finish_reason}]}
 
 
 def chat_role_chunk(base: dict, index: int) -> dict:

@@ -5,7 +5,7 @@ OpenAI error object)."""
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from pegainfer.runtime.sampler import MAX_LOGPROBS
 
@@ -43,14 +43,15 @@ class _Sampling(BaseModel):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[str, float] | None = None
-    response_format: dict[str, Any] | None = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
     guided_decoding_backend: Any = None
-    structured_outputs: Any = None
     prompt_logprobs: Any = None
+    # structured outputs (server/structured.py): one of these at a time
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -107,10 +108,11 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    # known, not implemented: refused unless their value means nothing (UNUSED)
-    tools: list[dict[str, Any]] | None = None
+    # tool calls (server/tools.py): checked there, so that a malformed one gets a 400 naming it
+    tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    # known, not implemented: refused unless their value means nothing (UNUSED)
     functions: list[dict[str, Any]] | None = None
     function_call: Any = None
     modalities: list[str] | None = None
@@ -123,6 +125,7 @@ class ChatCompletionRequest(_Sampling):
 class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
+    add_special_tokens: StrictBool | None = None  # None: vLLM's defaults, true for a prompt, false for messages
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
@@ -142,16 +145,14 @@ def _empty(value: Any) -> bool:
 
 
 # field -> whether a value means "nothing": such values are accepted, any other is refused with a 400 naming it.
-# tool_choice and function_call "auto" mean nothing without tools, and tools are refused.
+# function_call "auto" means nothing without functions, which are refused (tools and tool_choice replace them).
 UNUSED: dict[str, Callable[[Any], bool]] = {
     "presence_penalty": lambda v: v == 0, "frequency_penalty": lambda v: v == 0,
     "repetition_penalty": lambda v: v == 1, "logit_bias": _empty, "suffix": lambda v: v in (None, ""),
-    "response_format": lambda v: v is None or v == {"type": "text"}, "tools": _empty, "functions": _empty,
-    "tool_choice": lambda v: v in (None, "none", "auto"), "function_call": lambda v: v in (None, "none", "auto"),
-    "parallel_tool_calls": lambda v: True, "modalities": lambda v: v in (None, ["text"]),
-    **{name: _nothing for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                                   "guided_decoding_backend", "structured_outputs", "prompt_logprobs",
-                                   "reasoning_effort", "audio", "prediction", "web_search_options")},
+    "functions": _empty, "guided_decoding_backend": lambda v: v in (None, "auto", "xgrammar"),
+    "function_call": lambda v: v in (None, "none", "auto"), "modalities": lambda v: v in (None, ["text"]),
+    **{name: _nothing for name in ("prompt_logprobs", "reasoning_effort", "audio", "prediction",
+                                   "web_search_options")},
 }
 
 

@@ -34,7 +34,8 @@ def operations(api) -> dict[str, object]:
 def test_the_document_lists_every_route(api):
     assert set(operations(api)) == {
         "GET /health", "GET /metrics", "GET /version", "GET /v1/models", "GET /v1/models/{model_id}",
-        "POST /tokenize", "POST /detokenize", "POST /v1/completions", "POST /v1/chat/completions"}
+        "POST /tokenize", "POST /detokenize", "GET /tokenizer_info", "POST /v1/completions",
+        "POST /v1/chat/completions"}
 
 
 @pytest.mark.slow

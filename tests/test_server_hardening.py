@@ -240,16 +240,9 @@ def test_tokenize_needs_the_api_key_too(server):
 # --- known fields pegainfer does not implement ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("path,field,value", [
-    (CHAT, "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    (CHAT, "tool_choice", "required"),
     (CHAT, "functions", [{"name": "f", "parameters": {}}]),
     (CHAT, "function_call", {"name": "f"}),
-    (CHAT, "response_format", {"type": "json_object"}),
-    (COMPLETIONS, "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
-    (COMPLETIONS, "guided_json", {"type": "object"}),
-    (COMPLETIONS, "guided_regex", "a+"),
-    (CHAT, "guided_choice", ["yes", "no"]),
-    (CHAT, "guided_grammar", "root ::= 'a'"),
+    (COMPLETIONS, "guided_decoding_backend", "outlines"),
     (CHAT, "modalities", ["text", "audio"]),
     (CHAT, "reasoning_effort", "low"),
     (COMPLETIONS, "presence_penalty", 0.5),

@@ -1,0 +1,165 @@
+"""Preparing an API request: its common checks, its prompts as ids, each choice's sampling parameters, its chat
+template rendered (with its tools), and its constraint (structured outputs, required tool calls) compiled."""
+
+import asyncio
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pegainfer.errors import RequestError
+from pegainfer.runtime.constraint import TokenConstraint
+from pegainfer.runtime.sampler import SamplingParams
+from pegainfer.server.chat_output import ChatOutput
+from pegainfer.server.errors import ApiError
+from pegainfer.server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling, unused_field_set
+from pegainfer.server.structured import GrammarSpec, requested_spec
+from pegainfer.server.tools import call_grammar, resolve_tool_choice
+
+if TYPE_CHECKING:
+    from pegainfer.server.app import ServerContext
+
+
+@dataclass
+class Prepared:
+    """A validated request: its prompts as ids, and what each choice needs."""
+    prompts: list[list[int]]
+    prompt_texts: list[str]
+    params: list[SamplingParams]  # one per choice of each prompt
+    stops: list[str]
+    stop_token_ids: frozenset[int]
+    constraint: Callable[[], TokenConstraint] | None = None  # a fresh one per choice (structured outputs)
+    output: ChatOutput = ChatOutput()  # how a chat choice's text becomes its message
+
+
+# --- preparing a request -----------------------------------------------------------------------------------------
+
+def check_model(ctx: "ServerContext", model: str | None) -> None:
+    if model is not None and model != ctx.model_name:
+        raise ApiError(404, f"The model `{model}` does not exist; this server serves `{ctx.model_name}`",
+                       "model", "model_not_found")
+
+
+def check_ids(ctx: "ServerContext", ids: list[int], param: str) -> None:
+    bad = [t for t in ids if not 0 <= t < ctx.vocab_size]
+    if bad:
+        raise ApiError(400, f"token id {bad[0]} is out of range: the vocabulary has ids 0..{ctx.vocab_size - 1}",
+                       param)
+
+
+def check_common(ctx: "ServerContext", body: _Sampling, prompts: int) -> None:
+    check_model(ctx, body.model)
+    name = unused_field_set(body)
+    if name is not None:
+        raise ApiError(400, f"{name} is not supported by pegainfer yet: leave it out (set to "
+                            f"{json.dumps(getattr(body, name))[:80]})", name)
+    if body.best_of not in (None, 1, body.n):
+        raise ApiError(400, "best_of is not supported by pegainfer: leave it out or equal to n", "best_of")
+    if body.stream_options is not None and not body.stream:
+        raise ApiError(400, "stream_options is only allowed with stream: true", "stream_options")
+    if prompts * body.n > ctx.max_seqs_per_request:
+        raise ApiError(400, f"this request asks for {prompts} prompts x n={body.n} = {prompts * body.n} sequences; "
+                            f"this server takes at most {ctx.max_seqs_per_request} per request "
+                            f"(--max-seqs-per-request): split it", "n" if body.n > 1 else "prompt")
+    check_ids(ctx, body.stop_token_ids or [], "stop_token_ids")
+
+
+def resolve_max_tokens(ctx: "ServerContext", prompt_len: int, requested: int | None, param: str,
+                       prompt_param: str) -> int:
+    limit = ctx.max_model_len
+    if prompt_len >= limit:
+        raise ApiError(400, f"This model's maximum context length is {limit} tokens; the prompt has {prompt_len} "
+                            f"tokens, which leaves none to generate. Shorten the prompt.", prompt_param)
+    if requested is None:
+        return limit - prompt_len
+    if prompt_len + requested > limit:
+        raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                            f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the "
+                            f"completion). Reduce the prompt or {param}.", param)
+    return requested
+
+
+def sampling_params(ctx: "ServerContext", body: _Sampling, prompt_len: int, max_tokens: int | None,
+                    max_tokens_param: str, prompt_param: str, logprobs: int | None) -> list[SamplingParams]:
+    max_tokens = resolve_max_tokens(ctx, prompt_len, max_tokens, max_tokens_param, prompt_param)
+    try:
+        ctx.engine.scheduler.check(prompt_len, max_tokens)
+    except RequestError as error:
+        raise ApiError(400, str(error), prompt_param) from None
+    return [SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+                           seed=None if body.seed is None else (body.seed + j) % 2**63, logprobs=logprobs,
+                           max_tokens=max_tokens, ignore_eos=body.ignore_eos) for j in range(body.n)]
+
+
+async def prepare_completion(ctx: "ServerContext", body: CompletionRequest) -> Prepared:
+    prompt = body.prompt
+    texts = [prompt] if isinstance(prompt, str) else prompt if isinstance(prompt[0], str) else None
+    id_prompts = None if texts is not None else [prompt] if isinstance(prompt[0], int) else prompt
+    check_common(ctx, body, len(texts if texts is not None else id_prompts))
+    if body.echo and body.logprobs is not None:
+        raise ApiError(400, "echo with logprobs needs the prompt's logprobs, which pegainfer does not compute: "
+                            "use one or the other", "echo")
+    if texts is not None:
+        prompts = [await ctx.encoder.encode(text, ctx.max_model_len - 1, "prompt", ctx.max_model_len)
+                   for text in texts]
+    else:
+        prompts = id_prompts
+        for ids in prompts:
+            if len(ids) < ctx.max_model_len:  # longer ones are refused with their length below, unread
+                check_ids(ctx, ids, "prompt")
+        texts = [ctx.tokenizer.decode(ids) if body.echo else "" for ids in prompts]
+    if any(not ids for ids in prompts):
+        raise ApiError(400, "the prompt is empty: it encodes to no tokens", "prompt")
+    params = []
+    for ids in prompts:
+        params += sampling_params(ctx, body, len(ids), body.max_tokens, "max_tokens", "prompt", body.logprobs)
+    return Prepared(prompts, texts, params, body.stop, frozenset(body.stop_token_ids or []),
+                    await constraint_factory(ctx, body))
+
+
+def render_chat(ctx: "ServerContext", messages, add_generation_prompt: bool, kwargs: dict | None) -> str:
+    if ctx.chat_template is None:
+        raise ApiError(400, "this model's checkpoint has no chat template (tokenizer_config.json chat_template): "
+                            "use /v1/completions", "messages")
+    kwargs = kwargs or {}
+    clash = {"messages", "add_generation_prompt"} & kwargs.keys()
+    if clash:
+        raise ApiError(400, f"chat_template_kwargs may not set {sorted(clash)[0]}", "chat_template_kwargs")
+    try:
+        return ctx.chat_template.render([m.as_template_input() for m in messages],
+                                        add_generation_prompt=add_generation_prompt, **kwargs)
+    except RequestError as error:
+        raise ApiError(400, str(error), "messages") from None
+
+
+async def prepare_chat(ctx: "ServerContext", body: ChatCompletionRequest) -> Prepared:
+    check_common(ctx, body, 1)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    choice = resolve_tool_choice(body.tools, body.tool_choice, body.parallel_tool_calls,
+                                 ctx.auto_tool_choice and ctx.tool_call_parser is not None)
+    tools = {"tools": body.tools} if choice.functions else {}
+    text = render_chat(ctx, body.messages, body.add_generation_prompt, tools | (body.chat_template_kwargs or {}))
+    ids = await ctx.encoder.encode(text, ctx.max_model_len - 1, "messages", ctx.max_model_len)
+    ids = ctx.tokenizer.without_added_specials(ids)  # the template writes its own (a BOS), as vLLM's chat does
+    if not ids:
+        raise ApiError(400, "the messages render to an empty prompt", "messages")
+    name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    params = sampling_params(ctx, body, len(ids), body.max_completion_tokens or body.max_tokens, name,
+                             "messages", (body.top_logprobs or 0) if body.logprobs else None)
+    calls = call_grammar(choice, ctx.tool_call_parser or "")
+    output = ChatOutput(ctx.reasoning_parser, ctx.tool_call_parser if choice.mode != "none" else None)
+    return Prepared([ids], [text], params, body.stop, frozenset(body.stop_token_ids or []),
+                    await constraint_factory(ctx, body, calls), output)
+
+
+async def constraint_factory(ctx: "ServerContext", body: _Sampling,
+                             calls: GrammarSpec | None = None) -> Callable[[], TokenConstraint] | None:
+    """The request's structured output, or its required tool calls, compiled (off the event loop: a first
+    grammar builds the tokenizer's tables); None when it has neither."""
+    spec = requested_spec(body)
+    if spec is not None and calls is not None:
+        raise ApiError(400, f"{spec.param} and tool_choice {body.tool_choice!r} both constrain the output: "
+                            f"choose one", spec.param)
+    spec = spec or calls
+    return None if spec is None else await asyncio.to_thread(ctx.grammars.constraint_factory, spec)

@@ -1,0 +1,197 @@
+"""Structured outputs: a request's `response_format` (text, json_object, json_schema) or vLLM's `structured_outputs`
+(json, regex, choice, grammar; and the older guided_json, guided_regex, guided_choice, guided_grammar) compiled by
+xgrammar into a grammar, and each of its choices given a matcher that masks the tokens the grammar does not allow
+at every draw (runtime/constraint.py). Compiled grammars are cached by their source, the compiler built once per
+tokenizer."""
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pegainfer.runtime.tokenizer import TextTokenizer
+from pegainfer.server.errors import ApiError
+
+INSTALL = "structured outputs need the xgrammar package: pip install 'pegainfer[structured]'"
+KINDS = ("json", "regex", "choice", "grammar")  # structured_outputs' fields, one at a time
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+JSON_KINDS = ("json", "json_object")
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What a request constrains its output to: a kind (json, json_object, regex, choice, grammar, or a tool
+    call's structural tag) and its source, as a string, the cache key; `param` names the field for errors."""
+    kind: str
+    source: str
+    param: str
+
+
+def requested_spec(body: Any) -> GrammarSpec | None:
+    """The one grammar a request asks for, or None (response_format text, or nothing); two at once is a 400."""
+    specs = []
+    response_format = getattr(body, "response_format", None)
+    if response_format is not None:
+        spec = _response_format_spec(response_format)
+        if spec is not None:
+            specs.append(spec)
+    outputs = getattr(body, "structured_outputs", None)
+    if outputs is not None:
+        specs.append(_structured_outputs_spec(outputs))
+    for name, kind in GUIDED.items():
+        value = getattr(body, name, None)
+        if value is not None:
+            specs.append(_spec(kind, value, name))
+    if len(specs) > 1:
+        raise ApiError(400, f"one structured output at a time; found {', '.join(s.param for s in specs)}",
+                       specs[1].param)
+    return specs[0] if specs else None
+
+
+def _response_format_spec(value: Any) -> GrammarSpec | None:
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GrammarSpec("json_object", "", "response_format")
+    if kind == "json_schema":
+        schema = value.get("json_schema")
+        if not isinstance(schema, dict) or not isinstance(schema.get("schema", {}), dict):
+            raise ApiError(400, "response_format.json_schema must be an object with a `schema` object",
+                           "response_format")
+        return GrammarSpec("json", json.dumps(schema.get("schema", {})), "response_format")
+    raise ApiError(400, f"response_format.type must be text, json_object or json_schema, found {kind!r}",
+                   "response_format")
+
+
+def _structured_outputs_spec(value: Any) -> GrammarSpec:
+    given = [k for k in KINDS if isinstance(value, dict) and value.get(k) is not None]
+    if len(given) != 1:
+        raise ApiError(400, f"structured_outputs must set exactly one of {', '.join(KINDS)}, found "
+                       f"{given or 'none'}", "structured_outputs")
+    return _spec(given[0], value[given[0]], "structured_outputs")
+
+
+def _spec(kind: str, value: Any, param: str) -> GrammarSpec:
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ApiError(400, f"{param}: the JSON schema is not valid JSON ({error})", param) from None
+        if not isinstance(value, dict):
+            raise ApiError(400, f"{param}: a JSON schema must be an object, found {type(value).__name__}", param)
+        return GrammarSpec("json", json.dumps(value), param)
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
+            raise ApiError(400, f"{param}: choice must be a non-empty list of strings", param)
+        return GrammarSpec("choice", json.dumps(value), param)
+    if not isinstance(value, str) or not value:
+        raise ApiError(400, f"{param}: {kind} must be a non-empty string", param)
+    return GrammarSpec(kind, value, param)
+
+
+@dataclass
+class Grammars:
+    """The xgrammar compiler of one tokenizer and the grammars it compiled, by spec."""
+    tokenizer: TextTokenizer
+    vocab_size: int
+    _compiler: Any = None
+    _cache: dict[tuple[str, str], Any] = field(default_factory=dict)
+    _control_tokens: np.ndarray | None = None  # ids whose bytes hold a control character (U+0000-U+001F)
+
+    def constraint_factory(self, spec: GrammarSpec) -> Callable[[], "GrammarConstraint"]:
+        """A maker of fresh matchers (one per choice) of the spec's compiled grammar; a 400 naming the spec's
+        field where xgrammar refuses it."""
+        compiled = self._compiled(spec)
+        import xgrammar
+
+        banned = self._control_tokens if spec.kind in JSON_KINDS else None
+        stops = sorted(self.tokenizer.eos_token_ids)
+        return lambda: GrammarConstraint(xgrammar.GrammarMatcher(compiled), banned, stops)
+
+    def _compiled(self, spec: GrammarSpec) -> Any:
+        key = (spec.kind, spec.source)
+        if key not in self._cache:
+            compiler = self._compiler_once()
+            try:
+                self._cache[key] = _compile(compiler, spec)
+            except (RuntimeError, ValueError, TypeError) as error:
+                raise ApiError(400, f"{spec.param}: xgrammar cannot compile this {spec.kind} ({error})",
+                               spec.param) from None
+        return self._cache[key]
+
+    def _compiler_once(self) -> Any:
+        if self._compiler is None:
+            try:
+                import xgrammar
+                from transformers import PreTrainedTokenizerFast
+            except ImportError:
+                raise ApiError(400, INSTALL, "response_format") from None
+            fast = PreTrainedTokenizerFast(tokenizer_object=self.tokenizer.tokenizer)
+            info = xgrammar.TokenizerInfo.from_huggingface(fast, vocab_size=self.vocab_size,
+                                                           stop_token_ids=sorted(self.tokenizer.eos_token_ids))
+            self._compiler = xgrammar.GrammarCompiler(info)
+            # JSON forbids raw control characters in strings, which xgrammar's string rule lets through
+            self._control_tokens = np.zeros(self.vocab_size, dtype=bool)
+            for token, text in enumerate(info.decoded_vocab[:self.vocab_size]):
+                self._control_tokens[token] = any(byte < 0x20 for byte in text)
+            self._control_tokens[sorted(self.tokenizer.eos_token_ids)] = False
+        return self._compiler
+
+
+def _compile(compiler: Any, spec: GrammarSpec) -> Any:
+    if spec.kind == "json_object":  # an object, not any JSON value (the builtin grammar's)
+        return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+    if spec.kind == "json":  # compact: no run of whitespace for a weak model to loop in
+        return compiler.compile_json_schema(spec.source, any_whitespace=False)
+    if spec.kind == "regex":
+        return compiler.compile_regex(spec.source)
+    if spec.kind == "choice":
+        return compiler.compile_regex("|".join(_regex_literal(c) for c in json.loads(spec.source)))
+    if spec.kind == "structural_tag":
+        return compiler.compile_structural_tag(spec.source)
+    return compiler.compile_grammar(spec.source)
+
+
+def _regex_literal(text: str) -> str:
+    """`text` as a regex matching exactly it."""
+    return "".join("\\" + c if c in r".^$*+?{}[]\|()" else c for c in text)
+
+
+class GrammarConstraint:
+    """A TokenConstraint over one xgrammar matcher: the next token's mask from its bitmask (less `banned` ids),
+    each drawn token accepted. Once the grammar has ended (its stop token drawn: a request that ignores EOS goes
+    on) only stop tokens are allowed; a token the matcher refuses ends the constraint rather than the engine."""
+
+    def __init__(self, matcher: Any, banned: np.ndarray | None = None, stops: list[int] | None = None) -> None:
+        import xgrammar
+
+        self.matcher, self._xgrammar, self.banned, self.stops = matcher, xgrammar, banned, stops or []
+        self._bitmask = None
+        self.broken = False
+
+    def allowed(self, vocab_size: int) -> np.ndarray:
+        if self.broken or (self.matcher.is_terminated() and not self.stops):
+            return np.ones(vocab_size, dtype=bool)
+        if self.matcher.is_terminated():
+            mask = np.zeros(vocab_size, dtype=bool)
+            mask[[s for s in self.stops if s < vocab_size]] = True
+            return mask
+        if self._bitmask is None:
+            self._bitmask = self._xgrammar.allocate_token_bitmask(1, vocab_size)
+        self.matcher.fill_next_token_bitmask(self._bitmask)
+        words = self._bitmask.numpy().view(np.uint32)[0]
+        bits = (words[:, None] >> np.arange(32, dtype=np.uint32)) & 1
+        mask = bits.reshape(-1)[:vocab_size].astype(bool)
+        return mask & ~self.banned if self.banned is not None else mask
+
+    def accept(self, token: int) -> None:
+        if not self.broken and not self.matcher.is_terminated() and not self.matcher.accept_token(token):
+            self.broken = True  # xgrammar disagreeing with its own mask: the rest of the output goes free
+
+    @property
+    def finished(self) -> bool:
+        return self.matcher.is_terminated()
