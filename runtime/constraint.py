@@ -1,13 +1,14 @@
-"""A request's constraint on the tokens it may draw (a grammar, for structured outputs and tool calls): before each
-draw, the mask of allowed ids over the model's vocabulary; after it, the token drawn. A constrained row is drawn on
-the host from its full logits row with the others masked to -inf, by the `sample` op's rule and noise; its logprob is
-the unmasked one (as vLLM reports raw logprobs)."""
+"""A request's constraint on the tokens it may draw (a grammar, for structured outputs and tool calls; penalties):
+before each draw, the mask of allowed ids over the model's vocabulary and, where it has one, its adjustment of the
+logits; after it, the token drawn. A constrained row is drawn on the host from its full logits row, adjusted, the
+others masked to -inf, by the `sample` op's rule and noise; its logprob is the raw one (as vLLM reports)."""
 
 import logging
 from typing import Protocol
 
 import numpy as np
 
+from pegainfer.ir.ops.penalties import Penalties, penalize
 from pegainfer.ir.ops.sampling import logsumexp_row, sample_row
 
 LOG = logging.getLogger("pegainfer")
@@ -21,18 +22,69 @@ class TokenConstraint(Protocol):
         """The token drawn; raises where the constraint did not allow it."""
 
 
+class PenaltyState:
+    """A sequence's penalties (ir/ops/penalties.py) and what they count: the ids of its prompt and output, and the
+    output's occurrences; a TokenConstraint that allows every id and adjusts the logits."""
+
+    def __init__(self, penalties: Penalties, prompt_ids: list[int], vocab_size: int, stop_ids: list[int]) -> None:
+        self.penalties, self.stop_ids = penalties, stop_ids
+        self.seen = np.zeros(vocab_size, dtype=bool)
+        self.seen[[t for t in prompt_ids if t < vocab_size]] = True
+        self.counts = np.zeros(vocab_size, dtype=np.float32)
+        self.produced = 0
+
+    def allowed(self, vocab_size: int) -> np.ndarray:
+        return np.ones(vocab_size, dtype=bool)
+
+    def adjust(self, x: np.ndarray) -> np.ndarray:
+        return penalize(x, self.penalties, self.seen, self.counts, self.produced, self.stop_ids)
+
+    def accept(self, token: int) -> None:
+        if token < self.counts.size:
+            self.seen[token] = True
+            self.counts[token] += 1
+        self.produced += 1
+
+
+class Chain:
+    """Several constraints on one sequence: every mask must allow a token; adjustments in order."""
+
+    def __init__(self, *parts: TokenConstraint) -> None:
+        self.parts = parts
+
+    def allowed(self, vocab_size: int) -> np.ndarray:
+        mask = np.ones(vocab_size, dtype=bool)
+        for part in self.parts:
+            mask &= part.allowed(vocab_size)
+        return mask
+
+    def adjust(self, x: np.ndarray) -> np.ndarray:
+        for part in self.parts:
+            x = adjusted(part, x)
+        return x
+
+    def accept(self, token: int) -> None:
+        for part in self.parts:
+            part.accept(token)
+
+
+def adjusted(constraint: TokenConstraint, x: np.ndarray) -> np.ndarray:
+    adjust = getattr(constraint, "adjust", None)
+    return x if adjust is None else adjust(x)
+
+
 def draw_constrained(x: np.ndarray, constraint: TokenConstraint, sampling: tuple) -> tuple[int, float]:
     """(token, logprob) of a row of float32 logits under its constraint; `sampling`: the row's (temperature, top_k,
     top_p, min_p, seed, step), as the sample op takes them. A constraint that fails (raises, or allows no id) draws
     the row unconstrained: one request's grammar must not stop the engine, which serves every other."""
     try:
-        mask = np.asarray(constraint.allowed(x.size), dtype=bool)
+        mask, row = np.asarray(constraint.allowed(x.size), dtype=bool), adjusted(constraint, x)
     except Exception as error:  # noqa: BLE001  whatever the grammar library raised
         LOG.warning("a token constraint failed (%s): the row is drawn unconstrained", error)
-        mask = np.ones(x.shape, dtype=bool)
-    if mask.shape != x.shape or not mask.any():
-        mask = np.ones(x.shape, dtype=bool)
-    token = sample_row(np.where(mask, x, -np.inf).astype(np.float32), *sampling)
+        mask, row = np.ones(x.shape, dtype=bool), x
+    if mask.shape != x.shape or not np.isfinite(np.where(mask, row, -np.inf)).any():
+        mask, row = np.ones(x.shape, dtype=bool), x
+    token = sample_row(np.where(mask, row, -np.inf).astype(np.float32), *sampling)
     try:
         constraint.accept(token)
     except Exception as error:  # noqa: BLE001  as above: the request goes on unconstrained

@@ -28,8 +28,8 @@ class TextTokenizer:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def without_added_specials(self, token_ids: list[int]) -> list[int]:
-        """Ids encoded with special tokens, less those the post-processor added (Llama's BOS): the ids of
-        add_special_tokens=False. Special tokens written in the text itself stay."""
+        """Ids encoded with special tokens, less those the post-processor added (a BOS that a chat template writes
+        itself): the ids of add_special_tokens=False. Special tokens written in the text itself stay."""
         before, after = self._added_specials
         return token_ids[before:len(token_ids) - after]
 

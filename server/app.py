@@ -166,8 +166,9 @@ async def merged(ctx: ServerContext, prepared: Prepared, prefix: str, choices: l
     n = len(prepared.params) // len(prepared.prompts)
 
     async def pump(index: int) -> None:
-        constraint = prepared.constraint() if prepared.constraint is not None else None
-        request = EngineRequest(f"{prefix}-{index}", prepared.prompts[index // n], prepared.params[index],
+        prompt = prepared.prompts[index // n]
+        constraint = prepared.constraint(prompt) if prepared.constraint is not None else None
+        request = EngineRequest(f"{prefix}-{index}", prompt, prepared.params[index],
                                 prepared.stop_token_ids, group=prefix, constraint=constraint)
         try:
             async for delta in run_choice(ctx.engine, request, ctx.tokenizer, prepared.stops, index, ctx.metrics,

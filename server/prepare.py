@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pegainfer.errors import RequestError
-from pegainfer.runtime.constraint import TokenConstraint
+from pegainfer.ir.ops.penalties import Penalties
+from pegainfer.runtime.constraint import Chain, PenaltyState, TokenConstraint
 from pegainfer.runtime.sampler import SamplingParams
 from pegainfer.server.chat_output import ChatOutput
 from pegainfer.server.errors import ApiError
@@ -28,7 +29,8 @@ class Prepared:
     params: list[SamplingParams]  # one per choice of each prompt
     stops: list[str]
     stop_token_ids: frozenset[int]
-    constraint: Callable[[], TokenConstraint] | None = None  # a fresh one per choice (structured outputs)
+    # a fresh one per choice, from its prompt's ids: its grammar (structured outputs, tool calls), its penalties
+    constraint: Callable[[list[int]], TokenConstraint] | None = None
     output: ChatOutput = ChatOutput()  # how a chat choice's text becomes its message
 
 
@@ -53,6 +55,9 @@ def check_common(ctx: "ServerContext", body: _Sampling, prompts: int) -> None:
     if name is not None:
         raise ApiError(400, f"{name} is not supported by pegainfer yet: leave it out (set to "
                             f"{json.dumps(getattr(body, name))[:80]})", name)
+    most = getattr(body, "max_completion_tokens", None) or getattr(body, "max_tokens", None)
+    if most is not None and body.min_tokens > most:
+        raise ApiError(400, f"min_tokens ({body.min_tokens}) exceeds the maximum ({most})", "min_tokens")
     if body.best_of not in (None, 1, body.n):
         raise ApiError(400, "best_of is not supported by pegainfer: leave it out or equal to n", "best_of")
     if body.stream_options is not None and not body.stream:
@@ -154,12 +159,37 @@ async def prepare_chat(ctx: "ServerContext", body: ChatCompletionRequest) -> Pre
 
 
 async def constraint_factory(ctx: "ServerContext", body: _Sampling,
-                             calls: GrammarSpec | None = None) -> Callable[[], TokenConstraint] | None:
-    """The request's structured output, or its required tool calls, compiled (off the event loop: a first
-    grammar builds the tokenizer's tables); None when it has neither."""
+                             calls: GrammarSpec | None = None) -> Callable[[list[int]], TokenConstraint] | None:
+    """The maker of a choice's constraint: the request's structured output or required tool calls compiled (off
+    the event loop: a first grammar builds the tokenizer's tables), and its penalties; None when it has none."""
     spec = requested_spec(body)
     if spec is not None and calls is not None:
         raise ApiError(400, f"{spec.param} and tool_choice {body.tool_choice!r} both constrain the output: "
                             f"choose one", spec.param)
     spec = spec or calls
-    return None if spec is None else await asyncio.to_thread(ctx.grammars.constraint_factory, spec)
+    grammar = None if spec is None else await asyncio.to_thread(ctx.grammars.constraint_factory, spec)
+    penalties = request_penalties(ctx, body)
+    if grammar is None and not penalties.active:
+        return None
+    stops = sorted(ctx.tokenizer.eos_token_ids | set(body.stop_token_ids or []))
+
+    def make(prompt_ids: list[int]) -> TokenConstraint:
+        parts = [PenaltyState(penalties, prompt_ids, ctx.vocab_size, stops)] if penalties.active else []
+        return Chain(*parts, *([grammar()] if grammar is not None else []))
+    return make
+
+
+def request_penalties(ctx: "ServerContext", body: _Sampling) -> Penalties:
+    """The request's penalties, its logit_bias's ids checked against the vocabulary."""
+    bias = []
+    for key, value in (body.logit_bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise ApiError(400, f"logit_bias keys must be token ids, found {key!r}", "logit_bias") from None
+        if not 0 <= token < ctx.vocab_size or not -100 <= value <= 100:
+            raise ApiError(400, f"logit_bias maps token ids in [0, {ctx.vocab_size}) to biases in [-100, 100], "
+                                f"found {key}: {value}", "logit_bias")
+        bias.append((token, float(value)))
+    return Penalties(body.presence_penalty, body.frequency_penalty, body.repetition_penalty, tuple(bias),
+                     body.min_tokens)

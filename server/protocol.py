@@ -38,11 +38,13 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     user: str | None = None
     best_of: int | None = None
-    # known, not implemented: refused unless their value means nothing (UNUSED)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    # penalties (ir/ops/penalties.py): logit_bias's ids are checked against the vocabulary in server/prepare.py
+    presence_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
+    repetition_penalty: float = Field(1.0, gt=0, le=10, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
+    min_tokens: int = Field(0, ge=0)
+    # known, not implemented: refused unless their value means nothing (UNUSED)
     guided_decoding_backend: Any = None
     prompt_logprobs: Any = None
     # structured outputs (server/structured.py): one of these at a time
@@ -147,8 +149,7 @@ def _empty(value: Any) -> bool:
 # field -> whether a value means "nothing": such values are accepted, any other is refused with a 400 naming it.
 # function_call "auto" means nothing without functions, which are refused (tools and tool_choice replace them).
 UNUSED: dict[str, Callable[[Any], bool]] = {
-    "presence_penalty": lambda v: v == 0, "frequency_penalty": lambda v: v == 0,
-    "repetition_penalty": lambda v: v == 1, "logit_bias": _empty, "suffix": lambda v: v in (None, ""),
+    "suffix": lambda v: v in (None, ""),
     "functions": _empty, "guided_decoding_backend": lambda v: v in (None, "auto", "xgrammar"),
     "function_call": lambda v: v in (None, "none", "auto"), "modalities": lambda v: v in (None, ["text"]),
     **{name: _nothing for name in ("prompt_logprobs", "reasoning_effort", "audio", "prediction",

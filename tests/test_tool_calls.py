@@ -22,7 +22,8 @@ WEATHER = {"type": "object", "additionalProperties": False, "required": ["city",
            "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 1,
                                                                                 "maximum": 7}}}
 PING = {"type": "object", "properties": {}, "additionalProperties": False}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The forecast", "parameters": WEATHER}},
+TOOLS = [{"type": "function",
+          "function": {"name": "get_weather", "description": "The forecast", "parameters": WEATHER}},
          {"type": "function", "function": {"name": "ping", "parameters": PING}}]
 SCHEMAS = {"get_weather": WEATHER, "ping": PING}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]

@@ -1,0 +1,39 @@
+"""The reference of vLLM's sampling penalties on a row of logits, applied before temperature and the cuts: the
+repetition penalty over the prompt's and the output's tokens (Hugging Face's RepetitionPenaltyLogitsProcessor: a
+positive logit divided by it, a negative one multiplied), then the presence and frequency penalties over the
+output's tokens (subtracted once, and once per occurrence), then logit_bias added; min_tokens masks the stop
+tokens until that many tokens are out. The engines draw a penalised row on the host (runtime/constraint.py)."""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Penalties:
+    presence: float = 0.0
+    frequency: float = 0.0
+    repetition: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids inside the vocabulary
+    min_tokens: int = 0
+
+    @property
+    def active(self) -> bool:
+        return bool(self.presence or self.frequency or self.repetition != 1.0 or self.logit_bias or self.min_tokens)
+
+
+def penalize(x: np.ndarray, penalties: Penalties, seen: np.ndarray, counts: np.ndarray, produced: int,
+             stop_ids: list[int]) -> np.ndarray:
+    """The row's logits after the penalties: `seen` marks the prompt's and output's ids, `counts` the output's
+    occurrences of each id, `produced` the output's length so far, `stop_ids` what min_tokens holds back."""
+    x = np.asarray(x, dtype=np.float32).copy()
+    if penalties.repetition != 1.0:
+        r = np.float32(penalties.repetition)
+        x[seen] = np.where(x[seen] > 0, x[seen] / r, x[seen] * r)
+    if penalties.presence or penalties.frequency:
+        x -= np.float32(penalties.presence) * (counts > 0) + np.float32(penalties.frequency) * counts
+    for token, bias in penalties.logit_bias:
+        x[token] += np.float32(bias)
+    if produced < penalties.min_tokens:
+        x[[t for t in stop_ids if t < x.size]] = -np.inf
+    return x

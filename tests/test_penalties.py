@@ -1,0 +1,100 @@
+"""Sampling penalties: the reference (ir/ops/penalties.py) against Hugging Face's RepetitionPenaltyLogitsProcessor and
+vLLM's presence/frequency formula, min_tokens and logit_bias; a sequence's counts as it draws; and a live `serve
+--device cpu` where logit_bias -100 keeps a token out, +100 forces one, min_tokens holds back EOS, and bad values are
+a 400 naming their parameter."""
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+from live_server import NAME, start_server
+from pegainfer.ir.ops.penalties import Penalties, penalize
+from pegainfer.runtime.constraint import PenaltyState, draw_constrained
+
+VOCAB = 64
+
+
+def test_repetition_penalty_matches_hugging_face():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(VOCAB).astype(np.float32) * 4
+    history = [3, 9, 9, 17, 40]
+    seen = np.zeros(VOCAB, dtype=bool)
+    seen[history] = True
+    ours = penalize(x, Penalties(repetition=1.7), seen, np.zeros(VOCAB, np.float32), 5, [])
+    hf = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([history]), torch.tensor(x[None]))[0].numpy()
+    np.testing.assert_allclose(ours, hf, rtol=1e-6)
+
+
+def test_presence_frequency_bias_and_min_tokens():
+    x = np.zeros(VOCAB, dtype=np.float32)
+    counts = np.zeros(VOCAB, dtype=np.float32)
+    counts[[5, 6, 6, 6]] = 0  # reset, then count 5 once and 6 three times
+    counts[5], counts[6] = 1, 3
+    seen = counts > 0
+    out = penalize(x, Penalties(presence=0.5, frequency=0.25, logit_bias=((7, 2.0),), min_tokens=3), seen, counts,
+                   produced=2, stop_ids=[0])
+    assert out[5] == pytest.approx(-0.75) and out[6] == pytest.approx(-1.25) and out[7] == 2.0
+    assert out[0] == -np.inf and out[1] == 0.0
+    assert penalize(x, Penalties(min_tokens=3), seen, counts, 3, [0])[0] == 0.0  # enough tokens: EOS allowed
+
+
+def test_penalty_state_counts_what_it_draws():
+    state = PenaltyState(Penalties(frequency=1.0), prompt_ids=[1, 2], vocab_size=VOCAB, stop_ids=[0])
+    x = np.zeros(VOCAB, dtype=np.float32)
+    x[10] = 3.0
+    tokens = [draw_constrained(x, state, (0.0, 0, 1.0, 0.0, 1, 0))[0] for _ in range(4)]
+    assert tokens[:3] == [10, 10, 10] and tokens[3] != 10  # each draw of 10 costs it 1
+    assert state.counts[10] == 3 and state.produced == 4 and state.seen[[1, 2, 10]].all()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint, tmp_path_factory):
+    log = tmp_path_factory.mktemp("penalties") / "serve.log"
+    server = start_server(tiny_checkpoint, log=log)
+    yield server
+    server.process.terminate()
+    server.process.wait(30)
+    assert "Traceback" not in log.read_text(), log.read_text()
+
+
+def completion(server, **body) -> dict:
+    reply = httpx.post(server.url + "/v1/completions", timeout=120, json={
+        "model": NAME, "prompt": "The server", "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+        "logprobs": 1, **body})
+    assert reply.status_code == 200, reply.text
+    return reply.json()["choices"][0]["logprobs"]
+
+
+def test_logit_bias_keeps_a_token_out_and_forces_another(server):
+    greedy = completion(server)
+    banned = greedy["tokens"][0]  # greedy's first token, its argmax
+    (banned_id,) = httpx.post(server.url + "/tokenize", json={"prompt": banned}).json()["tokens"]
+    for seed in range(3):
+        out = completion(server, temperature=1.0, seed=seed, logit_bias={str(banned_id): -100})
+        assert banned not in out["tokens"], (banned, out["tokens"])
+    forced = completion(server, temperature=1.0, seed=1, max_tokens=6, logit_bias={"42": 100})
+    assert len(set(forced["tokens"])) == 1 and forced["tokens"][0] != banned
+
+
+def test_repetition_penalty_changes_a_repetitive_greedy_output(server):
+    base = dict(model=NAME, prompt="The server", max_tokens=24, temperature=0)
+    plain = server.client().completions.create(**base, extra_body={"ignore_eos": True}).choices[0].text
+    penalised = server.client().completions.create(**base, extra_body={"ignore_eos": True,
+                                                                       "repetition_penalty": 5.0}).choices[0].text
+    assert penalised != plain
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"logit_bias": {"999999": 5}}, "logit_bias"),
+    ({"logit_bias": {"word": 5}}, "logit_bias"),
+    ({"logit_bias": {"3": 500}}, "logit_bias"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"min_tokens": 20, "max_tokens": 5}, "min_tokens"),
+])
+def test_bad_penalties_are_a_400_naming_them(server, body, param):
+    reply = httpx.post(server.url + "/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": 4, **body},
+                       timeout=60)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
