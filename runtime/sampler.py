@@ -20,6 +20,7 @@ class SamplingParams:
     max_tokens: int = 16
     ignore_eos: bool = False
     min_p: float = 0.0  # keeps tokens at least this fraction as likely as the most likely one (after temperature)
+    prompt_logprobs: int | None = None  # top tokens to report per prompt position (runtime/prompt_logprobs.py)
 
     def validate(self) -> None:
         """Raises RequestError naming the parameter, the allowed range and what was given."""
@@ -30,6 +31,8 @@ class SamplingParams:
             ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
             ("max_tokens", self.max_tokens >= 1, ">= 1"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]"),
+            ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+             f"in [0, {MAX_LOGPROBS}]"),
             ("seed", self.seed is None or self.seed >= 0, "a non-negative integer"),
         ]
         for name, ok, allowed in checks:

@@ -23,8 +23,10 @@ request's blocks at once.
 import itertools
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
+
+import numpy as np
 
 from pegainfer.errors import RequestError
 from pegainfer.runtime.batch import Chunk, Sequence
@@ -32,6 +34,7 @@ from pegainfer.runtime.constraint import TokenConstraint
 from pegainfer.runtime.device_sampling import SampleResult
 from pegainfer.runtime.kv_blocks import BlockAllocator
 from pegainfer.runtime.prefix_cache import ROOT, PrefixCache, chain_hashes
+from pegainfer.runtime.prompt_logprobs import draw_first, position_logprobs
 from pegainfer.runtime.sampler import SamplingParams
 from pegainfer.runtime.waiting import WaitingQueue
 
@@ -44,6 +47,8 @@ class Engine(Protocol):
                constraints: list[TokenConstraint | None] | None = None) -> SampleResult: ...
 
     def release(self, seq: Sequence) -> None: ...
+
+    def step(self, chunks: list[Chunk], *, all_logits: bool = False) -> np.ndarray: ...
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,7 @@ class TokenOutput:
     num_cached_tokens: int  # prompt tokens the prefix cache supplied when the request was first admitted
     time: float
     first_scheduled: float  # time.monotonic() when first admitted; a preempted and resumed request keeps it
+    prompt_logprobs: list[dict[int, float]] | None = None  # on the first token, where asked: positions 1 on
 
 
 @dataclass
@@ -107,6 +113,12 @@ class _State:
     num_cached_tokens: int = 0
     admitted: bool = False
     first_scheduled: float = 0.0
+    prompt_steps: list[dict[int, float]] | None = None  # prompt logprobs so far, where the request asks
+
+    @property
+    def scoring(self) -> bool:
+        """Whether its prompt chunks still run apart for their logprobs (runtime/prompt_logprobs.py)."""
+        return self.request.params.prompt_logprobs is not None and self.num_generated == 0
 
     @property
     def group(self) -> str | int:
@@ -127,6 +139,7 @@ class Scheduler:
         self.waiting = WaitingQueue()
         self.running: list[_State] = []
         self.stats = SchedulerStats()
+        self._rng = np.random.default_rng()  # seeds of first tokens drawn here for seedless requests
         self._states: dict[str, _State] = {}
         self._by_seq: dict[int, _State] = {}
         self._seq_ids = itertools.count()
@@ -188,6 +201,11 @@ class Scheduler:
         chunks = self.schedule()
         if not chunks:
             return []
+        scoring = [self._by_seq[c.seq.seq_id].scoring for c in chunks]
+        scored = [out for c, s in zip(chunks, scoring) if s if (out := self._score(c)) is not None]
+        chunks = [c for c, s in zip(chunks, scoring) if not s]
+        if not chunks:
+            return scored
         states = [self._by_seq[c.seq.seq_id] for c in chunks]
         prefill = sum(c.num_tokens for c, st in zip(chunks, states) if not (c.num_tokens == 1 and st.num_generated))
         self.stats.prefill_tokens += prefill
@@ -203,7 +221,23 @@ class Scheduler:
         self.stats.step_tokens[tokens] += 1
         outputs = self._process(chunks, result)
         self.last_step = StepRecord(start, seconds, len(chunks), tokens, prefill, len(outputs))
-        return outputs
+        return scored + outputs
+
+    def _score(self, chunk: Chunk) -> TokenOutput | None:
+        """A prompt chunk of a request that wants prompt logprobs, run alone with every position's logits; the
+        first token when it ends the prompt."""
+        state, start = self._by_seq[chunk.seq.seq_id], chunk.seq.num_cached
+        rows = self.engine.step([chunk], all_logits=True)
+        prompt = state.request.prompt_ids
+        state.prompt_steps = (state.prompt_steps or [])[:start] + position_logprobs(  # a recompute rewrites
+            rows, prompt, start, len(prompt), state.request.params.prompt_logprobs)
+        self.stats.prefill_tokens += chunk.num_tokens
+        self._cache_full_blocks(state)
+        if chunk.seq.num_cached < len(chunk.seq.token_ids):
+            return None
+        token, logprobs = draw_first(rows[chunk.num_tokens - 1], state.request.params, 0, state.request.constraint,
+                                     self._rng)
+        return replace(self._append(state, token, logprobs, time.monotonic()), prompt_logprobs=state.prompt_steps)
 
     def schedule(self) -> list[Chunk]:
         budget, self._reserved = self.config.max_num_batched_tokens, 0
@@ -249,7 +283,8 @@ class Scheduler:
         """Takes the waiting request's prefix-cache hit and reserves its first chunk's blocks when its whole
         sequence fits now; returns the chunk's token count, or 0 to leave it waiting."""
         seq, tokens = state.seq, state.seq.token_ids
-        blocks, hashes = self.cache.lookup(tokens, (len(tokens) - 1) // self.block_size) if self.cache else ([], [])
+        cached_ok = self.cache is not None and not state.scoring  # a cached block has no logits to score
+        blocks, hashes = self.cache.lookup(tokens, (len(tokens) - 1) // self.block_size) if cached_ok else ([], [])
         evictable = self.cache.num_evictable - self.cache.count_evictable(blocks) if self.cache else 0
         available = self.allocator.num_free - self._reserved + evictable
         if self.allocator.blocks_for(len(tokens)) - len(blocks) > available:

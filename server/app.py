@@ -216,7 +216,8 @@ async def respond(ctx: ServerContext, request: Request, body: _Sampling, prepare
     if chat:
         body_choices = [fmt.chat_choice(ctx.tokenizer, c, top, prepared.output) for c in choices]
     else:
-        body_choices = [fmt.completion_choice(ctx.tokenizer, c, echo[c.index // n], top is not None)
+        body_choices = [fmt.completion_choice(ctx.tokenizer, c, echo[c.index // n], top is not None,
+                                              prepared.prompts[c.index // n], body.prompt_logprobs)
                         for c in choices]
     return JSONResponse({**base, "choices": body_choices, "usage": fmt.usage(prompt_tokens, choices, n)})
 

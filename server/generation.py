@@ -61,6 +61,7 @@ class Choice:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, float]] | None = None  # positions 1 on, where the request asked
 
 
 async def run_choice(engine: EngineLoop, request: EngineRequest, tokenizer: TextTokenizer, stops: list[str],
@@ -84,6 +85,8 @@ async def run_choice(engine: EngineLoop, request: EngineRequest, tokenizer: Text
             choice.text += text
             choice.token_ids.append(out.token_id)
             choice.num_cached_tokens = out.num_cached_tokens
+            if out.prompt_logprobs is not None:
+                choice.prompt_logprobs = out.prompt_logprobs
             if out.logprobs is not None:
                 choice.logprobs.append(out.logprobs)
             if finish:

@@ -37,11 +37,40 @@ def completion_logprobs(tokenizer: TextTokenizer, token_ids: list[int], steps: l
             "text_offset": offsets}
 
 
-def completion_choice(tokenizer: TextTokenizer, choice: Choice, prefix: str, want_logprobs: bool) -> dict:
-    logprobs = completion_logprobs(tokenizer, choice.token_ids, choice.logprobs, len(prefix)) if want_logprobs \
-        else None
-    return {"index": choice.index, "text": prefix + choice.text, "logprobs": logprobs,
+def completion_choice(tokenizer: TextTokenizer, choice: Choice, prefix: str, want_logprobs: bool,
+                      prompt_ids: list[int], prompt_top: int | None = None) -> dict:
+    """An echoed prompt's tokens lead the logprobs where they were computed (the first null, as vLLM gives it)."""
+    logprobs = None
+    if want_logprobs:
+        logprobs = completion_logprobs(tokenizer, choice.token_ids, choice.logprobs, len(prefix))
+        if prefix and choice.prompt_logprobs is not None:
+            logprobs = _prepend_prompt(tokenizer, prompt_ids, choice.prompt_logprobs, logprobs)
+    body = {"index": choice.index, "text": prefix + choice.text, "logprobs": logprobs,
             "finish_reason": choice.finish_reason}
+    return body | ({"prompt_logprobs": prompt_logprobs(tokenizer, prompt_ids, choice.prompt_logprobs, prompt_top or 0)}
+                   if prompt_top is not None and choice.prompt_logprobs is not None else {})
+
+
+def _prepend_prompt(tokenizer: TextTokenizer, prompt_ids: list[int], steps: list[dict[int, float]],
+                    logprobs: dict[str, Any]) -> dict[str, Any]:
+    prompt = completion_logprobs(tokenizer, prompt_ids[1:], steps, len(token_text(tokenizer, prompt_ids[0])))
+    first = token_text(tokenizer, prompt_ids[0])
+    return {"tokens": [first, *prompt["tokens"], *logprobs["tokens"]],
+            "token_logprobs": [None, *prompt["token_logprobs"], *logprobs["token_logprobs"]],
+            "top_logprobs": [None, *prompt["top_logprobs"], *logprobs["top_logprobs"]],
+            "text_offset": [0, *prompt["text_offset"], *logprobs["text_offset"]]}
+
+
+def prompt_logprobs(tokenizer: TextTokenizer, prompt_ids: list[int], steps: list[dict[int, float]],
+                    top: int) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's prompt_logprobs: null for the first token, then each position's {id: logprob, rank, decoded_token},
+    rank 1 the most likely; the prompt's own token past the top `top` has no rank here (null)."""
+    out: list[dict[str, dict[str, Any]] | None] = [None]
+    for step in steps:
+        ranked = [t for t, _ in sorted(step.items(), key=lambda item: -item[1])][:top]
+        out.append({str(t): {"logprob": lp, "rank": ranked.index(t) + 1 if t in ranked else None,
+                             "decoded_token": token_text(tokenizer, t)} for t, lp in step.items()})
+    return out
 
 
 def completion_chunk(tokenizer: TextTokenizer, base: dict, delta: Delta, prefix: str, offset: int) -> dict:

@@ -93,7 +93,16 @@ def sampling_params(ctx: "ServerContext", body: _Sampling, prompt_len: int, max_
         raise ApiError(400, str(error), prompt_param) from None
     return [SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
                            seed=None if body.seed is None else (body.seed + j) % 2**63, logprobs=logprobs,
-                           max_tokens=max_tokens, ignore_eos=body.ignore_eos) for j in range(body.n)]
+                           max_tokens=max_tokens, ignore_eos=body.ignore_eos, prompt_logprobs=prompt_logprobs(body))
+            for j in range(body.n)]
+
+
+def prompt_logprobs(body: _Sampling) -> int | None:
+    """vLLM's prompt_logprobs, or a completion's echo with logprobs (the prompt's top-k as the output's)."""
+    if body.prompt_logprobs is not None:
+        return body.prompt_logprobs
+    echo = getattr(body, "echo", False)
+    return body.logprobs if echo and getattr(body, "logprobs", None) is not None else None
 
 
 async def prepare_completion(ctx: "ServerContext", body: CompletionRequest) -> Prepared:
@@ -101,9 +110,8 @@ async def prepare_completion(ctx: "ServerContext", body: CompletionRequest) -> P
     texts = [prompt] if isinstance(prompt, str) else prompt if isinstance(prompt[0], str) else None
     id_prompts = None if texts is not None else [prompt] if isinstance(prompt[0], int) else prompt
     check_common(ctx, body, len(texts if texts is not None else id_prompts))
-    if body.echo and body.logprobs is not None:
-        raise ApiError(400, "echo with logprobs needs the prompt's logprobs, which pegainfer does not compute: "
-                            "use one or the other", "echo")
+    if body.echo and body.logprobs is not None and body.stream:
+        raise ApiError(400, "echo with logprobs is answered whole, not streamed: leave out stream", "stream")
     if texts is not None:
         prompts = [await ctx.encoder.encode(text, ctx.max_model_len - 1, "prompt", ctx.max_model_len)
                    for text in texts]

@@ -46,7 +46,7 @@ class _Sampling(BaseModel):
     min_tokens: int = Field(0, ge=0)
     # known, not implemented: refused unless their value means nothing (UNUSED)
     guided_decoding_backend: Any = None
-    prompt_logprobs: Any = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # runtime/prompt_logprobs.py
     # structured outputs (server/structured.py): one of these at a time
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -152,8 +152,7 @@ UNUSED: dict[str, Callable[[Any], bool]] = {
     "suffix": lambda v: v in (None, ""),
     "functions": _empty, "guided_decoding_backend": lambda v: v in (None, "auto", "xgrammar"),
     "function_call": lambda v: v in (None, "none", "auto"), "modalities": lambda v: v in (None, ["text"]),
-    **{name: _nothing for name in ("prompt_logprobs", "reasoning_effort", "audio", "prediction",
-                                   "web_search_options")},
+    **{name: _nothing for name in ("reasoning_effort", "audio", "prediction", "web_search_options")},
 }
 
 

@@ -245,7 +245,6 @@ def test_tokenize_needs_the_api_key_too(server):
     (COMPLETIONS, "guided_decoding_backend", "outlines"),
     (CHAT, "modalities", ["text", "audio"]),
     (CHAT, "reasoning_effort", "low"),
-    (COMPLETIONS, "prompt_logprobs", 1),
 ])
 def test_known_fields_not_implemented_are_refused_by_name(server, path, field, value):
     base = {"prompt": "x"} if path == COMPLETIONS else {"messages": USER}

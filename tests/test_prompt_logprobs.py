@@ -1,0 +1,86 @@
+"""Prompt logprobs: on a live `serve --device cpu`, echo with logprobs gives one entry per prompt token (the first
+null) equal to Hugging Face's float32 log-softmax of the tiny checkpoint, then the generated tokens' as without
+echo; vLLM's prompt_logprobs field; and in the scheduler, a prompt cut into chunks scores as one does."""
+
+import httpx
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from live_server import NAME, start_server
+from pegainfer.frontends.load import load_model
+from pegainfer.runtime.reference_engine import ReferenceEngine
+from pegainfer.runtime.sampler import SamplingParams
+from pegainfer.runtime.scheduler import EngineRequest, Scheduler, SchedulerConfig
+
+PROMPT = [5, 17, 33, 2, 90, 41, 7, 66, 12, 3, 150, 9]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint, tmp_path_factory):
+    log = tmp_path_factory.mktemp("prompt_logprobs") / "serve.log"
+    server = start_server(tiny_checkpoint, "--no-prefix-cache", log=log)
+    yield server
+    server.process.terminate()
+    server.process.wait(30)
+    assert "Traceback" not in log.read_text(), log.read_text()
+
+
+def hf_logprobs(checkpoint, ids: list[int]) -> np.ndarray:
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1).numpy()
+
+
+def completion(server, **body) -> dict:
+    reply = httpx.post(server.url + "/v1/completions", timeout=120, json={
+        "model": NAME, "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "ignore_eos": True, **body})
+    assert reply.status_code == 200, reply.text
+    return reply.json()["choices"][0]
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_hugging_face_does(server, tiny_checkpoint):
+    echoed = completion(server, echo=True, logprobs=2)
+    plain = completion(server, logprobs=2)
+    expected = hf_logprobs(tiny_checkpoint, PROMPT)
+    lp = echoed["logprobs"]
+    assert len(lp["tokens"]) == len(PROMPT) + 3 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    ours = np.array(lp["token_logprobs"][1:len(PROMPT)])
+    np.testing.assert_allclose(ours, expected[np.arange(len(PROMPT) - 1), PROMPT[1:]], atol=2e-4)
+    assert all(1 <= len(top) <= 3 for top in lp["top_logprobs"][1:len(PROMPT)])
+    assert lp["token_logprobs"][len(PROMPT):] == pytest.approx(plain["logprobs"]["token_logprobs"], abs=1e-5)
+    assert echoed["text"].endswith(plain["text"]) and lp["text_offset"][0] == 0
+
+
+def test_vllm_prompt_logprobs_field(server, tiny_checkpoint):
+    choice = completion(server, prompt_logprobs=1)
+    entries = choice["prompt_logprobs"]
+    expected = hf_logprobs(tiny_checkpoint, PROMPT)
+    assert len(entries) == len(PROMPT) and entries[0] is None
+    for position, entry in enumerate(entries[1:], start=1):
+        own = entry[str(PROMPT[position])]
+        assert own["logprob"] == pytest.approx(float(expected[position - 1, PROMPT[position]]), abs=2e-4)
+        best = max(entry.values(), key=lambda e: e["logprob"])
+        assert best["rank"] == 1
+
+
+def test_a_chunked_prompt_scores_as_a_whole_one(tiny_checkpoint):
+    model = load_model(tiny_checkpoint)
+    params = SamplingParams(max_tokens=2, prompt_logprobs=0, ignore_eos=True)
+    results = []
+    for budget in (4, 64):
+        engine = ReferenceEngine(model, max_tokens=512)
+        scheduler = Scheduler(engine, frozenset(), SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=budget))
+        scheduler.add(EngineRequest("r", PROMPT, params))
+        outputs = []
+        while scheduler.has_work():
+            outputs += scheduler.step()
+        results.append(outputs)
+    chunked, whole = results
+    assert [o.token_id for o in chunked] == [o.token_id for o in whole]
+    steps = [chunked[0].prompt_logprobs, whole[0].prompt_logprobs]
+    assert len(steps[0]) == len(PROMPT) - 1
+    for a, b in zip(*steps):
+        assert a.keys() == b.keys() and all(a[k] == pytest.approx(b[k], abs=1e-5) for k in a)
