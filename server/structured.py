@@ -5,6 +5,8 @@ at every draw (runtime/constraint.py). Compiled grammars are cached by their sou
 tokenizer."""
 
 import json
+import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +20,7 @@ INSTALL = "structured outputs need the xgrammar package: pip install 'pegainfer[
 KINDS = ("json", "regex", "choice", "grammar")  # structured_outputs' fields, one at a time
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 JSON_KINDS = ("json", "json_object")
+CACHED_GRAMMARS = 256  # compiled grammars kept, the least recently used dropped first
 
 
 @dataclass(frozen=True)
@@ -99,7 +102,8 @@ class Grammars:
     tokenizer: TextTokenizer
     vocab_size: int
     _compiler: Any = None
-    _cache: dict[tuple[str, str], Any] = field(default_factory=dict)
+    _cache: OrderedDict[tuple[str, str], Any] = field(default_factory=OrderedDict)  # least recently used first
+    _lock: threading.Lock = field(default_factory=threading.Lock)  # requests compile in worker threads
     _control_tokens: np.ndarray | None = None  # ids whose bytes hold a control character (U+0000-U+001F)
 
     def constraint_factory(self, spec: GrammarSpec) -> Callable[[], "GrammarConstraint"]:
@@ -114,22 +118,29 @@ class Grammars:
 
     def _compiled(self, spec: GrammarSpec) -> Any:
         key = (spec.kind, spec.source)
-        if key not in self._cache:
-            compiler = self._compiler_once()
-            try:
-                self._cache[key] = _compile(compiler, spec)
-            except (RuntimeError, ValueError, TypeError) as error:
-                raise ApiError(400, f"{spec.param}: xgrammar cannot compile this {spec.kind} ({error})",
-                               spec.param) from None
-        return self._cache[key]
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+            compiler = self._compiler_once(spec.param)
+        try:
+            compiled = _compile(compiler, spec)
+        except (RuntimeError, ValueError, TypeError) as error:
+            raise ApiError(400, f"{spec.param}: xgrammar cannot compile this {spec.kind} ({error})",
+                           spec.param) from None
+        with self._lock:
+            self._cache[key] = compiled
+            while len(self._cache) > CACHED_GRAMMARS:  # a client's stream of new schemas stays bounded
+                self._cache.popitem(last=False)
+        return compiled
 
-    def _compiler_once(self) -> Any:
+    def _compiler_once(self, param: str) -> Any:
         if self._compiler is None:
             try:
                 import xgrammar
                 from transformers import PreTrainedTokenizerFast
             except ImportError:
-                raise ApiError(400, INSTALL, "response_format") from None
+                raise ApiError(400, INSTALL, param) from None
             fast = PreTrainedTokenizerFast(tokenizer_object=self.tokenizer.tokenizer)
             info = xgrammar.TokenizerInfo.from_huggingface(fast, vocab_size=self.vocab_size,
                                                            stop_token_ids=sorted(self.tokenizer.eos_token_ids))
