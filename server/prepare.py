@@ -14,7 +14,7 @@ from pegainfer.runtime.sampler import SamplingParams
 from pegainfer.server.chat_output import ChatOutput
 from pegainfer.server.errors import ApiError
 from pegainfer.server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling, unused_field_set
-from pegainfer.server.structured import GrammarSpec, requested_spec
+from pegainfer.server.structured import GrammarSpec, after_reasoning, requested_spec
 from pegainfer.server.tools import call_grammar, resolve_tool_choice
 
 if TYPE_CHECKING:
@@ -162,19 +162,23 @@ async def prepare_chat(ctx: "ServerContext", body: ChatCompletionRequest) -> Pre
                              "messages", (body.top_logprobs or 0) if body.logprobs else None)
     calls = call_grammar(choice, ctx.tool_call_parser or "")
     output = ChatOutput(ctx.reasoning_parser, ctx.tool_call_parser if choice.mode != "none" else None)
+    thinking = ctx.reasoning_parser is not None and (body.chat_template_kwargs or {}).get("enable_thinking", True)
     return Prepared([ids], [text], params, body.stop, frozenset(body.stop_token_ids or []),
-                    await constraint_factory(ctx, body, calls), output)
+                    await constraint_factory(ctx, body, calls, ctx.reasoning_parser if thinking else None), output)
 
 
-async def constraint_factory(ctx: "ServerContext", body: _Sampling,
-                             calls: GrammarSpec | None = None) -> Callable[[list[int]], TokenConstraint] | None:
-    """The maker of a choice's constraint: the request's structured output or required tool calls compiled (off
-    the event loop: a first grammar builds the tokenizer's tables), and its penalties; None when it has none."""
+async def constraint_factory(ctx: "ServerContext", body: _Sampling, calls: GrammarSpec | None = None,
+                             reasoning: str | None = None) -> Callable[[list[int]], TokenConstraint] | None:
+    """The maker of a choice's constraint: the request's structured output or required tool calls (after the
+    reasoning, where the model thinks), compiled off the event loop (a first grammar builds the tokenizer's
+    tables), and its penalties; None when it has none."""
     spec = requested_spec(body)
     if spec is not None and calls is not None:
         raise ApiError(400, f"{spec.param} and tool_choice {body.tool_choice!r} both constrain the output: "
                             f"choose one", spec.param)
     spec = spec or calls
+    if spec is not None and reasoning is not None:  # the model thinks freely first
+        spec = after_reasoning(spec, reasoning)
     grammar = None if spec is None else await asyncio.to_thread(ctx.grammars.constraint_factory, spec)
     penalties = request_penalties(ctx, body)
     if grammar is None and not penalties.active:

@@ -96,6 +96,30 @@ def _spec(kind: str, value: Any, param: str) -> GrammarSpec:
     return GrammarSpec(kind, value, param)
 
 
+def after_reasoning(spec: GrammarSpec, parser: str) -> GrammarSpec:
+    """The spec constrained only once the model's reasoning has ended: free text inside <think>...</think> (the
+    prompt opened the tag for deepseek_r1; qwen3 writes it), whitespace, then the spec's output."""
+    think = {"type": "tag", "begin": "" if parser == "deepseek_r1" else "<think>", "content": {"type": "any_text"},
+             "end": "</think>"}
+    elements = [think, {"type": "regex", "pattern": "\\s*"}, _format_of(spec)]
+    return GrammarSpec("structural_tag", json.dumps({"type": "structural_tag", "format": {
+        "type": "sequence", "elements": elements}}), spec.param)
+
+
+def _format_of(spec: GrammarSpec) -> dict[str, Any]:
+    """A spec as an element of a structural tag."""
+    if spec.kind in JSON_KINDS:
+        schema = json.loads(spec.source) if spec.kind == "json" else {"type": "object"}
+        return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}
+    if spec.kind == "regex":
+        return {"type": "regex", "pattern": spec.source}
+    if spec.kind == "choice":
+        return {"type": "regex", "pattern": "|".join(_regex_literal(c) for c in json.loads(spec.source))}
+    if spec.kind == "structural_tag":
+        return json.loads(spec.source)["format"]
+    return {"type": "grammar", "grammar": spec.source}
+
+
 @dataclass
 class Grammars:
     """The xgrammar compiler of one tokenizer and the grammars it compiled, by spec."""

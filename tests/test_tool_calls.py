@@ -143,3 +143,37 @@ def test_auto_needs_the_flags_and_required_needs_a_known_parser():
         tag = json.loads(call_grammar(required, parser).source)["format"]
         calls = tag.get("content", tag)
         assert calls["stop_after_first"] and [t["content"]["json_schema"] for t in calls["tags"]] == [WEATHER, PING]
+
+
+def test_a_thinking_request_is_constrained_only_after_its_reasoning(server):
+    """Thinking on (Qwen3's default): the grammar opens <think> and leaves the reasoning free; a random model
+    rarely closes it, so the short answer is all reasoning, where a grammar from the first token would be JSON."""
+    result = server.client().chat.completions.create(
+        model=NAME, messages=MESSAGES, max_tokens=24, seed=2, temperature=1.0,
+        response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}})
+    message = result.choices[0].message
+    assert message.model_extra["reasoning_content"] is not None, message
+
+
+@pytest.mark.parametrize("parser, opening", [("qwen3", "<think>"), ("deepseek_r1", "")])
+def test_after_reasoning_grammar_frees_the_reasoning_and_holds_the_answer(tiny_checkpoint, parser, opening):
+    from pegainfer.runtime.tokenizer import load_tokenizer
+    from pegainfer.server.structured import GrammarSpec, Grammars, after_reasoning
+
+    tokenizer = load_tokenizer(tiny_checkpoint)
+    vocab = json.loads((tiny_checkpoint / "config.json").read_text())["vocab_size"]
+    grammars = Grammars(tokenizer, vocab)
+    spec = after_reasoning(GrammarSpec("json", json.dumps(WEATHER), "response_format"), parser)
+
+    def allowed(text: str) -> bool:
+        constraint = grammars.constraint_factory(spec)()
+        for token in tokenizer.encode(text):
+            if not constraint.allowed(vocab)[token]:
+                return False
+            constraint.accept(token)
+        return True
+    answer = '{"city": "Oslo", "days": 3}'
+    assert allowed(opening + "free text, {not json}</think>\n\n" + answer)
+    assert not allowed(opening + "thinking</think>\n\nplain words")
+    if opening:  # qwen3: the reasoning's tag comes first (deepseek_r1's prompt opened it: any text is reasoning)
+        assert not allowed(answer)
