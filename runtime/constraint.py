@@ -9,7 +9,7 @@ from typing import Protocol
 import numpy as np
 
 from pegainfer.ir.ops.penalties import Penalties, penalize
-from pegainfer.ir.ops.sampling import logsumexp_row, sample_row
+from pegainfer.ir.ops.sampling import GREEDY_BELOW, effective_top_k, gumbel, logsumexp_row, sample_row
 
 LOG = logging.getLogger("pegainfer")
 
@@ -73,6 +73,20 @@ def adjusted(constraint: TokenConstraint, x: np.ndarray) -> np.ndarray:
     return x if adjust is None else adjust(x)
 
 
+def draw_masked(row: np.ndarray, sampling: tuple) -> int:
+    """sample_row of a row whose disallowed ids are -inf. A row that samples the whole vocabulary (nothing cut) is
+    the argmax of logits / T + noise over its allowed ids alone, with each id's own noise: the same token, without
+    drawing noise for ids that cannot win (the bulk of a 150k vocabulary under most grammar states)."""
+    temperature, top_k, top_p, min_p, seed, step = sampling
+    allowed = np.flatnonzero(np.isfinite(row))
+    whole = temperature >= GREEDY_BELOW and effective_top_k(top_k, row.size) == row.size and top_p >= 1 \
+        and min_p <= 0
+    if not whole:
+        return sample_row(row, *sampling)
+    scores = row[allowed] / np.float32(temperature) + gumbel(int(seed) % 2 ** 64, step, allowed)
+    return int(allowed[np.argmax(scores)])
+
+
 def draw_constrained(x: np.ndarray, constraint: TokenConstraint, sampling: tuple) -> tuple[int, float]:
     """(token, logprob) of a row of float32 logits under its constraint; `sampling`: the row's (temperature, top_k,
     top_p, min_p, seed, step), as the sample op takes them. A constraint that fails (raises, or allows no id) draws
@@ -84,7 +98,7 @@ def draw_constrained(x: np.ndarray, constraint: TokenConstraint, sampling: tuple
         mask, row = np.ones(x.shape, dtype=bool), x
     if mask.shape != x.shape or not np.isfinite(np.where(mask, row, -np.inf)).any():
         mask, row = np.ones(x.shape, dtype=bool), x
-    token = sample_row(np.where(mask, row, -np.inf).astype(np.float32), *sampling)
+    token = draw_masked(np.where(mask, row, -np.inf).astype(np.float32), sampling)
     try:
         constraint.accept(token)
     except Exception as error:  # noqa: BLE001  as above: the request goes on unconstrained

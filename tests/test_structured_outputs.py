@@ -14,7 +14,8 @@ import pydantic
 import pytest
 
 from live_server import NAME, start_server
-from pegainfer.runtime.constraint import draw_constrained
+from pegainfer.ir.ops.sampling import sample_row
+from pegainfer.runtime.constraint import draw_constrained, draw_masked
 
 pytest.importorskip("xgrammar")
 
@@ -168,6 +169,19 @@ def test_a_constrained_draw_keeps_to_the_mask_and_reports_the_unmasked_logprob()
         def allowed(self, vocab_size: int) -> np.ndarray:
             raise RuntimeError("the grammar library failed")
     assert draw_constrained(x, Raising([3]), (0.0, 0, 1.0, 0.0, 1, 0))[0] == 7
+
+
+@pytest.mark.parametrize("allowed_share", [0.001, 0.3, 1.0])
+def test_a_masked_draw_is_the_sample_ops_token(allowed_share):
+    """draw_masked's shortcut (noise for the allowed ids alone) gives the token sample_row gives the masked row."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal(5000).astype(np.float32) * 2
+    row = np.where(rng.random(5000) < allowed_share, x, -np.inf).astype(np.float32)
+    row[17] = x[17]  # at least one allowed
+    for seed in range(25):
+        for sampling in ((1.0, 0, 1.0, 0.0, seed, 4), (0.7, 0, 1.0, 0.0, seed, 9), (0.0, 0, 1.0, 0.0, seed, 0),
+                         (1.0, 40, 0.9, 0.0, seed, 2)):
+            assert draw_masked(row, sampling) == sample_row(row, *sampling), (seed, sampling)
 
 
 def test_grammar_cache_compiles_a_schema_once(tmp_path: Path):
