@@ -212,6 +212,9 @@ async def respond(ctx: ServerContext, request: Request, body: _Sampling, prepare
         await asyncio.gather(task, return_exceptions=True)
         return Response(status_code=499)
     _raise_engine_errors(task.exception())
+    if prepared.score_only:  # max_tokens 0: the prompt's logprobs alone
+        for choice in choices:
+            choice.text, choice.token_ids, choice.logprobs, choice.finish_reason = "", [], [], "length"
     base = fmt.envelope(request_id, "chat.completion" if chat else "text_completion", ctx.model_name)
     if chat:
         body_choices = [fmt.chat_choice(ctx.tokenizer, c, top, prepared.output) for c in choices]

@@ -32,6 +32,7 @@ class Prepared:
     # a fresh one per choice, from its prompt's ids: its grammar (structured outputs, tool calls), its penalties
     constraint: Callable[[list[int]], TokenConstraint] | None = None
     output: ChatOutput = ChatOutput()  # how a chat choice's text becomes its message
+    score_only: bool = False  # max_tokens 0 with echo: the one token drawn is not answered
 
 
 # --- preparing a request -----------------------------------------------------------------------------------------
@@ -112,6 +113,10 @@ async def prepare_completion(ctx: "ServerContext", body: CompletionRequest) -> P
     check_common(ctx, body, len(texts if texts is not None else id_prompts))
     if body.echo and body.logprobs is not None and body.stream:
         raise ApiError(400, "echo with logprobs is answered whole, not streamed: leave out stream", "stream")
+    score_only = body.max_tokens == 0
+    if score_only and (not body.echo or body.stream):
+        raise ApiError(400, "max_tokens 0 scores the prompt: it needs echo, and is answered whole (no stream)",
+                       "max_tokens")
     if texts is not None:
         prompts = [await ctx.encoder.encode(text, ctx.max_model_len - 1, "prompt", ctx.max_model_len)
                    for text in texts]
@@ -125,9 +130,10 @@ async def prepare_completion(ctx: "ServerContext", body: CompletionRequest) -> P
         raise ApiError(400, "the prompt is empty: it encodes to no tokens", "prompt")
     params = []
     for ids in prompts:
-        params += sampling_params(ctx, body, len(ids), body.max_tokens, "max_tokens", "prompt", body.logprobs)
+        params += sampling_params(ctx, body, len(ids), 1 if score_only else body.max_tokens, "max_tokens", "prompt",
+                                  body.logprobs)
     return Prepared(prompts, texts, params, body.stop, frozenset(body.stop_token_ids or []),
-                    await constraint_factory(ctx, body))
+                    await constraint_factory(ctx, body), score_only=score_only)
 
 
 def render_chat(ctx: "ServerContext", messages, add_generation_prompt: bool, kwargs: dict | None) -> str:

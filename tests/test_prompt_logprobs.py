@@ -84,3 +84,14 @@ def test_a_chunked_prompt_scores_as_a_whole_one(tiny_checkpoint):
     assert len(steps[0]) == len(PROMPT) - 1
     for a, b in zip(*steps):
         assert a.keys() == b.keys() and all(a[k] == pytest.approx(b[k], abs=1e-5) for k in a)
+
+
+def test_max_tokens_0_with_echo_scores_the_prompt_alone(server, tiny_checkpoint):
+    choice = completion(server, echo=True, logprobs=0, max_tokens=0)
+    expected = hf_logprobs(tiny_checkpoint, PROMPT)
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(PROMPT) and choice["finish_reason"] == "length"
+    np.testing.assert_allclose(lp["token_logprobs"][1:], expected[np.arange(len(PROMPT) - 1), PROMPT[1:]],
+                               atol=2e-4)
+    reply = httpx.post(server.url + "/v1/completions", json={"model": NAME, "prompt": PROMPT, "max_tokens": 0})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "max_tokens"
