@@ -89,6 +89,25 @@ def eos_token_ids(folder: Path) -> frozenset[int]:
     return frozenset()
 
 
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")  # what vLLM takes from it
+
+
+def sampling_defaults(folder: Path) -> dict[str, float]:
+    """generation_config.json's sampling parameters, the defaults of a request that leaves them out (vLLM's
+    --generation-config auto); a value of the wrong type is the checkpoint's error, with its file."""
+    path = folder / "generation_config.json"
+    config = _read_json_object(path) if path.is_file() else {}
+    defaults = {}
+    for name in SAMPLING_DEFAULTS:
+        value = config.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise CheckpointError(f"{path}: {name} must be a number, found {json.dumps(value)}")
+        defaults[name] = value
+    return defaults
+
+
 def _read_json_object(path: Path) -> dict:
     try:
         content = json.loads(path.read_text())

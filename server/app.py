@@ -55,6 +55,7 @@ class ServerContext:
     tool_call_parser: str | None = None  # --tool-call-parser: how tool calls are read from (and forced into) text
     auto_tool_choice: bool = False  # --enable-auto-tool-choice
     reasoning_parser: str | None = None  # --reasoning-parser
+    sampling_defaults: dict[str, float] = field(default_factory=dict)  # generation_config.json's (--generation-config)
     encoder: PromptEncoder = field(init=False)
     grammars: Grammars = field(init=False)
 

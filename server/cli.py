@@ -78,6 +78,9 @@ def add_serve(commands) -> None:
                         "or a named function): hermes (Qwen2.5, Qwen3), llama3_json (Llama 3.1-3.3), mistral")
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                    help="split a thinking model's <think>...</think> into reasoning_content: qwen3, deepseek_r1")
+    p.add_argument("--generation-config", choices=["auto", "vllm"], default="auto",
+                   help="auto: a request's sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty) "
+                        "from the checkpoint's generation_config.json, as vLLM does; vllm: the neutral ones")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                    help="uvicorn's log level (default warning)")
     p.set_defaults(run=run_serve)
@@ -174,6 +177,7 @@ def start_serving(args: argparse.Namespace, trace: TextIO | None, listener: sock
     from pegainfer.runtime.chat import load_chat_template
     from pegainfer.runtime.engine_loop import EngineLoop
     from pegainfer.runtime.scheduler import Scheduler, SchedulerConfig
+    from pegainfer.runtime.tokenizer import sampling_defaults
     from pegainfer.server.app import ServerContext
     from pegainfer.server.metrics import Metrics
 
@@ -188,7 +192,8 @@ def start_serving(args: argparse.Namespace, trace: TextIO | None, listener: sock
     ctx = ServerContext(loop, tokenizer, chat_template, name, checkpoint.repo_id or str(args.model_path),
                         max_model_len, model.spec.config.vocab_size, metrics, args.api_key,
                         args.max_request_bytes, args.max_seqs_per_request, args.tool_call_parser,
-                        args.enable_auto_tool_choice, args.reasoning_parser)
+                        args.enable_auto_tool_choice, args.reasoning_parser,
+                        sampling_defaults(checkpoint.folder) if args.generation_config == "auto" else {})
 
     def ready_line() -> str:
         ctx.metrics.startup_seconds = process_age()

@@ -5,7 +5,7 @@ import asyncio
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pegainfer.errors import RequestError
 from pegainfer.ir.ops.penalties import Penalties
@@ -92,10 +92,19 @@ def sampling_params(ctx: "ServerContext", body: _Sampling, prompt_len: int, max_
         ctx.engine.scheduler.check(prompt_len, max_tokens)
     except RequestError as error:
         raise ApiError(400, str(error), prompt_param) from None
-    return [SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+    given = {name: sampling_value(ctx, body, name) for name in ("temperature", "top_p", "top_k", "min_p")}
+    return [SamplingParams(temperature=given["temperature"], top_p=given["top_p"], top_k=int(given["top_k"]),
+                           min_p=given["min_p"],
                            seed=None if body.seed is None else (body.seed + j) % 2**63, logprobs=logprobs,
                            max_tokens=max_tokens, ignore_eos=body.ignore_eos, prompt_logprobs=prompt_logprobs(body))
             for j in range(body.n)]
+
+
+def sampling_value(ctx: "ServerContext", body: _Sampling, name: str) -> Any:
+    """The request's value, or where it left the field out the checkpoint's default (generation_config.json)."""
+    if name in body.model_fields_set:
+        return getattr(body, name)
+    return ctx.sampling_defaults.get(name, getattr(body, name))
 
 
 def prompt_logprobs(body: _Sampling) -> int | None:
@@ -209,5 +218,5 @@ def request_penalties(ctx: "ServerContext", body: _Sampling) -> Penalties:
             raise ApiError(400, f"logit_bias maps token ids in [0, {ctx.vocab_size}) to biases in [-100, 100], "
                                 f"found {key}: {value}", "logit_bias")
         bias.append((token, float(value)))
-    return Penalties(body.presence_penalty, body.frequency_penalty, body.repetition_penalty, tuple(bias),
-                     body.min_tokens)
+    return Penalties(body.presence_penalty, body.frequency_penalty, sampling_value(ctx, body, "repetition_penalty"),
+                     tuple(bias), body.min_tokens)
