@@ -4,8 +4,10 @@ Every step packs, under a token budget (max_num_batched_tokens), one decode toke
 is decoding, then prompt chunks of running sequences still prefilling (chunked prefill), then new requests
 admitted from the waiting queue. A sequence is one `Sequence` whose tokens are prompt and generated tokens alike,
 so a prefill chunk, a decode token and the recompute of a preempted sequence are the same thing: its next uncached
-tokens. The engine is anything with `sample(chunks, params, token_index) -> SampleResult`, `release(seq)` and
-`.allocator` (the reference engine on the CPU, the GPU engine): tokens are drawn where the logits are.
+tokens. The engine is anything with `sample(chunks, params, token_index, constraints) -> SampleResult`,
+`step(chunks, all_logits=True)` (prompt chunks of requests wanting prompt logprobs run apart through it),
+`release(seq)` and `.allocator` (the reference engine on the CPU, the GPU engine): tokens are drawn where the logits
+are.
 
 Admission is fair between groups (the choices of one API request share a group): preempted sequences resume
 first, then the next is the oldest waiting request of the group with the fewest running sequences. So while one
