@@ -44,6 +44,21 @@ r = httpx.post(url + "/v1/completions", timeout=120, json={"model": "small", "pr
 print("choice, n=4:", [c["text"] for c in r["choices"]])
 r = httpx.post(url + "/v1/completions", timeout=120, json={"model": "small", "prompt": "x", "max_tokens": 8})
 print("plain:", r.status_code, r.json()["choices"][0]["finish_reason"])
+
+import asyncio
+async def load(constrained: bool, clients: int = 16, tokens: int = 64) -> float:
+    """Output tok/s of `clients` concurrent chats of `tokens` tokens (ignore_eos), with a regex grammar or none."""
+    extra = {"structured_outputs": {"regex": "[a-z ]{%d}" % (4 * tokens)}} if constrained else {}
+    async with httpx.AsyncClient(timeout=300) as client:
+        began = time.perf_counter()
+        replies = await asyncio.gather(*(client.post(url + "/v1/chat/completions", json={
+            "model": "small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": tokens,
+            "temperature": 1.0, "seed": i, "ignore_eos": True, **extra}) for i in range(clients)))
+        done = sum(r.json()["usage"]["completion_tokens"] for r in replies)
+    return done / (time.perf_counter() - began)
+for constrained in (False, True):
+    print(f"16 concurrent chats, {'a regex grammar' if constrained else 'no grammar'}: "
+          f"{asyncio.run(load(constrained)):.0f} output tok/s")
 PY
 kill $pid; wait $pid
 grep -c Traceback "$OUT/serve.log"
