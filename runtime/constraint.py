@@ -32,18 +32,22 @@ class PenaltyState:
         self.seen[[t for t in prompt_ids if t < vocab_size]] = True
         self.counts = np.zeros(vocab_size, dtype=np.float32)
         self.produced = 0
+        self.output: list[int] = []
 
     def allowed(self, vocab_size: int) -> np.ndarray:
         return np.ones(vocab_size, dtype=bool)
 
     def adjust(self, x: np.ndarray) -> np.ndarray:
-        return penalize(x, self.penalties, self.seen, self.counts, self.produced, self.stop_ids)
+        tail = tuple(self.output[-max((len(w) for w in self.penalties.bad_words), default=0):]) \
+            if self.penalties.bad_words else ()
+        return penalize(x, self.penalties, self.seen, self.counts, self.produced, self.stop_ids, tail)
 
     def accept(self, token: int) -> None:
         if token < self.counts.size:
             self.seen[token] = True
             self.counts[token] += 1
         self.produced += 1
+        self.output.append(token)
 
 
 class Chain:

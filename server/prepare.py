@@ -219,4 +219,17 @@ def request_penalties(ctx: "ServerContext", body: _Sampling) -> Penalties:
                                 f"found {key}: {value}", "logit_bias")
         bias.append((token, float(value)))
     return Penalties(body.presence_penalty, body.frequency_penalty, sampling_value(ctx, body, "repetition_penalty"),
-                     tuple(bias), body.min_tokens)
+                     tuple(bias), body.min_tokens, bad_word_ids(ctx, body.bad_words or []))
+
+
+def bad_word_ids(ctx: "ServerContext", words: list[str]) -> tuple[tuple[int, ...], ...]:
+    """Each bad word's token sequences, as vLLM makes them: the word as written and after a space (its spelling
+    inside a sentence); a word that encodes to nothing is refused."""
+    sequences = []
+    for word in words:
+        for spelling in dict.fromkeys((word, " " + word.lstrip())):
+            ids = tuple(ctx.tokenizer.without_added_specials(ctx.tokenizer.encode(spelling)))
+            if not ids:
+                raise ApiError(400, f"bad_words: {word!r} encodes to no tokens", "bad_words")
+            sequences.append(ids)
+    return tuple(dict.fromkeys(sequences))

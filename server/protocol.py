@@ -44,6 +44,7 @@ class _Sampling(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0, le=10, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
     min_tokens: int = Field(0, ge=0)
+    bad_words: list[str] | None = Field(None, max_length=64)  # vLLM's: words the output may not contain
     # known, not implemented: refused unless their value means nothing (UNUSED)
     guided_decoding_backend: Any = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # runtime/prompt_logprobs.py

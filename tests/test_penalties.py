@@ -98,3 +98,25 @@ def test_bad_penalties_are_a_400_naming_them(server, body, param):
     reply = httpx.post(server.url + "/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": 4, **body},
                        timeout=60)
     assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
+
+
+def test_a_bad_words_last_token_is_masked_only_after_the_rest_of_it():
+    x = np.zeros(VOCAB, dtype=np.float32)
+    seen, counts = np.zeros(VOCAB, dtype=bool), np.zeros(VOCAB, dtype=np.float32)
+    rules = Penalties(bad_words=((7,), (3, 4, 5)))
+    assert penalize(x, rules, seen, counts, 0, [], ())[7] == -np.inf  # a one-token word: always
+    assert penalize(x, rules, seen, counts, 2, [], (9, 3))[5] == 0.0  # (3, 4) not yet written
+    assert penalize(x, rules, seen, counts, 3, [], (9, 3, 4))[5] == -np.inf
+    state = PenaltyState(rules, prompt_ids=[], vocab_size=VOCAB, stop_ids=[])
+    for token in (3, 4):
+        state.accept(token)
+    assert state.adjust(x)[5] == -np.inf and state.adjust(x)[4] == 0.0
+
+
+def test_bad_words_keep_the_greedy_first_token_out(server):
+    greedy = completion(server)["tokens"]
+    word = greedy[0].strip()
+    if not word:
+        pytest.skip("the greedy first token is whitespace")
+    out = completion(server, bad_words=[word])["tokens"]
+    assert greedy[0] not in out and word not in [token.strip() for token in out], (word, out)

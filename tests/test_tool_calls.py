@@ -177,3 +177,14 @@ def test_after_reasoning_grammar_frees_the_reasoning_and_holds_the_answer(tiny_c
     assert not allowed(opening + "thinking</think>\n\nplain words")
     if opening:  # qwen3: the reasoning's tag comes first (deepseek_r1's prompt opened it: any text is reasoning)
         assert not allowed(answer)
+
+
+def test_a_conversation_carries_the_calls_and_their_results_back(server):
+    """The second turn of an agent loop: the assistant's tool_calls and the tool's answer, rendered by Qwen3's
+    template, then a new call forced by name."""
+    (first,) = create(server, seed=3, tool_choice={"type": "function", "function": {"name": "get_weather"}}).choices
+    call = first.message.tool_calls[0]
+    history = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+               {"role": "tool", "tool_call_id": call.id, "content": '{"forecast": "rain"}'}]
+    (second,) = create(server, seed=4, messages=history, tool_choice="required").choices
+    assert second.finish_reason == "tool_calls" and second.message.tool_calls

@@ -2,7 +2,8 @@
 repetition penalty over the prompt's and the output's tokens (Hugging Face's RepetitionPenaltyLogitsProcessor: a
 positive logit divided by it, a negative one multiplied), then the presence and frequency penalties over the
 output's tokens (subtracted once, and once per occurrence), then logit_bias added; min_tokens masks the stop
-tokens until that many tokens are out. The engines draw a penalised row on the host (runtime/constraint.py)."""
+tokens until that many tokens are out; a bad word's last token is masked where the output so far ends with the rest
+of it (vLLM's bad_words). The engines draw a penalised row on the host (runtime/constraint.py)."""
 
 from dataclasses import dataclass
 
@@ -16,16 +17,19 @@ class Penalties:
     repetition: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids inside the vocabulary
     min_tokens: int = 0
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences, each non-empty
 
     @property
     def active(self) -> bool:
-        return bool(self.presence or self.frequency or self.repetition != 1.0 or self.logit_bias or self.min_tokens)
+        return bool(self.presence or self.frequency or self.repetition != 1.0 or self.logit_bias or self.min_tokens
+                    or self.bad_words)
 
 
 def penalize(x: np.ndarray, penalties: Penalties, seen: np.ndarray, counts: np.ndarray, produced: int,
-             stop_ids: list[int]) -> np.ndarray:
+             stop_ids: list[int], output: tuple[int, ...] = ()) -> np.ndarray:
     """The row's logits after the penalties: `seen` marks the prompt's and output's ids, `counts` the output's
-    occurrences of each id, `produced` the output's length so far, `stop_ids` what min_tokens holds back."""
+    occurrences of each id, `produced` the output's length so far, `stop_ids` what min_tokens holds back, `output`
+    the output's tokens (for bad words)."""
     x = np.asarray(x, dtype=np.float32).copy()
     if penalties.repetition != 1.0:
         r = np.float32(penalties.repetition)
@@ -36,4 +40,8 @@ def penalize(x: np.ndarray, penalties: Penalties, seen: np.ndarray, counts: np.n
         x[token] += np.float32(bias)
     if produced < penalties.min_tokens:
         x[[t for t in stop_ids if t < x.size]] = -np.inf
+    for word in penalties.bad_words:
+        head = word[:-1]
+        if word[-1] < x.size and (not head or tuple(output[-len(head):]) == head):
+            x[word[-1]] = -np.inf
     return x
