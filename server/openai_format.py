@@ -47,8 +47,15 @@ def completion_choice(tokenizer: TextTokenizer, choice: Choice, prefix: str, wan
             logprobs = _prepend_prompt(tokenizer, prompt_ids, choice.prompt_logprobs, logprobs)
     body = {"index": choice.index, "text": prefix + choice.text, "logprobs": logprobs,
             "finish_reason": choice.finish_reason}
-    return body | ({"prompt_logprobs": prompt_logprobs(tokenizer, prompt_ids, choice.prompt_logprobs, prompt_top or 0)}
-                   if prompt_top is not None and choice.prompt_logprobs is not None else {})
+    return body | prompt_logprobs_field(tokenizer, choice, prompt_ids, prompt_top)
+
+
+def prompt_logprobs_field(tokenizer: TextTokenizer, choice: Choice, prompt_ids: list[int],
+                          top: int | None) -> dict[str, Any]:
+    """vLLM's prompt_logprobs of a choice, where the request asked for them (`top`: how many a position)."""
+    if top is None or choice.prompt_logprobs is None:
+        return {}
+    return {"prompt_logprobs": prompt_logprobs(tokenizer, prompt_ids, choice.prompt_logprobs, top)}
 
 
 def _prepend_prompt(tokenizer: TextTokenizer, prompt_ids: list[int], steps: list[dict[int, float]],

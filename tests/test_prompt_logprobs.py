@@ -95,3 +95,13 @@ def test_max_tokens_0_with_echo_scores_the_prompt_alone(server, tiny_checkpoint)
                                atol=2e-4)
     reply = httpx.post(server.url + "/v1/completions", json={"model": NAME, "prompt": PROMPT, "max_tokens": 0})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "max_tokens"
+
+
+def test_chat_gives_prompt_logprobs_too(server):
+    reply = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
+        "model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "prompt_logprobs": 0})
+    assert reply.status_code == 200, reply.text
+    choice = reply.json()["choices"][0]
+    prompt_len = reply.json()["usage"]["prompt_tokens"]
+    assert len(choice["prompt_logprobs"]) == prompt_len and choice["prompt_logprobs"][0] is None
+    assert all(len(entry) == 1 for entry in choice["prompt_logprobs"][1:])  # 0: the prompt's own token alone
