@@ -30,7 +30,7 @@ class ChatTemplate:
                                    **{**self.special_tokens, **kwargs})
         except RequestError:
             raise
-        except TemplateError as error:
+        except (TemplateError, TypeError, ValueError, AttributeError, KeyError) as error:  # the messages' shape
             raise RequestError(f"the chat template could not render these messages: {error}") from None
 
 

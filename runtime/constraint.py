@@ -100,8 +100,12 @@ def draw_constrained(x: np.ndarray, constraint: TokenConstraint, sampling: tuple
     except Exception as error:  # noqa: BLE001  whatever the grammar library raised
         LOG.warning("a token constraint failed (%s): the row is drawn unconstrained", error)
         mask, row = np.ones(x.shape, dtype=bool), x
-    if mask.shape != x.shape or not np.isfinite(np.where(mask, row, -np.inf)).any():
-        mask, row = np.ones(x.shape, dtype=bool), x
+    if mask.shape != x.shape:
+        mask = np.ones(x.shape, dtype=bool)
+    if not np.isfinite(np.where(mask, row, -np.inf)).any():  # penalties masked all the grammar allows: the grammar
+        row = x
+    if not np.isfinite(np.where(mask, row, -np.inf)).any():
+        mask = np.ones(x.shape, dtype=bool)
     token = draw_masked(np.where(mask, row, -np.inf).astype(np.float32), sampling)
     try:
         constraint.accept(token)

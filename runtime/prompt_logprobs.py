@@ -23,10 +23,17 @@ def position_logprobs(rows: np.ndarray, token_ids: list[int], start: int, prompt
         if position >= prompt_len:
             break
         logprobs = x - logsumexp_row(x)
-        best = np.argsort(-logprobs, kind="stable")[:top] if top else []
+        best = _top(logprobs, top) if top else []
         token = token_ids[position]
         steps.append({int(t): float(logprobs[t]) for t in best} | {token: float(logprobs[token])})
     return steps
+
+
+def _top(values: np.ndarray, k: int) -> np.ndarray:
+    """The k largest's ids, largest first (ties to the lower id), without sorting the whole row."""
+    k = min(k, values.size)
+    ids = np.argpartition(-values, k - 1)[:k]
+    return ids[np.lexsort((ids, -values[ids]))]
 
 
 def draw_first(x: np.ndarray, params: SamplingParams, token_index: int, constraint: TokenConstraint | None,

@@ -251,7 +251,7 @@ class Scheduler:
                 uncached = len(state.seq.token_ids) - state.seq.num_cached
                 if state not in self.running or (uncached == 1) != decoding or budget == 0:
                     continue
-                count = min(uncached, budget)
+                count = min(uncached, budget, self.config.max_num_seqs if state.scoring else budget)
                 if not self._room_for(state, count, scheduled):
                     preempted = True
                     continue
@@ -260,7 +260,7 @@ class Scheduler:
                 budget -= count
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
             state = self.waiting.peek()
-            count = self._admit(state, budget)
+            count = self._admit(state, min(budget, self.config.max_num_seqs) if state.scoring else budget)
             if count == 0:
                 break
             self.waiting.popleft()

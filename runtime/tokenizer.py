@@ -89,7 +89,9 @@ def eos_token_ids(folder: Path) -> frozenset[int]:
     return frozenset()
 
 
-SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")  # what vLLM takes from it
+# what vLLM takes from it, less repetition_penalty: a penalised row is drawn on the host (runtime/constraint.py), so
+# a checkpoint's default one (1.05 in some) would put every row of every request there
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p")
 
 
 def sampling_defaults(folder: Path) -> dict[str, float]:

@@ -218,8 +218,8 @@ async def respond(ctx: ServerContext, request: Request, body: _Sampling, prepare
             choice.text, choice.token_ids, choice.logprobs, choice.finish_reason = "", [], [], "length"
     base = fmt.envelope(request_id, "chat.completion" if chat else "text_completion", ctx.model_name)
     if chat:
-        body_choices = [fmt.chat_choice(ctx.tokenizer, c, top, prepared.output) | fmt.prompt_logprobs_field(
-            ctx.tokenizer, c, prepared.prompts[0], body.prompt_logprobs) for c in choices]
+        body_choices = [fmt.chat_choice(ctx.tokenizer, c, top, prepared.output) for c in choices]
+        base |= fmt.prompt_logprobs_field(ctx.tokenizer, choices[0], prepared.prompts[0], body.prompt_logprobs)
     else:
         body_choices = [fmt.completion_choice(ctx.tokenizer, c, echo[c.index // n], top is not None,
                                               prepared.prompts[c.index // n], body.prompt_logprobs)

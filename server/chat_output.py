@@ -14,6 +14,7 @@ from pegainfer.server.tool_parsers import ToolCall, tool_parser
 class ChatOutput:
     reasoning: str | None = None  # the reasoning parser's name, if the server has one
     tools: str | None = None  # the tool-call parser's name, where the request's tool choice allows calls
+    named: bool = False  # a named tool choice: its call finishes with "stop", as OpenAI's does
 
     def message(self, text: str) -> tuple[dict[str, Any], bool]:
         """(the message, whether it calls tools)."""
@@ -27,7 +28,7 @@ class ChatOutput:
         message["content"] = parsed.content
         if parsed.tool_calls:
             message["tool_calls"] = [_call(call) for call in parsed.tool_calls]
-        return message, bool(parsed.tool_calls)
+        return message, bool(parsed.tool_calls) and not self.named
 
     def stream(self) -> "ChatOutputStream":
         return ChatOutputStream(self)
@@ -43,7 +44,8 @@ class ChatOutputStream:
     def __init__(self, output: ChatOutput) -> None:
         self._reasoning = reasoning_parser(output.reasoning).stream() if output.reasoning else None
         self._tools = tool_parser(output.tools).stream() if output.tools else None
-        self.calls = False  # whether a tool call has been sent
+        self._named = output.named
+        self.calls = False  # whether a tool call has been sent (and finishes the choice with "tool_calls")
 
     def feed(self, text: str) -> list[dict[str, Any]]:
         if self._reasoning is None:
@@ -68,5 +70,5 @@ class ChatOutputStream:
         if self._tools is None:
             return [{"content": text}] if text else []
         deltas = (self._tools.feed(text) if text else []) + (self._tools.finish() if final else [])
-        self.calls = self.calls or any(d.index is not None for d in deltas)
+        self.calls = self.calls or (not self._named and any(d.index is not None for d in deltas))
         return [d.as_openai() for d in deltas]

@@ -79,8 +79,8 @@ def add_serve(commands) -> None:
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                    help="split a thinking model's <think>...</think> into reasoning_content: qwen3, deepseek_r1")
     p.add_argument("--generation-config", choices=["auto", "vllm"], default="auto",
-                   help="auto: a request's sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty) "
-                        "from the checkpoint's generation_config.json, as vLLM does; vllm: the neutral ones")
+                   help="auto: a request's sampling defaults (temperature, top_p, top_k, min_p) from the "
+                        "checkpoint's generation_config.json, as vLLM does; vllm: the neutral ones")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                    help="uvicorn's log level (default warning)")
     p.set_defaults(run=run_serve)

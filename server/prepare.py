@@ -176,8 +176,10 @@ async def prepare_chat(ctx: "ServerContext", body: ChatCompletionRequest) -> Pre
     params = sampling_params(ctx, body, len(ids), body.max_completion_tokens or body.max_tokens, name,
                              "messages", (body.top_logprobs or 0) if body.logprobs else None)
     calls = call_grammar(choice, ctx.tool_call_parser or "")
-    output = ChatOutput(ctx.reasoning_parser, ctx.tool_call_parser if choice.mode != "none" else None)
-    thinking = ctx.reasoning_parser is not None and (body.chat_template_kwargs or {}).get("enable_thinking", True)
+    output = ChatOutput(ctx.reasoning_parser, ctx.tool_call_parser if choice.mode != "none" else None,
+                        choice.mode == "named")
+    thinking = (body.chat_template_kwargs or {}).get("enable_thinking") is not False  # the template's default: on
+    thinking = thinking and ctx.reasoning_parser is not None
     return Prepared([ids], [text], params, body.stop, frozenset(body.stop_token_ids or []),
                     await constraint_factory(ctx, body, calls, ctx.reasoning_parser if thinking else None), output)
 

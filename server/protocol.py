@@ -2,6 +2,7 @@
 refused before anything runs, with the parameter's name (server/errors.py turns the validation error into an
 OpenAI error object)."""
 
+import json
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -11,6 +12,7 @@ from pegainfer.runtime.sampler import MAX_LOGPROBS
 
 MAX_N = 16  # choices per prompt
 MAX_STOP = 16  # stop strings per request
+MAX_BAD_WORD = 200  # characters of a bad word (encoded on the event loop)
 
 Prompt = str | list[str] | list[int] | list[list[int]]
 
@@ -56,6 +58,13 @@ class _Sampling(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
+    @field_validator("bad_words")
+    @classmethod
+    def _short_words(cls, value: list[str] | None) -> list[str] | None:
+        if value and max(len(word) for word in value) > MAX_BAD_WORD:
+            raise ValueError(f"each bad word at most {MAX_BAD_WORD} characters, found {max(map(len, value))}")
+        return value
+
     @field_validator("stop")
     @classmethod
     def _stop_list(cls, value: str | list[str] | None) -> list[str]:
@@ -96,10 +105,19 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
 
     def as_template_input(self) -> dict[str, Any]:
+        """The message as templates read it: text parts joined, and a tool call's JSON arguments as an object (as
+        vLLM passes them: templates that write `arguments | tojson` would encode a string twice)."""
         message = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             message["content"] = "".join(part.text for part in self.content)
         message.setdefault("content", "")
+        for call in message.get("tool_calls") or []:
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                try:
+                    function["arguments"] = json.loads(function["arguments"])
+                except json.JSONDecodeError:
+                    pass  # the template gets the text as sent
         return message
 
 

@@ -168,7 +168,7 @@ class Grammars:
             fast = PreTrainedTokenizerFast(tokenizer_object=self.tokenizer.tokenizer)
             info = xgrammar.TokenizerInfo.from_huggingface(fast, vocab_size=self.vocab_size,
                                                            stop_token_ids=sorted(self.tokenizer.eos_token_ids))
-            self._compiler = xgrammar.GrammarCompiler(info)
+            self._compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)  # ours is bounded
             # JSON forbids raw control characters in strings, which xgrammar's string rule lets through
             self._control_tokens = np.zeros(self.vocab_size, dtype=bool)
             for token, text in enumerate(info.decoded_vocab[:self.vocab_size]):

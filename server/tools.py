@@ -74,7 +74,8 @@ def resolve_tool_choice(tools: list[Any] | None, tool_choice: Any, parallel: boo
         return ToolChoice("auto", functions, parallel=parallel)
     if tool_choice in ("none", "required"):
         return ToolChoice(tool_choice, functions, parallel=parallel)
-    name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+    function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function" or not isinstance(name, str):
         raise ApiError(400, 'tool_choice must be "none", "auto", "required" or {"type": "function", '
                             '"function": {"name": ...}}', "tool_choice")

@@ -120,3 +120,11 @@ def test_bad_words_keep_the_greedy_first_token_out(server):
         pytest.skip("the greedy first token is whitespace")
     out = completion(server, bad_words=[word])["tokens"]
     assert greedy[0] not in out and word not in [token.strip() for token in out], (word, out)
+
+
+def test_the_bias_comes_before_the_repetition_penalty_as_in_vllm():
+    x = np.full(VOCAB, 2.0, dtype=np.float32)
+    seen = np.zeros(VOCAB, dtype=bool)
+    seen[3] = True
+    out = penalize(x, Penalties(repetition=2.0, logit_bias=((3, 4.0),)), seen, np.zeros(VOCAB, np.float32), 1, [])
+    assert out[3] == pytest.approx((2.0 + 4.0) / 2.0) and out[4] == 2.0

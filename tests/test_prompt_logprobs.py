@@ -101,7 +101,7 @@ def test_chat_gives_prompt_logprobs_too(server):
     reply = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
         "model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "prompt_logprobs": 0})
     assert reply.status_code == 200, reply.text
-    choice = reply.json()["choices"][0]
-    prompt_len = reply.json()["usage"]["prompt_tokens"]
-    assert len(choice["prompt_logprobs"]) == prompt_len and choice["prompt_logprobs"][0] is None
-    assert all(len(entry) == 1 for entry in choice["prompt_logprobs"][1:])  # 0: the prompt's own token alone
+    body = reply.json()  # vLLM puts a chat's prompt_logprobs beside its choices
+    entries, prompt_len = body["prompt_logprobs"], body["usage"]["prompt_tokens"]
+    assert len(entries) == prompt_len and entries[0] is None
+    assert all(len(entry) == 1 for entry in entries[1:])  # 0: the prompt's own token alone

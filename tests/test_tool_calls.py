@@ -64,7 +64,7 @@ def test_a_named_function_is_the_one_called(server):
         (choice,) = create(server, seed=seed, tool_choice={"type": "function", "function": {"name": "get_weather"}},
                            ).choices
         (call,) = choice.message.tool_calls
-        assert call.function.name == "get_weather"
+        assert call.function.name == "get_weather" and choice.finish_reason == "stop"  # OpenAI's, for a named one
         jsonschema.validate(json.loads(call.function.arguments), WEATHER)
 
 
@@ -122,6 +122,10 @@ def test_reasoning_is_split_into_reasoning_content_whole_and_streamed(server):
     ({"tools": "not a list"}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": "get_weather"}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": None}}, "tool_choice"),
+    ({"tools": TOOLS, "chat_template_kwargs": {"tools": 5}}, "messages"),
+    ({"messages": [{"role": "assistant", "tool_calls": "x"}]}, "messages"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
 ])
 def test_bad_tools_are_a_400_naming_them_and_the_server_keeps_serving(server, body, param):

@@ -1,9 +1,9 @@
-"""The reference of vLLM's sampling penalties on a row of logits, applied before temperature and the cuts: the
-repetition penalty over the prompt's and the output's tokens (Hugging Face's RepetitionPenaltyLogitsProcessor: a
-positive logit divided by it, a negative one multiplied), then the presence and frequency penalties over the
-output's tokens (subtracted once, and once per occurrence), then logit_bias added; min_tokens masks the stop
-tokens until that many tokens are out; a bad word's last token is masked where the output so far ends with the rest
-of it (vLLM's bad_words). The engines draw a penalised row on the host (runtime/constraint.py)."""
+"""The reference of vLLM's sampling penalties on a row of logits, applied before temperature and the cuts, in vLLM's
+order: logit_bias added and min_tokens masking the stop tokens until that many tokens are out; then the repetition
+penalty over the prompt's and the output's tokens (Hugging Face's RepetitionPenaltyLogitsProcessor: a positive logit
+divided by it, a negative one multiplied), the presence and frequency penalties over the output's tokens (subtracted
+once, and once per occurrence); a bad word's last token masked where the output so far ends with the rest of it
+(vLLM's bad_words). The engines draw a penalised row on the host (runtime/constraint.py)."""
 
 from dataclasses import dataclass
 
@@ -31,15 +31,16 @@ def penalize(x: np.ndarray, penalties: Penalties, seen: np.ndarray, counts: np.n
     occurrences of each id, `produced` the output's length so far, `stop_ids` what min_tokens holds back, `output`
     the output's tokens (for bad words)."""
     x = np.asarray(x, dtype=np.float32).copy()
+    if penalties.logit_bias:
+        ids, biases = zip(*penalties.logit_bias)
+        x[list(ids)] += np.asarray(biases, dtype=np.float32)
+    if produced < penalties.min_tokens:
+        x[[t for t in stop_ids if t < x.size]] = -np.inf
     if penalties.repetition != 1.0:
         r = np.float32(penalties.repetition)
         x[seen] = np.where(x[seen] > 0, x[seen] / r, x[seen] * r)
     if penalties.presence or penalties.frequency:
         x -= np.float32(penalties.presence) * (counts > 0) + np.float32(penalties.frequency) * counts
-    for token, bias in penalties.logit_bias:
-        x[token] += np.float32(bias)
-    if produced < penalties.min_tokens:
-        x[[t for t in stop_ids if t < x.size]] = -np.inf
     for word in penalties.bad_words:
         head = word[:-1]
         if word[-1] < x.size and (not head or tuple(output[-len(head):]) == head):
