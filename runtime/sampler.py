@@ -21,6 +21,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_p: float = 0.0  # keeps tokens at least this fraction as likely as the most likely one (after temperature)
     prompt_logprobs: int | None = None  # top tokens to report per prompt position (runtime/prompt_logprobs.py)
+    min_tokens: int = 0  # tokens before EOS may come (ir/ops/penalties.py) and stop strings are looked for
 
     def validate(self) -> None:
         """Raises RequestError naming the parameter, the allowed range and what was given."""

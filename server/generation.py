@@ -67,7 +67,8 @@ class Choice:
 async def run_choice(engine: EngineLoop, request: EngineRequest, tokenizer: TextTokenizer, stops: list[str],
                      index: int, metrics: Metrics, choice: Choice) -> AsyncIterator[Delta]:
     """Yields a Delta per generated token and fills `choice` as it goes; the last Delta has the finish_reason.
-    A stop string ends the choice with "stop", cut before the stop string."""
+    A stop string ends the choice with "stop", cut before the stop string; it is looked for only once min_tokens
+    tokens are out, as vLLM does."""
     detokenizer, checker = IncrementalDetokenizer(tokenizer, request.prompt_ids), StopChecker(stops)
     stream = RequestStream(engine, request)
     last = first_token = request.arrival
@@ -77,7 +78,8 @@ async def run_choice(engine: EngineLoop, request: EngineRequest, tokenizer: Text
             if not choice.token_ids:
                 first_token = out.time
             last = out.time
-            text = checker.feed(detokenizer.add(out.token_id))
+            piece = detokenizer.add(out.token_id)
+            text = piece if len(choice.token_ids) + 1 < request.params.min_tokens else checker.feed(piece)
             finish = "stop" if checker.stopped else out.finish_reason
             if finish and not checker.stopped:
                 text += checker.feed(detokenizer.flush())

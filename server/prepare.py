@@ -96,7 +96,8 @@ def sampling_params(ctx: "ServerContext", body: _Sampling, prompt_len: int, max_
     return [SamplingParams(temperature=given["temperature"], top_p=given["top_p"], top_k=int(given["top_k"]),
                            min_p=given["min_p"],
                            seed=None if body.seed is None else (body.seed + j) % 2**63, logprobs=logprobs,
-                           max_tokens=max_tokens, ignore_eos=body.ignore_eos, prompt_logprobs=prompt_logprobs(body))
+                           max_tokens=max_tokens, ignore_eos=body.ignore_eos, prompt_logprobs=prompt_logprobs(body),
+                           min_tokens=body.min_tokens)
             for j in range(body.n)]
 
 

@@ -128,3 +128,14 @@ def test_the_bias_comes_before_the_repetition_penalty_as_in_vllm():
     seen[3] = True
     out = penalize(x, Penalties(repetition=2.0, logit_bias=((3, 4.0),)), seen, np.zeros(VOCAB, np.float32), 1, [])
     assert out[3] == pytest.approx((2.0 + 4.0) / 2.0) and out[4] == 2.0
+
+
+def test_min_tokens_holds_back_stop_strings_too(server):
+    base = {"model": NAME, "prompt": "The server", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    text = httpx.post(server.url + "/v1/completions", json=base, timeout=120).json()["choices"][0]["text"]
+    stop = text[1:3]  # a stop string found in the first tokens
+    early = httpx.post(server.url + "/v1/completions", json=base | {"stop": [stop]}, timeout=120).json()
+    late = httpx.post(server.url + "/v1/completions", json=base | {"stop": [stop], "min_tokens": 12},
+                      timeout=120).json()
+    assert early["choices"][0]["finish_reason"] == "stop" and early["choices"][0]["text"] == text[:text.index(stop)]
+    assert late["choices"][0]["text"] == text and late["usage"]["completion_tokens"] == 12
