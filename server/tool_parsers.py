@@ -85,8 +85,12 @@ def _refuse_constant(name: str) -> float:
 _DECODER = json.JSONDecoder(parse_constant=_refuse_constant, strict=False)  # models write raw newlines in strings
 
 
-def _decode(text: str, start: int) -> tuple[Any, int] | None:
-    """The JSON value at text[start] and the index after it, or None where none is there (yet)."""
+def _decode(text: str, start: int, final: bool = True) -> tuple[Any, int] | None:
+    """The JSON value at text[start] and the index after it, or None where none is there (yet). A stream's text
+    that does not end in a closing bracket is not decoded yet (None, as for an open value): re-decoding an open
+    call at every delta would cost the square of its length; at the end (final) it is decoded whatever it is."""
+    if not final and not text.rstrip().endswith(("}", "]")):
+        return None
     try:
         return _DECODER.raw_decode(text, start)
     except (ValueError, RecursionError):
@@ -251,7 +255,7 @@ class MistralToolParser(_TaggedParser):
         first = _skip_space(body, 0)
         if first < len(body) and body[first] not in "[{":
             return 0, None
-        decoded = _decode(body, first) if first < len(body) else None
+        decoded = _decode(body, first, final) if first < len(body) else None
         if decoded:
             return decoded[1], _calls_of(decoded[0])
         return (len(body), None) if final else None
@@ -285,7 +289,7 @@ class Llama3JsonToolParser(ToolParser):
                 if pos == len(text):
                     return events, pos, state
             opens = text.startswith("{", pos)
-            decoded = _decode(text, pos) if opens else None
+            decoded = _decode(text, pos, final) if opens else None
             if decoded and (call := _call_of(decoded[0])):
                 events.append(call)
                 pos, state = decoded[1], "after"
