@@ -68,3 +68,10 @@ def start_server(checkpoint: Path, *extra: str, log: Path) -> Server:
         time.sleep(0.2)
     process.kill()
     raise AssertionError(f"the server was not ready in 120 s: {log.read_text()}")
+
+
+def stop_server(server: Server) -> None:
+    """Ends the server, and checks that no request left a traceback in its log (a handler that crashed)."""
+    server.process.terminate()
+    server.process.wait(30)
+    assert "Traceback" not in server.log.read_text(), server.log.read_text()

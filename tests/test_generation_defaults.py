@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from live_server import NAME, start_server
+from live_server import NAME, start_server, stop_server
 from pegainfer.errors import CheckpointError
 from pegainfer.runtime.tokenizer import sampling_defaults
 
@@ -40,8 +40,7 @@ def test_generation_config_gives_the_defaults_unless_vllm_is_asked(greedy_checkp
             assert any(text != greedy for text in defaulted)
         assert texts(server, 1, temperature=0)[0] == greedy  # a field given wins over the file
     finally:
-        server.process.terminate()
-        server.process.wait(30)
+        stop_server(server)
 
 
 def test_sampling_defaults_are_read_and_checked(tmp_path):

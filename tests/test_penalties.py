@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-from live_server import NAME, start_server
+from live_server import NAME, start_server, stop_server
 from pegainfer.ir.ops.penalties import Penalties, penalize
 from pegainfer.runtime.constraint import PenaltyState, draw_constrained
 
@@ -54,9 +54,7 @@ def server(tiny_checkpoint, tmp_path_factory):
     log = tmp_path_factory.mktemp("penalties") / "serve.log"
     server = start_server(tiny_checkpoint, log=log)
     yield server
-    server.process.terminate()
-    server.process.wait(30)
-    assert "Traceback" not in log.read_text(), log.read_text()
+    stop_server(server)
 
 
 def completion(server, **body) -> dict:

@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from live_server import NAME, start_server
+from live_server import NAME, start_server, stop_server
 from pegainfer.frontends.load import load_model
 from pegainfer.runtime.reference_engine import ReferenceEngine
 from pegainfer.runtime.sampler import SamplingParams
@@ -22,9 +22,7 @@ def server(tiny_checkpoint, tmp_path_factory):
     log = tmp_path_factory.mktemp("prompt_logprobs") / "serve.log"
     server = start_server(tiny_checkpoint, "--no-prefix-cache", log=log)
     yield server
-    server.process.terminate()
-    server.process.wait(30)
-    assert "Traceback" not in log.read_text(), log.read_text()
+    stop_server(server)
 
 
 def hf_logprobs(checkpoint, ids: list[int]) -> np.ndarray:

@@ -3,10 +3,10 @@ split in two, one character at a time, seeded random chunkings) assembles to exa
 ended and content_start() agree with it on every prefix."""
 
 import random
-from collections.abc import Iterator
 
 import pytest
 
+from chunkings import chunkings, random_chunkings
 from pegainfer.server.reasoning import (
     REASONING_PARSERS, ReasoningDelta, ReasoningOutput, assemble, reasoning_parser)
 
@@ -36,23 +36,8 @@ CASES = [
     ("deepseek_r1", "</think>only content", None, "only content"),
     ("deepseek_r1", "", None, None),
 ]
+MAX_CUTS = 6  # random chunkings cut a text into up to 7 pieces
 CASE_IDS = [f"{name}-{number}" for number, (name, *_) in enumerate(CASES)]
-
-
-def random_chunkings(text: str, seeds: range) -> Iterator[list[str]]:
-    """Seeded random chunkings of text into up to seven pieces."""
-    for seed in seeds:
-        rng = random.Random(seed)
-        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 6)))) if len(text) > 1 else []
-        yield [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
-
-
-def chunkings(text: str) -> Iterator[list[str]]:
-    """Every split in two (empty pieces included), one character at a time, and seeded random chunkings."""
-    for cut in range(len(text) + 1):
-        yield [text[:cut], text[cut:]]
-    yield list(text)
-    yield from random_chunkings(text, range(4))
 
 
 def streamed(name: str, pieces: list[str]) -> ReasoningOutput:
@@ -71,7 +56,7 @@ def test_parse_gives_the_written_split(name: str, text: str, reasoning: str | No
 @pytest.mark.parametrize(("name", "text"), [(name, text) for name, text, *_ in CASES], ids=CASE_IDS)
 def test_streaming_cut_anywhere_assembles_to_the_parse(name: str, text: str):
     expected = reasoning_parser(name).parse(text)
-    for pieces in chunkings(text):
+    for pieces in chunkings(text, MAX_CUTS):
         assert streamed(name, pieces) == expected, pieces
 
 
@@ -105,7 +90,7 @@ def test_streaming_matches_parse_on_random_texts(name: str):
         text = opening + "".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(0, 10)))
         expected = reasoning_parser(name).parse(text)
         both += None not in expected
-        for pieces in [list(text), *random_chunkings(text, range(3))]:
+        for pieces in [list(text), *random_chunkings(text, range(3), MAX_CUTS)]:
             assert streamed(name, pieces) == expected, pieces
     assert both > 20, f"the random texts must hold reasoning and content both to test the split, {both} did"
 

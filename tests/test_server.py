@@ -15,7 +15,7 @@ import openai
 import pytest
 from tokenizers import Tokenizer
 
-from live_server import KEY, MAX_MODEL_LEN, NAME, start_server
+from live_server import KEY, MAX_MODEL_LEN, NAME, start_server, stop_server
 from pegainfer.cli import main
 
 MAX_REQUEST_BYTES = 65536
@@ -29,9 +29,7 @@ def server(tiny_checkpoint, tmp_path_factory):
                           "--max-request-bytes", str(MAX_REQUEST_BYTES), "--trace-steps", str(folder / "trace.jsonl"),
                           log=log)
     yield server
-    server.process.terminate()
-    server.process.wait(30)
-    assert "Traceback" not in log.read_text(), log.read_text()
+    stop_server(server)
 
 
 def generate_cli(capsys, checkpoint: Path, *args: str) -> dict:

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from live_server import KEY, MAX_MODEL_LEN, NAME, start_server
+from live_server import KEY, MAX_MODEL_LEN, NAME, start_server, stop_server
 from pegainfer.runtime.tokenizer import load_tokenizer
 from pegainfer.server.errors import ApiError
 from pegainfer.server.prompts import PromptEncoder
@@ -27,9 +27,7 @@ def server(tiny_checkpoint, tmp_path_factory):
     server = start_server(tiny_checkpoint, "--api-key", KEY, "--max-seqs-per-request", str(MAX_SEQS),
                           "--max-num-seqs", "8", log=log)
     yield server
-    server.process.terminate()
-    server.process.wait(30)
-    assert "Traceback" not in log.read_text(), log.read_text()
+    stop_server(server)
 
 
 def assert_error(response: httpx.Response, status: int, param: str | None, *words: str) -> None:

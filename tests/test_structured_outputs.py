@@ -13,7 +13,7 @@ import numpy as np
 import pydantic
 import pytest
 
-from live_server import NAME, start_server
+from live_server import NAME, start_server, stop_server
 from pegainfer.ir.ops.sampling import sample_row
 from pegainfer.runtime.constraint import draw_constrained, draw_masked
 
@@ -43,9 +43,7 @@ def server(checkpoint_factory, tmp_path_factory):
     log = tmp_path_factory.mktemp("structured") / "serve.log"
     server = start_server(checkpoint, log=log)
     yield server
-    server.process.terminate()
-    server.process.wait(30)
-    assert "Traceback" not in log.read_text(), log.read_text()
+    stop_server(server)
 
 
 def test_json_schema_output_validates_over_30_seeds(server):

@@ -12,7 +12,7 @@ import httpx
 import jsonschema
 import pytest
 
-from live_server import NAME, start_server
+from live_server import NAME, start_server, stop_server
 from pegainfer.server.errors import ApiError
 from pegainfer.server.tools import call_grammar, resolve_tool_choice
 
@@ -40,9 +40,7 @@ def server(checkpoint_factory, tmp_path_factory):
     server = start_server(checkpoint, "--max-model-len", "2048", "--enable-auto-tool-choice",
                           "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3", log=log)
     yield server
-    server.process.terminate()
-    server.process.wait(30)
-    assert "Traceback" not in log.read_text(), log.read_text()
+    stop_server(server)
 
 
 def create(server, **body):

@@ -4,10 +4,10 @@ assembles chunks, to exactly what parse gives; a seeded fuzz holds the two toget
 
 import random
 import re
-from collections.abc import Iterator
 
 import pytest
 
+from chunkings import chunkings, random_chunkings
 from pegainfer.server.tool_parsers import (
     TOOL_PARSERS, Delta, ParsedOutput, ToolCall, assemble, random_call_id, seeded_call_ids, tool_parser)
 
@@ -67,23 +67,8 @@ CASES = [
     ("mistral", "Done [TOOL_CA", "Done [TOOL_CA", []),
     ("mistral", f"[TOOL_CALLS][{WEATHER}", f"[TOOL_CALLS][{WEATHER}", []),
 ]
+MAX_CUTS = 8  # random chunkings cut a text into up to 9 pieces
 CASE_IDS = [f"{name}-{number}" for number, (name, *_) in enumerate(CASES)]
-
-
-def random_chunkings(text: str, seeds: range) -> Iterator[list[str]]:
-    """Seeded random chunkings of text into up to nine pieces."""
-    for seed in seeds:
-        rng = random.Random(seed)
-        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 8)))) if len(text) > 1 else []
-        yield [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
-
-
-def chunkings(text: str) -> Iterator[list[str]]:
-    """Every split in two (empty pieces included), one character at a time, and seeded random chunkings."""
-    for cut in range(len(text) + 1):
-        yield [text[:cut], text[cut:]]
-    yield list(text)
-    yield from random_chunkings(text, range(4))
 
 
 def client_assembly(deltas: list[Delta]) -> ParsedOutput:
@@ -120,7 +105,7 @@ def test_parse_gives_the_written_result(name: str, text: str, content: str | Non
 @pytest.mark.parametrize(("name", "text"), [(name, text) for name, text, *_ in CASES], ids=CASE_IDS)
 def test_streaming_cut_anywhere_assembles_to_the_parse(name: str, text: str):
     expected = tool_parser(name, seeded_call_ids(7)).parse(text)
-    for pieces in chunkings(text):
+    for pieces in chunkings(text, MAX_CUTS):
         assert streamed(name, pieces) == expected, pieces
 
 
@@ -138,7 +123,7 @@ def test_streaming_matches_parse_on_random_texts(name: str):
         text = "".join(rng.choice(pool) for _ in range(rng.randint(0, 10)))
         expected = tool_parser(name, seeded_call_ids(7)).parse(text)
         with_calls += bool(expected.tool_calls)
-        for pieces in [list(text), *random_chunkings(text, range(3))]:
+        for pieces in [list(text), *random_chunkings(text, range(3), MAX_CUTS)]:
             assert streamed(name, pieces) == expected, pieces
     assert with_calls > 20, f"the random texts must hold calls to test them, {with_calls} did"
 
