@@ -102,11 +102,12 @@ def draw_constrained(x: np.ndarray, constraint: TokenConstraint, sampling: tuple
         mask, row = np.ones(x.shape, dtype=bool), x
     if mask.shape != x.shape:
         mask = np.ones(x.shape, dtype=bool)
-    if not np.isfinite(np.where(mask, row, -np.inf)).any():  # penalties masked all the grammar allows: the grammar
-        row = x
-    if not np.isfinite(np.where(mask, row, -np.inf)).any():
-        mask = np.ones(x.shape, dtype=bool)
-    token = draw_masked(np.where(mask, row, -np.inf).astype(np.float32), sampling)
+    masked = np.where(mask, row, -np.inf).astype(np.float32)
+    if not np.isfinite(masked).any():  # penalties masked all the grammar allows: the grammar alone
+        masked = np.where(mask, x, -np.inf).astype(np.float32)
+    if not np.isfinite(masked).any():
+        masked = x
+    token = draw_masked(masked, sampling)
     try:
         constraint.accept(token)
     except Exception as error:  # noqa: BLE001  as above: the request goes on unconstrained

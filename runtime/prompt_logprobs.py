@@ -6,7 +6,7 @@ engine's tail would draw: the host path of runtime/device_sampling.py)."""
 
 import numpy as np
 
-from pegainfer.ir.ops.sampling import logsumexp_row
+from pegainfer.ir.ops.sampling import logsumexp_row, ranked_prefix
 from pegainfer.passes.fusion import TAIL_TOP_K
 from pegainfer.runtime.constraint import TokenConstraint
 from pegainfer.runtime.device_sampling import finish, sampling_inputs, tail_reference
@@ -23,17 +23,10 @@ def position_logprobs(rows: np.ndarray, token_ids: list[int], start: int, prompt
         if position >= prompt_len:
             break
         logprobs = x - logsumexp_row(x)
-        best = _top(logprobs, top) if top else []
+        best = ranked_prefix(logprobs, min(top, logprobs.size)) if top else []
         token = token_ids[position]
         steps.append({int(t): float(logprobs[t]) for t in best} | {token: float(logprobs[token])})
     return steps
-
-
-def _top(values: np.ndarray, k: int) -> np.ndarray:
-    """The k largest's ids, largest first (ties to the lower id), without sorting the whole row."""
-    k = min(k, values.size)
-    ids = np.argpartition(-values, k - 1)[:k]
-    return ids[np.lexsort((ids, -values[ids]))]
 
 
 def draw_first(x: np.ndarray, params: SamplingParams, token_index: int, constraint: TokenConstraint | None,

@@ -60,8 +60,8 @@ def prompt_logprobs_field(tokenizer: TextTokenizer, choice: Choice, prompt_ids: 
 
 def _prepend_prompt(tokenizer: TextTokenizer, prompt_ids: list[int], steps: list[dict[int, float]],
                     logprobs: dict[str, Any]) -> dict[str, Any]:
-    prompt = completion_logprobs(tokenizer, prompt_ids[1:], steps, len(token_text(tokenizer, prompt_ids[0])))
     first = token_text(tokenizer, prompt_ids[0])
+    prompt = completion_logprobs(tokenizer, prompt_ids[1:], steps, len(first))
     return {"tokens": [first, *prompt["tokens"], *logprobs["tokens"]],
             "token_logprobs": [None, *prompt["token_logprobs"], *logprobs["token_logprobs"]],
             "top_logprobs": [None, *prompt["top_logprobs"], *logprobs["top_logprobs"]],
