@@ -4,6 +4,7 @@ launches: variants chosen by the number of rows, each a list of launches with an
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
+from functools import cached_property
 from math import prod
 from typing import Protocol, TypeVar
 
@@ -85,8 +86,9 @@ class Param:
     dtype: str  # Triton's signature type: *bf16, *fp32, *i32, i32 (tma: a descriptor)
     aligned: bool = False  # a pointer the runtime guarantees 16-byte aligned (compiled with that hint)
     tma: TmaDescriptor | None = None  # a TMA parameter's descriptor
+    skip: str | None = None  # a TENSOR's pointer this many rows (a step size) into its buffer
 
-    @property
+    @cached_property  # read for every argument of every launch
     def buffer(self) -> str | None:
         """The buffer whose pointer, descriptor or size this parameter reads (None: a step size or scratch)."""
         if self.kind in (ParamKind.PLANES, ParamKind.PLANE_ROWS):
@@ -97,12 +99,13 @@ class Param:
     def from_json(cls, data: dict) -> "Param":
         tma = TmaDescriptor.from_json(data["tma"]) if data.get("tma") is not None else None
         return cls(data["name"], ParamKind(data["kind"]), data["value"], data["dtype"], data.get("aligned", False),
-                   tma)
+                   tma, data.get("skip"))
 
     def as_json(self) -> dict:
         data = {"name": self.name, "kind": str(self.kind), "value": self.value, "dtype": self.dtype,
                 "aligned": self.aligned}
-        return data | ({"tma": self.tma.as_json()} if self.tma is not None else {})
+        return data | ({"tma": self.tma.as_json()} if self.tma is not None else {}) | \
+            ({"skip": self.skip} if self.skip is not None else {})
 
 
 @dataclass
@@ -172,9 +175,9 @@ class Variants(Protocol[V]):
 
 
 def slot_rank(slot: tuple) -> tuple:
-    """The order the runtime tries slots in: conditional ones (minimum sizes) first, then by row bound, unbounded
-    last."""
-    return (not slot[1], slot[0] is None, slot[0] or 0)
+    """The order the runtime tries slots in: conditional ones (minimum sizes) first, those with more conditions
+    before those with fewer (a mixed step's attention before a prefill step's), then by row bound, unbounded last."""
+    return (not slot[1], -len(slot[1]), slot[0] is None, slot[0] or 0)
 
 
 def serves(variant: Slotted, row_symbol: str, sizes: dict[str, int]) -> bool:
@@ -187,7 +190,16 @@ def serves(variant: Slotted, row_symbol: str, sizes: dict[str, int]) -> bool:
 def pick_variant(kernel: Variants[V], sizes: dict[str, int]) -> V:
     """The variant a step launches: the first that serves it, slots in the runtime's order (a manifest's variants
     are in that order already; a plan's keep each slot's alternatives in order, its default first)."""
-    for variant in sorted(kernel.variants, key=lambda v: slot_rank(v.slot)):
+    return first_serving(kernel, runtime_order(kernel.variants), sizes)
+
+
+def runtime_order(variants: Sequence[V]) -> list[V]:
+    return sorted(variants, key=lambda v: slot_rank(v.slot))
+
+
+def first_serving(kernel: Variants[V], ordered: Sequence[V], sizes: dict[str, int]) -> V:
+    """pick_variant over variants already in runtime_order (the executor sorts each kernel's once)."""
+    for variant in ordered:
         if serves(variant, kernel.row_symbol, sizes):
             return variant
     raise AssertionError(f"kernel {kernel.node}: no variant for {kernel.row_symbol}={sizes[kernel.row_symbol]}")

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from pegainfer.ir.dtypes import FP32, INT32, INT64
 from pegainfer.ir.graph import Graph
 from pegainfer.ir.types import TensorType
@@ -57,8 +59,12 @@ def declare_step_inputs(b: GraphBuilder) -> tuple[Value, AttentionInputs, Value]
 
 
 def launch_sizes(query_lens) -> dict[str, int]:
-    """The sizes kernels' grids use beyond the inputs' shapes: the longest query of the step (0 when empty)."""
-    return {"max_query_len": int(max(query_lens, default=0))}
+    """The sizes kernels' grids use beyond the inputs' shapes: the longest query of the step (0 when empty), and
+    how many of its first sequences bring one query each (decode tokens, which the scheduler packs first) and how
+    many come after them, so that a mixed step's attention can run the two kinds on different tiles."""
+    lens = np.asarray(query_lens)
+    decode = int(np.argmin(lens == 1)) if (lens != 1).any() else len(lens)
+    return {"max_query_len": int(lens.max(initial=0)), "decode_seqs": decode, "prefill_seqs": len(lens) - decode}
 
 
 def kv_cache_shape(kv_heads: int, head_dim: int) -> tuple[str, str, int, int]:

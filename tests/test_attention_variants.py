@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from pegainfer.backends.planning import PlanOptions
-from pegainfer.backends.spec import pick_variant
+from pegainfer.backends.spec import GridDim, VariantSpec, pick_variant
+from pegainfer.backends.triton.attention import decode_rows_launch
 from pegainfer.backends.triton.execute import launch_kernel, to_numpy, to_torch
 from pegainfer.backends.triton.plan import plan_kernel
 from pegainfer.ir.graph import KERNEL
@@ -24,6 +25,7 @@ BLOCK_SIZE = 16
 # serves steps of few sequences below the prefill tiles' 64 queries (and is slow to interpret on long chunks)
 LONG_CHUNK = ([70, 1, 1], [79, 40, 3])
 SHORT_CHUNK = ([6, 1, 1], [15, 40, 3])
+DECODE_FIRST = ([1, 1, 70], [40, 3, 79])  # the scheduler's order: decode tokens, then prompt chunks
 
 
 @pytest.fixture(scope="module")
@@ -115,3 +117,44 @@ def test_split_kv_slices_past_the_keys_store_only_their_log_sum_exp(attention):
         assert 1 <= used < splits, (context, span, used)  # some slices without keys
         assert np.isfinite(lse[token, :, :used]).all() and np.isfinite(out[token, :, :used]).all()
         assert (lse[token, :, used:] == -np.inf).all() and np.isnan(out[token, :, used:]).all()
+
+
+def run_launches(graph, node, launches, step) -> tuple[np.ndarray, np.ndarray]:
+    """(what the launches write, the op's reference) on one step; rows no launch writes stay NaN."""
+    (inner,) = node.attrs["nodes"]
+    types = graph.value_types()
+    _, heads, head_dim = types[inner.inputs[0]].shape
+    values = step_inputs(np.random.default_rng(7), heads, types[inner.inputs[1]].shape[2], head_dim, *step)
+    sizes = {"tokens": sum(step[0]), "batch": 3, "num_blocks": 16, "block_size": BLOCK_SIZE, "max_blocks": 5,
+             **launch_sizes(values["q_lens"])}
+    spec = plan_kernel(graph, node, PlanOptions(block_size=BLOCK_SIZE))
+    spec = dataclasses.replace(spec, variants=[VariantSpec("under_test", None, launches)])
+    env = {n: to_torch(a) for n, a in zip(inner.inputs, values.values())}
+    got = to_numpy(launch_kernel(spec, node, env, sizes)[inner.outputs[0]])
+    expected = get_op("paged_attention").reference(*values.values(), **inner.attrs)
+    return got.reshape(expected.shape), expected
+
+
+def test_the_decode_rows_launch_writes_exactly_the_leading_one_query_sequences(attention):
+    """TileLang's mixed-step variant runs this launch first: the step's first two sequences (one query each) come
+    out as the reference's, and the 70-query chunk after them is left to the other launch (still NaN)."""
+    graph, node, _ = attention
+    got, expected = run_launches(graph, node, [decode_rows_launch(graph, node, PlanOptions(block_size=BLOCK_SIZE))],
+                                 DECODE_FIRST)
+    np.testing.assert_allclose(got[:2], expected[:2], atol=2e-5, rtol=2e-5)
+    assert np.isnan(got[2:]).all()
+
+
+def test_a_mixed_step_split_into_decode_rows_and_chunks_covers_every_row(attention):
+    """The mixed variant's scheme on Triton's prefill tiles: the chunks' launch reads the per-sequence tensors from
+    row decode_seqs on (Param.skip) over prefill_seqs programs, so the two launches together give the whole step."""
+    graph, node, spec = attention
+    options = PlanOptions(block_size=BLOCK_SIZE)
+    (tiles,) = next(v for v in spec.variants if v.name == "flash_64").launches
+    per_sequence = {"tables_ptr", "starts_ptr", "q_lens_ptr", "ctx_lens_ptr"}
+    chunks = dataclasses.replace(
+        tiles, params=[dataclasses.replace(p, skip="decode_seqs") if p.name in per_sequence else p
+                       for p in tiles.params],
+        grid=(GridDim(("prefill_seqs",)), *tiles.grid[1:]))
+    got, expected = run_launches(graph, node, [decode_rows_launch(graph, node, options), chunks], DECODE_FIRST)
+    np.testing.assert_allclose(got, expected, atol=2e-5, rtol=2e-5)

@@ -97,6 +97,20 @@ def test_a_conditional_slot_comes_first_and_can_fall_through(hopper_preference):
     assert [v.label for v in chosen] == ["triton:split_kv_16", "triton:flash_16"]
 
 
+def test_a_mixed_steps_slot_is_tried_before_a_prefill_steps(hopper_preference):
+    """Two conditions before one: a step of decode rows beside a prompt chunk takes the mixed variant, a step of
+    prompt chunks alone (no leading one-query sequence) the prefill one, whatever order the plan lists them in."""
+    prefill = {"max_query_len": 64}
+    variants = [variant("tilelang", "flash", None, prefill), variant("triton", "flash_16", None),
+                variant("tilelang", "mixed", None, prefill | {"decode_seqs": 1})]
+    kernel = KernelSpec("body", "attention", "paged_attention", ["paged_attention"], "batch", variants)
+    chosen, _ = choose(kernel, variants, 90, {})
+    assert [v.name for v in chosen] == ["mixed", "flash", "flash_16"]
+    assert pick_variant(kernel, {"batch": 64, "max_query_len": 1024, "decode_seqs": 62}).name == "mixed"
+    assert pick_variant(kernel, {"batch": 2, "max_query_len": 1024, "decode_seqs": 0}).name == "flash"
+    assert pick_variant(kernel, {"batch": 64, "max_query_len": 1, "decode_seqs": 64}).name == "flash_16"
+
+
 def test_parse_backends_needs_triton_and_known_names():
     assert parse_backends("triton,cute") == ["triton", "cute"]
     for bad in ("tilelang", "triton,cutlass"):

@@ -41,6 +41,8 @@ def compiled(kernels):
             for sm in SMS:
                 if sm in variant.sms:
                     for index, launch in enumerate(variant.launches):
+                        if launch.backend == "triton":  # a mixed step's decode rows (Triton's tests)
+                            continue
                         key = f"{kernel.node}/{variant.name}/{index}"
                         todo[(sm, key)] = launch
                         where[(sm, key)] = (kernel, variant)
@@ -152,7 +154,8 @@ def _evaluate(expression: str, names: list[str], m: int) -> int:
 
 
 @pytest.mark.parametrize("key", ["gate_up/wgmma_fullrow_128x128/1", "attention/flash_128x128/0",
-                                 "attention/flash_ws_128x128/0", "down/decode_halved_4x8/0"])
+                                 "attention/flash_ws_128x128/0", "attention/mixed_16_ws_128x128/1",
+                                 "down/decode_halved_4x8/0"])
 def test_tilelang_abi_matches_its_host_stub(compiled, key):
     from pegainfer.backends.tilelang.compiler import host_stub
 

@@ -71,7 +71,8 @@ def launch_abi(launch: LaunchSpec, func, device, tma_args: dict) -> list[dict]:
                         "tma": _descriptor(args, symbols, name)})
         elif name in buffers:
             planned = by_name[buffers[name]]
-            abi.append({"name": name, "kind": str(planned.kind), "value": planned.value, "dtype": planned.dtype})
+            abi.append({"name": name, "kind": str(planned.kind), "value": planned.value, "dtype": planned.dtype}
+                       | ({"skip": planned.skip} if planned.skip else {}))
         elif name in by_name and by_name[name].kind.is_int and str(param.dtype) == "int32":
             abi.append({"name": name, "kind": str(by_name[name].kind), "value": by_name[name].value,
                         "dtype": "i32"})

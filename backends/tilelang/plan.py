@@ -13,6 +13,7 @@ from pegainfer.backends.planning import PREFILL_QUERIES, PlanOptions, gemm_roles
 from pegainfer.backends.spec import PLANE_ROWS, GridDim, LaunchSpec, Param, ParamKind, VariantSpec
 from pegainfer.backends.tilelang.launches import SM90_SHARED, launch as _launch, tensor as _tensor
 from pegainfer.backends.tilelang.swapped_plan import swapped_rows, swapped_scratch
+from pegainfer.backends.triton.attention import decode_rows_launch
 from pegainfer.errors import PegainferError
 from pegainfer.ir.graph import KERNEL, Graph, Node
 from pegainfer.ir.kernel import fused_ops
@@ -131,7 +132,7 @@ MAX_PLANES = 4  # the planes a norm launch can add (rows.py's PLANES), at least 
 # what CI compiles for every kernel they fit
 DEFAULT_VARIANTS = ("wgmma_fullrow_128x160", "wgmma_fullrow_128x192", "wgmma_merged_128x256",
                     "wgmma_fullrow_128x128", "mma_128x128", "flash_ws_128x128", "flash_128x128",
-                    "decode_tile_16x16", "decode_normed_4x16", "decode_halved_4x8", "decode_planes_16x32")
+                    "mixed_16_ws_128x128", "mixed_16_128x128", "decode_tile_16x16", "decode_normed_4x16", "decode_halved_4x8", "decode_planes_16x32")
 
 
 def candidates(graph: Graph, node: Node, options: PlanOptions) -> list[VariantSpec]:
@@ -339,11 +340,32 @@ def _attention(graph: Graph, node: Node, options: PlanOptions) -> list[VariantSp
                  SCALE=float(attention.attrs["scale"]), BLOCK_M=128, BLOCK_N=128, THREADS=256)
     grid = (GridDim((tokens,), 128), GridDim((heads,)), GridDim((batch,)))
     conditional = {"max_query_len": PREFILL_QUERIES}
+    mixed = conditional | {"decode_seqs": 1}
+    decode = decode_rows_launch(graph, node, options)
     flash = _launch("attention.py", "attention", params, dict(shape, STAGES=1), grid, 256)
-    variants = [VariantSpec("flash_128x128", None, [flash], "tilelang", conditional, SMS)]
+    after = _launch("attention.py", "attention", _after_decode(params), dict(shape, STAGES=1), _chunks(grid), 256)
+    variants = [VariantSpec("mixed_16_128x128", None, [decode, after], "tilelang", mixed, SMS),
+                VariantSpec("flash_128x128", None, [flash], "tilelang", conditional, SMS)]
     if 128 % options.block_size == 0:  # the producer's gather copies whole cache pages
         # first, so the sm_90 default (a backend's first variant that the SM runs): its softmax runs under the
         # tensor cores
         ws = _launch("attention.py", "attention_ws", params, shape, grid, 384)
-        variants.insert(0, VariantSpec("flash_ws_128x128", None, [ws], "tilelang", conditional, (90,)))
+        ws_after = _launch("attention.py", "attention_ws", _after_decode(params), shape, _chunks(grid), 384)
+        variants[:0] = [VariantSpec("mixed_16_ws_128x128", None, [decode, ws_after], "tilelang", mixed, (90,)),
+                        VariantSpec("flash_ws_128x128", None, [ws], "tilelang", conditional, (90,))]
     return variants
+
+
+# A mixed step (decode tokens first, then prompt chunks: the scheduler's order) runs its decode rows on Triton's
+# 16-row tiles (the heads of a KV head together) and only its chunks on the 128-query tiles, which would give
+# each decode row a tile per head and read its keys once per head.
+def _after_decode(params: list[Param]) -> list[Param]:
+    """The 128-query tiles' parameters over the sequences after the step's decode rows: the per-sequence tensors
+    from row `decode_seqs` on, and their count."""
+    per_sequence = {"TABLES", "STARTS", "Q_LENS", "CTX_LENS"}
+    return [replace(p, skip="decode_seqs", aligned=False) if p.name in per_sequence
+            else replace(p, value="prefill_seqs") if p.name == "B" else p for p in params]
+
+
+def _chunks(grid: tuple[GridDim, GridDim, GridDim]) -> tuple[GridDim, GridDim, GridDim]:
+    return grid[0], grid[1], GridDim(("prefill_seqs",))

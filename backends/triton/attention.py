@@ -16,15 +16,48 @@ PREFILL_ROWS = 64  # query rows (queries x the heads sharing a KV head) in a pre
 
 def plan_attention(graph: Graph, node: Node, options: PlanOptions) -> KernelSpec:
     (attention,) = node.attrs["nodes"]
+    types = graph.value_types()
+    heads, head_dim = types[attention.inputs[0]].shape[1:]
+    p, constexprs = _attention_params(graph, attention, options)
+    batch, kv_heads = types[attention.inputs[4]].shape[0], constexprs["KV_HEADS"]
+    grid = (GridDim((batch,)), GridDim((kv_heads,)), GridDim(("max_query_len",), constexprs["BLOCK_Q"]))
+    default = launch("attention.py", "paged_attention_kernel", p, constexprs, grid, num_warps=4)
+    layout = static_layout(graph)
+    split_launches, scratch = _plan_split_attention(types, layout, attention, constexprs, heads, head_dim)
+    variants = [VariantSpec("split_kv_16", options.split_kv_max_batch, split_launches)] \
+        if options.split_kv_max_batch else []
+    # One sequence: a decode step's programs (KV heads x SPLIT_KV) fit one wave with PREFETCH's registers; a prompt
+    # chunk under PREFILL_QUERIES queries of one sequence runs it too, in more waves (not measured)
+    if variants and constexprs["EARLY"]:
+        prefetching, _ = _plan_split_attention(types, layout, attention, constexprs | {"PREFETCH": True}, heads,
+                                               head_dim)
+        variants.insert(0, VariantSpec("split_kv_prefetch_16", 1, prefetching))
+    spec = kernel_spec(graph, node, batch, [_prefill_attention(p, constexprs, batch, kv_heads,
+                                                               constexprs["GROUP_P2"]), *variants,
+                                            VariantSpec("flash_16", None, [default])])
+    spec.scratch = {name: (t.dtype.name, t.shape) for name, t in scratch.items()}
+    return spec
+
+
+def decode_rows_launch(graph: Graph, node: Node, options: PlanOptions) -> LaunchSpec:
+    """flash_16's launch over the step's first `decode_seqs` sequences only, one query each: the decode rows of a
+    mixed step, whose prompt chunks another launch takes (TileLang's 128-query tiles, backends/tilelang/plan.py)."""
+    (attention,) = node.attrs["nodes"]
+    p, constexprs = _attention_params(graph, attention, options)
+    grid = (GridDim(("decode_seqs",)), GridDim((constexprs["KV_HEADS"],)), GridDim())
+    return launch("attention.py", "paged_attention_kernel", p, constexprs, grid, num_warps=4)
+
+
+def _attention_params(graph: Graph, attention: Node, options: PlanOptions) -> tuple[Params, dict]:
+    """The kernel's parameters and its decode constexprs (16-row tiles: a few queries times the heads sharing a
+    KV head)."""
     q, k_cache, v_cache, tables, starts, q_lens, ctx_lens = attention.inputs
     types = graph.value_types()
     heads, head_dim = types[q].shape[1], types[q].shape[2]
     kv_heads = types[k_cache].shape[2]
     group = heads // kv_heads
     group_p2 = next_pow2(group)
-    block_q = max(1, 16 // group_p2)
-    layout = static_layout(graph)
-    p = Params(types | {attention.outputs[0]: attention.output_types[0]}, layout)
+    p = Params(types | {attention.outputs[0]: attention.output_types[0]}, static_layout(graph))
     for name, value in (("q_ptr", q), ("k_cache_ptr", k_cache), ("v_cache_ptr", v_cache), ("tables_ptr", tables),
                         ("starts_ptr", starts), ("q_lens_ptr", q_lens), ("ctx_lens_ptr", ctx_lens),
                         ("out_ptr", attention.outputs[0])):
@@ -36,25 +69,10 @@ def plan_attention(graph: Graph, node: Node, options: PlanOptions) -> KernelSpec
     # one-sequence split variant) so are the first tile's keys and values of earlier steps
     constexprs = dict(SCALE=float(attention.attrs["scale"]), KV_HEADS=kv_heads, HD=head_dim, GROUP=group,
                       CACHE_BLOCK=options.block_size, BLOCK_D=max(16, next_pow2(head_dim)), GROUP_P2=group_p2,
-                      BLOCK_Q=block_q, BLOCK_KV=max(64, options.block_size), UPCAST_DOT=False,
+                      BLOCK_Q=max(1, 16 // group_p2), BLOCK_KV=max(64, options.block_size), UPCAST_DOT=False,
                       WINDOW=int(attention.attrs.get("window", 0)),
                       EARLY=all(uploaded(graph, v) for v in (tables, starts, q_lens, ctx_lens)), PREFETCH=False)
-    batch = types[starts].shape[0]
-    grid = (GridDim((batch,)), GridDim((kv_heads,)), GridDim(("max_query_len",), block_q))
-    default = launch("attention.py", "paged_attention_kernel", p, constexprs, grid, num_warps=4)
-    split_launches, scratch = _plan_split_attention(types, layout, attention, constexprs, heads, head_dim)
-    variants = [VariantSpec("split_kv_16", options.split_kv_max_batch, split_launches)] \
-        if options.split_kv_max_batch else []
-    # One sequence: a decode step's programs (KV heads x SPLIT_KV) fit one wave with PREFETCH's registers; a prompt
-    # chunk under PREFILL_QUERIES queries of one sequence runs it too, in more waves (not measured)
-    if variants and constexprs["EARLY"]:
-        prefetching, _ = _plan_split_attention(types, layout, attention, constexprs | {"PREFETCH": True}, heads,
-                                               head_dim)
-        variants.insert(0, VariantSpec("split_kv_prefetch_16", 1, prefetching))
-    spec = kernel_spec(graph, node, batch, [_prefill_attention(p, constexprs, batch, kv_heads, group_p2), *variants,
-                                            VariantSpec("flash_16", None, [default])])
-    spec.scratch = {name: (t.dtype.name, t.shape) for name, t in scratch.items()}
-    return spec
+    return p, constexprs
 
 
 def _prefill_attention(p: Params, constexprs: dict, batch: str, kv_heads: int, group_p2: int) -> VariantSpec:

@@ -98,7 +98,7 @@ def _run_launch(launch: LaunchSpec, env: dict[str, torch.Tensor], sizes: dict[st
 def _argument(param: Param, env: dict[str, torch.Tensor], sizes: dict[str, int]) -> torch.Tensor | int:
     """What the GPU runtime passes for the parameter (runtime/gpu/launch.py), here from torch tensors."""
     if param.kind in (ParamKind.TENSOR, ParamKind.PLANES):
-        return env[param.buffer]
+        return env[param.buffer][sizes[param.skip]:] if param.skip else env[param.buffer]
     if param.kind is ParamKind.STRIDE:
         return env[param.buffer].stride(0)
     if param.kind in (ParamKind.ROWS, ParamKind.PLANE_ROWS):

@@ -43,6 +43,36 @@ def teacher_forced(engine, prompts: list[list[int]], continuations: list[list[in
     return [np.stack(r) for r in rows]
 
 
+def mixed_forced(engine, prompts, continuations, decoding: int, chunk: int = 200) -> list[np.ndarray]:
+    """Teacher-forced as teacher_forced is, but only the first `decoding` prompts are prefilled first: the others
+    go in chunks of `chunk` tokens beside their decode tokens (mixed steps, decode rows first as the scheduler packs
+    them), then decode too. Rows from each prompt's last token on."""
+    seqs = [Sequence(i, list(p)) for i, p in enumerate(prompts)]
+    rows: list[list[np.ndarray]] = [[] for _ in prompts]
+    first = engine.step([Chunk(s, len(s.token_ids)) for s in seqs[:decoding]])
+    for i in range(decoding):
+        rows[i].append(first[i])
+    wanted = len(continuations[0]) + 1
+    while any(len(r) < wanted for r in rows):
+        chunks = []
+        for i, seq in enumerate(seqs):
+            if len(rows[i]) == wanted:
+                continue
+            if seq.num_cached < len(prompts[i]):
+                chunks.append((i, Chunk(seq, min(chunk, len(prompts[i]) - seq.num_cached))))
+            else:
+                seq.token_ids.append(continuations[i][len(rows[i]) - 1])
+                chunks.append((i, Chunk(seq, 1)))
+        chunks.sort(key=lambda item: item[1].num_tokens != 1)
+        logits = engine.step([c for _, c in chunks])
+        for row, (i, _) in enumerate(chunks):
+            if seqs[i].num_cached >= len(prompts[i]):  # a decode token, or the chunk that ends the prompt
+                rows[i].append(logits[row])
+    for seq in seqs:
+        engine.release(seq)
+    return [np.stack(r) for r in rows]
+
+
 def hf_gate(folder: Path, prompts, steps: int, ours_fn, results: dict) -> None:
     import torch
     import transformers
@@ -173,12 +203,12 @@ def bench_4b(results: dict) -> None:
     print(bench.format_prefill(rows))
 
 
-def gate_4b(results: dict, logit_std: float = 2.0) -> None:
+def gate_4b(results: dict, logit_std: float = 2.0, cases: list[str] | None = None) -> None:
     """The golden gate on the full Qwen3-4B shape: Hugging Face's random init (bf16, on this GPU), its final norm
     scaled so that the logits spread `logit_std` (as the small checkpoints are), and the same weights handed to
-    our engine; teacher-forced at batch 4 (prompts of different lengths), at batch 1 replayed twice, and at graph
+    our engine; teacher-forced at batch 4 (prompts of different lengths), at batch 1 replayed twice, at graph
     batches just past bucket edges (9; 17, 33, 65 and 129: the first steps of the 32-, 64-, 128- and 256-row
-    slots)."""
+    slots), and through mixed steps (decode rows beside prompt chunks of 200 tokens)."""
     import ml_dtypes
     import torch
     import transformers
@@ -200,15 +230,23 @@ def gate_4b(results: dict, logit_std: float = 2.0) -> None:
     rng = np.random.default_rng(4)
     prompts = [rng.integers(0, vocab, n).tolist() for n in (7, 30, 1, 61)]
     gate = results["qwen3_4b_hf_gate"] = {"logits_std_before_scaling": spread}  # kept if a later case fails
-    gate["batch4"] = gate_against(hf, prompts, 16, lambda p, cont: teacher_forced(engine, p, cont))
-    gate["batch1"] = gate_against(hf, prompts[:1], 16, lambda p, cont: teacher_forced(engine, p, cont))
-    first = teacher_forced(engine, prompts[:1], [[1] * 8])[0]
-    gate["batch1_replay_bit_identical"] = bool(np.array_equal(first, teacher_forced(engine, prompts[:1], [[1] * 8])[0]))
+    forced = lambda p, cont: teacher_forced(engine, p, cont)  # noqa: E731
     batch9 = [rng.integers(0, vocab, int(rng.integers(1, 40))).tolist() for _ in range(9)]
-    gate["graph_batch9"] = gate_against(hf, batch9, 4, lambda p, cont: teacher_forced(engine, p, cont))
-    for size in (17, 33, 65, 129):
-        batch = [rng.integers(0, vocab, int(rng.integers(1, 24))).tolist() for _ in range(size)]
-        gate[f"graph_batch{size}"] = gate_against(hf, batch, 4, lambda p, cont: teacher_forced(engine, p, cont))
+    graph = {size: [rng.integers(0, vocab, int(rng.integers(1, 24))).tolist() for _ in range(size)]
+             for size in (17, 33, 65, 129)}
+    mixed = [rng.integers(0, vocab, n).tolist() for n in (3, 9, 1, 17, 5, 12, 300, 450)]
+    runs = {"batch4": lambda: gate_against(hf, prompts, 16, forced),
+            "batch1": lambda: gate_against(hf, prompts[:1], 16, forced),
+            "batch1_replay_bit_identical": lambda: bool(np.array_equal(*(
+                teacher_forced(engine, prompts[:1], [[1] * 8])[0] for _ in range(2)))),
+            "graph_batch9": lambda: gate_against(hf, batch9, 4, forced),
+            **{f"graph_batch{size}": (lambda b=batch: gate_against(hf, b, 4, forced)) for size, batch in graph.items()},
+            "mixed_steps": lambda: gate_against(hf, mixed, 4, lambda p, c: mixed_forced(engine, p, c, decoding=6)),
+            # the same prompts prefilled whole before any decode: what the mixed steps are to be compared with
+            "mixed_prompts_prefilled": lambda: gate_against(hf, mixed, 4, forced)}
+    for name, run in runs.items():
+        if cases is None or name in cases:
+            gate[name] = run()
 
 
 def manifest_4b(model: LoadedModel) -> Path:
@@ -255,12 +293,13 @@ def main() -> None:
     parser.add_argument("--small", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--skip", nargs="*", default=[])
+    parser.add_argument("--gate-cases", nargs="*", help="only these cases of the 4B gate (all by default)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict = {}
     sections = (("small", lambda: check_small(args.small, results)),
                 ("sampling", lambda: check_sampling(args.small, results)), ("bench", lambda: bench_4b(results)),
-                ("gate4b", lambda: gate_4b(results)), ("hf", lambda: hf_decode(results)))
+                ("gate4b", lambda: gate_4b(results, cases=args.gate_cases)), ("hf", lambda: hf_decode(results)))
     for name, run in sections:
         if name in args.skip:
             continue
