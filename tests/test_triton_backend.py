@@ -35,6 +35,7 @@ class Model:
     lowered: object
     specs: dict
     plain_attention: dict  # the attention kernels planned without the split-KV variant
+    token_rows: dict  # the rope/KV-write kernels with only their prompt-chunk variant (past these steps' sizes)
     weights: dict
 
 
@@ -64,7 +65,11 @@ def model(request) -> Model:
              for g in lowered.all_graphs() for n in g.nodes if n.op == KERNEL}
     plain = {(g.name, n.name): plan_kernel(g, n, PlanOptions(block_size=BLOCK_SIZE, split_kv_max_batch=0))
              for g in lowered.all_graphs() for n in g.nodes if n.op == KERNEL and n.attrs["kind"] == "paged_attention"}
-    return Model(request.param, config, declared, lowered, specs, plain, weights)
+    token_rows = {key: dataclasses.replace(spec, variants=[dataclasses.replace(v, max_rows=None)
+                                                           for v in spec.variants if v.name == "token_rows"])
+                  for key, spec in specs.items() if any(v.name == "token_rows" for v in spec.variants)}
+    assert token_rows, "the rope/KV-write kernel plans a prompt-chunk variant"
+    return Model(request.param, config, declared, lowered, specs, plain, token_rows, weights)
 
 
 def relative_error(ours: np.ndarray, theirs: np.ndarray) -> float:
@@ -101,7 +106,7 @@ def test_every_generated_kernel_matches_its_reference(model):
                 continue
             stored = {name: value.astype(types[graph_name][name].dtype.np_dtype) for name, value in seen.items()}
             inputs = {name: with_row_stride(value, layouts[graph_name][name][0]) for name, value in stored.items()}
-            for specs in (model.specs, model.plain_attention):
+            for specs in (model.specs, model.plain_attention, model.token_rows):
                 if (graph_name, node.name) in specs:
                     got = launch_kernel(specs[(graph_name, node.name)], node, dict(inputs), sizes)
                     _compare(model, node, {n: to_numpy(t) for n, t in got.items()},

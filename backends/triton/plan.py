@@ -19,6 +19,7 @@ SMALL_ROWS = 16  # up to this many rows a GEMM uses its decode-shaped tiles
 TAIL_CHUNK = 4096  # vocabulary entries per program of the sampler tail's first launch
 GEMV_PROGRAMS = 528  # a few-rows GEMV aims for at least this many programs: 4 per SM of an H100/H200
 DECODE_TILE_ROWS = 16  # the tensor-core tiles of decode steps (up to SMALL_ROWS rows): their norm runs apart
+ROPE_HEAD_ROWS = 256  # up to this many tokens the rope/KV-write launch runs a program per (token, head)
 # the rows a decode GEMM's norm launch writes for its tiles, in float32: the tiles round them to the weights' type
 # as the fused prologue does (and Triton's interpreter, whose bf16 stores truncate, is not asked to)
 NORMED = "gemm.normed_rows"
@@ -301,7 +302,14 @@ def _plan_rope_kv_write(graph: Graph, node: Node) -> KernelSpec:
     row_symbol = types[q_heads].shape[0]
     rope = launch("attention.py", "qk_rope_kv_write_kernel", p, constexprs,
                   (GridDim((row_symbol,)), GridDim((heads + kv_heads,))), num_warps=1)
-    return kernel_spec(graph, node, row_symbol, [VariantSpec("default", None, [rope])])
+    rows_constexprs = {k: v for k, v in constexprs.items() if k != "EARLY"} | {
+        "BLOCK_HEADS": next_pow2(heads + kv_heads)}
+    token_rows = launch("attention.py", "qk_rope_kv_write_rows_kernel", p, rows_constexprs, (GridDim((row_symbol,)),),
+                        num_warps=4)
+    # decode steps keep a program per head (more programs, and programmatic launch); a prompt chunk's tokens
+    # take a program each, its tiny per-head programs costing more to run than their bytes
+    return kernel_spec(graph, node, row_symbol, [VariantSpec("head_rows", ROPE_HEAD_ROWS, [rope]),
+                                                 VariantSpec("token_rows", None, [token_rows])])
 
 
 def _rope_scaling_constexprs(scaling: tuple | None) -> dict:

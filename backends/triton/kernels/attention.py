@@ -105,6 +105,57 @@ def qk_rope_kv_write_kernel(q_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, pos_ptr
 
 
 @triton.jit
+def qk_rope_kv_write_rows_kernel(q_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, slot_ptr, q_out_ptr,
+                                 k_cache_ptr, v_cache_ptr, stride_q, stride_k, stride_v, stride_q_out,
+                                 HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HD: tl.constexpr, EPS: tl.constexpr,
+                                 NORM: tl.constexpr, NORM_OFFSET: tl.constexpr, THETA: tl.constexpr,
+                                 SCALING: tl.constexpr, FACTOR: tl.constexpr, LOW_FREQ: tl.constexpr,
+                                 HIGH_FREQ: tl.constexpr, ORIGINAL: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                                 BLOCK_HEADS: tl.constexpr):
+    """qk_rope_kv_write_kernel for prompt chunks: one program per token holding all of its heads (q's, then k's)
+    as the rows of a [BLOCK_HEADS, BLOCK_HALF] tile, so the rotation's cos and sin are computed once a token."""
+    token = tl.program_id(0)
+    half: tl.constexpr = HD // 2
+    offs = tl.arange(0, BLOCK_HALF)
+    rows = tl.arange(0, BLOCK_HEADS)
+    col_ok = (offs < half)[None, :]
+    is_q = (rows < HEADS)[:, None]
+    is_k = ((rows >= HEADS) & (rows < HEADS + KV_HEADS))[:, None]
+    q_head = tl.where(is_q, rows[:, None], 0)
+    kv_head = tl.where(is_k, rows[:, None] - HEADS, 0)
+    cos, sin = _rotation(tl.load(pos_ptr + token).to(tl.float32), offs, HD, THETA, SCALING, FACTOR, LOW_FREQ,
+                         HIGH_FREQ, ORIGINAL)
+    src = tl.where(is_q, q_ptr + token * stride_q + q_head * HD, k_ptr + token * stride_k + kv_head * HD)
+    ok = (is_q | is_k) & col_ok
+    x1 = tl.load(src + offs[None, :], mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(src + half + offs[None, :], mask=ok, other=0.0).to(tl.float32)
+    if NORM:
+        mask = offs < half
+        w1 = tl.where(is_q, tl.load(q_norm_ptr + offs, mask=mask, other=0.0).to(tl.float32)[None, :],
+                      tl.load(k_norm_ptr + offs, mask=mask, other=0.0).to(tl.float32)[None, :]) + NORM_OFFSET
+        w2 = tl.where(is_q, tl.load(q_norm_ptr + half + offs, mask=mask, other=0.0).to(tl.float32)[None, :],
+                      tl.load(k_norm_ptr + half + offs, mask=mask, other=0.0).to(tl.float32)[None, :]) + NORM_OFFSET
+        rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HD + EPS)
+        x1 = x1 * rstd[:, None] * w1
+        x2 = x2 * rstd[:, None] * w2
+    o1 = x1 * cos[None, :] - x2 * sin[None, :]
+    o2 = x2 * cos[None, :] + x1 * sin[None, :]
+    q_dst = q_out_ptr + token * stride_q_out + q_head * HD + offs[None, :]
+    tl.store(q_dst, o1.to(q_out_ptr.dtype.element_ty), mask=is_q & col_ok)
+    tl.store(q_dst + half, o2.to(q_out_ptr.dtype.element_ty), mask=is_q & col_ok)
+    slot = tl.load(slot_ptr + token)
+    write = is_k & col_ok & (slot >= 0)
+    cache = (slot.to(tl.int64) * KV_HEADS + kv_head) * HD + offs[None, :]
+    tl.store(k_cache_ptr + cache, o1.to(k_cache_ptr.dtype.element_ty), mask=write)
+    tl.store(k_cache_ptr + cache + half, o2.to(k_cache_ptr.dtype.element_ty), mask=write)
+    v_src = v_ptr + token * stride_v + kv_head * HD + offs[None, :]
+    v1 = tl.load(v_src, mask=is_k & col_ok, other=0.0)
+    v2 = tl.load(v_src + half, mask=is_k & col_ok, other=0.0)
+    tl.store(v_cache_ptr + cache, v1.to(v_cache_ptr.dtype.element_ty), mask=write)
+    tl.store(v_cache_ptr + cache + half, v2.to(v_cache_ptr.dtype.element_ty), mask=write)
+
+
+@triton.jit
 def _query_rows(starts_ptr, q_lens_ptr, ctx_lens_ptr, seq, kv_head, q_tile, GROUP: tl.constexpr,
                 GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr, WINDOW: tl.constexpr):
     """The tile's rows: BLOCK_Q queries of the sequence times the GROUP heads sharing this KV head (their tokens,
