@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # the serving stack is imported inside the functions: `pegain
 
 CPU_KV_TOKENS = 65536  # the reference engine's default pool: NumPy arrays, sized for trying the API
 KV_BLOCK_SIZE = 16  # tokens a KV block holds, on either engine
+SWITCH_INTERVAL_S = 0.0002  # the GIL's: how soon a thread that waited without it (the engine's) gets it back
 # frontends/load.py's DTYPE_CHOICES, spelled out so that the CLI's start does not import NumPy for every command
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 # server/tool_parsers.py's and server/reasoning.py's registries, spelled out as DTYPE_CHOICES is
@@ -184,6 +185,9 @@ def start_serving(args: argparse.Namespace, trace: TextIO | None, listener: sock
     config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=step_tokens,
                              max_model_len=max_model_len, prefix_cache=args.prefix_cache)
     chat_template = load_chat_template(checkpoint.folder)  # before the loop's thread starts: it may be refused
+    # The engine thread waits on the GPU without the GIL once a step; under load the event loop holds it then, and
+    # hands it back only at the switch interval (5 ms by default, which would add up to that to every step)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     loop = EngineLoop(Scheduler(engine, tokenizer.eos_token_ids, config), engine_thread_init(engine), trace).start()
     name = args.served_model_name or checkpoint.name
     cache_info = {"gpu_memory_utilization": args.gpu_memory_utilization} if device == "cuda" and \

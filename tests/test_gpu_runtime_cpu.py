@@ -40,6 +40,17 @@ def test_arguments_are_packed_in_abi_order_with_the_right_types():
     assert ctypes.c_int32.from_address(pointers[3]).value == 192
 
 
+def test_a_skipping_pointer_starts_that_many_rows_into_its_tensor():
+    """A mixed step's chunk tiles read the per-sequence tensors from the first sequence after the decode rows."""
+    tensors = {"tables": DeviceTensor(0x8000, (6, 10), INT32, 12), "lens": DeviceTensor(0x9000, (6,), INT32, 1)}
+    params = [Param("T", ParamKind.TENSOR, "tables", "*i32", skip="decode_seqs"),
+              Param("L", ParamKind.TENSOR, "lens", "*i32", skip="decode_seqs"),
+              Param("L0", ParamKind.TENSOR, "lens", "*i32")]
+    packed = pack_launch(params, tensors, {"decode_seqs": 4})
+    assert [v.value for v in packed.values] == [0x8000 + 4 * 12 * 4, 0x9000 + 4 * 4, 0x9000]
+    assert Param.from_json(params[0].as_json()) == params[0] and "skip" not in params[2].as_json()
+
+
 def launch_of(grid: tuple[GridDim, GridDim, GridDim], params: tuple[Param, ...] = (), **fields) -> Launch:
     record = dict(function="k", module="k.py", params=params, constexprs={}, grid=grid, num_warps=4, num_stages=2,
                   backend="triton", deferred=False, key="k", cubin="k.cubin", sha256="", symbol="k", shared=0,

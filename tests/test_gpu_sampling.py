@@ -386,6 +386,9 @@ class _DeviceStandIn:
     def fetch_all(self, tensors: list[DeviceTensor]) -> list[np.ndarray]:
         return [self.read(t) for t in tensors]
 
+    def fetch_later(self, tensors: list[DeviceTensor]):
+        return lambda: self.fetch_all(tensors)
+
     def fetch(self, tensor: DeviceTensor) -> np.ndarray:
         return self.read(tensor)
 

@@ -105,3 +105,26 @@ def test_a_cluster_recorded_in_the_manifest_reaches_the_launch_as_its_attribute(
     assert (dim.x, dim.y, dim.z) == (1, 1, 2) and (config.gridDimX, config.gridDimZ) == (160, 2)
     plain = driver._launch_config((160, 1, 2), 160, 0, 0, False, (1, 1, 2))  # held: attrs view its memory
     assert [a.id for a in plain.attrs] == [kinds.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION]
+
+
+def test_a_plain_launch_keeps_the_gil_and_names_the_kernel_when_it_fails(monkeypatch):
+    """Plain launches go to libcuda's cuLaunchKernel through ctypes.PyDLL (held: cuda.bindings would give the GIL
+    up, and a busy event loop would keep it for a switch interval) with the handles as integers; a failing status
+    raises the driver's error name with the kernel and its grid."""
+    import pytest
+
+    from pegainfer.runtime.cuda import driver
+
+    calls = []
+
+    def stand_in(name):
+        def call(*args):
+            calls.append((name, args))
+            return 1 if args[1] == 99 else 0  # CUDA_ERROR_INVALID_VALUE for a grid of 99
+        return call
+    monkeypatch.setattr(driver, "_held", stand_in)
+    function, stream = driver._driver().CUfunction(), driver._driver().CUstream()
+    driver.launch(function, "gemm", (4, 2, 1), 128, 1024, stream, 0x1234)
+    assert calls == [("cuLaunchKernel", (0, 4, 2, 1, 128, 1, 1, 1024, 0, 0x1234, None))]
+    with pytest.raises(driver.CudaError, match=r"cuLaunchKernel\(gemm, grid=\(99, 1, 1\).*CUDA_ERROR_INVALID_VALUE"):
+        driver.launch(function, "gemm", (99, 1, 1), 128, 0, stream, 0x1234)

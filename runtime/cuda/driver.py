@@ -2,6 +2,7 @@
 and, for launches, the kernel and its grid."""
 
 import ctypes
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,6 +27,30 @@ def check(result, what: str):
         _, name = driver.cuGetErrorName(status)
         raise CudaError(f"{what} failed: {name.decode() if isinstance(name, bytes) else name}")
     return values[0] if len(values) == 1 else tuple(values) if values else None
+
+
+# Calls a step makes many of go through ctypes.PyDLL, which keeps the GIL over the call: cuda.bindings gives it up
+# for every driver call, and a thread that gave it up waits up to the switch interval (5 ms) to get it back from a
+# busy thread (the server's event loop), once per call. None of these blocks: they queue work on the stream.
+_VOID, _UINT, _SIZE = ctypes.c_void_p, ctypes.c_uint, ctypes.c_size_t
+_HELD_SIGNATURES = {
+    "cuLaunchKernel": [_VOID, _UINT, _UINT, _UINT, _UINT, _UINT, _UINT, _UINT, _VOID, _VOID, _VOID],
+    "cuMemcpyHtoDAsync_v2": [ctypes.c_uint64, _VOID, _SIZE, _VOID],
+    "cuMemcpyDtoHAsync_v2": [_VOID, ctypes.c_uint64, _SIZE, _VOID],
+    "cuGraphLaunch": [_VOID, _VOID],
+}
+
+
+@functools.cache
+def _held(name: str):
+    function = getattr(ctypes.PyDLL("libcuda.so.1"), name)
+    function.argtypes, function.restype = _HELD_SIGNATURES[name], ctypes.c_int
+    return function
+
+
+def _check_held(status: int, what: str) -> None:
+    if status:
+        raise CudaError(f"{what} failed: {_driver().CUresult(status).name}")
 
 
 @dataclass
@@ -76,7 +101,7 @@ def copy_to_device(dst: int, src: np.ndarray, stream=None) -> None:
     if stream is None:
         check(_driver().cuMemcpyHtoD(dst, src.ctypes.data, src.nbytes), "cuMemcpyHtoD")
     else:
-        check(_driver().cuMemcpyHtoDAsync(dst, src.ctypes.data, src.nbytes, stream), "cuMemcpyHtoDAsync")
+        _check_held(_held("cuMemcpyHtoDAsync_v2")(dst, src.ctypes.data, src.nbytes, int(stream)), "cuMemcpyHtoDAsync")
 
 
 def copy_to_host(dst: np.ndarray, src: int, stream=None) -> np.ndarray:
@@ -84,7 +109,7 @@ def copy_to_host(dst: np.ndarray, src: int, stream=None) -> np.ndarray:
     if stream is None:
         check(_driver().cuMemcpyDtoH(dst.ctypes.data, src, dst.nbytes), "cuMemcpyDtoH")
     else:
-        check(_driver().cuMemcpyDtoHAsync(dst.ctypes.data, src, dst.nbytes, stream), "cuMemcpyDtoHAsync")
+        _check_held(_held("cuMemcpyDtoHAsync_v2")(dst.ctypes.data, src, dst.nbytes, int(stream)), "cuMemcpyDtoHAsync")
     return dst
 
 
@@ -98,14 +123,16 @@ def launch(function, symbol: str, grid: tuple[int, int, int], threads: int, shar
     programmatic dependent launch, for a kernel that waits on its predecessor itself (griddepcontrol.wait): it may
     start while that one drains, which hides the launch gap between them. `cluster`: the thread block cluster's
     shape, for a kernel compiled to meet the other CTAs of its cluster (TileLang leaves it to the launch)."""
-    driver = _driver()
-    if not pdl and cluster == (1, 1, 1):
-        result = driver.cuLaunchKernel(function, *grid, threads, 1, 1, shared, stream, params_address, 0)
-    else:
-        result = driver.cuLaunchKernelEx(_launch_config(grid, threads, shared, stream, pdl, cluster), function,
-                                         params_address, 0)
     shown = (", pdl" if pdl else "") + (f", cluster={cluster}" if cluster != (1, 1, 1) else "")
-    check(result, f"cuLaunchKernel({symbol}, grid={grid}, block={threads}{shown})")
+    what = f"cuLaunchKernel({symbol}, grid={grid}, block={threads}{shown})"
+    if not pdl and cluster == (1, 1, 1):
+        status = _held("cuLaunchKernel")(int(function), *grid, threads, 1, 1, shared, int(stream), params_address,
+                                         None)
+        _check_held(status, what)
+        return
+    driver = _driver()
+    check(driver.cuLaunchKernelEx(_launch_config(grid, threads, shared, stream, pdl, cluster), function,
+                                  params_address, 0), what)
 
 
 def _launch_config(grid: tuple[int, int, int], threads: int, shared: int, stream, pdl: bool,
@@ -171,4 +198,4 @@ class Graph:
             self.exec = check(driver.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
 
     def replay(self) -> None:
-        check(_driver().cuGraphLaunch(self.exec, self.stream), "cuGraphLaunch")
+        _check_held(_held("cuGraphLaunch")(int(self.exec), int(self.stream)), "cuGraphLaunch")

@@ -2,7 +2,7 @@
 Walks the graph as the reference interpreter does: views are pointer arithmetic, kernels are launches of the
 variant for the step's row count, a repeated body runs once per layer with that layer's weights and KV cache."""
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from math import prod
 from pathlib import Path
@@ -11,7 +11,7 @@ import numpy as np
 
 from pegainfer.backends.cache import sha256_of
 from pegainfer.backends.manifest import Kernel, Launch, check_lowering, load
-from pegainfer.backends.spec import ParamKind, pick_variant, planes_of
+from pegainfer.backends.spec import ParamKind, first_serving, planes_of, runtime_order
 from pegainfer.errors import PegainferError
 from pegainfer.ir.graph import KERNEL, REPEAT, Graph, instantiate
 from pegainfer.ir.kernel import in_place_outputs
@@ -55,6 +55,12 @@ class GpuExecutor:
             raise PegainferError(f"{manifest_path}: compiled for KV blocks of {manifest.block_size} tokens, "
                                  f"asked for {limits.block_size}")
         self.kernels = {(k.graph, k.node): k for k in manifest.kernels}
+        # what a step's walk asks of every kernel node of every layer, computed once
+        self.orders = {key: runtime_order(k.variants) for key, k in self.kernels.items()}
+        self.in_place = {(g.name, n.name): in_place_outputs(n) for g in graph.all_graphs() for n in g.nodes
+                         if n.op == KERNEL}
+        self.types = {g.name: g.value_types() for g in graph.all_graphs()}
+        self.bound: dict[tuple[str, int | None], dict[str, DeviceTensor]] = {}
         self.functions = self._load_functions(manifest_path.parent.parent)
         arena = Arena(params_bytes(graph) + ALIGN * len(graph.expanded_params()), "weights")
         self.weights = upload_weights(graph, weights, ctx.stream, arena)
@@ -77,6 +83,7 @@ class GpuExecutor:
     def allocate_kv(self, num_blocks: int) -> None:
         """The paged KV cache (every state of the graph) for `num_blocks` blocks, zeroed."""
         assert not self.states, "the KV cache is allocated once"
+        self.bound.clear()  # layers bound before, without their cache
         self.limits = replace(self.limits, num_blocks=num_blocks)
         sizes = self.limits.sizes()
         arena = Arena(self.kv_bytes_per_block() * num_blocks, "KV cache")
@@ -170,10 +177,13 @@ class GpuExecutor:
 
     def _run(self, g: Graph, env: dict[str, DeviceTensor], sizes: dict[str, int], layer: int | None) -> list:
         at = (lambda name: name) if layer is None else (lambda name: instantiate(name, layer))
-        types = g.value_types()
-        env.update({name: DeviceTensor.contiguous(self.weights[at(name)], t.shape, t.dtype)
-                    for name, t in g.params.items()})
-        env.update({name: self.states[at(name)] for name in g.states})
+        types = self.types[g.name]
+        bound = self.bound.get((g.name, layer))
+        if bound is None:  # a layer's weights and KV cache as tensors, once
+            bound = self.bound[(g.name, layer)] = {
+                **{name: DeviceTensor.contiguous(self.weights[at(name)], t.shape, t.dtype)
+                   for name, t in g.params.items()}, **{name: self.states[at(name)] for name in g.states}}
+        env.update(bound)
         for node in g.nodes:
             if node.op == REPEAT:
                 body = self.graph.subgraphs[node.attrs["body"]]
@@ -184,11 +194,12 @@ class GpuExecutor:
                     carried = self._run(body, body_env, sizes, index)
                 env.update(zip(node.outputs, carried))
             elif node.op == KERNEL:
-                in_place = in_place_outputs(node)
+                key = (g.name, node.name)
+                in_place = self.in_place[key]
                 for out in node.outputs:
                     env[out] = env[in_place[out]] if out in in_place else self._buffer(g, out, types[out], sizes, layer)
                 self.sums.written([env[out] for out in node.outputs if out not in in_place])
-                self._launch(self.kernels[(g.name, node.name)], env | self._scratch(g.name, node.name, layer), sizes)
+                self._launch(key, env | self._scratch(g.name, node.name, layer), sizes)
             elif node.op == "reshape":
                 source = env[node.inputs[0]]
                 env[node.outputs[0]] = source.reshape(types[node.outputs[0]].concrete(sizes))
@@ -213,10 +224,11 @@ class GpuExecutor:
         planes = self.planes.get((graph, node), [{}])
         return self.scratch.get((graph, node), {}) | planes[(layer or 0) % len(planes)]
 
-    def _launch(self, kernel: Kernel, env: dict[str, DeviceTensor], sizes: dict[str, int]) -> None:
+    def _launch(self, key: tuple[str, str], env: dict[str, DeviceTensor], sizes: dict[str, int]) -> None:
         """The variant's launches; a deferred one (a split GEMM's sum) recorded instead, and run once a launch
         reads its output other than through its planes (see runtime/gpu/planes.py)."""
-        variant = pick_variant(kernel, sizes)
+        kernel = self.kernels[key]
+        variant = first_serving(kernel, self.orders[key], sizes)
         for run in self.sums.schedule(variant.launches, env, sizes, f"{kernel.kind}/{variant.name}"):
             self._run_launch(*run)
 
@@ -233,22 +245,31 @@ class GpuExecutor:
             self.profile.append((f"{origin}/{launch.symbol}", *events))
 
     def fetch_all(self, tensors: list[DeviceTensor]) -> list[np.ndarray]:
-        """Small contiguous tensors (a step's sampled tokens) in one round trip: each copied into pinned memory
-        on the stream, one synchronisation."""
+        """Small contiguous tensors (a step's sampled tokens) in one round trip."""
+        return self.fetch_later(tensors)()
+
+    def fetch_later(self, tensors: list[DeviceTensor]) -> Callable[[], list[np.ndarray]]:
+        """fetch_all's copies into pinned memory queued on the stream now; the call it returns synchronises once
+        and reads them (before the next step's copies reuse that memory)."""
         sizes = [prod(t.shape) * t.dtype.itemsize for t in tensors]
         if sum(sizes) + 256 * len(sizes) > self.download.nbytes:
-            return [self.fetch(t) for t in tensors]
+            return lambda: [self.fetch(t) for t in tensors]
         offsets = [sum(-(-n // 256) * 256 for n in sizes[:i]) for i in range(len(sizes))]
         for tensor, offset, nbytes in zip(tensors, offsets, sizes):
             assert tensor.row_stride == prod(tensor.shape[1:]), "fetch_all reads contiguous tensors"
             driver.copy_to_host(self.download[offset: offset + nbytes], tensor.ptr, self.ctx.stream)
-        self.ctx.synchronize()
-        return [self.download[o: o + n].view(t.dtype.np_dtype).reshape(t.shape).copy()
-                for t, o, n in zip(tensors, offsets, sizes)]
+
+        def read() -> list[np.ndarray]:
+            self.ctx.synchronize()
+            return [self.download[o: o + n].view(t.dtype.np_dtype).reshape(t.shape).copy()
+                    for t, o, n in zip(tensors, offsets, sizes)]
+        return read
 
     def fetch(self, tensor: DeviceTensor) -> np.ndarray:
         host = np.empty(tensor.shape, dtype=tensor.dtype.np_dtype)
         assert tensor.row_stride == prod(tensor.shape[1:]), "fetch reads contiguous tensors"
+        # the step first, without the GIL: a copy into pageable memory waits for the stream holding it
+        self.ctx.synchronize()
         driver.copy_to_host(host, tensor.ptr, self.ctx.stream)
         self.ctx.synchronize()
         return host

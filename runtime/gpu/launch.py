@@ -25,13 +25,6 @@ class LaunchArguments:
         self.values.append(value)
         self.addresses.append(ctypes.addressof(value))
 
-    def blob(self, data: bytes, align: int = 64) -> None:
-        storage = (ctypes.c_uint8 * (len(data) + align))()
-        address = -(-ctypes.addressof(storage) // align) * align
-        ctypes.memmove(address, data, len(data))
-        self.values.append(storage)
-        self.addresses.append(address)
-
     def finish(self) -> "LaunchArguments":
         self.pointers = (ctypes.c_void_p * max(len(self.addresses), 1))(*self.addresses)
         return self
@@ -48,18 +41,60 @@ def pack_launch(params: Sequence[Param], tensors: dict[str, DeviceTensor], sizes
     for param in params:
         kind = param.kind
         if kind in (ParamKind.TENSOR, ParamKind.PLANES):
-            args.scalar(ctypes.c_uint64(tensors[param.buffer].ptr))
+            args.scalar(ctypes.c_uint64(_pointer(param, tensors[param.buffer], sizes)))
         elif kind is ParamKind.SCRATCH:
             args.scalar(ctypes.c_uint64((scratch or {}).get(param.name, 0)))
         elif kind is ParamKind.TMA:
-            data = encode(resolve(param.tma, tensors[param.buffer].ptr, sizes))
-            assert len(data) == TENSOR_MAP_BYTES, f"{param.name}: a CUtensorMap is 128 bytes, got {len(data)}"
-            args.blob(data)
+            storage, address = _blobs(encode).get(param, tensors[param.buffer].ptr, sizes)
+            args.values.append(storage)
+            args.addresses.append(address)
         else:  # an i32
             number = _integer(param, tensors, sizes)
             assert -2**31 <= number < 2**31, f"{param.name}={number} does not fit an i32 parameter"
             args.scalar(ctypes.c_int32(number))
     return args.finish()
+
+
+class DescriptorBlobs:
+    """Encoded descriptors in 64-byte aligned storage, kept per (parameter, address, the step sizes its dims name):
+    a prefill step passes some 400 descriptors, nearly all of them the last step's, and resolving, checking and
+    copying each one again cost more than its launch."""
+
+    def __init__(self, encode: Encoder, capacity: int = 8192) -> None:
+        self.encode, self.capacity = encode, capacity
+        self.blobs: dict[tuple, tuple[Param, ctypes.Array, int]] = {}
+
+    def get(self, param: Param, address: int, sizes: dict[str, int]) -> tuple[ctypes.Array, int]:
+        tma = param.tma
+        key = (id(param), address, *(sizes.get(d) for d in (*tma.dims, *tma.strides) if isinstance(d, str)))
+        hit = self.blobs.get(key)
+        if hit is None or hit[0] is not param:  # an id outlives its object only if the parameter was dropped
+            data = self.encode(resolve(tma, address, sizes))
+            assert len(data) == TENSOR_MAP_BYTES, f"{param.name}: a CUtensorMap is 128 bytes, got {len(data)}"
+            storage = (ctypes.c_uint8 * (TENSOR_MAP_BYTES + 64))()
+            aligned = -(-ctypes.addressof(storage) // 64) * 64
+            ctypes.memmove(aligned, data, TENSOR_MAP_BYTES)
+            if len(self.blobs) >= self.capacity:
+                self.blobs.clear()
+            hit = self.blobs[key] = (param, storage, aligned)
+        return hit[1], hit[2]
+
+
+_BLOBS: dict[int, tuple[Encoder, DescriptorBlobs]] = {}
+
+
+def _blobs(encode: Encoder) -> DescriptorBlobs:
+    entry = _BLOBS.get(id(encode))
+    if entry is None or entry[0] is not encode:
+        entry = _BLOBS[id(encode)] = (encode, DescriptorBlobs(encode))
+    return entry[1]
+
+
+def _pointer(param: Param, tensor: DeviceTensor, sizes: dict[str, int]) -> int:
+    """The tensor's pointer, or `param.skip` rows into it (a launch over the step's later sequences only)."""
+    if param.skip is None:
+        return tensor.ptr
+    return tensor.ptr + sizes[param.skip] * tensor.row_stride * tensor.dtype.itemsize
 
 
 def _integer(param: Param, tensors: dict[str, DeviceTensor], sizes: dict[str, int]) -> int:

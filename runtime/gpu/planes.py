@@ -56,6 +56,17 @@ def writes_planes(launch: Launch) -> bool:
     return bool(launch.constexprs.get("PARTIAL"))
 
 
+_PLANES_READERS: dict[int, tuple[Launch, bool]] = {}
+
+
+def _reads_planes(launch: Launch) -> bool:
+    """Whether any parameter of the launch is a PLANES one, remembered per launch (asked for every launch)."""
+    entry = _PLANES_READERS.get(id(launch))
+    if entry is None or entry[0] is not launch:
+        entry = _PLANES_READERS[id(launch)] = (launch, any(p.kind is ParamKind.PLANES for p in launch.params))
+    return entry[1]
+
+
 class DeferredSums:
     def __init__(self) -> None:
         self.pending: list[Pending] = []
@@ -84,6 +95,8 @@ class DeferredSums:
     def bind(self, launch: Launch, env: dict[str, DeviceTensor]) -> tuple[dict[str, DeviceTensor], list[Pending]]:
         """(the launch's env with the planes of its inputs bound, the pending sums to run before it: those of
         memory it reads other than through planes, and those whose planes it writes)."""
+        if not self.pending and not _reads_planes(launch):
+            return env, []
         bound, added, run = dict(env), set(), []
         for param in (p for p in launch.params if p.kind is ParamKind.PLANES):
             if writes_planes(launch):
