@@ -1,8 +1,10 @@
 """The engine loop: one thread owns the engine and the scheduler, so that steps never race with each other.
 Requests and aborts come in through an inbox that is read between steps; each request's tokens go out through the
 callback it was submitted with: a plain callable, called in the engine thread, or a `LoopSink` of an asyncio event
-loop (the server's), to which each step's items go in one hand-over. If a step raises, the loop stops for good:
-every request in flight gets the error, later submissions are refused, and `error` says what happened."""
+loop (the server's), to which each step's items go in one hand-over, made once the next step is queued on the
+device (or the loop has nothing left to run), so that streaming them overlaps that step. If a step raises, the loop
+stops for good: every request in flight gets the error, later submissions are refused, and `error` says what
+happened."""
 
 import asyncio
 import json
@@ -67,6 +69,7 @@ class EngineLoop:
         self._wake = threading.Condition()
         self._inbox: list[tuple] = []
         self._sinks: dict[str, Sink] = {}
+        self._held: list[TokenOutput] = []  # the last step's tokens, handed over when the next step is launched
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="pegainfer-engine", daemon=True)
 
@@ -104,6 +107,10 @@ class EngineLoop:
                 self._thread_init()
             while True:
                 with self._wake:
+                    idle = not (self._inbox or self._stopping or self.scheduler.has_work())
+                if idle:
+                    self._hand_over_held()  # no step will launch soon: the last step's tokens go now
+                with self._wake:
                     while not (self._inbox or self._stopping or self.scheduler.has_work()):
                         self._wake.wait()
                     if self._stopping:
@@ -112,7 +119,9 @@ class EngineLoop:
                 for item in inbox:
                     self._apply(item)
                 began = time.monotonic()
-                self._deliver(self.scheduler.step())
+                outputs = self.scheduler.step(launched=self._hand_over_held)
+                self._hand_over_held()  # a step that launched nothing
+                self._held = outputs
                 if self._trace is not None and self.scheduler.last_step is not None:
                     self._write_trace(began, time.monotonic())
         except BaseException as error:  # noqa: BLE001  whatever broke the engine, every waiter must hear of it
@@ -123,6 +132,13 @@ class EngineLoop:
             dead = self._dead()
             hand_over([(sink, dead) for sink in [*self._sinks.values(), *pending]])
             self._sinks.clear()
+
+    def _hand_over_held(self) -> None:
+        """A step's tokens go to their requests once the next step is queued on the device: the event loop then
+        streams them while the GPU runs, instead of taking the GIL from the engine thread as it prepares that
+        step."""
+        held, self._held = self._held, []
+        self._deliver(held)
 
     def _deliver(self, outputs: list[TokenOutput]) -> None:
         deliveries = []

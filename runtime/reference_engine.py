@@ -1,6 +1,8 @@
 """The CPU engine: runs steps of a model graph through the reference interpreter over a paged KV cache.
 It is the oracle for the GPU runtime and the `--device cpu` path of generate and serve."""
 
+from collections.abc import Callable
+
 import numpy as np
 
 from pegainfer.frontends.checkpoint import derive_weights
@@ -40,12 +42,16 @@ class ReferenceEngine:
         return logits.astype(np.float32)
 
     def sample(self, chunks: list[Chunk], params: list[SamplingParams], token_index: list[int],
-               constraints: list[TokenConstraint | None] | None = None) -> SampleResult:
+               constraints: list[TokenConstraint | None] | None = None,
+               launched: Callable[[], None] | None = None) -> SampleResult:
         """Runs one step and draws one token per chunk as the GPU does (the `sample` op, same seeds, same
         tokens); `token_index[i]`: which generated token of its request chunk i's row draws (0 for the first);
-        `constraints[i]`: the row's, if any (runtime/constraint.py)."""
+        `constraints[i]`: the row's, if any (runtime/constraint.py); `launched`: called once the step's inputs
+        are packed, before it runs (as the GPU engine calls it before waiting for the device)."""
         sampling = sampling_inputs(params, token_index, self.rng)
         inputs = pack_step(chunks, self.allocator) | sampling
+        if launched is not None:
+            launched()
         outputs = dict(zip(self.graph.outputs, run_graph(self.graph, inputs, self.weights, self.states)))
         commit_step(chunks)
         logits = outputs[self.graph.outputs[0]].astype(np.float32)

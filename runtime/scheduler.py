@@ -26,7 +26,7 @@ import itertools
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Callable, Protocol
 
 import numpy as np
 
@@ -46,7 +46,8 @@ class Engine(Protocol):
     allocator: BlockAllocator
 
     def sample(self, chunks: list[Chunk], params: list[SamplingParams], token_index: list[int],
-               constraints: list[TokenConstraint | None] | None = None) -> SampleResult: ...
+               constraints: list[TokenConstraint | None] | None = None,
+               launched: Callable[[], None] | None = None) -> SampleResult: ...
 
     def release(self, seq: Sequence) -> None: ...
 
@@ -198,8 +199,9 @@ class Scheduler:
 
     # --- one step --------------------------------------------------------------------------------------------
 
-    def step(self) -> list[TokenOutput]:
-        """Schedules, runs the engine once and samples; returns the tokens made (none when idle)."""
+    def step(self, launched: Callable[[], None] | None = None) -> list[TokenOutput]:
+        """Schedules, runs the engine once and samples; returns the tokens made (none when idle). `launched` is
+        called once the engine has queued the step, before it waits for it (the engine loop's hand-over)."""
         chunks = self.schedule()
         if not chunks:
             return []
@@ -216,7 +218,7 @@ class Scheduler:
         constraints = [st.request.constraint if c.seq.num_cached + c.num_tokens >= len(c.seq.token_ids) else None
                        for c, st in zip(chunks, states)]
         result = self.engine.sample(chunks, [st.request.params for st in states], [st.num_generated for st in states],
-                                    constraints if any(c is not None for c in constraints) else None)
+                                    constraints if any(c is not None for c in constraints) else None, launched)
         seconds = time.monotonic() - start
         tokens = sum(c.num_tokens for c in chunks)
         self.stats.steps += 1

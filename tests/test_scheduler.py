@@ -46,12 +46,12 @@ class Recorder:
     def __init__(self, engine) -> None:
         self.engine, self.allocator, self.steps = engine, engine.allocator, []
 
-    def sample(self, chunks: list[Chunk], params, token_index, constraints=None):
+    def sample(self, chunks: list[Chunk], params, token_index, constraints=None, launched=None):
         need = sum(self.allocator.blocks_for(c.seq.num_cached + c.num_tokens) - len(c.seq.table.blocks)
                    for c in chunks)
         self.steps.append({"tokens": [c.num_tokens for c in chunks], "free": self.allocator.num_free, "need": need})
         assert need <= self.allocator.num_free, f"step needs {need} blocks, {self.allocator.num_free} free"
-        return self.engine.sample(chunks, params, token_index)
+        return self.engine.sample(chunks, params, token_index, launched=launched)
 
     def release(self, seq) -> None:
         self.engine.release(seq)
@@ -305,10 +305,12 @@ def test_offline_generation_stops_by_the_scheduler_rules(model):
 
 # --- the engine loop ---------------------------------------------------------------------------------------------
 
-def collect(loop: EngineLoop, request: EngineRequest, timeout: float = 30.0) -> list:
+def collect(loop: EngineLoop, request: EngineRequest, timeout: float = 30.0, sink_event=None) -> list:
     got, done = [], threading.Event()
 
     def sink(item):
+        if sink_event is not None:
+            sink_event()
         got.append(item)
         if isinstance(item, Exception) or item.finish_reason:
             done.set()
@@ -330,13 +332,45 @@ def test_engine_loop_serves_requests_and_refuses_what_never_fits(model):
         loop.stop()
 
 
+class OrderedEngine:
+    """Records when each step is launched and done, around the reference engine."""
+
+    def __init__(self, engine, events: list[str]) -> None:
+        self.allocator, self._engine, self.events = engine.allocator, engine, events
+
+    def sample(self, chunks, params, token_index, constraints=None, launched=None):
+        def on_launch() -> None:
+            self.events.append("launched")
+            if launched is not None:
+                launched()
+        result = self._engine.sample(chunks, params, token_index, constraints, on_launch)
+        self.events.append("done")
+        return result
+
+    def release(self, seq) -> None:
+        self._engine.release(seq)
+
+
+def test_engine_loop_hands_a_steps_tokens_over_once_the_next_step_is_launched(model):
+    """Streaming step N's tokens overlaps step N+1 on the device; the last step's go out as the loop goes idle."""
+    events: list[str] = []
+    loop = EngineLoop(Scheduler(OrderedEngine(ReferenceEngine(model, max_tokens=256), events), frozenset())).start()
+    try:
+        got = collect(loop, EngineRequest("a", [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True)),
+                      sink_event=lambda: events.append("token"))
+    finally:
+        loop.stop()
+    assert len(got) == 3
+    assert events == ["launched", "done", "launched", "token", "done", "launched", "token", "done", "token"]
+
+
 class BrokenEngine:
     """An engine whose steps raise, as a GPU engine does after a CUDA error."""
 
     def __init__(self, engine) -> None:
         self.allocator, self._engine = engine.allocator, engine
 
-    def sample(self, chunks, params, token_index, constraints=None):
+    def sample(self, chunks, params, token_index, constraints=None, launched=None):
         raise RuntimeError("illegal memory access")
 
     def release(self, seq) -> None:

@@ -421,7 +421,7 @@ class BrokenEngine:
     def __init__(self, engine) -> None:
         self.allocator, self._engine = engine.allocator, engine
 
-    def sample(self, chunks, params, token_index, constraints=None):
+    def sample(self, chunks, params, token_index, constraints=None, launched=None):
         raise RuntimeError("CUDA_ERROR_ILLEGAL_ADDRESS")
 
     def release(self, seq) -> None:

@@ -1,6 +1,7 @@
 """The GPU engine: the same step interface as the reference engine (chunks in, logits out), on the GPU, with
 decode steps replayed from CUDA graphs captured per batch bucket."""
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,17 +77,21 @@ class GpuEngine:
         return self.executor.fetch(outputs["logits"])[:rows].astype(np.float32)
 
     def sample(self, chunks: list[Chunk], params: list[SamplingParams], token_index: list[int],
-               constraints: list[TokenConstraint | None] | None = None) -> SampleResult:
+               constraints: list[TokenConstraint | None] | None = None,
+               launched: Callable[[], None] | None = None) -> SampleResult:
         """Runs one step and draws a token per chunk on the device (the tail's `sample` op): downloads the tokens
         and their logprobs, the top-k candidates only when a row asks for top logprobs, and a full logits row
         only for a row whose kept set reaches past the candidates or that a constraint holds (drawn on the host
-        with the same noise)."""
+        with the same noise). `launched` is called once the step and its downloads are queued, before the wait."""
         sampling = sampling_inputs(params, token_index, self.rng)
         outputs = self.run(chunks, sampling=sampling)
         names = sampler_outputs(self.executor.graph)
         wanted = ["sampled_ids", "sampled_logprobs", *(("top_values", "top_ids", "logsumexp")
                                                  if wants_top_logprobs(params) else ())]
-        fetched = self.executor.fetch_all([outputs[names[role]] for role in wanted])
+        download = self.executor.fetch_later([outputs[names[role]] for role in wanted])
+        if launched is not None:
+            launched()
+        fetched = download()
         logits = outputs[self.executor.graph.outputs[0]]
         return finish({role: array[: len(chunks)] for role, array in zip(wanted, fetched)}, sampling, params,
                       lambda row: self.executor.fetch(logits.row(row))[0].astype(np.float32), constraints)
