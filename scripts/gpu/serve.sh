@@ -5,8 +5,8 @@
 # page cache) and idle resident memory of a full-size random Qwen3-4B, from the server's own /metrics; then
 # `pegainfer bench serve` at each concurrency of $CONC (its own prompts: seed = concurrency, so no level hits the
 # prefix cache that an earlier one filled), with the server's step trace (--trace-steps) summarised per
-# concurrency. `bash scripts/gpu/serve.sh hf`: the same request stream against `transformers serve
-# --continuous-batching`, each concurrency cut off after $HF_LIMIT seconds. The checkpoint's tokenizer has one
+# concurrency; $SERVE_FLAGS go to that server. `bash scripts/gpu/serve.sh hf`: the same request stream against
+# `transformers serve --continuous-batching`, each concurrency cut off after $HF_LIMIT seconds. The checkpoint's tokenizer has one
 # word per id, so every token streams as text and TTFT is the first token's. Reports and logs go to
 # /tmp/serve_<target> and, as one tarball, to $OUT/serve_<target>.tgz (the device tool brings back 8 files at
 # most); the tables print last.
@@ -99,7 +99,7 @@ STARTS=${STARTS:-first second}
 for start in $STARTS; do
     echo "== Qwen3-4B shape: $start start"
     python3 -m pegainfer.cli serve --model-path "$MODEL" --device cuda --port 8000 --served-model-name qwen3-4b \
-        --max-num-seqs "${MAX_NUM_SEQS:-256}" --trace-steps "$WORK/trace.jsonl" >"$WORK/serve_4b_$start.log" 2>&1 &
+        --max-num-seqs "${MAX_NUM_SEQS:-256}" ${SERVE_FLAGS:-} --trace-steps "$WORK/trace.jsonl" >"$WORK/serve_4b_$start.log" 2>&1 &
     pid=$!
     ready http://127.0.0.1:8000 || { tail -30 "$WORK/serve_4b_$start.log"; exit 1; }
     sleep 2
