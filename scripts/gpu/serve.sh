@@ -5,7 +5,8 @@
 # page cache) and idle resident memory of a full-size random Qwen3-4B, from the server's own /metrics; then
 # `pegainfer bench serve` at each concurrency of $CONC (its own prompts: seed = concurrency, so no level hits the
 # prefix cache that an earlier one filled), with the server's step trace (--trace-steps) summarised per
-# concurrency; $SERVE_FLAGS go to that server. `bash scripts/gpu/serve.sh hf`: the same request stream against
+# concurrency; $SERVE_FLAGS go to that server; $SGLANG_CONC: the same load from SGLang's client too (its
+# bench_serving.py, from serve_wheels.sh's wheel). `bash scripts/gpu/serve.sh hf`: the same request stream against
 # `transformers serve --continuous-batching`, each concurrency cut off after $HF_LIMIT seconds. The checkpoint's tokenizer has one
 # word per id, so every token streams as text and TTFT is the first token's. Reports and logs go to
 # /tmp/serve_<target> and, as one tarball, to $OUT/serve_<target>.tgz (the device tool brings back 8 files at
@@ -65,6 +66,26 @@ PY
         for c in $CONC; do python3 scripts/gpu/trace_summary.py "$WORK/trace_c$c.jsonl" --label "c$c"; done
     fi
 }
+sglang_sweep() {  # SGLang's benchmark client (bench_serving.py of its 0.4.6.post5 wheel, run as a script) at each
+    # concurrency of $SGLANG_CONC, on the same stream: random token ids, 1024 in, 128 out, ignore_eos
+    for c in $SGLANG_CONC; do
+        n=$(( c * 2 > 16 ? c * 2 : 16 ))
+        timeout "${SERVE_LIMIT:-240}" python3 /tmp/site/sglang/bench_serving.py --backend vllm --base-url "$1" \
+            --model "$2" --tokenizer "$MODEL" --dataset-name random-ids --random-input-len "$INPUT_LEN" \
+            --random-output-len "$OUTPUT_LEN" --random-range-ratio 1.0 --num-prompts "$n" --max-concurrency "$c" \
+            --seed "$c" --disable-tqdm --output-file "$WORK/sglang.jsonl" >>"$WORK/sglang_bench.log" 2>&1 \
+            || echo "c=$c: sglang client exit $?" | tee -a "$WORK/sglang_bench.log"
+    done
+    [ -f "$WORK/sglang.jsonl" ] || { echo "sglang client: no results (see sglang_bench.log)"; return; }
+    python3 - "$WORK/sglang.jsonl" <<'PY'
+import json, sys
+print(f"{'sglang client':>13} {'conc':>5} {'done':>5} {'out_tok/s':>9} {'ttft_ms':>8} {'tpot_ms':>8} {'tpot_p50':>8}")
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    print(f"{'':>13} {r['max_concurrency']:>5} {r['completed']:>5} {r['output_throughput']:9.0f} "
+          f"{r['mean_ttft_ms']:8.0f} {r['mean_tpot_ms']:8.2f} {r['median_tpot_ms']:8.2f}")
+PY
+}
 if [ ! -d "$MODEL" ]; then
     SHAPE=$(python3 -c "import json; c = json.load(open('models/configs/qwen3-4b.json')); print(' '.join(f'--set {k}={json.dumps(c[k])}' for k in ('hidden_size', 'intermediate_size', 'num_hidden_layers', 'num_attention_heads', 'num_key_value_heads', 'head_dim', 'vocab_size', 'tie_word_embeddings', 'rope_theta', 'max_position_embeddings')))")
     pg make-checkpoint "$MODEL" --dtype bfloat16 --logit-std 2 --tokenizer words $SHAPE
@@ -109,5 +130,6 @@ for start in $STARTS; do
     [ "$start" = "${STARTS##* }" ] || { kill $pid; wait $pid; }
 done
 sweep http://127.0.0.1:8000 qwen3-4b serve "${SERVE_LIMIT:-240}"
+[ -z "${SGLANG_CONC:-}" ] || sglang_sweep http://127.0.0.1:8000 qwen3-4b
 curl -s http://127.0.0.1:8000/metrics >"$WORK/serve_metrics.txt" 2>/dev/null || true
 kill $pid; wait $pid
