@@ -81,8 +81,23 @@ SAMPLING_INPUTS: dict[str, TensorType] = {
     "sampling_seed": TensorType(INT64, ("samples",)),  # the request's seed (mod 2**64): the Philox key
     "sampling_step": TensorType(INT32, ("samples",)),  # the index of the token being drawn within its request
 }
+# The grammar masks a step's rows of logits are drawn under (structured outputs): `masks` bitmask rows of the
+# vocabulary's bits, `mask_words` words each (ir/ops/sampling.py's mask_tokens), and per row of logits the bitmask
+# row it takes, or -1. A step without masks passes one word of zeros and -1s (runtime/batch.py's pack_step).
+TOKEN_BITMASK, TOKEN_MASK_INDEX = "token_bitmask", "token_mask_index"
+
+
+def mask_input_types(rows: str) -> dict[str, TensorType]:
+    return {TOKEN_BITMASK: TensorType(INT32, ("masks", "mask_words")), TOKEN_MASK_INDEX: TensorType(INT32, (rows,))}
+
+
+def mask_words(vocab: int) -> int:
+    return -(-vocab // 32)
+
+
 # Every input the runtime uploads for a step, in one copy before the step's first kernel.
-STEP_INPUTS = (*TOKEN_INPUTS, *SEQUENCE_INPUTS, BLOCK_TABLES, LOGITS_INDICES, *SAMPLING_INPUTS)
+STEP_INPUTS = (*TOKEN_INPUTS, *SEQUENCE_INPUTS, BLOCK_TABLES, LOGITS_INDICES, *SAMPLING_INPUTS, TOKEN_BITMASK,
+               TOKEN_MASK_INDEX)
 
 
 def uploaded(graph: Graph, value: str) -> bool:

@@ -1,7 +1,9 @@
 """A request's constraint on the tokens it may draw (a grammar, for structured outputs and tool calls; penalties):
 before each draw, the mask of allowed ids over the model's vocabulary and, where it has one, its adjustment of the
-logits; after it, the token drawn. A constrained row is drawn on the host from its full logits row, adjusted, the
-others masked to -inf, by the `sample` op's rule and noise; its logprob is the raw one (as vLLM reports)."""
+logits; after it, the token drawn. A row under a grammar alone is drawn in the sampler tail under its bitmask
+(ir/ops/sampling.py's mask_tokens); a row with an adjustment is drawn on the host from its full logits row,
+adjusted, the others masked to -inf, by the `sample` op's rule and noise. Either way its logprobs are those of the
+logits the grammar leaves, before penalties (vLLM's raw logprobs under structured outputs)."""
 
 import logging
 from typing import Protocol
@@ -72,6 +74,35 @@ class Chain:
             part.accept(token)
 
 
+def pack_mask(mask: np.ndarray) -> np.ndarray:
+    """A bool mask over the vocabulary as int32 words, xgrammar's layout: id j is bit j % 32 of word j // 32."""
+    padded = np.zeros(-(-mask.size // 32) * 32, dtype=bool)
+    padded[: mask.size] = mask
+    return np.packbits(padded.reshape(-1, 32), axis=1, bitorder="little").view(np.int32).reshape(-1)
+
+
+def unpack_mask(words: np.ndarray, vocab_size: int) -> np.ndarray:
+    bits = np.unpackbits(np.asarray(words, dtype=np.int32).view(np.uint8), bitorder="little")
+    return bits[:vocab_size].astype(bool)
+
+
+def bitmask_of(constraint: TokenConstraint, vocab_size: int) -> np.ndarray | None:
+    """The next token's allowed ids as int32 words where the constraint knows them before the logits (a grammar:
+    the sampler tail then draws the row under them on the device); None where every id is allowed."""
+    if isinstance(constraint, Chain):
+        words = [w for w in (bitmask_of(part, vocab_size) for part in constraint.parts) if w is not None]
+        return np.bitwise_and.reduce(words) if words else None
+    bitmask = getattr(constraint, "bitmask", None)
+    return None if bitmask is None else bitmask(vocab_size)
+
+
+def adjusts(constraint: TokenConstraint) -> bool:
+    """Whether the constraint changes the logits (penalties), so that its row is drawn on the host."""
+    if isinstance(constraint, Chain):
+        return any(adjusts(part) for part in constraint.parts)
+    return getattr(constraint, "adjust", None) is not None
+
+
 def adjusted(constraint: TokenConstraint, x: np.ndarray) -> np.ndarray:
     adjust = getattr(constraint, "adjust", None)
     return x if adjust is None else adjust(x)
@@ -91,12 +122,16 @@ def draw_masked(row: np.ndarray, sampling: tuple) -> int:
     return int(allowed[np.argmax(scores)])
 
 
-def draw_constrained(x: np.ndarray, constraint: TokenConstraint, sampling: tuple) -> tuple[int, float]:
+def draw_constrained(x: np.ndarray, constraint: TokenConstraint, sampling: tuple,
+                     allowed: np.ndarray | None = None) -> tuple[int, float]:
     """(token, logprob) of a row of float32 logits under its constraint; `sampling`: the row's (temperature, top_k,
-    top_p, min_p, seed, step), as the sample op takes them. A constraint that fails (raises, or allows no id) draws
-    the row unconstrained: one request's grammar must not stop the engine, which serves every other."""
+    top_p, min_p, seed, step), as the sample op takes them; `allowed`: its mask where already asked for. The
+    logprob is over the ids the mask allows, before penalties (vLLM's raw logprobs under a grammar). A constraint
+    that fails (raises, or allows no id) draws the row unconstrained: one request's grammar must not stop the
+    engine, which serves every other."""
     try:
-        mask, row = np.asarray(constraint.allowed(x.size), dtype=bool), adjusted(constraint, x)
+        mask = np.asarray(constraint.allowed(x.size) if allowed is None else allowed, dtype=bool)
+        row = adjusted(constraint, x)
     except Exception as error:  # noqa: BLE001  whatever the grammar library raised
         LOG.warning("a token constraint failed (%s): the row is drawn unconstrained", error)
         mask, row = np.ones(x.shape, dtype=bool), x
@@ -108,8 +143,13 @@ def draw_constrained(x: np.ndarray, constraint: TokenConstraint, sampling: tuple
     if not np.isfinite(masked).any():
         masked = x
     token = draw_masked(masked, sampling)
+    accept(constraint, token)
+    scored = np.where(mask, x, -np.inf).astype(np.float32) if mask[token] else x
+    return token, float(scored[token] - logsumexp_row(scored))
+
+
+def accept(constraint: TokenConstraint, token: int) -> None:
     try:
         constraint.accept(token)
-    except Exception as error:  # noqa: BLE001  as above: the request goes on unconstrained
+    except Exception as error:  # noqa: BLE001  as draw_constrained: the request goes on unconstrained
         LOG.warning("a token constraint refused its draw (%s)", error)
-    return token, float(x[token] - logsumexp_row(x))

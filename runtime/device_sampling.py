@@ -3,18 +3,21 @@ its sampler outputs make (a token per row, and logprobs when asked). The device 
 op (ir/ops/sampling.py); a row it could not settle, because its kept set reaches past the top-k candidates, is
 drawn here from its full logits row with the same noise, so the token is the one the op defines either way."""
 
+import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 
-from pegainfer.ir.ops.sampling import UNRESOLVED, logsumexp_row, sample_row
+from pegainfer.ir.ops.sampling import UNRESOLVED, logsumexp_row, mask_tokens, sample_row
 from pegainfer.ir.registry import get_op
-from pegainfer.ir.step import SAMPLER_OUTPUTS, SAMPLING_INPUTS
-from pegainfer.runtime.constraint import TokenConstraint, draw_constrained
+from pegainfer.ir.step import SAMPLER_OUTPUTS, SAMPLING_INPUTS, TOKEN_BITMASK, TOKEN_MASK_INDEX
+from pegainfer.runtime.constraint import (TokenConstraint, accept, adjusts, bitmask_of, draw_constrained,
+                                          unpack_mask)
 from pegainfer.runtime.sampler import SamplingParams
 
 _INT32_MAX = 2 ** 31 - 1
+LOG = logging.getLogger("pegainfer")
 
 
 @dataclass
@@ -50,6 +53,47 @@ def sampling_inputs(params: list[SamplingParams], token_index: list[int],
     }
 
 
+def device_masks(constraints: list[TokenConstraint | None] | None, vocab_size: int) -> dict[int, np.ndarray]:
+    """Row -> the grammar bitmask its constraint gives before the step (drawn under it in the sampler tail); rows
+    whose grammar fails or allows nothing are left to the host's draw, which copes with both."""
+    masks = {}
+    for row, constraint in enumerate(constraints or []):
+        if constraint is None:
+            continue
+        try:
+            words = bitmask_of(constraint, vocab_size)
+        except Exception as error:  # noqa: BLE001  whatever the grammar library raised
+            LOG.warning("a token constraint failed (%s): the row is drawn on the host", error)
+            continue
+        if words is not None and words.any():
+            masks[row] = words
+    return masks
+
+
+def mask_inputs(rows: int, masks: dict[int, np.ndarray]) -> dict[str, np.ndarray]:
+    """The step inputs of the tail's grammar masks (ir/step.py) where a row has one: the masked rows' bitmasks
+    stacked and each row's index into them, -1 for a row without (pack_step's defaults stand for none)."""
+    if not masks:
+        return {}
+    bitmask, index = stack_masks(masks, rows, next(iter(masks.values())).size)
+    return {TOKEN_BITMASK: bitmask, TOKEN_MASK_INDEX: index}
+
+
+def stack_masks(masks: dict[int, np.ndarray], rows: int, words: int) -> tuple[np.ndarray, np.ndarray]:
+    bitmask = np.zeros((max(len(masks), 1), words), dtype=np.int32)
+    index = np.full(rows, -1, dtype=np.int32)
+    for position, (row, row_words) in enumerate(sorted(masks.items())):
+        bitmask[position], index[row] = row_words, position
+    return bitmask, index
+
+
+def masked_logits(logits: np.ndarray, masks: dict[int, np.ndarray]) -> np.ndarray:
+    """The rows' logits with what their grammar bitmasks leave out at -inf (mask_tokens), for a tail on the host."""
+    if not masks:
+        return logits
+    return mask_tokens(logits, *stack_masks(masks, logits.shape[0], next(iter(masks.values())).size))
+
+
 def tail_reference(logits: np.ndarray, inputs: dict[str, np.ndarray], candidates: int) -> dict[str, np.ndarray]:
     """The sampler tail's outputs computed on the host from float32 logits, by the ops' references: what a graph
     without the tail (a model's declared graph) lacks."""
@@ -66,24 +110,31 @@ def wants_top_logprobs(params: list[SamplingParams]) -> bool:
 
 
 def finish(outputs: dict[str, np.ndarray], inputs: dict[str, np.ndarray], params: list[SamplingParams],
-           row_logits: Callable[[int], np.ndarray],
-           constraints: list[TokenConstraint | None] | None = None) -> SampleResult:
+           row_logits: Callable[[int], np.ndarray], constraints: list[TokenConstraint | None] | None = None,
+           masks: dict[int, np.ndarray] | None = None) -> SampleResult:
     """The tokens and logprobs of a step's rows from its sampler outputs (`top_values`, `top_ids`, `logsumexp`
-    may be left out when no row asks for top logprobs). `row_logits(r)`: row r's float32 logits, fetched only for
-    rows the device left unresolved and for rows under a constraint (drawn on the host: runtime/constraint.py)."""
-    result = SampleResult([], [])
+    may be left out when no row asks for top logprobs). `masks`: the rows the tail drew under a grammar bitmask
+    (device_masks). `row_logits(r)`: row r's float32 logits, fetched only for rows the device left unresolved and
+    for rows whose constraint adjusts the logits (drawn on the host: runtime/constraint.py)."""
+    result, masks = SampleResult([], []), masks or {}
     for r, p in enumerate(params):
         token, logprob = int(outputs["sampled_ids"][r]), float(outputs["sampled_logprobs"][r])
         constraint = constraints[r] if constraints else None
-        if constraint is not None:
-            token, logprob = draw_constrained(np.asarray(row_logits(r), dtype=np.float32), constraint,
-                                              tuple(inputs[name][r].item() for name in SAMPLING_INPUTS))
+        sampling = tuple(inputs[name][r].item() for name in SAMPLING_INPUTS)
+        if constraint is not None and (r not in masks or adjusts(constraint)):
+            x = np.asarray(row_logits(r), dtype=np.float32)
+            allowed = unpack_mask(masks[r], x.size) if r in masks else None
+            token, logprob = draw_constrained(x, constraint, sampling, allowed)
             result.host_rows.append(r)
         elif token == UNRESOLVED:
             x = np.asarray(row_logits(r), dtype=np.float32)
-            token = sample_row(x, *(inputs[name][r].item() for name in SAMPLING_INPUTS))
+            if r in masks:
+                x = np.where(unpack_mask(masks[r], x.size), x, -np.inf).astype(np.float32)
+            token = sample_row(x, *sampling)
             logprob = float(x[token] - logsumexp_row(x))
             result.host_rows.append(r)
+        if constraint is not None and r in masks and not adjusts(constraint):
+            accept(constraint, token)
         result.tokens.append(token)
         if p.logprobs is None:
             result.logprobs.append(None)

@@ -13,7 +13,8 @@ from pegainfer.ir.step import sampler_outputs
 from pegainfer.passes.fusion import TAIL_TOP_K
 from pegainfer.runtime.batch import Chunk, Sequence, commit_step, pack_step, release_sequence
 from pegainfer.runtime.constraint import TokenConstraint
-from pegainfer.runtime.device_sampling import SampleResult, finish, sampling_inputs, tail_reference
+from pegainfer.runtime.device_sampling import (SampleResult, device_masks, finish, mask_inputs, masked_logits,
+                                               sampling_inputs, tail_reference)
 from pegainfer.runtime.kv_blocks import BlockAllocator
 from pegainfer.runtime.sampler import SamplingParams
 
@@ -31,6 +32,7 @@ class ReferenceEngine:
         self.allocator = BlockAllocator(-(-max_tokens // block_size), block_size)
         sizes = {"num_blocks": self.allocator.num_blocks, "block_size": block_size}
         self.rng = np.random.default_rng()  # seeds for requests that have none
+        self.vocab_size = self.graph.value_types()[self.graph.outputs[0]].shape[-1]  # the logits' width
         self.states = {name: np.zeros(t.concrete(sizes), dtype=t.dtype.np_dtype)
                        for name, t in self.graph.expanded_states().items()}
 
@@ -49,16 +51,17 @@ class ReferenceEngine:
         `constraints[i]`: the row's, if any (runtime/constraint.py); `launched`: called once the step's inputs
         are packed, before it runs (as the GPU engine calls it before waiting for the device)."""
         sampling = sampling_inputs(params, token_index, self.rng)
-        inputs = pack_step(chunks, self.allocator) | sampling
+        masks = device_masks(constraints, self.vocab_size)
+        inputs = pack_step(chunks, self.allocator) | sampling | mask_inputs(len(chunks), masks)
         if launched is not None:
             launched()
         outputs = dict(zip(self.graph.outputs, run_graph(self.graph, inputs, self.weights, self.states)))
         commit_step(chunks)
         logits = outputs[self.graph.outputs[0]].astype(np.float32)
-        names = sampler_outputs(self.graph)  # a lowered graph samples itself
+        names = sampler_outputs(self.graph)  # a lowered graph samples itself (under the masks)
         tail = {role: outputs[name] for role, name in names.items()} if names else \
-            tail_reference(logits, sampling, TAIL_TOP_K)
-        return finish(tail, sampling, params, lambda row: logits[row], constraints)
+            tail_reference(masked_logits(logits, masks), sampling, TAIL_TOP_K)
+        return finish(tail, sampling, params, lambda row: logits[row], constraints, masks)
 
     def release(self, seq: Sequence) -> None:
         release_sequence(self.allocator, seq)

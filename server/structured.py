@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from pegainfer.runtime.constraint import pack_mask, unpack_mask
 from pegainfer.runtime.tokenizer import TextTokenizer
 from pegainfer.server.errors import ApiError
 
@@ -206,22 +207,28 @@ class GrammarConstraint:
 
         self.matcher, self._xgrammar, self.banned, self.stops = matcher, xgrammar, banned, stops or []
         self._bitmask = None
+        self._banned_words: np.ndarray | None = None
         self.broken = False
 
     def allowed(self, vocab_size: int) -> np.ndarray:
+        words = self.bitmask(vocab_size)
+        return np.ones(vocab_size, dtype=bool) if words is None else unpack_mask(words, vocab_size)
+
+    def bitmask(self, vocab_size: int) -> np.ndarray | None:
+        """The next token's allowed ids as int32 words (None: any): xgrammar's, less the banned ids; only stop
+        tokens once the grammar has ended."""
         if self.broken or (self.matcher.is_terminated() and not self.stops):
-            return np.ones(vocab_size, dtype=bool)
+            return None
         if self.matcher.is_terminated():
             mask = np.zeros(vocab_size, dtype=bool)
             mask[[s for s in self.stops if s < vocab_size]] = True
-            return mask
+            return pack_mask(mask)
         if self._bitmask is None:
             self._bitmask = self._xgrammar.allocate_token_bitmask(1, vocab_size)
+            self._banned_words = None if self.banned is None else pack_mask(~self.banned)
         self.matcher.fill_next_token_bitmask(self._bitmask)
-        words = self._bitmask.numpy().view(np.uint32)[0]
-        bits = (words[:, None] >> np.arange(32, dtype=np.uint32)) & 1
-        mask = bits.reshape(-1)[:vocab_size].astype(bool)
-        return mask & ~self.banned if self.banned is not None else mask
+        words = self._bitmask.numpy()[0].astype(np.int32, copy=True)
+        return words if self._banned_words is None else words & self._banned_words
 
     def accept(self, token: int) -> None:
         if not self.broken and not self.matcher.is_terminated() and not self.matcher.accept_token(token):

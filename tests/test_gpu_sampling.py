@@ -23,10 +23,11 @@ from pegainfer.ir import BF16, FP32, GraphBuilder
 from pegainfer.ir.graph import KERNEL
 from pegainfer.ir.ops.sampling import UNRESOLVED, gumbel, philox4x32, sample_row
 from pegainfer.ir.registry import get_op
-from pegainfer.ir.step import SAMPLING_INPUTS, sampler_outputs
+from pegainfer.ir.step import SAMPLING_INPUTS, TOKEN_BITMASK, TOKEN_MASK_INDEX, mask_words, sampler_outputs
 from pegainfer.passes.pipeline import lower
 from pegainfer.runtime.batch import Chunk, Sequence, pack_step
-from pegainfer.runtime.device_sampling import finish, greedy_inputs, sampling_inputs
+from pegainfer.runtime.constraint import pack_mask
+from pegainfer.runtime.device_sampling import finish, greedy_inputs, sampling_inputs, stack_masks
 from pegainfer.runtime.gpu.abi import DeviceTensor
 from pegainfer.runtime.gpu.engine import GpuEngine, pad_decode_step
 from pegainfer.runtime.kv_blocks import BlockAllocator
@@ -226,7 +227,9 @@ def plan_tail(vocab: int, dtype, monkeypatch, candidates: int, chunk: int) -> Ta
 
 
 def run_tail(tail: Tail, logits: np.ndarray, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    env = {"logits": to_torch(logits)} | {name: to_torch(a) for name, a in inputs.items()}
+    """The tail's launches on given logits; `inputs` may leave the grammar masks out (none)."""
+    unmasked = {TOKEN_BITMASK: np.zeros((1, 1), np.int32), TOKEN_MASK_INDEX: np.full(logits.shape[0], -1, np.int32)}
+    env = {"logits": to_torch(logits)} | {name: to_torch(a) for name, a in (unmasked | inputs).items()}
     got = launch_kernel(tail.spec, tail.node, env, {"samples": logits.shape[0]}, module="sampling.py")
     return {name: to_numpy(t) for name, t in got.items()}
 
@@ -261,6 +264,55 @@ def test_kernels_draw_the_reference_tokens_for_mixed_rows(dtype, monkeypatch):
     x = logits.astype(np.float64)
     np.testing.assert_allclose(got["logsumexp"], np.log(np.exp(x).sum(axis=1)), rtol=1e-6)
     np.testing.assert_array_equal(got["top_ids"], np.argsort(-x, axis=1, kind="stable")[:, :8])
+
+
+@pytest.mark.slow
+def test_kernels_draw_under_each_rows_grammar_mask_as_the_reference_does(monkeypatch):
+    """Rows of every sampling path under masks (one id, a few, most; a row without), two chunks: the top-k, the
+    logsumexp and the draw are those of the masked logits (mask_tokens, then the ops' references), and no row
+    draws an id its mask leaves out."""
+    rng = np.random.default_rng(17)
+    vocab = 80
+    tail = plan_tail(vocab, FP32, monkeypatch, candidates=8, chunk=64)
+    inputs = mixed_rows(rng, vocab)
+    logits = rng.normal(0, 2, (12, vocab)).astype(np.float32)
+    allowed = rng.random((12, vocab)) < np.array([0.02, 0.1, 0.5, 0.9] * 3)[:, None]
+    allowed[np.arange(12), rng.integers(0, vocab, 12)] = True  # at least one id a row
+    masks = {row: pack_mask(allowed[row]) for row in range(12) if row != 4}
+    bitmask, index = stack_masks(masks, 12, mask_words(vocab))
+    got = run_tail(tail, logits, inputs | {TOKEN_BITMASK: bitmask, TOKEN_MASK_INDEX: index})
+    masked = get_op("mask_tokens").reference(logits, bitmask, index)
+    tokens, logprobs = draw(masked, inputs, candidates=8)
+    np.testing.assert_array_equal(got["sampled_ids"], tokens)
+    np.testing.assert_allclose(got["sampled_logprobs"], logprobs, atol=1e-5)
+    drawn = (tokens != UNRESOLVED) & (index >= 0)
+    assert allowed[np.arange(12)[drawn], tokens[drawn]].all() and drawn.sum() >= 7
+    finite = np.isfinite(masked).sum(axis=1) >= 8  # rows with 8 allowed ids rank them all
+    np.testing.assert_array_equal(got["top_ids"][finite], np.argsort(-masked, axis=1, kind="stable")[finite, :8])
+    np.testing.assert_allclose(got["logsumexp"], np.log(np.exp(masked.astype(np.float64)).sum(axis=1)), rtol=1e-6)
+
+
+def test_finish_draws_a_masked_row_left_to_the_host_under_its_mask_and_tells_the_grammar():
+    """A row the tail left unresolved under a grammar mask is drawn on the host from its row with the mask
+    applied; its constraint hears the token once; a row whose constraint adjusts the logits is drawn by it."""
+    logits = np.random.default_rng(3).normal(0, 0.1, (1, 100)).astype(np.float32)
+    allowed = np.zeros(100, bool)
+    allowed[[5, 50, 95]] = True
+    seen = []
+
+    class Grammar:
+        def allowed(self, vocab_size):
+            return allowed
+
+        def accept(self, token):
+            seen.append(token)
+    inputs = rows_of(1, temperature=1.0, top_p=0.99, seed=np.array([4]))
+    outputs = {"sampled_ids": np.array([UNRESOLVED], np.int32), "sampled_logprobs": np.array([np.nan], np.float32)}
+    result = finish(outputs, inputs, [SamplingParams(temperature=1.0, top_p=0.99)], lambda row: logits[row],
+                    [Grammar()], {0: pack_mask(allowed)})
+    x = np.where(allowed, logits[0], -np.inf).astype(np.float32)
+    assert result.tokens == [sample_row(x, *params_of(inputs, 0))] and seen == result.tokens
+    assert result.tokens[0] in (5, 50, 95) and result.host_rows == [0]
 
 
 @pytest.mark.slow
@@ -410,8 +462,12 @@ def test_gpu_engine_sample_downloads_tokens_and_only_the_rows_left_to_the_host(t
               names["logsumexp"]: np.log(np.exp(logits.astype(np.float64)).sum(axis=1)).astype(np.float32)}
     engine = GpuEngine.__new__(GpuEngine)
     engine.executor = _DeviceStandIn(graph, arrays)
-    engine.rng = np.random.default_rng(0)
-    engine.run = lambda chunks, sampling: engine.executor.tensors
+    engine.rng, engine.vocab_size, launched_masks = np.random.default_rng(0), vocab, []
+
+    def run(chunks, sampling, masks=None):
+        launched_masks.append(masks)
+        return engine.executor.tensors
+    engine.run = run
     chunks = [Chunk(Sequence(i, [1]), 1) for i in range(3)]
     params = [SamplingParams(temperature=1.0, top_p=0.999, seed=s) for s in (1, 2, 3)]
     result = engine.sample(chunks, params, [0, 0, 0])
@@ -425,3 +481,20 @@ def test_gpu_engine_sample_downloads_tokens_and_only_the_rows_left_to_the_host(t
                                                                                       "logsumexp")]
     top = np.argsort(-logits[0], kind="stable")[:2]
     assert list(result.logprobs[0]) == [*map(int, top), 5] and result.logprobs[1] is None
+
+    class Grammar:  # allows what the tail drew for row 0; its bitmask goes to the tail, no logits row comes back
+        accepted: list[int] = []
+
+        def bitmask(self, vocab_size):
+            return pack_mask(np.arange(vocab_size) == 5)
+
+        def allowed(self, vocab_size):
+            raise AssertionError("a row under a bitmask is not masked again on the host")
+
+        def accept(self, token):
+            self.accepted.append(token)
+    engine.executor.fetched = []
+    result = engine.sample(chunks, params, [0, 0, 0], [Grammar(), None, None])
+    assert list(launched_masks[-1]) == [0] and Grammar.accepted == [5] and result.tokens[0] == 5
+    assert ("logits", (1, vocab)) in engine.executor.fetched and len([f for f in engine.executor.fetched
+                                                                     if f[0] == "logits"]) == 1  # row 1's only

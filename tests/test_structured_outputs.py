@@ -148,14 +148,16 @@ class Only:
         self.accepted.append(token)
 
 
-def test_a_constrained_draw_keeps_to_the_mask_and_reports_the_unmasked_logprob():
+def test_a_constrained_draw_keeps_to_the_mask_and_reports_the_logprob_among_what_it_allows():
+    """As vLLM reports logprobs under a grammar: those of the masked logits (the mask applied before the sampler)."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal(50).astype(np.float32) * 3
     x[7] = 20.0  # the unconstrained argmax, not allowed
     only = Only([3, 11, 42])
     token, logprob = draw_constrained(x, only, (0.0, 0, 1.0, 0.0, 1, 0))  # greedy
     assert token == [3, 11, 42][int(np.argmax(x[[3, 11, 42]]))] and only.accepted == [token]
-    expected = x[token] - (x.max() + np.log(np.exp(x - x.max()).sum()))
+    kept = x[[3, 11, 42]].astype(np.float64)
+    expected = x[token] - (kept.max() + np.log(np.exp(kept - kept.max()).sum()))
     assert logprob == pytest.approx(float(expected), abs=1e-5)
     for seed in range(20):  # sampled: still inside the mask
         token, _ = draw_constrained(x, Only([3, 11, 42]), (1.0, 0, 1.0, 0.0, seed, 0))

@@ -222,8 +222,9 @@ def gemv_1_tile(n: int, k: int, act: bool) -> tuple[int, int, int]:
 
 
 def _plan_tail_reduction(types: dict[str, TensorType], roles: dict, layout: dict) -> tuple[list[LaunchSpec], dict]:
-    """Two launches: per vocabulary chunk, partial top-k, logsumexp and sampling statistics over many programs;
-    then per row, the merge that writes the top-k, the logsumexp and the sampled token (kernels/sampling.py)."""
+    """Two launches: per vocabulary chunk, partial top-k, logsumexp and sampling statistics over many programs,
+    each row's grammar mask applied as its logits are read; then per row, the merge that writes the top-k, the
+    logsumexp and the sampled token (kernels/sampling.py)."""
     logits = roles["out"]
     values, ids = roles["top_k"].outputs
     k = roles["top_k"].attrs["k"]
@@ -239,10 +240,13 @@ def _plan_tail_reduction(types: dict[str, TensorType], roles: dict, layout: dict
     types = types | scratch | {o: t for o, t in zip(sample.outputs, sample.output_types)}
     layout = layout | {name: (t.shape[1], 0) for name, t in scratch.items()}
     partial = Params(types, layout)
+    _, bitmask, mask_index = roles["mask"].inputs
     for name, value in (("logits_ptr", logits), *((f"{role}_ptr", v) for role, v in sampling.items()),
+                        ("bitmask_ptr", bitmask), ("mask_index_ptr", mask_index),
                         ("keys_ptr", "tail.keys"), ("stats_ptr", "tail.stats"), ("best_ptr", "tail.best")):
         partial.tensor(name, value)
     partial.stride("stride_logits", logits)
+    partial.stride("stride_bitmask", bitmask)
     merge = Params(types, layout)
     for name, value in (("keys_ptr", "tail.keys"), ("stats_ptr", "tail.stats"), ("best_ptr", "tail.best"),
                         ("logits_ptr", logits), *((f"{role}_ptr", v) for role, v in sampling.items()),

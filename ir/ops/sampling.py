@@ -201,3 +201,27 @@ def _sample(logits: np.ndarray, temperature: np.ndarray, top_k: np.ndarray, top_
 
 
 register_op("sample", _infer_sample, _sample, ROW_REDUCTION)
+
+
+def _infer_mask_tokens(logits: TensorType, bitmask: TensorType, index: TensorType) -> TensorType:
+    expect(logits.rank == 2 and logits.dtype.is_float and isinstance(logits.shape[1], int),
+           f"mask_tokens: logits must be float [rows, vocab], found {logits}")
+    expect(bitmask.rank == 2 and bitmask.dtype == INT32, f"mask_tokens: the bitmask must be i32 [masks, words], "
+           f"found {bitmask}")
+    expect(index == TensorType(INT32, (logits.shape[0],)),
+           f"mask_tokens: the index must be {TensorType(INT32, (logits.shape[0],))}, found {index}")
+    return logits
+
+
+def mask_tokens(logits: np.ndarray, bitmask: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """Each row whose index is a bitmask row keeps the ids whose bit is set there (id j: bit j % 32 of word
+    j // 32, xgrammar's layout) and has -inf for the rest; a row of index -1 is left alone."""
+    x = np.array(logits, copy=True)
+    ids = np.arange(x.shape[1])
+    for row in np.flatnonzero(np.asarray(index) >= 0):
+        words = np.asarray(bitmask[index[row]]).view(np.uint32)
+        x[row, ((words[ids // 32] >> (ids % 32).astype(np.uint32)) & 1) == 0] = -np.inf
+    return x
+
+
+register_op("mask_tokens", _infer_mask_tokens, mask_tokens, ROW_REDUCTION)

@@ -9,12 +9,12 @@ import numpy as np
 
 from pegainfer.errors import PegainferError
 from pegainfer.frontends.load import LoadedModel
-from pegainfer.ir.step import SAMPLING_INPUTS, sampler_outputs
+from pegainfer.ir.step import SAMPLING_INPUTS, TOKEN_BITMASK, TOKEN_MASK_INDEX, mask_words, sampler_outputs
 from pegainfer.passes.pipeline import lower
 from pegainfer.runtime.batch import Chunk, Sequence, commit_step, pack_step, release_sequence
 from pegainfer.runtime.constraint import TokenConstraint
-from pegainfer.runtime.device_sampling import (SampleResult, finish, greedy_inputs, sampling_inputs,
-                                               wants_top_logprobs)
+from pegainfer.runtime.device_sampling import (SampleResult, device_masks, finish, greedy_inputs, mask_inputs,
+                                               sampling_inputs, wants_top_logprobs)
 from pegainfer.runtime.cuda import driver
 from pegainfer.runtime.gpu.executor import PDL_MAX_TOKENS, GpuExecutor, Limits
 from pegainfer.runtime.gpu.memory import kv_blocks_for_memory
@@ -60,6 +60,8 @@ class GpuEngine:
         self.buckets = decode_buckets(options.max_batch)
         self.graphs: dict[int, tuple[driver.Graph, dict]] = {}
         self.rng = np.random.default_rng()  # seeds for requests that have none
+        self.vocab_size = lowered.value_types()[lowered.outputs[0]].shape[-1]  # the logits' width
+        self.no_masks = np.zeros((1, mask_words(self.vocab_size)), dtype=np.int32)
 
     def _kv_blocks(self) -> int:
         """Blocks of the KV cache, the padding block included: from kv_tokens, or what the memory allows. A pool
@@ -84,7 +86,8 @@ class GpuEngine:
         only for a row whose kept set reaches past the candidates or that a constraint holds (drawn on the host
         with the same noise). `launched` is called once the step and its downloads are queued, before the wait."""
         sampling = sampling_inputs(params, token_index, self.rng)
-        outputs = self.run(chunks, sampling=sampling)
+        masks = device_masks(constraints, self.vocab_size)
+        outputs = self.run(chunks, sampling=sampling, masks=masks)
         names = sampler_outputs(self.executor.graph)
         wanted = ["sampled_ids", "sampled_logprobs", *(("top_values", "top_ids", "logsumexp")
                                                  if wants_top_logprobs(params) else ())]
@@ -94,12 +97,16 @@ class GpuEngine:
         fetched = download()
         logits = outputs[self.executor.graph.outputs[0]]
         return finish({role: array[: len(chunks)] for role, array in zip(wanted, fetched)}, sampling, params,
-                      lambda row: self.executor.fetch(logits.row(row))[0].astype(np.float32), constraints)
+                      lambda row: self.executor.fetch(logits.row(row))[0].astype(np.float32), constraints, masks)
 
-    def run(self, chunks: list[Chunk], *, all_logits: bool = False, sampling: dict | None = None) -> dict:
-        """Launches one step; `sampling` (device_sampling.sampling_inputs) replaces the greedy defaults."""
+    def run(self, chunks: list[Chunk], *, all_logits: bool = False, sampling: dict | None = None,
+            masks: dict[int, np.ndarray] | None = None) -> dict:
+        """Launches one step; `sampling` (device_sampling.sampling_inputs) replaces the greedy defaults, `masks`
+        (device_masks) are the rows' grammar bitmasks."""
         decode = self.options.cuda_graphs and not all_logits and all(c.num_tokens == 1 for c in chunks)
         step = pack_step(chunks, self.allocator, all_logits=all_logits) | (sampling or {})
+        # full-width bitmask rows even when none is used: a captured graph keeps the row stride it was captured with
+        step |= mask_inputs(len(step["logits_indices"]), masks) or {TOKEN_BITMASK: self.no_masks}
         if decode:
             outputs = self._replay(pad_decode_step(step, bucket_for(len(chunks), self.buckets)))
         else:
@@ -144,6 +151,8 @@ def pad_decode_step(step: dict[str, np.ndarray], bucket: int) -> dict[str, np.nd
         "context_lens": np.concatenate([step["context_lens"], np.ones(extra, np.int32)]),
         "logits_indices": np.concatenate([step["logits_indices"], rows]),
         **{name: np.concatenate([step[name], greedy[name]]) for name in SAMPLING_INPUTS},  # padding rows: greedy
+        **({TOKEN_MASK_INDEX: np.concatenate([step[TOKEN_MASK_INDEX], np.full(extra, -1, np.int32)]),
+            TOKEN_BITMASK: step[TOKEN_BITMASK]} if TOKEN_MASK_INDEX in step else {}),  # and unmasked
     }
 
 

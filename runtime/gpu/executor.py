@@ -15,7 +15,7 @@ from pegainfer.backends.spec import ParamKind, first_serving, planes_of, runtime
 from pegainfer.errors import PegainferError
 from pegainfer.ir.graph import KERNEL, REPEAT, Graph, instantiate
 from pegainfer.ir.kernel import in_place_outputs
-from pegainfer.ir.step import launch_sizes
+from pegainfer.ir.step import launch_sizes, mask_words
 from pegainfer.ir.types import TensorType
 from pegainfer.runtime.cuda import driver
 from pegainfer.runtime.gpu.abi import DeviceTensor
@@ -36,10 +36,11 @@ class Limits:
     max_blocks_per_seq: int
     num_blocks: int
     block_size: int
+    mask_words: int = 1  # words of a grammar bitmask row: the logits' width over 32 (the executor sets it)
 
     def sizes(self) -> dict[str, int]:
-        return {"tokens": self.max_tokens, "batch": self.max_batch, "samples": self.max_batch,
-                "max_blocks": self.max_blocks_per_seq, "num_blocks": self.num_blocks,
+        return {"tokens": self.max_tokens, "batch": self.max_batch, "samples": self.max_batch, "masks": self.max_batch,
+                "mask_words": self.mask_words, "max_blocks": self.max_blocks_per_seq, "num_blocks": self.num_blocks,
                 "block_size": self.block_size, "max_query_len": self.max_tokens}
 
 
@@ -48,7 +49,8 @@ class GpuExecutor:
                  limits: Limits) -> None:
         """`weights` holds the checkpoint's tensors (read lazily is best); derived params are assembled on the
         device from their sources, one host tensor at a time."""
-        self.ctx, self.graph, self.limits = ctx, graph, limits
+        logits = graph.value_types()[graph.outputs[0]]
+        self.ctx, self.graph, self.limits = ctx, graph, replace(limits, mask_words=mask_words(logits.shape[-1]))
         manifest = load(manifest_path)
         check_lowering(manifest, manifest_path, graph)
         if manifest.block_size != limits.block_size:
@@ -64,7 +66,7 @@ class GpuExecutor:
         self.functions = self._load_functions(manifest_path.parent.parent)
         arena = Arena(params_bytes(graph) + ALIGN * len(graph.expanded_params()), "weights")
         self.weights = upload_weights(graph, weights, ctx.stream, arena)
-        sizes = limits.sizes()
+        sizes = self.limits.sizes()
         self.buffers, self.scratch, self.planes = self._allocate_activations(sizes)
         self.sums = DeferredSums()
         for tensors in self.scratch.values():  # split GEMMs count on zeroed partial sums and tickets

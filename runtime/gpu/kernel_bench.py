@@ -12,6 +12,7 @@ from pegainfer.backends.manifest import Kernel, Launch, Variant
 from pegainfer.backends.spec import ParamKind, planes_of, serves
 from pegainfer.ir.dtypes import dtype_from_name
 from pegainfer.ir.graph import Graph
+from pegainfer.ir.step import TOKEN_MASK_INDEX
 from pegainfer.ir.types import TensorType
 from pegainfer.runtime.batch import Chunk, Sequence, pack_step
 from pegainfer.runtime.cuda import driver
@@ -31,8 +32,8 @@ def synthetic_step(batch: int, query_len: int, context: int, block_size: int) ->
         seq = Sequence(index, [1] * context, num_cached=context - query_len)
         allocator.grow(seq.table, context - query_len)
         chunks.append(Chunk(seq, query_len))
-    step = pack_step(chunks, allocator)
-    sizes = {"tokens": batch * query_len, "batch": batch, "samples": batch, "max_query_len": query_len,
+    step = pack_step(chunks, allocator) | {TOKEN_MASK_INDEX: np.full(batch, -1, np.int32)}  # no grammar masks
+    sizes = {"tokens": batch * query_len, "batch": batch, "samples": batch, "masks": 1, "max_query_len": query_len,
              "num_blocks": batch * blocks_per_seq + 1, "block_size": block_size,
              "max_blocks": step["block_tables"].shape[1]}
     return step, sizes

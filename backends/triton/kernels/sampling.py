@@ -1,7 +1,8 @@
 """The sampler tail over each row of logits, in two launches: many programs per row each reduce a chunk of the
 vocabulary (top-K keys, logsumexp, and for rows that sample the chunk's share of what the row's draw needs), then
 one program per row merges them, writes the top-K values and ids and the logsumexp, and draws the row's token by
-the `sample` op's rule (ir/ops/sampling.py, whose NumPy reference this follows operation for operation).
+the `sample` op's rule (ir/ops/sampling.py, whose NumPy reference this follows operation for operation), all of it
+over the logits a row's grammar mask leaves (mask_tokens: the others -inf).
 Top-k runs on 64-bit keys that pack an order-preserving form of the float with the inverted column, so one
 tl.topk keeps values and ids together and breaks ties toward the lower id, as the reference does.
 
@@ -50,23 +51,33 @@ def _effective_top_k(top_k, VOCAB: tl.constexpr):
 
 
 @triton.jit
+def _masked(row_ptr, offs, inside, bitmask_ptr, mask_row, stride_bitmask):
+    """The row's logits at `offs` as float32, -inf where its grammar mask (bitmask row `mask_row`, none for -1)
+    leaves an id out: bit id % 32 of word id // 32."""
+    x = tl.load(row_ptr + offs, mask=inside, other=float("-inf")).to(tl.float32)
+    words = tl.load(bitmask_ptr + mask_row * stride_bitmask + offs // 32, mask=inside & (mask_row >= 0), other=-1)
+    return tl.where(((words >> (offs % 32)) & 1) != 0, x, float("-inf"))
+
+
+@triton.jit
 def tail_partial_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, step_ptr,
-                        keys_ptr, stats_ptr, best_ptr, stride_logits,
+                        bitmask_ptr, mask_index_ptr, keys_ptr, stats_ptr, best_ptr, stride_logits, stride_bitmask,
                         VOCAB: tl.constexpr, K_P2: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr,
                         BLOCK: tl.constexpr, GREEDY_BELOW: tl.constexpr):
     """Per (row, chunk): the chunk's top K_P2 keys; stats (max and sum of exp of the logits; of logits / T when
     the row's top-p needs the whole vocabulary's mass; the best logits / T + noise when nothing is cut), and the
-    id of that best."""
+    id of that best; all over the logits the row's grammar mask leaves."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     row_ptr = logits_ptr + row * stride_logits
+    mask_row = tl.load(mask_index_ptr + row)
     running_max = tl.full([1], float("-inf"), tl.float32)
     running_sum = tl.zeros([1], tl.float32)
     best = tl.full([K_P2], -9223372036854775807 - 1, tl.int64)
     for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         inside = offs < VOCAB
-        x = tl.load(row_ptr + offs, mask=inside, other=float("-inf")).to(tl.float32)
+        x = _masked(row_ptr, offs, inside, bitmask_ptr, mask_row, stride_bitmask)
         new_max = tl.maximum(running_max, tl.max(x, axis=0))
         safe = tl.where(new_max == float("-inf"), 0.0, new_max)
         running_sum = running_sum * tl.exp(running_max - safe) + tl.sum(tl.exp(x - safe), axis=0)
@@ -84,7 +95,7 @@ def tail_partial_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p
     if whole_vocab & (top_p < 1.0):  # top-p over the whole vocabulary: its mass relative to the top logit / T
         for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
             offs = start + tl.arange(0, BLOCK)
-            x = tl.load(row_ptr + offs, mask=offs < VOCAB, other=float("-inf")).to(tl.float32)
+            x = _masked(row_ptr, offs, offs < VOCAB, bitmask_ptr, mask_row, stride_bitmask)
             s = tl.div_rn(x, temperature)
             new_max = tl.maximum(t_max, tl.max(s, axis=0))
             safe = tl.where(new_max == float("-inf"), 0.0, new_max)
@@ -96,7 +107,7 @@ def tail_partial_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p
         for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             inside = offs < VOCAB
-            x = tl.load(row_ptr + offs, mask=inside, other=float("-inf")).to(tl.float32)
+            x = _masked(row_ptr, offs, inside, bitmask_ptr, mask_row, stride_bitmask)
             score = tl.where(inside, tl.div_rn(x, temperature) + _gumbel(seed, step, offs), float("-inf"))
             block_best = tl.max(score, axis=0)
             better = block_best > best_score  # strictly: an earlier block (lower ids) wins a tie
