@@ -182,19 +182,18 @@ def stand_in_manifest(cache: Path, spec) -> tuple[Path, object, list, dict]:
     return path, lowered, kernels, {id_: key for (_, id_), key in compiled.keys.items()}
 
 
-def test_a_step_launches_each_kernels_variant_by_its_manifest_on_a_stand_in_driver(tmp_path, monkeypatch,
-                                                                                     tiny_checkpoint):
-    """The executor over a manifest built from the tiny model's plan: a prefill and a decode step launch, kernel by
-    kernel and layer by layer, the variant the rule picks, with every pointer argument inside the device memory
-    taken and every size argument the step's."""
+def stand_in_executor(tmp_path, monkeypatch, checkpoint) -> tuple:
+    """A GpuExecutor over the tiny model's Triton plan on a stand-in driver: (executor, lowered graph, planned
+    kernels, planned launch id -> key, the memory taken, the launches made: (symbol, argument values, pdl), the
+    copies to the device: (address, bytes), the manifest's launches by key)."""
     from types import SimpleNamespace
 
     from pegainfer.frontends.load import load_spec
     from pegainfer.runtime.cuda import driver
     from pegainfer.runtime.gpu import executor as executing
 
-    path, lowered, kernels, keys = stand_in_manifest(tmp_path, load_spec(tiny_checkpoint / "config.json"))
-    memory, launched, loaded = [0x10000], [], {}
+    path, lowered, kernels, keys = stand_in_manifest(tmp_path, load_spec(checkpoint / "config.json"))
+    memory, launched, copies, loaded = [0x10000], [], [], {}
 
     def alloc(nbytes: int) -> int:
         memory.append(memory[-1] + -(-max(nbytes, 1) // 256) * 256)
@@ -206,7 +205,8 @@ def test_a_step_launches_each_kernels_variant_by_its_manifest_on_a_stand_in_driv
         values = [(ctypes.c_uint64 if p.kind is ParamKind.TENSOR else ctypes.c_int32).from_address(at).value
                   for p, at in zip(loaded[symbol].params, pointers)]
         launched.append((symbol, values, pdl))
-    for name, stand_in in (("alloc", alloc), ("memset", lambda *args: None), ("copy_to_device", lambda *args: None),
+    for name, stand_in in (("alloc", alloc), ("memset", lambda *args: None),
+                           ("copy_to_device", lambda dst, src, stream=None: copies.append((dst, bytes(src)))),
                            ("alloc_pinned", lambda n: np.zeros(n, np.uint8)), ("launch", launch)):
         monkeypatch.setattr(driver, name, stand_in)
     monkeypatch.setattr(executing, "load_function", lambda cubin, launch: (None, launch.symbol))
@@ -215,6 +215,16 @@ def test_a_step_launches_each_kernels_variant_by_its_manifest_on_a_stand_in_driv
     gpu = GpuExecutor(SimpleNamespace(stream=0), lowered, path, {}, Limits(64, 4, 8, 0, 16))
     gpu.allocate_kv(32)
     loaded |= {launch.key: launch for k in gpu.kernels.values() for v in k.variants for launch in v.launches}
+    return gpu, lowered, kernels, keys, memory, launched, copies, loaded
+
+
+def test_a_step_launches_each_kernels_variant_by_its_manifest_on_a_stand_in_driver(tmp_path, monkeypatch,
+                                                                                     tiny_checkpoint):
+    """The executor over a manifest built from the tiny model's plan: a prefill and a decode step launch, kernel by
+    kernel and layer by layer, the variant the rule picks, with every pointer argument inside the device memory
+    taken and every size argument the step's."""
+    gpu, lowered, kernels, keys, memory, launched, _, loaded = stand_in_executor(tmp_path, monkeypatch,
+                                                                                 tiny_checkpoint)
     layers = {node.attrs["body"]: node.attrs["count"] for g in lowered.all_graphs() for node in g.nodes
               if node.op == REPEAT}
     allocator = BlockAllocator(num_blocks=32, block_size=16, reserved=1)
@@ -235,3 +245,77 @@ def test_a_step_launches_each_kernels_variant_by_its_manifest_on_a_stand_in_driv
                     assert memory[0] <= value < memory[-1], (symbol, param.name)
                 elif param.kind is ParamKind.DIM:
                     assert value == sizes[param.value], (symbol, param.name)
+
+
+def test_grammar_masks_filled_late_reach_the_device_after_the_layers_and_before_the_tail(tmp_path, monkeypatch,
+                                                                                       tiny_checkpoint):
+    """`before_tail` runs once every layer's launches are queued and before the sampler tail's; what it uploads
+    (upload_inputs) lands at the step inputs' own addresses, queued after the step's first upload."""
+    from pegainfer.ir.step import TOKEN_BITMASK, TOKEN_MASK_INDEX
+    from pegainfer.runtime.device_sampling import mask_inputs
+
+    gpu, _, _, _, _, launched, copies, _ = stand_in_executor(tmp_path, monkeypatch, tiny_checkpoint)
+    allocator = BlockAllocator(num_blocks=32, block_size=16, reserved=1)
+    chunks = [Chunk(Sequence(0, list(range(5))), 5), Chunk(Sequence(1, list(range(3))), 3)]
+    sizes = gpu.upload_step(pack_step(chunks, allocator))
+    words = gpu.limits.mask_words
+    masks = {1: np.arange(words, dtype=np.int32) + 7}
+    order: list[str] = []
+    gpu.run(sizes, before_tail=lambda: (order.append(f"fill after {len(launched)}"),
+                                        gpu.upload_inputs(mask_inputs(2, masks))))
+    tail = [i for i, (symbol, _, _) in enumerate(launched) if symbol.startswith("lm_head")]
+    assert order == [f"fill after {tail[0]}"] and tail == list(range(tail[0], len(launched)))
+    (bitmask_at, bitmask), (index_at, index) = copies[-2:]
+    assert bitmask_at == gpu.input_region + gpu.inputs[TOKEN_BITMASK][0] and bitmask == masks[1].tobytes()
+    assert index_at == gpu.input_region + gpu.inputs[TOKEN_MASK_INDEX][0]
+    assert np.frombuffer(index, np.int32).tolist() == [-1, 0]
+
+
+def test_a_graph_step_with_grammar_masks_replays_its_layers_then_fills_them_then_its_tail(monkeypatch):
+    """The bucket's layers and its sampler tail are captured apart, once; each replay runs the layers, then the
+    host's fill (while they run), then the tail. A step without masks keeps the one graph."""
+    from types import SimpleNamespace
+
+    from pegainfer.runtime.cuda import driver
+    from pegainfer.runtime.gpu.engine import GpuEngine
+
+    events: list[str] = []
+
+    class Graph:
+        made = 0
+
+        def __init__(self, stream) -> None:
+            Graph.made += 1
+            self.name = f"g{Graph.made}"
+
+        def __enter__(self) -> "Graph":
+            events.append(f"capture {self.name}")
+            return self
+
+        def __exit__(self, *error) -> None:
+            events.append(f"end {self.name}")
+
+        def replay(self) -> None:
+            events.append(f"replay {self.name}")
+
+    class Executor:
+        def upload_step(self, step) -> dict:
+            return {"tokens": len(step["query_lens"])}
+
+        def run(self, sizes, before_tail=None) -> dict:
+            events.append("layers")
+            if before_tail is not None:
+                before_tail()
+            events.append("tail")
+            return {}
+    monkeypatch.setattr(driver, "Graph", Graph)
+    engine = GpuEngine.__new__(GpuEngine)
+    engine.executor, engine.graphs = Executor(), {}
+    engine.ctx = SimpleNamespace(stream=0, synchronize=lambda: None)
+    step = {"query_lens": np.ones(4, np.int32)}
+    for _ in range(2):
+        engine._replay(step, lambda: events.append("fill"))
+    engine._replay(step, None)
+    assert events == ["capture g1", "layers", "end g1", "capture g2", "tail", "end g2",
+                      "replay g1", "fill", "replay g2", "replay g1", "fill", "replay g2",
+                      "capture g3", "layers", "tail", "end g3", "replay g3"]

@@ -464,8 +464,8 @@ def test_gpu_engine_sample_downloads_tokens_and_only_the_rows_left_to_the_host(t
     engine.executor = _DeviceStandIn(graph, arrays)
     engine.rng, engine.vocab_size, launched_masks = np.random.default_rng(0), vocab, []
 
-    def run(chunks, sampling, masks=None):
-        launched_masks.append(masks)
+    def run(chunks, sampling, fill_masks=None):  # the masks are filled as the layers would run
+        launched_masks.append(None if fill_masks is None else fill_masks())
         return engine.executor.tensors
     engine.run = run
     chunks = [Chunk(Sequence(i, [1]), 1) for i in range(3)]

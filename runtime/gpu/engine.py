@@ -58,7 +58,7 @@ class GpuEngine:
         self.allocator = BlockAllocator(num_blocks, options.block_size, reserved=PADDING_BLOCK + 1)
         self.executor.pdl_max_tokens = options.pdl_max_tokens
         self.buckets = decode_buckets(options.max_batch)
-        self.graphs: dict[int, tuple[driver.Graph, dict]] = {}
+        self.graphs: dict[tuple[int, bool], tuple[tuple[driver.Graph, ...], dict]] = {}  # (bucket, split)
         self.rng = np.random.default_rng()  # seeds for requests that have none
         self.vocab_size = lowered.value_types()[lowered.outputs[0]].shape[-1]  # the logits' width
         self.no_masks = np.zeros((1, mask_words(self.vocab_size)), dtype=np.int32)
@@ -86,8 +86,13 @@ class GpuEngine:
         only for a row whose kept set reaches past the candidates or that a constraint holds (drawn on the host
         with the same noise). `launched` is called once the step and its downloads are queued, before the wait."""
         sampling = sampling_inputs(params, token_index, self.rng)
-        masks = device_masks(constraints, self.vocab_size)
-        outputs = self.run(chunks, sampling=sampling, masks=masks)
+        masks: dict[int, np.ndarray] = {}
+
+        def fill_masks() -> dict[int, np.ndarray]:  # while the GPU runs the layers
+            masks.update(device_masks(constraints, self.vocab_size))
+            return masks
+        constrained = constraints is not None and any(c is not None for c in constraints)
+        outputs = self.run(chunks, sampling=sampling, fill_masks=fill_masks if constrained else None)
         names = sampler_outputs(self.executor.graph)
         wanted = ["sampled_ids", "sampled_logprobs", *(("top_values", "top_ids", "logsumexp")
                                                  if wants_top_logprobs(params) else ())]
@@ -100,31 +105,61 @@ class GpuEngine:
                       lambda row: self.executor.fetch(logits.row(row))[0].astype(np.float32), constraints, masks)
 
     def run(self, chunks: list[Chunk], *, all_logits: bool = False, sampling: dict | None = None,
-            masks: dict[int, np.ndarray] | None = None) -> dict:
-        """Launches one step; `sampling` (device_sampling.sampling_inputs) replaces the greedy defaults, `masks`
-        (device_masks) are the rows' grammar bitmasks."""
+            fill_masks: Callable[[], dict[int, np.ndarray]] | None = None) -> dict:
+        """Launches one step; `sampling` (device_sampling.sampling_inputs) replaces the greedy defaults;
+        `fill_masks`, called once the layers are queued, gives the rows' grammar bitmasks (device_masks), uploaded
+        ahead of the sampler tail."""
         decode = self.options.cuda_graphs and not all_logits and all(c.num_tokens == 1 for c in chunks)
-        step = pack_step(chunks, self.allocator, all_logits=all_logits) | (sampling or {})
         # full-width bitmask rows even when none is used: a captured graph keeps the row stride it was captured with
-        step |= mask_inputs(len(step["logits_indices"]), masks) or {TOKEN_BITMASK: self.no_masks}
+        step = pack_step(chunks, self.allocator, all_logits=all_logits) | (sampling or {}) | \
+            {TOKEN_BITMASK: self.no_masks}
         if decode:
-            outputs = self._replay(pad_decode_step(step, bucket_for(len(chunks), self.buckets)))
+            step = pad_decode_step(step, bucket_for(len(chunks), self.buckets))
+        rows = len(step["logits_indices"])
+        before_tail = None if fill_masks is None else \
+            (lambda: self.executor.upload_inputs(mask_inputs(rows, fill_masks())))
+        if decode:
+            outputs = self._replay(step, before_tail)
         else:
-            outputs = self.executor.run(self.executor.upload_step(step))
+            outputs = self.executor.run(self.executor.upload_step(step), before_tail)
         commit_step(chunks)
         return outputs
 
-    def _replay(self, step: dict[str, np.ndarray]) -> dict:
-        bucket = len(step["query_lens"])
+    def _replay(self, step: dict[str, np.ndarray], before_tail: Callable[[], None] | None) -> dict:
+        """The bucket's captured graph; with `before_tail`, its layers and its sampler tail captured apart, so that
+        the host fills the grammar masks between the two replays while the GPU runs the layers."""
+        key = (len(step["query_lens"]), before_tail is not None)
         sizes = self.executor.upload_step(step)
-        if bucket not in self.graphs:
+        if key not in self.graphs:
             self.ctx.synchronize()
-            with driver.Graph(self.ctx.stream) as graph:
-                outputs = self.executor.run(sizes)
-            self.graphs[bucket] = (graph, outputs)
-        graph, outputs = self.graphs[bucket]
-        graph.replay()
+            self.graphs[key] = self._capture_split(sizes) if key[1] else self._capture(sizes)
+        graphs, outputs = self.graphs[key]
+        graphs[0].replay()
+        if before_tail is not None:
+            before_tail()
+            graphs[1].replay()
         return outputs
+
+    def _capture(self, sizes: dict[str, int]) -> tuple[tuple[driver.Graph, ...], dict]:
+        with driver.Graph(self.ctx.stream) as graph:
+            outputs = self.executor.run(sizes)
+        return (graph,), outputs
+
+    def _capture_split(self, sizes: dict[str, int]) -> tuple[tuple[driver.Graph, ...], dict]:
+        body, tail = driver.Graph(self.ctx.stream), driver.Graph(self.ctx.stream)
+        capturing = [body.__enter__()]
+
+        def switch() -> None:
+            body.__exit__(None, None, None)
+            capturing[0] = tail.__enter__()
+        try:
+            outputs = self.executor.run(sizes, before_tail=switch)
+        except BaseException as error:
+            capturing[0].__exit__(type(error), error, error.__traceback__)  # the stream leaves capture mode
+            raise
+        assert capturing[0] is tail, "the graph has no sampler tail to capture apart"
+        tail.__exit__(None, None, None)
+        return (body, tail), outputs
 
     def release(self, seq: Sequence) -> None:
         release_sequence(self.allocator, seq)

@@ -27,6 +27,7 @@ from pegainfer.runtime.gpu.upload import params_bytes, upload_weights
 # Programmatic dependent launch (kernels compiled for sm_90 and later) for steps of at most this many tokens: the
 # decode tiles were chosen launched so (docs/BENCHMARKS.md); larger steps launch every kernel plainly.
 PDL_MAX_TOKENS = 16
+TAIL_KIND = "lm_head_tail"  # the kernel that draws the tokens (passes/fusion.py's plan_sampler_tail)
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ class GpuExecutor:
                          if n.op == KERNEL}
         self.types = {g.name: g.value_types() for g in graph.all_graphs()}
         self.bound: dict[tuple[str, int | None], dict[str, DeviceTensor]] = {}
+        self._before_tail: Callable[[], None] | None = None
         self.functions = self._load_functions(manifest_path.parent.parent)
         arena = Arena(params_bytes(graph) + ALIGN * len(graph.expanded_params()), "weights")
         self.weights = upload_weights(graph, weights, ctx.stream, arena)
@@ -159,14 +161,26 @@ class GpuExecutor:
         driver.copy_to_device(self.input_region, self.staging[:end], self.ctx.stream)
         return sizes
 
+    def upload_inputs(self, arrays: dict[str, np.ndarray]) -> None:
+        """Some step inputs again, queued after what the stream holds (a step's grammar masks, filled late); each
+        must fit the step's layout (the bitmask's rows may grow, up to the limits)."""
+        for name, array in arrays.items():
+            offset, t = self.inputs[name]
+            data = np.ascontiguousarray(array, dtype=t.dtype.np_dtype).view(np.uint8).reshape(-1)
+            self.staging[offset: offset + data.size] = data
+            driver.copy_to_device(self.input_region + offset, self.staging[offset: offset + data.size], self.ctx.stream)
+
     def _check(self, sizes: dict[str, int]) -> None:
         for name, limit in (("tokens", self.limits.max_tokens), ("batch", self.limits.max_batch),
                             ("samples", self.limits.max_batch)):
             if sizes[name] > limit:
                 raise PegainferError(f"a step of {sizes[name]} {name} exceeds this engine's {limit}")
 
-    def run(self, sizes: dict[str, int]) -> dict[str, DeviceTensor]:
-        """Launches the whole graph for the uploaded step on the stream; returns its outputs (on the device)."""
+    def run(self, sizes: dict[str, int], before_tail: Callable[[], None] | None = None) -> dict[str, DeviceTensor]:
+        """Launches the whole graph for the uploaded step on the stream; returns its outputs (on the device).
+        `before_tail` is called once every kernel before the sampler tail is launched: the host fills the step's
+        grammar masks while the GPU runs the layers, and uploads them (upload_inputs) ahead of the tail."""
+        self._before_tail = before_tail
         env = {name: DeviceTensor.contiguous(self.input_region + offset, t.concrete(sizes), t.dtype)
                for name, (offset, t) in self.inputs.items()}
         env["block_tables"] = DeviceTensor(env["block_tables"].ptr, env["block_tables"].shape,
@@ -196,6 +210,8 @@ class GpuExecutor:
                     carried = self._run(body, body_env, sizes, index)
                 env.update(zip(node.outputs, carried))
             elif node.op == KERNEL:
+                if node.attrs["kind"] == TAIL_KIND and self._before_tail is not None:
+                    self._before_tail()
                 key = (g.name, node.name)
                 in_place = self.in_place[key]
                 for out in node.outputs:
