@@ -7,8 +7,8 @@
 # prefix cache that an earlier one filled), with the server's step trace (--trace-steps) summarised per
 # concurrency; $SERVE_FLAGS go to that server; $SGLANG_CONC: the same load from SGLang's client too (its
 # bench_serving.py, from serve_wheels.sh's wheel). `bash scripts/gpu/serve.sh hf`: the same request stream against
-# `transformers serve --continuous-batching`, each concurrency cut off after $HF_LIMIT seconds. The checkpoint's tokenizer has one
-# word per id, so every token streams as text and TTFT is the first token's. Reports and logs go to
+# `transformers serve --continuous-batching`, each concurrency cut off after $HF_LIMIT seconds. The checkpoint's
+# tokenizer has one word per id, so every token streams as text and TTFT is the first token's. Reports and logs go to
 # /tmp/serve_<target> and, as one tarball, to $OUT/serve_<target>.tgz (the device tool brings back 8 files at
 # most); the tables print last.
 set -uo pipefail

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Here (CPU machine): the wheels `pegainfer serve`, `transformers serve` and SGLang's client need that the GPU image lacks (it has
-# httpx, anyio, h11, uvloop, click, jinja2, tqdm), for its Python 3.12, into .gpu/wheels (carried with .gpu).
+# Here (CPU machine): the wheels `pegainfer serve`, `transformers serve` and SGLang's client need that the GPU
+# image lacks (it has httpx, anyio, h11, uvloop, click, jinja2, tqdm), for its Python 3.12, into .gpu/wheels
+# (carried with .gpu).
 # Pinned to releases whose own needs the image meets (newer fastapi wants opentelemetry-api, newer openai httpx2).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
