@@ -338,7 +338,9 @@ def test_clients_leaving_midway_free_every_kv_block_and_the_server_goes_on(serve
     assert blocks == metrics["pegainfer:kv_blocks_total"]
     assert metrics["vllm:request_success_total:abort"] - before["vllm:request_success_total:abort"] == 32
     assert metrics["vllm:request_success_total:length"] - before["vllm:request_success_total:length"] == 32
-    assert metrics["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] < 32 * 6 + 32 * 100
+    # the streams that left stopped well short of their 400 tokens (how soon depends on the machine's load: a
+    # loaded 2-core machine has run 104 a stream before the disconnect reached the engine)
+    assert metrics["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] < 32 * 6 + 32 * 200
     result = server.client().completions.create(model=NAME, prompt="after", max_tokens=3,
                                                 extra_body={"ignore_eos": True})
     assert result.usage.completion_tokens == 3
