@@ -270,7 +270,9 @@ async def stream_events(ctx: ServerContext, prepared: Prepared, request_id: str,
                 prefix = "" if delta.index in echoed else echo[delta.index // n]
                 echoed.add(delta.index)
                 offset = len(echo[delta.index // n]) + len(choices[delta.index].text) - len(delta.text)
-                chunk = fmt.completion_chunk(ctx.tokenizer, base, delta, prefix, offset)
+                steps = choices[delta.index].prompt_logprobs
+                prompt = None if steps is None else (prepared.prompts[delta.index // n], steps)
+                chunk = fmt.completion_chunk(ctx.tokenizer, base, delta, prefix, offset, prompt)
             yield _sse(chunk)
     except (EngineDead, RequestError) as error:
         status = 503 if isinstance(error, EngineDead) else 400

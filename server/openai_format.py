@@ -80,9 +80,14 @@ def prompt_logprobs(tokenizer: TextTokenizer, prompt_ids: list[int], steps: list
     return out
 
 
-def completion_chunk(tokenizer: TextTokenizer, base: dict, delta: Delta, prefix: str, offset: int) -> dict:
+def completion_chunk(tokenizer: TextTokenizer, base: dict, delta: Delta, prefix: str, offset: int,
+                     prompt: tuple[list[int], list[dict[int, float]]] | None = None) -> dict:
+    """A streamed token; the choice's first carries the echoed prompt (`prefix`) and, where it has them, the
+    prompt's logprobs (`prompt`: its ids and steps) before its own, as the whole response has them."""
     logprobs = None if delta.logprobs is None else \
         completion_logprobs(tokenizer, [delta.token_id], [delta.logprobs], offset)
+    if logprobs is not None and prefix and prompt is not None:
+        logprobs = _prepend_prompt(tokenizer, *prompt, logprobs)
     return {**base, "choices": [{"index": delta.index, "text": prefix + delta.text, "logprobs": logprobs,
                                  "finish_reason": delta.finish_reason}]}
 

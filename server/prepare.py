@@ -121,8 +121,6 @@ async def prepare_completion(ctx: "ServerContext", body: CompletionRequest) -> P
     texts = [prompt] if isinstance(prompt, str) else prompt if isinstance(prompt[0], str) else None
     id_prompts = None if texts is not None else [prompt] if isinstance(prompt[0], int) else prompt
     check_common(ctx, body, len(texts if texts is not None else id_prompts))
-    if body.echo and body.logprobs is not None and body.stream:
-        raise ApiError(400, "echo with logprobs is answered whole, not streamed: leave out stream", "stream")
     score_only = body.max_tokens == 0
     if score_only and (not body.echo or body.stream):
         raise ApiError(400, "max_tokens 0 scores the prompt: it needs echo, and is answered whole (no stream)",

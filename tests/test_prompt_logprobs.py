@@ -2,6 +2,8 @@
 null) equal to Hugging Face's float32 log-softmax of the tiny checkpoint, then the generated tokens' as without
 echo; vLLM's prompt_logprobs field; and in the scheduler, a prompt cut into chunks scores as one does."""
 
+import json
+
 import httpx
 import numpy as np
 import pytest
@@ -50,6 +52,30 @@ def test_echo_with_logprobs_scores_the_prompt_as_hugging_face_does(server, tiny_
     assert all(1 <= len(top) <= 3 for top in lp["top_logprobs"][1:len(PROMPT)])
     assert lp["token_logprobs"][len(PROMPT):] == pytest.approx(plain["logprobs"]["token_logprobs"], abs=1e-5)
     assert echoed["text"].endswith(plain["text"]) and lp["text_offset"][0] == 0
+
+
+def test_streamed_echo_with_logprobs_assembles_into_the_whole_response(server):
+    """The first chunk carries the echoed prompt and its logprobs (the first null), each later one its token's:
+    joined, the text, the tokens, their logprobs and the prompt's offsets are the non-streamed response's."""
+    whole = completion(server, echo=True, logprobs=2)
+    joined = {"text": "", "tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=120, json={
+            "model": NAME, "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "ignore_eos": True, "echo": True,
+            "logprobs": 2, "stream": True}) as reply:
+        assert reply.status_code == 200
+        for line in reply.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            (choice,) = json.loads(line[len("data: "):])["choices"]
+            joined["text"] += choice["text"]
+            for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                joined[key] += (choice["logprobs"] or {}).get(key, [])
+    assert joined["text"] == whole["text"] and joined["tokens"] == whole["logprobs"]["tokens"]
+    # the prompt's offsets (a generated token's follows the streamed text, which may hold a partial character back)
+    assert joined["text_offset"][:len(PROMPT)] == whole["logprobs"]["text_offset"][:len(PROMPT)]
+    assert joined["token_logprobs"][0] is None
+    assert joined["token_logprobs"][1:] == pytest.approx(whole["logprobs"]["token_logprobs"][1:], abs=1e-5)
+    assert joined["top_logprobs"][0] is None and len(joined["top_logprobs"]) == len(PROMPT) + 3
 
 
 def test_vllm_prompt_logprobs_field(server, tiny_checkpoint):
