@@ -81,10 +81,11 @@ class GpuEngine:
     def sample(self, chunks: list[Chunk], params: list[SamplingParams], token_index: list[int],
                constraints: list[TokenConstraint | None] | None = None,
                launched: Callable[[], None] | None = None) -> SampleResult:
-        """Runs one step and draws a token per chunk on the device (the tail's `sample` op): downloads the tokens
-        and their logprobs, the top-k candidates only when a row asks for top logprobs, and a full logits row
-        only for a row whose kept set reaches past the candidates or that a constraint holds (drawn on the host
-        with the same noise). `launched` is called once the step and its downloads are queued, before the wait."""
+        """Runs one step and draws a token per chunk on the device (the tail's `sample` op, under each row's
+        grammar bitmask): downloads the tokens and their logprobs, the top-k candidates only when a row asks for
+        top logprobs, and a full logits row only for a row whose kept set reaches past the candidates or whose
+        constraint adjusts the logits (penalties: drawn on the host with the same noise). `launched` is called
+        once the step and its downloads are queued, before the wait."""
         sampling = sampling_inputs(params, token_index, self.rng)
         masks: dict[int, np.ndarray] = {}
 
