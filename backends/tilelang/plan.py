@@ -132,7 +132,8 @@ MAX_PLANES = 4  # the planes a norm launch can add (rows.py's PLANES), at least 
 # what CI compiles for every kernel they fit
 DEFAULT_VARIANTS = ("wgmma_fullrow_128x160", "wgmma_fullrow_128x192", "wgmma_merged_128x256",
                     "wgmma_fullrow_128x128", "mma_128x128", "flash_ws_128x128", "flash_128x128",
-                    "mixed_16_ws_128x128", "mixed_16_128x128", "decode_tile_16x16", "decode_normed_4x16", "decode_halved_4x8", "decode_planes_16x32")
+                    "mixed_16_ws_128x128", "mixed_16_128x128", "decode_tile_16x16", "decode_normed_4x16",
+                    "decode_halved_4x8", "decode_planes_16x32")
 
 
 def candidates(graph: Graph, node: Node, options: PlanOptions) -> list[VariantSpec]:
