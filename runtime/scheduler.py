@@ -205,10 +205,14 @@ class Scheduler:
         chunks = self.schedule()
         if not chunks:
             return []
+        began = time.monotonic()
         scoring = [self._by_seq[c.seq.seq_id].scoring for c in chunks]
+        scored_tokens = sum(c.num_tokens for c, s in zip(chunks, scoring) if s)
         scored = [out for c, s in zip(chunks, scoring) if s if (out := self._score(c)) is not None]
         chunks = [c for c, s in zip(chunks, scoring) if not s]
-        if not chunks:
+        if not chunks:  # the trace's line counts the scoring chunks' engine calls and the tokens they gave
+            self.last_step = StepRecord(began, time.monotonic() - began, len(scoring), scored_tokens, scored_tokens,
+                                        len(scored))
             return scored
         states = [self._by_seq[c.seq.seq_id] for c in chunks]
         prefill = sum(c.num_tokens for c, st in zip(chunks, states) if not (c.num_tokens == 1 and st.num_generated))
@@ -224,7 +228,8 @@ class Scheduler:
         self.stats.steps += 1
         self.stats.step_tokens[tokens] += 1
         outputs = self._process(chunks, result)
-        self.last_step = StepRecord(start, seconds, len(chunks), tokens, prefill, len(outputs))
+        self.last_step = StepRecord(began, start + seconds - began, len(scoring), tokens + scored_tokens,
+                                    prefill + scored_tokens, len(scored) + len(outputs))
         return scored + outputs
 
     def _score(self, chunk: Chunk) -> TokenOutput | None:

@@ -53,6 +53,9 @@ class Recorder:
         assert need <= self.allocator.num_free, f"step needs {need} blocks, {self.allocator.num_free} free"
         return self.engine.sample(chunks, params, token_index, launched=launched)
 
+    def step(self, chunks: list[Chunk], *, all_logits: bool = False):
+        return self.engine.step(chunks, all_logits=all_logits)
+
     def release(self, seq) -> None:
         self.engine.release(seq)
 
@@ -406,6 +409,25 @@ def test_engine_loop_traces_each_step_with_what_it_ran(model):
     assert [line["outputs"] for line in lines] == [0] + [1] * GREEDY.max_tokens
     assert all(line["seconds"] > 0 and line["schedule"] >= 0 and line["after"] >= 0 for line in lines)
     assert lines[0]["gap"] is None and all(line["gap"] >= 0 for line in lines[1:])
+
+
+def test_the_trace_counts_the_tokens_of_steps_that_only_scored_a_prompt(model):
+    """A request wanting prompt logprobs has its prompt scored apart, its first token drawn there: that step's line
+    counts it, so the lines' outputs add up to every token the request got."""
+    import io
+    import json
+
+    scheduler, _ = make(model, max_num_batched_tokens=16, max_num_seqs=4)
+    trace = io.StringIO()
+    loop = EngineLoop(scheduler, trace=trace).start()
+    try:
+        got = collect(loop, EngineRequest("a", list(range(1, 31)), replace(GREEDY, prompt_logprobs=1)))
+    finally:
+        loop.stop()
+    lines = [json.loads(line) for line in trace.getvalue().splitlines()]
+    assert sum(line["outputs"] for line in lines) == len(got) == GREEDY.max_tokens
+    scoring = [line for line in lines if line["prefill_tokens"]]  # chunks of at most max_num_seqs tokens
+    assert sum(line["tokens"] for line in scoring) == 30 and [line["outputs"] for line in scoring][-1] == 1
 
 
 class FakeLoop:

@@ -208,7 +208,6 @@ USER = [{"role": "user", "content": "hi"}]
     (COMPLETIONS, {"prompt": ""}, 400, "prompt", ["empty"]),
     (COMPLETIONS, {"prompt": []}, 400, "prompt", ["none of them empty"]),
     (COMPLETIONS, {"prompt": "x", "stop_token_ids": [9999]}, 400, "stop_token_ids", ["9999"]),
-    (COMPLETIONS, {"prompt": "x", "echo": True, "logprobs": 1, "stream": True}, 400, "stream", ["not streamed"]),
     (COMPLETIONS, {"prompt": "x", "frequency_penalty": 2.5}, 400, "frequency_penalty", ["less than or equal to 2"]),
     (COMPLETIONS, {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", ["stream"]),
     (CHAT, {"messages": []}, 400, "messages", ["at least 1 item"]),
