@@ -13,7 +13,7 @@ from pegainfer.errors import PegainferError
 from pegainfer.ir.dtypes import dtype_from_name
 from pegainfer.runtime.gpu.abi import DeviceTensor
 from pegainfer.runtime.gpu.launch import pack_launch, shape_of
-from pegainfer.runtime.gpu.tma import TENSOR_MAP_BYTES, TiledDescriptor, memoized, resolve
+from pegainfer.runtime.gpu.tma import TENSOR_MAP_BYTES, TiledDescriptor, resolve
 
 BF16 = dtype_from_name("bf16")
 DESCRIPTOR = TmaDescriptor(dtype=9, dims=(2560, "tokens"), strides=(2, 5120), box=(64, 128), element_strides=(1, 1),
@@ -60,7 +60,7 @@ def test_pack_launch_lays_out_tma_pointer_and_int_arguments():
     assert ctypes.c_int32.from_address(pointers[4]).value == 48  # the planes' rows, their leading dim
 
 
-def test_memoized_encoder_encodes_each_descriptor_once():
+def test_pack_launch_encodes_each_descriptor_once():
     """A step's weights keep their descriptors from step to step; a new step size or address is a new one."""
     calls: list[TiledDescriptor] = []
 
@@ -68,10 +68,9 @@ def test_memoized_encoder_encodes_each_descriptor_once():
         calls.append(d)
         return d.dims[1].to_bytes(2, "little") * 64
     params = [TMA]
-    cached = memoized(encode)
     for tokens, address in ((300, 0x10000), (300, 0x10000), (512, 0x10000), (300, 0x40000), (512, 0x10000)):
         tensors = {"x": DeviceTensor.contiguous(address, (tokens, 2560), BF16)}
-        args = pack_launch(params, tensors, {"tokens": tokens}, encode=cached)
+        args = pack_launch(params, tensors, {"tokens": tokens}, encode=encode)
         assert ctypes.string_at(args.pointers[0], 2) == tokens.to_bytes(2, "little")
     assert [(d.dims[1], d.address) for d in calls] == [(300, 0x10000), (512, 0x10000), (300, 0x40000)]
 

@@ -11,7 +11,7 @@ from pegainfer.backends.manifest import Launch
 from pegainfer.backends.spec import Param, ParamKind
 from pegainfer.runtime.cuda import driver
 from pegainfer.runtime.gpu.abi import DeviceTensor
-from pegainfer.runtime.gpu.tma import TENSOR_MAP_BYTES, Encoder, encode_memoized, resolve
+from pegainfer.runtime.gpu.tma import TENSOR_MAP_BYTES, Encoder, encode_tiled, resolve
 
 
 class LaunchArguments:
@@ -35,7 +35,7 @@ class LaunchArguments:
 
 
 def pack_launch(params: Sequence[Param], tensors: dict[str, DeviceTensor], sizes: dict[str, int],
-                scratch: dict[str, int] | None = None, encode: Encoder = encode_memoized) -> LaunchArguments:
+                scratch: dict[str, int] | None = None, encode: Encoder = encode_tiled) -> LaunchArguments:
     """The kernel's arguments in ABI order: 8-byte pointers, 128-byte descriptors, i32 sizes and strides."""
     args = LaunchArguments()
     for param in params:

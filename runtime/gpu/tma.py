@@ -1,11 +1,11 @@
 """TMA descriptors for TileLang's kernels: the manifest records each descriptor as TileLang's lowering describes
 it (dims innermost first, byte strides with the element size first, box, swizzle...), a dim that is a step size by
-its symbol; per launch the runtime resolves the sizes, checks what the hardware requires, and encodes the 128-byte
-CUtensorMap with cuTensorMapEncodeTiled. The kernel takes it by value (__grid_constant__)."""
+its symbol; for each new (parameter, address, step sizes) the runtime resolves the sizes, checks what the hardware
+requires, and encodes the 128-byte CUtensorMap with cuTensorMapEncodeTiled (kept: runtime/gpu/launch.py's
+DescriptorBlobs). The kernel takes it by value (__grid_constant__)."""
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
 
 from pegainfer.backends.spec import TmaDescriptor
 from pegainfer.errors import PegainferError
@@ -81,13 +81,3 @@ def encode_tiled(d: TiledDescriptor) -> bytes:
 
 
 Encoder = Callable[[TiledDescriptor], bytes]
-
-
-def memoized(encode: Encoder, size: int = 4096) -> Encoder:
-    """`encode` remembered per descriptor: a prefill step launches every layer's TileLang kernels eagerly, and their
-    weights' descriptors (and the activations', for a step size seen before) are the same each time, while
-    encoding one is a driver call per launch on the host."""
-    return lru_cache(maxsize=size)(encode)
-
-
-encode_memoized = memoized(encode_tiled)
