@@ -38,8 +38,16 @@ def _norm_rotate(x_ptr, w1, w2, cos, sin, offs, mask, HD: tl.constexpr, EPS: tl.
     half: tl.constexpr = HD // 2
     x1 = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_ptr + half + offs, mask=mask, other=0.0).to(tl.float32)
+    return _norm_rotate_halves(x1, x2, w1, w2, cos, sin, HD, EPS, NORM, 0)
+
+
+@triton.jit
+def _norm_rotate_halves(x1, x2, w1, w2, cos, sin, HD: tl.constexpr, EPS: tl.constexpr, NORM: tl.constexpr,
+                        AXIS: tl.constexpr):
+    """The RMSNorm and rotation of heads' halves x1, x2 (float32; a head along AXIS: one head, or a tile of them)."""
     if NORM:
-        rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HD + EPS)
+        squares = tl.sum(x1 * x1, axis=AXIS, keep_dims=True) + tl.sum(x2 * x2, axis=AXIS, keep_dims=True)
+        rstd = 1.0 / tl.sqrt(squares / HD + EPS)
         x1 = x1 * rstd * w1
         x2 = x2 * rstd * w2
     return x1 * cos - x2 * sin, x2 * cos + x1 * sin
@@ -129,17 +137,14 @@ def qk_rope_kv_write_rows_kernel(q_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, po
     ok = (is_q | is_k) & col_ok
     x1 = tl.load(src + offs[None, :], mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(src + half + offs[None, :], mask=ok, other=0.0).to(tl.float32)
+    w1, w2 = 0.0, 0.0
     if NORM:
         mask = offs < half
         w1 = tl.where(is_q, tl.load(q_norm_ptr + offs, mask=mask, other=0.0).to(tl.float32)[None, :],
                       tl.load(k_norm_ptr + offs, mask=mask, other=0.0).to(tl.float32)[None, :]) + NORM_OFFSET
         w2 = tl.where(is_q, tl.load(q_norm_ptr + half + offs, mask=mask, other=0.0).to(tl.float32)[None, :],
                       tl.load(k_norm_ptr + half + offs, mask=mask, other=0.0).to(tl.float32)[None, :]) + NORM_OFFSET
-        rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HD + EPS)
-        x1 = x1 * rstd[:, None] * w1
-        x2 = x2 * rstd[:, None] * w2
-    o1 = x1 * cos[None, :] - x2 * sin[None, :]
-    o2 = x2 * cos[None, :] + x1 * sin[None, :]
+    o1, o2 = _norm_rotate_halves(x1, x2, w1, w2, cos[None, :], sin[None, :], HD, EPS, NORM, 1)
     q_dst = q_out_ptr + token * stride_q_out + q_head * HD + offs[None, :]
     tl.store(q_dst, o1.to(q_out_ptr.dtype.element_ty), mask=is_q & col_ok)
     tl.store(q_dst + half, o2.to(q_out_ptr.dtype.element_ty), mask=is_q & col_ok)
