@@ -267,6 +267,38 @@ def test_kernels_draw_the_reference_tokens_for_mixed_rows(dtype, monkeypatch):
 
 
 @pytest.mark.slow
+def test_candidates_past_the_chunk_maxima_floor_are_those_of_a_whole_ranking(monkeypatch):
+    """Ten chunks of 64 (blocks seen as 16 x 4) and four candidates, so that only keys at or above the 4th
+    largest chunk maximum are merged: a row whose top six share one column of one chunk (a crowded block,
+    ranked whole), a row of ties (the lower ids first), a row whose top values fill one chunk, a row masked
+    to three ids, and random rows; the top-k, logsumexp and tokens are the references'."""
+    rng = np.random.default_rng(23)
+    vocab = 600
+    tail = plan_tail(vocab, FP32, monkeypatch, candidates=4, chunk=64)
+    bound = next(l for v in tail.spec.variants for l in v.launches if l.function == "tail_bound_kernel")
+    assert (bound.constexprs["CHUNKS"], bound.constexprs["BLOCK"]) == (10, 64)
+    logits = rng.normal(0, 2, (8, vocab)).astype(np.float32)
+    logits[0, 3 * 64 + 4 * np.arange(6)] = 10 + np.arange(6)  # one column of one block
+    logits[1] = 1.0
+    logits[2, 5 * 64:6 * 64] += 12
+    inputs = rows_of(8, temperature=np.array([0.0, 1.0, 0.0, 0.7, 1.0, 0.0, 0.5, 1.0]),
+                     top_k=np.array([0, 3, 0, 2, 0, 0, 4, 0]), top_p=np.array([1.0, 1.0, 1.0, 1.0, 0.8, 1, 1, 1]),
+                     seed=rng.integers(0, 2 ** 63, 8), step=rng.integers(0, 1000, 8))
+    allowed = np.zeros(vocab, bool)
+    allowed[[7, 300, 599]] = True
+    bitmask, index = stack_masks({3: pack_mask(allowed)}, 8, mask_words(vocab))
+    got = run_tail(tail, logits, inputs | {TOKEN_BITMASK: bitmask, TOKEN_MASK_INDEX: index})
+    masked = get_op("mask_tokens").reference(logits, bitmask, index)
+    tokens, logprobs = draw(masked, inputs, candidates=4)
+    np.testing.assert_array_equal(got["sampled_ids"], tokens)
+    np.testing.assert_allclose(got["sampled_logprobs"], logprobs, atol=1e-5)
+    np.testing.assert_array_equal(got["top_ids"], np.argsort(-masked, axis=1, kind="stable")[:, :4])
+    np.testing.assert_allclose(got["logsumexp"], np.log(np.exp(masked.astype(np.float64)).sum(axis=1)), rtol=1e-6)
+    assert got["top_ids"][0].tolist() == [3 * 64 + 20, 3 * 64 + 16, 3 * 64 + 12, 3 * 64 + 8]
+    assert got["top_ids"][1].tolist() == [0, 1, 2, 3] and tokens[3] in (7, 300, 599)
+
+
+@pytest.mark.slow
 def test_kernels_draw_under_each_rows_grammar_mask_as_the_reference_does(monkeypatch):
     """Rows of every sampling path under masks (one id, a few, most; a row without), two chunks: the top-k, the
     logsumexp and the draw are those of the masked logits (mask_tokens, then the ops' references), and no row

@@ -222,9 +222,10 @@ def gemv_1_tile(n: int, k: int, act: bool) -> tuple[int, int, int]:
 
 
 def _plan_tail_reduction(types: dict[str, TensorType], roles: dict, layout: dict) -> tuple[list[LaunchSpec], dict]:
-    """Two launches: per vocabulary chunk, partial top-k, logsumexp and sampling statistics over many programs,
-    each row's grammar mask applied as its logits are read; then per row, the merge that writes the top-k, the
-    logsumexp and the sampled token (kernels/sampling.py)."""
+    """Three launches: per vocabulary chunk, the logsumexp statistics and the chunk's largest key; per chunk
+    again, its share of the top-k candidates and sampling statistics; then per row, the merge that writes the
+    top-k, the logsumexp and the sampled token (kernels/sampling.py). Each row's grammar mask is applied as its
+    logits are read. Chunks are small enough that a row has at least k of them where the vocabulary allows."""
     logits = roles["out"]
     values, ids = roles["top_k"].outputs
     k = roles["top_k"].attrs["k"]
@@ -232,17 +233,24 @@ def _plan_tail_reduction(types: dict[str, TensorType], roles: dict, layout: dict
     sampling = dict(zip(("temperature", "top_k", "top_p", "min_p", "seed", "step"), sample.inputs[1:]))
     rows_symbol, vocab = types[logits].shape
     k_p2 = next_pow2(k)
-    chunk = max(k_p2, min(TAIL_CHUNK, next_pow2(vocab)))
+    chunk = max(k_p2, min(TAIL_CHUNK, next_pow2(vocab), 1 << max(0, (vocab // k).bit_length() - 1)))
     chunks = -(-vocab // chunk)
-    scratch = {"tail.keys": TensorType(dtype_from_name("i64"), (rows_symbol, chunks * k_p2)),
+    scratch = {"tail.bound": TensorType(dtype_from_name("i64"), (rows_symbol, chunks)),
+               "tail.keys": TensorType(dtype_from_name("i64"), (rows_symbol, chunks * k_p2)),
                "tail.stats": TensorType(dtype_from_name("f32"), (rows_symbol, chunks * 5)),
                "tail.best": TensorType(dtype_from_name("i32"), (rows_symbol, chunks))}
     types = types | scratch | {o: t for o, t in zip(sample.outputs, sample.output_types)}
     layout = layout | {name: (t.shape[1], 0) for name, t in scratch.items()}
-    partial = Params(types, layout)
     _, bitmask, mask_index = roles["mask"].inputs
+    bound = Params(types, layout)
+    for name, value in (("logits_ptr", logits), ("bitmask_ptr", bitmask), ("mask_index_ptr", mask_index),
+                        ("stats_ptr", "tail.stats"), ("bound_ptr", "tail.bound")):
+        bound.tensor(name, value)
+    bound.stride("stride_logits", logits)
+    bound.stride("stride_bitmask", bitmask)
+    partial = Params(types, layout)
     for name, value in (("logits_ptr", logits), *((f"{role}_ptr", v) for role, v in sampling.items()),
-                        ("bitmask_ptr", bitmask), ("mask_index_ptr", mask_index),
+                        ("bitmask_ptr", bitmask), ("mask_index_ptr", mask_index), ("bound_ptr", "tail.bound"),
                         ("keys_ptr", "tail.keys"), ("stats_ptr", "tail.stats"), ("best_ptr", "tail.best")):
         partial.tensor(name, value)
     partial.stride("stride_logits", logits)
@@ -254,9 +262,13 @@ def _plan_tail_reduction(types: dict[str, TensorType], roles: dict, layout: dict
                         ("tokens_ptr", sample.outputs[0]), ("logprobs_ptr", sample.outputs[1])):
         merge.tensor(name, value)
     merge.stride("stride_logits", logits)
-    return [launch("sampling.py", "tail_partial_kernel", partial,
-                   dict(VOCAB=vocab, K_P2=k_p2, CHUNK=chunk, CHUNKS=chunks, BLOCK=min(chunk, 1024),
-                        GREEDY_BELOW=GREEDY_BELOW), (GridDim((rows_symbol,)), GridDim((chunks,))), num_warps=4),
+    grid = (GridDim((rows_symbol,)), GridDim((chunks,)))
+    block = min(chunk, 1024)
+    return [launch("sampling.py", "tail_bound_kernel", bound,
+                   dict(VOCAB=vocab, CHUNK=chunk, CHUNKS=chunks, BLOCK=block), grid, num_warps=4),
+            launch("sampling.py", "tail_partial_kernel", partial,
+                   dict(VOCAB=vocab, K=k, K_P2=k_p2, CHUNK=chunk, CHUNKS=chunks, CHUNKS_P2=next_pow2(chunks),
+                        BLOCK=block, GREEDY_BELOW=GREEDY_BELOW), grid, num_warps=4),
             launch("sampling.py", "tail_merge_kernel", merge,
                    dict(VOCAB=vocab, K=k, K_P2=k_p2, CHUNKS=chunks, CHUNKS_P2=next_pow2(chunks),
                         GREEDY_BELOW=GREEDY_BELOW, TOP_P_SLACK=TOP_P_SLACK, FIXED_ONE=FIXED_ONE),

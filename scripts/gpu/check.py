@@ -121,7 +121,8 @@ def gate_stats(hf_rows: list[np.ndarray], ours: list[np.ndarray]) -> dict:
             top8 = np.argsort(-h)[:8]
             deltas += list(np.abs(o[top8] - h[top8]))
     deltas = np.array(deltas)
-    return {"argmax_regret_max": float(max(regrets)), "mean_abs_dlogprob_top8": float(deltas.mean()),
+    return {"argmax_regret_max": float(max(regrets)), "argmax_flips": int(np.count_nonzero(regrets)),
+            "mean_abs_dlogprob_top8": float(deltas.mean()),
             "p99_abs_dlogprob_top8": float(np.percentile(deltas, 99)), "max_abs_dlogprob_top8": float(deltas.max()),
             "positions": len(regrets)}
 
@@ -243,10 +244,32 @@ def gate_4b(results: dict, logit_std: float = 2.0, cases: list[str] | None = Non
             **{f"graph_batch{size}": (lambda b=batch: gate_against(hf, b, 4, forced)) for size, batch in graph.items()},
             "mixed_steps": lambda: gate_against(hf, mixed, 4, lambda p, c: mixed_forced(engine, p, c, decoding=6)),
             # the same prompts prefilled whole before any decode: what the mixed steps are to be compared with
-            "mixed_prompts_prefilled": lambda: gate_against(hf, mixed, 4, forced)}
+            "mixed_prompts_prefilled": lambda: gate_against(hf, mixed, 4, forced),
+            "reference_noise": lambda: reference_noise(hf, engine, [*prompts, *graph[129][:32]], 8)}
     for name, run in runs.items():
         if cases is None or name in cases:
             gate[name] = run()
+
+
+def reference_noise(hf, engine, prompts: list[list[int]], steps: int) -> dict:
+    """How far Hugging Face bf16 itself is from the same weights in float32, beside how far ours is, both on
+    HF bf16's greedy tokens: the part of the gate's figures that is the bf16 reference's own rounding."""
+    import copy
+
+    import torch
+
+    continuations, bf16_rows = hf_greedy(hf, prompts, steps)
+    hf32 = copy.deepcopy(hf).float()
+    fp32_rows = []
+    with torch.no_grad():
+        for prompt, continuation in zip(prompts, continuations):
+            tokens = torch.tensor([[*prompt, *continuation]]).cuda()
+            fp32_rows.append(hf32(tokens).logits[0].float().cpu().numpy()[len(prompt) - 1:])
+    del hf32
+    torch.cuda.empty_cache()
+    ours = teacher_forced(engine, prompts, continuations)
+    return {"hf_bf16_vs_fp32": gate_stats(fp32_rows, bf16_rows), "ours_vs_hf_fp32": gate_stats(fp32_rows, ours),
+            "ours_vs_hf_bf16": gate_stats(bf16_rows, ours)}
 
 
 def manifest_4b(model: LoadedModel) -> Path:

@@ -1,8 +1,10 @@
-"""The sampler tail over each row of logits, in two launches: many programs per row each reduce a chunk of the
-vocabulary (top-K keys, logsumexp, and for rows that sample the chunk's share of what the row's draw needs), then
-one program per row merges them, writes the top-K values and ids and the logsumexp, and draws the row's token by
-the `sample` op's rule (ir/ops/sampling.py, whose NumPy reference this follows operation for operation), all of it
-over the logits a row's grammar mask leaves (mask_tokens: the others -inf).
+"""The sampler tail over each row of logits, in three launches: many programs per row each reduce a chunk of the
+vocabulary, first to its logsumexp statistics and its largest key, then to its share of the row's top-K keys
+(only keys at or above the K-th largest chunk maximum can be among them, so most blocks merge a few column maxima
+or nothing instead of being ranked whole) and of what the row's draw needs; then one program per row merges
+them, writes the top-K values and ids and the logsumexp, and draws the row's token by the `sample` op's rule
+(ir/ops/sampling.py, whose NumPy reference this follows operation for operation), all of it over the logits a
+row's grammar mask leaves (mask_tokens: the others -inf).
 Top-k runs on 64-bit keys that pack an order-preserving form of the float with the inverted column, so one
 tl.topk keeps values and ids together and breaks ties toward the lower id, as the reference does.
 
@@ -60,20 +62,17 @@ def _masked(row_ptr, offs, inside, bitmask_ptr, mask_row, stride_bitmask):
 
 
 @triton.jit
-def tail_partial_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, step_ptr,
-                        bitmask_ptr, mask_index_ptr, keys_ptr, stats_ptr, best_ptr, stride_logits, stride_bitmask,
-                        VOCAB: tl.constexpr, K_P2: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr,
-                        BLOCK: tl.constexpr, GREEDY_BELOW: tl.constexpr):
-    """Per (row, chunk): the chunk's top K_P2 keys; stats (max and sum of exp of the logits; of logits / T when
-    the row's top-p needs the whole vocabulary's mass; the best logits / T + noise when nothing is cut), and the
-    id of that best; all over the logits the row's grammar mask leaves."""
+def tail_bound_kernel(logits_ptr, bitmask_ptr, mask_index_ptr, stats_ptr, bound_ptr, stride_logits, stride_bitmask,
+                      VOCAB: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr):
+    """Per (row, chunk): the max and sum of exp of the logits the row's grammar mask leaves, and the chunk's
+    largest key. A row's top K keys are none below the K-th largest of its chunks' largest keys."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     row_ptr = logits_ptr + row * stride_logits
     mask_row = tl.load(mask_index_ptr + row)
     running_max = tl.full([1], float("-inf"), tl.float32)
     running_sum = tl.zeros([1], tl.float32)
-    best = tl.full([K_P2], -9223372036854775807 - 1, tl.int64)
+    top = tl.full([1], -9223372036854775807 - 1, tl.int64)
     for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         inside = offs < VOCAB
@@ -82,7 +81,64 @@ def tail_partial_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p
         safe = tl.where(new_max == float("-inf"), 0.0, new_max)
         running_sum = running_sum * tl.exp(running_max - safe) + tl.sum(tl.exp(x - safe), axis=0)
         running_max = new_max
-        best = tl.topk(tl.reshape(tl.join(best, tl.topk(_keys(x, offs, inside), K_P2)), [2 * K_P2]), K_P2)
+        top = tl.maximum(top, tl.max(_keys(x, offs, inside), axis=0))
+    slot = row * CHUNKS + chunk
+    tl.store(stats_ptr + slot * 5 + tl.arange(0, 1), running_max)
+    tl.store(stats_ptr + slot * 5 + 1 + tl.arange(0, 1), running_sum)
+    tl.store(bound_ptr + slot + tl.arange(0, 1), top)
+
+
+@triton.jit
+def _candidate_floor(bound_ptr, row, K: tl.constexpr, K_P2: tl.constexpr, CHUNKS: tl.constexpr,
+                     CHUNKS_P2: tl.constexpr):
+    """The K-th largest of the row's chunk maxima (tail_bound_kernel), or the lowest key where the row has fewer
+    than K chunks."""
+    lowest = -9223372036854775807 - 1
+    if CHUNKS >= K:
+        chunks = tl.arange(0, CHUNKS_P2)
+        ranked = tl.topk(tl.load(bound_ptr + row * CHUNKS + chunks, mask=chunks < CHUNKS, other=lowest), K_P2)
+        floor = tl.min(tl.where(tl.arange(0, K_P2) < K, ranked, 9223372036854775807), axis=0)
+    else:
+        floor = tl.min(tl.full([1], lowest, tl.int64), axis=0)
+    return floor
+
+
+@triton.jit
+def _merge_candidates(best, keys, floor, K_P2: tl.constexpr, BLOCK: tl.constexpr):
+    """`best` (the top K_P2 keys so far) merged with a block's keys at or above `floor`. Where no column of the
+    block seen as [BLOCK / K_P2, K_P2] holds two of them, its column maxima carry them all into a merge of 2 K_P2
+    keys; only a crowded block is ranked whole, and a block with none is skipped."""
+    lowest = -9223372036854775807 - 1
+    above = keys >= floor
+    crowded = tl.max(tl.sum(tl.reshape(above.to(tl.int32), [BLOCK // K_P2, K_P2]), axis=0), axis=0)
+    if crowded == 1:
+        columns = tl.max(tl.reshape(tl.where(above, keys, lowest), [BLOCK // K_P2, K_P2]), axis=0)
+        best = tl.topk(tl.reshape(tl.join(best, columns), [2 * K_P2]), K_P2)
+    elif crowded > 1:
+        best = tl.topk(tl.reshape(tl.join(best, tl.topk(keys, K_P2)), [2 * K_P2]), K_P2)
+    return best
+
+
+@triton.jit
+def tail_partial_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, step_ptr,
+                        bitmask_ptr, mask_index_ptr, bound_ptr, keys_ptr, stats_ptr, best_ptr, stride_logits,
+                        stride_bitmask, VOCAB: tl.constexpr, K: tl.constexpr, K_P2: tl.constexpr,
+                        CHUNK: tl.constexpr, CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr, BLOCK: tl.constexpr,
+                        GREEDY_BELOW: tl.constexpr):
+    """Per (row, chunk): the chunk's top K_P2 keys of those that can be among the row's top K; stats (max and sum
+    of exp of logits / T when the row's top-p needs the whole vocabulary's mass; the best logits / T + noise
+    when nothing is cut), and the id of that best; all over the logits the row's grammar mask leaves."""
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    row_ptr = logits_ptr + row * stride_logits
+    mask_row = tl.load(mask_index_ptr + row)
+    floor = _candidate_floor(bound_ptr, row, K, K_P2, CHUNKS, CHUNKS_P2)
+    best = tl.full([K_P2], -9223372036854775807 - 1, tl.int64)
+    for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        inside = offs < VOCAB
+        x = _masked(row_ptr, offs, inside, bitmask_ptr, mask_row, stride_bitmask)
+        best = _merge_candidates(best, _keys(x, offs, inside), floor, K_P2, BLOCK)
 
     temperature = tl.load(temperature_ptr + row)
     top_p = tl.load(top_p_ptr + row)
@@ -115,8 +171,6 @@ def tail_partial_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p
             best_score = tl.where(better, block_best, best_score)
     slot = row * CHUNKS + chunk
     tl.store(keys_ptr + slot * K_P2 + tl.arange(0, K_P2), best)
-    tl.store(stats_ptr + slot * 5 + tl.arange(0, 1), running_max)
-    tl.store(stats_ptr + slot * 5 + 1 + tl.arange(0, 1), running_sum)
     tl.store(stats_ptr + slot * 5 + 2 + tl.arange(0, 1), t_max)
     tl.store(stats_ptr + slot * 5 + 3 + tl.arange(0, 1), t_sum)
     tl.store(stats_ptr + slot * 5 + 4 + tl.arange(0, 1), best_score)
