@@ -268,34 +268,37 @@ def test_kernels_draw_the_reference_tokens_for_mixed_rows(dtype, monkeypatch):
 
 @pytest.mark.slow
 def test_candidates_past_the_chunk_maxima_floor_are_those_of_a_whole_ranking(monkeypatch):
-    """Ten chunks of 64 (blocks seen as 16 x 4) and four candidates, so that only keys at or above the 4th
-    largest chunk maximum are merged: a row whose top six share one column of one chunk (a crowded block,
-    ranked whole), a row of ties (the lower ids first), a row whose top values fill one chunk, a row masked
-    to three ids, and random rows; the top-k, logsumexp and tokens are the references'."""
+    """Eighteen chunks of 64 (blocks seen as 4 x 16) and sixteen candidates, so that only keys at or above the
+    16th largest chunk maximum are merged and the merge ranks 8 a chunk where none has more: a row whose top ten
+    lie in one chunk, three to a column (a crowded block, and a chunk past the 8), a row of ties (the lower ids
+    first), a row whose top values fill one chunk, a row masked to three ids, and random rows; the top-k,
+    logsumexp and tokens are the references'."""
     rng = np.random.default_rng(23)
-    vocab = 600
-    tail = plan_tail(vocab, FP32, monkeypatch, candidates=4, chunk=64)
-    bound = next(l for v in tail.spec.variants for l in v.launches if l.function == "tail_bound_kernel")
-    assert (bound.constexprs["CHUNKS"], bound.constexprs["BLOCK"]) == (10, 64)
+    vocab = 1100
+    tail = plan_tail(vocab, FP32, monkeypatch, candidates=16, chunk=64)
+    launches = {l.function: l for v in tail.spec.variants for l in v.launches}
+    assert (launches["tail_bound_kernel"].constexprs["CHUNKS"], launches["tail_bound_kernel"].constexprs["BLOCK"],
+            launches["tail_merge_kernel"].constexprs["LEAD"]) == (18, 64, 8)
     logits = rng.normal(0, 2, (8, vocab)).astype(np.float32)
-    logits[0, 3 * 64 + 4 * np.arange(6)] = 10 + np.arange(6)  # one column of one block
+    crowded = 3 * 64 + np.array([0, 16, 32, 1, 17, 33, 2, 18, 34, 48])
+    logits[0, crowded] = 10 + np.arange(10)
     logits[1] = 1.0
     logits[2, 5 * 64:6 * 64] += 12
     inputs = rows_of(8, temperature=np.array([0.0, 1.0, 0.0, 0.7, 1.0, 0.0, 0.5, 1.0]),
-                     top_k=np.array([0, 3, 0, 2, 0, 0, 4, 0]), top_p=np.array([1.0, 1.0, 1.0, 1.0, 0.8, 1, 1, 1]),
+                     top_k=np.array([0, 3, 0, 2, 0, 0, 12, 0]), top_p=np.array([1.0, 1.0, 1.0, 1.0, 0.8, 1, 1, 1]),
                      seed=rng.integers(0, 2 ** 63, 8), step=rng.integers(0, 1000, 8))
     allowed = np.zeros(vocab, bool)
-    allowed[[7, 300, 599]] = True
+    allowed[[7, 300, 1099]] = True
     bitmask, index = stack_masks({3: pack_mask(allowed)}, 8, mask_words(vocab))
     got = run_tail(tail, logits, inputs | {TOKEN_BITMASK: bitmask, TOKEN_MASK_INDEX: index})
     masked = get_op("mask_tokens").reference(logits, bitmask, index)
-    tokens, logprobs = draw(masked, inputs, candidates=4)
+    tokens, logprobs = draw(masked, inputs, candidates=16)
     np.testing.assert_array_equal(got["sampled_ids"], tokens)
     np.testing.assert_allclose(got["sampled_logprobs"], logprobs, atol=1e-5)
-    np.testing.assert_array_equal(got["top_ids"], np.argsort(-masked, axis=1, kind="stable")[:, :4])
+    np.testing.assert_array_equal(got["top_ids"], np.argsort(-masked, axis=1, kind="stable")[:, :16])
     np.testing.assert_allclose(got["logsumexp"], np.log(np.exp(masked.astype(np.float64)).sum(axis=1)), rtol=1e-6)
-    assert got["top_ids"][0].tolist() == [3 * 64 + 20, 3 * 64 + 16, 3 * 64 + 12, 3 * 64 + 8]
-    assert got["top_ids"][1].tolist() == [0, 1, 2, 3] and tokens[3] in (7, 300, 599)
+    assert got["top_ids"][0, :10].tolist() == crowded[::-1].tolist()
+    assert got["top_ids"][1].tolist() == list(range(16)) and tokens[3] in (7, 300, 1099)
 
 
 @pytest.mark.slow

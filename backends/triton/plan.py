@@ -16,7 +16,8 @@ from pegainfer.ir.step import uploaded
 from pegainfer.ir.types import TensorType
 
 SMALL_ROWS = 16  # up to this many rows a GEMM uses its decode-shaped tiles
-TAIL_CHUNK = 4096  # vocabulary entries per program of the sampler tail's first launch
+TAIL_CHUNK = 4096  # vocabulary entries per program of the sampler tail's chunk launches, at most
+TAIL_LEAD = 8  # the sampler tail's merge ranks this many candidates a chunk when none has more
 GEMV_PROGRAMS = 528  # a few-rows GEMV aims for at least this many programs: 4 per SM of an H100/H200
 DECODE_TILE_ROWS = 16  # the tensor-core tiles of decode steps (up to SMALL_ROWS rows): their norm runs apart
 ROPE_HEAD_ROWS = 256  # up to this many tokens the rope/KV-write launch runs a program per (token, head)
@@ -237,6 +238,7 @@ def _plan_tail_reduction(types: dict[str, TensorType], roles: dict, layout: dict
     chunks = -(-vocab // chunk)
     scratch = {"tail.bound": TensorType(dtype_from_name("i64"), (rows_symbol, chunks)),
                "tail.keys": TensorType(dtype_from_name("i64"), (rows_symbol, chunks * k_p2)),
+               "tail.count": TensorType(dtype_from_name("i32"), (rows_symbol, chunks)),
                "tail.stats": TensorType(dtype_from_name("f32"), (rows_symbol, chunks * 5)),
                "tail.best": TensorType(dtype_from_name("i32"), (rows_symbol, chunks))}
     types = types | scratch | {o: t for o, t in zip(sample.outputs, sample.output_types)}
@@ -251,13 +253,15 @@ def _plan_tail_reduction(types: dict[str, TensorType], roles: dict, layout: dict
     partial = Params(types, layout)
     for name, value in (("logits_ptr", logits), *((f"{role}_ptr", v) for role, v in sampling.items()),
                         ("bitmask_ptr", bitmask), ("mask_index_ptr", mask_index), ("bound_ptr", "tail.bound"),
-                        ("keys_ptr", "tail.keys"), ("stats_ptr", "tail.stats"), ("best_ptr", "tail.best")):
+                        ("keys_ptr", "tail.keys"), ("count_ptr", "tail.count"), ("stats_ptr", "tail.stats"),
+                        ("best_ptr", "tail.best")):
         partial.tensor(name, value)
     partial.stride("stride_logits", logits)
     partial.stride("stride_bitmask", bitmask)
     merge = Params(types, layout)
-    for name, value in (("keys_ptr", "tail.keys"), ("stats_ptr", "tail.stats"), ("best_ptr", "tail.best"),
-                        ("logits_ptr", logits), *((f"{role}_ptr", v) for role, v in sampling.items()),
+    for name, value in (("keys_ptr", "tail.keys"), ("count_ptr", "tail.count"), ("stats_ptr", "tail.stats"),
+                        ("best_ptr", "tail.best"), ("logits_ptr", logits),
+                        *((f"{role}_ptr", v) for role, v in sampling.items()),
                         ("values_ptr", values), ("ids_ptr", ids), ("lse_ptr", roles["lse"].outputs[0]),
                         ("tokens_ptr", sample.outputs[0]), ("logprobs_ptr", sample.outputs[1])):
         merge.tensor(name, value)
@@ -271,7 +275,8 @@ def _plan_tail_reduction(types: dict[str, TensorType], roles: dict, layout: dict
                         BLOCK=block, GREEDY_BELOW=GREEDY_BELOW), grid, num_warps=4),
             launch("sampling.py", "tail_merge_kernel", merge,
                    dict(VOCAB=vocab, K=k, K_P2=k_p2, CHUNKS=chunks, CHUNKS_P2=next_pow2(chunks),
-                        GREEDY_BELOW=GREEDY_BELOW, TOP_P_SLACK=TOP_P_SLACK, FIXED_ONE=FIXED_ONE),
+                        LEAD=min(TAIL_LEAD, k_p2), GREEDY_BELOW=GREEDY_BELOW, TOP_P_SLACK=TOP_P_SLACK,
+                        FIXED_ONE=FIXED_ONE),
                    (GridDim((rows_symbol,)),), num_warps=8)], scratch
 
 

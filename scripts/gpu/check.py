@@ -215,7 +215,8 @@ def gate_4b(results: dict, logit_std: float = 2.0, cases: list[str] | None = Non
     import transformers
 
     torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(qwen3_4b_hf_config(), dtype=torch.bfloat16).cuda().eval()
+    with torch.device("cuda"):  # the 4B random init drawn by the GPU, not the host
+        hf = transformers.AutoModelForCausalLM.from_config(qwen3_4b_hf_config(), dtype=torch.bfloat16).eval()
     vocab = hf.config.vocab_size
     with torch.no_grad():
         spread = hf(torch.randint(0, vocab, (1, 64), device="cuda")).logits.float().std().item()

@@ -121,11 +121,12 @@ def _merge_candidates(best, keys, floor, K_P2: tl.constexpr, BLOCK: tl.constexpr
 
 @triton.jit
 def tail_partial_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, step_ptr,
-                        bitmask_ptr, mask_index_ptr, bound_ptr, keys_ptr, stats_ptr, best_ptr, stride_logits,
-                        stride_bitmask, VOCAB: tl.constexpr, K: tl.constexpr, K_P2: tl.constexpr,
+                        bitmask_ptr, mask_index_ptr, bound_ptr, keys_ptr, count_ptr, stats_ptr, best_ptr,
+                        stride_logits, stride_bitmask, VOCAB: tl.constexpr, K: tl.constexpr, K_P2: tl.constexpr,
                         CHUNK: tl.constexpr, CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr, BLOCK: tl.constexpr,
                         GREEDY_BELOW: tl.constexpr):
-    """Per (row, chunk): the chunk's top K_P2 keys of those that can be among the row's top K; stats (max and sum
+    """Per (row, chunk): the chunk's top K_P2 keys of those that can be among the row's top K, and how many
+    of those there are; stats (max and sum
     of exp of logits / T when the row's top-p needs the whole vocabulary's mass; the best logits / T + noise
     when nothing is cut), and the id of that best; all over the logits the row's grammar mask leaves."""
     row = tl.program_id(0)
@@ -134,11 +135,13 @@ def tail_partial_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p
     mask_row = tl.load(mask_index_ptr + row)
     floor = _candidate_floor(bound_ptr, row, K, K_P2, CHUNKS, CHUNKS_P2)
     best = tl.full([K_P2], -9223372036854775807 - 1, tl.int64)
+    count = tl.zeros([1], tl.int32)
     for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         inside = offs < VOCAB
-        x = _masked(row_ptr, offs, inside, bitmask_ptr, mask_row, stride_bitmask)
-        best = _merge_candidates(best, _keys(x, offs, inside), floor, K_P2, BLOCK)
+        keys = _keys(_masked(row_ptr, offs, inside, bitmask_ptr, mask_row, stride_bitmask), offs, inside)
+        best = _merge_candidates(best, keys, floor, K_P2, BLOCK)
+        count += tl.sum((keys >= floor).to(tl.int32), axis=0)
 
     temperature = tl.load(temperature_ptr + row)
     top_p = tl.load(top_p_ptr + row)
@@ -171,6 +174,7 @@ def tail_partial_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p
             best_score = tl.where(better, block_best, best_score)
     slot = row * CHUNKS + chunk
     tl.store(keys_ptr + slot * K_P2 + tl.arange(0, K_P2), best)
+    tl.store(count_ptr + slot + tl.arange(0, 1), count)
     tl.store(stats_ptr + slot * 5 + 2 + tl.arange(0, 1), t_max)
     tl.store(stats_ptr + slot * 5 + 3 + tl.arange(0, 1), t_sum)
     tl.store(stats_ptr + slot * 5 + 4 + tl.arange(0, 1), best_score)
@@ -195,16 +199,36 @@ def _merge_stats(stats_ptr, row, field, CHUNKS: tl.constexpr, CHUNKS_P2: tl.cons
 
 
 @triton.jit
-def tail_merge_kernel(keys_ptr, stats_ptr, best_ptr, logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
-                      seed_ptr, step_ptr, values_ptr, ids_ptr, lse_ptr, tokens_ptr, logprobs_ptr, stride_logits,
-                      VOCAB: tl.constexpr, K: tl.constexpr, K_P2: tl.constexpr, CHUNKS: tl.constexpr,
-                      CHUNKS_P2: tl.constexpr, GREEDY_BELOW: tl.constexpr, TOP_P_SLACK: tl.constexpr,
-                      FIXED_ONE: tl.constexpr):
-    row = tl.program_id(0)
+def _row_candidates(keys_ptr, count_ptr, row, K_P2: tl.constexpr, CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr,
+                    LEAD: tl.constexpr):
+    """The row's top K_P2 keys from its chunks' ranked candidates: from the first LEAD of each where no chunk
+    holds more (the usual case), else from all of them."""
     lowest = -9223372036854775807 - 1
+    chunks = tl.arange(0, CHUNKS_P2)
     offs = tl.arange(0, CHUNKS_P2 * K_P2)
-    keys = tl.load(keys_ptr + row * CHUNKS * K_P2 + offs, mask=offs < CHUNKS * K_P2, other=lowest)
-    top = tl.topk(keys, K_P2)
+    if CHUNKS_P2 * LEAD >= K_P2:
+        counts = tl.load(count_ptr + row * CHUNKS + chunks, mask=chunks < CHUNKS, other=0)
+        if tl.max(counts, axis=0) <= LEAD:
+            lead = tl.reshape(chunks[:, None] * K_P2 + tl.arange(0, LEAD)[None, :], [CHUNKS_P2 * LEAD])
+            top = tl.topk(tl.load(keys_ptr + row * CHUNKS * K_P2 + lead, mask=lead < CHUNKS * K_P2, other=lowest),
+                          K_P2)
+        else:
+            top = tl.topk(tl.load(keys_ptr + row * CHUNKS * K_P2 + offs, mask=offs < CHUNKS * K_P2, other=lowest),
+                          K_P2)
+    else:
+        top = tl.topk(tl.load(keys_ptr + row * CHUNKS * K_P2 + offs, mask=offs < CHUNKS * K_P2, other=lowest), K_P2)
+    return top
+
+
+@triton.jit
+def tail_merge_kernel(keys_ptr, count_ptr, stats_ptr, best_ptr, logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr,
+                      min_p_ptr, seed_ptr, step_ptr, values_ptr, ids_ptr, lse_ptr, tokens_ptr, logprobs_ptr,
+                      stride_logits,
+                      VOCAB: tl.constexpr, K: tl.constexpr, K_P2: tl.constexpr, CHUNKS: tl.constexpr,
+                      CHUNKS_P2: tl.constexpr, LEAD: tl.constexpr, GREEDY_BELOW: tl.constexpr,
+                      TOP_P_SLACK: tl.constexpr, FIXED_ONE: tl.constexpr):
+    row = tl.program_id(0)
+    top = _row_candidates(keys_ptr, count_ptr, row, K_P2, CHUNKS, CHUNKS_P2, LEAD)
     ordered = (top >> 32).to(tl.int32)
     values = tl.where(ordered >= 0, ordered, ordered ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
     ids = 0x7FFFFFFF - (top & 0xFFFFFFFF).to(tl.int32)
