@@ -2,6 +2,7 @@
 (see ir/step.py and the layout described in ir/ops/attention.py)."""
 
 from dataclasses import dataclass, field
+from itertools import chain
 
 import numpy as np
 
@@ -31,22 +32,31 @@ def pack_step(chunks: list[Chunk], allocator: BlockAllocator, *, all_logits: boo
     or every token with `all_logits` (for scoring a prompt)."""
     assert chunks, "a step needs at least one chunk"
     ids, positions, slots, starts, logits_rows = [], [], [], [], []
+    size = allocator.block_size
     for chunk in chunks:
-        seq, start = chunk.seq, chunk.seq.num_cached
-        end = start + chunk.num_tokens
-        assert 0 < chunk.num_tokens and end <= len(seq.token_ids), \
-            f"chunk of {chunk.num_tokens} tokens at {start} overruns sequence {seq.seq_id} of {len(seq.token_ids)}"
-        allocator.grow(seq.table, end)
+        seq, start, count = chunk.seq, chunk.seq.num_cached, chunk.num_tokens
+        end = start + count
+        assert 0 < count and end <= len(seq.token_ids), \
+            f"chunk of {count} tokens at {start} overruns sequence {seq.seq_id} of {len(seq.token_ids)}"
+        blocks = seq.table.blocks
+        if len(blocks) * size < end:
+            allocator.grow(seq.table, end)
         row = len(ids)
         starts.append(row)
-        ids += seq.token_ids[start:end]
-        positions += range(start, end)
-        slots += [seq.table.slot(p, allocator.block_size) for p in range(start, end)]
-        logits_rows += range(row, row + chunk.num_tokens) if all_logits else [row + chunk.num_tokens - 1]
-    max_blocks = max(len(chunk.seq.table.blocks) for chunk in chunks)
-    tables = np.zeros((len(chunks), max_blocks), dtype=np.int32)
-    for i, chunk in enumerate(chunks):
-        tables[i, : len(chunk.seq.table.blocks)] = chunk.seq.table.blocks
+        if count == 1:  # a decode token: the common row, kept free of per-token calls
+            ids.append(seq.token_ids[start])
+            positions.append(start)
+            slots.append(blocks[start // size] * size + start % size)
+        else:
+            ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            slots += [blocks[p // size] * size + p % size for p in range(start, end)]
+        logits_rows += range(row, row + count) if all_logits else [row + count - 1]
+    lists = [chunk.seq.table.blocks for chunk in chunks]
+    lengths = np.array([len(blocks) for blocks in lists], dtype=np.int64)
+    tables = np.zeros((len(chunks), int(lengths.max())), dtype=np.int32)
+    tables[np.arange(tables.shape[1]) < lengths[:, None]] = np.fromiter(chain.from_iterable(lists), np.int32,
+                                                                         int(lengths.sum()))
     return {
         "input_ids": np.array(ids, dtype=np.int32),
         "positions": np.array(positions, dtype=np.int32),

@@ -39,8 +39,6 @@ class BlockAllocator:
 
 @dataclass
 class BlockTable:
+    """A sequence's blocks in order: the token at position p lives at slot blocks[p // size] * size + p % size of
+    the flat [num_blocks * block_size] pool."""
     blocks: list[int] = field(default_factory=list)
-
-    def slot(self, position: int, block_size: int) -> int:
-        """Where the token at `position` of the sequence lives in the flat [num_blocks * block_size] pool."""
-        return self.blocks[position // block_size] * block_size + position % block_size

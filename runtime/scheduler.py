@@ -241,7 +241,8 @@ class Scheduler:
         state.prompt_steps = (state.prompt_steps or [])[:start] + position_logprobs(  # a recompute rewrites
             rows, prompt, start, len(prompt), state.request.params.prompt_logprobs)
         self.stats.prefill_tokens += chunk.num_tokens
-        self._cache_full_blocks(state)
+        if self._has_new_full_blocks(state):
+            self._cache_full_blocks(state)
         if chunk.seq.num_cached < len(chunk.seq.token_ids):
             return None
         token, logprobs = draw_first(rows[chunk.num_tokens - 1], state.request.params, 0, state.request.constraint,
@@ -253,11 +254,14 @@ class Scheduler:
         chunks: list[Chunk] = []
         scheduled: set[int] = set()
         preempted = False
+        running, preemptions = list(self.running), self.stats.preemptions
         for decoding in (True, False):
-            for state in list(self.running):
+            for state in running:
                 uncached = len(state.seq.token_ids) - state.seq.num_cached
-                if state not in self.running or (uncached == 1) != decoding or budget == 0:
+                if (uncached == 1) != decoding or budget == 0:
                     continue
+                if self.stats.preemptions != preemptions and state not in self.running:
+                    continue  # preempted earlier in this step (a membership test only then: it is linear)
                 count = min(uncached, budget, self.config.max_num_seqs if state.scoring else budget)
                 if not self._room_for(state, count, scheduled):
                     preempted = True
@@ -281,6 +285,8 @@ class Scheduler:
         """Reserves the blocks `count` more tokens of a running sequence need, preempting the newest running
         sequences not yet in this step while there are none; False when `state` itself had to go."""
         need = self._blocks_needed(state.seq, count)
+        if need == 0:
+            return True
         while not self._reserve(need):
             victim = next(s for s in reversed(self.running) if s.seq.seq_id not in scheduled)
             self._preempt(victim)
@@ -349,19 +355,20 @@ class Scheduler:
         outputs, now = [], time.monotonic()
         for row, chunk in enumerate(chunks):
             state = self._by_seq[chunk.seq.seq_id]
-            self._cache_full_blocks(state)
+            if self._has_new_full_blocks(state):
+                self._cache_full_blocks(state)
             if state.seq.num_cached < len(state.seq.token_ids):
                 continue  # a prompt chunk short of the prompt's end: its draw is not a next token
             outputs.append(self._append(state, result.tokens[row], result.logprobs[row], now))
         return outputs
 
+    def _has_new_full_blocks(self, state: _State) -> bool:
+        return self.cache is not None and state.seq.num_cached // self.block_size > len(state.block_hashes)
+
     def _cache_full_blocks(self, state: _State) -> None:
-        if self.cache is None:
-            return
+        """Inserts the sequence's blocks filled since the last step into the prefix cache."""
         seq, known = state.seq, len(state.block_hashes)
         full = seq.num_cached // self.block_size
-        if full <= known:
-            return
         parent = state.block_hashes[-1] if known else ROOT
         new = chain_hashes(seq.token_ids, self.block_size, parent, known, full)
         for block, block_hash in zip(seq.table.blocks[known:full], new):

@@ -454,3 +454,20 @@ def test_a_steps_items_reach_an_event_loop_in_one_hand_over():
     assert got == [("a", 1), ("b", 3), ("a", 4)]
     hand_over([(LoopSink(FakeLoop(closed=True), got.append), 5)])  # a server shutting down: dropped, no error
     assert got[-1] == ("a", 4)
+
+
+def test_the_scheduler_benchmark_drives_the_scheduler_as_the_engines_are_driven():
+    """scripts/bench_scheduler.py's stand-in engine takes the engine's sample() as the scheduler calls it: every
+    request runs to its length: 8 requests of 20 + 4 tokens at 4 running take two rounds of a prefill step (its
+    first token) and 3 decode steps."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "bench_scheduler.py"
+    run = subprocess.run([sys.executable, str(script), "--requests", "8", "--max-num-seqs", "4", "--prompt", "20",
+                          "--output", "4"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    found = re.fullmatch(r"(\d+) steps: [\d.]+ ms a step, of which pack_step [\d.]+ ms\n", run.stdout)
+    assert found and int(found.group(1)) == 8, run.stdout
