@@ -37,11 +37,11 @@ def static_layout(graph: Graph) -> dict[str, tuple[int | None, int]]:
 
 def gemm_roles(node: Node) -> dict:
     """Reads the kernel's primitive nodes in order: [add] [gather_rows] [rms_norm] linear [split act mul |
-    mask_tokens top_k logsumexp sample]. Anything else has no template."""
+    mask_tokens penalize_tokens top_k logsumexp sample]. Anything else has no template."""
     inner = list(node.attrs["nodes"])
     ops = [n.op for n in inner]
     roles: dict = dict(x=None, x2=None, rows=None, norm=None, eps=1e-6, norm_offset=0.0, bias=None, sum=None, act=0,
-                       mask=None, top_k=None, lse=None, sample=None)
+                       mask=None, penalize=None, top_k=None, lse=None, sample=None)
     index = 0
     if ops[index] == "add":
         roles["x"], roles["x2"] = inner[index].inputs
@@ -68,8 +68,8 @@ def gemm_roles(node: Node) -> dict:
     if rest[:1] == ["split"] and len(rest) == 3 and rest[2] == "mul":
         roles["act"] = {"silu": 1, "gelu_tanh": 2}[rest[1]]
         roles["out"] = inner[-1].outputs[0]
-    elif rest == ["mask_tokens", "top_k", "logsumexp", "sample"]:
-        roles["mask"], roles["top_k"], roles["lse"], roles["sample"] = inner[-4:]
+    elif rest == ["mask_tokens", "penalize_tokens", "top_k", "logsumexp", "sample"]:
+        roles["mask"], roles["penalize"], roles["top_k"], roles["lse"], roles["sample"] = inner[-5:]
     elif rest:
         raise PegainferError(f"kernel {node.name}: no GEMM epilogue for {' + '.join(rest)}")
     n_total = linear.output_types[0].shape[-1]

@@ -95,9 +95,21 @@ def mask_words(vocab: int) -> int:
     return -(-vocab // 32)
 
 
+# The penalties a step's rows are drawn under (ir/ops/penalties.py, as sparse per-id terms: ir/ops/sampling.py's
+# penalize_tokens): per row of logits the first of its entries and how many, and per entry, its token id (ascending
+# within a row) and terms (bias, repetition factor, subtrahend). A step without penalties passes counts of 0.
+PENALTY_START, PENALTY_COUNT, PENALTY_IDS, PENALTY_TERMS = ("penalty_start", "penalty_count", "penalty_ids",
+                                                            "penalty_terms")
+
+
+def penalty_input_types(rows: str) -> dict[str, TensorType]:
+    return {PENALTY_START: TensorType(INT32, (rows,)), PENALTY_COUNT: TensorType(INT32, (rows,)),
+            PENALTY_IDS: TensorType(INT32, ("penalties",)), PENALTY_TERMS: TensorType(FP32, ("penalties", 3))}
+
+
 # Every input the runtime uploads for a step, in one copy before the step's first kernel.
 STEP_INPUTS = (*TOKEN_INPUTS, *SEQUENCE_INPUTS, BLOCK_TABLES, LOGITS_INDICES, *SAMPLING_INPUTS, TOKEN_BITMASK,
-               TOKEN_MASK_INDEX)
+               TOKEN_MASK_INDEX, PENALTY_START, PENALTY_COUNT, PENALTY_IDS, PENALTY_TERMS)
 
 
 def uploaded(graph: Graph, value: str) -> bool:

@@ -4,7 +4,7 @@ names, so any architecture built from these ops gets them."""
 from pegainfer.ir.graph import KERNEL, REPEAT, Graph, Node
 from pegainfer.ir.kernel import inner_nodes, kernel_kind
 from pegainfer.ir.registry import ELEMENTWISE, GATHER, ROW_REDUCTION, get_op
-from pegainfer.ir.step import SAMPLER_OUTPUTS, SAMPLING_INPUTS, mask_input_types
+from pegainfer.ir.step import SAMPLER_OUTPUTS, SAMPLING_INPUTS, mask_input_types, penalty_input_types
 from pegainfer.ir.types import TensorType
 from pegainfer.passes.manager import PassLog
 from pegainfer.passes.rewrite import consumers, for_each_graph, fresh_name, fuse, only_reader
@@ -112,8 +112,9 @@ def _glu_pattern(g: Graph, mul: Node, readers, producers) -> list[Node] | None:
 
 def plan_sampler_tail(graph: Graph, log: PassLog) -> Graph:
     """Plans the final norm, the LM head and the sampler as one tail: each row's grammar mask (a step input, -1 for
-    none), top-k candidates and logsumexp (logprobs), and one token per row drawn on the device (ir/ops/sampling.py)
-    from the per-row sampling inputs it adds."""
+    none), then its penalties (sparse step inputs, none by default), top-k candidates of the penalised logits and
+    logsumexp of the masked ones (logprobs), and one token per row drawn on the device (ir/ops/sampling.py) from
+    the per-row sampling inputs it adds."""
     logits = graph.outputs[0]
     head = graph.producers().get(logits)
     if head is None or head.op != "linear":
@@ -132,19 +133,25 @@ def plan_sampler_tail(graph: Graph, log: PassLog) -> Graph:
     masked = fresh_name(graph, "masked_logits")  # a row's grammar mask, before its top-k, logprobs and draw
     mask = Node("mask_tokens", (logits, *masks), (masked,),
                 (get_op("mask_tokens").infer(logits_type, *masks.values()),))
-    top_k = Node("top_k", (masked,), tuple(names[0:2]), get_op("top_k").infer(logits_type, k=k), {"k": k})
+    penalties = penalty_input_types(rows)
+    graph.inputs.update(penalties)
+    penalized = fresh_name(graph, "penalized_logits")  # what the row is drawn from; its logprobs stay the masked
+    penalized_type = get_op("penalize_tokens").infer(logits_type, *penalties.values())
+    penalize = Node("penalize_tokens", (masked, *penalties), (penalized,), (penalized_type,))
+    top_k = Node("top_k", (penalized,), tuple(names[0:2]), get_op("top_k").infer(penalized_type, k=k), {"k": k})
     lse = Node("logsumexp", (masked,), (names[2],), (get_op("logsumexp").infer(logits_type),))
     inputs = {name: TensorType(t.dtype, (rows,)) for name, t in SAMPLING_INPUTS.items()}
     graph.inputs.update(inputs)
-    attrs = {"candidates": k, "logits_dtype": logits_type.dtype.name}
-    sample = Node("sample", (masked, *inputs), tuple(names[3:5]),
-                  get_op("sample").infer(logits_type, *inputs.values(), **attrs), attrs)
-    graph.nodes += [mask, top_k, lse, sample]
+    attrs = {"candidates": k, "logits_dtype": penalized_type.dtype.name}
+    sample = Node("sample", (penalized, *inputs, masked), tuple(names[3:5]),
+                  get_op("sample").infer(penalized_type, *inputs.values(), logits_type, **attrs), attrs)
+    graph.nodes += [mask, penalize, top_k, lse, sample]
     graph.outputs += names
     readers = consumers(graph)
     prologue = _row_chain(graph, head.inputs[0], readers, graph.producers(),
                           categories=(ELEMENTWISE, ROW_REDUCTION, GATHER))
-    _fuse_or_note(graph, [*prologue, head, mask, top_k, lse, sample], "lm_head_tail", log, name="lm_head")
+    _fuse_or_note(graph, [*prologue, head, mask, penalize, top_k, lse, sample], "lm_head_tail", log,
+                  name="lm_head")
     return graph
 
 

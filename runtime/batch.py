@@ -7,7 +7,7 @@ from itertools import chain
 import numpy as np
 
 from pegainfer.ir.step import TOKEN_BITMASK, TOKEN_MASK_INDEX
-from pegainfer.runtime.device_sampling import greedy_inputs
+from pegainfer.runtime.device_sampling import greedy_inputs, no_penalties
 from pegainfer.runtime.kv_blocks import BlockAllocator, BlockTable
 
 
@@ -68,6 +68,7 @@ def pack_step(chunks: list[Chunk], allocator: BlockAllocator, *, all_logits: boo
         "logits_indices": np.array(logits_rows, dtype=np.int32),
         **greedy_inputs(len(logits_rows)),  # the sampler tail's inputs; engine.sample replaces them
         TOKEN_BITMASK: np.zeros((1, 1), dtype=np.int32), TOKEN_MASK_INDEX: np.full(len(logits_rows), -1, np.int32),
+        **no_penalties(len(logits_rows)),
     }
 
 

@@ -1,9 +1,10 @@
 """A request's constraint on the tokens it may draw (a grammar, for structured outputs and tool calls; penalties):
 before each draw, the mask of allowed ids over the model's vocabulary and, where it has one, its adjustment of the
-logits; after it, the token drawn. A row under a grammar alone is drawn in the sampler tail under its bitmask
-(ir/ops/sampling.py's mask_tokens); a row with an adjustment is drawn on the host from its full logits row,
-adjusted, the others masked to -inf, by the `sample` op's rule and noise. Either way its logprobs are those of the
-logits the grammar leaves, before penalties (vLLM's raw logprobs under structured outputs)."""
+logits; after it, the token drawn. A row under a grammar is drawn in the sampler tail under its bitmask
+(ir/ops/sampling.py's mask_tokens) and its penalties (penalize_tokens, from PenaltyState.terms); a row the tail
+cannot take (an adjustment of another kind, top logprobs under penalties, a grammar without a bitmask) is drawn on
+the host from its full logits row, adjusted, the others masked to -inf, by the `sample` op's rule and noise.
+Either way its logprobs are those of the logits the grammar leaves, before penalties (vLLM's raw logprobs)."""
 
 import logging
 from typing import Protocol
@@ -35,6 +36,8 @@ class PenaltyState:
         self.counts = np.zeros(vocab_size, dtype=np.float32)
         self.produced = 0
         self.output: list[int] = []
+        # the ids seen and output, kept as they come so that `terms` never scans the vocabulary
+        self.seen_ids, self.output_ids = set(np.flatnonzero(self.seen).tolist()), set()
 
     def allowed(self, vocab_size: int) -> np.ndarray:
         return np.ones(vocab_size, dtype=bool)
@@ -44,10 +47,38 @@ class PenaltyState:
             if self.penalties.bad_words else ()
         return penalize(x, self.penalties, self.seen, self.counts, self.produced, self.stop_ids, tail)
 
+    def terms(self) -> tuple[np.ndarray, np.ndarray]:
+        """The next draw's penalties as sparse per-id terms (ir/ops/sampling.py's penalize_tokens, which gives what
+        `adjust` gives): the ids any penalty touches, ascending, and per id (bias, repetition factor, subtrahend,
+        +inf where masked)."""
+        p, size = self.penalties, self.counts.size
+        biased = np.array([j for j, _ in p.logit_bias], dtype=np.int64)
+        masked = [t for t in self.stop_ids if t < size] if self.produced < p.min_tokens else []
+        for word in p.bad_words:
+            head = word[:-1]
+            if word[-1] < size and (not head or tuple(self.output[-len(head):]) == head):
+                masked.append(word[-1])
+        parts = [biased, np.array(masked, dtype=np.int64)]
+        if p.repetition != 1.0:
+            parts.append(np.fromiter(self.seen_ids, np.int64, len(self.seen_ids)))
+        if p.presence or p.frequency:
+            parts.append(np.fromiter(self.output_ids, np.int64, len(self.output_ids)))
+        ids = np.unique(np.concatenate(parts)).astype(np.int32)
+        counts = self.counts[ids]
+        terms = np.zeros((ids.size, 3), dtype=np.float32)
+        if p.logit_bias:  # as penalize's fancy-indexed add: the last bias of an id given twice
+            terms[np.searchsorted(ids, biased), 0] = np.array([b for _, b in p.logit_bias], dtype=np.float32)
+        terms[:, 1] = np.where(self.seen[ids], np.float32(p.repetition), np.float32(1.0))
+        terms[:, 2] = np.float32(p.presence) * (counts > 0) + np.float32(p.frequency) * counts
+        terms[np.searchsorted(ids, np.array(masked, dtype=np.int64)), 2] = np.inf
+        return ids, terms
+
     def accept(self, token: int) -> None:
         if token < self.counts.size:
             self.seen[token] = True
             self.counts[token] += 1
+            self.seen_ids.add(token)
+            self.output_ids.add(token)
         self.produced += 1
         self.output.append(token)
 
@@ -101,6 +132,21 @@ def adjusts(constraint: TokenConstraint) -> bool:
     if isinstance(constraint, Chain):
         return any(adjusts(part) for part in constraint.parts)
     return getattr(constraint, "adjust", None) is not None
+
+
+def penalty_state(constraint: TokenConstraint | None) -> "PenaltyState | None":
+    """The constraint's penalties (the sampler tail can apply them: PenaltyState.terms), if it has any."""
+    if isinstance(constraint, Chain):
+        return next((state for state in map(penalty_state, constraint.parts) if state is not None), None)
+    return constraint if isinstance(constraint, PenaltyState) else None
+
+
+def has_grammar(constraint: TokenConstraint) -> bool:
+    """Whether the constraint limits the ids a token may be (a grammar's bitmask), not only the logits."""
+    if isinstance(constraint, Chain):
+        return any(has_grammar(part) for part in constraint.parts)
+    return getattr(constraint, "bitmask", None) is not None or not (
+        isinstance(constraint, PenaltyState) or getattr(constraint, "adjust", None) is not None)
 
 
 def adjusted(constraint: TokenConstraint, x: np.ndarray) -> np.ndarray:

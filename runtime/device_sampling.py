@@ -11,9 +11,10 @@ import numpy as np
 
 from pegainfer.ir.ops.sampling import UNRESOLVED, logsumexp_row, mask_tokens, sample_row
 from pegainfer.ir.registry import get_op
-from pegainfer.ir.step import SAMPLER_OUTPUTS, SAMPLING_INPUTS, TOKEN_BITMASK, TOKEN_MASK_INDEX
+from pegainfer.ir.step import (PENALTY_COUNT, PENALTY_IDS, PENALTY_START, PENALTY_TERMS, SAMPLER_OUTPUTS,
+                               SAMPLING_INPUTS, TOKEN_BITMASK, TOKEN_MASK_INDEX)
 from pegainfer.runtime.constraint import (TokenConstraint, accept, adjusts, bitmask_of, draw_constrained,
-                                          unpack_mask)
+                                          has_grammar, penalty_state, unpack_mask)
 from pegainfer.runtime.sampler import SamplingParams
 
 _INT32_MAX = 2 ** 31 - 1
@@ -34,6 +35,13 @@ def greedy_inputs(rows: int) -> dict[str, np.ndarray]:
     return inputs
 
 
+def no_penalties(rows: int) -> dict[str, np.ndarray]:
+    """The penalty inputs of rows without penalties (ir/step.py): no entries, one unread entry to give the buffers
+    a size."""
+    return {PENALTY_START: np.zeros(rows, np.int32), PENALTY_COUNT: np.zeros(rows, np.int32),
+            PENALTY_IDS: np.zeros(1, np.int32), PENALTY_TERMS: np.zeros((1, 3), np.float32)}
+
+
 def sampling_inputs(params: list[SamplingParams], token_index: list[int],
                     rng: np.random.Generator) -> dict[str, np.ndarray]:
     """One row per request: its parameters, its seed (a fresh random one when it has none) and the index of the
@@ -51,6 +59,30 @@ def sampling_inputs(params: list[SamplingParams], token_index: list[int],
         "sampling_seed": np.array([s % 2 ** 64 for s in seeds], dtype=np.uint64).view(np.int64),
         "sampling_step": np.array(token_index, dtype=np.int32),
     }
+
+
+def penalty_inputs(constraints: list[TokenConstraint | None] | None, params: list[SamplingParams], rows: int,
+                   capacity: int) -> tuple[dict[str, np.ndarray], set[int]]:
+    """The step inputs of the rows' penalties (ir/step.py), drawn under them in the sampler tail, and which rows
+    they are: those with penalties that ask no top logprobs (the tail's candidates are of the penalised logits,
+    vLLM's top logprobs of the raw ones), while their entries fit in `capacity`; the others are drawn on the host."""
+    inputs, rows_on_device = no_penalties(rows), set()
+    ids, terms = [], []
+    for row, constraint in enumerate(constraints or []):
+        state = penalty_state(constraint)
+        if state is None or params[row].logprobs:
+            continue
+        row_ids, row_terms = state.terms()
+        if len(ids) + row_ids.size > capacity:
+            continue
+        inputs[PENALTY_START][row], inputs[PENALTY_COUNT][row] = len(ids), row_ids.size
+        ids += row_ids.tolist()
+        terms += row_terms.tolist()
+        rows_on_device.add(row)
+    if ids:
+        inputs[PENALTY_IDS] = np.array(ids, np.int32)
+        inputs[PENALTY_TERMS] = np.array(terms, np.float32).reshape(-1, 3)
+    return inputs, rows_on_device
 
 
 def device_masks(constraints: list[TokenConstraint | None] | None, vocab_size: int) -> dict[int, np.ndarray]:
@@ -111,29 +143,30 @@ def wants_top_logprobs(params: list[SamplingParams]) -> bool:
 
 def finish(outputs: dict[str, np.ndarray], inputs: dict[str, np.ndarray], params: list[SamplingParams],
            row_logits: Callable[[int], np.ndarray], constraints: list[TokenConstraint | None] | None = None,
-           masks: dict[int, np.ndarray] | None = None) -> SampleResult:
+           masks: dict[int, np.ndarray] | None = None, penalized: set[int] | None = None) -> SampleResult:
     """The tokens and logprobs of a step's rows from its sampler outputs (`top_values`, `top_ids`, `logsumexp`
     may be left out when no row asks for top logprobs). `masks`: the rows the tail drew under a grammar bitmask
-    (device_masks). `row_logits(r)`: row r's float32 logits, fetched only for rows the device left unresolved and
-    for rows whose constraint adjusts the logits (drawn on the host: runtime/constraint.py)."""
-    result, masks = SampleResult([], []), masks or {}
+    (device_masks); `penalized`: those it drew under their penalties (penalty_inputs). `row_logits(r)`: row r's
+    float32 logits, fetched only for rows the device left unresolved and for constrained rows it could not take
+    (drawn on the host: runtime/constraint.py)."""
+    result, masks, penalized = SampleResult([], []), masks or {}, penalized or set()
     for r, p in enumerate(params):
         token, logprob = int(outputs["sampled_ids"][r]), float(outputs["sampled_logprobs"][r])
         constraint = constraints[r] if constraints else None
         sampling = tuple(inputs[name][r].item() for name in SAMPLING_INPUTS)
-        if constraint is not None and (r not in masks or adjusts(constraint)):
+        on_device = constraint is None or ((r in masks or not has_grammar(constraint))
+                                           and (r in penalized or not adjusts(constraint)))
+        if constraint is not None and (not on_device or token == UNRESOLVED):
             x = np.asarray(row_logits(r), dtype=np.float32)
             allowed = unpack_mask(masks[r], x.size) if r in masks else None
             token, logprob = draw_constrained(x, constraint, sampling, allowed)
             result.host_rows.append(r)
         elif token == UNRESOLVED:
             x = np.asarray(row_logits(r), dtype=np.float32)
-            if r in masks:
-                x = np.where(unpack_mask(masks[r], x.size), x, -np.inf).astype(np.float32)
             token = sample_row(x, *sampling)
             logprob = float(x[token] - logsumexp_row(x))
             result.host_rows.append(r)
-        if constraint is not None and r in masks and not adjusts(constraint):
+        elif constraint is not None:
             accept(constraint, token)
         result.tokens.append(token)
         if p.logprobs is None:

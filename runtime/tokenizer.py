@@ -89,8 +89,8 @@ def eos_token_ids(folder: Path) -> frozenset[int]:
     return frozenset()
 
 
-# what vLLM takes from it, less repetition_penalty: a penalised row is drawn on the host (runtime/constraint.py), so
-# a checkpoint's default one (1.05 in some) would put every row of every request there
+# what vLLM takes from it, less repetition_penalty: a checkpoint's default one (1.05 in some) would put every row of
+# every request under penalties, whose terms the host builds each step over the prompt's ids (PenaltyState.terms)
 SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p")
 
 

@@ -5,6 +5,7 @@ softmax(logits / T)); the kernels draw the op's tokens exactly for mixed per-row
 reaches past the candidates fall back to the host and get the token unlimited candidates give."""
 
 import dataclasses
+import types
 
 import numpy as np
 import pytest
@@ -21,15 +22,18 @@ from pegainfer.errors import RequestError
 from pegainfer.frontends.load import load_model
 from pegainfer.ir import BF16, FP32, GraphBuilder
 from pegainfer.ir.graph import KERNEL
+from pegainfer.ir.ops.penalties import Penalties
 from pegainfer.ir.ops.sampling import UNRESOLVED, gumbel, philox4x32, sample_row
 from pegainfer.ir.registry import get_op
-from pegainfer.ir.step import SAMPLING_INPUTS, TOKEN_BITMASK, TOKEN_MASK_INDEX, mask_words, sampler_outputs
+from pegainfer.ir.step import (PENALTY_COUNT, PENALTY_IDS, PENALTY_START, PENALTY_TERMS, SAMPLING_INPUTS,
+                                TOKEN_BITMASK, TOKEN_MASK_INDEX, mask_words, sampler_outputs)
 from pegainfer.passes.pipeline import lower
 from pegainfer.runtime.batch import Chunk, Sequence, pack_step
-from pegainfer.runtime.constraint import pack_mask
-from pegainfer.runtime.device_sampling import finish, greedy_inputs, sampling_inputs, stack_masks
+from pegainfer.runtime.constraint import PenaltyState, pack_mask
+from pegainfer.runtime.device_sampling import finish, greedy_inputs, no_penalties, sampling_inputs, stack_masks
 from pegainfer.runtime.gpu.abi import DeviceTensor
 from pegainfer.runtime.gpu.engine import GpuEngine, pad_decode_step
+from pegainfer.runtime.gpu.executor import PENALTY_ENTRIES
 from pegainfer.runtime.kv_blocks import BlockAllocator
 from pegainfer.runtime.offline import generate_one
 from pegainfer.runtime.reference_engine import ReferenceEngine
@@ -227,9 +231,10 @@ def plan_tail(vocab: int, dtype, monkeypatch, candidates: int, chunk: int) -> Ta
 
 
 def run_tail(tail: Tail, logits: np.ndarray, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The tail's launches on given logits; `inputs` may leave the grammar masks out (none)."""
+    """The tail's launches on given logits; `inputs` may leave the grammar masks and the penalties out (none)."""
     unmasked = {TOKEN_BITMASK: np.zeros((1, 1), np.int32), TOKEN_MASK_INDEX: np.full(logits.shape[0], -1, np.int32)}
-    env = {"logits": to_torch(logits)} | {name: to_torch(a) for name, a in (unmasked | inputs).items()}
+    defaults = unmasked | no_penalties(logits.shape[0])
+    env = {"logits": to_torch(logits)} | {name: to_torch(a) for name, a in (defaults | inputs).items()}
     got = launch_kernel(tail.spec, tail.node, env, {"samples": logits.shape[0]}, module="sampling.py")
     return {name: to_numpy(t) for name, t in got.items()}
 
@@ -324,6 +329,52 @@ def test_kernels_draw_under_each_rows_grammar_mask_as_the_reference_does(monkeyp
     assert allowed[np.arange(12)[drawn], tokens[drawn]].all() and drawn.sum() >= 7
     finite = np.isfinite(masked).sum(axis=1) >= 8  # rows with 8 allowed ids rank them all
     np.testing.assert_array_equal(got["top_ids"][finite], np.argsort(-masked, axis=1, kind="stable")[finite, :8])
+    np.testing.assert_allclose(got["logsumexp"], np.log(np.exp(masked.astype(np.float64)).sum(axis=1)), rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_kernels_draw_penalised_rows_as_the_reference_does(monkeypatch):
+    """Rows of every sampling path with sparse penalties (biases, repetition factors, subtrahends, masked ids;
+    entries within one block and across chunks; a row without), some under grammar masks, one whose penalties
+    mask every id its grammar allows: the top-k is of the penalised logits, the logsumexp and the logprobs of
+    the masked ones (vLLM's raw logprobs), the draw the reference's, and the fully masked row left to the host."""
+    rng = np.random.default_rng(29)
+    vocab = 300
+    tail = plan_tail(vocab, BF16, monkeypatch, candidates=8, chunk=64)
+    inputs = mixed_rows(rng, vocab)
+    logits = rng.normal(0, 2, (12, vocab)).astype(BF16.np_dtype)
+    starts, counts, ids, terms = [], [], [], []
+    for row in range(12):
+        chosen = np.sort(rng.choice(vocab, int(rng.integers(1, 40)), replace=False)) if row != 3 else np.array([], int)
+        starts.append(len(ids))
+        counts.append(chosen.size)
+        ids += chosen.tolist()
+        for _ in chosen:
+            terms.append([rng.choice([0.0, 3.0, -2.5]), rng.choice([1.0, 1.3, 0.7]),
+                          rng.choice([0.0, 0.4, -1.0, np.inf], p=[0.4, 0.3, 0.2, 0.1])])
+    allowed = np.zeros(vocab, bool)
+    allowed[[5, 77]] = True
+    ids_of_7 = slice(starts[7], starts[7] + counts[7])
+    ids[ids_of_7] = [5, 77] + [j for j in ids[ids_of_7] if j not in (5, 77)][: counts[7] - 2]
+    order = np.argsort(ids[ids_of_7])
+    ids[ids_of_7] = np.asarray(ids[ids_of_7])[order].tolist()
+    terms[ids_of_7] = [terms[starts[7] + i] for i in order]
+    for i, j in enumerate(ids[ids_of_7]):
+        if j in (5, 77):
+            terms[starts[7] + i][2] = np.inf  # the row's penalties mask all its grammar allows
+    penalties = {PENALTY_START: np.array(starts, np.int32), PENALTY_COUNT: np.array(counts, np.int32),
+                 PENALTY_IDS: np.array(ids, np.int32), PENALTY_TERMS: np.array(terms, np.float32)}
+    bitmask, index = stack_masks({7: pack_mask(allowed), 9: pack_mask(rng.random(vocab) < 0.5)}, 12,
+                                 mask_words(vocab))
+    got = run_tail(tail, logits, inputs | penalties | {TOKEN_BITMASK: bitmask, TOKEN_MASK_INDEX: index})
+    masked = get_op("mask_tokens").reference(logits.astype(np.float32), bitmask, index)
+    penalized = get_op("penalize_tokens").reference(masked, *penalties.values())
+    tokens, logprobs = get_op("sample").reference(penalized, *(inputs[name] for name in SAMPLING_INPUTS), masked,
+                                                  candidates=8)
+    np.testing.assert_array_equal(got["sampled_ids"], tokens)
+    np.testing.assert_allclose(got["sampled_logprobs"], logprobs, atol=1e-5)
+    assert tokens[7] == UNRESOLVED and (tokens[[0, 1, 2, 3, 4]] != UNRESOLVED).all()
+    np.testing.assert_array_equal(got["top_ids"], np.argsort(-penalized, axis=1, kind="stable")[:, :8])
     np.testing.assert_allclose(got["logsumexp"], np.log(np.exp(masked.astype(np.float64)).sum(axis=1)), rtol=1e-6)
 
 
@@ -458,6 +509,7 @@ class _DeviceStandIn:
 
     def __init__(self, graph, arrays: dict[str, np.ndarray]) -> None:
         self.graph, self.arrays, self.fetched = graph, arrays, []
+        self.limits = types.SimpleNamespace(penalties=PENALTY_ENTRIES)
         self.tensors = {}
         for index, (name, array) in enumerate(arrays.items()):
             dtype = graph.value_types()[name].dtype
@@ -499,8 +551,11 @@ def test_gpu_engine_sample_downloads_tokens_and_only_the_rows_left_to_the_host(t
     engine.executor = _DeviceStandIn(graph, arrays)
     engine.rng, engine.vocab_size, launched_masks = np.random.default_rng(0), vocab, []
 
+    uploaded = []
+
     def run(chunks, sampling, fill_masks=None):  # the masks are filled as the layers would run
         launched_masks.append(None if fill_masks is None else fill_masks())
+        uploaded.append(sampling)
         return engine.executor.tensors
     engine.run = run
     chunks = [Chunk(Sequence(i, [1]), 1) for i in range(3)]
@@ -533,3 +588,17 @@ def test_gpu_engine_sample_downloads_tokens_and_only_the_rows_left_to_the_host(t
     assert list(launched_masks[-1]) == [0] and Grammar.accepted == [5] and result.tokens[0] == 5
     assert ("logits", (1, vocab)) in engine.executor.fetched and len([f for f in engine.executor.fetched
                                                                      if f[0] == "logits"]) == 1  # row 1's only
+
+    # penalties go to the tail as sparse terms and the row is drawn there; with top logprobs, on the host
+    state = PenaltyState(Penalties(logit_bias=((9, -3.0),), presence=0.5), [4], vocab, stop_ids=[])
+    state.accept(2)
+    engine.executor.fetched = []
+    params[2] = dataclasses.replace(params[2], logprobs=None)
+    result = engine.sample(chunks, params, [0, 0, 0], [None, None, state])
+    assert uploaded[-1][PENALTY_COUNT].tolist() == [0, 0, 2] and uploaded[-1][PENALTY_IDS].tolist() == [2, 9]
+    np.testing.assert_array_equal(uploaded[-1][PENALTY_TERMS], [[0.0, 1.0, 0.5], [-3.0, 1.0, 0.0]])
+    assert result.tokens[2] == 7 and state.output == [2, 7] and result.host_rows == [1]
+    params[2] = dataclasses.replace(params[2], logprobs=1)
+    result = engine.sample(chunks, params, [0, 0, 0], [None, None, state])
+    assert uploaded[-1][PENALTY_COUNT].tolist() == [0, 0, 0] and result.host_rows == [1, 2]
+    assert state.output == [2, 7, result.tokens[2]]

@@ -65,6 +65,27 @@ def completion(server, **body) -> dict:
     return reply.json()["choices"][0]["logprobs"]
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_sparse_terms_give_exactly_what_the_dense_penalties_give(seed):
+    """PenaltyState.terms through the penalize_tokens op (what the GPU tail applies) equals `adjust` (the dense
+    reference the engines draw from on the host) bit for bit, over every kind of penalty at once, after draws."""
+    from pegainfer.ir.ops.sampling import penalize_tokens
+
+    rng = np.random.default_rng(seed)
+    penalties = Penalties(presence=float(rng.uniform(-1, 1)), frequency=float(rng.uniform(-1, 1)),
+                          repetition=float(rng.uniform(0.5, 2)), logit_bias=((3, 5.0), (40, -100.0), (9, 0.5)),
+                          min_tokens=4, bad_words=((7,), (11, 12, 13)))
+    state = PenaltyState(penalties, rng.integers(0, VOCAB, 10).tolist(), VOCAB, stop_ids=[0, 1])
+    for token in [11, 12, *rng.integers(0, VOCAB, int(rng.integers(0, 6))).tolist()]:
+        state.accept(token)
+    x = (rng.standard_normal(VOCAB) * 4).astype(np.float32)
+    x[rng.integers(0, VOCAB, 3)] = -np.inf  # a grammar's mask
+    ids, terms = state.terms()
+    assert (np.diff(ids) > 0).all()
+    got = penalize_tokens(x[None], np.array([0], np.int32), np.array([ids.size], np.int32), ids, terms)[0]
+    np.testing.assert_array_equal(got, state.adjust(x))
+
+
 def test_logit_bias_keeps_a_token_out_and_forces_another(server):
     greedy = completion(server)
     banned = greedy["tokens"][0]  # greedy's first token, its argmax

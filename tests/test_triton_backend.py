@@ -139,11 +139,13 @@ def _compare(model: Model, node, got: dict, expected: dict, seen: dict) -> None:
 
 def _compare_sample(node, name: str, got: dict, seen: dict) -> None:
     """The drawn tokens are those the `sample` op draws from the logits the kernel wrote (whose bf16 rounding
-    differs from the reference's now and then), exactly; their logprobs to 1e-5."""
-    sample = next(n for n in node.attrs["nodes"] if n.op == "sample")
-    mask = next(n for n in node.attrs["nodes"] if n.op == "mask_tokens")  # the kernel's logits, masked as it drew
-    logits = get_op("mask_tokens").reference(got[mask.inputs[0]], *(seen[v] for v in mask.inputs[1:]))
-    tokens, logprobs = get_op("sample").reference(logits, *(seen[v] for v in sample.inputs[1:]), **sample.attrs)
+    differs from the reference's now and then), masked and penalised as it drew, exactly; their logprobs to 1e-5."""
+    nodes = {n.op: n for n in node.attrs["nodes"]}
+    sample, mask, penalize = nodes["sample"], nodes["mask_tokens"], nodes["penalize_tokens"]
+    masked = get_op("mask_tokens").reference(got[mask.inputs[0]], *(seen[v] for v in mask.inputs[1:]))
+    penalized = get_op("penalize_tokens").reference(masked, *(seen[v] for v in penalize.inputs[1:]))
+    tokens, logprobs = get_op("sample").reference(penalized, *(seen[v] for v in sample.inputs[1:7]), masked,
+                                                  **sample.attrs)
     if name == sample.outputs[0]:
         np.testing.assert_array_equal(got[name], tokens)
     else:

@@ -18,6 +18,7 @@ from pegainfer.ir.types import TensorType
 SMALL_ROWS = 16  # up to this many rows a GEMM uses its decode-shaped tiles
 TAIL_CHUNK = 4096  # vocabulary entries per program of the sampler tail's chunk launches, at most
 TAIL_LEAD = 8  # the sampler tail's merge ranks this many candidates a chunk when none has more
+PENALTY_SCAN = 128  # penalty entries the sampler tail compares at once when it seeks a block's
 GEMV_PROGRAMS = 528  # a few-rows GEMV aims for at least this many programs: 4 per SM of an H100/H200
 DECODE_TILE_ROWS = 16  # the tensor-core tiles of decode steps (up to SMALL_ROWS rows): their norm runs apart
 ROPE_HEAD_ROWS = 256  # up to this many tokens the rope/KV-write launch runs a program per (token, head)
@@ -225,8 +226,9 @@ def gemv_1_tile(n: int, k: int, act: bool) -> tuple[int, int, int]:
 def _plan_tail_reduction(types: dict[str, TensorType], roles: dict, layout: dict) -> tuple[list[LaunchSpec], dict]:
     """Three launches: per vocabulary chunk, the logsumexp statistics and the chunk's largest key; per chunk
     again, its share of the top-k candidates and sampling statistics; then per row, the merge that writes the
-    top-k, the logsumexp and the sampled token (kernels/sampling.py). Each row's grammar mask is applied as its
-    logits are read. Chunks are small enough that a row has at least k of them where the vocabulary allows."""
+    top-k, the logsumexp and the sampled token (kernels/sampling.py). Each row's grammar mask and penalties are
+    applied as its logits are read. Chunks are small enough that a row has at least k of them where the
+    vocabulary allows."""
     logits = roles["out"]
     values, ids = roles["top_k"].outputs
     k = roles["top_k"].attrs["k"]
@@ -244,17 +246,19 @@ def _plan_tail_reduction(types: dict[str, TensorType], roles: dict, layout: dict
     types = types | scratch | {o: t for o, t in zip(sample.outputs, sample.output_types)}
     layout = layout | {name: (t.shape[1], 0) for name, t in scratch.items()}
     _, bitmask, mask_index = roles["mask"].inputs
+    penalties = tuple(zip(("penalty_start_ptr", "penalty_count_ptr", "penalty_ids_ptr", "penalty_terms_ptr"),
+                          roles["penalize"].inputs[1:]))
     bound = Params(types, layout)
     for name, value in (("logits_ptr", logits), ("bitmask_ptr", bitmask), ("mask_index_ptr", mask_index),
-                        ("stats_ptr", "tail.stats"), ("bound_ptr", "tail.bound")):
+                        *penalties, ("stats_ptr", "tail.stats"), ("bound_ptr", "tail.bound")):
         bound.tensor(name, value)
     bound.stride("stride_logits", logits)
     bound.stride("stride_bitmask", bitmask)
     partial = Params(types, layout)
     for name, value in (("logits_ptr", logits), *((f"{role}_ptr", v) for role, v in sampling.items()),
-                        ("bitmask_ptr", bitmask), ("mask_index_ptr", mask_index), ("bound_ptr", "tail.bound"),
-                        ("keys_ptr", "tail.keys"), ("count_ptr", "tail.count"), ("stats_ptr", "tail.stats"),
-                        ("best_ptr", "tail.best")):
+                        ("bitmask_ptr", bitmask), ("mask_index_ptr", mask_index), *penalties,
+                        ("bound_ptr", "tail.bound"), ("keys_ptr", "tail.keys"), ("count_ptr", "tail.count"),
+                        ("stats_ptr", "tail.stats"), ("best_ptr", "tail.best")):
         partial.tensor(name, value)
     partial.stride("stride_logits", logits)
     partial.stride("stride_bitmask", bitmask)
@@ -269,10 +273,10 @@ def _plan_tail_reduction(types: dict[str, TensorType], roles: dict, layout: dict
     grid = (GridDim((rows_symbol,)), GridDim((chunks,)))
     block = min(chunk, 1024)
     return [launch("sampling.py", "tail_bound_kernel", bound,
-                   dict(VOCAB=vocab, CHUNK=chunk, CHUNKS=chunks, BLOCK=block), grid, num_warps=4),
+                   dict(VOCAB=vocab, CHUNK=chunk, CHUNKS=chunks, BLOCK=block, SCAN=PENALTY_SCAN), grid, num_warps=4),
             launch("sampling.py", "tail_partial_kernel", partial,
                    dict(VOCAB=vocab, K=k, K_P2=k_p2, CHUNK=chunk, CHUNKS=chunks, CHUNKS_P2=next_pow2(chunks),
-                        BLOCK=block, GREEDY_BELOW=GREEDY_BELOW), grid, num_warps=4),
+                        BLOCK=block, SCAN=PENALTY_SCAN, GREEDY_BELOW=GREEDY_BELOW), grid, num_warps=4),
             launch("sampling.py", "tail_merge_kernel", merge,
                    dict(VOCAB=vocab, K=k, K_P2=k_p2, CHUNKS=chunks, CHUNKS_P2=next_pow2(chunks),
                         LEAD=min(TAIL_LEAD, k_p2), GREEDY_BELOW=GREEDY_BELOW, TOP_P_SLACK=TOP_P_SLACK,

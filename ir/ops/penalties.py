@@ -3,7 +3,8 @@ order: logit_bias added and min_tokens masking the stop tokens until that many t
 penalty over the prompt's and the output's tokens (Hugging Face's RepetitionPenaltyLogitsProcessor: a positive logit
 divided by it, a negative one multiplied), the presence and frequency penalties over the output's tokens (subtracted
 once, and once per occurrence); a bad word's last token masked where the output so far ends with the rest of it
-(vLLM's bad_words). The engines draw a penalised row on the host (runtime/constraint.py)."""
+(vLLM's bad_words). The GPU tail applies the same as sparse per-id terms (ir/ops/sampling.py's penalize_tokens,
+runtime/constraint.py's PenaltyState.terms); the CPU engine draws a penalised row on the host."""
 
 from dataclasses import dataclass
 

@@ -169,10 +169,12 @@ def logsumexp_row(x: np.ndarray) -> np.float32:
 
 
 def _infer_sample(logits: TensorType, temperature: TensorType, top_k: TensorType, top_p: TensorType,
-                  min_p: TensorType, seed: TensorType, step: TensorType, *, candidates: int,
-                  logits_dtype: str | None = None) -> tuple[TensorType, TensorType]:
+                  min_p: TensorType, seed: TensorType, step: TensorType, scored: TensorType | None = None, *,
+                  candidates: int, logits_dtype: str | None = None) -> tuple[TensorType, TensorType]:
     expect(logits.rank == 2 and logits.dtype.is_float and isinstance(logits.shape[1], int),
            f"sample: logits must be float [rows, vocab], found {logits}")
+    expect(scored is None or (scored.shape == logits.shape and scored.dtype.is_float),
+           f"sample: the scored logits must be float {list(logits.shape)}, found {scored}")
     rows = logits.shape[0]
     for name, t, dtype in (("temperature", temperature, FP32), ("top_k", top_k, INT32), ("top_p", top_p, FP32),
                            ("min_p", min_p, FP32), ("seed", seed, INT64), ("step", step, INT32)):
@@ -184,15 +186,19 @@ def _infer_sample(logits: TensorType, temperature: TensorType, top_k: TensorType
 
 
 def _sample(logits: np.ndarray, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray,
-            seed: np.ndarray, step: np.ndarray, *, candidates: int,
+            seed: np.ndarray, step: np.ndarray, scored: np.ndarray | None = None, *, candidates: int,
             logits_dtype: str | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens, the chosen tokens' logprobs of the unscaled distribution); UNRESOLVED and NaN for rows the
-    candidates cannot settle. `logits_dtype`: the logits are read as stored in it (rounded), as the kernels do."""
+    """(tokens, the chosen tokens' logprobs of the unscaled distribution of `scored`, the logits themselves where
+    none: the draw's logits may be penalised ones, scored by the logits before the penalties as vLLM's raw
+    logprobs are); UNRESOLVED and NaN for rows the candidates cannot settle, or where the logits allow no token.
+    `logits_dtype`: the logits are read as stored in it (rounded), as the kernels do."""
     x = np.asarray(logits, dtype=np.float32)
     if logits_dtype is not None:
         x = x.astype(dtype_from_name(logits_dtype).np_dtype).astype(np.float32)
     tokens = sample_rows(x, temperature, top_k, top_p, min_p, seed, step, candidates)
+    tokens[~np.isfinite(x).any(axis=1)] = UNRESOLVED
     resolved = tokens != UNRESOLVED
+    x = x if scored is None else np.asarray(scored, dtype=np.float32)
     peak = x.max(axis=1, keepdims=True)
     lse = peak[:, 0] + np.log(np.exp(x - peak).sum(axis=1, dtype=np.float32))
     logprobs = np.full(x.shape[0], np.nan, dtype=np.float32)
@@ -225,3 +231,35 @@ def mask_tokens(logits: np.ndarray, bitmask: np.ndarray, index: np.ndarray) -> n
 
 
 register_op("mask_tokens", _infer_mask_tokens, mask_tokens, ROW_REDUCTION)
+
+
+def _infer_penalize_tokens(logits: TensorType, start: TensorType, count: TensorType, ids: TensorType,
+                           terms: TensorType) -> TensorType:
+    expect(logits.rank == 2 and logits.dtype.is_float and isinstance(logits.shape[1], int),
+           f"penalize_tokens: logits must be float [rows, vocab], found {logits}")
+    for name, t in (("start", start), ("count", count)):
+        expect(t == TensorType(INT32, (logits.shape[0],)),
+               f"penalize_tokens: {name} must be {TensorType(INT32, (logits.shape[0],))}, found {t}")
+    expect(ids.rank == 1 and ids.dtype == INT32, f"penalize_tokens: ids must be i32 [entries], found {ids}")
+    expect(terms == TensorType(FP32, (ids.shape[0], 3)),
+           f"penalize_tokens: terms must be {TensorType(FP32, (ids.shape[0], 3))}, found {terms}")
+    return TensorType(FP32, logits.shape)
+
+
+def penalize_tokens(logits: np.ndarray, start: np.ndarray, count: np.ndarray, ids: np.ndarray,
+                    terms: np.ndarray) -> np.ndarray:
+    """Each row's penalties as sparse terms (runtime/constraint.py's PenaltyState.terms): for entries start[r] ..
+    start[r] + count[r] - 1, the logit of id j becomes y - s with y = x + bias divided by the repetition factor
+    where positive and multiplied by it otherwise, s the presence and frequency subtrahend (+inf: masked): the
+    operations of ir/ops/penalties.py's penalize in its order, in float32, which the result stays in."""
+    x = np.array(logits, dtype=np.float32, copy=True)
+    for row in np.flatnonzero(np.asarray(count) > 0):
+        entries = slice(int(start[row]), int(start[row]) + int(count[row]))
+        j = np.asarray(ids[entries])
+        bias, factor, minus = (np.asarray(terms[entries, k], dtype=np.float32) for k in range(3))
+        y = x[row, j] + bias
+        x[row, j] = np.where(y > 0, y / factor, y * factor) - minus
+    return x
+
+
+register_op("penalize_tokens", _infer_penalize_tokens, penalize_tokens, ROW_REDUCTION)

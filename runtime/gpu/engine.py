@@ -9,12 +9,13 @@ import numpy as np
 
 from pegainfer.errors import PegainferError
 from pegainfer.frontends.load import LoadedModel
-from pegainfer.ir.step import SAMPLING_INPUTS, TOKEN_BITMASK, TOKEN_MASK_INDEX, mask_words, sampler_outputs
+from pegainfer.ir.step import (PENALTY_COUNT, PENALTY_IDS, PENALTY_START, PENALTY_TERMS, SAMPLING_INPUTS,
+                               TOKEN_BITMASK, TOKEN_MASK_INDEX, mask_words, sampler_outputs)
 from pegainfer.passes.pipeline import lower
 from pegainfer.runtime.batch import Chunk, Sequence, commit_step, pack_step, release_sequence
 from pegainfer.runtime.constraint import TokenConstraint
 from pegainfer.runtime.device_sampling import (SampleResult, device_masks, finish, greedy_inputs, mask_inputs,
-                                               sampling_inputs, wants_top_logprobs)
+                                               penalty_inputs, sampling_inputs, wants_top_logprobs)
 from pegainfer.runtime.cuda import driver
 from pegainfer.runtime.gpu.executor import PDL_MAX_TOKENS, GpuExecutor, Limits
 from pegainfer.runtime.gpu.memory import kv_blocks_for_memory
@@ -84,16 +85,18 @@ class GpuEngine:
         """Runs one step and draws a token per chunk on the device (the tail's `sample` op, under each row's
         grammar bitmask): downloads the tokens and their logprobs, the top-k candidates only when a row asks for
         top logprobs, and a full logits row only for a row whose kept set reaches past the candidates or whose
-        constraint adjusts the logits (penalties: drawn on the host with the same noise). `launched` is called
-        once the step and its downloads are queued, before the wait."""
+        constraint the tail cannot take (device_sampling.finish: drawn on the host with the same noise). Rows
+        with penalties are drawn under them in the tail (penalty_inputs). `launched` is called once the step and
+        its downloads are queued, before the wait."""
         sampling = sampling_inputs(params, token_index, self.rng)
+        penalties, penalized = penalty_inputs(constraints, params, len(chunks), self.executor.limits.penalties)
         masks: dict[int, np.ndarray] = {}
 
         def fill_masks() -> dict[int, np.ndarray]:  # while the GPU runs the layers
             masks.update(device_masks(constraints, self.vocab_size))
             return masks
         constrained = constraints is not None and any(c is not None for c in constraints)
-        outputs = self.run(chunks, sampling=sampling, fill_masks=fill_masks if constrained else None)
+        outputs = self.run(chunks, sampling=sampling | penalties, fill_masks=fill_masks if constrained else None)
         names = sampler_outputs(self.executor.graph)
         wanted = ["sampled_ids", "sampled_logprobs", *(("top_values", "top_ids", "logsumexp")
                                                  if wants_top_logprobs(params) else ())]
@@ -103,7 +106,8 @@ class GpuEngine:
         fetched = download()
         logits = outputs[self.executor.graph.outputs[0]]
         return finish({role: array[: len(chunks)] for role, array in zip(wanted, fetched)}, sampling, params,
-                      lambda row: self.executor.fetch(logits.row(row))[0].astype(np.float32), constraints, masks)
+                      lambda row: self.executor.fetch(logits.row(row))[0].astype(np.float32), constraints, masks,
+                      penalized)
 
     def run(self, chunks: list[Chunk], *, all_logits: bool = False, sampling: dict | None = None,
             fill_masks: Callable[[], dict[int, np.ndarray]] | None = None) -> dict:
@@ -189,6 +193,9 @@ def pad_decode_step(step: dict[str, np.ndarray], bucket: int) -> dict[str, np.nd
         **{name: np.concatenate([step[name], greedy[name]]) for name in SAMPLING_INPUTS},  # padding rows: greedy
         **({TOKEN_MASK_INDEX: np.concatenate([step[TOKEN_MASK_INDEX], np.full(extra, -1, np.int32)]),
             TOKEN_BITMASK: step[TOKEN_BITMASK]} if TOKEN_MASK_INDEX in step else {}),  # and unmasked
+        **({PENALTY_START: np.concatenate([step[PENALTY_START], np.zeros(extra, np.int32)]),
+            PENALTY_COUNT: np.concatenate([step[PENALTY_COUNT], np.zeros(extra, np.int32)]),
+            PENALTY_IDS: step[PENALTY_IDS], PENALTY_TERMS: step[PENALTY_TERMS]} if PENALTY_COUNT in step else {}),
     }
 
 

@@ -28,6 +28,7 @@ from pegainfer.runtime.gpu.upload import params_bytes, upload_weights
 # decode tiles were chosen launched so (docs/BENCHMARKS.md); larger steps launch every kernel plainly.
 PDL_MAX_TOKENS = 16
 TAIL_KIND = "lm_head_tail"  # the kernel that draws the tokens (passes/fusion.py's plan_sampler_tail)
+PENALTY_ENTRIES = 65536  # a step's penalty entries on the device: 1 MB of ids and terms
 
 
 @dataclass(frozen=True)
@@ -38,11 +39,12 @@ class Limits:
     num_blocks: int
     block_size: int
     mask_words: int = 1  # words of a grammar bitmask row: the logits' width over 32 (the executor sets it)
+    penalties: int = PENALTY_ENTRIES  # penalty entries of one step (rows past them are drawn on the host)
 
     def sizes(self) -> dict[str, int]:
         return {"tokens": self.max_tokens, "batch": self.max_batch, "samples": self.max_batch, "masks": self.max_batch,
                 "mask_words": self.mask_words, "max_blocks": self.max_blocks_per_seq, "num_blocks": self.num_blocks,
-                "block_size": self.block_size, "max_query_len": self.max_tokens}
+                "block_size": self.block_size, "max_query_len": self.max_tokens, "penalties": self.penalties}
 
 
 class GpuExecutor:

@@ -33,8 +33,8 @@ def synthetic_step(batch: int, query_len: int, context: int, block_size: int) ->
         allocator.grow(seq.table, context - query_len)
         chunks.append(Chunk(seq, query_len))
     step = pack_step(chunks, allocator) | {TOKEN_MASK_INDEX: np.full(batch, -1, np.int32)}  # no grammar masks
-    sizes = {"tokens": batch * query_len, "batch": batch, "samples": batch, "masks": 1, "max_query_len": query_len,
-             "num_blocks": batch * blocks_per_seq + 1, "block_size": block_size,
+    sizes = {"tokens": batch * query_len, "batch": batch, "samples": batch, "masks": 1, "penalties": 1,
+             "max_query_len": query_len, "num_blocks": batch * blocks_per_seq + 1, "block_size": block_size,
              "max_blocks": step["block_tables"].shape[1]}
     return step, sizes
 

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# On the GPU: structured outputs and tool calls through `pegainfer serve --device cuda` on the small checkpoint (the
-# GPU engine draws a constrained row on the host from its logits row). Needs the serving wheels
+# On the GPU: structured outputs, tool calls and penalties through `pegainfer serve --device cuda` on the small
+# checkpoint (grammar bitmasks and penalties applied in the sampler tail). Needs the serving wheels
 # (scripts/gpu/serve_wheels.sh) and xgrammar's for Python 3.12 in .gpu/xg (pip download xgrammar==0.2.9
 # apache-tvm-ffi==0.1.12 --python-version 3.12 --only-binary=:all: --no-deps -d .gpu/xg).
-#   carry [".gpu/small", ".gpu/cache_smoke", ".gpu/wheels", ".gpu/xg"]:  bash scripts/gpu/structured_check.sh
+#   carry [".gpu/small", ".gpu/cache_qwen3", ".gpu/wheels", ".gpu/xg"]:
+#       PEGAINFER_CACHE=$PWD/.gpu/cache_qwen3 bash scripts/gpu/structured_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/wheels/*.whl .gpu/xg/*.whl || exit 1
@@ -46,9 +47,10 @@ r = httpx.post(url + "/v1/completions", timeout=120, json={"model": "small", "pr
 print("plain:", r.status_code, r.json()["choices"][0]["finish_reason"])
 
 import asyncio
-async def load(constrained: bool, clients: int = 16, tokens: int = 64) -> float:
-    """Output tok/s of `clients` concurrent chats of `tokens` tokens (ignore_eos), with a regex grammar or none."""
-    extra = {"structured_outputs": {"regex": "[a-z ]{%d}" % (4 * tokens)}} if constrained else {}
+KINDS = {"no grammar": {}, "a regex grammar": {"structured_outputs": {"regex": "[a-z ]{256}"}},
+         "penalties": {"presence_penalty": 0.5, "frequency_penalty": 0.3, "logit_bias": {"7": -5}}}
+async def load(extra: dict, clients: int = 16, tokens: int = 64) -> float:
+    """Output tok/s of `clients` concurrent chats of `tokens` tokens (ignore_eos), with `extra` in each body."""
     async with httpx.AsyncClient(timeout=300) as client:
         began = time.perf_counter()
         replies = await asyncio.gather(*(client.post(url + "/v1/chat/completions", json={
@@ -56,9 +58,8 @@ async def load(constrained: bool, clients: int = 16, tokens: int = 64) -> float:
             "temperature": 1.0, "seed": i, "ignore_eos": True, **extra}) for i in range(clients)))
         done = sum(r.json()["usage"]["completion_tokens"] for r in replies)
     return done / (time.perf_counter() - began)
-for constrained in (False, True):
-    print(f"16 concurrent chats, {'a regex grammar' if constrained else 'no grammar'}: "
-          f"{asyncio.run(load(constrained)):.0f} output tok/s")
+for kind, extra in KINDS.items():
+    print(f"16 concurrent chats, {kind}: {asyncio.run(load(extra)):.0f} output tok/s")
 PY
 kill $pid; wait $pid
 grep -c Traceback "$OUT/serve.log"

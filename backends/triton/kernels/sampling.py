@@ -4,7 +4,8 @@ vocabulary, first to its logsumexp statistics and its largest key, then to its s
 or nothing instead of being ranked whole) and of what the row's draw needs; then one program per row merges
 them, writes the top-K values and ids and the logsumexp, and draws the row's token by the `sample` op's rule
 (ir/ops/sampling.py, whose NumPy reference this follows operation for operation), all of it over the logits a
-row's grammar mask leaves (mask_tokens: the others -inf).
+row's grammar mask leaves (mask_tokens: the others -inf), penalised (penalize_tokens: a row's sparse terms applied
+to the ids of each block they fall in) for the ranking and the draw, not for the logsumexp and the logprobs.
 Top-k runs on 64-bit keys that pack an order-preserving form of the float with the inverted column, so one
 tl.topk keeps values and ids together and breaks ties toward the lower id, as the reference does.
 
@@ -62,14 +63,41 @@ def _masked(row_ptr, offs, inside, bitmask_ptr, mask_row, stride_bitmask):
 
 
 @triton.jit
-def tail_bound_kernel(logits_ptr, bitmask_ptr, mask_index_ptr, stats_ptr, bound_ptr, stride_logits, stride_bitmask,
-                      VOCAB: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr):
+def _entries_before(ids_ptr, first, last, value, SCAN: tl.constexpr):
+    """The first of the row's penalty entries first .. last - 1 (ascending ids) whose id is at least `value`."""
+    below = first * 0
+    for start in range(first, last, SCAN):
+        e = start + tl.arange(0, SCAN)
+        below += tl.sum(((e < last) & (tl.load(ids_ptr + e, mask=e < last, other=0) < value)).to(tl.int32), axis=0)
+    return first + below
+
+
+@triton.jit
+def _penalized(x, offs, start, ids_ptr, terms_ptr, first, last, BLOCK: tl.constexpr, SCAN: tl.constexpr):
+    """The block of logits x (ids offs, from `start`) with the row's penalty entries first .. last - 1 that fall
+    in it applied, as penalize_tokens does: (x + bias) divided by the factor where positive, else multiplied by
+    it, less the subtrahend; a row without entries is returned as it is."""
+    for e in range(_entries_before(ids_ptr, first, last, start, SCAN),
+                   _entries_before(ids_ptr, first, last, start + BLOCK, SCAN)):
+        y = x + tl.load(terms_ptr + 3 * e)
+        factor = tl.load(terms_ptr + 3 * e + 1)
+        y = tl.where(y > 0, tl.div_rn(y, factor), y * factor) - tl.load(terms_ptr + 3 * e + 2)
+        x = tl.where(offs == tl.load(ids_ptr + e), y, x)
+    return x
+
+
+@triton.jit
+def tail_bound_kernel(logits_ptr, bitmask_ptr, mask_index_ptr, penalty_start_ptr, penalty_count_ptr, penalty_ids_ptr,
+                      penalty_terms_ptr, stats_ptr, bound_ptr, stride_logits, stride_bitmask, VOCAB: tl.constexpr,
+                      CHUNK: tl.constexpr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr, SCAN: tl.constexpr):
     """Per (row, chunk): the max and sum of exp of the logits the row's grammar mask leaves, and the chunk's
-    largest key. A row's top K keys are none below the K-th largest of its chunks' largest keys."""
+    largest key of them penalised. A row's top K keys are none below the K-th largest of its chunks' largest."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     row_ptr = logits_ptr + row * stride_logits
     mask_row = tl.load(mask_index_ptr + row)
+    first = tl.load(penalty_start_ptr + row)
+    last = first + tl.load(penalty_count_ptr + row)
     running_max = tl.full([1], float("-inf"), tl.float32)
     running_sum = tl.zeros([1], tl.float32)
     top = tl.full([1], -9223372036854775807 - 1, tl.int64)
@@ -81,7 +109,8 @@ def tail_bound_kernel(logits_ptr, bitmask_ptr, mask_index_ptr, stats_ptr, bound_
         safe = tl.where(new_max == float("-inf"), 0.0, new_max)
         running_sum = running_sum * tl.exp(running_max - safe) + tl.sum(tl.exp(x - safe), axis=0)
         running_max = new_max
-        top = tl.maximum(top, tl.max(_keys(x, offs, inside), axis=0))
+        penalized = _penalized(x, offs, start, penalty_ids_ptr, penalty_terms_ptr, first, last, BLOCK, SCAN)
+        top = tl.maximum(top, tl.max(_keys(penalized, offs, inside), axis=0))
     slot = row * CHUNKS + chunk
     tl.store(stats_ptr + slot * 5 + tl.arange(0, 1), running_max)
     tl.store(stats_ptr + slot * 5 + 1 + tl.arange(0, 1), running_sum)
@@ -121,25 +150,30 @@ def _merge_candidates(best, keys, floor, K_P2: tl.constexpr, BLOCK: tl.constexpr
 
 @triton.jit
 def tail_partial_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, step_ptr,
-                        bitmask_ptr, mask_index_ptr, bound_ptr, keys_ptr, count_ptr, stats_ptr, best_ptr,
-                        stride_logits, stride_bitmask, VOCAB: tl.constexpr, K: tl.constexpr, K_P2: tl.constexpr,
+                        bitmask_ptr, mask_index_ptr, penalty_start_ptr, penalty_count_ptr, penalty_ids_ptr,
+                        penalty_terms_ptr, bound_ptr, keys_ptr, count_ptr, stats_ptr, best_ptr, stride_logits,
+                        stride_bitmask, VOCAB: tl.constexpr, K: tl.constexpr, K_P2: tl.constexpr,
                         CHUNK: tl.constexpr, CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr, BLOCK: tl.constexpr,
-                        GREEDY_BELOW: tl.constexpr):
-    """Per (row, chunk): the chunk's top K_P2 keys of those that can be among the row's top K, and how many
-    of those there are; stats (max and sum
-    of exp of logits / T when the row's top-p needs the whole vocabulary's mass; the best logits / T + noise
-    when nothing is cut), and the id of that best; all over the logits the row's grammar mask leaves."""
+                        SCAN: tl.constexpr, GREEDY_BELOW: tl.constexpr):
+    """Per (row, chunk): the chunk's top K_P2 keys of those that can be among the row's top K, and how many of
+    those there are; stats (max and sum of exp of logits / T when the row's top-p needs the whole vocabulary's
+    mass; the best logits / T + noise when nothing is cut), and the id of that best; all over the logits the
+    row's grammar mask leaves, penalised."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     row_ptr = logits_ptr + row * stride_logits
     mask_row = tl.load(mask_index_ptr + row)
+    first = tl.load(penalty_start_ptr + row)
+    last = first + tl.load(penalty_count_ptr + row)
     floor = _candidate_floor(bound_ptr, row, K, K_P2, CHUNKS, CHUNKS_P2)
     best = tl.full([K_P2], -9223372036854775807 - 1, tl.int64)
     count = tl.zeros([1], tl.int32)
     for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         inside = offs < VOCAB
-        keys = _keys(_masked(row_ptr, offs, inside, bitmask_ptr, mask_row, stride_bitmask), offs, inside)
+        x = _masked(row_ptr, offs, inside, bitmask_ptr, mask_row, stride_bitmask)
+        keys = _keys(_penalized(x, offs, start, penalty_ids_ptr, penalty_terms_ptr, first, last, BLOCK, SCAN), offs,
+                     inside)
         best = _merge_candidates(best, keys, floor, K_P2, BLOCK)
         count += tl.sum((keys >= floor).to(tl.int32), axis=0)
 
@@ -155,6 +189,7 @@ def tail_partial_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p
         for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             x = _masked(row_ptr, offs, offs < VOCAB, bitmask_ptr, mask_row, stride_bitmask)
+            x = _penalized(x, offs, start, penalty_ids_ptr, penalty_terms_ptr, first, last, BLOCK, SCAN)
             s = tl.div_rn(x, temperature)
             new_max = tl.maximum(t_max, tl.max(s, axis=0))
             safe = tl.where(new_max == float("-inf"), 0.0, new_max)
@@ -167,6 +202,7 @@ def tail_partial_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p
             offs = start + tl.arange(0, BLOCK)
             inside = offs < VOCAB
             x = _masked(row_ptr, offs, inside, bitmask_ptr, mask_row, stride_bitmask)
+            x = _penalized(x, offs, start, penalty_ids_ptr, penalty_terms_ptr, first, last, BLOCK, SCAN)
             score = tl.where(inside, tl.div_rn(x, temperature) + _gumbel(seed, step, offs), float("-inf"))
             block_best = tl.max(score, axis=0)
             better = block_best > best_score  # strictly: an earlier block (lower ids) wins a tie
@@ -266,6 +302,7 @@ def tail_merge_kernel(keys_ptr, count_ptr, stats_ptr, best_ptr, logits_ptr, temp
     bests = tl.load(stats_ptr + (row * CHUNKS + chunks) * 5 + 4, mask=chunks < CHUNKS, other=float("-inf"))
     full_token = tl.load(best_ptr + row * CHUNKS + tl.argmax(bests, axis=0, tie_break_left=True))
     token = tl.where(sampling, tl.where(cut, tl.where(unresolved, -1, cut_token), full_token), top_token)
+    token = tl.where(tl.sum(tl.where(rank == 0, values, 0.0), axis=0) == float("-inf"), -1, token)  # none allowed
     logit = tl.load(logits_ptr + row * stride_logits + tl.maximum(token, 0)).to(tl.float32)
     tl.store(tokens_ptr + row + tl.arange(0, 1), tl.zeros([1], tl.int32) + token)
     tl.store(logprobs_ptr + row + tl.arange(0, 1),
