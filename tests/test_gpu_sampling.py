@@ -553,9 +553,10 @@ def test_gpu_engine_sample_downloads_tokens_and_only_the_rows_left_to_the_host(t
 
     uploaded = []
 
-    def run(chunks, sampling, fill_masks=None):  # the masks are filled as the layers would run
-        launched_masks.append(None if fill_masks is None else fill_masks())
-        uploaded.append(sampling)
+    def run(chunks, sampling, fill_late=None):  # the masks and penalties are filled as the layers would run
+        late = {} if fill_late is None else fill_late(4)
+        launched_masks.append(late.get(TOKEN_MASK_INDEX))
+        uploaded.append(no_penalties(4) | sampling | late)
         return engine.executor.tensors
     engine.run = run
     chunks = [Chunk(Sequence(i, [1]), 1) for i in range(3)]
@@ -585,7 +586,7 @@ def test_gpu_engine_sample_downloads_tokens_and_only_the_rows_left_to_the_host(t
             self.accepted.append(token)
     engine.executor.fetched = []
     result = engine.sample(chunks, params, [0, 0, 0], [Grammar(), None, None])
-    assert list(launched_masks[-1]) == [0] and Grammar.accepted == [5] and result.tokens[0] == 5
+    assert launched_masks[-1].tolist() == [0, -1, -1, -1] and Grammar.accepted == [5] and result.tokens[0] == 5
     assert ("logits", (1, vocab)) in engine.executor.fetched and len([f for f in engine.executor.fetched
                                                                      if f[0] == "logits"]) == 1  # row 1's only
 
@@ -595,10 +596,10 @@ def test_gpu_engine_sample_downloads_tokens_and_only_the_rows_left_to_the_host(t
     engine.executor.fetched = []
     params[2] = dataclasses.replace(params[2], logprobs=None)
     result = engine.sample(chunks, params, [0, 0, 0], [None, None, state])
-    assert uploaded[-1][PENALTY_COUNT].tolist() == [0, 0, 2] and uploaded[-1][PENALTY_IDS].tolist() == [2, 9]
+    assert uploaded[-1][PENALTY_COUNT].tolist() == [0, 0, 2, 0] and uploaded[-1][PENALTY_IDS].tolist() == [2, 9]
     np.testing.assert_array_equal(uploaded[-1][PENALTY_TERMS], [[0.0, 1.0, 0.5], [-3.0, 1.0, 0.0]])
     assert result.tokens[2] == 7 and state.output == [2, 7] and result.host_rows == [1]
     params[2] = dataclasses.replace(params[2], logprobs=1)
     result = engine.sample(chunks, params, [0, 0, 0], [None, None, state])
-    assert uploaded[-1][PENALTY_COUNT].tolist() == [0, 0, 0] and result.host_rows == [1, 2]
+    assert uploaded[-1][PENALTY_COUNT].tolist() == [0, 0, 0, 0] and result.host_rows == [1, 2]
     assert state.output == [2, 7, result.tokens[2]]

@@ -89,14 +89,16 @@ class GpuEngine:
         with penalties are drawn under them in the tail (penalty_inputs). `launched` is called once the step and
         its downloads are queued, before the wait."""
         sampling = sampling_inputs(params, token_index, self.rng)
-        penalties, penalized = penalty_inputs(constraints, params, len(chunks), self.executor.limits.penalties)
         masks: dict[int, np.ndarray] = {}
+        penalized: set[int] = set()
 
-        def fill_masks() -> dict[int, np.ndarray]:  # while the GPU runs the layers
+        def fill_late(rows: int) -> dict[str, np.ndarray]:  # while the GPU runs the layers
             masks.update(device_masks(constraints, self.vocab_size))
-            return masks
+            penalties, on_device = penalty_inputs(constraints, params, rows, self.executor.limits.penalties)
+            penalized.update(on_device)
+            return mask_inputs(rows, masks) | (penalties if on_device else {})
         constrained = constraints is not None and any(c is not None for c in constraints)
-        outputs = self.run(chunks, sampling=sampling | penalties, fill_masks=fill_masks if constrained else None)
+        outputs = self.run(chunks, sampling=sampling, fill_late=fill_late if constrained else None)
         names = sampler_outputs(self.executor.graph)
         wanted = ["sampled_ids", "sampled_logprobs", *(("top_values", "top_ids", "logsumexp")
                                                  if wants_top_logprobs(params) else ())]
@@ -110,10 +112,10 @@ class GpuEngine:
                       penalized)
 
     def run(self, chunks: list[Chunk], *, all_logits: bool = False, sampling: dict | None = None,
-            fill_masks: Callable[[], dict[int, np.ndarray]] | None = None) -> dict:
+            fill_late: Callable[[int], dict[str, np.ndarray]] | None = None) -> dict:
         """Launches one step; `sampling` (device_sampling.sampling_inputs) replaces the greedy defaults;
-        `fill_masks`, called once the layers are queued, gives the rows' grammar bitmasks (device_masks), uploaded
-        ahead of the sampler tail."""
+        `fill_late(rows)`, called once the layers are queued, gives the step inputs of the rows' grammar bitmasks
+        and penalties (device_masks, penalty_inputs), uploaded ahead of the sampler tail."""
         decode = self.options.cuda_graphs and not all_logits and all(c.num_tokens == 1 for c in chunks)
         # full-width bitmask rows even when none is used: a captured graph keeps the row stride it was captured with
         step = pack_step(chunks, self.allocator, all_logits=all_logits) | (sampling or {}) | \
@@ -121,8 +123,7 @@ class GpuEngine:
         if decode:
             step = pad_decode_step(step, bucket_for(len(chunks), self.buckets))
         rows = len(step["logits_indices"])
-        before_tail = None if fill_masks is None else \
-            (lambda: self.executor.upload_inputs(mask_inputs(rows, fill_masks())))
+        before_tail = None if fill_late is None else (lambda: self.executor.upload_inputs(fill_late(rows)))
         if decode:
             outputs = self._replay(step, before_tail)
         else:
