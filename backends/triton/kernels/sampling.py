@@ -87,17 +87,22 @@ def _penalized(x, offs, start, ids_ptr, terms_ptr, first, last, BLOCK: tl.conste
 
 
 @triton.jit
+def _row_of(row, logits_ptr, stride_logits, mask_index_ptr, penalty_start_ptr, penalty_count_ptr):
+    """The row's logits, its bitmask row (-1: none) and the span of its penalty entries."""
+    first = tl.load(penalty_start_ptr + row)
+    return (logits_ptr + row * stride_logits, tl.load(mask_index_ptr + row), first,
+            first + tl.load(penalty_count_ptr + row))
+
+
+@triton.jit
 def tail_bound_kernel(logits_ptr, bitmask_ptr, mask_index_ptr, penalty_start_ptr, penalty_count_ptr, penalty_ids_ptr,
                       penalty_terms_ptr, stats_ptr, bound_ptr, stride_logits, stride_bitmask, VOCAB: tl.constexpr,
                       CHUNK: tl.constexpr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr, SCAN: tl.constexpr):
     """Per (row, chunk): the max and sum of exp of the logits the row's grammar mask leaves, and the chunk's
     largest key of them penalised. A row's top K keys are none below the K-th largest of its chunks' largest."""
-    row = tl.program_id(0)
-    chunk = tl.program_id(1)
-    row_ptr = logits_ptr + row * stride_logits
-    mask_row = tl.load(mask_index_ptr + row)
-    first = tl.load(penalty_start_ptr + row)
-    last = first + tl.load(penalty_count_ptr + row)
+    row, chunk = tl.program_id(0), tl.program_id(1)
+    row_ptr, mask_row, first, last = _row_of(row, logits_ptr, stride_logits, mask_index_ptr, penalty_start_ptr,
+                                             penalty_count_ptr)
     running_max = tl.full([1], float("-inf"), tl.float32)
     running_sum = tl.zeros([1], tl.float32)
     top = tl.full([1], -9223372036854775807 - 1, tl.int64)
@@ -159,12 +164,9 @@ def tail_partial_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p
     those there are; stats (max and sum of exp of logits / T when the row's top-p needs the whole vocabulary's
     mass; the best logits / T + noise when nothing is cut), and the id of that best; all over the logits the
     row's grammar mask leaves, penalised."""
-    row = tl.program_id(0)
-    chunk = tl.program_id(1)
-    row_ptr = logits_ptr + row * stride_logits
-    mask_row = tl.load(mask_index_ptr + row)
-    first = tl.load(penalty_start_ptr + row)
-    last = first + tl.load(penalty_count_ptr + row)
+    row, chunk = tl.program_id(0), tl.program_id(1)
+    row_ptr, mask_row, first, last = _row_of(row, logits_ptr, stride_logits, mask_index_ptr, penalty_start_ptr,
+                                             penalty_count_ptr)
     floor = _candidate_floor(bound_ptr, row, K, K_P2, CHUNKS, CHUNKS_P2)
     best = tl.full([K_P2], -9223372036854775807 - 1, tl.int64)
     count = tl.zeros([1], tl.int32)
