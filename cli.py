@@ -74,6 +74,10 @@ def _add_make_checkpoint(commands) -> None:
     p.add_argument("--tokenizer", choices=["bpe", "words"], default="bpe",
                    help="bpe: byte-level BPE trained on a little text (default); words: one word per id, so every "
                         "token a random model draws is text at once (for serving benchmarks)")
+    p.add_argument("--quantization", choices=["fp8-block", "fp8-channel"], default=None,
+                   help="the projections stored as float8 e4m3: fp8-block with a float32 scale per 128 x 128 block "
+                        "(Qwen's own FP8 checkpoints), fp8-channel with one per output channel (llm-compressor's "
+                        "FP8_DYNAMIC); default: none")
     p.set_defaults(run=run_make_checkpoint, parser=p)
 
 
@@ -102,7 +106,7 @@ def run_make_checkpoint(args: argparse.Namespace) -> int:
     from pegainfer.fixtures.checkpoint import make_checkpoint
 
     out = make_checkpoint(args.out, args.arch, dict(args.overrides), seed=args.seed, dtype=args.dtype,
-                          logit_std=args.logit_std, tokenizer=args.tokenizer)
+                          logit_std=args.logit_std, tokenizer=args.tokenizer, quantization=args.quantization)
     print(f"pegainfer: wrote a random {args.arch} checkpoint to {out}", file=sys.stderr)
     return 0
 

@@ -16,6 +16,7 @@ from pegainfer.ir.types import TensorType
 
 INDEX_FILE = "model.safetensors.index.json"
 FLOAT_DTYPES = ("BF16", "F16", "F32")
+FP8_DTYPES = ("F8_E4M3",)  # read as stored: safetensors' numpy reader has no float8 type, so from the file's bytes
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,11 @@ def check_weights(expected: dict[str, TensorType], tensors: dict[str, TensorInfo
         if info.shape != type_.shape:
             raise CheckpointError(f"{info.file}: tensor {name!r} has shape {list(info.shape)}, "
                                   f"expected {list(type_.shape)}")
-        if info.dtype not in FLOAT_DTYPES:
+        if type_.dtype.name.startswith("f8"):
+            if info.dtype not in FP8_DTYPES or dtype_from_name(info.dtype) != type_.dtype:
+                raise CheckpointError(f"{info.file}: tensor {name!r} has dtype {info.dtype}, expected {type_.dtype} "
+                                      f"(config.json's quantization_config stores the projections in FP8)")
+        elif info.dtype not in FLOAT_DTYPES:
             raise CheckpointError(f"{info.file}: tensor {name!r} has dtype {info.dtype}, expected a float type")
 
 
@@ -114,13 +119,14 @@ class LazyWeights(Mapping[str, np.ndarray]):
         if name not in self.expected:
             raise KeyError(name)
         with safe_open(self.tensors[name].file, framework="numpy") as handle:
-            return handle.get_tensor(name).astype(self.expected[name].dtype.np_dtype, copy=False)
+            return _read(handle, name, self.tensors[name], self.expected[name])
 
     def span(self, name: str) -> FileSpan | None:
         """Where the tensor's bytes lie in its file, when they are stored as the graph wants them (an uploader
         then reads them straight into pinned memory); None when they need a cast."""
         info = self.tensors[name]
-        if info.offset < 0 or info.dtype not in FLOAT_DTYPES or dtype_from_name(info.dtype) != self.expected[name].dtype:
+        if info.offset < 0 or info.dtype not in (*FLOAT_DTYPES, *FP8_DTYPES) or \
+                dtype_from_name(info.dtype) != self.expected[name].dtype:
             return None
         return FileSpan(info.file, info.offset, info.nbytes)
 
@@ -140,6 +146,14 @@ def load_weights(expected: dict[str, TensorType], tensors: dict[str, TensorInfo]
     for file, names in by_file.items():
         with safe_open(file, framework="numpy") as handle:
             for name in names:
-                weights[name] = handle.get_tensor(name).astype(expected[name].dtype.np_dtype, copy=False)
+                weights[name] = _read(handle, name, tensors[name], expected[name])
     return weights
+
+
+def _read(handle, name: str, info: TensorInfo, type_: TensorType) -> np.ndarray:
+    """A tensor cast to the graph's storage dtype; an FP8 one from its bytes in the file, as stored."""
+    if info.dtype in FP8_DTYPES:
+        data = np.fromfile(info.file, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+        return data.view(type_.dtype.np_dtype).reshape(info.shape)
+    return handle.get_tensor(name).astype(type_.dtype.np_dtype, copy=False)
 

@@ -12,6 +12,7 @@ import numpy as np
 from pegainfer.errors import ConfigError
 from pegainfer.frontends.checkpoint import LazyWeights, check_weights, load_weights, scan_checkpoint
 from pegainfer.frontends.config import architecture_of, parse_config, read_config
+from pegainfer.frontends.quantization import quantize_graph, read_quantization
 from pegainfer.frontends.registry import dag_module_for
 from pegainfer.ir import Graph
 from pegainfer.ir.dtypes import dtype_from_name
@@ -78,7 +79,11 @@ def load_spec(config_path: Path, *, dtype: str = "auto", device: str = "cpu") ->
     override = None if dtype_from_name(served) == dtype_from_name(config.torch_dtype) else served
     if override is not None:  # a new torch_dtype: model_id (the cubin cache's key) changes with it
         config = replace(config, torch_dtype=override)
-    return ModelSpec(config_path, raw, architecture, dag, config, dag.build_graph(config), override)
+    graph = dag.build_graph(config)
+    fp8 = read_quantization(raw, source)
+    if fp8 is not None:
+        graph = quantize_graph(graph, fp8, dtype_from_name(config.torch_dtype))
+    return ModelSpec(config_path, raw, architecture, dag, config, graph, override)
 
 
 def serving_dtype(requested: str, checkpoint: str, device: str, float16_unsupported: str | None = None) -> str:

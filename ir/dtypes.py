@@ -1,4 +1,4 @@
-"""Element types of the IR and their NumPy storage types (bf16 through ml_dtypes)."""
+"""Element types of the IR and their NumPy storage types (bf16 and the FP8 types through ml_dtypes)."""
 
 from dataclasses import dataclass
 
@@ -25,6 +25,8 @@ class DType:
 BF16 = DType("bf16", np.dtype(ml_dtypes.bfloat16), True)
 FP16 = DType("f16", np.dtype(np.float16), True)
 FP32 = DType("f32", np.dtype(np.float32), True)
+F8E4M3 = DType("f8e4m3", np.dtype(ml_dtypes.float8_e4m3fn), True)  # FP8 weights as checkpoints store them
+F8E5M2 = DType("f8e5m2", np.dtype(ml_dtypes.float8_e5m2), True)
 INT32 = DType("i32", np.dtype(np.int32), False)
 INT64 = DType("i64", np.dtype(np.int64), False)
 
@@ -32,6 +34,8 @@ _ALIASES = {
     "bf16": BF16, "bfloat16": BF16, "torch.bfloat16": BF16, "BF16": BF16,
     "f16": FP16, "fp16": FP16, "float16": FP16, "torch.float16": FP16, "F16": FP16,
     "f32": FP32, "fp32": FP32, "float32": FP32, "float": FP32, "torch.float32": FP32, "F32": FP32,
+    "f8e4m3": F8E4M3, "float8_e4m3fn": F8E4M3, "torch.float8_e4m3fn": F8E4M3, "F8_E4M3": F8E4M3,
+    "f8e5m2": F8E5M2, "float8_e5m2": F8E5M2, "torch.float8_e5m2": F8E5M2, "F8_E5M2": F8E5M2,
     "i32": INT32, "int32": INT32, "I32": INT32,
     "i64": INT64, "int64": INT64, "I64": INT64,
 }

@@ -25,7 +25,8 @@ GEMM = "gemm"
 GATHER = "gather"
 ATTENTION = "attention"
 CACHE_WRITE = "cache_write"
-CATEGORIES = (ELEMENTWISE, ROW_REDUCTION, VIEW, GEMM, GATHER, ATTENTION, CACHE_WRITE)
+DEQUANTIZE = "dequantize"  # a weight's stored form (FP8 and its scales) to its values: its GEMM's to read
+CATEGORIES = (ELEMENTWISE, ROW_REDUCTION, VIEW, GEMM, GATHER, ATTENTION, CACHE_WRITE, DEQUANTIZE)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,160 @@
+"""FP8 checkpoints: config.json's `quantization_config` read and checked, and the graph rewritten to read what the
+checkpoint stores: each projection's weight as float8 e4m3 with its scales, turned into the model's dtype by a
+`dequantize` node before its GEMM (ir/ops/quantize.py). Qwen's own `Qwen3-*-FP8` is quant_method `fp8`: a float32
+`weight_scale_inv` per 128 x 128 block; llm-compressor's FP8_DYNAMIC is compressed-tensors with a `weight_scale`
+per output channel. The LM head, the embedding and the modules the config leaves out stay as they are. Only the
+CPU reference engine runs them so far."""
+
+import re
+from dataclasses import dataclass
+
+from pegainfer.errors import ConfigError
+from pegainfer.ir.dtypes import F8E4M3, FP32, DType
+from pegainfer.ir.graph import Graph, Node
+from pegainfer.ir.ops.quantize import scale_shape
+from pegainfer.ir.types import TensorType
+from pegainfer.passes.rewrite import fresh_name
+
+FP8_KEYS = {"quant_method", "fmt", "activation_scheme", "weight_block_size", "modules_to_not_convert"}
+COMPRESSED_KEYS = {"quant_method", "config_groups", "format", "ignore", "kv_cache_scheme", "quantization_status",
+                   "global_compression_ratio", "version", "sparsity_config"}
+# compressed-tensors' FP8_DYNAMIC (llm-compressor): what its one config group must say, key by key
+FP8_DYNAMIC_WEIGHTS = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False}
+FP8_DYNAMIC_INPUTS = {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True, "dynamic": True}
+
+
+@dataclass(frozen=True)
+class Fp8Weights:
+    block: tuple[int, int] | None  # the rows and columns one scale covers; None: a row each (per channel)
+    scale_suffix: str  # the scale tensor's name beside each weight: "_scale_inv" (fp8) or "_scale"
+    skipped: tuple[str, ...] = ()  # module names (or "re:" patterns) whose projections stay unquantized
+
+    def block_of(self, shape: tuple[int, int]) -> tuple[int, int]:
+        return self.block or (1, shape[1])
+
+    def skips(self, module: str) -> bool:
+        return any(re.fullmatch(m[3:], module) if m.startswith("re:") else module == m or module.endswith("." + m)
+                   for m in self.skipped)
+
+
+def read_quantization(raw: dict, source: str) -> Fp8Weights | None:
+    """config.json's quantization_config, or None without one: quant_method fp8 (block scales) or
+    compressed-tensors FP8_DYNAMIC (a scale per output channel). A method or option not implemented is refused,
+    naming the key. Activations stay unquantized: dynamic activation scales are the kernels' choice to make."""
+    config = raw.get("quantization_config")
+    if config is None:
+        return None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{source}: quantization_config must be an object, found {config!r}")
+    method = config.get("quant_method")
+    if method == "fp8":
+        return _read_fp8(config, source)
+    if method == "compressed-tensors":
+        return _read_compressed(config, source)
+    raise ConfigError(f"{source}: quantization_config.quant_method {method!r} is not implemented (implemented: "
+                      f"'fp8' with block scales, 'compressed-tensors' FP8_DYNAMIC)")
+
+
+def _read_fp8(config: dict, source: str) -> Fp8Weights:
+    _refuse_unknown(config, FP8_KEYS, source)
+    if config.get("fmt", "e4m3") != "e4m3":
+        raise ConfigError(f"{source}: quantization_config.fmt {config['fmt']!r} is not implemented (e4m3 only)")
+    if config.get("activation_scheme", "dynamic") != "dynamic":
+        raise ConfigError(f"{source}: quantization_config.activation_scheme {config['activation_scheme']!r} is not "
+                          f"implemented (dynamic only)")
+    block = config.get("weight_block_size")
+    if block is None:
+        raise ConfigError(f"{source}: quantization_config.weight_block_size is missing: per-tensor FP8 scales are "
+                          f"not implemented")
+    if not (isinstance(block, list) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)):
+        raise ConfigError(f"{source}: quantization_config.weight_block_size must be two positive integers, "
+                          f"found {block!r}")
+    return Fp8Weights((block[0], block[1]), "_scale_inv", _names(config, "modules_to_not_convert", source))
+
+
+def _read_compressed(config: dict, source: str) -> Fp8Weights:
+    _refuse_unknown(config, COMPRESSED_KEYS, source)
+    for key, wanted in (("format", "float-quantized"), ("quantization_status", "compressed")):
+        if config.get(key, wanted if key == "quantization_status" else None) != wanted:
+            raise ConfigError(f"{source}: quantization_config.{key} {config.get(key)!r} is not implemented "
+                              f"(expected {wanted!r})")
+    for key in ("kv_cache_scheme", "sparsity_config"):
+        if config.get(key):
+            raise ConfigError(f"{source}: quantization_config.{key} is not implemented")
+    groups = config.get("config_groups")
+    if not (isinstance(groups, dict) and len(groups) == 1):
+        raise ConfigError(f"{source}: quantization_config.config_groups must hold one group (FP8_DYNAMIC), found "
+                          f"{len(groups) if isinstance(groups, dict) else groups!r}")
+    (name, group), = groups.items()
+    where = f"quantization_config.config_groups.{name}"
+    if group.get("targets") != ["Linear"]:
+        raise ConfigError(f"{source}: {where}.targets {group.get('targets')!r} is not implemented (['Linear'])")
+    for part, wanted in (("weights", FP8_DYNAMIC_WEIGHTS), ("input_activations", FP8_DYNAMIC_INPUTS)):
+        scheme = group.get(part) or {}
+        for key, value in wanted.items():
+            if scheme.get(key) != value:
+                raise ConfigError(f"{source}: {where}.{part}.{key} {scheme.get(key)!r} is not implemented "
+                                  f"(FP8_DYNAMIC: {value!r})")
+    if group.get("output_activations") is not None:
+        raise ConfigError(f"{source}: {where}.output_activations is not implemented")
+    return Fp8Weights(None, "_scale", _names(config, "ignore", source))
+
+
+def _refuse_unknown(config: dict, known: set[str], source: str) -> None:
+    unknown = sorted(set(config) - known)
+    if unknown:
+        raise ConfigError(f"{source}: quantization_config.{unknown[0]} is not implemented for quant_method "
+                          f"{config['quant_method']!r}")
+
+
+def _names(config: dict, key: str, source: str) -> tuple[str, ...]:
+    names = config.get(key) or []
+    if not (isinstance(names, list) and all(isinstance(m, str) for m in names)):
+        raise ConfigError(f"{source}: quantization_config.{key} must be a list of module names, found {names!r}")
+    return tuple(names)
+
+
+def quantize_graph(graph: Graph, scheme: Fp8Weights, dtype: DType) -> Graph:
+    """Every projection weight (a linear's param, but the LM head's) stored as FP8 with its scales, dequantized to
+    `dtype` before its GEMM."""
+    head = graph.producers().get(graph.outputs[0])
+    for g in graph.all_graphs():
+        for node in list(g.nodes):
+            if node.op != "linear" or node is head or node.inputs[1] not in g.params:
+                continue
+            weight = node.inputs[1]
+            if weight in g.derived:
+                raise ConfigError(f"FP8 weights: {weight} is stacked from several checkpoint tensors (a MoE "
+                                  f"layer's experts), which FP8 checkpoints do not support yet")
+            if scheme.skips(_module_of(weight)):
+                continue
+            _dequantize_before(g, node, weight, scheme, dtype)
+    return graph
+
+
+def is_quantized(graph: Graph) -> bool:
+    return any(n.op == "dequantize" for g in graph.all_graphs() for n in g.nodes)
+
+
+def refuse_quantized(graph: Graph) -> None:
+    """FP8 weights run on the CPU reference engine only: no GPU kernel reads them yet."""
+    if is_quantized(graph):
+        raise ConfigError("FP8 weights (quantization_config): no GPU kernels read them yet; run this checkpoint "
+                          "with --device cpu")
+
+
+def _module_of(weight: str) -> str:
+    return re.sub(r"\.weight$", "", weight)
+
+
+def _dequantize_before(g: Graph, linear: Node, weight: str, scheme: Fp8Weights, dtype: DType) -> None:
+    stored = g.params[weight]
+    g.params[weight] = TensorType(F8E4M3, stored.shape)
+    scale = weight + scheme.scale_suffix
+    block = scheme.block_of(stored.shape)
+    g.params[scale] = TensorType(FP32, scale_shape(stored.shape, block))
+    value = fresh_name(g, _module_of(weight).split(".")[-1] + ".dequantized")
+    attrs = {"block": list(block), "dtype": dtype.name}
+    node = Node("dequantize", (weight, scale), (value,), (TensorType(dtype, stored.shape),), attrs)
+    g.nodes.insert(g.nodes.index(linear), node)
+    linear.inputs = (linear.inputs[0], value, *linear.inputs[2:])

@@ -1,0 +1,168 @@
+"""FP8 checkpoints as Qwen's own `Qwen3-*-FP8` store them (quant_method fp8: e4m3 weights, a float32
+`weight_scale_inv` per 128 x 128 block) and as llm-compressor's FP8_DYNAMIC does (compressed-tensors, a
+`weight_scale` per output channel), written by `make-checkpoint --quantization fp8-block|fp8-channel` with real
+scales: the reference engine's logits equal Hugging Face float32 on the dequantized weights, prefill and 16 decode
+steps;
+the dequantize op's blocks cut short at a weight's edge; a bad scale, format or option is one line naming it; the
+GPU path refuses FP8 weights in one line."""
+
+import json
+import subprocess
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from pegainfer.errors import CheckpointError, ConfigError
+from pegainfer.fixtures.checkpoint import FP8_MAX, fp8_block_weights
+from pegainfer.frontends.load import load_model
+from pegainfer.ir.ops.quantize import dequantize
+from pegainfer.passes.pipeline import lower
+from pegainfer.runtime.batch import Chunk, Sequence
+from pegainfer.runtime.reference_engine import ReferenceEngine
+
+# gate/up are 200 x 64 and down 64 x 200: blocks cut short by the weights' edges on both axes
+OVERRIDES = {"intermediate_size": 200, "num_hidden_layers": 2}
+PROMPTS = ([3, 17, 40, 5, 99], [7], list(range(20, 53)))
+DECODE_STEPS = 16
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(checkpoint_factory):
+    return checkpoint_factory("fp8_block", OVERRIDES, quantization="fp8-block")
+
+
+@pytest.fixture(scope="module", params=["fp8-block", "fp8-channel"])
+def either_format(request, checkpoint_factory):
+    return checkpoint_factory(request.param, OVERRIDES, quantization=request.param)
+
+
+def as_numpy_fp8(tensor: torch.Tensor) -> np.ndarray:
+    return tensor.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn)
+
+
+def hf_on_dequantized(folder) -> torch.nn.Module:
+    """Hugging Face float32 with each FP8 weight times its block's scale, as the checkpoint means it."""
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("quantization_config")
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"}),
+        attn_implementation="eager", dtype=torch.float32).eval()
+    stored = load_file(folder / "model.safetensors")
+    state = {name: tensor.float() for name, tensor in stored.items()
+             if not name.endswith(("_scale", "_scale_inv")) and tensor.dtype != torch.float8_e4m3fn}
+    for name, tensor in stored.items():
+        if tensor.dtype != torch.float8_e4m3fn:
+            continue
+        if f"{name}_scale" in stored:  # dequantized here by torch, apart from the op under test
+            state[name] = tensor.float() * stored[f"{name}_scale"].float()
+        else:
+            scale = stored[f"{name}_scale_inv"].repeat_interleave(128, 0).repeat_interleave(128, 1)
+            state[name] = tensor.float() * scale[: tensor.shape[0], : tensor.shape[1]]
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and all(model.config.tie_word_embeddings and "lm_head" in m for m in missing)
+    return model
+
+
+@pytest.mark.parametrize("lowered", [False, True], ids=["declared", "lowered"])
+def test_an_fp8_checkpoint_runs_as_hugging_face_does_on_its_dequantized_weights(either_format, lowered):
+    """Both formats; the graph as declared and the kernel DAG the pass pipeline makes of it (its dequantize nodes
+    kept apart)."""
+    ours = load_model(either_format)
+    up_scale = next(n for n in ours.weights if n.startswith("model.layers.0.mlp.up_proj.weight_scale"))
+    assert ours.weights["model.layers.0.mlp.up_proj.weight"].dtype == ml_dtypes.float8_e4m3fn
+    assert ours.weights[up_scale].shape == ((2, 1) if up_scale.endswith("_inv") else (200, 1))
+    assert "lm_head.weight" not in ours.weights or ours.weights["lm_head.weight"].dtype == np.float32
+    theirs = hf_on_dequantized(either_format)
+    engine = ReferenceEngine(ours, max_tokens=256, graph=lower(ours.spec.graph)[0] if lowered else None)
+    seqs = [Sequence(i, list(p)) for i, p in enumerate(PROMPTS)]
+    prefill = engine.step([Chunk(s, len(s.token_ids)) for s in seqs], all_logits=True)
+    with torch.no_grad():
+        expected = np.concatenate([theirs(torch.tensor([p])).logits[0].numpy() for p in PROMPTS])
+    assert np.abs(prefill - expected).max() / np.abs(expected).max() < 1e-4
+    logits = prefill[np.cumsum([len(p) for p in PROMPTS]) - 1]
+    for step in range(DECODE_STEPS):
+        for seq, token in zip(seqs, logits.argmax(-1)):
+            seq.token_ids.append(int(token))
+        with torch.no_grad():
+            expected = np.stack([theirs(torch.tensor([s.token_ids])).logits[0, -1].numpy() for s in seqs])
+        logits = engine.step([Chunk(s, 1) for s in seqs])
+        assert np.abs(logits - expected).max() / np.abs(expected).max() < 1e-4, f"decode step {step}"
+
+
+def test_blocks_are_cut_short_at_the_weights_edge_and_each_block_keeps_its_largest_value():
+    weight = torch.randn(200, 300) * torch.linspace(0.1, 5, 300)
+    values, scale = fp8_block_weights(weight, torch)
+    assert values.dtype == torch.float8_e4m3fn and scale.shape == (2, 3)
+    back = dequantize(as_numpy_fp8(values), scale.numpy(), block=(128, 128), dtype="float32")
+    assert back.shape == (200, 300) and np.abs(back - weight.numpy()).max() <= np.abs(weight.numpy()).max() / 16
+    assert np.isclose(np.abs(values.float().numpy()[128:, 256:]).max(), FP8_MAX)  # the corner block, 72 x 44
+
+
+def rewrite(folder, out, config_edit=None, tensor_edit=None):
+    """A copy of the checkpoint in `out` with its config.json or tensors edited."""
+    out.mkdir()
+    for file in folder.iterdir():
+        (out / file.name).write_bytes(file.read_bytes())
+    if config_edit:
+        config = json.loads((out / "config.json").read_text())
+        config_edit(config["quantization_config"])
+        (out / "config.json").write_text(json.dumps(config))
+    if tensor_edit:
+        tensors = load_file(out / "model.safetensors")
+        tensor_edit(tensors)
+        save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda q: q.update(quant_method="awq"), "quantization_config.quant_method 'awq' is not implemented"),
+    (lambda q: q.update(fmt="e5m2"), "quantization_config.fmt 'e5m2' is not implemented"),
+    (lambda q: q.update(activation_scheme="static"), "quantization_config.activation_scheme 'static'"),
+    (lambda q: q.pop("weight_block_size"), "quantization_config.weight_block_size is missing"),
+    (lambda q: q.update(weight_block_size=[128]), "weight_block_size must be two positive integers"),
+    (lambda q: q.update(kv_cache_scheme="fp8"), "quantization_config.kv_cache_scheme is not implemented"),
+])
+def test_a_format_or_option_not_implemented_is_refused_naming_its_key(fp8_checkpoint, tmp_path, edit, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        load_model(rewrite(fp8_checkpoint, tmp_path / "edited", config_edit=edit))
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda q: q.update(format="pack-quantized"), "quantization_config.format 'pack-quantized' is not implemented"),
+    (lambda q: q["config_groups"]["group_0"]["weights"].update(strategy="tensor"),
+     "quantization_config.config_groups.group_0.weights.strategy 'tensor' is not implemented"),
+    (lambda q: q.update(kv_cache_scheme={"num_bits": 8}), "quantization_config.kv_cache_scheme is not implemented"),
+    (lambda q: q.update(transform_config={}), "quantization_config.transform_config is not implemented"),
+])
+def test_a_compressed_tensors_scheme_other_than_fp8_dynamic_is_refused_naming_its_key(checkpoint_factory, tmp_path,
+                                                                                      edit, message):
+    folder = checkpoint_factory("fp8-channel", OVERRIDES, quantization="fp8-channel")
+    with pytest.raises(ConfigError, match=message):
+        load_model(rewrite(folder, tmp_path / "edited", config_edit=edit))
+
+
+def test_a_scale_of_the_wrong_shape_or_a_weight_not_in_fp8_is_one_line_naming_the_tensor(fp8_checkpoint, tmp_path):
+    name = "model.layers.1.mlp.down_proj.weight"
+
+    def bad_scale(tensors):
+        tensors[name + "_scale_inv"] = torch.ones(1, 1)
+    with pytest.raises(CheckpointError, match=rf"tensor '{name}_scale_inv' has shape \[1, 1\], expected \[1, 2\]"):
+        load_model(rewrite(fp8_checkpoint, tmp_path / "scale", tensor_edit=bad_scale))
+
+    def not_fp8(tensors):
+        tensors[name] = tensors[name].float().to(torch.bfloat16)
+    with pytest.raises(CheckpointError, match=rf"tensor '{name}' has dtype BF16, expected f8e4m3"):
+        load_model(rewrite(fp8_checkpoint, tmp_path / "dtype", tensor_edit=not_fp8))
+
+
+def test_the_gpu_path_refuses_fp8_weights_in_one_line(fp8_checkpoint, tmp_path):
+    run = subprocess.run([sys.executable, "-m", "pegainfer.cli", "compile", str(fp8_checkpoint), "--sm", "90",
+                          "--cache-dir", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0
+    assert run.stderr.strip().splitlines()[-1] == ("pegainfer: error: FP8 weights (quantization_config): no GPU "
+                                                   "kernels read them yet; run this checkpoint with --device cpu")
