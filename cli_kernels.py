@@ -11,7 +11,8 @@ from pathlib import Path
 
 from pegainfer.argtypes import int_list, non_negative_int, positive_int
 from pegainfer.errors import PegainferError
-from pegainfer.server.cli import DTYPE_CHOICES, DTYPE_HELP, add_bench_serve_args, run_bench_serve
+from pegainfer.server.cli import (DTYPE_CHOICES, DTYPE_HELP, QUANTIZATION_CHOICES, QUANTIZATION_HELP,
+                                  add_bench_serve_args, run_bench_serve)
 
 MODEL_HELP = "checkpoint folder, config.json, or an embedded config such as qwen3-4b"
 CACHE_HELP = "cubin cache (default: $PEGAINFER_CACHE, aot_cache/ of a checkout, or ~/.cache/pegainfer)"
@@ -54,6 +55,7 @@ def add_compile(commands) -> None:
                    "triton,tilelang,cute (default: every one installed)")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP.replace("on cuda", "(the "
                    "kernels are for GPUs)"))
+    p.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default=None, help=QUANTIZATION_HELP)
     p.add_argument("--dump-after", metavar="PASS", help="write the graph after PASS (or after each: all)")
     p.add_argument("--dump-dir", type=Path, default=Path("pegainfer-dumps"),
                    help="where --dump-after writes (default ./pegainfer-dumps)")
@@ -232,7 +234,8 @@ def run_compile(args: argparse.Namespace) -> int:
         sms = build.parse_sms(args.sm) if args.sm else None
         backends = build.parse_backends(args.backends) if args.backends else None
         _check_pass_name(args.dump_after)
-    spec = load_spec(resolve_config_path(args.model), dtype=args.dtype, device="cuda")
+    spec = load_spec(resolve_config_path(args.model), dtype=args.dtype, device="cuda",
+                     quantization=args.quantization)
     sms = sms or _visible_sm()
     if args.dump_after:
         written = _write_dumps(lower(spec.graph)[1], args.dump_dir, args.dump_after)

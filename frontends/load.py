@@ -12,7 +12,8 @@ import numpy as np
 from pegainfer.errors import ConfigError
 from pegainfer.frontends.checkpoint import LazyWeights, check_weights, load_weights, scan_checkpoint
 from pegainfer.frontends.config import architecture_of, parse_config, read_config
-from pegainfer.frontends.quantization import quantize_graph, read_quantization
+from pegainfer.frontends.quantization import (quantize_graph, quantize_weights, refuse_quantized, scheme_for,
+                                              stored_params)
 from pegainfer.frontends.registry import dag_module_for
 from pegainfer.ir import Graph
 from pegainfer.ir.dtypes import dtype_from_name
@@ -31,6 +32,7 @@ class ModelSpec:
     config: Any
     graph: Graph
     dtype_override: str | None = None  # the torch_dtype the graph was built with, when not config.json's
+    quantized_at_load: bool = False  # FP8 projections the loader makes from a float checkpoint (--quantization)
 
     @property
     def dag_file(self) -> str:
@@ -64,8 +66,11 @@ def resolve_config_path(model: str) -> Path:
                       f"(embedded: {', '.join(sorted(embedded))})")
 
 
-def load_spec(config_path: Path, *, dtype: str = "auto", device: str = "cpu") -> ModelSpec:
-    """config.json and its DAG file's graph, stored in `dtype` (DTYPE_CHOICES) as the model runs on `device`."""
+def load_spec(config_path: Path, *, dtype: str = "auto", device: str = "cpu",
+              quantization: str | None = None) -> ModelSpec:
+    """config.json and its DAG file's graph, stored in `dtype` (DTYPE_CHOICES) as the model runs on `device`;
+    FP8 projections where the checkpoint's quantization_config, or `quantization` (frontends/quantization.py),
+    says so."""
     raw = read_config(config_path)
     source = str(config_path)
     architecture = architecture_of(raw, source)
@@ -80,10 +85,10 @@ def load_spec(config_path: Path, *, dtype: str = "auto", device: str = "cpu") ->
     if override is not None:  # a new torch_dtype: model_id (the cubin cache's key) changes with it
         config = replace(config, torch_dtype=override)
     graph = dag.build_graph(config)
-    fp8 = read_quantization(raw, source)
+    fp8, online = scheme_for(raw, source, quantization)
     if fp8 is not None:
         graph = quantize_graph(graph, fp8, dtype_from_name(config.torch_dtype))
-    return ModelSpec(config_path, raw, architecture, dag, config, graph, override)
+    return ModelSpec(config_path, raw, architecture, dag, config, graph, override, online)
 
 
 def serving_dtype(requested: str, checkpoint: str, device: str, float16_unsupported: str | None = None) -> str:
@@ -106,16 +111,21 @@ def serving_dtype(requested: str, checkpoint: str, device: str, float16_unsuppor
     return {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}[stored]
 
 
-def load_model(folder: Path, *, lazy: bool = False, dtype: str = "auto", device: str = "cpu") -> LoadedModel:
+def load_model(folder: Path, *, lazy: bool = False, dtype: str = "auto", device: str = "cpu",
+               quantization: str | None = None) -> LoadedModel:
     """A checkpoint folder: config.json, the DAG file it names, and every weight the graph reads, checked and cast
-    to the graph's dtype (see load_spec). `lazy` reads each weight from disk only when it is used (the GPU
-    uploader's way)."""
+    to the graph's dtype (see load_spec), FP8 projections quantized here with `quantization`. `lazy` reads each
+    weight from disk only when it is used (the GPU uploader's way)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ConfigError(f"{folder}: not a checkpoint folder")
-    spec = load_spec(folder / "config.json", dtype=dtype, device=device)
-    expected = spec.graph.checkpoint_params()
+    spec = load_spec(folder / "config.json", dtype=dtype, device=device, quantization=quantization)
+    if device == "cuda":
+        refuse_quantized(spec.graph)
+    expected = stored_params(spec.graph) if spec.quantized_at_load else spec.graph.checkpoint_params()
     tensors = scan_checkpoint(folder)
     check_weights(expected, tensors, folder)
     weights = LazyWeights(expected, tensors) if lazy else load_weights(expected, tensors)
+    if spec.quantized_at_load:
+        weights = quantize_weights(dict(weights), spec.graph)
     return LoadedModel(spec, folder, weights)

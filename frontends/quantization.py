@@ -8,13 +8,16 @@ CPU reference engine runs them so far."""
 import re
 from dataclasses import dataclass
 
+import numpy as np
+
 from pegainfer.errors import ConfigError
 from pegainfer.ir.dtypes import F8E4M3, FP32, DType
-from pegainfer.ir.graph import Graph, Node
+from pegainfer.ir.graph import Graph, Node, instantiate
 from pegainfer.ir.ops.quantize import scale_shape
 from pegainfer.ir.types import TensorType
 from pegainfer.passes.rewrite import fresh_name
 
+FP8_MAX = 448.0  # the largest float8 e4m3fn
 FP8_KEYS = {"quant_method", "fmt", "activation_scheme", "weight_block_size", "modules_to_not_convert"}
 COMPRESSED_KEYS = {"quant_method", "config_groups", "format", "ignore", "kv_cache_scheme", "quantization_status",
                    "global_compression_ratio", "version", "sparsity_config"}
@@ -112,6 +115,51 @@ def _names(config: dict, key: str, source: str) -> tuple[str, ...]:
     if not (isinstance(names, list) and all(isinstance(m, str) for m in names)):
         raise ConfigError(f"{source}: quantization_config.{key} must be a list of module names, found {names!r}")
     return tuple(names)
+
+
+ONLINE = Fp8Weights(None, "_scale")  # `--quantization fp8`: a bf16 checkpoint's projections quantized at load
+QUANTIZATION_CHOICES = ("fp8",)
+
+
+def scheme_for(raw: dict, source: str, quantization: str | None) -> tuple[Fp8Weights | None, bool]:
+    """(the weights' FP8 scheme, whether the loader quantizes them): the checkpoint's own, or with
+    `--quantization fp8` a scale per output channel computed at load (the embedding and LM head left as stored)."""
+    stored = read_quantization(raw, source)
+    if quantization is None:
+        return stored, False
+    if quantization not in QUANTIZATION_CHOICES:
+        raise ConfigError(f"--quantization {quantization}: expected one of {', '.join(QUANTIZATION_CHOICES)}")
+    if stored is not None:
+        raise ConfigError(f"--quantization {quantization}: {source} is quantized already (its quantization_config "
+                          f"says so); leave the flag out")
+    return ONLINE, True
+
+
+def quantize_weights(weights: dict[str, np.ndarray], graph: Graph) -> dict[str, np.ndarray]:
+    """The stored weights with each projection the graph reads as FP8 (but finds stored in a float type) turned into
+    float8 e4m3 and its `_scale` per output channel, the row's largest magnitude mapped to FP8_MAX."""
+    out = dict(weights)
+    for name, type_ in graph.checkpoint_params().items():
+        if type_.dtype == F8E4M3 and out[name].dtype != F8E4M3.np_dtype:
+            w = np.asarray(out[name], dtype=np.float32)
+            scale = np.abs(w).max(axis=1, keepdims=True) / np.float32(FP8_MAX)
+            scale = np.where(scale > 0, scale, np.float32(1)).astype(np.float32)
+            out[name] = np.clip(w / scale, -FP8_MAX, FP8_MAX).astype(F8E4M3.np_dtype)
+            out[name + ONLINE.scale_suffix] = scale
+    return out
+
+
+def stored_params(graph: Graph) -> dict[str, TensorType]:
+    """What a checkpoint quantized at load holds of the graph's params: each FP8 projection in the model's dtype
+    (its dequantize node's output type), and no scales."""
+    stored = {}
+    for g, layer in graph.instances():
+        dequantizes = [n for n in g.nodes if n.op == "dequantize"]
+        weights = {n.inputs[0]: n.output_types[0] for n in dequantizes}
+        scales = {n.inputs[1] for n in dequantizes}
+        stored.update({name if layer is None else instantiate(name, layer): weights.get(name, t)
+                       for name, t in g.params.items() if name not in scales})
+    return stored
 
 
 def quantize_graph(graph: Graph, scheme: Fp8Weights, dtype: DType) -> Graph:

@@ -87,7 +87,7 @@ class Graph:
     def checkpoint_params(self) -> dict[str, TensorType]:
         """The checkpoint tensors the graph needs: its params, with each derived one replaced by its sources."""
         needed: dict[str, TensorType] = {}
-        for graph, layer in self._instances():
+        for graph, layer in self.instances():
             for name, type_ in graph.params.items():
                 derivation = graph.derived.get(name)
                 pairs = zip(derivation.sources, derivation.source_types) if derivation else [(name, type_)]
@@ -97,9 +97,9 @@ class Graph:
     def derivations(self) -> dict[str, Derivation]:
         """Derived params by expanded name, their sources expanded too."""
         return {_at(name, layer): Derivation(tuple(_at(s, layer) for s in d.sources), d.source_types, d.axis)
-                for graph, layer in self._instances() for name, d in graph.derived.items()}
+                for graph, layer in self.instances() for name, d in graph.derived.items()}
 
-    def _instances(self) -> list[tuple["Graph", int | None]]:
+    def instances(self) -> list[tuple["Graph", int | None]]:
         """This graph once, and each repeated body once per layer."""
         instances: list[tuple[Graph, int | None]] = [(self, None)]
         for node in self.nodes:
@@ -109,7 +109,7 @@ class Graph:
         return instances
 
     def _expand(self, pick) -> dict[str, TensorType]:
-        return {_at(name, layer): t for graph, layer in self._instances() for name, t in pick(graph).items()}
+        return {_at(name, layer): t for graph, layer in self.instances() for name, t in pick(graph).items()}
 
 
 def layer_placeholder(stride: int = 1, offset: int = 0) -> str:

@@ -28,6 +28,11 @@ DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 # server/tool_parsers.py's and server/reasoning.py's registries, spelled out as DTYPE_CHOICES is
 TOOL_PARSERS = ("hermes", "llama3_json", "mistral")
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
+# frontends/quantization.py's QUANTIZATION_CHOICES, spelled out as DTYPE_CHOICES is
+QUANTIZATION_CHOICES = ("fp8",)
+QUANTIZATION_HELP = ("fp8: the projections stored and read as float8 e4m3, a scale per output channel computed at "
+                     "load (the embedding and LM head as stored); runs on --device cpu for now. Default: none, or "
+                     "the checkpoint's own quantization_config")
 DTYPE_HELP = ("weights and activations: auto (default) is config.json's torch_dtype, except that a float32 "
               "checkpoint runs as bfloat16 on cuda (vLLM's rule); bfloat16, float16 or float32 cast the weights "
               "on load")
@@ -65,6 +70,7 @@ def add_serve(commands) -> None:
                    help="cuda: the compiled kernels; cpu: the reference executor (slow; for trying the API). "
                         "Default: cuda if present, else cpu")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP)
+    p.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default=None, help=QUANTIZATION_HELP)
     p.add_argument("--cache-dir", type=Path, default=None,
                    help="cubin cache (see pegainfer compile); kernels missing there are compiled at start when "
                         "the compile extra is installed")
@@ -165,7 +171,8 @@ def start_serving(args: argparse.Namespace, trace: TextIO | None, listener: sock
     phases = {"imports": process_age()}
     device, reason = choose_device(args.device)
     checkpoint = resolve_checkpoint(args.model_path)
-    model = load_model(checkpoint.folder, lazy=device == "cuda", dtype=args.dtype, device=device)
+    model = load_model(checkpoint.folder, lazy=device == "cuda", dtype=args.dtype, device=device,
+                       quantization=args.quantization)
     max_model_len, explicit = _max_model_len(model.spec.raw_config, args.max_model_len)
     if args.kv_cache_tokens is not None:  # the pool's size is known: refuse before the slow part
         fit_model_len(max_model_len, explicit, -(-args.kv_cache_tokens // KV_BLOCK_SIZE) * KV_BLOCK_SIZE)

@@ -18,7 +18,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from pegainfer.errors import CheckpointError, ConfigError
-from pegainfer.fixtures.checkpoint import FP8_MAX, fp8_block_weights
+from pegainfer.fixtures.checkpoint import FP8_MAX, fp8_block_weights, fp8_channel_weights
 from pegainfer.frontends.load import load_model
 from pegainfer.ir.ops.quantize import dequantize
 from pegainfer.passes.pipeline import lower
@@ -166,3 +166,42 @@ def test_the_gpu_path_refuses_fp8_weights_in_one_line(fp8_checkpoint, tmp_path):
     assert run.returncode != 0
     assert run.stderr.strip().splitlines()[-1] == ("pegainfer: error: FP8 weights (quantization_config): no GPU "
                                                    "kernels read them yet; run this checkpoint with --device cpu")
+
+
+def test_quantized_at_load_runs_as_hugging_face_does_on_the_same_fp8_weights(checkpoint_factory):
+    """`--quantization fp8` on a float32 checkpoint: a scale per output channel computed at load; the logits are
+    Hugging Face float32's on weights quantized the same way by torch (fixtures' fp8_channel_weights), not the
+    unquantized model's (FP8's three mantissa bits move this random model's logits by about a tenth of their
+    range)."""
+    folder = checkpoint_factory("fp8_source", OVERRIDES)
+    ours = load_model(folder, quantization="fp8")
+    assert ours.weights["model.layers.1.mlp.down_proj.weight"].dtype == ml_dtypes.float8_e4m3fn
+    assert ours.weights["model.layers.1.mlp.down_proj.weight_scale"].shape == (64, 1)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    plain = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for module in theirs.modules():
+            if isinstance(module, torch.nn.Linear) and module is not theirs.get_output_embeddings():
+                values, scale = fp8_channel_weights(module.weight, torch)
+                module.weight.copy_(values.float() * scale)
+        expected = theirs(torch.tensor([PROMPTS[2]])).logits[0].numpy()
+        unquantized = plain(torch.tensor([PROMPTS[2]])).logits[0].numpy()
+    got = ReferenceEngine(ours, max_tokens=64).step([Chunk(Sequence(0, list(PROMPTS[2])), len(PROMPTS[2]))],
+                                                    all_logits=True)
+    assert np.abs(got - expected).max() / np.abs(expected).max() < 1e-4
+    assert np.abs(got - unquantized).max() / np.abs(unquantized).max() > 1e-2
+
+
+def test_quantization_flags_are_checked_in_one_line(fp8_checkpoint, checkpoint_factory):
+    with pytest.raises(ConfigError, match="--quantization fp8: .* is quantized already"):
+        load_model(fp8_checkpoint, quantization="fp8")
+    with pytest.raises(ConfigError, match="--quantization int4: expected one of fp8"):
+        load_model(checkpoint_factory("fp8_source", OVERRIDES), quantization="int4")
+    with pytest.raises(ConfigError, match="no GPU kernels read them yet"):
+        load_model(checkpoint_factory("fp8_source", OVERRIDES), quantization="fp8", device="cuda", lazy=True)
+    run = subprocess.run([sys.executable, "-m", "pegainfer.cli", "generate", "--model-path",
+                          str(checkpoint_factory("fp8_source", OVERRIDES)), "--quantization", "fp8", "--device",
+                          "cpu", "--prompt-ids", "5,9,200", "--max-tokens", "4", "--json"], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert len(json.loads(run.stdout)["token_ids"]) == 4

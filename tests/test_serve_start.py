@@ -24,7 +24,7 @@ from pegainfer.backends import build
 from pegainfer.backends.cache import manifest_path, model_id
 from pegainfer.cli import build_parser, main
 from pegainfer.errors import ConfigError, PegainferError
-from pegainfer.frontends import load
+from pegainfer.frontends import load, quantization
 from pegainfer.frontends.hub import HUB_FILES, resolve_checkpoint
 from pegainfer.runtime import device
 from pegainfer.runtime.batch import Chunk, Sequence
@@ -126,8 +126,9 @@ def test_an_explicit_max_model_len_past_the_kv_cache_is_refused_before_the_engin
 
 # --- --dtype ---------------------------------------------------------------------------------------------------------
 
-def test_the_cli_offers_the_dtypes_the_frontend_takes():
+def test_the_cli_offers_the_dtypes_and_quantizations_the_frontend_takes():
     assert server_cli.DTYPE_CHOICES == load.DTYPE_CHOICES
+    assert server_cli.QUANTIZATION_CHOICES == quantization.QUANTIZATION_CHOICES
 
 
 @pytest.mark.parametrize("requested, checkpoint, on, unstable, expected", [
