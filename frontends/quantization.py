@@ -187,8 +187,7 @@ def is_quantized(graph: Graph) -> bool:
 def refuse_quantized(graph: Graph) -> None:
     """FP8 weights run on the CPU reference engine only: no GPU kernel reads them yet."""
     if is_quantized(graph):
-        raise ConfigError("FP8 weights (quantization_config): no GPU kernels read them yet; run this checkpoint "
-                          "with --device cpu")
+        raise ConfigError("FP8 weights: no GPU kernels read them yet; run this model with --device cpu")
 
 
 def _module_of(weight: str) -> str:

@@ -1,10 +1,9 @@
 """FP8 checkpoints as Qwen's own `Qwen3-*-FP8` store them (quant_method fp8: e4m3 weights, a float32
 `weight_scale_inv` per 128 x 128 block) and as llm-compressor's FP8_DYNAMIC does (compressed-tensors, a
 `weight_scale` per output channel), written by `make-checkpoint --quantization fp8-block|fp8-channel` with real
-scales: the reference engine's logits equal Hugging Face float32 on the dequantized weights, prefill and 16 decode
-steps;
-the dequantize op's blocks cut short at a weight's edge; a bad scale, format or option is one line naming it; the
-GPU path refuses FP8 weights in one line."""
+scales, and by `--quantization fp8` at load: the reference engine's logits equal Hugging Face float32 on the
+dequantized weights, prefill and 16 decode steps; the dequantize op's blocks cut short at a weight's edge; a bad
+scale, format, option or flag is one line naming it; the GPU path refuses FP8 weights in one line."""
 
 import json
 import subprocess
@@ -33,7 +32,7 @@ DECODE_STEPS = 16
 
 @pytest.fixture(scope="module")
 def fp8_checkpoint(checkpoint_factory):
-    return checkpoint_factory("fp8_block", OVERRIDES, quantization="fp8-block")
+    return checkpoint_factory("fp8-block", OVERRIDES, quantization="fp8-block")
 
 
 @pytest.fixture(scope="module", params=["fp8-block", "fp8-channel"])
@@ -164,8 +163,8 @@ def test_the_gpu_path_refuses_fp8_weights_in_one_line(fp8_checkpoint, tmp_path):
     run = subprocess.run([sys.executable, "-m", "pegainfer.cli", "compile", str(fp8_checkpoint), "--sm", "90",
                           "--cache-dir", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert run.returncode != 0
-    assert run.stderr.strip().splitlines()[-1] == ("pegainfer: error: FP8 weights (quantization_config): no GPU "
-                                                   "kernels read them yet; run this checkpoint with --device cpu")
+    assert run.stderr.strip().splitlines()[-1] == ("pegainfer: error: FP8 weights: no GPU kernels read them yet; "
+                                                   "run this model with --device cpu")
 
 
 def test_quantized_at_load_runs_as_hugging_face_does_on_the_same_fp8_weights(checkpoint_factory):
