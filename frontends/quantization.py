@@ -1,8 +1,8 @@
 """FP8 checkpoints: config.json's `quantization_config` read and checked, and the graph rewritten to read what the
 checkpoint stores: each projection's weight as float8 e4m3 with its scales, turned into the model's dtype by a
-`dequantize` node before its GEMM (ir/ops/quantize.py). Qwen's own `Qwen3-*-FP8` is quant_method `fp8`: a float32
-`weight_scale_inv` per 128 x 128 block; llm-compressor's FP8_DYNAMIC is compressed-tensors with a `weight_scale`
-per output channel. The LM head, the embedding and the modules the config leaves out stay as they are. Only the
+`dequantize` node before its GEMM (ir/ops/quantize.py). quant_method `fp8` (the model makers' own FP8
+checkpoints) stores a float32 `weight_scale_inv` per 128 x 128 block; llm-compressor's FP8_DYNAMIC is
+compressed-tensors with a `weight_scale` per output channel. The LM head, the embedding and the modules the config leaves out stay as they are. Only the
 CPU reference engine runs them so far."""
 
 import re
