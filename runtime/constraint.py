@@ -11,7 +11,7 @@ from typing import Protocol
 
 import numpy as np
 
-from pegainfer.ir.ops.penalties import Penalties, penalize
+from pegainfer.ir.ops.penalties import Penalties, masked_ids, penalize
 from pegainfer.ir.ops.sampling import GREEDY_BELOW, effective_top_k, gumbel, logsumexp_row, sample_row
 
 LOG = logging.getLogger("pegainfer")
@@ -51,14 +51,10 @@ class PenaltyState:
         """The next draw's penalties as sparse per-id terms (ir/ops/sampling.py's penalize_tokens, which gives what
         `adjust` gives): the ids any penalty touches, ascending, and per id (bias, repetition factor, subtrahend,
         +inf where masked)."""
-        p, size = self.penalties, self.counts.size
+        p = self.penalties
         biased = np.array([j for j, _ in p.logit_bias], dtype=np.int64)
-        masked = [t for t in self.stop_ids if t < size] if self.produced < p.min_tokens else []
-        for word in p.bad_words:
-            head = word[:-1]
-            if word[-1] < size and (not head or tuple(self.output[-len(head):]) == head):
-                masked.append(word[-1])
-        parts = [biased, np.array(masked, dtype=np.int64)]
+        masked = np.array(masked_ids(p, self.produced, self.stop_ids, self.output, self.counts.size), np.int64)
+        parts = [biased, masked]
         if p.repetition != 1.0:
             parts.append(np.fromiter(self.seen_ids, np.int64, len(self.seen_ids)))
         if p.presence or p.frequency:
@@ -70,7 +66,7 @@ class PenaltyState:
             terms[np.searchsorted(ids, biased), 0] = np.array([b for _, b in p.logit_bias], dtype=np.float32)
         terms[:, 1] = np.where(self.seen[ids], np.float32(p.repetition), np.float32(1.0))
         terms[:, 2] = np.float32(p.presence) * (counts > 0) + np.float32(p.frequency) * counts
-        terms[np.searchsorted(ids, np.array(masked, dtype=np.int64)), 2] = np.inf
+        terms[np.searchsorted(ids, masked), 2] = np.inf
         return ids, terms
 
     def accept(self, token: int) -> None:
@@ -145,8 +141,7 @@ def has_grammar(constraint: TokenConstraint) -> bool:
     """Whether the constraint limits the ids a token may be (a grammar's bitmask), not only the logits."""
     if isinstance(constraint, Chain):
         return any(has_grammar(part) for part in constraint.parts)
-    return getattr(constraint, "bitmask", None) is not None or not (
-        isinstance(constraint, PenaltyState) or getattr(constraint, "adjust", None) is not None)
+    return getattr(constraint, "bitmask", None) is not None or getattr(constraint, "adjust", None) is None
 
 
 def adjusted(constraint: TokenConstraint, x: np.ndarray) -> np.ndarray:

@@ -67,21 +67,21 @@ def penalty_inputs(constraints: list[TokenConstraint | None] | None, params: lis
     they are: those with penalties that ask no top logprobs (the tail's candidates are of the penalised logits,
     vLLM's top logprobs of the raw ones), while their entries fit in `capacity`; the others are drawn on the host."""
     inputs, rows_on_device = no_penalties(rows), set()
-    ids, terms = [], []
+    ids, terms, entries = [], [], 0
     for row, constraint in enumerate(constraints or []):
         state = penalty_state(constraint)
         if state is None or params[row].logprobs:
             continue
         row_ids, row_terms = state.terms()
-        if len(ids) + row_ids.size > capacity:
+        if entries + row_ids.size > capacity:
             continue
-        inputs[PENALTY_START][row], inputs[PENALTY_COUNT][row] = len(ids), row_ids.size
-        ids += row_ids.tolist()
-        terms += row_terms.tolist()
+        inputs[PENALTY_START][row], inputs[PENALTY_COUNT][row] = entries, row_ids.size
+        ids.append(row_ids)
+        terms.append(row_terms)
+        entries += row_ids.size
         rows_on_device.add(row)
-    if ids:
-        inputs[PENALTY_IDS] = np.array(ids, np.int32)
-        inputs[PENALTY_TERMS] = np.array(terms, np.float32).reshape(-1, 3)
+    if entries:
+        inputs[PENALTY_IDS], inputs[PENALTY_TERMS] = np.concatenate(ids), np.concatenate(terms)
     return inputs, rows_on_device
 
 

@@ -35,15 +35,22 @@ def penalize(x: np.ndarray, penalties: Penalties, seen: np.ndarray, counts: np.n
     if penalties.logit_bias:
         ids, biases = zip(*penalties.logit_bias)
         x[list(ids)] += np.asarray(biases, dtype=np.float32)
-    if produced < penalties.min_tokens:
-        x[[t for t in stop_ids if t < x.size]] = -np.inf
     if penalties.repetition != 1.0:
         r = np.float32(penalties.repetition)
         x[seen] = np.where(x[seen] > 0, x[seen] / r, x[seen] * r)
     if penalties.presence or penalties.frequency:
         x -= np.float32(penalties.presence) * (counts > 0) + np.float32(penalties.frequency) * counts
+    x[masked_ids(penalties, produced, stop_ids, output, x.size)] = -np.inf  # -inf stays so whatever came before
+    return x
+
+
+def masked_ids(penalties: Penalties, produced: int, stop_ids: list[int], output: tuple[int, ...] | list[int],
+               size: int) -> list[int]:
+    """The ids the next draw may not take: the stop ids while min_tokens holds them back, and each bad word's last
+    token where the output so far ends with the rest of it."""
+    masked = [t for t in stop_ids if t < size] if produced < penalties.min_tokens else []
     for word in penalties.bad_words:
         head = word[:-1]
-        if word[-1] < x.size and (not head or tuple(output[-len(head):]) == head):
-            x[word[-1]] = -np.inf
-    return x
+        if word[-1] < size and (not head or tuple(output[-len(head):]) == head):
+            masked.append(word[-1])
+    return masked
