@@ -32,7 +32,6 @@ class ModelSpec:
     config: Any
     graph: Graph
     dtype_override: str | None = None  # the torch_dtype the graph was built with, when not config.json's
-    quantized_at_load: bool = False  # FP8 projections the loader makes from a float checkpoint (--quantization)
 
     @property
     def dag_file(self) -> str:
@@ -85,10 +84,10 @@ def load_spec(config_path: Path, *, dtype: str = "auto", device: str = "cpu",
     if override is not None:  # a new torch_dtype: model_id (the cubin cache's key) changes with it
         config = replace(config, torch_dtype=override)
     graph = dag.build_graph(config)
-    fp8, online = scheme_for(raw, source, quantization)
+    fp8 = scheme_for(raw, source, quantization)
     if fp8 is not None:
         graph = quantize_graph(graph, fp8, dtype_from_name(config.torch_dtype))
-    return ModelSpec(config_path, raw, architecture, dag, config, graph, override, online)
+    return ModelSpec(config_path, raw, architecture, dag, config, graph, override)
 
 
 def serving_dtype(requested: str, checkpoint: str, device: str, float16_unsupported: str | None = None) -> str:
@@ -122,10 +121,10 @@ def load_model(folder: Path, *, lazy: bool = False, dtype: str = "auto", device:
     spec = load_spec(folder / "config.json", dtype=dtype, device=device, quantization=quantization)
     if device == "cuda":
         refuse_quantized(spec.graph)
-    expected = stored_params(spec.graph) if spec.quantized_at_load else spec.graph.checkpoint_params()
+    expected = stored_params(spec.graph) if quantization else spec.graph.checkpoint_params()
     tensors = scan_checkpoint(folder)
     check_weights(expected, tensors, folder)
     weights = LazyWeights(expected, tensors) if lazy else load_weights(expected, tensors)
-    if spec.quantized_at_load:
+    if quantization:  # scheme_for refused it for a checkpoint quantized already
         weights = quantize_weights(dict(weights), spec.graph)
     return LoadedModel(spec, folder, weights)

@@ -121,18 +121,18 @@ ONLINE = Fp8Weights(None, "_scale")  # `--quantization fp8`: a bf16 checkpoint's
 QUANTIZATION_CHOICES = ("fp8",)
 
 
-def scheme_for(raw: dict, source: str, quantization: str | None) -> tuple[Fp8Weights | None, bool]:
-    """(the weights' FP8 scheme, whether the loader quantizes them): the checkpoint's own, or with
-    `--quantization fp8` a scale per output channel computed at load (the embedding and LM head left as stored)."""
+def scheme_for(raw: dict, source: str, quantization: str | None) -> Fp8Weights | None:
+    """The weights' FP8 scheme: the checkpoint's own, or with `--quantization fp8` a scale per output channel the
+    loader computes (the embedding and LM head left as stored); a checkpoint quantized already refuses the flag."""
     stored = read_quantization(raw, source)
     if quantization is None:
-        return stored, False
+        return stored
     if quantization not in QUANTIZATION_CHOICES:
         raise ConfigError(f"--quantization {quantization}: expected one of {', '.join(QUANTIZATION_CHOICES)}")
     if stored is not None:
         raise ConfigError(f"--quantization {quantization}: {source} is quantized already (its quantization_config "
                           f"says so); leave the flag out")
-    return ONLINE, True
+    return ONLINE
 
 
 def quantize_weights(weights: dict[str, np.ndarray], graph: Graph) -> dict[str, np.ndarray]:

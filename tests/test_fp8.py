@@ -17,7 +17,8 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from pegainfer.errors import CheckpointError, ConfigError
-from pegainfer.fixtures.checkpoint import FP8_MAX, fp8_block_weights, fp8_channel_weights
+from pegainfer.fixtures.checkpoint import fp8_block_weights, fp8_channel_weights
+from pegainfer.frontends.quantization import FP8_MAX
 from pegainfer.frontends.load import load_model
 from pegainfer.ir.ops.quantize import dequantize
 from pegainfer.passes.pipeline import lower
