@@ -41,6 +41,7 @@ def add_inspect(commands) -> None:
     p.add_argument("--format", choices=["text", "dot", "svg"], default="text",
                    help="for graph and dag: text, Graphviz source, or SVG (needs Graphviz's dot on the PATH)")
     p.add_argument("--json", action="store_true", help="for kernels without --sm: one JSON object")
+    p.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default=None, help=QUANTIZATION_HELP)
     p.set_defaults(run=run_inspect, parser=p)
 
 
@@ -79,6 +80,7 @@ def add_bench(commands) -> None:
     p.add_argument("--pdl-max-tokens", type=non_negative_int, default=None,
                    help="programmatic dependent launch for steps of at most this many tokens, 0: never (default: "
                         "the engine's)")
+    p.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default=None, help=QUANTIZATION_HELP)
     p.add_argument("--cache-dir", type=Path, default=None, help=CACHE_HELP)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--result-file", type=Path, default=None, metavar="FILE",
@@ -103,7 +105,8 @@ def run_inspect(args: argparse.Namespace) -> int:
     from pegainfer.passes.pipeline import lower
 
     _check_inspect_flags(args)
-    spec = load_spec(resolve_config_path(args.model), device="cuda" if args.sm is not None else "cpu")
+    spec = load_spec(resolve_config_path(args.model), device="cuda" if args.sm is not None else "cpu",
+                     quantization=args.quantization)
     if args.sm is not None:
         return _inspect_compiled(spec, args)
     if args.show == "graph":
@@ -179,7 +182,8 @@ def _inspect_compiled(spec, args: argparse.Namespace) -> int:
 BENCH_FLAGS = {"batch": ("--batch", ("decode",)), "context": ("--context", ("decode",)),
                "steps": ("--steps", ("decode",)), "no_graphs": ("--no-graphs", ("decode",)),
                "breakdown": ("--breakdown", ("decode",)), "pdl_max_tokens": ("--pdl-max-tokens", ("decode",)),
-               "prompt_len": ("--prompt-len", ("prefill",)), "cache_dir": ("--cache-dir", ("decode", "prefill"))}
+               "prompt_len": ("--prompt-len", ("prefill",)), "cache_dir": ("--cache-dir", ("decode", "prefill")),
+               "quantization": ("--quantization", ("decode", "prefill"))}
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -197,8 +201,9 @@ def run_bench(args: argparse.Namespace) -> int:
     sm = visible_sm()
     if sm is None:
         raise PegainferError("pegainfer bench needs a visible GPU (and cuda-bindings: pip install -e '.[cuda]')")
-    model = bench.bench_model(args.model)
-    manifest = ensure_manifest(model.spec, sm, args.cache_dir, label=args.model)  # compiled if missing
+    model = bench.bench_model(args.model, args.quantization)
+    label = args.model + (f" --quantization {args.quantization}" if args.quantization else "")
+    manifest = ensure_manifest(model.spec, sm, args.cache_dir, label=label)  # compiled if missing
     if args.what == "decode":
         engine = bench.engine_for(model, manifest, max_tokens=max(args.batch), max_batch=max(args.batch),
                                   max_model_len=max(args.context) + args.steps + 16)

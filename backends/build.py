@@ -19,7 +19,7 @@ from pegainfer.backends.spec import KernelSpec, LaunchSpec, Param, ParamKind, Va
 from pegainfer.backends.triton.plan import PlanOptions, plan_kernel
 from pegainfer.errors import PegainferError
 from pegainfer.frontends.load import ModelSpec
-from pegainfer.frontends.quantization import refuse_quantized
+from pegainfer.frontends.quantization import refuse_fp8_below
 from pegainfer.ir.dtypes import dtype_from_name
 from pegainfer.ir.graph import KERNEL, Graph
 from pegainfer.ir.printer import format_node
@@ -125,7 +125,7 @@ def build_model(spec: ModelSpec, sms: list[int], *, jobs: int = 1, cache_dir: Pa
                 options: PlanOptions = PlanOptions(), quiet: bool = False,
                 backends: list[str] | None = None) -> BuildReport:
     started = time.perf_counter()
-    refuse_quantized(spec.graph)
+    refuse_fp8_below(spec.graph, sms)
     versions, skipped = available_backends(backends)
     lowered, kernels = plan_model(spec, options, tuple(versions))
     root = cache_root(cache_dir)

@@ -33,8 +33,14 @@ def sm_folder(root: Path, sm: int) -> Path:
 
 
 def model_id(spec: Any) -> str:
-    """Names a model by its parsed config, so the same model saved by another transformers version matches."""
-    digest = hashlib.sha256(json.dumps(asdict(spec.config), sort_keys=True).encode()).hexdigest()[:12]
+    """Names a model by its parsed config, so the same model saved by another transformers version matches, and by
+    its FP8 weights where it has them (which, and their scale blocks: the kernels differ)."""
+    named: dict = asdict(spec.config)
+    fp8 = sorted({(n.inputs[1], *n.attrs["block"]) for g in spec.graph.all_graphs() for n in g.nodes
+                  if n.op == "dequantize"})
+    if fp8:
+        named = {"config": named, "fp8": fp8}
+    digest = hashlib.sha256(json.dumps(named, sort_keys=True).encode()).hexdigest()[:12]
     return f"{spec.architecture}-{digest}"
 
 

@@ -36,12 +36,14 @@ def static_layout(graph: Graph) -> dict[str, tuple[int | None, int]]:
 
 
 def gemm_roles(node: Node) -> dict:
-    """Reads the kernel's primitive nodes in order: [add] [gather_rows] [rms_norm] linear [split act mul |
-    mask_tokens penalize_tokens top_k logsumexp sample]. Anything else has no template."""
+    """Reads the kernel's primitive nodes in order: [dequantize] [add] [gather_rows] [rms_norm] linear [split act
+    mul | mask_tokens penalize_tokens top_k logsumexp sample]. Anything else has no template. An FP8 weight's
+    roles: `weight` the stored values, `scale` their scales, `scale_block` the rows x columns one covers."""
     inner = list(node.attrs["nodes"])
+    dequantize = inner.pop(0) if inner[0].op == "dequantize" else None
     ops = [n.op for n in inner]
     roles: dict = dict(x=None, x2=None, rows=None, norm=None, eps=1e-6, norm_offset=0.0, bias=None, sum=None, act=0,
-                       mask=None, penalize=None, top_k=None, lse=None, sample=None)
+                       mask=None, penalize=None, top_k=None, lse=None, sample=None, scale=None, scale_block=None)
     index = 0
     if ops[index] == "add":
         roles["x"], roles["x2"] = inner[index].inputs
@@ -62,6 +64,11 @@ def gemm_roles(node: Node) -> dict:
         raise PegainferError(f"kernel {node.name}: no GEMM template for {' + '.join(ops)}")
     roles["x"] = roles["x"] or linear.inputs[0]
     roles["weight"] = linear.inputs[1]
+    if dequantize is not None:
+        if dequantize.outputs[0] != roles["weight"]:
+            raise PegainferError(f"kernel {node.name}: its dequantize feeds no GEMM weight")
+        roles["weight"], roles["scale"] = dequantize.inputs
+        roles["scale_block"] = tuple(dequantize.attrs["block"])
     roles["bias"] = linear.inputs[2] if len(linear.inputs) == 3 else None
     roles["out"] = linear.outputs[0]
     rest = ops[index + 1:]

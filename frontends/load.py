@@ -12,8 +12,7 @@ import numpy as np
 from pegainfer.errors import ConfigError
 from pegainfer.frontends.checkpoint import LazyWeights, check_weights, load_weights, scan_checkpoint
 from pegainfer.frontends.config import architecture_of, parse_config, read_config
-from pegainfer.frontends.quantization import (quantize_graph, quantize_weights, refuse_quantized, scheme_for,
-                                              stored_params)
+from pegainfer.frontends.quantization import quantize_graph, quantize_weights, scheme_for, stored_params
 from pegainfer.frontends.registry import dag_module_for
 from pegainfer.ir import Graph
 from pegainfer.ir.dtypes import dtype_from_name
@@ -119,8 +118,6 @@ def load_model(folder: Path, *, lazy: bool = False, dtype: str = "auto", device:
     if not folder.is_dir():
         raise ConfigError(f"{folder}: not a checkpoint folder")
     spec = load_spec(folder / "config.json", dtype=dtype, device=device, quantization=quantization)
-    if device == "cuda":
-        refuse_quantized(spec.graph)
     expected = stored_params(spec.graph) if quantization else spec.graph.checkpoint_params()
     tensors = scan_checkpoint(folder)
     check_weights(expected, tensors, folder)

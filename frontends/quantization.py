@@ -2,8 +2,8 @@
 checkpoint stores: each projection's weight as float8 e4m3 with its scales, turned into the model's dtype by a
 `dequantize` node before its GEMM (ir/ops/quantize.py). quant_method `fp8` (the model makers' own FP8
 checkpoints) stores a float32 `weight_scale_inv` per 128 x 128 block; llm-compressor's FP8_DYNAMIC is
-compressed-tensors with a `weight_scale` per output channel. The LM head, the embedding and the modules the config leaves out stay as they are. Only the
-CPU reference engine runs them so far."""
+compressed-tensors with a `weight_scale` per output channel. The LM head, the embedding and the modules the config
+leaves out stay as they are. On the GPU the dequantize folds into its GEMM (passes/fusion.py), from sm_89 on."""
 
 import re
 from dataclasses import dataclass
@@ -184,10 +184,15 @@ def is_quantized(graph: Graph) -> bool:
     return any(n.op == "dequantize" for g in graph.all_graphs() for n in g.nodes)
 
 
-def refuse_quantized(graph: Graph) -> None:
-    """FP8 weights run on the CPU reference engine only: no GPU kernel reads them yet."""
-    if is_quantized(graph):
-        raise ConfigError("FP8 weights: no GPU kernels read them yet; run this model with --device cpu")
+FP8_MIN_SM = 89  # the first SM with FP8 conversions (and tensor cores): Ada, then Hopper
+
+
+def refuse_fp8_below(graph: Graph, sms: list[int]) -> None:
+    """FP8 weights on the GPU need sm_89 or newer: the kernels convert them in registers with its instructions."""
+    older = [sm for sm in sms if sm < FP8_MIN_SM]
+    if is_quantized(graph) and older:
+        raise ConfigError(f"FP8 weights need sm_{FP8_MIN_SM} or newer (FP8 conversions); found sm_{older[0]}: run "
+                          f"the bf16 checkpoint there, or this one with --device cpu")
 
 
 def _module_of(weight: str) -> str:

@@ -171,6 +171,22 @@ def fuse_norm_prologue(graph: Graph, log: PassLog) -> Graph:
     return for_each_graph(graph, rewrite)
 
 
+def fuse_weight_dequantize(graph: Graph, log: PassLog) -> Graph:
+    """Folds an FP8 weight's dequantize into the GEMM that alone reads it: the weight is read as FP8 and scaled in
+    registers (the bytes a decode step streams are halved), never written back in the model's dtype."""
+    def rewrite(g: Graph) -> None:
+        readers = consumers(g)
+        for dequantize in [n for n in g.nodes if n.op == "dequantize"]:
+            gemm = only_reader(g, dequantize.outputs[0], readers)
+            linear = next((n for n in inner_nodes(gemm) or (gemm,) if n.op == "linear"), None) if gemm else None
+            if linear is None or linear.inputs[1] != dequantize.outputs[0]:
+                log.note(f"{g.name}: %{dequantize.name} left a kernel of its own: no single GEMM reads it as its "
+                         f"weight")
+                continue
+            _fuse_or_note(g, [dequantize, gemm], f"dequantize_{_kind(gemm)}", log)
+    return for_each_graph(graph, rewrite)
+
+
 def _kind(node: Node) -> str:
     return kernel_kind(node) if node.op == KERNEL else node.op
 

@@ -69,7 +69,8 @@ def kernels_per_layer(graph: Graph) -> dict[str, float]:
 
 def format_kernels(graph: Graph) -> str:
     """The kernel table `pegainfer inspect --show kernels` prints: each kernel's name (what `--kernel` takes), its
-    kind (the fused ops' pattern, which picks its template), launches per step, and what it fuses and writes."""
+    kind (the fused ops' pattern, which picks its template), launches per step, what it fuses, the dtypes it
+    reads (its operands', in order: an FP8 weight shows as f8e4m3) and what it writes."""
     kernels = list_kernels(graph)
     per_layer = kernels_per_layer(graph)
     launches = sum(k.launches for k in kernels)
@@ -78,9 +79,10 @@ def format_kernels(graph: Graph) -> str:
              + ", ".join(f"{n:g} kernels in {body}" for body, n in per_layer.items()),
              "Decode steps (tokens = batch) and prefill steps (tokens = prompt tokens) launch the same kernels; "
              "shapes are symbolic.",
-             f"{'#':>3}  {'graph':<14} {'name':<{width}} {'kind':<30} {'x':>3}  fuses -> writes"]
+             f"{'#':>3}  {'graph':<14} {'name':<{width}} {'kind':<30} {'x':>3}  fuses (reads) -> writes"]
     for index, k in enumerate(kernels, start=1):
+        reads = ", ".join(dict.fromkeys(t.dtype.name for _, t in k.inputs))
         writes = ", ".join(f"{name}:{t}" for name, t in k.outputs)
         lines.append(f"{index:>3}  {k.graph:<14} {k.name:<{width}} {k.kind:<30} {k.launches:>3}  "
-                     f"{'+'.join(k.ops)} -> {writes}")
+                     f"{'+'.join(k.ops)} ({reads}) -> {writes}")
     return "\n".join(lines) + "\n"

@@ -3,7 +3,8 @@
 from pegainfer.ir.graph import Graph
 from pegainfer.passes.cleanup import eliminate_common_subexpressions, eliminate_dead_code
 from pegainfer.passes.fusion import (fuse_add_rms_norm, fuse_gemm_activation_epilogue, fuse_norm_prologue,
-                                     fuse_qk_norm_rope_kv_write, plan_sampler_tail, split_residual_carry)
+                                     fuse_qk_norm_rope_kv_write, fuse_weight_dequantize, plan_sampler_tail,
+                                     split_residual_carry)
 from pegainfer.passes.generic import fuse_elementwise_chains
 from pegainfer.passes.kernels import form_kernels
 from pegainfer.passes.manager import Pass, PassRecord, run_passes
@@ -20,6 +21,7 @@ DEFAULT_PASSES = [
     Pass("fuse_gemm_activation_epilogue", "fusion", fuse_gemm_activation_epilogue),
     Pass("plan_sampler_tail", "fusion", plan_sampler_tail),
     Pass("fuse_norm_prologue", "fusion", fuse_norm_prologue),
+    Pass("fuse_weight_dequantize", "fusion", fuse_weight_dequantize),
     Pass("fuse_elementwise_chains", "fusion", fuse_elementwise_chains),
     Pass("form_kernels", "kernel_formation", form_kernels),
     Pass("plan_memory", "memory_planning", plan_memory),

@@ -1,6 +1,6 @@
 """`pegainfer bench`: decode ms/step by batch and context, and time to first token of one prompt, on the GPU,
 each against the memory or tensor-core floor. A model without weights (an embedded config or a config.json)
-gets random bf16 weights: speed does not depend on the values."""
+gets random bf16 weights (or FP8 ones, with --quantization fp8): speed does not depend on the values."""
 
 import time
 from dataclasses import asdict, dataclass
@@ -11,6 +11,8 @@ import ml_dtypes
 import numpy as np
 
 from pegainfer.frontends.load import LoadedModel, ModelSpec, load_model, load_spec, resolve_config_path
+from pegainfer.ir.dtypes import F8E4M3
+from pegainfer.ir.graph import instantiate
 from pegainfer.runtime.batch import Chunk, Sequence
 from pegainfer.runtime.gpu.engine import EngineOptions, GpuEngine
 
@@ -37,19 +39,32 @@ class PrefillRow:
     floor_ms: float
 
 
-def bench_model(model: str) -> LoadedModel:
-    """A checkpoint folder as it is; an embedded config or a config.json with random bf16 weights."""
+def bench_model(model: str, quantization: str | None = None) -> LoadedModel:
+    """A checkpoint folder as it is; an embedded config or a config.json with random bf16 weights (with
+    `quantization`, random FP8 projections and their scales)."""
     path = Path(model)
     if path.is_dir() and any(path.glob("*.safetensors")):
-        return load_model(path, lazy=True, device="cuda")
-    spec = load_spec(resolve_config_path(model), device="cuda")
+        return load_model(path, lazy=True, device="cuda", quantization=quantization)
+    spec = load_spec(resolve_config_path(model), device="cuda", quantization=quantization)
     return LoadedModel(spec, path, random_weights(spec))
 
 
 def random_weights(spec: ModelSpec, seed: int = 0) -> dict[str, np.ndarray]:
-    block = (np.random.default_rng(seed).standard_normal(1 << 24) * 0.02).astype(ml_dtypes.bfloat16)
-    return {name: np.resize(block, t.shape).astype(t.dtype.np_dtype, copy=False)
-            for name, t in spec.graph.checkpoint_params().items()}
+    """Weights of about 0.02: bf16 values, or FP8 ones of about 64 times scales of 0.02 / 64."""
+    normal = np.random.default_rng(seed).standard_normal(1 << 24).astype(np.float32)
+    block = (normal * 0.02).astype(ml_dtypes.bfloat16)
+    fp8 = np.clip(normal * 64, -448, 448).astype(F8E4M3.np_dtype)
+    scales = {value if layer is None else instantiate(value, layer) for g, layer in spec.graph.instances()
+              for n in g.nodes if n.op == "dequantize" for value in n.inputs[1:]}
+    weights = {}
+    for name, t in spec.graph.checkpoint_params().items():
+        if t.dtype == F8E4M3:
+            weights[name] = np.resize(fp8, t.shape)
+        elif name in scales:
+            weights[name] = np.full(t.shape, 0.02 / 64, np.float32)
+        else:
+            weights[name] = np.resize(block, t.shape).astype(t.dtype.np_dtype, copy=False)
+    return weights
 
 
 def weight_bytes(spec: ModelSpec) -> int:

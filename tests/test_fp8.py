@@ -3,7 +3,7 @@
 `weight_scale` per output channel), written by `make-checkpoint --quantization fp8-block|fp8-channel` with real
 scales, and by `--quantization fp8` at load: the reference engine's logits equal Hugging Face float32 on the
 dequantized weights, prefill and 16 decode steps; the dequantize op's blocks cut short at a weight's edge; a bad
-scale, format, option or flag is one line naming it; the GPU path refuses FP8 weights in one line."""
+scale, format, option or flag is one line naming it, as is FP8 for an SM without FP8 conversions."""
 
 import json
 import subprocess
@@ -160,12 +160,13 @@ def test_a_scale_of_the_wrong_shape_or_a_weight_not_in_fp8_is_one_line_naming_th
         load_model(rewrite(fp8_checkpoint, tmp_path / "dtype", tensor_edit=not_fp8))
 
 
-def test_the_gpu_path_refuses_fp8_weights_in_one_line(fp8_checkpoint, tmp_path):
-    run = subprocess.run([sys.executable, "-m", "pegainfer.cli", "compile", str(fp8_checkpoint), "--sm", "90",
+def test_fp8_weights_for_an_sm_without_fp8_conversions_are_refused_in_one_line(fp8_checkpoint, tmp_path):
+    run = subprocess.run([sys.executable, "-m", "pegainfer.cli", "compile", str(fp8_checkpoint), "--sm", "80",
                           "--cache-dir", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert run.returncode != 0
-    assert run.stderr.strip().splitlines()[-1] == ("pegainfer: error: FP8 weights: no GPU kernels read them yet; "
-                                                   "run this model with --device cpu")
+    assert run.stderr.strip().splitlines()[-1] == (
+        "pegainfer: error: FP8 weights need sm_89 or newer (FP8 conversions); found sm_80: run the bf16 "
+        "checkpoint there, or this one with --device cpu")
 
 
 def test_quantized_at_load_runs_as_hugging_face_does_on_the_same_fp8_weights(checkpoint_factory):
@@ -197,11 +198,24 @@ def test_quantization_flags_are_checked_in_one_line(fp8_checkpoint, checkpoint_f
         load_model(fp8_checkpoint, quantization="fp8")
     with pytest.raises(ConfigError, match="--quantization int4: expected one of fp8"):
         load_model(checkpoint_factory("fp8_source", OVERRIDES), quantization="int4")
-    with pytest.raises(ConfigError, match="no GPU kernels read them yet"):
-        load_model(checkpoint_factory("fp8_source", OVERRIDES), quantization="fp8", device="cuda", lazy=True)
     run = subprocess.run([sys.executable, "-m", "pegainfer.cli", "generate", "--model-path",
                           str(checkpoint_factory("fp8_source", OVERRIDES)), "--quantization", "fp8", "--device",
                           "cpu", "--prompt-ids", "5,9,200", "--max-tokens", "4", "--json"], capture_output=True,
                          text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert len(json.loads(run.stdout)["token_ids"]) == 4
+
+
+def test_fp8_models_get_their_own_manifests_and_show_fp8_operands(checkpoint_factory):
+    """The compiled-kernel cache names a model by its config and its FP8 weights: the same config as bf16, with
+    block scales and with channel scales, are three manifests (their GEMMs are different cubins)."""
+    from pegainfer.backends.cache import model_id
+    from pegainfer.frontends.load import load_spec
+    from pegainfer.passes.kernels import format_kernels
+
+    source = checkpoint_factory("fp8_source", OVERRIDES) / "config.json"
+    specs = [load_spec(source), load_spec(source, quantization="fp8"),
+             load_spec(checkpoint_factory("fp8-block", OVERRIDES, quantization="fp8-block") / "config.json")]
+    assert len({model_id(spec) for spec in specs}) == 3
+    table = format_kernels(lower(specs[1].graph)[0])
+    assert "dequantize+linear (f8e4m3, f32" in table and "dequantize " not in table

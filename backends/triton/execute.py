@@ -18,9 +18,14 @@ _TORCH = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32, "i
           "i64": torch.int64}
 
 
+_FP8 = {np.dtype(ml_dtypes.float8_e4m3fn): torch.float8_e4m3fn, np.dtype(ml_dtypes.float8_e5m2): torch.float8_e5m2}
+
+
 def to_torch(array: np.ndarray) -> torch.Tensor:
     if array.dtype == ml_dtypes.bfloat16:
         return torch.from_numpy(np.ascontiguousarray(array).view(np.uint16)).view(torch.bfloat16)
+    if array.dtype in _FP8:
+        return torch.from_numpy(np.ascontiguousarray(array).view(np.uint8)).view(_FP8[array.dtype])
     return torch.from_numpy(np.ascontiguousarray(array))
 
 

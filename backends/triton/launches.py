@@ -9,7 +9,8 @@ from pegainfer.ir.kernel import fused_ops
 from pegainfer.ir.types import TensorType
 
 KERNELS = Path(__file__).parent / "kernels"
-TRITON_TYPES = {"bf16": "bf16", "f16": "fp16", "f32": "fp32", "i32": "i32", "i64": "i64"}
+TRITON_TYPES = {"bf16": "bf16", "f16": "fp16", "f32": "fp32", "i32": "i32", "i64": "i64", "f8e4m3": "fp8e4nv",
+                "f8e5m2": "fp8e5"}
 
 
 def next_pow2(n: int) -> int:

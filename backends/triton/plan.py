@@ -1,7 +1,7 @@
 """Planning: each kernel node of the kernel DAG -> the Triton launches that run it (a template specialised by
 constexprs, or a generated row kernel), their parameter ABI, grid rule and row-count variants."""
 
-from dataclasses import astuple, dataclass
+from dataclasses import astuple, dataclass, replace
 
 from pegainfer.backends.planning import PlanOptions, gemm_roles, static_layout
 from pegainfer.backends.spec import GridDim, KernelSpec, LaunchSpec, VariantSpec
@@ -12,7 +12,6 @@ from pegainfer.ir.dtypes import dtype_from_name
 from pegainfer.ir.graph import Graph, Node
 from pegainfer.ir.kernel import fused_ops
 from pegainfer.ir.ops.sampling import FIXED_ONE, GREEDY_BELOW, TOP_P_SLACK
-from pegainfer.ir.step import uploaded
 from pegainfer.ir.types import TensorType
 
 SMALL_ROWS = 16  # up to this many rows a GEMM uses its decode-shaped tiles
@@ -21,7 +20,6 @@ TAIL_LEAD = 8  # the sampler tail's merge ranks this many candidates a chunk whe
 PENALTY_SCAN = 128  # penalty entries the sampler tail compares at once when it seeks a block's
 GEMV_PROGRAMS = 528  # a few-rows GEMV aims for at least this many programs: 4 per SM of an H100/H200
 DECODE_TILE_ROWS = 16  # the tensor-core tiles of decode steps (up to SMALL_ROWS rows): their norm runs apart
-ROPE_HEAD_ROWS = 256  # up to this many tokens the rope/KV-write launch runs a program per (token, head)
 # the rows a decode GEMM's norm launch writes for its tiles, in float32: the tiles round them to the weights' type
 # as the fused prologue does (and Triton's interpreter, whose bf16 stores truncate, is not asked to)
 NORMED = "gemm.normed_rows"
@@ -54,7 +52,8 @@ def plan_kernel(graph: Graph, node: Node, options: PlanOptions) -> KernelSpec:
         from pegainfer.backends.triton.attention import plan_attention
         return plan_attention(graph, node, options)
     if "kv_write" in ops:
-        return _plan_rope_kv_write(graph, node)
+        from pegainfer.backends.triton.rope import plan_rope_kv_write
+        return plan_rope_kv_write(graph, node)
     if ops in (["moe_route"], ["moe_experts"]):
         from pegainfer.backends.triton import moe
         return moe.plan_moe_route(graph, node) if ops == ["moe_route"] else moe.plan_moe_experts(graph, node)
@@ -78,6 +77,7 @@ def _plan_gemm(graph: Graph, node: Node) -> KernelSpec:
                                                  NORMED_ALL: TensorType(dtype_from_name("f32"), (row_symbol, k))}
     types, layout = types | own_scratch, layout | {name: (t.shape[-1], 0) for name, t in own_scratch.items()}
     for tile in _gemm_tiles(n, k, bool(roles["act"]), roles["norm"] is not None, roles["top_k"] is not None):
+        tile = _within_scale_blocks(tile, roles["scale_block"], n, k)
         split = split_count(n, k, tile.block_n, tile.block_k) if tile.split else 1
         if tile.split and (roles["top_k"] is not None or split == 1):
             continue  # not before the sampler's tail (its own scratch), nor where one slice is enough
@@ -109,7 +109,7 @@ def _gemm_launch(types: dict, layout: dict, roles: dict, tile: GemmTile, row_sym
                  split: int) -> LaunchSpec:
     function, warps, block_m, block_n, block_k = tile.function, tile.warps, tile.block_m, tile.block_n, tile.block_k
     p = Params(types, layout)
-    for param in ("x", "x2", "rows", "norm", "weight", "bias", "out", "sum"):
+    for param in ("x", "x2", "rows", "norm", "weight", "scale", "bias", "out", "sum"):
         p.tensor(f"{param if param != 'weight' else 'w'}_ptr", roles[param])
     if tile.split:
         p.tensor("part_ptr", "gemm.split_part")
@@ -120,7 +120,7 @@ def _gemm_launch(types: dict, layout: dict, roles: dict, tile: GemmTile, row_sym
     constexprs = dict(N=n, K=k, EPS=roles["eps"], ADD=roles["x2"] is not None, GATHER=roles["rows"] is not None,
                       NORM=roles["norm"] is not None, BIAS=roles["bias"] is not None, ACT=roles["act"],
                       WRITE_SUM=roles["sum"] is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                      UPCAST_DOT=False, NORM_OFFSET=roles["norm_offset"])
+                      UPCAST_DOT=False, NORM_OFFSET=roles["norm_offset"], **scale_constexprs(roles, k))
     if function in ("gemv_row_kernel", "gemv_rows_kernel"):  # the RMSNorm prologue in a few wide chunks
         constexprs["RMS_BLOCK"] = min(max(16, next_pow2(k)), 1024 * warps // block_m)
     if function == "gemv_rows_kernel":  # each thread sums its 8-wide loads' products at once
@@ -130,6 +130,25 @@ def _gemm_launch(types: dict, layout: dict, roles: dict, tile: GemmTile, row_sym
         constexprs["SPLIT"] = split
         grid += (GridDim((split,)),)
     return launch("gemm.py", function, p, constexprs, grid, warps, tile.stages)
+
+
+def scale_constexprs(roles: dict, k: int) -> dict:
+    """An FP8 weight's scale mode (kernels/gemm.py): 0 none, 1 a scale per output column, 2 one per block."""
+    block = roles["scale_block"]
+    if block is None:
+        return dict(SCALE=0, SCALE_N=1, SCALE_K=1)
+    return dict(SCALE=1 if block[0] == 1 and block[1] >= k else 2, SCALE_N=block[0], SCALE_K=block[1])
+
+
+def _within_scale_blocks(tile: GemmTile, block: tuple[int, int] | None, n: int, k: int) -> GemmTile:
+    """A tile whose K tiles each fall in one scale block (K tiles are powers of two: at most the block's width,
+    which must be one too), its columns widened by as much so a program streams as many weights."""
+    if block is None or (block[0] == 1 and block[1] >= k) or tile.block_k <= block[1]:
+        return tile
+    if block[1] & (block[1] - 1):
+        raise PegainferError(f"FP8 weights: scale blocks {block[1]} columns wide; the GEMM tiles need a power of two")
+    wider = min(tile.block_n * (tile.block_k // block[1]), max(tile.block_n, next_pow2(n)))
+    return replace(tile, block_n=wider, block_k=block[1])
 
 
 def _norm_launch(types: dict, layout: dict, roles: dict, row_symbol: str, k: int, out: str = NORMED) -> LaunchSpec:
@@ -145,7 +164,7 @@ def _norm_launch(types: dict, layout: dict, roles: dict, row_symbol: str, k: int
     constexprs = dict(K=k, EPS=roles["eps"], ADD=roles["x2"] is not None, GATHER=roles["rows"] is not None,
                       WRITE_SUM=roles["sum"] is not None, NORM_OFFSET=roles["norm_offset"],
                       BLOCK_K=max(16, next_pow2(k)))
-    return launch("gemm.py", "add_rms_norm_kernel", p, constexprs, (GridDim((row_symbol,)),), 4, 1)
+    return launch("norm_rows.py", "add_rms_norm_kernel", p, constexprs, (GridDim((row_symbol,)),), 4, 1)
 
 
 def _gemm_tiles(n: int, k: int, act: bool, norm: bool, head: bool = False) -> list[GemmTile]:
@@ -203,8 +222,9 @@ def _split_scratch(n: int, k: int, roles: dict) -> dict[str, TensorType]:
     tiles planned, and its tickets, one a column tile of the narrowest tiles, zero between launches (the runtime
     zeroes them once, each launch's last programs reset theirs)."""
     width = 2 * n if roles["act"] else n
-    block_n, block_k = _split_tile(n, k)
-    planes = split_count(n, k, block_n, block_k) * SMALL_ROWS
+    tile = next(t for t in _gemm_tiles(n, k, bool(roles["act"]), False) if t.split)
+    tile = _within_scale_blocks(tile, roles["scale_block"], n, k)
+    planes = split_count(n, k, tile.block_n, tile.block_k) * SMALL_ROWS
     return {"gemm.split_part": TensorType(dtype_from_name("f32"), (planes, width)),
             "gemm.split_count": TensorType(dtype_from_name("i32"), (-(-SMALL_ROWS // 16) * -(-n // 16),))}
 
@@ -282,67 +302,6 @@ def _plan_tail_reduction(types: dict[str, TensorType], roles: dict, layout: dict
                         LEAD=min(TAIL_LEAD, k_p2), GREEDY_BELOW=GREEDY_BELOW, TOP_P_SLACK=TOP_P_SLACK,
                         FIXED_ONE=FIXED_ONE),
                    (GridDim((rows_symbol,)),), num_warps=8)], scratch
-
-
-def _plan_rope_kv_write(graph: Graph, node: Node) -> KernelSpec:
-    inner = list(node.attrs["nodes"])
-    produced = {out: n for n in inner for out in n.outputs}
-    write = next(n for n in inner if n.op == "kv_write")
-    k_cache, v_cache, k_final, v_heads, slots = write.inputs
-    ropes = [n for n in inner if n.op == "rope"]
-    k_rope = produced.get(k_final)
-    q_ropes = [r for r in ropes if r is not k_rope]
-    if k_rope is None or k_rope.op != "rope" or len(q_ropes) != 1 or len(inner) not in (3, 5):
-        raise PegainferError(f"kernel {node.name}: the rope/KV-write template needs rope on q and k before the "
-                             f"write, found {' + '.join(n.op for n in inner)}")
-    q_rope = q_ropes[0]
-    if q_rope.attrs != k_rope.attrs:
-        raise PegainferError(f"kernel {node.name}: the rope/KV-write template needs one RoPE for q and k, found "
-                             f"{q_rope.attrs} and {k_rope.attrs}")
-    q_norm, k_norm = produced.get(q_rope.inputs[0]), produced.get(k_rope.inputs[0])
-    if q_norm is not None and k_norm is not None and q_norm.attrs != k_norm.attrs:
-        raise PegainferError(f"kernel {node.name}: q and k norms differ ({q_norm.attrs}, {k_norm.attrs})")
-    norm = q_norm is not None and k_norm is not None
-    types = graph.value_types()
-    q_heads = q_norm.inputs[0] if norm else q_rope.inputs[0]
-    k_heads = k_norm.inputs[0] if norm else k_rope.inputs[0]
-    heads, head_dim = types[q_heads].shape[1], types[q_heads].shape[2]
-    kv_heads = types[k_cache].shape[2]
-    p = Params(types | {q_rope.outputs[0]: q_rope.output_types[0]}, static_layout(graph))
-    for name, value in (("q_ptr", q_heads), ("k_ptr", k_heads), ("v_ptr", v_heads),
-                        ("q_norm_ptr", q_norm.inputs[1] if norm else None),
-                        ("k_norm_ptr", k_norm.inputs[1] if norm else None), ("pos_ptr", q_rope.inputs[1]),
-                        ("slot_ptr", slots), ("q_out_ptr", q_rope.outputs[0]), ("k_cache_ptr", k_cache),
-                        ("v_cache_ptr", v_cache)):
-        p.tensor(name, value)
-    for name, value in (("stride_q", q_heads), ("stride_k", k_heads), ("stride_v", v_heads),
-                        ("stride_q_out", q_rope.outputs[0])):
-        p.stride(name, value)
-    constexprs = dict(HEADS=heads, KV_HEADS=kv_heads, HD=head_dim, EPS=q_norm.attrs["eps"] if norm else 1e-6,
-                      NORM=norm, NORM_OFFSET=float(q_norm.attrs.get("offset", 0.0)) if norm else 0.0,
-                      THETA=float(q_rope.attrs["theta"]), BLOCK_HALF=next_pow2(head_dim // 2),
-                      EARLY=uploaded(graph, q_rope.inputs[1]) and uploaded(graph, slots)
-                      and (not norm or {q_norm.inputs[1], k_norm.inputs[1]} <= set(graph.params)),
-                      **_rope_scaling_constexprs(q_rope.attrs.get("scaling")))
-    row_symbol = types[q_heads].shape[0]
-    rope = launch("attention.py", "qk_rope_kv_write_kernel", p, constexprs,
-                  (GridDim((row_symbol,)), GridDim((heads + kv_heads,))), num_warps=1)
-    rows_constexprs = {k: v for k, v in constexprs.items() if k != "EARLY"} | {
-        "BLOCK_HEADS": next_pow2(heads + kv_heads)}
-    token_rows = launch("attention.py", "qk_rope_kv_write_rows_kernel", p, rows_constexprs, (GridDim((row_symbol,)),),
-                        num_warps=4)
-    # decode steps keep a program per head (more programs, and programmatic launch); a prompt chunk's tokens
-    # take a program each, its tiny per-head programs costing more to run than their bytes
-    return kernel_spec(graph, node, row_symbol, [VariantSpec("head_rows", ROPE_HEAD_ROWS, [rope]),
-                                                 VariantSpec("token_rows", None, [token_rows])])
-
-
-def _rope_scaling_constexprs(scaling: tuple | None) -> dict:
-    """The rope op's scaling attribute as the kernel's SCALING code (0 none, 1 linear, 2 by_wavelength) and its
-    numbers."""
-    kind = {None: 0, "linear": 1, "by_wavelength": 2}[scaling[0] if scaling else None]
-    numbers = [float(v) for v in (scaling or ())[1:]] + [1.0] * 4
-    return dict(SCALING=kind, FACTOR=numbers[0], LOW_FREQ=numbers[1], HIGH_FREQ=numbers[2], ORIGINAL=numbers[3])
 
 
 def _plan_embedding(graph: Graph, node: Node) -> KernelSpec:

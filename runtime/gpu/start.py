@@ -10,7 +10,7 @@ from types import ModuleType
 from pegainfer.backends.cache import cache_root, manifest_path, read_manifest
 from pegainfer.errors import PegainferError
 from pegainfer.frontends.load import LoadedModel, ModelSpec
-from pegainfer.frontends.quantization import refuse_quantized
+from pegainfer.frontends.quantization import refuse_fp8_below
 from pegainfer.runtime import device
 from pegainfer.runtime.gpu import engine
 
@@ -33,7 +33,7 @@ def ensure_manifest(spec: ModelSpec, sm: int, cache_dir: Path | None = None, *, 
     every installed backend (with compile's progress bar) where the compile extra is installed, else an error
     saying which command makes it. `label` names the model in that command (a folder, a config.json or an embedded
     name)."""
-    refuse_quantized(spec.graph)
+    refuse_fp8_below(spec.graph, [sm])
     path = manifest_path(cache_root(cache_dir), sm, spec)
     if read_manifest(path) is not None:  # a corrupt one is rewritten, as `pegainfer compile` would
         return path

@@ -127,7 +127,9 @@ def gate_stats(hf_rows: list[np.ndarray], ours: list[np.ndarray]) -> dict:
             "positions": len(regrets)}
 
 
-def check_small(folder: Path, results: dict) -> None:
+def check_small(folder: Path, results: dict, hf_folder: Path | None = None) -> None:
+    """The GPU engine against the CPU reference, then against Hugging Face bf16 on `hf_folder` (by default the
+    checkpoint itself; an FP8 one's dequantized copy)."""
     model = load_model(folder)
     gpu = gpu_engine(model, SMALL)
     cpu = ReferenceEngine(model, max_tokens=32 * 256)
@@ -160,7 +162,7 @@ def check_small(folder: Path, results: dict) -> None:
         ours = teacher_forced(gpu, batch_prompts, batch_forced)
         reference = teacher_forced(cpu, batch_prompts, batch_forced)
         results[f"small_graph_batch{batch}_rel_err_vs_cpu"] = max(relative_error(o, r) for o, r in zip(ours, reference))
-    hf_gate(folder, prompts, 16, lambda p, cont: teacher_forced(gpu, p, cont), results)
+    hf_gate(hf_folder or folder, prompts, 16, lambda p, cont: teacher_forced(gpu, p, cont), results)
     soft = folder.with_name(folder.name + "_soft")
     if soft.is_dir():
         soft_gpu = gpu_engine(load_model(soft), SMALL)

@@ -2,8 +2,9 @@
 scale) and epilogue (bias, act(gate) * up over a merged [2N, K] weight), specialised by constexprs. Four kernels
 share them: linear_kernel on the tensor cores (prefill, and decode steps of up to 16 rows in 16-row tiles),
 linear_split_kernel, its form with K split over programs (decode), gemv_row_kernel for one row per program
-(batch-1 decode), and gemv_rows_kernel, its form for a few rows. add_rms_norm_kernel runs the norm prologue as a
-launch of its own before the 16-row decode tiles."""
+(batch-1 decode), and gemv_rows_kernel, its form for a few rows. (norm_rows.py runs the norm prologue as a launch of
+its own before the 16-row decode tiles.) FP8 weights (SCALE; scale_ptr) are scaled in registers: a scale
+per output column (SCALE 1) the finished sums, a SCALE_N x SCALE_K block's (2) each K tile's, within one block."""
 
 import triton
 import triton.language as tl
@@ -81,8 +82,12 @@ def _activation_tile(x_ptr, x2_ptr, norm_ptr, rows, rstd, stride_x, stride_x2, o
 
 @triton.jit
 def _store(acc, up, bias_ptr, out_ptr, offs_m, mask_m, offs_n, mask_n, stride_out, N: tl.constexpr,
-           BIAS: tl.constexpr, ACT: tl.constexpr):
-    """The epilogue: bias, act(gate) * up for a merged gate/up weight, and the store."""
+           BIAS: tl.constexpr, ACT: tl.constexpr, scale_ptr, SCALE: tl.constexpr):
+    """The epilogue: an FP8 weight's column scales, bias, act(gate) * up for a merged gate/up weight, the store."""
+    if SCALE == 1:
+        acc *= tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
+        if ACT != 0:
+            up *= tl.load(scale_ptr + N + offs_n, mask=mask_n, other=0.0)[None, :]
     if BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         if ACT != 0:
@@ -91,6 +96,24 @@ def _store(acc, up, bias_ptr, out_ptr, offs_m, mask_m, offs_n, mask_n, stride_ou
         acc = _activate(acc, ACT) * up
     tl.store(out_ptr + offs_m[:, None] * stride_out + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _operand(a, w_ptr, out_ptr, SCALE: tl.constexpr):
+    """The rows in the weights' type, as the tensor cores take them (an FP8 weight's: the output's)."""
+    return a.to(out_ptr.dtype.element_ty if SCALE else w_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _block_scales(scale_ptr, offs_n, mask_n, k0, N: tl.constexpr, K: tl.constexpr, ACT: tl.constexpr,
+                  SCALE_N: tl.constexpr, SCALE_K: tl.constexpr):
+    """The scales of the K tile at k0 (within one block of SCALE_K columns), a column each, and of its up half."""
+    blocks: tl.constexpr = (K + SCALE_K - 1) // SCALE_K
+    s = tl.load(scale_ptr + (offs_n // SCALE_N) * blocks + k0 // SCALE_K, mask=mask_n, other=0.0)
+    s_up = s
+    if ACT != 0:
+        s_up = tl.load(scale_ptr + ((N + offs_n) // SCALE_N) * blocks + k0 // SCALE_K, mask=mask_n, other=0.0)
+    return s, s_up
 
 
 @triton.jit
@@ -112,26 +135,29 @@ def _prologue(x_ptr, x2_ptr, rows_ptr, sum_ptr, M, stride_x, stride_x2, stride_s
 
 
 @triton.jit
-def linear_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, sum_ptr,
+def linear_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, sum_ptr,
                   M, stride_x, stride_x2, stride_out, stride_sum,
                   N: tl.constexpr, K: tl.constexpr, EPS: tl.constexpr,
                   ADD: tl.constexpr, GATHER: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr,
                   ACT: tl.constexpr, WRITE_SUM: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
-                  NORM_OFFSET: tl.constexpr = 0.0, PDL: tl.constexpr = False):
+                  NORM_OFFSET: tl.constexpr, SCALE: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
+                  PDL: tl.constexpr = False):
     offs_m, mask_m, rows, offs_n, mask_n, rstd = _prologue(
         x_ptr, x2_ptr, rows_ptr, sum_ptr, M, stride_x, stride_x2, stride_sum, N, K, EPS, ADD, GATHER, NORM, WRITE_SUM,
         BLOCK_M, BLOCK_N, BLOCK_K, PDL)
-    acc, up = _products(x_ptr, x2_ptr, norm_ptr, w_ptr, rows, rstd, stride_x, stride_x2, offs_m, mask_m, offs_n,
-                        mask_n, 0, K, N, K, ADD, NORM, NORM_OFFSET, ACT, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST_DOT)
-    _store(acc, up, bias_ptr, out_ptr, offs_m, mask_m, offs_n, mask_n, stride_out, N, BIAS, ACT)
+    acc, up = _products(x_ptr, x2_ptr, norm_ptr, w_ptr, scale_ptr, out_ptr, rows, rstd, stride_x, stride_x2, offs_m,
+                        mask_m, offs_n, mask_n, 0, K, N, K, ADD, NORM, NORM_OFFSET, ACT, BLOCK_M, BLOCK_N, BLOCK_K,
+                        UPCAST_DOT, SCALE, SCALE_N, SCALE_K)
+    _store(acc, up, bias_ptr, out_ptr, offs_m, mask_m, offs_n, mask_n, stride_out, N, BIAS, ACT, scale_ptr, SCALE)
 
 
 @triton.jit
-def _products(x_ptr, x2_ptr, norm_ptr, w_ptr, rows, rstd, stride_x, stride_x2, offs_m, mask_m, offs_n, mask_n,
-              k_start, k_stop, N: tl.constexpr, K: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr,
-              NORM_OFFSET: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr):
+def _products(x_ptr, x2_ptr, norm_ptr, w_ptr, scale_ptr, out_ptr, rows, rstd, stride_x, stride_x2, offs_m, mask_m,
+              offs_n, mask_n, k_start, k_stop, N: tl.constexpr, K: tl.constexpr, ADD: tl.constexpr,
+              NORM: tl.constexpr, NORM_OFFSET: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr, SCALE: tl.constexpr,
+              SCALE_N: tl.constexpr, SCALE_K: tl.constexpr):
     """The tile's products over K from k_start to k_stop on the tensor cores: gate (or the only) and up sums."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -141,24 +167,36 @@ def _products(x_ptr, x2_ptr, norm_ptr, w_ptr, rows, rstd, stride_x, stride_x2, o
         a = _activation_tile(x_ptr, x2_ptr, norm_ptr, rows, rstd, stride_x, stride_x2, offs_k, mask_m, mask_k,
                              ADD, NORM, NORM_OFFSET)
         if not UPCAST_DOT:  # the tensor cores take the weights' type (the interpreter's casts truncate: skip)
-            a = a.to(w_ptr.dtype.element_ty)
+            a = _operand(a, w_ptr, out_ptr, SCALE)
         w_mask = mask_n[:, None] & mask_k[None, :]
         w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
-        acc = dot(a, tl.trans(w), acc, UPCAST_DOT)
+        w_up = w
         if ACT != 0:
             w_up = tl.load(w_ptr + (N + offs_n[:, None]) * K + offs_k[None, :], mask=w_mask, other=0.0)
-            up = dot(a, tl.trans(w_up), up, UPCAST_DOT)
+        if SCALE != 0:  # FP8 values are exact in the rows' type
+            w, w_up = w.to(a.dtype), w_up.to(a.dtype)
+        if SCALE == 2:
+            s, s_up = _block_scales(scale_ptr, offs_n, mask_n, k0, N, K, ACT, SCALE_N, SCALE_K)
+            acc += dot(a, tl.trans(w), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), UPCAST_DOT) * s[None, :]
+            if ACT != 0:
+                up += dot(a, tl.trans(w_up), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), UPCAST_DOT) \
+                    * s_up[None, :]
+        else:
+            acc = dot(a, tl.trans(w), acc, UPCAST_DOT)
+            if ACT != 0:
+                up = dot(a, tl.trans(w_up), up, UPCAST_DOT)
     return acc, up
 
 
 @triton.jit
-def linear_split_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, sum_ptr, part_ptr, count_ptr,
-                        M, stride_x, stride_x2, stride_out, stride_sum,
+def linear_split_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, sum_ptr, part_ptr,
+                        count_ptr, M, stride_x, stride_x2, stride_out, stride_sum,
                         N: tl.constexpr, K: tl.constexpr, EPS: tl.constexpr,
                         ADD: tl.constexpr, GATHER: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr,
                         ACT: tl.constexpr, WRITE_SUM: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                        UPCAST_DOT: tl.constexpr, NORM_OFFSET: tl.constexpr = 0.0, PDL: tl.constexpr = False):
+                        UPCAST_DOT: tl.constexpr, NORM_OFFSET: tl.constexpr, SCALE: tl.constexpr,
+                        SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, PDL: tl.constexpr = False):
     """linear_kernel with K cut into SPLIT slices, one program each (grid axis 2): for decode steps, whose column
     tiles alone are too few programs, each streaming too long a K, to keep the memory busy. The slices meet in
     _meet_slices (count_ptr: one ticket a tile)."""
@@ -167,18 +205,18 @@ def linear_split_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_
         BLOCK_M, BLOCK_N, BLOCK_K, PDL)
     per_split: tl.constexpr = (K + SPLIT * BLOCK_K - 1) // (SPLIT * BLOCK_K) * BLOCK_K
     k_start = tl.program_id(2) * per_split
-    acc, up = _products(x_ptr, x2_ptr, norm_ptr, w_ptr, rows, rstd, stride_x, stride_x2, offs_m, mask_m, offs_n,
-                        mask_n, k_start, k_start + per_split, N, K, ADD, NORM, NORM_OFFSET, ACT, BLOCK_M, BLOCK_N,
-                        BLOCK_K, UPCAST_DOT)
+    acc, up = _products(x_ptr, x2_ptr, norm_ptr, w_ptr, scale_ptr, out_ptr, rows, rstd, stride_x, stride_x2, offs_m,
+                        mask_m, offs_n, mask_n, k_start, k_start + per_split, N, K, ADD, NORM, NORM_OFFSET, ACT,
+                        BLOCK_M, BLOCK_N, BLOCK_K, UPCAST_DOT, SCALE, SCALE_N, SCALE_K)
     counter = count_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
     _meet_slices(acc, up, part_ptr, counter, SPLIT, bias_ptr, out_ptr, offs_m, mask_m, offs_n, mask_n, stride_out,
-                 N, BIAS, ACT, BLOCK_M, BLOCK_N)
+                 N, BIAS, ACT, BLOCK_M, BLOCK_N, scale_ptr, SCALE)
 
 
 @triton.jit
 def _meet_slices(acc, up, part_ptr, counter, SPLIT: tl.constexpr, bias_ptr, out_ptr, offs_m, mask_m, offs_n, mask_n,
                  stride_out, N: tl.constexpr, BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
+                 BLOCK_N: tl.constexpr, scale_ptr, SCALE: tl.constexpr):
     """Stores this slice's float32 sums in its own plane of part_ptr ([SPLIT, BLOCK_M, N or 2N]: the rows fit one
     row tile); the program whose ticket completes the tile adds the planes in slice order, resets the ticket
     (zeroed once by the runtime) and runs the epilogue. The order makes the sums the same whichever program comes
@@ -199,40 +237,18 @@ def _meet_slices(acc, up, part_ptr, counter, SPLIT: tl.constexpr, bias_ptr, out_
             if ACT != 0:
                 up += tl.load(part + index * plane + N, mask=mask, other=0.0, cache_modifier=".cg")
         tl.atomic_xchg(counter, 0)
-        _store(acc, up, bias_ptr, out_ptr, offs_m, mask_m, offs_n, mask_n, stride_out, N, BIAS, ACT)
+        _store(acc, up, bias_ptr, out_ptr, offs_m, mask_m, offs_n, mask_n, stride_out, N, BIAS, ACT, scale_ptr, SCALE)
 
 
 @triton.jit
-def add_rms_norm_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, sum_ptr, out_ptr, stride_x, stride_x2, stride_sum,
-                        stride_out, K: tl.constexpr, EPS: tl.constexpr, ADD: tl.constexpr, GATHER: tl.constexpr,
-                        WRITE_SUM: tl.constexpr, NORM_OFFSET: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PDL: tl.constexpr = False):
-    """A decode GEMM's prologue as its own launch, one program a row, so that the GEMM's programs do not each
-    repeat it: the residual sum (written when WRITE_SUM) and its RMSNorm times the weight (+ NORM_OFFSET), in
-    out_ptr's type (float32: the GEMM rounds it to its operand type, as its fused prologue does)."""
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
-    m = tl.program_id(0)
-    row = tl.load(rows_ptr + m) if GATHER else m
-    offs_k = tl.arange(0, BLOCK_K)
-    mask = offs_k < K
-    a = _load_row(x_ptr, x2_ptr, row, stride_x, stride_x2, offs_k, mask, ADD)
-    if WRITE_SUM:
-        tl.store(sum_ptr + m * stride_sum + offs_k, a.to(sum_ptr.dtype.element_ty), mask=mask)
-    rstd = 1.0 / tl.sqrt(tl.sum(a * a, axis=0) / K + EPS)
-    weight = tl.load(norm_ptr + offs_k, mask=mask, other=0.0).to(tl.float32) + NORM_OFFSET
-    tl.store(out_ptr + m * stride_out + offs_k, (a * rstd * weight).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def gemv_row_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, sum_ptr,
+def gemv_row_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, sum_ptr,
                     M, stride_x, stride_x2, stride_out, stride_sum,
                     N: tl.constexpr, K: tl.constexpr, EPS: tl.constexpr,
                     ADD: tl.constexpr, GATHER: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr,
                     ACT: tl.constexpr, WRITE_SUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, RMS_BLOCK: tl.constexpr, UPCAST_DOT: tl.constexpr,
-                    NORM_OFFSET: tl.constexpr = 0.0, PDL: tl.constexpr = False):
+                    NORM_OFFSET: tl.constexpr, SCALE: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
+                    PDL: tl.constexpr = False):
     """A GEMV with one row per program (BLOCK_M must be 1) and two-dimensional tiles: the activation is
     loaded straight into the weight tile's column layout, so no layout change (a round trip through shared
     memory and a barrier) sits in the K loop that streams the weights. The next weight tile is loaded one step
@@ -267,15 +283,19 @@ def gemv_row_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr,
         if NORM:  # weight + NORM_OFFSET, as _activation_tile
             a = a * rstd * (tl.load(norm_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32) + NORM_OFFSET)
         if not UPCAST_DOT:  # round the activation as the tensor-core path does
-            a = a.to(w_ptr.dtype.element_ty).to(tl.float32)
+            a = _operand(a, w_ptr, out_ptr, SCALE).to(tl.float32)
         w_next, w_up_next = _weight_tiles(w_ptr, offs_n, mask_n, k0 + BLOCK_K, N, K, ACT, BLOCK_K)
-        acc += w.to(tl.float32) * a[None, :]
+        w, w_up = w.to(tl.float32), w_up.to(tl.float32)
+        if SCALE == 2:
+            s, s_up = _block_scales(scale_ptr, offs_n, mask_n, k0, N, K, ACT, SCALE_N, SCALE_K)
+            w, w_up = w * s[:, None], w_up * s_up[:, None]
+        acc += w * a[None, :]
         if ACT != 0:
-            up += w_up.to(tl.float32) * a[None, :]
+            up += w_up * a[None, :]
         w, w_up = w_next, w_up_next
     offs_m = tl.full([1], 0, tl.int32) + m
     _store(tl.sum(acc, axis=1)[None, :], tl.sum(up, axis=1)[None, :], bias_ptr, out_ptr, offs_m, offs_m < M,
-           offs_n, mask_n, stride_out, N, BIAS, ACT)
+           offs_n, mask_n, stride_out, N, BIAS, ACT, scale_ptr, SCALE)
 
 
 @triton.jit
@@ -300,13 +320,14 @@ def _load_row(x_ptr, x2_ptr, row, stride_x, stride_x2, offs_k, mask, ADD: tl.con
 
 
 @triton.jit
-def gemv_rows_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, sum_ptr,
+def gemv_rows_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, sum_ptr,
                      M, stride_x, stride_x2, stride_out, stride_sum,
                      N: tl.constexpr, K: tl.constexpr, EPS: tl.constexpr,
                      ADD: tl.constexpr, GATHER: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr,
                      ACT: tl.constexpr, WRITE_SUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, RMS_BLOCK: tl.constexpr, UPCAST_DOT: tl.constexpr,
-                     NORM_OFFSET: tl.constexpr = 0.0, PDL: tl.constexpr = False, VEC: tl.constexpr = 1):
+                     NORM_OFFSET: tl.constexpr, SCALE: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
+                     PDL: tl.constexpr = False, VEC: tl.constexpr = 1):
     """gemv_row_kernel for BLOCK_M rows a program: each weight tile is read once for all of them. Weights and
     activations are loaded as three-dimensional tiles ([1, N, K] and [M, 1, K]) so that the products need no
     layout change inside the K loop. VEC > 1 sums each run of VEC neighbouring products at once (a thread's own
@@ -338,14 +359,18 @@ def gemv_rows_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr
             scale = tl.load(norm_ptr + offs_k[None, None, :], mask=mask_k[None, None, :], other=0.0)
             a = a * rstd[:, None, None] * (scale.to(tl.float32) + NORM_OFFSET)
         if not UPCAST_DOT:
-            a = a.to(w_ptr.dtype.element_ty).to(tl.float32)
+            a = _operand(a, w_ptr, out_ptr, SCALE).to(tl.float32)
         w_next, w_up_next = _weight_tiles3(w_ptr, offs_n, mask_n, k0 + BLOCK_K, N, K, ACT, BLOCK_K)
-        acc += _vector_sums(w.to(tl.float32) * a, BLOCK_M, BLOCK_N, BLOCK_K, VEC)
+        w, w_up = w.to(tl.float32), w_up.to(tl.float32)
+        if SCALE == 2:
+            s, s_up = _block_scales(scale_ptr, offs_n, mask_n, k0, N, K, ACT, SCALE_N, SCALE_K)
+            w, w_up = w * s[None, :, None], w_up * s_up[None, :, None]
+        acc += _vector_sums(w * a, BLOCK_M, BLOCK_N, BLOCK_K, VEC)
         if ACT != 0:
-            up += _vector_sums(w_up.to(tl.float32) * a, BLOCK_M, BLOCK_N, BLOCK_K, VEC)
+            up += _vector_sums(w_up * a, BLOCK_M, BLOCK_N, BLOCK_K, VEC)
         w, w_up = w_next, w_up_next
     _store(tl.sum(acc, axis=2), tl.sum(up, axis=2), bias_ptr, out_ptr, offs_m, mask_m, offs_n, mask_n, stride_out,
-           N, BIAS, ACT)
+           N, BIAS, ACT, scale_ptr, SCALE)
 
 
 @triton.jit

@@ -1,0 +1,69 @@
+"""On the lent GPU (after scripts/gpu/prepare_fp8.sh): FP8 weights. Each small FP8 checkpoint on the GPU engine
+against the CPU reference (prefill, graph decode, graph batches 9 and 17, batch-1 replay) and against Hugging Face
+bf16 on its dequantized copy (the gate's statistics); then decode steps of the Qwen3-4B shape with bf16 weights and
+with `--quantization fp8`, each against its own floor. Prints a table last; every number goes to $OUT/results.json.
+    carry [".gpu/small_fp8_block", ".gpu/small_fp8_block_hf", ".gpu/small_fp8_channel", ".gpu/small_fp8_channel_hf",
+           ".gpu/cache_fp8"]:
+    PYTHONPATH=$PYTHONPATH:scripts/gpu PEGAINFER_CACHE=$PWD/.gpu/cache_fp8 python3 scripts/gpu/fp8_check.py --out $OUT/fp8
+(source env.sh first)"""
+
+import argparse
+import json
+import traceback
+from pathlib import Path
+
+from check import check_small
+
+from pegainfer.runtime import bench
+from pegainfer.runtime.device import visible_sm
+from pegainfer.runtime.gpu.start import ensure_manifest
+
+GPU = Path(__file__).resolve().parents[2] / ".gpu"  # what prepare_fp8.sh made
+
+
+def bench_fp8(results: dict, batches: list[int], contexts: list[int]) -> None:
+    for quantization in (None, "fp8"):
+        model = bench.bench_model("qwen3-4b", quantization)
+        manifest = ensure_manifest(model.spec, visible_sm(), label="qwen3-4b", compile_missing=False)
+        engine = bench.engine_for(model, manifest, max_tokens=max(batches), max_batch=max(batches),
+                                  max_model_len=max(contexts) + 64)
+        rows = bench.bench_decode(engine, batches, contexts)
+        results[f"qwen3_4b_decode_{quantization or 'bf16'}"] = bench.as_json(rows)
+        print(quantization or "bf16", bench.format_decode(rows), sep="\n")
+        if quantization:
+            results["qwen3_4b_fp8_kernels_b1_ctx128_us"] = {k: round(v, 1) for k, v in
+                                                             bench.kernel_breakdown(engine, 128).items()}
+        del engine
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--skip", nargs="*", default=[])
+    parser.add_argument("--batch", default="1,16,64")
+    parser.add_argument("--context", default="128,1024")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: dict = {}
+    sections = [(f"small_{form}", lambda form=form: check_small(
+        GPU / f"small_fp8_{form}", results.setdefault(f"small_fp8_{form}", {}),
+        hf_folder=GPU / f"small_fp8_{form}_hf")) for form in ("block", "channel")]
+    sections.append(("bench", lambda: bench_fp8(results, [int(b) for b in args.batch.split(",")],
+                                                [int(c) for c in args.context.split(",")])))
+    for name, run in sections:
+        if name in args.skip:
+            continue
+        try:
+            run()
+        except Exception:  # noqa: BLE001  report every section, whatever fails
+            results[f"{name}_error"] = traceback.format_exc()
+            print(results[f"{name}_error"])
+        (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    for key, value in results.items():
+        if isinstance(value, dict) and not key.endswith("_us"):
+            for sub, figure in value.items():
+                print(f"{key:>22} {sub:<36} {json.dumps(figure)}")
+
+
+if __name__ == "__main__":
+    main()
