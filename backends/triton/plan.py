@@ -137,13 +137,18 @@ def scale_constexprs(roles: dict, k: int) -> dict:
     block = roles["scale_block"]
     if block is None:
         return dict(SCALE=0, SCALE_N=1, SCALE_K=1)
-    return dict(SCALE=1 if block[0] == 1 and block[1] >= k else 2, SCALE_N=block[0], SCALE_K=block[1])
+    return dict(SCALE=2 if _per_block(block, k) else 1, SCALE_N=block[0], SCALE_K=block[1])
+
+
+def _per_block(block: tuple[int, int] | None, k: int) -> bool:
+    """Scales that change along a row's K (blocks), not one per output column."""
+    return block is not None and not (block[0] == 1 and block[1] >= k)
 
 
 def _within_scale_blocks(tile: GemmTile, block: tuple[int, int] | None, n: int, k: int) -> GemmTile:
     """A tile whose K tiles each fall in one scale block (K tiles are powers of two: at most the block's width,
     which must be one too), its columns widened by as much so a program streams as many weights."""
-    if block is None or (block[0] == 1 and block[1] >= k) or tile.block_k <= block[1]:
+    if not _per_block(block, k) or tile.block_k <= block[1]:
         return tile
     if block[1] & (block[1] - 1):
         raise PegainferError(f"FP8 weights: scale blocks {block[1]} columns wide; the GEMM tiles need a power of two")

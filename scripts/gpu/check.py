@@ -326,15 +326,21 @@ def main() -> None:
     sections = (("small", lambda: check_small(args.small, results)),
                 ("sampling", lambda: check_sampling(args.small, results)), ("bench", lambda: bench_4b(results)),
                 ("gate4b", lambda: gate_4b(results, cases=args.gate_cases)), ("hf", lambda: hf_decode(results)))
+    run_sections(sections, args.skip, args.out, results)
+
+
+def run_sections(sections, skip: list[str], out: Path, results: dict) -> None:
+    """Runs each (name, function) not skipped, reporting a failure and going on, writes out/results.json after
+    each, then prints every figure that is not a table."""
     for name, run in sections:
-        if name in args.skip:
+        if name in skip:
             continue
         try:
             run()
         except Exception:  # noqa: BLE001  report every section, whatever fails
             results[f"{name}_error"] = traceback.format_exc()
             print(results[f"{name}_error"])
-        (args.out / "results.json").write_text(json.dumps(results, indent=1))
+        (out / "results.json").write_text(json.dumps(results, indent=1))
     for key, value in results.items():
         if isinstance(value, list):
             continue  # printed as tables above

@@ -8,11 +8,9 @@ with `--quantization fp8`, each against its own floor. Prints a table last; ever
 (source env.sh first)"""
 
 import argparse
-import json
-import traceback
 from pathlib import Path
 
-from check import check_small
+from check import check_small, run_sections
 
 from pegainfer.runtime import bench
 from pegainfer.runtime.device import visible_sm
@@ -50,19 +48,7 @@ def main() -> None:
         hf_folder=GPU / f"small_fp8_{form}_hf")) for form in ("block", "channel")]
     sections.append(("bench", lambda: bench_fp8(results, [int(b) for b in args.batch.split(",")],
                                                 [int(c) for c in args.context.split(",")])))
-    for name, run in sections:
-        if name in args.skip:
-            continue
-        try:
-            run()
-        except Exception:  # noqa: BLE001  report every section, whatever fails
-            results[f"{name}_error"] = traceback.format_exc()
-            print(results[f"{name}_error"])
-        (args.out / "results.json").write_text(json.dumps(results, indent=1))
-    for key, value in results.items():
-        if isinstance(value, dict) and not key.endswith("_us"):
-            for sub, figure in value.items():
-                print(f"{key:>22} {sub:<36} {json.dumps(figure)}")
+    run_sections(sections, args.skip, args.out, results)
 
 
 if __name__ == "__main__":
