@@ -11,8 +11,8 @@ from pathlib import Path
 
 from pegainfer.argtypes import int_list, non_negative_int, positive_int
 from pegainfer.errors import PegainferError
-from pegainfer.server.cli import (DTYPE_CHOICES, DTYPE_HELP, QUANTIZATION_CHOICES, QUANTIZATION_HELP,
-                                  add_bench_serve_args, run_bench_serve)
+from pegainfer.server.cli import (DTYPE_CHOICES, DTYPE_HELP, add_bench_serve_args, add_quantization_args,
+                                  run_bench_serve)
 
 MODEL_HELP = "checkpoint folder, config.json, or an embedded config such as qwen3-4b"
 CACHE_HELP = "cubin cache (default: $PEGAINFER_CACHE, aot_cache/ of a checkout, or ~/.cache/pegainfer)"
@@ -41,7 +41,7 @@ def add_inspect(commands) -> None:
     p.add_argument("--format", choices=["text", "dot", "svg"], default="text",
                    help="for graph and dag: text, Graphviz source, or SVG (needs Graphviz's dot on the PATH)")
     p.add_argument("--json", action="store_true", help="for kernels without --sm: one JSON object")
-    p.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default=None, help=QUANTIZATION_HELP)
+    add_quantization_args(p)
     p.set_defaults(run=run_inspect, parser=p)
 
 
@@ -56,7 +56,7 @@ def add_compile(commands) -> None:
                    "triton,tilelang,cute (default: every one installed)")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP.replace("on cuda", "(the "
                    "kernels are for GPUs)"))
-    p.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default=None, help=QUANTIZATION_HELP)
+    add_quantization_args(p)
     p.add_argument("--dump-after", metavar="PASS", help="write the graph after PASS (or after each: all)")
     p.add_argument("--dump-dir", type=Path, default=Path("pegainfer-dumps"),
                    help="where --dump-after writes (default ./pegainfer-dumps)")
@@ -80,7 +80,7 @@ def add_bench(commands) -> None:
     p.add_argument("--pdl-max-tokens", type=non_negative_int, default=None,
                    help="programmatic dependent launch for steps of at most this many tokens, 0: never (default: "
                         "the engine's)")
-    p.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default=None, help=QUANTIZATION_HELP)
+    add_quantization_args(p)
     p.add_argument("--cache-dir", type=Path, default=None, help=CACHE_HELP)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--result-file", type=Path, default=None, metavar="FILE",
@@ -106,7 +106,7 @@ def run_inspect(args: argparse.Namespace) -> int:
 
     _check_inspect_flags(args)
     spec = load_spec(resolve_config_path(args.model), device="cuda" if args.sm is not None else "cpu",
-                     quantization=args.quantization)
+                     quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     if args.sm is not None:
         return _inspect_compiled(spec, args)
     if args.show == "graph":
@@ -183,7 +183,8 @@ BENCH_FLAGS = {"batch": ("--batch", ("decode",)), "context": ("--context", ("dec
                "steps": ("--steps", ("decode",)), "no_graphs": ("--no-graphs", ("decode",)),
                "breakdown": ("--breakdown", ("decode",)), "pdl_max_tokens": ("--pdl-max-tokens", ("decode",)),
                "prompt_len": ("--prompt-len", ("prefill",)), "cache_dir": ("--cache-dir", ("decode", "prefill")),
-               "quantization": ("--quantization", ("decode", "prefill"))}
+               "quantization": ("--quantization", ("decode", "prefill")),
+               "kv_cache_dtype": ("--kv-cache-dtype", ("decode", "prefill"))}
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -201,8 +202,9 @@ def run_bench(args: argparse.Namespace) -> int:
     sm = visible_sm()
     if sm is None:
         raise PegainferError("pegainfer bench needs a visible GPU (and cuda-bindings: pip install -e '.[cuda]')")
-    model = bench.bench_model(args.model, args.quantization)
-    label = args.model + (f" --quantization {args.quantization}" if args.quantization else "")
+    model = bench.bench_model(args.model, args.quantization, args.kv_cache_dtype)
+    label = args.model + (f" --quantization {args.quantization}" if args.quantization else "") + \
+        (f" --kv-cache-dtype {args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else "")
     manifest = ensure_manifest(model.spec, sm, args.cache_dir, label=label)  # compiled if missing
     if args.what == "decode":
         engine = bench.engine_for(model, manifest, max_tokens=max(args.batch), max_batch=max(args.batch),
@@ -240,7 +242,7 @@ def run_compile(args: argparse.Namespace) -> int:
         backends = build.parse_backends(args.backends) if args.backends else None
         _check_pass_name(args.dump_after)
     spec = load_spec(resolve_config_path(args.model), dtype=args.dtype, device="cuda",
-                     quantization=args.quantization)
+                     quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     sms = sms or _visible_sm()
     if args.dump_after:
         written = _write_dumps(lower(spec.graph)[1], args.dump_dir, args.dump_after)

@@ -34,12 +34,13 @@ def sm_folder(root: Path, sm: int) -> Path:
 
 def model_id(spec: Any) -> str:
     """Names a model by its parsed config, so the same model saved by another transformers version matches, and by
-    its FP8 weights where it has them (which, and their scale blocks: the kernels differ)."""
+    its FP8 weights and KV cache where it has them (which, and their scale blocks: the kernels differ)."""
     named: dict = asdict(spec.config)
     fp8 = sorted({(n.inputs[1], *n.attrs["block"]) for g in spec.graph.all_graphs() for n in g.nodes
                   if n.op == "dequantize"})
-    if fp8:
-        named = {"config": named, "fp8": fp8}
+    fp8_kv = any(t.dtype.name.startswith("f8") for g in spec.graph.all_graphs() for t in g.states.values())
+    if fp8 or fp8_kv:
+        named = {"config": named, "fp8": fp8, **({"kv_cache": "fp8"} if fp8_kv else {})}
     digest = hashlib.sha256(json.dumps(named, sort_keys=True).encode()).hexdigest()[:12]
     return f"{spec.architecture}-{digest}"
 

@@ -2,6 +2,7 @@
 read without torch. Binding checks every weight the graph reads against the files before anything is loaded."""
 
 import json
+from math import prod
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,7 +92,7 @@ def check_weights(expected: dict[str, TensorType], tensors: dict[str, TensorInfo
             where = INDEX_FILE if (folder / INDEX_FILE).is_file() else ", ".join(sorted({t.file.name for t in
                                                                                           tensors.values()}))
             raise CheckpointError(f"{folder}: tensor {name!r} ({type_}) is missing from {where}")
-        if info.shape != type_.shape:
+        if info.shape != type_.shape and not (prod(info.shape) == prod(type_.shape) == 1):  # a scalar as [1]
             raise CheckpointError(f"{info.file}: tensor {name!r} has shape {list(info.shape)}, "
                                   f"expected {list(type_.shape)}")
         if type_.dtype.name.startswith("f8"):
@@ -112,12 +113,16 @@ class LazyWeights(Mapping[str, np.ndarray]):
     """The expected weights, each read from its file when asked for (cast to the graph's storage dtype), so that
     an uploader holds one tensor at a time in host memory, not the whole checkpoint."""
 
-    def __init__(self, expected: dict[str, TensorType], tensors: dict[str, TensorInfo]) -> None:
-        self.expected, self.tensors = expected, tensors
+    def __init__(self, expected: dict[str, TensorType], tensors: dict[str, TensorInfo],
+                 filled: Mapping[str, np.ndarray] | None = None) -> None:
+        """`filled`: expected params the checkpoint lacks, with their values (load.py's defaults)."""
+        self.expected, self.tensors, self.filled = expected, tensors, dict(filled or {})
 
     def __getitem__(self, name: str) -> np.ndarray:
         if name not in self.expected:
             raise KeyError(name)
+        if name in self.filled:
+            return self.filled[name]
         with safe_open(self.tensors[name].file, framework="numpy") as handle:
             return _read(handle, name, self.tensors[name], self.expected[name])
 
@@ -155,5 +160,5 @@ def _read(handle, name: str, info: TensorInfo, type_: TensorType) -> np.ndarray:
     if info.dtype in FP8_DTYPES:
         data = np.fromfile(info.file, dtype=np.uint8, count=info.nbytes, offset=info.offset)
         return data.view(type_.dtype.np_dtype).reshape(info.shape)
-    return handle.get_tensor(name).astype(type_.dtype.np_dtype, copy=False)
+    return handle.get_tensor(name).astype(type_.dtype.np_dtype, copy=False).reshape(type_.shape)
 

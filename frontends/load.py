@@ -12,6 +12,7 @@ import numpy as np
 from pegainfer.errors import ConfigError
 from pegainfer.frontends.checkpoint import LazyWeights, check_weights, load_weights, scan_checkpoint
 from pegainfer.frontends.config import architecture_of, parse_config, read_config
+from pegainfer.frontends.kv_cache import apply_kv_cache_dtype, check_kv_scales
 from pegainfer.frontends.quantization import quantize_graph, quantize_weights, scheme_for, stored_params
 from pegainfer.frontends.registry import dag_module_for
 from pegainfer.ir import Graph
@@ -64,11 +65,11 @@ def resolve_config_path(model: str) -> Path:
                       f"(embedded: {', '.join(sorted(embedded))})")
 
 
-def load_spec(config_path: Path, *, dtype: str = "auto", device: str = "cpu",
-              quantization: str | None = None) -> ModelSpec:
+def load_spec(config_path: Path, *, dtype: str = "auto", device: str = "cpu", quantization: str | None = None,
+              kv_cache_dtype: str = "auto") -> ModelSpec:
     """config.json and its DAG file's graph, stored in `dtype` (DTYPE_CHOICES) as the model runs on `device`;
     FP8 projections where the checkpoint's quantization_config, or `quantization` (frontends/quantization.py),
-    says so."""
+    says so; the KV cache in `kv_cache_dtype` (frontends/kv_cache.py)."""
     raw = read_config(config_path)
     source = str(config_path)
     architecture = architecture_of(raw, source)
@@ -86,6 +87,7 @@ def load_spec(config_path: Path, *, dtype: str = "auto", device: str = "cpu",
     fp8 = scheme_for(raw, source, quantization)
     if fp8 is not None:
         graph = quantize_graph(graph, fp8, dtype_from_name(config.torch_dtype))
+    graph = apply_kv_cache_dtype(graph, kv_cache_dtype)
     return ModelSpec(config_path, raw, architecture, dag, config, graph, override)
 
 
@@ -110,18 +112,25 @@ def serving_dtype(requested: str, checkpoint: str, device: str, float16_unsuppor
 
 
 def load_model(folder: Path, *, lazy: bool = False, dtype: str = "auto", device: str = "cpu",
-               quantization: str | None = None) -> LoadedModel:
+               quantization: str | None = None, kv_cache_dtype: str = "auto") -> LoadedModel:
     """A checkpoint folder: config.json, the DAG file it names, and every weight the graph reads, checked and cast
-    to the graph's dtype (see load_spec), FP8 projections quantized here with `quantization`. `lazy` reads each
-    weight from disk only when it is used (the GPU uploader's way)."""
+    to the graph's dtype (see load_spec), FP8 projections quantized here with `quantization`, params the checkpoint
+    may lack (an FP8 cache's scales) filled with their defaults. `lazy` reads each weight from disk only when it is
+    used (the GPU uploader's way)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ConfigError(f"{folder}: not a checkpoint folder")
-    spec = load_spec(folder / "config.json", dtype=dtype, device=device, quantization=quantization)
+    spec = load_spec(folder / "config.json", dtype=dtype, device=device, quantization=quantization,
+                     kv_cache_dtype=kv_cache_dtype)
     expected = stored_params(spec.graph) if quantization else spec.graph.checkpoint_params()
     tensors = scan_checkpoint(folder)
-    check_weights(expected, tensors, folder)
-    weights = LazyWeights(expected, tensors) if lazy else load_weights(expected, tensors)
+    defaults = spec.graph.param_defaults()
+    filled = {name: np.full(expected[name].shape, value, expected[name].dtype.np_dtype)
+              for name, value in defaults.items() if name not in tensors}
+    check_weights({n: t for n, t in expected.items() if n not in filled}, tensors, folder)
+    weights = LazyWeights(expected, tensors, filled) if lazy else \
+        load_weights({n: t for n, t in expected.items() if n not in filled}, tensors) | filled
+    check_kv_scales({name: weights[name] for name in defaults if name not in filled}, str(folder))
     if quantization:  # scheme_for refused it for a checkpoint quantized already
         weights = quantize_weights(dict(weights), spec.graph)
     return LoadedModel(spec, folder, weights)

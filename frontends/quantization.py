@@ -24,6 +24,9 @@ COMPRESSED_KEYS = {"quant_method", "config_groups", "format", "ignore", "kv_cach
 # compressed-tensors' FP8_DYNAMIC (llm-compressor): what its one config group must say, key by key
 FP8_DYNAMIC_WEIGHTS = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False}
 FP8_DYNAMIC_INPUTS = {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True, "dynamic": True}
+# a calibrated FP8 KV cache: a static scale per layer for keys and one for values (`self_attn.k_scale`, `v_scale`),
+# which `--kv-cache-dtype fp8` applies (frontends/kv_cache.py)
+FP8_KV_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False}
 
 
 @dataclass(frozen=True)
@@ -81,9 +84,15 @@ def _read_compressed(config: dict, source: str) -> Fp8Weights:
         if config.get(key, wanted if key == "quantization_status" else None) != wanted:
             raise ConfigError(f"{source}: quantization_config.{key} {config.get(key)!r} is not implemented "
                               f"(expected {wanted!r})")
-    for key in ("kv_cache_scheme", "sparsity_config"):
-        if config.get(key):
-            raise ConfigError(f"{source}: quantization_config.{key} is not implemented")
+    if config.get("sparsity_config"):
+        raise ConfigError(f"{source}: quantization_config.sparsity_config is not implemented")
+    kv_scheme = config.get("kv_cache_scheme") or {}
+    if not isinstance(kv_scheme, dict):
+        raise ConfigError(f"{source}: quantization_config.kv_cache_scheme must be an object, found {kv_scheme!r}")
+    for key, value in FP8_KV_SCHEME.items() if kv_scheme else ():
+        if kv_scheme.get(key) != value:
+            raise ConfigError(f"{source}: quantization_config.kv_cache_scheme.{key} {kv_scheme.get(key)!r} is not "
+                              f"implemented (a static FP8 scale per layer: {value!r})")
     groups = config.get("config_groups")
     if not (isinstance(groups, dict) and len(groups) == 1):
         raise ConfigError(f"{source}: quantization_config.config_groups must hold one group (FP8_DYNAMIC), found "
@@ -188,11 +197,15 @@ FP8_MIN_SM = 89  # the first SM with FP8 conversions (and tensor cores): Ada, th
 
 
 def refuse_fp8_below(graph: Graph, sms: list[int]) -> None:
-    """FP8 weights on the GPU need sm_89 or newer: the kernels convert them in registers with its instructions."""
+    """FP8 weights or an FP8 KV cache on the GPU need sm_89 or newer: the kernels convert them in registers with
+    its instructions."""
     older = [sm for sm in sms if sm < FP8_MIN_SM]
-    if is_quantized(graph) and older:
+    if older and is_quantized(graph):
         raise ConfigError(f"FP8 weights need sm_{FP8_MIN_SM} or newer (FP8 conversions); found sm_{older[0]}: run "
                           f"the bf16 checkpoint there, or this one with --device cpu")
+    if older and any(t.dtype.name.startswith("f8") for g in graph.all_graphs() for t in g.states.values()):
+        raise ConfigError(f"--kv-cache-dtype fp8 needs sm_{FP8_MIN_SM} or newer (FP8 conversions); found "
+                          f"sm_{older[0]}: use --kv-cache-dtype auto there")
 
 
 def _module_of(weight: str) -> str:

@@ -52,6 +52,7 @@ class Graph:
     outputs: list[str] = field(default_factory=list)
     subgraphs: dict[str, "Graph"] = field(default_factory=dict)
     derived: dict[str, Derivation] = field(default_factory=dict)  # params made at load time
+    defaults: dict[str, float] = field(default_factory=dict)  # params a checkpoint may lack: filled with this value
     buffers: dict[str, str] = field(default_factory=dict)  # value -> activation buffer, set by memory planning
 
     def value_types(self) -> dict[str, TensorType]:
@@ -98,6 +99,10 @@ class Graph:
         """Derived params by expanded name, their sources expanded too."""
         return {_at(name, layer): Derivation(tuple(_at(s, layer) for s in d.sources), d.source_types, d.axis)
                 for graph, layer in self.instances() for name, d in graph.derived.items()}
+
+    def param_defaults(self) -> dict[str, float]:
+        """Params a checkpoint may leave out, by expanded name, with the value each then holds everywhere."""
+        return {_at(name, layer): value for graph, layer in self.instances() for name, value in graph.defaults.items()}
 
     def instances(self) -> list[tuple["Graph", int | None]]:
         """This graph once, and each repeated body once per layer."""

@@ -37,6 +37,8 @@ def format_node(node: Node, sigil=lambda name: f"%{name}") -> str:
 
 def _derivation(graph: Graph, name: str) -> str:
     derivation = graph.derived.get(name)
+    if name in graph.defaults:
+        return f" = {graph.defaults[name]!r} where the checkpoint has none"
     if derivation is None:
         return ""
     return f" = concat({', '.join('@' + s for s in derivation.sources)}, axis={derivation.axis})"

@@ -21,6 +21,7 @@ def eliminate_dead_code(graph: Graph, log: PassLog) -> Graph:
         for name in [p for p in g.params if p not in live]:
             del g.params[name]
             g.derived.pop(name, None)
+            g.defaults.pop(name, None)
             log.note(f"{g.name}: removed param @{name}, never read")
     return for_each_graph(graph, rewrite)
 

@@ -39,13 +39,14 @@ class PrefillRow:
     floor_ms: float
 
 
-def bench_model(model: str, quantization: str | None = None) -> LoadedModel:
+def bench_model(model: str, quantization: str | None = None, kv_cache_dtype: str = "auto") -> LoadedModel:
     """A checkpoint folder as it is; an embedded config or a config.json with random bf16 weights (with
     `quantization`, random FP8 projections and their scales)."""
     path = Path(model)
+    options = dict(quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     if path.is_dir() and any(path.glob("*.safetensors")):
-        return load_model(path, lazy=True, device="cuda", quantization=quantization)
-    spec = load_spec(resolve_config_path(model), device="cuda", quantization=quantization)
+        return load_model(path, lazy=True, device="cuda", **options)
+    spec = load_spec(resolve_config_path(model), device="cuda", **options)
     return LoadedModel(spec, path, random_weights(spec))
 
 
@@ -57,8 +58,11 @@ def random_weights(spec: ModelSpec, seed: int = 0) -> dict[str, np.ndarray]:
     scales = {value if layer is None else instantiate(value, layer) for g, layer in spec.graph.instances()
               for n in g.nodes if n.op == "dequantize" for value in n.inputs[1:]}
     weights = {}
+    defaults = spec.graph.param_defaults()
     for name, t in spec.graph.checkpoint_params().items():
-        if t.dtype == F8E4M3:
+        if name in defaults:
+            weights[name] = np.full(t.shape, defaults[name], t.dtype.np_dtype)
+        elif t.dtype == F8E4M3:
             weights[name] = np.resize(fp8, t.shape)
         elif name in scales:
             weights[name] = np.full(t.shape, 0.02 / 64, np.float32)

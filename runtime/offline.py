@@ -16,7 +16,8 @@ from pegainfer.runtime.tokenizer import check_prompt_ids, eos_token_ids, load_to
 
 def generate_one(model_path: Path | str, params: SamplingParams, *, prompt: str | None = None,
                  prompt_ids: list[int] | None = None, device: str | None = None, dtype: str = "auto",
-                 cache_dir: Path | None = None, quantization: str | None = None) -> dict[str, Any]:
+                 cache_dir: Path | None = None, quantization: str | None = None,
+                 kv_cache_dtype: str = "auto") -> dict[str, Any]:
     """Returns {device, device_reason, dtype, prompt_token_ids, token_ids, text, finish_reason, logprobs}.
     `model_path`: a checkpoint folder or a Hugging Face id; `dtype`: load_spec's; `cache_dir`: the cubin cache
     for cuda (cache_root's rule), where missing kernels are compiled when a compiler is installed."""
@@ -24,7 +25,8 @@ def generate_one(model_path: Path | str, params: SamplingParams, *, prompt: str 
     params.validate()
     device, reason = choose_device(device)
     folder = resolve_checkpoint(model_path).folder
-    model = load_model(folder, lazy=device == "cuda", dtype=dtype, device=device, quantization=quantization)
+    model = load_model(folder, lazy=device == "cuda", dtype=dtype, device=device, quantization=quantization,
+                       kv_cache_dtype=kv_cache_dtype)
     tokenizer = load_tokenizer(folder) if prompt is not None or (folder / "tokenizer.json").is_file() else None
     ids = tokenizer.encode(prompt) if prompt is not None else list(prompt_ids)
     check_prompt_ids(ids, model.spec.config.vocab_size)

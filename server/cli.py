@@ -31,11 +31,20 @@ REASONING_PARSERS = ("qwen3", "deepseek_r1")
 # frontends/quantization.py's QUANTIZATION_CHOICES, spelled out as DTYPE_CHOICES is
 QUANTIZATION_CHOICES = ("fp8",)
 QUANTIZATION_HELP = ("fp8: the projections stored and read as float8 e4m3, a scale per output channel computed at "
-                     "load (the embedding and LM head as stored); runs on --device cpu for now. Default: none, or "
-                     "the checkpoint's own quantization_config")
+                     "load (the embedding and LM head as stored; sm_89 or newer on cuda). Default: none, or the "
+                     "checkpoint's own quantization_config")
+KV_CACHE_DTYPES = ("auto", "fp8")  # frontends/kv_cache.py's, spelled out as DTYPE_CHOICES is
+KV_CACHE_DTYPE_HELP = ("auto (default): the KV cache in the model's dtype; fp8: float8 e4m3, half the bytes, with a "
+                       "scale per layer for keys and values (the checkpoint's k_scale / v_scale, else 1.0; sm_89 or "
+                       "newer on cuda)")
 DTYPE_HELP = ("weights and activations: auto (default) is config.json's torch_dtype, except that a float32 "
               "checkpoint runs as bfloat16 on cuda (vLLM's rule); bfloat16, float16 or float32 cast the weights "
               "on load")
+
+
+def add_quantization_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default=None, help=QUANTIZATION_HELP)
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=KV_CACHE_DTYPE_HELP)
 
 
 def add_serve(commands) -> None:
@@ -70,7 +79,7 @@ def add_serve(commands) -> None:
                    help="cuda: the compiled kernels; cpu: the reference executor (slow; for trying the API). "
                         "Default: cuda if present, else cpu")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP)
-    p.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default=None, help=QUANTIZATION_HELP)
+    add_quantization_args(p)
     p.add_argument("--cache-dir", type=Path, default=None,
                    help="cubin cache (see pegainfer compile); kernels missing there are compiled at start when "
                         "the compile extra is installed")
@@ -172,7 +181,7 @@ def start_serving(args: argparse.Namespace, trace: TextIO | None, listener: sock
     device, reason = choose_device(args.device)
     checkpoint = resolve_checkpoint(args.model_path)
     model = load_model(checkpoint.folder, lazy=device == "cuda", dtype=args.dtype, device=device,
-                       quantization=args.quantization)
+                       quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     max_model_len, explicit = _max_model_len(model.spec.raw_config, args.max_model_len)
     if args.kv_cache_tokens is not None:  # the pool's size is known: refuse before the slow part
         fit_model_len(max_model_len, explicit, -(-args.kv_cache_tokens // KV_BLOCK_SIZE) * KV_BLOCK_SIZE)

@@ -136,7 +136,8 @@ def test_a_format_or_option_not_implemented_is_refused_naming_its_key(fp8_checkp
     (lambda q: q.update(format="pack-quantized"), "quantization_config.format 'pack-quantized' is not implemented"),
     (lambda q: q["config_groups"]["group_0"]["weights"].update(strategy="tensor"),
      "quantization_config.config_groups.group_0.weights.strategy 'tensor' is not implemented"),
-    (lambda q: q.update(kv_cache_scheme={"num_bits": 8}), "quantization_config.kv_cache_scheme is not implemented"),
+    (lambda q: q.update(kv_cache_scheme={"num_bits": 8, "type": "int"}),
+     "quantization_config.kv_cache_scheme.type 'int' is not implemented"),
     (lambda q: q.update(transform_config={}), "quantization_config.transform_config is not implemented"),
 ])
 def test_a_compressed_tensors_scheme_other_than_fp8_dynamic_is_refused_naming_its_key(checkpoint_factory, tmp_path,

@@ -25,9 +25,11 @@ MAX_KERNELS_PER_LAYER = 7
 TOLERANCE = 1e-5
 
 
-def embedded_of(architecture: str) -> list[str]:
-    return sorted(name for name, path in embedded_configs().items()
-                  if json.loads(path.read_text())["architectures"] == [architecture])
+def embedded_of(architecture: str, quantized: bool = False) -> list[str]:
+    """The embedded configs of `architecture`: the float ones, or the FP8 ones (those with a quantization_config)."""
+    configs = {name: json.loads(path.read_text()) for name, path in embedded_configs().items()}
+    return sorted(name for name, c in configs.items()
+                  if c["architectures"] == [architecture] and ("quantization_config" in c) == quantized)
 
 
 # Each architecture's decoder layer after the passes, kernel by kernel.
@@ -103,6 +105,19 @@ def test_qwen3_decoder_layer_is_at_most_seven_kernels(name):
     kinds = [k.kind for k in list_kernels(lowered) if k.graph == "qwen3_layer"]
     assert kinds == ["add_rms_norm_linear", "qk_norm_rope_kv_write", "paged_attention", "linear",
                      "add_rms_norm_linear_silu_mul", "linear"]
+
+
+@pytest.mark.parametrize("name", embedded_of("Qwen3ForCausalLM", quantized=True))
+def test_qwen3_fp8_configs_lower_to_the_float_layer_with_fp8_weights(name):
+    """Qwen's own Qwen3-*-FP8 (quant_method fp8, 128 x 128 blocks): the float sibling's six kernels a layer, each
+    GEMM reading its weight as FP8 (the dequantize in its prologue), QKV and gate/up merged with their scales."""
+    lowered, _ = lower(load_spec(embedded_configs()[name]).graph)
+    float_graph = lower(load_spec(embedded_configs()[name.removesuffix("-fp8")]).graph)[0]
+    float_kinds = [k.kind for k in list_kernels(float_graph) if k.graph == "qwen3_layer"]
+    kinds = [k.kind for k in list_kernels(lowered) if k.graph == "qwen3_layer"]
+    assert kinds == [f"dequantize_{k}" if "linear" in k else k for k in float_kinds]
+    body = lowered.subgraphs["qwen3_layer"]
+    assert body.params["model.layers.{layer}.self_attn.q_proj+k_proj+v_proj.weight"].dtype.name == "f8e4m3"
 
 
 @pytest.mark.parametrize("architecture", sorted(LAYER_KERNELS))

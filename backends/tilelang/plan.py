@@ -321,7 +321,7 @@ swapped tiles': swapped_plan.py)."""
 
 def _attention(graph: Graph, node: Node, options: PlanOptions) -> list[VariantSpec]:
     (attention,) = node.attrs["nodes"]
-    q, k_cache, v_cache, tables, starts, q_lens, ctx_lens = attention.inputs
+    q, k_cache, v_cache, tables, starts, q_lens, ctx_lens = attention.inputs[:7]
     out = attention.outputs[0]
     types = graph.value_types() | {out: attention.output_types[0]}
     layout = static_layout(graph)

@@ -51,16 +51,15 @@ def decode_rows_launch(graph: Graph, node: Node, options: PlanOptions) -> Launch
 def _attention_params(graph: Graph, attention: Node, options: PlanOptions) -> tuple[Params, dict]:
     """The kernel's parameters and its decode constexprs (16-row tiles: a few queries times the heads sharing a
     KV head)."""
-    q, k_cache, v_cache, tables, starts, q_lens, ctx_lens = attention.inputs
+    q, k_cache, v_cache, tables, starts, q_lens, ctx_lens = attention.inputs[:7]
     types = graph.value_types()
     heads, head_dim = types[q].shape[1], types[q].shape[2]
     kv_heads = types[k_cache].shape[2]
     group = heads // kv_heads
     group_p2 = next_pow2(group)
     p = Params(types | {attention.outputs[0]: attention.output_types[0]}, static_layout(graph))
-    for name, value in (("q_ptr", q), ("k_cache_ptr", k_cache), ("v_cache_ptr", v_cache), ("tables_ptr", tables),
-                        ("starts_ptr", starts), ("q_lens_ptr", q_lens), ("ctx_lens_ptr", ctx_lens),
-                        ("out_ptr", attention.outputs[0])):
+    for name, value in (("q_ptr", q), *_caches(attention), ("tables_ptr", tables), ("starts_ptr", starts),
+                        ("q_lens_ptr", q_lens), ("ctx_lens_ptr", ctx_lens), ("out_ptr", attention.outputs[0])):
         p.tensor(name, value)
     for name, value in (("stride_q", q), ("stride_out", attention.outputs[0]), ("stride_tables", tables)):
         p.stride(name, value)
@@ -89,16 +88,16 @@ def _plan_split_attention(types: dict, layout: dict, attention: Node, constexprs
                           head_dim: int) -> tuple[list[LaunchSpec], dict[str, TensorType]]:
     """Few sequences (decode at small batch) leave most SMs idle with one program per KV head: split each
     sequence's keys over SPLIT_KV programs and merge their partial softmaxes."""
-    q, k_cache, v_cache, tables, starts, q_lens, ctx_lens = attention.inputs
+    q, k_cache, v_cache, tables, starts, q_lens, ctx_lens = attention.inputs[:7]
     tokens = types[q].shape[0]
     scratch = {"attention.part_out": TensorType(dtype_from_name("f32"), (tokens, heads * SPLIT_KV * head_dim)),
                "attention.part_lse": TensorType(dtype_from_name("f32"), (tokens, heads * SPLIT_KV))}
     types = types | scratch | {attention.outputs[0]: attention.output_types[0]}
     layout = layout | {name: (t.shape[1], 0) for name, t in scratch.items()}
     split = Params(types, layout)
-    for name, value in (("q_ptr", q), ("k_cache_ptr", k_cache), ("v_cache_ptr", v_cache), ("tables_ptr", tables),
-                        ("starts_ptr", starts), ("q_lens_ptr", q_lens), ("ctx_lens_ptr", ctx_lens),
-                        ("part_out_ptr", "attention.part_out"), ("part_lse_ptr", "attention.part_lse")):
+    for name, value in (("q_ptr", q), *_caches(attention), ("tables_ptr", tables), ("starts_ptr", starts),
+                        ("q_lens_ptr", q_lens), ("ctx_lens_ptr", ctx_lens), ("part_out_ptr", "attention.part_out"),
+                        ("part_lse_ptr", "attention.part_lse")):
         split.tensor(name, value)
     split.stride("stride_q", q)
     split.stride("stride_tables", tables)
@@ -115,3 +114,10 @@ def _plan_split_attention(types: dict, layout: dict, attention: Node, constexprs
     return [launch("attention.py", "paged_attention_split_kernel", split, split_constexprs, grid, num_warps=4),
             launch("attention.py", "attention_merge_kernel", merge, merge_constexprs,
                    (GridDim((tokens,)), GridDim((heads,))), num_warps=4)], scratch
+
+
+def _caches(attention: Node) -> list[tuple[str, str | None]]:
+    """The kernels' cache parameters: the caches, and an FP8 cache's two scales (None for another cache)."""
+    k_cache, v_cache, *scales = attention.inputs[1:3] + attention.inputs[7:]
+    k_scale, v_scale = scales or (None, None)
+    return [("k_cache_ptr", k_cache), ("v_cache_ptr", v_cache), ("k_scale_ptr", k_scale), ("v_scale_ptr", v_scale)]

@@ -21,6 +21,31 @@ _TORCH = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32, "i
 _FP8 = {np.dtype(ml_dtypes.float8_e4m3fn): torch.float8_e4m3fn, np.dtype(ml_dtypes.float8_e5m2): torch.float8_e5m2}
 
 
+def _patch_float8_casts() -> None:
+    """Triton 3.6's interpreter rounds float casts to float8 e4m3 ties up and loses the carry into the exponent
+    (1.998 becomes 1.0); the GPU rounds to nearest even and saturates (cvt.rn.satfinite). Casts to e4m3 go through
+    ml_dtypes instead, as the GPU rounds; every other cast is the interpreter's own."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter._convert_float
+    if getattr(original, "pegainfer_exact_float8", False):
+        return
+    floats = {tl.float32: np.float32, tl.float16: np.float16, tl.bfloat16: ml_dtypes.bfloat16}
+
+    def convert(data, input_dtype, output_dtype, rounding_mode):
+        if output_dtype != tl.float8e4nv or input_dtype not in floats:
+            return original(data, input_dtype, output_dtype, rounding_mode)
+        values = np.asarray(data).view(floats[input_dtype]).astype(np.float32)
+        return np.clip(values, -448.0, 448.0).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+
+    convert.pegainfer_exact_float8 = True
+    interpreter._convert_float = convert
+
+
+_patch_float8_casts()
+
+
 def to_torch(array: np.ndarray) -> torch.Tensor:
     if array.dtype == ml_dtypes.bfloat16:
         return torch.from_numpy(np.ascontiguousarray(array).view(np.uint16)).view(torch.bfloat16)

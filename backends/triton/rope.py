@@ -15,7 +15,8 @@ def plan_rope_kv_write(graph: Graph, node: Node) -> KernelSpec:
     inner = list(node.attrs["nodes"])
     produced = {out: n for n in inner for out in n.outputs}
     write = next(n for n in inner if n.op == "kv_write")
-    k_cache, v_cache, k_final, v_heads, slots = write.inputs
+    k_cache, v_cache, k_final, v_heads, slots, *scales = write.inputs
+    k_scale, v_scale = scales or (None, None)  # an FP8 cache's
     ropes = [n for n in inner if n.op == "rope"]
     k_rope = produced.get(k_final)
     q_ropes = [r for r in ropes if r is not k_rope]
@@ -40,7 +41,7 @@ def plan_rope_kv_write(graph: Graph, node: Node) -> KernelSpec:
                         ("q_norm_ptr", q_norm.inputs[1] if norm else None),
                         ("k_norm_ptr", k_norm.inputs[1] if norm else None), ("pos_ptr", q_rope.inputs[1]),
                         ("slot_ptr", slots), ("q_out_ptr", q_rope.outputs[0]), ("k_cache_ptr", k_cache),
-                        ("v_cache_ptr", v_cache)):
+                        ("v_cache_ptr", v_cache), ("k_scale_ptr", k_scale), ("v_scale_ptr", v_scale)):
         p.tensor(name, value)
     for name, value in (("stride_q", q_heads), ("stride_k", k_heads), ("stride_v", v_heads),
                         ("stride_q_out", q_rope.outputs[0])):
@@ -52,11 +53,11 @@ def plan_rope_kv_write(graph: Graph, node: Node) -> KernelSpec:
                       and (not norm or {q_norm.inputs[1], k_norm.inputs[1]} <= set(graph.params)),
                       **_rope_scaling_constexprs(q_rope.attrs.get("scaling")))
     row_symbol = types[q_heads].shape[0]
-    rope = launch("attention.py", "qk_rope_kv_write_kernel", p, constexprs,
+    rope = launch("rope.py", "qk_rope_kv_write_kernel", p, constexprs,
                   (GridDim((row_symbol,)), GridDim((heads + kv_heads,))), num_warps=1)
     rows_constexprs = {k: v for k, v in constexprs.items() if k != "EARLY"} | {
         "BLOCK_HEADS": next_pow2(heads + kv_heads)}
-    token_rows = launch("attention.py", "qk_rope_kv_write_rows_kernel", p, rows_constexprs, (GridDim((row_symbol,)),),
+    token_rows = launch("rope.py", "qk_rope_kv_write_rows_kernel", p, rows_constexprs, (GridDim((row_symbol,)),),
                         num_warps=4)
     # decode steps keep a program per head (more programs, and programmatic launch); a prompt chunk's tokens
     # take a program each, its tiny per-head programs costing more to run than their bytes

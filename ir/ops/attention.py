@@ -6,10 +6,13 @@ cache holds context_lens[b] tokens, and its query rows are the last query_lens[b
 position context_lens[b] - query_lens[b] + i and sees keys 0 .. that position (causal).
 The cache is [num_blocks, block_size, kv_heads, head_dim] per layer; token slot s lives in block s // block_size at
 offset s % block_size; block_tables[b] lists the blocks of sequence b in order. A slot of -1 is padding: not written.
+An FP8 cache takes a float32 scale [1] each for keys and values (kv_write's and paged_attention's last two inputs):
+it stores e4m3(x / scale), saturated at the largest finite value, and attention reads the stored value x scale.
 """
 
 import numpy as np
 
+from pegainfer.ir.dtypes import FP32
 from pegainfer.ir.registry import ATTENTION, CACHE_WRITE, ELEMENTWISE, expect, register_op
 from pegainfer.ir.types import TensorType
 
@@ -66,8 +69,20 @@ def _rope(x: np.ndarray, positions: np.ndarray, *, theta: float, scaling: tuple 
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
+FP8_CACHE_MAX = 448.0  # the largest finite float8 e4m3fn: a stored value saturates there
+
+
+def _expect_cache_scales(op: str, cache: TensorType, scales: tuple[TensorType, ...]) -> None:
+    """An FP8 cache comes with its two scales; any other cache with none."""
+    fp8 = cache.dtype.name.startswith("f8")
+    wanted = "two scales (k, v)" if fp8 else "no scales"
+    expect(len(scales) == (2 if fp8 else 0), f"{op}: a {cache.dtype} cache takes {wanted}, found {len(scales)}")
+    for t in scales:
+        expect(t == TensorType(FP32, (1,)), f"{op}: a cache scale must be f32[1], found {t}")
+
+
 def _infer_kv_write(k_cache: TensorType, v_cache: TensorType, k: TensorType, v: TensorType,
-                    slot_mapping: TensorType) -> tuple[TensorType, TensorType]:
+                    slot_mapping: TensorType, *scales: TensorType) -> tuple[TensorType, TensorType]:
     expect(k_cache.rank == 4 and k_cache == v_cache,
            f"kv_write: caches must be equal [blocks, block_size, kv_heads, head_dim], found {k_cache} and {v_cache}")
     expect(k.rank == 3 and k.shape == v.shape, f"kv_write: k and v must be equal [tokens, kv_heads, head_dim], "
@@ -75,22 +90,26 @@ def _infer_kv_write(k_cache: TensorType, v_cache: TensorType, k: TensorType, v: 
     expect(k.shape[1:] == k_cache.shape[2:], f"kv_write: k {k} does not fit cache {k_cache}")
     expect(slot_mapping.shape == (k.shape[0],) and not slot_mapping.dtype.is_float,
            f"kv_write: slot_mapping must be integer [{k.shape[0]}], found {slot_mapping}")
+    _expect_cache_scales("kv_write", k_cache, scales)
     return k_cache, v_cache
 
 
 def _kv_write(k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.ndarray,
-              slot_mapping: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+              slot_mapping: np.ndarray, *scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     real = slot_mapping >= 0
-    for cache, new in ((k_cache, k), (v_cache, v)):
+    for cache, new, scale in zip((k_cache, v_cache), (k, v), scales or (None, None)):
         flat = cache.reshape(-1, *cache.shape[2:])
         assert np.shares_memory(flat, cache), "kv_write needs a contiguous cache to write in place"
-        flat[slot_mapping[real]] = new[real].astype(cache.dtype)
+        rows = new[real].astype(np.float32)
+        if scale is not None:
+            rows = np.clip(rows / np.float32(scale[0]), -FP8_CACHE_MAX, FP8_CACHE_MAX)
+        flat[slot_mapping[real]] = rows.astype(cache.dtype)
     return k_cache, v_cache
 
 
 def _infer_attention(q: TensorType, k_cache: TensorType, v_cache: TensorType, block_tables: TensorType,
-                     seq_starts: TensorType, query_lens: TensorType, context_lens: TensorType, *,
-                     scale: float, window: int = 0) -> TensorType:
+                     seq_starts: TensorType, query_lens: TensorType, context_lens: TensorType,
+                     *scales: TensorType, scale: float, window: int = 0) -> TensorType:
     expect(q.rank == 3, f"paged_attention: q must be [tokens, heads, head_dim], found {q}")
     expect(k_cache.rank == 4 and k_cache == v_cache, f"paged_attention: caches must be equal rank-4, "
                                                      f"found {k_cache} and {v_cache}")
@@ -106,12 +125,13 @@ def _infer_attention(q: TensorType, k_cache: TensorType, v_cache: TensorType, bl
     expect(scale > 0, f"paged_attention: scale must be positive, found {scale}")
     expect(isinstance(window, int) and window >= 0, f"paged_attention: window must be an int >= 0 (0: none), "
                                                      f"found {window!r}")
+    _expect_cache_scales("paged_attention", k_cache, scales)
     return q
 
 
 def _attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray,
-               seq_starts: np.ndarray, query_lens: np.ndarray, context_lens: np.ndarray, *,
-               scale: float, window: int = 0) -> np.ndarray:
+               seq_starts: np.ndarray, query_lens: np.ndarray, context_lens: np.ndarray,
+               *scales: np.ndarray, scale: float, window: int = 0) -> np.ndarray:
     """Causal; with a window, query position p sees keys p - window + 1 .. p (Hugging Face's sliding window)."""
     out = np.zeros_like(q)
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -121,8 +141,9 @@ def _attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_ta
         if q_len == 0:
             continue
         blocks = block_tables[b, : -(-ctx // block_size)]
-        keys = np.repeat(_gather(k_cache, blocks, ctx), group, axis=1)  # [ctx, heads, head_dim]
-        values = np.repeat(_gather(v_cache, blocks, ctx), group, axis=1)
+        k_scale, v_scale = (np.float32(s[0]) for s in scales) if scales else (np.float32(1), np.float32(1))
+        keys = np.repeat(_gather(k_cache, blocks, ctx) * k_scale, group, axis=1)  # [ctx, heads, head_dim]
+        values = np.repeat(_gather(v_cache, blocks, ctx) * v_scale, group, axis=1)
         queries = q[start:start + q_len]
         scores = np.einsum("qhd,khd->hqk", queries, keys) * np.float32(scale)
         query_pos = np.arange(ctx - q_len, ctx)[:, None]

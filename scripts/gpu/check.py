@@ -127,10 +127,10 @@ def gate_stats(hf_rows: list[np.ndarray], ours: list[np.ndarray]) -> dict:
             "positions": len(regrets)}
 
 
-def check_small(folder: Path, results: dict, hf_folder: Path | None = None) -> None:
+def check_small(folder: Path, results: dict, hf_folder: Path | None = None, kv_cache_dtype: str = "auto") -> None:
     """The GPU engine against the CPU reference, then against Hugging Face bf16 on `hf_folder` (by default the
     checkpoint itself; an FP8 one's dequantized copy)."""
-    model = load_model(folder)
+    model = load_model(folder, kv_cache_dtype=kv_cache_dtype)
     gpu = gpu_engine(model, SMALL)
     cpu = ReferenceEngine(model, max_tokens=32 * 256)
     rng = np.random.default_rng(0)

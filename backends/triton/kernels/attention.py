@@ -1,56 +1,12 @@
-"""Per-head q/k RMSNorm + RoPE + the paged KV write, and grouped-query causal attention over the paged cache
-(layouts: ir/ops/attention.py). One program per (token, head) for the first; per (sequence, kv head, query tile)
-for attention, which keeps an online softmax over key tiles gathered through the block table. A sliding WINDOW
+"""Grouped-query causal attention over the paged cache (layouts: ir/ops/attention.py): a program per (sequence, kv
+head, query tile), which keeps an online softmax over key tiles gathered through the block table. A sliding WINDOW
 (0: none) masks keys more than WINDOW - 1 positions behind a query, and skips the tiles no query of a program sees.
-RoPE frequencies follow ir/ops/attention.py's rope_inv_freq: SCALING 0 none, 1 linear, 2 by_wavelength."""
+An FP8 cache comes with k_scale_ptr and v_scale_ptr (None otherwise): the scores take k's scale, the output v's,
+and the stored values become the queries' dtype exactly."""
 
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
-
-@triton.jit
-def _inv_freq(offs, HD: tl.constexpr, THETA: tl.constexpr, SCALING: tl.constexpr, FACTOR: tl.constexpr,
-              LOW_FREQ: tl.constexpr, HIGH_FREQ: tl.constexpr, ORIGINAL: tl.constexpr):
-    inv_freq = 1.0 / tl.exp2((2.0 * offs.to(tl.float32) / HD) * tl.log2(THETA))
-    if SCALING == 1:
-        inv_freq = inv_freq / FACTOR
-    elif SCALING == 2:
-        wavelen = 6.283185307179586 / inv_freq
-        scaled = tl.where(wavelen > ORIGINAL / LOW_FREQ, inv_freq / FACTOR, inv_freq)
-        smooth = (ORIGINAL / wavelen - LOW_FREQ) / (HIGH_FREQ - LOW_FREQ)
-        medium = (wavelen >= ORIGINAL / HIGH_FREQ) & (wavelen <= ORIGINAL / LOW_FREQ)
-        inv_freq = tl.where(medium, (1.0 - smooth) * scaled / FACTOR + smooth * scaled, scaled)
-    return inv_freq
-
-
-@triton.jit
-def _rotation(pos, offs, HD: tl.constexpr, THETA: tl.constexpr, SCALING: tl.constexpr, FACTOR: tl.constexpr,
-              LOW_FREQ: tl.constexpr, HIGH_FREQ: tl.constexpr, ORIGINAL: tl.constexpr):
-    """RoPE's cos and sin at position `pos` for the first half's offsets."""
-    angle = pos * _inv_freq(offs, HD, THETA, SCALING, FACTOR, LOW_FREQ, HIGH_FREQ, ORIGINAL)
-    return tl.cos(angle), tl.sin(angle)
-
-
-@triton.jit
-def _norm_rotate(x_ptr, w1, w2, cos, sin, offs, mask, HD: tl.constexpr, EPS: tl.constexpr, NORM: tl.constexpr):
-    """A head's RMSNorm (weight halves w1, w2, offset included) and rotation."""
-    half: tl.constexpr = HD // 2
-    x1 = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptr + half + offs, mask=mask, other=0.0).to(tl.float32)
-    return _norm_rotate_halves(x1, x2, w1, w2, cos, sin, HD, EPS, NORM, 0)
-
-
-@triton.jit
-def _norm_rotate_halves(x1, x2, w1, w2, cos, sin, HD: tl.constexpr, EPS: tl.constexpr, NORM: tl.constexpr,
-                        AXIS: tl.constexpr):
-    """The RMSNorm and rotation of heads' halves x1, x2 (float32; a head along AXIS: one head, or a tile of them)."""
-    if NORM:
-        squares = tl.sum(x1 * x1, axis=AXIS, keep_dims=True) + tl.sum(x2 * x2, axis=AXIS, keep_dims=True)
-        rstd = 1.0 / tl.sqrt(squares / HD + EPS)
-        x1 = x1 * rstd * w1
-        x2 = x2 * rstd * w2
-    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
 
 
 @triton.jit
@@ -61,103 +17,6 @@ def _dot(a, b, acc, UPCAST: tl.constexpr):
     else:
         acc = tl.dot(a, b, acc, input_precision="ieee")
     return acc
-
-
-@triton.jit
-def qk_rope_kv_write_kernel(q_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, slot_ptr, q_out_ptr,
-                            k_cache_ptr, v_cache_ptr, stride_q, stride_k, stride_v, stride_q_out,
-                            HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HD: tl.constexpr, EPS: tl.constexpr,
-                            NORM: tl.constexpr, NORM_OFFSET: tl.constexpr, THETA: tl.constexpr,
-                            SCALING: tl.constexpr, FACTOR: tl.constexpr, LOW_FREQ: tl.constexpr,
-                            HIGH_FREQ: tl.constexpr, ORIGINAL: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                            PDL: tl.constexpr, EARLY: tl.constexpr):
-    """EARLY (positions and slots are step inputs, uploaded before the step): the position, the slot, the norm's
-    weights and the rotation's cos and sin come before the wait for the previous kernel, whose output is only the
-    heads."""
-    if PDL:  # programmatic dependent launch: the next kernel may start at once
-        gdc_launch_dependents()
-        if not EARLY:
-            gdc_wait()
-    token = tl.program_id(0)
-    head = tl.program_id(1)
-    half: tl.constexpr = HD // 2
-    offs = tl.arange(0, BLOCK_HALF)
-    mask = offs < half
-    cos, sin = _rotation(tl.load(pos_ptr + token).to(tl.float32), offs, HD, THETA, SCALING, FACTOR, LOW_FREQ,
-                         HIGH_FREQ, ORIGINAL)
-    w1, w2 = 0.0, 0.0
-    if NORM:
-        w_ptr = tl.where(head < HEADS, q_norm_ptr, k_norm_ptr)
-        w1 = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32) + NORM_OFFSET
-        w2 = tl.load(w_ptr + half + offs, mask=mask, other=0.0).to(tl.float32) + NORM_OFFSET
-    slot = tl.load(slot_ptr + token)
-    if PDL and EARLY:
-        gdc_wait()
-    if head < HEADS:
-        o1, o2 = _norm_rotate(q_ptr + token * stride_q + head * HD, w1, w2, cos, sin, offs, mask, HD, EPS, NORM)
-        q_dst = q_out_ptr + token * stride_q_out + head * HD
-        tl.store(q_dst + offs, o1.to(q_out_ptr.dtype.element_ty), mask=mask)
-        tl.store(q_dst + half + offs, o2.to(q_out_ptr.dtype.element_ty), mask=mask)
-    else:
-        kv_head = head - HEADS
-        write = mask & (slot >= 0)
-        o1, o2 = _norm_rotate(k_ptr + token * stride_k + kv_head * HD, w1, w2, cos, sin, offs, mask, HD, EPS, NORM)
-        cache_offset = (slot.to(tl.int64) * KV_HEADS + kv_head) * HD
-        tl.store(k_cache_ptr + cache_offset + offs, o1.to(k_cache_ptr.dtype.element_ty), mask=write)
-        tl.store(k_cache_ptr + cache_offset + half + offs, o2.to(k_cache_ptr.dtype.element_ty), mask=write)
-        src = v_ptr + token * stride_v + kv_head * HD
-        v1 = tl.load(src + offs, mask=mask, other=0.0)
-        v2 = tl.load(src + half + offs, mask=mask, other=0.0)
-        tl.store(v_cache_ptr + cache_offset + offs, v1.to(v_cache_ptr.dtype.element_ty), mask=write)
-        tl.store(v_cache_ptr + cache_offset + half + offs, v2.to(v_cache_ptr.dtype.element_ty), mask=write)
-
-
-@triton.jit
-def qk_rope_kv_write_rows_kernel(q_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, slot_ptr, q_out_ptr,
-                                 k_cache_ptr, v_cache_ptr, stride_q, stride_k, stride_v, stride_q_out,
-                                 HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HD: tl.constexpr, EPS: tl.constexpr,
-                                 NORM: tl.constexpr, NORM_OFFSET: tl.constexpr, THETA: tl.constexpr,
-                                 SCALING: tl.constexpr, FACTOR: tl.constexpr, LOW_FREQ: tl.constexpr,
-                                 HIGH_FREQ: tl.constexpr, ORIGINAL: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                                 BLOCK_HEADS: tl.constexpr):
-    """qk_rope_kv_write_kernel for prompt chunks: one program per token holding all of its heads (q's, then k's)
-    as the rows of a [BLOCK_HEADS, BLOCK_HALF] tile, so the rotation's cos and sin are computed once a token."""
-    token = tl.program_id(0)
-    half: tl.constexpr = HD // 2
-    offs = tl.arange(0, BLOCK_HALF)
-    rows = tl.arange(0, BLOCK_HEADS)
-    col_ok = (offs < half)[None, :]
-    is_q = (rows < HEADS)[:, None]
-    is_k = ((rows >= HEADS) & (rows < HEADS + KV_HEADS))[:, None]
-    q_head = tl.where(is_q, rows[:, None], 0)
-    kv_head = tl.where(is_k, rows[:, None] - HEADS, 0)
-    cos, sin = _rotation(tl.load(pos_ptr + token).to(tl.float32), offs, HD, THETA, SCALING, FACTOR, LOW_FREQ,
-                         HIGH_FREQ, ORIGINAL)
-    src = tl.where(is_q, q_ptr + token * stride_q + q_head * HD, k_ptr + token * stride_k + kv_head * HD)
-    ok = (is_q | is_k) & col_ok
-    x1 = tl.load(src + offs[None, :], mask=ok, other=0.0).to(tl.float32)
-    x2 = tl.load(src + half + offs[None, :], mask=ok, other=0.0).to(tl.float32)
-    w1, w2 = 0.0, 0.0
-    if NORM:
-        mask = offs < half
-        w1 = tl.where(is_q, tl.load(q_norm_ptr + offs, mask=mask, other=0.0).to(tl.float32)[None, :],
-                      tl.load(k_norm_ptr + offs, mask=mask, other=0.0).to(tl.float32)[None, :]) + NORM_OFFSET
-        w2 = tl.where(is_q, tl.load(q_norm_ptr + half + offs, mask=mask, other=0.0).to(tl.float32)[None, :],
-                      tl.load(k_norm_ptr + half + offs, mask=mask, other=0.0).to(tl.float32)[None, :]) + NORM_OFFSET
-    o1, o2 = _norm_rotate_halves(x1, x2, w1, w2, cos[None, :], sin[None, :], HD, EPS, NORM, 1)
-    q_dst = q_out_ptr + token * stride_q_out + q_head * HD + offs[None, :]
-    tl.store(q_dst, o1.to(q_out_ptr.dtype.element_ty), mask=is_q & col_ok)
-    tl.store(q_dst + half, o2.to(q_out_ptr.dtype.element_ty), mask=is_q & col_ok)
-    slot = tl.load(slot_ptr + token)
-    write = is_k & col_ok & (slot >= 0)
-    cache = (slot.to(tl.int64) * KV_HEADS + kv_head) * HD + offs[None, :]
-    tl.store(k_cache_ptr + cache, o1.to(k_cache_ptr.dtype.element_ty), mask=write)
-    tl.store(k_cache_ptr + cache + half, o2.to(k_cache_ptr.dtype.element_ty), mask=write)
-    v_src = v_ptr + token * stride_v + kv_head * HD + offs[None, :]
-    v1 = tl.load(v_src, mask=is_k & col_ok, other=0.0)
-    v2 = tl.load(v_src + half, mask=is_k & col_ok, other=0.0)
-    tl.store(v_cache_ptr + cache, v1.to(v_cache_ptr.dtype.element_ty), mask=write)
-    tl.store(v_cache_ptr + cache + half, v2.to(v_cache_ptr.dtype.element_ty), mask=write)
 
 
 @triton.jit
@@ -207,10 +66,30 @@ def _addresses(tables_ptr, stride_tables, seq, kv_head, pos, pos_ok, KV_HEADS: t
 
 
 @triton.jit
-def _softmax_tile(q, q_pos, k, v, pos, pos_ok, acc, m_i, l_i, SCALE: tl.constexpr, ROWS: tl.constexpr,
+def _widen(x, dtype: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """A cache tile in the queries' dtype. e4m3 into bf16 moves its bits (sign; exponent and mantissa, 4 places up):
+    the value times 2^-120 (`lift` in _attend undoes it), exact for normals and subnormals. In inline PTX, which
+    Triton does not move past the tile's layout change, so the tile crosses shared memory as bf16 (ldmatrix), not as
+    bytes (a byte load each); under the interpreter (UPCAST_DOT), which runs no PTX, by the same bits in Triton."""
+    if x.dtype == tl.float8e4nv and dtype == tl.bfloat16:
+        if UPCAST_DOT:
+            bits = x.to(tl.uint8, bitcast=True).to(tl.uint16)
+            return (((bits & 0x80) << 8) | ((bits & 0x7F) << 4)).to(tl.bfloat16, bitcast=True)
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 a, b; prmt.b32 a, 0, $2, 0x5040; prmt.b32 b, 0, $2, 0x7060;"
+            " lop3.b32 $0, a, 0x80008000, 0, 0xc0; shr.b32 a, a, 4; lop3.b32 $0, a, 0x07F007F0, $0, 0xea;"
+            " lop3.b32 $1, b, 0x80008000, 0, 0xc0; shr.b32 b, b, 4; lop3.b32 $1, b, 0x07F007F0, $1, 0xea; }",
+            "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16, is_pure=False, pack=4)
+    return x.to(dtype)
+
+
+@triton.jit
+def _softmax_tile(q, q_pos, k, v, pos, pos_ok, acc, m_i, l_i, qk_scale, ROWS: tl.constexpr,
                   BLOCK_KV: tl.constexpr, WINDOW: tl.constexpr, UPCAST_DOT: tl.constexpr):
-    """One tile of keys and values into the online softmax's (unnormalised out, max, sum)."""
-    scores = _dot(q, tl.trans(k), tl.zeros([ROWS, BLOCK_KV], tl.float32), UPCAST_DOT) * SCALE
+    """One tile of keys and values into the online softmax's (unnormalised out, max, sum); FP8 keys and values
+    become q's dtype exactly (_widen), their scales in `qk_scale` and applied to the output by _attend."""
+    k, v = _widen(k, q.dtype, UPCAST_DOT), _widen(v, q.dtype, UPCAST_DOT)
+    scores = _dot(q, tl.trans(k), tl.zeros([ROWS, BLOCK_KV], tl.float32), UPCAST_DOT) * qk_scale
     visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
     if WINDOW > 0:
         visible = visible & (pos[None, :] > q_pos[:, None] - WINDOW)
@@ -225,9 +104,10 @@ def _softmax_tile(q, q_pos, k, v, pos, pos_ok, acc, m_i, l_i, SCALE: tl.constexp
 
 
 @triton.jit
-def _attend(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, stride_q, stride_tables, seq, kv_head, token, head, row_ok,
-            q_pos, lo, hi, fresh, SCALE: tl.constexpr, KV_HEADS: tl.constexpr, HD: tl.constexpr,
-            CACHE_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, BLOCK_KV: tl.constexpr,
+def _attend(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, stride_q, stride_tables, seq,
+            kv_head, token, head, row_ok, q_pos, lo, hi, fresh, SCALE: tl.constexpr, KV_HEADS: tl.constexpr,
+            HD: tl.constexpr, CACHE_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
+            BLOCK_KV: tl.constexpr,
             WINDOW: tl.constexpr, UPCAST_DOT: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
             PREFETCH: tl.constexpr):
     """Online softmax over the keys lo .. hi, gathered through the block table: (unnormalised out, max, sum).
@@ -236,6 +116,12 @@ def _attend(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, stride_q, stride_tables
     after it with the queries. They stay in registers across the wait (71 more a thread: 3 programs an SM where
     5 fit), which pays only while the step's programs fit one wave; an L2 prefetch instead gained nothing."""
     tl.static_assert(EARLY or not PREFETCH, "PREFETCH reads keys before the wait: only with EARLY step inputs")
+    qk_scale = SCALE
+    lift = 1.0  # what _widen's bf16 from e4m3 leaves out
+    if k_cache_ptr.dtype.element_ty == tl.float8e4nv and q_ptr.dtype.element_ty == tl.bfloat16:
+        lift = 1.329227995784916e36  # 2^120
+    if k_scale_ptr is not None:
+        qk_scale = SCALE * tl.load(k_scale_ptr) * lift
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
@@ -253,8 +139,8 @@ def _attend(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, stride_q, stride_tables
         new = pos_ok & (pos >= fresh)
         k = tl.where(new[:, None], _gather(k_cache_ptr, addr, new, HD, BLOCK_D), k)
         v = tl.where(new[:, None], _gather(v_cache_ptr, addr, new, HD, BLOCK_D), v)
-        acc, m_i, l_i = _softmax_tile(q, q_pos, k, v, pos, pos_ok, acc, m_i, l_i, SCALE, ROWS, BLOCK_KV, WINDOW,
-                                      UPCAST_DOT)
+        acc, m_i, l_i = _softmax_tile(q, q_pos, k, v, pos, pos_ok, acc, m_i, l_i, qk_scale, ROWS, BLOCK_KV,
+                                      WINDOW, UPCAST_DOT)
         first = lo + BLOCK_KV
     else:
         if PDL and EARLY:
@@ -266,14 +152,16 @@ def _attend(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, stride_q, stride_tables
         addr = _addresses(tables_ptr, stride_tables, seq, kv_head, pos, pos_ok, KV_HEADS, HD, CACHE_BLOCK)
         k = _gather(k_cache_ptr, addr, pos_ok, HD, BLOCK_D)
         v = _gather(v_cache_ptr, addr, pos_ok, HD, BLOCK_D)
-        acc, m_i, l_i = _softmax_tile(q, q_pos, k, v, pos, pos_ok, acc, m_i, l_i, SCALE, ROWS, BLOCK_KV, WINDOW,
-                                      UPCAST_DOT)
+        acc, m_i, l_i = _softmax_tile(q, q_pos, k, v, pos, pos_ok, acc, m_i, l_i, qk_scale, ROWS, BLOCK_KV,
+                                      WINDOW, UPCAST_DOT)
+    if v_scale_ptr is not None:
+        acc = acc * (tl.load(v_scale_ptr) * lift)
     return acc, m_i, l_i
 
 
 @triton.jit
-def paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, starts_ptr, q_lens_ptr, ctx_lens_ptr,
-                           out_ptr, stride_q, stride_out, stride_tables,
+def paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, starts_ptr,
+                           q_lens_ptr, ctx_lens_ptr, out_ptr, stride_q, stride_out, stride_tables,
                            SCALE: tl.constexpr, KV_HEADS: tl.constexpr, HD: tl.constexpr, GROUP: tl.constexpr,
                            CACHE_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_P2: tl.constexpr,
                            BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, WINDOW: tl.constexpr,
@@ -287,10 +175,10 @@ def paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, starts_p
     seq, kv_head, q_tile = tl.program_id(0), tl.program_id(1), tl.num_programs(2) - 1 - tl.program_id(2)
     token, head, row_ok, q_pos, kv_begin, kv_end, fresh = _query_rows(
         starts_ptr, q_lens_ptr, ctx_lens_ptr, seq, kv_head, q_tile, GROUP, GROUP_P2, BLOCK_Q, WINDOW)
-    acc, m_i, l_i = _attend(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, stride_q, stride_tables, seq, kv_head,
-                            token, head, row_ok, q_pos, kv_begin, kv_end, fresh, SCALE, KV_HEADS, HD, CACHE_BLOCK,
-                            BLOCK_D, BLOCK_Q * GROUP_P2, BLOCK_KV, WINDOW, UPCAST_DOT, PDL, EARLY,
-                            PREFETCH)
+    acc, m_i, l_i = _attend(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, stride_q,
+                            stride_tables, seq, kv_head, token, head, row_ok, q_pos, kv_begin, kv_end, fresh, SCALE,
+                            KV_HEADS, HD, CACHE_BLOCK, BLOCK_D, BLOCK_Q * GROUP_P2, BLOCK_KV, WINDOW, UPCAST_DOT,
+                            PDL, EARLY, PREFETCH)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     offs_d = tl.arange(0, BLOCK_D)
     tl.store(out_ptr + token[:, None] * stride_out + head[:, None] * HD + offs_d[None, :],
@@ -298,8 +186,8 @@ def paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, starts_p
 
 
 @triton.jit
-def paged_attention_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, starts_ptr, q_lens_ptr, ctx_lens_ptr,
-                                 part_out_ptr, part_lse_ptr, stride_q, stride_tables,
+def paged_attention_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, starts_ptr,
+                                 q_lens_ptr, ctx_lens_ptr, part_out_ptr, part_lse_ptr, stride_q, stride_tables,
                                  SCALE: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
                                  HD: tl.constexpr, GROUP: tl.constexpr, CACHE_BLOCK: tl.constexpr,
                                  BLOCK_D: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr,
@@ -323,10 +211,10 @@ def paged_attention_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, st
     lo = kv_begin + split * span
     slot = (token * HEADS + head) * SPLITS + split
     if lo < kv_end:
-        acc, m_i, l_i = _attend(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, stride_q, stride_tables, seq, kv_head,
-                                token, head, row_ok, q_pos, lo, tl.minimum(kv_end, lo + span), fresh, SCALE,
-                                KV_HEADS, HD, CACHE_BLOCK, BLOCK_D, BLOCK_Q * GROUP_P2, BLOCK_KV, WINDOW, UPCAST_DOT,
-                                PDL, EARLY, PREFETCH)
+        acc, m_i, l_i = _attend(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, stride_q,
+                                stride_tables, seq, kv_head, token, head, row_ok, q_pos, lo,
+                                tl.minimum(kv_end, lo + span), fresh, SCALE, KV_HEADS, HD, CACHE_BLOCK, BLOCK_D,
+                                BLOCK_Q * GROUP_P2, BLOCK_KV, WINDOW, UPCAST_DOT, PDL, EARLY, PREFETCH)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i)))
         offs_d = tl.arange(0, BLOCK_D)
