@@ -1,6 +1,7 @@
 """What every Triton plan builds its launches with: the templates' folder, a collector of a launch's parameters
 and the constexprs that stand for what is static, and the LaunchSpec and KernelSpec of a planned node."""
 
+import re
 from pathlib import Path
 
 from pegainfer.backends.spec import GridDim, KernelSpec, LaunchSpec, Param, ParamKind, VariantSpec
@@ -49,8 +50,17 @@ def launch(template: str, function: str, params: Params, constexprs: dict, grid:
            num_warps: int = 4, num_stages: int = 2) -> LaunchSpec:
     """A launch of `function` in the template file `template` of KERNELS."""
     grid = tuple(grid) + (GridDim(),) * (3 - len(grid))
-    return LaunchSpec(function, template, (KERNELS / template).read_text(), params.params,
+    return LaunchSpec(function, template, template_source(template), params.params,
                       {**params.constexprs, **constexprs}, grid, num_warps, num_stages)
+
+
+INCLUDE = re.compile(r"^# include: (\S+)$", re.MULTILINE)
+
+
+def template_source(template: str) -> str:
+    """A template's text with each `# include: FILE` line replaced by that file of KERNELS (shared jit helpers: a
+    launch's source is one self-contained module)."""
+    return INCLUDE.sub(lambda m: (KERNELS / m.group(1)).read_text(), (KERNELS / template).read_text())
 
 
 def kernel_spec(graph: Graph, node: Node, row_symbol: str, variants: list[VariantSpec]) -> KernelSpec:

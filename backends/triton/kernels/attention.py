@@ -8,6 +8,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+# include: fp8.py
+
 
 @triton.jit
 def _dot(a, b, acc, UPCAST: tl.constexpr):
@@ -66,29 +68,11 @@ def _addresses(tables_ptr, stride_tables, seq, kv_head, pos, pos_ok, KV_HEADS: t
 
 
 @triton.jit
-def _widen(x, dtype: tl.constexpr, UPCAST_DOT: tl.constexpr):
-    """A cache tile in the queries' dtype. e4m3 into bf16 moves its bits (sign; exponent and mantissa, 4 places up):
-    the value times 2^-120 (`lift` in _attend undoes it), exact for normals and subnormals. In inline PTX, which
-    Triton does not move past the tile's layout change, so the tile crosses shared memory as bf16 (ldmatrix), not as
-    bytes (a byte load each); under the interpreter (UPCAST_DOT), which runs no PTX, by the same bits in Triton."""
-    if x.dtype == tl.float8e4nv and dtype == tl.bfloat16:
-        if UPCAST_DOT:
-            bits = x.to(tl.uint8, bitcast=True).to(tl.uint16)
-            return (((bits & 0x80) << 8) | ((bits & 0x7F) << 4)).to(tl.bfloat16, bitcast=True)
-        return tl.inline_asm_elementwise(
-            "{ .reg .b32 a, b; prmt.b32 a, 0, $2, 0x5040; prmt.b32 b, 0, $2, 0x7060;"
-            " lop3.b32 $0, a, 0x80008000, 0, 0xc0; shr.b32 a, a, 4; lop3.b32 $0, a, 0x07F007F0, $0, 0xea;"
-            " lop3.b32 $1, b, 0x80008000, 0, 0xc0; shr.b32 b, b, 4; lop3.b32 $1, b, 0x07F007F0, $1, 0xea; }",
-            "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16, is_pure=False, pack=4)
-    return x.to(dtype)
-
-
-@triton.jit
 def _softmax_tile(q, q_pos, k, v, pos, pos_ok, acc, m_i, l_i, qk_scale, ROWS: tl.constexpr,
                   BLOCK_KV: tl.constexpr, WINDOW: tl.constexpr, UPCAST_DOT: tl.constexpr):
     """One tile of keys and values into the online softmax's (unnormalised out, max, sum); FP8 keys and values
-    become q's dtype exactly (_widen), their scales in `qk_scale` and applied to the output by _attend."""
-    k, v = _widen(k, q.dtype, UPCAST_DOT), _widen(v, q.dtype, UPCAST_DOT)
+    become q's dtype exactly (widen_e4m3), their scales in `qk_scale` and applied to the output by _attend."""
+    k, v = widen_e4m3(k, q.dtype, UPCAST_DOT), widen_e4m3(v, q.dtype, UPCAST_DOT)
     scores = _dot(q, tl.trans(k), tl.zeros([ROWS, BLOCK_KV], tl.float32), UPCAST_DOT) * qk_scale
     visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
     if WINDOW > 0:
@@ -117,9 +101,9 @@ def _attend(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, tables_pt
     5 fit), which pays only while the step's programs fit one wave; an L2 prefetch instead gained nothing."""
     tl.static_assert(EARLY or not PREFETCH, "PREFETCH reads keys before the wait: only with EARLY step inputs")
     qk_scale = SCALE
-    lift = 1.0  # what _widen's bf16 from e4m3 leaves out
+    lift = 1.0
     if k_cache_ptr.dtype.element_ty == tl.float8e4nv and q_ptr.dtype.element_ty == tl.bfloat16:
-        lift = 1.329227995784916e36  # 2^120
+        lift = BF16_LIFT
     if k_scale_ptr is not None:
         qk_scale = SCALE * tl.load(k_scale_ptr) * lift
     m_i = tl.full([ROWS], float("-inf"), tl.float32)

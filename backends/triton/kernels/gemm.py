@@ -10,6 +10,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+# include: fp8.py
+
 
 @triton.jit
 def dot(a, b, acc, UPCAST: tl.constexpr):
@@ -173,8 +175,8 @@ def _products(x_ptr, x2_ptr, norm_ptr, w_ptr, scale_ptr, out_ptr, rows, rstd, st
         w_up = w
         if ACT != 0:
             w_up = tl.load(w_ptr + (N + offs_n[:, None]) * K + offs_k[None, :], mask=w_mask, other=0.0)
-        if SCALE != 0:  # FP8 values are exact in the rows' type
-            w, w_up = w.to(a.dtype), w_up.to(a.dtype)
+        if SCALE != 0:  # FP8 values are exact in the rows' type (bf16's: times 2^-120, undone below)
+            w, w_up = widen_e4m3(w, a.dtype, UPCAST_DOT), widen_e4m3(w_up, a.dtype, UPCAST_DOT)
         if SCALE == 2:
             s, s_up = _block_scales(scale_ptr, offs_n, mask_n, k0, N, K, ACT, SCALE_N, SCALE_K)
             acc += dot(a, tl.trans(w), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), UPCAST_DOT) * s[None, :]
@@ -185,6 +187,8 @@ def _products(x_ptr, x2_ptr, norm_ptr, w_ptr, scale_ptr, out_ptr, rows, rstd, st
             acc = dot(a, tl.trans(w), acc, UPCAST_DOT)
             if ACT != 0:
                 up = dot(a, tl.trans(w_up), up, UPCAST_DOT)
+    if SCALE != 0 and not UPCAST_DOT and out_ptr.dtype.element_ty == tl.bfloat16:  # the rows were bf16
+        acc, up = acc * BF16_LIFT, up * BF16_LIFT
     return acc, up
 
 
