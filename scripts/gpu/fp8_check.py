@@ -1,7 +1,7 @@
 """On the lent GPU (after scripts/gpu/prepare_fp8.sh): FP8 weights. Each small FP8 checkpoint on the GPU engine
 against the CPU reference (prefill, graph decode, graph batches 9 and 17, batch-1 replay) and against Hugging Face
-bf16 on its dequantized copy (the gate's statistics); then decode steps of the Qwen3-4B shape with bf16 weights and
-with `--quantization fp8`, each against its own floor. Prints a table last; every number goes to $OUT/results.json.
+bf16 on its dequantized copy (the gate's statistics), and a 400-row prefill (the W8A8 tiles) against the CPU;
+then decode steps of the Qwen3-4B shape with bf16 weights and with `--quantization fp8`, each against its own floor. Prints a table last; every number goes to $OUT/results.json.
     carry [".gpu/small_fp8_block", ".gpu/small_fp8_block_hf", ".gpu/small_fp8_channel", ".gpu/small_fp8_channel_hf",
            ".gpu/cache_fp8"]:
     PYTHONPATH=$PYTHONPATH:scripts/gpu PEGAINFER_CACHE=$PWD/.gpu/cache_fp8 python3 scripts/gpu/fp8_check.py --out $OUT/fp8
@@ -10,13 +10,33 @@ with `--quantization fp8`, each against its own floor. Prints a table last; ever
 import argparse
 from pathlib import Path
 
-from check import check_small, run_sections
+import numpy as np
+from check import SMALL, check_small, gate_stats, relative_error, run_sections
+
+from pegainfer.frontends.load import load_model
+from pegainfer.runtime.batch import Chunk, Sequence
+from pegainfer.runtime.gpu.start import gpu_engine
+from pegainfer.runtime.reference_engine import ReferenceEngine
 
 from pegainfer.runtime import bench
 from pegainfer.runtime.device import visible_sm
 from pegainfer.runtime.gpu.start import ensure_manifest
 
 GPU = Path(__file__).resolve().parents[2] / ".gpu"  # what prepare_fp8.sh made
+
+
+def check_w8a8_prefill(folder: Path, results: dict) -> None:
+    """One packed prefill of four prompts (400 rows: past 64, the W8A8 tiles) on the GPU against the CPU reference
+    (W8A16 in float32), every position: relative error and the gate's statistics with the reference as truth."""
+    model = load_model(folder)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, model.spec.config.vocab_size, n).tolist() for n in (70, 90, 110, 130)]
+    rows = {}
+    for name, engine in (("gpu", gpu_engine(model, SMALL)), ("cpu", ReferenceEngine(model, max_tokens=1024))):
+        seqs = [Sequence(i, list(p)) for i, p in enumerate(prompts)]
+        rows[name] = engine.step([Chunk(s, len(s.token_ids)) for s in seqs], all_logits=True)
+    results["prefill_400_rows_rel_err_vs_cpu"] = relative_error(rows["gpu"], rows["cpu"])
+    results["prefill_400_rows_gate_vs_cpu"] = gate_stats([rows["cpu"]], [rows["gpu"]])
 
 
 def bench_fp8(results: dict, batches: list[int], contexts: list[int]) -> None:
@@ -46,6 +66,8 @@ def main() -> None:
     sections = [(f"small_{form}", lambda form=form: check_small(
         GPU / f"small_fp8_{form}", results.setdefault(f"small_fp8_{form}", {}),
         hf_folder=GPU / f"small_fp8_{form}_hf")) for form in ("block", "channel")]
+    sections += [(f"w8a8_{form}", lambda form=form: check_w8a8_prefill(
+        GPU / f"small_fp8_{form}", results.setdefault(f"w8a8_{form}", {}))) for form in ("block", "channel")]
     sections.append(("bench", lambda: bench_fp8(results, [int(b) for b in args.batch.split(",")],
                                                 [int(c) for c in args.context.split(",")])))
     run_sections(sections, args.skip, args.out, results)
