@@ -92,50 +92,13 @@ def test_every_fp8_gemm_variant_matches_dequantize_then_the_reference_gemm(schem
     rng = np.random.default_rng(4)
     inputs = kernel_inputs(body, node, rng)
     expected = run_reference(node, inputs)
-    assert [v.name for v in spec.variants if v.max_rows is None] == ["w8a8_64", "dot_64"]
-    for variant in [v for v in spec.variants if not v.name.startswith("w8a8")]:  # W8A8: the test below
+    for variant in spec.variants:
         assert variant.launches[-1].constexprs["SCALE"] == (1 if name == "channel" else 2)
         chosen = dataclasses.replace(spec, variants=[dataclasses.replace(variant, max_rows=None)])
         got = launch_kernel(chosen, node, {n: to_torch(a) for n, a in inputs.items()}, {"tokens": ROWS})
         for out in node.outputs:
             np.testing.assert_allclose(to_numpy(got[out]), expected[out], rtol=1e-4, atol=1e-4,
                                        err_msg=f"{variant.name} (rows <= {variant.max_rows}): {out}")
-
-
-E4M3_HALF_ULP = 2.0 ** -4  # e4m3 keeps 3 mantissa bits: rounding to nearest moves a normal value by <= 2^-4 of it
-E4M3_HALF_STEP = 2.0 ** -10  # below 2^-6 the step is 2^-9: a subnormal moves by <= 2^-10 (times the row's scale)
-SILU_SLOPE = 1.0999  # the largest |silu'(x)|
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_the_w8a8_tile_is_within_e4m3_rounding_of_the_reference(scheme_graph, kind):
-    """Prefill's W8A8 tile quantizes each row per K tile: q = e4m3(a / s) with s = max|a| / 448 over the tile's
-    columns, so |q s - a| <= max(2^-4 |a|, 2^-10 s) per element. The weights are the reference's exactly, so a
-    product's sum moves by at most B = sum_k |w_k| max(2^-4 |a_k|, 2^-10 s_k) (plus float32 summation's 1e-5 of
-    sum_k |a_k w_k|); through act(gate) x up, by silu's slope: 1.1 B_gate (|up| + B_up) + |silu(gate)| B_up."""
-    _, graph = scheme_graph
-    body, node, spec = each_variant(graph, kind)
-    (variant,) = [v for v in spec.variants if v.name == "w8a8_64"]
-    assert variant.launches[-1].constexprs["A8"] is True
-    inputs = kernel_inputs(body, node, np.random.default_rng(4))
-    expected = run_reference(node, inputs)
-    chosen = dataclasses.replace(spec, variants=[variant])
-    got = launch_kernel(chosen, node, {n: to_torch(a) for n, a in inputs.items()}, {"tokens": ROWS})
-    linear = next(n for n in node.attrs["nodes"] if n.op == "linear")
-    a, w = (np.asarray(expected[v], np.float64) for v in linear.inputs[:2])
-    block_k = variant.launches[-1].constexprs["BLOCK_K"]
-    groups = np.repeat(np.abs(a).reshape(ROWS, -1, block_k).max(axis=2) / 448, block_k, axis=1)
-    moved = np.maximum(E4M3_HALF_ULP * np.abs(a), E4M3_HALF_STEP * groups)
-    bound = moved @ np.abs(w).T + 1e-5 * (np.abs(a) @ np.abs(w).T)
-    out = node.outputs[-1]
-    if "silu_mul" in kind:
-        gate, up = np.split(np.asarray(expected[linear.outputs[0]], np.float64), 2, axis=1)
-        gate_bound, up_bound = np.split(bound, 2, axis=1)
-        silu = gate / (1 + np.exp(-gate))
-        bound = SILU_SLOPE * gate_bound * (np.abs(up) + up_bound) + np.abs(silu) * up_bound
-    error = np.abs(to_numpy(got[out]) - expected[out])
-    assert (error <= bound).all(), float((error / bound).max())
-    assert (error / bound).max() > 0.02  # the rows were quantized; the bound is not loose by orders
 
 
 @pytest.mark.parametrize("kind", ["dequantize_linear", "dequantize_add_rms_norm_linear_silu_mul"])
@@ -195,26 +158,21 @@ def test_steps_of_an_fp8_model_made_of_generated_kernels_match_the_reference():
 
 
 def test_fp8_gemms_compile_for_sm89_and_sm90_converting_fp8_in_registers(tmp_path):
-    """The batch-1 GEMV, the 64-row tile and the W8A8 prefill tile of gate/up on 128 x 128 blocks: cubins for sm_89
-    and sm_90 that read e4m3 weights, not bf16 ones. The GEMV turns pairs into halves (F2FP ... E4M3), the 64-row
-    tile moves their bits into bf16 (PRMT, no quarter-rate F2F.BF16.F16 an element), the W8A8 tile quantizes its
-    rows (F2FP.SATFINITE.E4M3) and multiplies e4m3 by e4m3 on the FP8 tensor cores: QMMA on sm_89, wgmma (QGMMA)
-    on sm_90a."""
+    """The batch-1 GEMV and the prefill tile of gate/up on 128 x 128 blocks: cubins for sm_89 and sm_90 that read
+    e4m3 weights, not bf16 ones: the GEMV turns pairs into halves (F2FP ... E4M3), the tensor-core tile moves their
+    bits into bf16 (PRMT, no quarter-rate F2F.BF16.F16 an element)."""
     from pegainfer.backends.build import compile_many
     from test_native_backends import sass
 
     graph = fp8_layer(Fp8Weights((128, 128), "_scale_inv"), hidden=1024, intermediate=1024, dtype="bfloat16")
     _, _, spec = each_variant(graph, KINDS[2])
     launches = {v.name: v.launches[-1] for v in spec.variants if v.max_rows in (1, None)}
-    names = ("gemv_1", "dot_64", "w8a8_64")
-    assert all(next(p for p in launches[name].params if p.name == "w_ptr").dtype == "*fp8e4nv" for name in names)
-    todo = {(sm, name): launches[name] for sm in (89, 90) for name in names}
+    assert all(next(p for p in launches[name].params if p.name == "w_ptr").dtype == "*fp8e4nv"
+               for name in ("gemv_1", "dot_64"))
+    todo = {(sm, name): launches[name] for sm in (89, 90) for name in ("gemv_1", "dot_64")}
     for (sm, name), compiled in compile_many(todo, 2, None):
         text = sass(compiled.cubin, tmp_path)
         if name == "gemv_1":
             assert re.search(r"F2FP\.\S*E4M3", text), (name, sm)
-        elif name == "dot_64":
-            assert "PRMT" in text and re.search(r"HG?MMA", text) and "F2F.BF16.F16" not in text, (name, sm)
         else:
-            mma = r"QGMMA\.\S*\.F32\.E4M3\.E4M3" if sm == 90 else r"QMMA\.\S*\.F32\.E4M3\.E4M3"
-            assert re.search(mma, text) and "F2FP.SATFINITE.E4M3" in text, (name, sm)
+            assert "PRMT" in text and re.search(r"HG?MMA", text) and "F2F.BF16.F16" not in text, (name, sm)

@@ -40,7 +40,6 @@ class GemmTile:
     warps: int
     stages: int
     function: str
-    a8: bool = False  # W8A8: the rows quantized to e4m3 in the tile, for FP8 weights (kernels/gemm.py A8)
 
     @property
     def split(self) -> bool:
@@ -77,10 +76,7 @@ def _plan_gemm(graph: Graph, node: Node) -> KernelSpec:
     own_scratch = _split_scratch(n, k, roles) | {NORMED: TensorType(dtype_from_name("f32"), (SMALL_ROWS, k)),
                                                  NORMED_ALL: TensorType(dtype_from_name("f32"), (row_symbol, k))}
     types, layout = types | own_scratch, layout | {name: (t.shape[-1], 0) for name, t in own_scratch.items()}
-    tiles = _gemm_tiles(n, k, bool(roles["act"]), roles["norm"] is not None, roles["top_k"] is not None)
-    if roles["scale_block"] is not None:  # FP8 weights: prefill-sized steps on the FP8 tensor cores by default
-        tiles.insert(-1, replace(tiles[-1], name="w8a8_64", a8=True))
-    for tile in tiles:
+    for tile in _gemm_tiles(n, k, bool(roles["act"]), roles["norm"] is not None, roles["top_k"] is not None):
         tile = _within_scale_blocks(tile, roles["scale_block"], n, k)
         split = split_count(n, k, tile.block_n, tile.block_k) if tile.split else 1
         if tile.split and (roles["top_k"] is not None or split == 1):
@@ -125,8 +121,6 @@ def _gemm_launch(types: dict, layout: dict, roles: dict, tile: GemmTile, row_sym
                       NORM=roles["norm"] is not None, BIAS=roles["bias"] is not None, ACT=roles["act"],
                       WRITE_SUM=roles["sum"] is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                       UPCAST_DOT=False, NORM_OFFSET=roles["norm_offset"], **scale_constexprs(roles, k))
-    if function == "linear_kernel":
-        constexprs["A8"] = tile.a8
     if function in ("gemv_row_kernel", "gemv_rows_kernel"):  # the RMSNorm prologue in a few wide chunks
         constexprs["RMS_BLOCK"] = min(max(16, next_pow2(k)), 1024 * warps // block_m)
     if function == "gemv_rows_kernel":  # each thread sums its 8-wide loads' products at once

@@ -26,39 +26,3 @@ def widen_e4m3(x, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
     return out
 
 BF16_LIFT = tl.constexpr(1.329227995784916e36)  # 2^120: what widen_e4m3 leaves out of bf16
-
-
-@triton.jit
-def block_scales(scale_ptr, offs_n, mask_n, k0, N: tl.constexpr, K: tl.constexpr, ACT: tl.constexpr,
-                  SCALE_N: tl.constexpr, SCALE_K: tl.constexpr):
-    """The scales of the K tile at k0 (within one block of SCALE_K columns), a column each, and of its up half."""
-    blocks: tl.constexpr = (K + SCALE_K - 1) // SCALE_K
-    s = tl.load(scale_ptr + (offs_n // SCALE_N) * blocks + k0 // SCALE_K, mask=mask_n, other=0.0)
-    s_up = s
-    if ACT != 0:
-        s_up = tl.load(scale_ptr + ((N + offs_n) // SCALE_N) * blocks + k0 // SCALE_K, mask=mask_n, other=0.0)
-    return s, s_up
-
-
-@triton.jit
-def quantize_rows_e4m3(a):
-    """Each row of a float32 tile in e4m3 by a scale of its own, its largest magnitude to 448: (values, scales)."""
-    amax = tl.max(tl.abs(a), axis=1)
-    scale = tl.where(amax > 0, amax / 448.0, 1.0)
-    return tl.minimum(tl.maximum(a / scale[:, None], -448.0), 448.0).to(tl.float8e4nv), scale
-
-
-@triton.jit
-def tile_scales(scale_ptr, offs_n, mask_n, k0, a_scale, N: tl.constexpr, K: tl.constexpr, ACT: tl.constexpr,
-                SCALE: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, A8: tl.constexpr):
-    """What a K tile's products are multiplied by (gate's and up's): its weight blocks' scales (SCALE 2) times,
-    for W8A8 (A8), each row's own; a column's scale alone (SCALE 1) waits for the finished sums."""
-    if SCALE == 2:
-        s, s_up = block_scales(scale_ptr, offs_n, mask_n, k0, N, K, ACT, SCALE_N, SCALE_K)
-        if A8:
-            s, s_up = a_scale[:, None] * s[None, :], a_scale[:, None] * s_up[None, :]
-        else:
-            s, s_up = s[None, :], s_up[None, :]
-    else:
-        s, s_up = a_scale[:, None], a_scale[:, None]
-    return s, s_up

@@ -4,8 +4,7 @@ share them: linear_kernel on the tensor cores (prefill, and decode steps of up t
 linear_split_kernel, its form with K split over programs (decode), gemv_row_kernel for one row per program
 (batch-1 decode), and gemv_rows_kernel, its form for a few rows. (norm_rows.py runs the norm prologue as a launch of
 its own before the 16-row decode tiles.) FP8 weights (SCALE; scale_ptr) are scaled in registers: a scale
-per output column (SCALE 1) the finished sums, a SCALE_N x SCALE_K block's (2) each K tile's, within one block;
-with A8 (W8A8, prefill tiles) the rows too are e4m3, a scale per row and K tile, on the FP8 tensor cores."""
+per output column (SCALE 1) the finished sums, a SCALE_N x SCALE_K block's (2) each K tile's, within one block."""
 
 import triton
 import triton.language as tl
@@ -108,6 +107,18 @@ def _operand(a, w_ptr, out_ptr, SCALE: tl.constexpr):
 
 
 @triton.jit
+def _block_scales(scale_ptr, offs_n, mask_n, k0, N: tl.constexpr, K: tl.constexpr, ACT: tl.constexpr,
+                  SCALE_N: tl.constexpr, SCALE_K: tl.constexpr):
+    """The scales of the K tile at k0 (within one block of SCALE_K columns), a column each, and of its up half."""
+    blocks: tl.constexpr = (K + SCALE_K - 1) // SCALE_K
+    s = tl.load(scale_ptr + (offs_n // SCALE_N) * blocks + k0 // SCALE_K, mask=mask_n, other=0.0)
+    s_up = s
+    if ACT != 0:
+        s_up = tl.load(scale_ptr + ((N + offs_n) // SCALE_N) * blocks + k0 // SCALE_K, mask=mask_n, other=0.0)
+    return s, s_up
+
+
+@triton.jit
 def _prologue(x_ptr, x2_ptr, rows_ptr, sum_ptr, M, stride_x, stride_x2, stride_sum, N: tl.constexpr, K: tl.constexpr,
               EPS: tl.constexpr, ADD: tl.constexpr, GATHER: tl.constexpr, NORM: tl.constexpr, WRITE_SUM: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
@@ -133,13 +144,13 @@ def linear_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, scale_ptr, bias_ptr,
                   ACT: tl.constexpr, WRITE_SUM: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
                   NORM_OFFSET: tl.constexpr, SCALE: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
-                  A8: tl.constexpr, PDL: tl.constexpr = False):
+                  PDL: tl.constexpr = False):
     offs_m, mask_m, rows, offs_n, mask_n, rstd = _prologue(
         x_ptr, x2_ptr, rows_ptr, sum_ptr, M, stride_x, stride_x2, stride_sum, N, K, EPS, ADD, GATHER, NORM, WRITE_SUM,
         BLOCK_M, BLOCK_N, BLOCK_K, PDL)
     acc, up = _products(x_ptr, x2_ptr, norm_ptr, w_ptr, scale_ptr, out_ptr, rows, rstd, stride_x, stride_x2, offs_m,
                         mask_m, offs_n, mask_n, 0, K, N, K, ADD, NORM, NORM_OFFSET, ACT, BLOCK_M, BLOCK_N, BLOCK_K,
-                        UPCAST_DOT, SCALE, SCALE_N, SCALE_K, A8)
+                        UPCAST_DOT, SCALE, SCALE_N, SCALE_K)
     _store(acc, up, bias_ptr, out_ptr, offs_m, mask_m, offs_n, mask_n, stride_out, N, BIAS, ACT, scale_ptr, SCALE)
 
 
@@ -148,7 +159,7 @@ def _products(x_ptr, x2_ptr, norm_ptr, w_ptr, scale_ptr, out_ptr, rows, rstd, st
               offs_n, mask_n, k_start, k_stop, N: tl.constexpr, K: tl.constexpr, ADD: tl.constexpr,
               NORM: tl.constexpr, NORM_OFFSET: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr, SCALE: tl.constexpr,
-              SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, A8: tl.constexpr):
+              SCALE_N: tl.constexpr, SCALE_K: tl.constexpr):
     """The tile's products over K from k_start to k_stop on the tensor cores: gate (or the only) and up sums."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -157,28 +168,26 @@ def _products(x_ptr, x2_ptr, norm_ptr, w_ptr, scale_ptr, out_ptr, rows, rstd, st
         mask_k = offs_k < K
         a = _activation_tile(x_ptr, x2_ptr, norm_ptr, rows, rstd, stride_x, stride_x2, offs_k, mask_m, mask_k,
                              ADD, NORM, NORM_OFFSET)
-        a_scale = tl.full([BLOCK_M], 1.0, tl.float32)
-        if A8:  # W8A8: the rows in e4m3, a scale each for this K tile, on the FP8 tensor cores
-            a, a_scale = quantize_rows_e4m3(a)
-        elif not UPCAST_DOT:  # the tensor cores take the weights' type (the interpreter's casts truncate: skip)
+        if not UPCAST_DOT:  # the tensor cores take the weights' type (the interpreter's casts truncate: skip)
             a = _operand(a, w_ptr, out_ptr, SCALE)
         w_mask = mask_n[:, None] & mask_k[None, :]
         w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
         w_up = w
         if ACT != 0:
             w_up = tl.load(w_ptr + (N + offs_n[:, None]) * K + offs_k[None, :], mask=w_mask, other=0.0)
-        if SCALE != 0 and not A8:  # FP8 values are exact in the rows' type (bf16's: times 2^-120, undone below)
+        if SCALE != 0:  # FP8 values are exact in the rows' type (bf16's: times 2^-120, undone below)
             w, w_up = widen_e4m3(w, a.dtype, UPCAST_DOT), widen_e4m3(w_up, a.dtype, UPCAST_DOT)
-        if SCALE == 2 or A8:
-            s, s_up = tile_scales(scale_ptr, offs_n, mask_n, k0, a_scale, N, K, ACT, SCALE, SCALE_N, SCALE_K, A8)
-            acc += dot(a, tl.trans(w), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), UPCAST_DOT) * s
+        if SCALE == 2:
+            s, s_up = _block_scales(scale_ptr, offs_n, mask_n, k0, N, K, ACT, SCALE_N, SCALE_K)
+            acc += dot(a, tl.trans(w), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), UPCAST_DOT) * s[None, :]
             if ACT != 0:
-                up += dot(a, tl.trans(w_up), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), UPCAST_DOT) * s_up
+                up += dot(a, tl.trans(w_up), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), UPCAST_DOT) \
+                    * s_up[None, :]
         else:
             acc = dot(a, tl.trans(w), acc, UPCAST_DOT)
             if ACT != 0:
                 up = dot(a, tl.trans(w_up), up, UPCAST_DOT)
-    if SCALE != 0 and not A8 and not UPCAST_DOT and out_ptr.dtype.element_ty == tl.bfloat16:  # the rows were bf16
+    if SCALE != 0 and not UPCAST_DOT and out_ptr.dtype.element_ty == tl.bfloat16:  # the rows were bf16
         acc, up = acc * BF16_LIFT, up * BF16_LIFT
     return acc, up
 
@@ -202,7 +211,7 @@ def linear_split_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, scale_ptr, bia
     k_start = tl.program_id(2) * per_split
     acc, up = _products(x_ptr, x2_ptr, norm_ptr, w_ptr, scale_ptr, out_ptr, rows, rstd, stride_x, stride_x2, offs_m,
                         mask_m, offs_n, mask_n, k_start, k_start + per_split, N, K, ADD, NORM, NORM_OFFSET, ACT,
-                        BLOCK_M, BLOCK_N, BLOCK_K, UPCAST_DOT, SCALE, SCALE_N, SCALE_K, False)
+                        BLOCK_M, BLOCK_N, BLOCK_K, UPCAST_DOT, SCALE, SCALE_N, SCALE_K)
     counter = count_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
     _meet_slices(acc, up, part_ptr, counter, SPLIT, bias_ptr, out_ptr, offs_m, mask_m, offs_n, mask_n, stride_out,
                  N, BIAS, ACT, BLOCK_M, BLOCK_N, scale_ptr, SCALE)
@@ -282,7 +291,7 @@ def gemv_row_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, scale_ptr, bias_pt
         w_next, w_up_next = _weight_tiles(w_ptr, offs_n, mask_n, k0 + BLOCK_K, N, K, ACT, BLOCK_K)
         w, w_up = w.to(tl.float32), w_up.to(tl.float32)
         if SCALE == 2:
-            s, s_up = block_scales(scale_ptr, offs_n, mask_n, k0, N, K, ACT, SCALE_N, SCALE_K)
+            s, s_up = _block_scales(scale_ptr, offs_n, mask_n, k0, N, K, ACT, SCALE_N, SCALE_K)
             w, w_up = w * s[:, None], w_up * s_up[:, None]
         acc += w * a[None, :]
         if ACT != 0:
@@ -358,7 +367,7 @@ def gemv_rows_kernel(x_ptr, x2_ptr, rows_ptr, norm_ptr, w_ptr, scale_ptr, bias_p
         w_next, w_up_next = _weight_tiles3(w_ptr, offs_n, mask_n, k0 + BLOCK_K, N, K, ACT, BLOCK_K)
         w, w_up = w.to(tl.float32), w_up.to(tl.float32)
         if SCALE == 2:
-            s, s_up = block_scales(scale_ptr, offs_n, mask_n, k0, N, K, ACT, SCALE_N, SCALE_K)
+            s, s_up = _block_scales(scale_ptr, offs_n, mask_n, k0, N, K, ACT, SCALE_N, SCALE_K)
             w, w_up = w * s[None, :, None], w_up * s_up[None, :, None]
         acc += _vector_sums(w * a, BLOCK_M, BLOCK_N, BLOCK_K, VEC)
         if ACT != 0:
