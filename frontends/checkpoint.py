@@ -2,9 +2,9 @@
 read without torch. Binding checks every weight the graph reads against the files before anything is loaded."""
 
 import json
-from math import prod
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from math import prod
 from pathlib import Path
 
 import numpy as np

@@ -10,7 +10,7 @@ from pegainfer.ir.dtypes import F8E4M3, FP32
 from pegainfer.ir.graph import Graph, Node
 from pegainfer.ir.types import TensorType
 
-KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model's dtype
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model's dtype; fp8 is e4m3 (vLLM's spellings)
 SCALE_NAMES = ("k_scale", "v_scale")
 DEFAULT_SCALE = 1.0
 

@@ -124,12 +124,12 @@ def load_model(folder: Path, *, lazy: bool = False, dtype: str = "auto", device:
                      kv_cache_dtype=kv_cache_dtype)
     expected = stored_params(spec.graph) if quantization else spec.graph.checkpoint_params()
     tensors = scan_checkpoint(folder)
-    defaults = spec.graph.param_defaults()
+    defaults = spec.graph.param_defaults()  # an FP8 cache's scales
     filled = {name: np.full(expected[name].shape, value, expected[name].dtype.np_dtype)
               for name, value in defaults.items() if name not in tensors}
-    check_weights({n: t for n, t in expected.items() if n not in filled}, tensors, folder)
-    weights = LazyWeights(expected, tensors, filled) if lazy else \
-        load_weights({n: t for n, t in expected.items() if n not in filled}, tensors) | filled
+    stored = {name: t for name, t in expected.items() if name not in filled}
+    check_weights(stored, tensors, folder)
+    weights = LazyWeights(expected, tensors, filled) if lazy else load_weights(stored, tensors) | filled
     check_kv_scales({name: weights[name] for name in defaults if name not in filled}, str(folder))
     if quantization:  # scheme_for refused it for a checkpoint quantized already
         weights = quantize_weights(dict(weights), spec.graph)

@@ -33,10 +33,10 @@ QUANTIZATION_CHOICES = ("fp8",)
 QUANTIZATION_HELP = ("fp8: the projections stored and read as float8 e4m3, a scale per output channel computed at "
                      "load (the embedding and LM head as stored; sm_89 or newer on cuda). Default: none, or the "
                      "checkpoint's own quantization_config")
-KV_CACHE_DTYPES = ("auto", "fp8")  # frontends/kv_cache.py's, spelled out as DTYPE_CHOICES is
-KV_CACHE_DTYPE_HELP = ("auto (default): the KV cache in the model's dtype; fp8: float8 e4m3, half the bytes, with a "
-                       "scale per layer for keys and values (the checkpoint's k_scale / v_scale, else 1.0; sm_89 or "
-                       "newer on cuda)")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # frontends/kv_cache.py's, spelled out as DTYPE_CHOICES is
+KV_CACHE_DTYPE_HELP = ("auto (default): the KV cache in the model's dtype; fp8 (or fp8_e4m3): float8 e4m3, half the "
+                       "bytes, with a scale per layer for keys and values (the checkpoint's k_scale / v_scale, else "
+                       "1.0; sm_89 or newer on cuda)")
 DTYPE_HELP = ("weights and activations: auto (default) is config.json's torch_dtype, except that a float32 "
               "checkpoint runs as bfloat16 on cuda (vLLM's rule); bfloat16, float16 or float32 cast the weights "
               "on load")

@@ -102,6 +102,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--cache-dir")
     parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--quantization", default=None)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     for name in ("batch", "context", "steps"):
@@ -111,7 +112,7 @@ def main() -> None:
     sm = visible_sm()
     if sm is None:
         parser.error("needs a visible GPU (and cuda-bindings)")
-    loaded = bench.bench_model(args.model, kv_cache_dtype=args.kv_cache_dtype)
+    loaded = bench.bench_model(args.model, args.quantization, args.kv_cache_dtype)
     try:  # compiled first where it is missing, as `pegainfer bench` does
         manifest = ensure_manifest(loaded.spec, sm, args.cache_dir, label=args.model)
     except PegainferError as error:
