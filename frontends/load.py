@@ -13,7 +13,8 @@ from pegainfer.errors import ConfigError
 from pegainfer.frontends.checkpoint import LazyWeights, check_weights, load_weights, scan_checkpoint
 from pegainfer.frontends.config import architecture_of, parse_config, read_config
 from pegainfer.frontends.kv_cache import apply_kv_cache_dtype, check_kv_scales
-from pegainfer.frontends.quantization import quantize_graph, quantize_weights, scheme_for, stored_params
+from pegainfer.frontends.online_quantization import QuantizedWeights, stored_params
+from pegainfer.frontends.quantization import quantize_graph, scheme_for
 from pegainfer.frontends.registry import dag_module_for
 from pegainfer.ir import Graph
 from pegainfer.ir.dtypes import dtype_from_name
@@ -132,5 +133,5 @@ def load_model(folder: Path, *, lazy: bool = False, dtype: str = "auto", device:
     weights = LazyWeights(expected, tensors, filled) if lazy else load_weights(stored, tensors) | filled
     check_kv_scales({name: weights[name] for name in defaults if name not in filled}, str(folder))
     if quantization:  # scheme_for refused it for a checkpoint quantized already
-        weights = quantize_weights(dict(weights), spec.graph)
+        weights = QuantizedWeights(weights, spec.graph)
     return LoadedModel(spec, folder, weights)

@@ -12,7 +12,7 @@ import numpy as np
 
 from pegainfer.errors import ConfigError
 from pegainfer.ir.dtypes import F8E4M3, FP32, DType
-from pegainfer.ir.graph import Graph, Node, instantiate
+from pegainfer.ir.graph import Graph, Node
 from pegainfer.ir.ops.quantize import scale_shape
 from pegainfer.ir.types import TensorType
 from pegainfer.passes.rewrite import fresh_name
@@ -142,33 +142,6 @@ def scheme_for(raw: dict, source: str, quantization: str | None) -> Fp8Weights |
         raise ConfigError(f"--quantization {quantization}: {source} is quantized already (its quantization_config "
                           f"says so); leave the flag out")
     return ONLINE
-
-
-def quantize_weights(weights: dict[str, np.ndarray], graph: Graph) -> dict[str, np.ndarray]:
-    """The stored weights with each projection the graph reads as FP8 (but finds stored in a float type) turned into
-    float8 e4m3 and its `_scale` per output channel, the row's largest magnitude mapped to FP8_MAX."""
-    out = dict(weights)
-    for name, type_ in graph.checkpoint_params().items():
-        if type_.dtype == F8E4M3 and out[name].dtype != F8E4M3.np_dtype:
-            w = np.asarray(out[name], dtype=np.float32)
-            scale = np.abs(w).max(axis=1, keepdims=True) / np.float32(FP8_MAX)
-            scale = np.where(scale > 0, scale, np.float32(1)).astype(np.float32)
-            out[name] = np.clip(w / scale, -FP8_MAX, FP8_MAX).astype(F8E4M3.np_dtype)
-            out[name + ONLINE.scale_suffix] = scale
-    return out
-
-
-def stored_params(graph: Graph) -> dict[str, TensorType]:
-    """What a checkpoint quantized at load holds of the graph's params: each FP8 projection in the model's dtype
-    (its dequantize node's output type), and no scales."""
-    stored = {}
-    for g, layer in graph.instances():
-        dequantizes = [n for n in g.nodes if n.op == "dequantize"]
-        weights = {n.inputs[0]: n.output_types[0] for n in dequantizes}
-        scales = {n.inputs[1] for n in dequantizes}
-        stored.update({name if layer is None else instantiate(name, layer): weights.get(name, t)
-                       for name, t in g.params.items() if name not in scales})
-    return stored
 
 
 def quantize_graph(graph: Graph, scheme: Fp8Weights, dtype: DType) -> Graph:

@@ -194,6 +194,22 @@ def test_quantized_at_load_runs_as_hugging_face_does_on_the_same_fp8_weights(che
     assert np.abs(got - unquantized).max() / np.abs(unquantized).max() > 1e-2
 
 
+def test_quantized_at_load_lazily_gives_the_eager_tensors_one_at_a_time(checkpoint_factory):
+    """The GPU's way (lazy): each projection quantized when it or its scale is first read, the same bytes as the
+    eager load's; the tensors left as stored keep their file spans, so the uploader reads them straight."""
+    from pegainfer.frontends.online_quantization import QuantizedWeights
+
+    folder = checkpoint_factory("fp8_source", OVERRIDES)
+    eager, lazy = (load_model(folder, quantization="fp8", lazy=flag).weights for flag in (False, True))
+    assert isinstance(lazy, QuantizedWeights) and sorted(lazy) == sorted(eager)
+    name = "model.layers.1.self_attn.o_proj.weight"
+    scale = lazy[name + "_scale"]  # the scale first: the values wait for their turn
+    assert np.array_equal(lazy[name].view(np.uint8), eager[name].view(np.uint8))
+    assert np.array_equal(scale, eager[name + "_scale"]) and not lazy._pending
+    assert all(np.array_equal(np.asarray(lazy[n]).view(np.uint8), np.asarray(eager[n]).view(np.uint8)) for n in eager)
+    assert lazy.span(name) is None and lazy.span("model.norm.weight") is not None
+
+
 def test_quantization_flags_are_checked_in_one_line(fp8_checkpoint, checkpoint_factory):
     with pytest.raises(ConfigError, match="--quantization fp8: .* is quantized already"):
         load_model(fp8_checkpoint, quantization="fp8")

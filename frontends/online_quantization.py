@@ -1,0 +1,74 @@
+"""`--quantization fp8`: a float checkpoint's projections quantized as they are loaded, a scale per output channel
+(its row's largest magnitude to FP8_MAX), one tensor at a time: host memory holds the tensors in flight, never the
+checkpoint quantized whole (64 GB of bf16 for a 32B model)."""
+
+import threading
+from collections.abc import Iterator, Mapping
+
+import numpy as np
+
+from pegainfer.frontends.checkpoint import FileSpan
+from pegainfer.frontends.quantization import FP8_MAX, ONLINE
+from pegainfer.ir.dtypes import F8E4M3
+from pegainfer.ir.graph import Graph, instantiate
+from pegainfer.ir.types import TensorType
+
+
+def quantize_rows(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(e4m3 values, float32 scales [rows, 1]) of a float weight: each row divided by its largest magnitude / FP8_MAX
+    and rounded to nearest even (a quotient past FP8_MAX by a rounding rounds back to it); an all-zero row's scale 1."""
+    values = weight.astype(np.float32)  # a copy: divided in place below
+    scale = np.abs(values).max(axis=1, keepdims=True) / np.float32(FP8_MAX)
+    scale[scale == 0] = 1
+    np.divide(values, scale, out=values)
+    return values.astype(F8E4M3.np_dtype), scale
+
+
+class QuantizedWeights(Mapping[str, np.ndarray]):
+    """The graph's checkpoint params over `stored` (a float checkpoint's tensors, read lazily or not): a projection
+    the graph reads as FP8 quantized when it or its `_scale` is first asked for, the other kept until taken."""
+
+    def __init__(self, stored: Mapping[str, np.ndarray], graph: Graph) -> None:
+        self.stored, self.expected = stored, graph.checkpoint_params()  # `expected`: each tensor's type, unread
+        self.fp8 = {name for name, t in self.expected.items() if t.dtype == F8E4M3}
+        self._pending: dict[str, np.ndarray] = {}  # the half of a pair not asked for yet
+        self._lock = threading.Lock()  # the GPU uploader's readers ask from several threads
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        weight = name.removesuffix(ONLINE.scale_suffix)
+        if name not in self.expected:
+            raise KeyError(name)
+        if weight not in self.fp8:
+            return self.stored[name]
+        with self._lock:
+            if name in self._pending:
+                return self._pending.pop(name)
+        values, scale = quantize_rows(self.stored[weight])
+        with self._lock:
+            other = weight + ONLINE.scale_suffix if name == weight else weight
+            self._pending[other] = values if other == weight else scale
+        return values if name == weight else scale
+
+    def span(self, name: str) -> FileSpan | None:
+        """Where an unquantized tensor's bytes lie in its file (LazyWeights.span); None for the quantized ones."""
+        span = getattr(self.stored, "span", None)
+        return None if span is None or name.removesuffix(ONLINE.scale_suffix) in self.fp8 else span(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.expected)
+
+    def __len__(self) -> int:
+        return len(self.expected)
+
+
+def stored_params(graph: Graph) -> dict[str, TensorType]:
+    """What a checkpoint quantized at load holds of the graph's params: each FP8 projection in the model's dtype
+    (its dequantize node's output type), and no scales."""
+    stored = {}
+    for g, layer in graph.instances():
+        dequantizes = [n for n in g.nodes if n.op == "dequantize"]
+        weights = {n.inputs[0]: n.output_types[0] for n in dequantizes}
+        scales = {n.inputs[1] for n in dequantizes}
+        stored.update({name if layer is None else instantiate(name, layer): weights.get(name, t)
+                       for name, t in g.params.items() if name not in scales})
+    return stored
