@@ -148,7 +148,7 @@ class GpuExecutor:
         """Copies the step's inputs up in one transfer; returns the step's sizes."""
         sizes = {"num_blocks": self.limits.num_blocks, "block_size": self.limits.block_size,
                  "max_blocks": self.limits.max_blocks_per_seq}
-        end = 0
+        arrays = {}
         for name, (offset, t) in self.inputs.items():
             array = np.ascontiguousarray(step[name], dtype=t.dtype.np_dtype)
             if name == "block_tables":  # fixed width, so the row stride never changes (CUDA graphs)
@@ -156,10 +156,12 @@ class GpuExecutor:
                 padded[:, : array.shape[1]] = array
                 array = padded
             sizes.update({d: s for d, s in zip(t.shape, array.shape) if isinstance(d, str)})
-            self.staging[offset: offset + array.nbytes] = array.view(np.uint8).reshape(-1)
-            end = max(end, offset + array.nbytes)
+            arrays[offset] = array
         sizes |= launch_sizes(step["query_lens"])
-        self._check(sizes)
+        self._check(sizes)  # before the staging is written: a step past the limits would not fit it
+        for offset, array in arrays.items():
+            self.staging[offset: offset + array.nbytes] = array.view(np.uint8).reshape(-1)
+        end = max(offset + array.nbytes for offset, array in arrays.items())
         driver.copy_to_device(self.input_region, self.staging[:end], self.ctx.stream)
         return sizes
 
