@@ -91,9 +91,8 @@ def _softmax_tile(q, q_pos, k, v, pos, pos_ok, acc, m_i, l_i, qk_scale, ROWS: tl
 def _attend(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, stride_q, stride_tables, seq,
             kv_head, token, head, row_ok, q_pos, lo, hi, fresh, SCALE: tl.constexpr, KV_HEADS: tl.constexpr,
             HD: tl.constexpr, CACHE_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
-            BLOCK_KV: tl.constexpr,
-            WINDOW: tl.constexpr, UPCAST_DOT: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
-            PREFETCH: tl.constexpr):
+            BLOCK_KV: tl.constexpr, WINDOW: tl.constexpr, UPCAST_DOT: tl.constexpr, PDL: tl.constexpr,
+            EARLY: tl.constexpr, PREFETCH: tl.constexpr):
     """Online softmax over the keys lo .. hi, gathered through the block table: (unnormalised out, max, sum).
     PREFETCH (EARLY: the step inputs come from the upload, not from a kernel): the first tile's keys and values
     before `fresh` (written by earlier steps) are read before the wait for the previous kernel, this step's

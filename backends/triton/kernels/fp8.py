@@ -25,4 +25,5 @@ def widen_e4m3(x, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
         out = x.to(dtype)
     return out
 
+
 BF16_LIFT = tl.constexpr(1.329227995784916e36)  # 2^120: what widen_e4m3 leaves out of bf16
