@@ -206,8 +206,9 @@ def start_serving(args: argparse.Namespace, trace: TextIO | None, listener: sock
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     loop = EngineLoop(Scheduler(engine, tokenizer.eos_token_ids, config), engine_thread_init(engine), trace).start()
     name = args.served_model_name or checkpoint.name
-    cache_info = {"gpu_memory_utilization": args.gpu_memory_utilization} if device == "cuda" and \
-        args.kv_cache_tokens is None else {}
+    cache_info = {"cache_dtype": args.kv_cache_dtype}
+    if device == "cuda" and args.kv_cache_tokens is None:
+        cache_info["gpu_memory_utilization"] = args.gpu_memory_utilization
     metrics = Metrics(name, max_model_len=max_model_len, cache_info=cache_info)
     ctx = ServerContext(loop, tokenizer, chat_template, name, checkpoint.repo_id or str(args.model_path),
                         max_model_len, model.spec.config.vocab_size, metrics, args.api_key,

@@ -24,7 +24,7 @@ from pegainfer.backends import build
 from pegainfer.backends.cache import manifest_path, model_id
 from pegainfer.cli import build_parser, main
 from pegainfer.errors import ConfigError, PegainferError
-from pegainfer.frontends import load, quantization
+from pegainfer.frontends import kv_cache, load, quantization
 from pegainfer.frontends.hub import HUB_FILES, resolve_checkpoint
 from pegainfer.runtime import device
 from pegainfer.runtime.batch import Chunk, Sequence
@@ -129,6 +129,27 @@ def test_an_explicit_max_model_len_past_the_kv_cache_is_refused_before_the_engin
 def test_the_cli_offers_the_dtypes_and_quantizations_the_frontend_takes():
     assert server_cli.DTYPE_CHOICES == load.DTYPE_CHOICES
     assert server_cli.QUANTIZATION_CHOICES == quantization.QUANTIZATION_CHOICES
+    assert server_cli.KV_CACHE_DTYPES == kv_cache.KV_CACHE_DTYPES
+
+
+def test_an_fp8_kv_cache_is_named_by_the_ready_line_and_the_metrics(tiny_checkpoint, tmp_path):
+    """As vLLM's cache_config_info says its cache_dtype; the pool of the same --kv-cache-tokens as bf16's."""
+    log = tmp_path / "serve.log"
+    command = [sys.executable, "-m", "pegainfer.cli", "serve", "--model-path", str(tiny_checkpoint), "--device", "cpu",
+               "--port", "0", "--kv-cache-tokens", "1024", "--kv-cache-dtype", "fp8"]
+    process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    try:
+        line = wait_for_line(log, process, "ready")
+        url = line.split(" on ", 1)[1].split(" ", 1)[0]
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        completion = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 3}, timeout=60)
+    finally:
+        process.terminate()
+        process.wait(30)
+    assert "64 KV blocks of 16 tokens in fp8" in line
+    info = next(m for m in metrics.splitlines() if m.startswith("vllm:cache_config_info{"))
+    assert 'cache_dtype="fp8"' in info
+    assert completion.status_code == 200 and completion.json()["usage"]["completion_tokens"] == 3
 
 
 @pytest.mark.parametrize("requested, checkpoint, on, unstable, expected", [
