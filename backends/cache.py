@@ -12,6 +12,7 @@ from typing import Any
 import pegainfer
 from pegainfer.backends.manifest import Manifest, read
 from pegainfer.backends.spec import LaunchSpec
+from pegainfer.frontends.kv_cache import has_fp8_cache
 
 CACHE_ENV = "PEGAINFER_CACHE"
 
@@ -38,7 +39,7 @@ def model_id(spec: Any) -> str:
     named: dict = asdict(spec.config)
     fp8 = sorted({(n.inputs[1], *n.attrs["block"]) for g in spec.graph.all_graphs() for n in g.nodes
                   if n.op == "dequantize"})
-    fp8_kv = any(t.dtype.name.startswith("f8") for g in spec.graph.all_graphs() for t in g.states.values())
+    fp8_kv = has_fp8_cache(spec.graph)
     if fp8 or fp8_kv:
         named = {"config": named, "fp8": fp8, **({"kv_cache": "fp8"} if fp8_kv else {})}
     digest = hashlib.sha256(json.dumps(named, sort_keys=True).encode()).hexdigest()[:12]

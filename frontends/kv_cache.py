@@ -28,6 +28,10 @@ def apply_kv_cache_dtype(graph: Graph, kv_cache_dtype: str) -> Graph:
     return graph
 
 
+def has_fp8_cache(graph: Graph) -> bool:
+    return any(t.dtype.name.startswith("f8") for g in graph.all_graphs() for t in g.states.values())
+
+
 def _store_fp8(g: Graph, write: Node) -> None:
     prefix = _attention_prefix(g, write)
     scales = tuple(f"{prefix}.{name}" for name in SCALE_NAMES)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pegainfer.errors import ConfigError
+from pegainfer.frontends.kv_cache import has_fp8_cache
 from pegainfer.ir.dtypes import F8E4M3, FP32, DType
 from pegainfer.ir.graph import Graph, Node
 from pegainfer.ir.ops.quantize import scale_shape
@@ -176,7 +177,7 @@ def refuse_fp8_below(graph: Graph, sms: list[int]) -> None:
     if older and is_quantized(graph):
         raise ConfigError(f"FP8 weights need sm_{FP8_MIN_SM} or newer (FP8 conversions); found sm_{older[0]}: run "
                           f"the bf16 checkpoint there, or this one with --device cpu")
-    if older and any(t.dtype.name.startswith("f8") for g in graph.all_graphs() for t in g.states.values()):
+    if older and has_fp8_cache(graph):
         raise ConfigError(f"--kv-cache-dtype fp8 needs sm_{FP8_MIN_SM} or newer (FP8 conversions); found "
                           f"sm_{older[0]}: use --kv-cache-dtype auto there")
 

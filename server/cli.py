@@ -219,9 +219,10 @@ def start_serving(args: argparse.Namespace, trace: TextIO | None, listener: sock
     def ready_line() -> str:
         ctx.metrics.startup_seconds = process_age()
         phases["http"] = ctx.metrics.startup_seconds - sum(phases.values())
+        cache_dtype = " in fp8" if args.kv_cache_dtype != "auto" else ""
         return (f"pegainfer: serving {name} on http://{_address(listener)} (device {device}: {reason}; dtype "
                 f"{model.spec.config.torch_dtype}; {allocator.num_blocks} KV blocks of {allocator.block_size} "
-                f"tokens{' in fp8' if args.kv_cache_dtype != 'auto' else ''}; max_model_len {max_model_len}{clamp_note}; prefix cache "
+                f"tokens{cache_dtype}; max_model_len {max_model_len}{clamp_note}; prefix cache "
                 f"{'on' if args.prefix_cache else 'off'}); ready {ctx.metrics.startup_seconds:.2f} s after start "
                 f"({', '.join(f'{k} {v:.2f} s' for k, v in phases.items())})")
     return loop, ctx, ready_line

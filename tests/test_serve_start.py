@@ -91,20 +91,27 @@ def wait_for_line(log: Path, process: subprocess.Popen, word: str, seconds: floa
     raise AssertionError(f"no {word!r} line in {seconds} s: {log.read_text()}")
 
 
+@contextlib.contextmanager
+def cpu_server(checkpoint: Path, log: Path, *flags: str):
+    """`pegainfer serve --device cpu --port 0 FLAGS` in a process of its own: (its ready line, its URL), the
+    process stopped after."""
+    command = [sys.executable, "-m", "pegainfer.cli", "serve", "--model-path", str(checkpoint), "--device", "cpu",
+               "--port", "0", *flags]
+    process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    try:
+        line = wait_for_line(log, process, "ready")
+        yield line, line.split(" on ", 1)[1].split(" ", 1)[0]
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
 def test_the_ready_line_comes_once_the_port_serves_and_names_the_clamped_max_model_len(tiny_checkpoint, tmp_path):
     """--port 0 takes any free port: the ready line must name the one bound, and answer at once, with no retry.
     Without --max-model-len, config.json's 2048 is clamped to the 1024 tokens the KV cache holds."""
     log = tmp_path / "serve.log"
-    command = [sys.executable, "-m", "pegainfer.cli", "serve", "--model-path", str(tiny_checkpoint), "--device", "cpu",
-               "--port", "0", "--kv-cache-tokens", "1024", "--served-model-name", "tiny"]
-    process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    try:
-        line = wait_for_line(log, process, "ready")
-        url = line.split(" on ", 1)[1].split(" ", 1)[0]
+    with cpu_server(tiny_checkpoint, log, "--kv-cache-tokens", "1024", "--served-model-name", "tiny") as (line, url):
         models = httpx.get(f"{url}/v1/models", timeout=10).json()["data"]
-    finally:
-        process.terminate()
-        process.wait(30)
     assert url.startswith("http://127.0.0.1:") and not url.endswith(":0")
     assert "max_model_len 1024 (max_position_embeddings 2048, clamped to the KV cache)" in line
     assert "64 KV blocks of 16 tokens" in line and "dtype float32" in line
@@ -134,18 +141,10 @@ def test_the_cli_offers_the_dtypes_and_quantizations_the_frontend_takes():
 
 def test_an_fp8_kv_cache_is_named_by_the_ready_line_and_the_metrics(tiny_checkpoint, tmp_path):
     """As vLLM's cache_config_info says its cache_dtype; the pool of the same --kv-cache-tokens as bf16's."""
-    log = tmp_path / "serve.log"
-    command = [sys.executable, "-m", "pegainfer.cli", "serve", "--model-path", str(tiny_checkpoint), "--device", "cpu",
-               "--port", "0", "--kv-cache-tokens", "1024", "--kv-cache-dtype", "fp8"]
-    process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    try:
-        line = wait_for_line(log, process, "ready")
-        url = line.split(" on ", 1)[1].split(" ", 1)[0]
+    with cpu_server(tiny_checkpoint, tmp_path / "serve.log", "--kv-cache-tokens", "1024", "--kv-cache-dtype",
+                    "fp8") as (line, url):
         metrics = httpx.get(f"{url}/metrics", timeout=10).text
         completion = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 3}, timeout=60)
-    finally:
-        process.terminate()
-        process.wait(30)
     assert "64 KV blocks of 16 tokens in fp8" in line
     info = next(m for m in metrics.splitlines() if m.startswith("vllm:cache_config_info{"))
     assert 'cache_dtype="fp8"' in info

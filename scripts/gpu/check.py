@@ -206,6 +206,19 @@ def bench_4b(results: dict) -> None:
     print(bench.format_prefill(rows))
 
 
+def decode_4b(results: dict, key: str, batches: list[int], contexts: list[int], **options):
+    """bench.bench_decode on the Qwen3-4B shape, random weights (`options`: bench_model's quantization and
+    kv_cache_dtype), its rows in results[key]; returns the engine, for more."""
+    model = bench.bench_model("qwen3-4b", **options)
+    manifest = ensure_manifest(model.spec, visible_sm(), label="qwen3-4b", compile_missing=False)
+    engine = bench.engine_for(model, manifest, max_tokens=max(batches), max_batch=max(batches),
+                              max_model_len=max(contexts) + 64)
+    rows = bench.bench_decode(engine, batches, contexts)
+    results[key] = bench.as_json(rows)
+    print(key, bench.format_decode(rows), sep="\n")
+    return engine
+
+
 def gate_4b(results: dict, logit_std: float = 2.0, cases: list[str] | None = None) -> None:
     """The golden gate on the full Qwen3-4B shape: Hugging Face's random init (bf16, on this GPU), its final norm
     scaled so that the logits spread `logit_std` (as the small checkpoints are), and the same weights handed to

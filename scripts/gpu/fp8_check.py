@@ -12,16 +12,13 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
-from check import SMALL, check_small, gate_stats, relative_error, run_sections
+from check import SMALL, check_small, decode_4b, gate_stats, relative_error, run_sections
 
 from pegainfer.frontends.load import load_model
+from pegainfer.runtime import bench
 from pegainfer.runtime.batch import Chunk, Sequence
 from pegainfer.runtime.gpu.start import gpu_engine
 from pegainfer.runtime.reference_engine import ReferenceEngine
-
-from pegainfer.runtime import bench
-from pegainfer.runtime.device import visible_sm
-from pegainfer.runtime.gpu.start import ensure_manifest
 
 GPU = Path(__file__).resolve().parents[2] / ".gpu"  # what prepare_fp8.sh made
 
@@ -43,13 +40,8 @@ def check_prefill(folder: Path, results: dict) -> None:
 
 def bench_fp8(results: dict, batches: list[int], contexts: list[int]) -> None:
     for quantization in (None, "fp8"):
-        model = bench.bench_model("qwen3-4b", quantization)
-        manifest = ensure_manifest(model.spec, visible_sm(), label="qwen3-4b", compile_missing=False)
-        engine = bench.engine_for(model, manifest, max_tokens=max(batches), max_batch=max(batches),
-                                  max_model_len=max(contexts) + 64)
-        rows = bench.bench_decode(engine, batches, contexts)
-        results[f"qwen3_4b_decode_{quantization or 'bf16'}"] = bench.as_json(rows)
-        print(quantization or "bf16", bench.format_decode(rows), sep="\n")
+        engine = decode_4b(results, f"qwen3_4b_decode_{quantization or 'bf16'}", batches, contexts,
+                           quantization=quantization)
         if quantization:
             results["qwen3_4b_fp8_kernels_b1_ctx128_us"] = {k: round(v, 1) for k, v in
                                                              bench.kernel_breakdown(engine, 128).items()}

@@ -10,24 +10,16 @@ a table last; every number goes to $OUT/results.json.
 import argparse
 from pathlib import Path
 
-from check import check_small, run_sections
+from check import check_small, decode_4b, run_sections
 
 from pegainfer.runtime import bench
-from pegainfer.runtime.device import visible_sm
-from pegainfer.runtime.gpu.start import ensure_manifest
 
 GPU = Path(__file__).resolve().parents[2] / ".gpu"  # what prepare_kv_fp8.sh made
 
 
 def bench_kv(results: dict, batches: list[int], contexts: list[int]) -> None:
     for kv in ("auto", "fp8"):
-        model = bench.bench_model("qwen3-4b", kv_cache_dtype=kv)
-        manifest = ensure_manifest(model.spec, visible_sm(), label="qwen3-4b", compile_missing=False)
-        engine = bench.engine_for(model, manifest, max_tokens=max(batches), max_batch=max(batches),
-                                  max_model_len=max(contexts) + 64)
-        rows = bench.bench_decode(engine, batches, contexts)
-        results[f"qwen3_4b_decode_kv_{kv}"] = bench.as_json(rows)
-        print(f"KV cache {kv}", bench.format_decode(rows), sep="\n")
+        engine = decode_4b(results, f"qwen3_4b_decode_kv_{kv}", batches, contexts, kv_cache_dtype=kv)
         launches = bench.kernel_breakdown(engine, max(contexts))
         results[f"qwen3_4b_kv_{kv}_b1_ctx{max(contexts)}_us"] = {k: round(v, 1) for k, v in launches.items()}
         del engine
