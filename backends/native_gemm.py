@@ -17,15 +17,17 @@ class NativeGemm:
     k: int  # reduction width
 
 
-def native_gemm(graph: Graph, node: Node) -> NativeGemm | None:
-    """The kernel's roles and shapes when the native templates implement it, else None."""
+def native_gemm(graph: Graph, node: Node, fp8: bool = False) -> NativeGemm | None:
+    """The kernel's roles and shapes when the native templates implement it, else None; `fp8`: the caller has
+    templates for e4m3 weights with their scales too."""
     try:
         roles = gemm_roles(node)
     except Exception:  # a shape the GEMM family does not cover
         return None
     if roles["rows"] or roles["top_k"] or roles["bias"] or roles["act"] not in (0, 1) or roles["norm_offset"]:
         return None
-    if not {roles["weight"], roles["norm"] or roles["weight"]} <= set(graph.params):
+    weights = {"f8e4m3"} if fp8 and roles["scale"] is not None else {"bf16"}
+    if not {roles["weight"], roles["norm"] or roles["weight"], roles["scale"] or roles["weight"]} <= set(graph.params):
         return None  # the decode tiles read their weights before waiting for the previous kernel: parameters only
     types = graph.value_types() | {o: t for n in node.attrs["nodes"] for o, t in zip(n.outputs, n.output_types)}
     layout = static_layout(graph)
@@ -33,6 +35,6 @@ def native_gemm(graph: Graph, node: Node) -> NativeGemm | None:
     dense = {roles["x"]: k, roles["out"]: n} | ({roles["x2"]: k} if roles["x2"] else {}) \
         | ({roles["sum"]: k} if roles["sum"] else {})
     if any(types[v].dtype.name != "bf16" or layout[v] != (width, 0) for v, width in dense.items()) \
-            or types[roles["weight"]].dtype.name != "bf16":
+            or types[roles["weight"]].dtype.name not in weights:
         return None
     return NativeGemm(roles, types, n, k)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from pegainfer.backends.native_gemm import native_gemm
 from pegainfer.backends.planning import PREFILL_QUERIES, PlanOptions, gemm_roles, static_layout
 from pegainfer.backends.spec import PLANE_ROWS, GridDim, LaunchSpec, Param, ParamKind, VariantSpec
+from pegainfer.backends.tilelang.fp8_plan import fp8_gemm, fp8_scratch
 from pegainfer.backends.tilelang.launches import SM90_SHARED, launch as _launch, tensor as _tensor
 from pegainfer.backends.tilelang.swapped_plan import swapped_rows, swapped_scratch
 from pegainfer.backends.triton.attention import decode_rows_launch
@@ -148,11 +149,13 @@ def candidates(graph: Graph, node: Node, options: PlanOptions) -> list[VariantSp
 def _gemm(graph: Graph, node: Node) -> list[VariantSpec]:
     """Every slot of a GEMM kernel: the decode forms, then the row-unbounded slot's [add +] RMSNorm row launch and
     the TMA GEMM over its rows."""
-    gemm = native_gemm(graph, node)
+    gemm = native_gemm(graph, node, fp8=True)
     if gemm is None or gemm.k % 64 or gemm.n % 128:
         return []  # TMA wants 16-byte aligned rows, and these tiles whole ones
     roles, n, k = gemm.roles, gemm.n, gemm.k
     row_symbol = gemm.types[roles["x"]].shape[0]
+    if roles["scale"] is not None:
+        return fp8_gemm(gemm, row_symbol)
     dim = Param("M", ParamKind.DIM, row_symbol, "i32")
     launches, decode_launches, operand, variants = [], [], roles["x"], []
     if roles["norm"]:
@@ -311,6 +314,10 @@ swapped tiles': swapped_plan.py)."""
         roles = gemm_roles(node)
         types = graph.value_types()
         scratch["gemm.normed"] = ("bf16", (types[roles["x"]].shape[0], types[roles["weight"]].shape[1]))
+    if any(launch.function == "quantize_rows" for launch in launches):
+        roles = gemm_roles(node)
+        types = graph.value_types()
+        scratch |= fp8_scratch(types[roles["x"]].shape[0], types[roles["weight"]].shape[1])
     scratch |= swapped_scratch(launches)
     for launch in launches:
         if launch.constexprs.get("PARTIAL"):

@@ -2,6 +2,7 @@
 rows x columns, the last blocks cut short by the weight's edge) to the values it stands for, in the model's dtype:
 value * scale of its block, in float32, rounded once. Per-channel scales are blocks of one row and every column."""
 
+import ml_dtypes
 import numpy as np
 
 from pegainfer.ir.dtypes import FP32, dtype_from_name
@@ -30,3 +31,21 @@ def dequantize(q: np.ndarray, scale: np.ndarray, *, block: tuple[int, int], dtyp
 
 
 register_op("dequantize", _infer_dequantize, dequantize, DEQUANTIZE)
+
+
+E4M3_MAX = 448.0  # the largest finite float8 e4m3fn
+ROW_GROUP = 128  # the columns of a row quantization group
+
+
+def quantize_row_groups(x: np.ndarray, group: int = ROW_GROUP) -> tuple[np.ndarray, np.ndarray]:
+    """A GEMM's rows as its W8A8 kernel multiplies them (backends/tilelang/kernels/rows.py `quantize_rows`, as
+    vLLM's per-token-group quantization): each row's groups of `group` columns over their largest magnitude / 448
+    (at least 1e-10 / 448), rounded to nearest e4m3. (values [M, K] e4m3, scales [M, K / group] float32); the rows
+    stand for values * scale of their group."""
+    rows, cols = x.shape
+    if cols % group:
+        raise ValueError(f"quantize_row_groups: {cols} columns are not whole groups of {group}")
+    groups = np.asarray(x, np.float32).reshape(rows, cols // group, group)
+    scales = np.maximum(np.abs(groups).max(axis=2), np.float32(1e-10)) / np.float32(E4M3_MAX)
+    values = (groups / scales[:, :, None]).astype(ml_dtypes.float8_e4m3fn)
+    return values.reshape(rows, cols), scales.astype(np.float32)

@@ -36,7 +36,7 @@ class Runner:
         tensors = {}
         for name, t in env.items():
             dtype = dtype_from_name({torch.bfloat16: "bf16", torch.float32: "f32", torch.int32: "i32",
-                                     torch.int64: "i64"}[t.dtype])
+                                     torch.int64: "i64", torch.float8_e4m3fn: "f8e4m3"}[t.dtype])
             tensors[name] = DeviceTensor(t.data_ptr(), tuple(t.shape), dtype, t.stride(0) if t.dim() > 1 else 1)
         for launch in launches:
             if launch.key not in self.functions:

@@ -108,3 +108,77 @@ def sum_planes(N: int, SPLIT: int, THREADS: int, PDL: bool = False):
             for i, j in T.Parallel(1, N):
                 C[row, j] = T.cast(total[i, j], BF16)
     return sum_planes
+
+
+FP8_MAX = 448.0  # e4m3's largest finite value
+GROUP = 128  # gemm_fp8.py's quantization group
+
+
+def quantize_rows(K: int, EPS: float, NORM: bool, ADD: bool, WRITE_SUM: bool, THREADS: int, PDL: bool = False):
+    """The rows of an FP8 GEMM (gemm_fp8.py) in e4m3 groups of 128 columns: per row [the residual sum X + X2 in
+    bf16, written to S] [its RMSNorm times G, rounded to bf16 once], then each group over its
+    largest magnitude / 448 (AS, [M, K / 128]) and rounded to e4m3 (Y), as vLLM's per-token-group
+    quantization does. PDL: the GEMM after it, launched programmatically, may start at once (and waits for it)."""
+    assert NORM or not (ADD or WRITE_SUM), "an add without a norm is not a shape the passes make"
+    assert K % GROUP == 0, K
+    M = T.dynamic("M")
+    KB = K // GROUP
+
+    @T.macro
+    def row_kernel(X, X2, G, S, Y, AS):
+        with T.Kernel(M, threads=THREADS) as row:
+            x = T.alloc_fragment((KB, GROUP), T.float32)
+            squares = T.alloc_fragment((KB, GROUP), T.float32)
+            partial = T.alloc_fragment((KB,), T.float32)
+            total = T.alloc_fragment((1,), T.float32)
+            amax = T.alloc_fragment((KB,), T.float32)
+            if PDL:
+                T.pdl_trigger()
+                T.pdl_sync()
+            for g, j in T.Parallel(KB, GROUP):  # the residual sum in bf16, as the graph's add rounds it
+                if ADD:
+                    x[g, j] = T.cast(T.cast(T.cast(X[row, g * GROUP + j], T.float32)
+                                            + T.cast(X2[row, g * GROUP + j], T.float32), BF16), T.float32)
+                else:
+                    x[g, j] = T.cast(X[row, g * GROUP + j], T.float32)
+            if NORM:
+                for g, j in T.Parallel(KB, GROUP):
+                    if WRITE_SUM:
+                        S[row, g * GROUP + j] = T.cast(x[g, j], BF16)
+                    squares[g, j] = x[g, j] * x[g, j]
+                T.reduce_sum(squares, partial, dim=1)
+                T.reduce_sum(partial, total, dim=0)
+                for g, j in T.Parallel(KB, GROUP):
+                    x[g, j] = T.cast(T.cast(x[g, j] * T.rsqrt(total[0] / K + EPS)
+                                            * T.cast(G[g * GROUP + j], T.float32), BF16), T.float32)
+            T.reduce_absmax(x, amax, dim=1)
+            for g in T.Parallel(KB):
+                amax[g] = T.max(amax[g], 1e-10) / FP8_MAX
+                AS[row, g] = amax[g]
+            for g, j in T.Parallel(KB, GROUP):
+                Y[row, g * GROUP + j] = T.cast(x[g, j] / amax[g], T.float8_e4m3fn)
+
+    FP8 = T.float8_e4m3fn
+    if ADD and WRITE_SUM:
+        @T.prim_func
+        def quantize_rows(X: T.Tensor((M, K), BF16), X2: T.Tensor((M, K), BF16), G: T.Tensor((K,), BF16),
+                          S: T.Tensor((M, K), BF16), Y: T.Tensor((M, K), FP8), AS: T.Tensor((M, KB), T.float32)):
+            row_kernel(X, X2, G, S, Y, AS)
+        return quantize_rows
+    if ADD:
+        @T.prim_func
+        def quantize_rows(X: T.Tensor((M, K), BF16), X2: T.Tensor((M, K), BF16), G: T.Tensor((K,), BF16),
+                          Y: T.Tensor((M, K), FP8), AS: T.Tensor((M, KB), T.float32)):
+            row_kernel(X, X2, G, None, Y, AS)
+        return quantize_rows
+    if NORM:
+        @T.prim_func
+        def quantize_rows(X: T.Tensor((M, K), BF16), G: T.Tensor((K,), BF16), Y: T.Tensor((M, K), FP8),
+                          AS: T.Tensor((M, KB), T.float32)):
+            row_kernel(X, None, G, None, Y, AS)
+        return quantize_rows
+
+    @T.prim_func
+    def quantize_rows(X: T.Tensor((M, K), BF16), Y: T.Tensor((M, K), FP8), AS: T.Tensor((M, KB), T.float32)):
+        row_kernel(X, None, None, None, Y, AS)
+    return quantize_rows

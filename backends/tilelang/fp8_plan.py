@@ -1,0 +1,140 @@
+"""Planning TileLang's FP8 GEMMs (sm_90a, W8A8): a row launch quantizes the rows to e4m3 in groups of 128 columns
+(rows.py `quantize_rows`, which also does the GEMM's [add +] RMSNorm), then wgmma e4m3 x e4m3: gemm_fp8.py's tiles
+(rows as M) for prefill-sized steps, swapped_fp8.py's (weights as M) for decode steps of up to 256 rows. Weights in
+128 x 128 blocks (Qwen's FP8 checkpoints) or with a scale per output column (compressed-tensors',
+`--quantization fp8`); other blocks stay with Triton's W8A16 tiles."""
+
+from dataclasses import dataclass
+
+from pegainfer.backends.native_gemm import NativeGemm
+from pegainfer.backends.spec import GridDim, LaunchSpec, Param, ParamKind, VariantSpec
+from pegainfer.backends.tilelang.launches import SM90_SHARED, launch, tensor
+from pegainfer.backends.tilelang.swapped_plan import SLICES
+
+GROUP = 128  # rows.py's and gemm_fp8.py's quantization group: a K step, and a weight block's width
+QUANTIZED = "gemm.quantized"  # the rows in e4m3, [rows, K]
+NORMED = "gemm.normed"  # the W8A16 tiles' normed bf16 rows (plan.py's scratch of that name)
+ROW_SCALES = "gemm.row_scales"  # their groups' scales, [rows, K / 128]
+FP8 = "*fp8e4nv"
+
+
+@dataclass(frozen=True)
+class Fp8Tile:
+    """A CTA's rows and output columns (merged: the columns of gate, and as many of up, in one accumulator), its
+    stages and consumer threads."""
+    name: str
+    block_m: int
+    block_n: int
+    merged: bool
+    stages: int = 4
+    threads: int = 256
+
+
+FP8_TILES = (Fp8Tile("w8a8_128x128", 128, 128, merged=False),
+             Fp8Tile("w8a8_merged_128x128", 128, 64, merged=True))
+
+
+def scale_mode(block: tuple[int, int], k: int) -> int | None:
+    """gemm_fp8.py's SCALE for the weights' scale blocks: 2 per 128 x 128 block, 1 per output column, None when
+    the kernel has no form for them."""
+    if tuple(block) == (GROUP, GROUP):
+        return 2
+    return 1 if block[0] == 1 and block[1] >= k else None
+
+
+# Decode slots of the swapped tiles: the rows of a CTA's stage (wgmma's N; SiLU x up at most 64, its four
+# accumulators in registers); one launch serves 1, 4 and 16 rows
+SWAPPED_ROWS = {1: 16, 4: 16, 16: 16, 32: 32, 64: 64, 128: 128, 256: 128}
+COLUMNS = 64  # wgmma's M: a consumer warpgroup's output columns
+BUSY_CTAS = 132  # the H200's SMs: K is split (up to MAX_SPLIT) while a step's CTAs leave some idle
+MAX_SPLIT = 4
+SLACK = 12 * 1024  # of an SM's shared memory a CTA leaves to barriers, the system's 1 KB and the epilogue
+
+
+def fp8_gemm(gemm: NativeGemm, row_symbol: str) -> list[VariantSpec]:
+    """Every slot of a GEMM of FP8 weights: the quantizing row launch, then the swapped tile (decode rows) or the
+    prefill tile (any rows)."""
+    roles, n, k = gemm.roles, gemm.n, gemm.k
+    mode = scale_mode(roles["scale_block"], k)
+    tile = next((t for t in FP8_TILES if t.merged == bool(roles["act"])), None)
+    if mode is None or k % GROUP or tile is None or n % tile.block_n or roles["act"] not in (0, 1):
+        return []
+    dim = Param("M", ParamKind.DIM, row_symbol, "i32")
+    quantize, decode = (_quantize_launch(roles, k, dim, row_symbol, pdl) for pdl in (False, True))
+    gemm_params = [tensor("A", QUANTIZED, FP8), tensor("AS", ROW_SCALES, "*fp32"), tensor("W", roles["weight"], FP8),
+                   tensor("WS", roles["scale"], "*fp32"), tensor("C", roles["out"]), dim]
+    constexprs = dict(N=n, K=k, ACT=roles["act"], SCALE=mode, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+                      STAGES=tile.stages, THREADS=tile.threads, SWIZZLE=10)
+    grid = (GridDim((n,), tile.block_n), GridDim((row_symbol,), tile.block_m))
+    product = launch("gemm_fp8.py", "gemm_fp8", gemm_params, constexprs, grid, tile.threads, tile.stages)
+    rows, norm = roles["x"], []
+    if roles["norm"]:
+        rows, norm = NORMED, [_norm_launch(roles, k, dim, row_symbol)]
+    w8a16_params = [tensor("A", rows), tensor("W", roles["weight"], FP8), tensor("WS", roles["scale"], "*fp32"),
+                    tensor("C", roles["out"]), dim]
+    return _swapped("swapped_w8a16", norm, w8a16_params, n, k, roles["act"], mode, row_symbol) \
+        + _swapped("swapped_fp8", [decode], gemm_params, n, k, roles["act"], mode, row_symbol) \
+        + [VariantSpec(tile.name, None, [quantize, product], "tilelang", sms=(90,))]
+
+
+def _swapped(form: str, launches: list[LaunchSpec], params: list[Param], n: int, k: int, act: int, mode: int,
+             row_symbol: str) -> list[VariantSpec]:
+    """The decode slots: the swapped tile of `form` (swapped_w8a16.py: bf16 rows after the norm launch, if any;
+    swapped_fp8.py: e4m3 rows after the quantizing launch), K split where the CTAs are few."""
+    row_bytes = 2 if form == "swapped_w8a16" else 1
+    if n % COLUMNS:
+        return []
+    variants = []
+    for slot, block_m in SWAPPED_ROWS.items():
+        block_m = min(block_m, 64) if act else block_m
+        fragments = (4 if act else 2) * COLUMNS * block_m // 128  # registers a thread, for the sums
+        ctas_per_sm = 2 if fragments <= 64 else 1
+        split, ctas = 1, n // COLUMNS * -(-slot // block_m)
+        while not act and ctas * split < BUSY_CTAS and split < MAX_SPLIT and (k // GROUP) % (2 * split) == 0:
+            split *= 2
+        stage = ((2 if act else 1) * COLUMNS + block_m * row_bytes) * GROUP
+        fixed = block_m * (k // GROUP) * 4 + COLUMNS * block_m * 4 + SLACK  # the row scales, the epilogue
+        stages = min(8, (SM90_SHARED // ctas_per_sm - fixed) // stage)
+        constexprs = dict(N=n, K=k, ACT=act, SCALE=mode, BLOCK_N=COLUMNS, BLOCK_M=block_m, STAGES=stages,
+                          THREADS=2 * COLUMNS, SPLIT=split, MIN_BLOCKS=ctas_per_sm, PDL=True)
+        grid = (GridDim((row_symbol,), block_m), GridDim((n,), COLUMNS), GridDim((split,)))
+        c, dim = params[-2:]
+        if split == 1:
+            tail = [launch(f"{form}.py", form, params, constexprs, grid[:2], 2 * COLUMNS, stages)]
+        else:
+            planes = tensor("P", SLICES, "*fp32")
+            tail = [launch(f"{form}.py", form, [*params[:-2], planes, dim], constexprs, grid, 2 * COLUMNS, stages),
+                    launch("swapped.py", "sum_slices", [planes, c, dim], dict(N=n, SPLIT=split, THREADS=128),
+                           (GridDim((row_symbol,)),), 128)]
+        name = "w8a16_swapped" if form == "swapped_w8a16" else "w8a8_swapped"
+        variants.append(VariantSpec(f"{name}_{block_m}x{COLUMNS}", slot, [*launches, *tail], "tilelang", sms=(90,)))
+    return variants
+
+
+def _norm_launch(roles: dict, k: int, dim: Param, row_symbol: str) -> LaunchSpec:
+    """rows.py's [add +] RMSNorm into the bf16 rows the W8A16 tiles read, programmatic."""
+    params = [tensor("X", roles["x"])] + ([tensor("X2", roles["x2"])] if roles["x2"] else []) \
+        + [tensor("G", roles["norm"])] + ([tensor("S", roles["sum"])] if roles["sum"] else []) \
+        + [tensor("Y", NORMED), dim]
+    return launch("rows.py", "add_rms_norm", params,
+                  dict(K=k, EPS=float(roles["eps"]), ADD=roles["x2"] is not None, WRITE_SUM=roles["sum"] is not None,
+                       THREADS=128, PDL=True), (GridDim((row_symbol,)),), 128)
+
+
+def _quantize_launch(roles: dict, k: int, dim: Param, row_symbol: str, pdl: bool) -> LaunchSpec:
+    """rows.py's quantize_rows over the GEMM's rows (programmatic before the decode tiles: `pdl`)."""
+    params = [tensor("X", roles["x"])]
+    if roles["x2"]:
+        params.append(tensor("X2", roles["x2"]))
+    if roles["norm"]:
+        params.append(tensor("G", roles["norm"]))
+    if roles["sum"]:
+        params.append(tensor("S", roles["sum"]))
+    params += [tensor("Y", QUANTIZED, FP8), tensor("AS", ROW_SCALES, "*fp32"), dim]
+    return launch("rows.py", "quantize_rows", params,
+                  dict(K=k, EPS=float(roles["eps"]), NORM=roles["norm"] is not None, ADD=roles["x2"] is not None,
+                       WRITE_SUM=roles["sum"] is not None, THREADS=128, PDL=pdl), (GridDim((row_symbol,)),), 128)
+
+
+def fp8_scratch(rows: str | int, k: int) -> dict[str, tuple[str, tuple]]:
+    return {QUANTIZED: ("f8e4m3", (rows, k)), ROW_SCALES: ("f32", (rows, k // GROUP))}
