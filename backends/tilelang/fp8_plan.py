@@ -13,7 +13,6 @@ from pegainfer.backends.tilelang.swapped_plan import SLICES
 
 GROUP = 128  # rows.py's and gemm_fp8.py's quantization group: a K step, and a weight block's width
 QUANTIZED = "gemm.quantized"  # the rows in e4m3, [rows, K]
-NORMED = "gemm.normed"  # the W8A16 tiles' normed bf16 rows (plan.py's scratch of that name)
 ROW_SCALES = "gemm.row_scales"  # their groups' scales, [rows, K / 128]
 FP8 = "*fp8e4nv"
 
@@ -67,21 +66,13 @@ def fp8_gemm(gemm: NativeGemm, row_symbol: str) -> list[VariantSpec]:
                       STAGES=tile.stages, THREADS=tile.threads, SWIZZLE=10)
     grid = (GridDim((n,), tile.block_n), GridDim((row_symbol,), tile.block_m))
     product = launch("gemm_fp8.py", "gemm_fp8", gemm_params, constexprs, grid, tile.threads, tile.stages)
-    rows, norm = roles["x"], []
-    if roles["norm"]:
-        rows, norm = NORMED, [_norm_launch(roles, k, dim, row_symbol)]
-    w8a16_params = [tensor("A", rows), tensor("W", roles["weight"], FP8), tensor("WS", roles["scale"], "*fp32"),
-                    tensor("C", roles["out"]), dim]
-    return _swapped("swapped_w8a16", norm, w8a16_params, n, k, roles["act"], mode, row_symbol) \
-        + _swapped("swapped_fp8", [decode], gemm_params, n, k, roles["act"], mode, row_symbol) \
+    return _swapped(decode, gemm_params, n, k, roles["act"], mode, row_symbol) \
         + [VariantSpec(tile.name, None, [quantize, product], "tilelang", sms=(90,))]
 
 
-def _swapped(form: str, launches: list[LaunchSpec], params: list[Param], n: int, k: int, act: int, mode: int,
+def _swapped(quantize: LaunchSpec, params: list[Param], n: int, k: int, act: int, mode: int,
              row_symbol: str) -> list[VariantSpec]:
-    """The decode slots: the swapped tile of `form` (swapped_w8a16.py: bf16 rows after the norm launch, if any;
-    swapped_fp8.py: e4m3 rows after the quantizing launch), K split where the CTAs are few."""
-    row_bytes = 2 if form == "swapped_w8a16" else 1
+    """The decode slots: swapped_fp8.py after the quantizing launch, K split where the CTAs are few."""
     if n % COLUMNS:
         return []
     variants = []
@@ -92,7 +83,7 @@ def _swapped(form: str, launches: list[LaunchSpec], params: list[Param], n: int,
         split, ctas = 1, n // COLUMNS * -(-slot // block_m)
         while not act and ctas * split < BUSY_CTAS and split < MAX_SPLIT and (k // GROUP) % (2 * split) == 0:
             split *= 2
-        stage = ((2 if act else 1) * COLUMNS + block_m * row_bytes) * GROUP
+        stage = ((2 if act else 1) * COLUMNS + block_m) * GROUP
         fixed = block_m * (k // GROUP) * 4 + COLUMNS * block_m * 4 + SLACK  # the row scales, the epilogue
         stages = min(8, (SM90_SHARED // ctas_per_sm - fixed) // stage)
         constexprs = dict(N=n, K=k, ACT=act, SCALE=mode, BLOCK_N=COLUMNS, BLOCK_M=block_m, STAGES=stages,
@@ -100,25 +91,16 @@ def _swapped(form: str, launches: list[LaunchSpec], params: list[Param], n: int,
         grid = (GridDim((row_symbol,), block_m), GridDim((n,), COLUMNS), GridDim((split,)))
         c, dim = params[-2:]
         if split == 1:
-            tail = [launch(f"{form}.py", form, params, constexprs, grid[:2], 2 * COLUMNS, stages)]
+            tail = [launch("swapped_fp8.py", "swapped_fp8", params, constexprs, grid[:2], 2 * COLUMNS, stages)]
         else:
             planes = tensor("P", SLICES, "*fp32")
-            tail = [launch(f"{form}.py", form, [*params[:-2], planes, dim], constexprs, grid, 2 * COLUMNS, stages),
+            tail = [launch("swapped_fp8.py", "swapped_fp8", [*params[:-2], planes, dim], constexprs, grid,
+                           2 * COLUMNS, stages),
                     launch("swapped.py", "sum_slices", [planes, c, dim], dict(N=n, SPLIT=split, THREADS=128),
                            (GridDim((row_symbol,)),), 128)]
-        name = "w8a16_swapped" if form == "swapped_w8a16" else "w8a8_swapped"
-        variants.append(VariantSpec(f"{name}_{block_m}x{COLUMNS}", slot, [*launches, *tail], "tilelang", sms=(90,)))
+        variants.append(VariantSpec(f"w8a8_swapped_{block_m}x{COLUMNS}", slot, [quantize, *tail], "tilelang",
+                                    sms=(90,)))
     return variants
-
-
-def _norm_launch(roles: dict, k: int, dim: Param, row_symbol: str) -> LaunchSpec:
-    """rows.py's [add +] RMSNorm into the bf16 rows the W8A16 tiles read, programmatic."""
-    params = [tensor("X", roles["x"])] + ([tensor("X2", roles["x2"])] if roles["x2"] else []) \
-        + [tensor("G", roles["norm"])] + ([tensor("S", roles["sum"])] if roles["sum"] else []) \
-        + [tensor("Y", NORMED), dim]
-    return launch("rows.py", "add_rms_norm", params,
-                  dict(K=k, EPS=float(roles["eps"]), ADD=roles["x2"] is not None, WRITE_SUM=roles["sum"] is not None,
-                       THREADS=128, PDL=True), (GridDim((row_symbol,)),), 128)
 
 
 def _quantize_launch(roles: dict, k: int, dim: Param, row_symbol: str, pdl: bool) -> LaunchSpec:

@@ -1,10 +1,12 @@
-"""On the H200 (after scripts/gpu/prepare_w8a8.sh): the W8A8 prefill GEMMs (rows.py `quantize_rows`, then
-gemm_fp8.py) of the Qwen3-4B shape with FP8 weights in 128 x 128 blocks (qwen3-4b-fp8) and with a scale per output
-column (qwen3-4b --quantization fp8). Each GEMM kernel at M = 1024 and 4096: checked against torch's emulation of
-the same arithmetic (each row's 128-column groups over their largest magnitude / 448, rounded to e4m3, the products
-summed in float32) and against the W8A16 product (the rows in bf16), timed beside Triton's W8A16 tile and cuBLAS's
-bf16 GEMM; then time to first token of bf16 and of both FP8 forms, W8A8 and with the W8A16 tile (the manifest
-chosen again with triton:dot_64 at any rows). Prints a table last; every number goes to $OUT/w8a8.json.
+"""On the H200 (after scripts/gpu/prepare_w8a8.sh): the W8A8 GEMMs (rows.py `quantize_rows`, then gemm_fp8.py or
+swapped_fp8.py) of FP8 weights in 128 x 128 blocks (qwen3-4b-fp8) and with a scale per output column (qwen3-4b
+--quantization fp8). Sections: `small`, the small FP8 checkpoint's prefill of 2000 and 4000 rows against the CPU,
+W8A8 and with Triton's W8A16 tiles; `decode`, Qwen3-4B decode steps of bf16 and both FP8 forms (W8A8, and Triton's
+W8A16 tiles at the decode slots); `gemm`, each prefill GEMM at M = 1024 and 4096 checked against torch's emulation
+of the same arithmetic (each row's 128-column groups over their largest magnitude / 448, rounded to e4m3, the
+products summed in float32; the rows' quantization on its own too) and against the W8A16 product, timed beside
+Triton's W8A16 tile and cuBLAS's bf16 GEMM; `prefill`, time to first token of bf16 and both FP8 forms, W8A8 and
+with triton:dot_64 at any rows. Prints a table last; every number goes to $OUT/w8a8.json.
     carry [".gpu/cache_w8a8"]:
     PYTHONPATH=$PYTHONPATH:scripts/gpu PEGAINFER_CACHE=$PWD/.gpu/cache_w8a8 python3 scripts/gpu/w8a8_check.py --out $OUT
 (source env.sh first)"""
@@ -161,10 +163,10 @@ def with_w8a16(path: Path) -> Path:
     return rechosen(path, "w8a16", lambda key, labels: W8A16 if key == "any rows" and W8A16 in labels else None)
 
 
-def with_w8a8_decode(path: Path) -> Path:
-    """The manifest with the W8A8 swapped tiles (rows quantized) at the decode slots."""
-    return rechosen(path, "w8a8-decode", lambda key, labels: next(
-        (label for label in labels if label.startswith("tilelang:w8a8_swapped")), None))
+def with_w8a16_decode(path: Path) -> Path:
+    """The manifest with Triton's W8A16 tiles at the decode slots."""
+    return rechosen(path, "w8a16-decode", lambda key, labels: next(
+        (label for label in labels if label.startswith("triton:")), None) if key != "any rows" else None)
 
 
 def check_prefill(report: dict) -> None:
@@ -186,7 +188,7 @@ def check_decode(report: dict) -> None:
     for key, name, quantization in MODELS:
         model = bench.bench_model(name, quantization=quantization)
         path = ensure_manifest(model.spec, SM, label=name, compile_missing=False)
-        forms = (("w8a16", path), ("w8a8", with_w8a8_decode(path))) if key != "bf16" else (("bf16", path),)
+        forms = (("w8a8", path), ("w8a16", with_w8a16_decode(path))) if key != "bf16" else (("bf16", path),)
         for form, manifest in forms:
             engine = bench.engine_for(model, manifest, max_tokens=max(DECODE_BATCHES),
                                       max_batch=max(DECODE_BATCHES), max_model_len=max(DECODE_CONTEXTS) + 64)
@@ -201,8 +203,8 @@ def check_decode(report: dict) -> None:
 
 
 def check_small(report: dict) -> None:
-    """The small FP8 checkpoint (fp8_check.py's, 128 x 128 blocks) prefilling one 2000-token prompt on the GPU, W8A8
-    and with the W8A16 tile, against the CPU reference, every position, and by 500-row blocks."""
+    """The small FP8 checkpoint (fp8_check.py's, 128 x 128 blocks) prefilling 2000 rows (one prompt) and 4000 (two
+    packed) on the GPU, W8A8 and with Triton's W8A16 tiles, against the CPU reference, every position."""
     import numpy as np
 
     from pegainfer.frontends.load import load_model
@@ -212,16 +214,25 @@ def check_small(report: dict) -> None:
 
     folder = Path(__file__).resolve().parents[2] / ".gpu" / "small_fp8_block"
     model = load_model(folder)
-    prompt = np.random.default_rng(5).integers(0, model.spec.config.vocab_size, 2000).tolist()
-    cpu = ReferenceEngine(model, max_tokens=2048).step([Chunk(Sequence(0, list(prompt)), 2000)], all_logits=True)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, model.spec.config.vocab_size, 2000).tolist() for _ in range(2)]
     path = ensure_manifest(model.spec, SM, label=str(folder), compile_missing=False)
-    options = EngineOptions(max_tokens=2048, max_batch=2048, max_model_len=2048, kv_tokens=4096)
-    for form, manifest in (("w8a8", path), ("w8a16", with_w8a16(path))):
-        gpu = GpuEngine(model, manifest, options).step([Chunk(Sequence(0, list(prompt)), 2000)], all_logits=True)
-        error = lambda a, b: float(np.linalg.norm(a.astype(np.float64) - b) / np.linalg.norm(b))  # noqa: E731
-        report.setdefault("small", []).append({"form": form, "rel_err_vs_cpu": error(gpu, cpu), "by_500_rows": [
-            error(gpu[i:i + 500], cpu[i:i + 500]) for i in range(0, 2000, 500)]})
-        print("small", report["small"][-1], flush=True)
+    options = EngineOptions(max_tokens=4096, max_batch=4096, max_model_len=2048, kv_tokens=8192)
+
+    def step(engine, count: int) -> np.ndarray:
+        return engine.step([Chunk(Sequence(i, list(p)), 2000) for i, p in enumerate(prompts[:count])],
+                           all_logits=True)
+
+    cpu = {count: step(ReferenceEngine(model, max_tokens=4096), count) for count in (1, 2)}
+    for form, manifest in (("w8a8", path), ("w8a16", rechosen(path, "triton", lambda key, labels: next(
+            (label for label in labels if label.startswith("triton:")), None)))):
+        engine = GpuEngine(model, manifest, options)
+        for count in (1, 2):
+            gpu = step(engine, count)
+            error = float(np.linalg.norm(gpu.astype(np.float64) - cpu[count]) / np.linalg.norm(cpu[count]))
+            report.setdefault("small", []).append({"form": form, "rows": 2000 * count, "rel_err_vs_cpu": error})
+            print("small", report["small"][-1], flush=True)
+        del engine
 
 
 def table(report: dict) -> str:
@@ -240,8 +251,7 @@ def table(report: dict) -> str:
             lines.append(f"rows {r['model']:<12} {r['kernel']:<8} M{r['rows']:<5} scales err {r['scales_rel_err']:.2e} "
                          f"values differing {r['values_differing']:.2e} values err {r['values_err']:.2e}")
     for r in report.get("small", []):
-        lines.append(f"small block 2000-token prefill {r['form']:<6} rel err vs CPU {r['rel_err_vs_cpu']:.4f} by 500 rows "
-                     + " ".join(f"{e:.4f}" for e in r["by_500_rows"]))
+        lines.append(f"small block prefill of {r['rows']} rows {r['form']:<6} rel err vs CPU {r['rel_err_vs_cpu']:.4f}")
     for d in report.get("decode", []):
         lines.append(f"decode {d['model']:<12} {d['form']:<6} " + "  ".join(
             f"b{r['batch']} ctx{r['context']}: {r['ms_per_step']:.2f} ms ({r['floor_ms']:.2f})" for r in d["rows"]))
