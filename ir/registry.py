@@ -26,7 +26,8 @@ GATHER = "gather"
 ATTENTION = "attention"
 CACHE_WRITE = "cache_write"
 DEQUANTIZE = "dequantize"  # a weight's stored form (FP8 and its scales) to its values: its GEMM's to read
-CATEGORIES = (ELEMENTWISE, ROW_REDUCTION, VIEW, GEMM, GATHER, ATTENTION, CACHE_WRITE, DEQUANTIZE)
+RECURRENCE = "recurrence"  # a scan over each sequence's tokens in order, carrying a state per sequence
+CATEGORIES = (ELEMENTWISE, ROW_REDUCTION, VIEW, GEMM, GATHER, ATTENTION, CACHE_WRITE, DEQUANTIZE, RECURRENCE)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Planning TileLang's FP8 GEMMs (sm_90a, W8A8): a row launch quantizes the rows to e4m3 in groups of 128 columns
 (rows.py `quantize_rows`, which also does the GEMM's [add +] RMSNorm), then wgmma e4m3 x e4m3: gemm_fp8.py's tiles
 (rows as M) for prefill-sized steps, swapped_fp8.py's (weights as M) for decode steps of up to 256 rows. Weights in
-128 x 128 blocks (Qwen's FP8 checkpoints) or with a scale per output column (compressed-tensors',
+128 x 128 blocks (quant_method fp8 checkpoints) or with a scale per output column (compressed-tensors',
 `--quantization fp8`); other blocks stay with Triton's W8A16 tiles."""
 
 from dataclasses import dataclass
