@@ -55,8 +55,7 @@ def random_weights(spec: ModelSpec, seed: int = 0) -> dict[str, np.ndarray]:
     normal = np.random.default_rng(seed).standard_normal(1 << 24).astype(np.float32)
     block = (normal * 0.02).astype(ml_dtypes.bfloat16)
     fp8 = np.clip(normal * 64, -448, 448).astype(F8E4M3.np_dtype)
-    scales = {value if layer is None else instantiate(value, layer) for g, layer in spec.graph.instances()
-              for n in g.nodes if n.op == "dequantize" for value in n.inputs[1:]}
+    scales = scale_params(spec)
     weights = {}
     defaults = spec.graph.param_defaults()
     for name, t in spec.graph.checkpoint_params().items():
@@ -69,6 +68,12 @@ def random_weights(spec: ModelSpec, seed: int = 0) -> dict[str, np.ndarray]:
         else:
             weights[name] = np.resize(block, t.shape).astype(t.dtype.np_dtype, copy=False)
     return weights
+
+
+def scale_params(spec: ModelSpec) -> set[str]:
+    """The checkpoint's FP8 scale tensors (what each dequantize reads besides its values)."""
+    return {value if layer is None else instantiate(value, layer) for g, layer in spec.graph.instances()
+            for n in g.nodes if n.op == "dequantize" for value in n.inputs[1:]}
 
 
 def weight_bytes(spec: ModelSpec) -> int:
@@ -134,7 +139,8 @@ def prefill_flops(spec: ModelSpec, tokens: int) -> float:
     counted by element (an FP8 projection's scales left out), so FP8 and bf16 steps do the same flops."""
     config = spec.config
     head = config.vocab_size * config.hidden_size
-    weights = sum(prod(t.shape) for t in spec.graph.checkpoint_params().values() if t.dtype.name != "f32")
+    scales = scale_params(spec)
+    weights = sum(prod(t.shape) for name, t in spec.graph.checkpoint_params().items() if name not in scales)
     gemm = 2 * (weights - head) * tokens + 2 * head
     attention = 2 * 2 * config.num_hidden_layers * config.num_attention_heads * config.dims_per_head * tokens ** 2 / 2
     return gemm + attention

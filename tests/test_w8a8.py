@@ -129,3 +129,22 @@ def test_w8a8_tiles_compile_for_sm90a_to_qgmma_on_e4m3_fed_by_tma(tmp_path):
             assert "QGMMA.64x16x32.F32.E4M3.E4M3" in code and "UTMALDG" in code, key
         elif function == "quantize_rows":  # saturating: the scale's division can reach past 448 by a rounding
             assert "F2FP.SATFINITE.E4M3" in code, key
+
+
+@pytest.mark.slow
+def test_the_longest_k_of_the_qwen3_sizes_fits_an_sm(tmp_path):
+    """Qwen3-32B's down (K = 25600): the prefill tile holds its rows' scales whole beside its stages, the decode
+    tiles too; each within the 227 KB a CTA may take (and the two-CTA decode tiles within half an SM)."""
+    pytest.importorskip("tilelang")
+    from pegainfer.backends.build import compile_many
+
+    spec = load_spec(embedded_configs()["qwen3-32b-fp8"])
+    (down,) = [k for k in plan_model(spec, PlanOptions(), ("triton", "tilelang"))[1] if k.node == "down"]
+    chosen = {v.name: v for v in down.variants if v.backend == "tilelang"}
+    todo = {(90, name): v.launches[1] for name, v in chosen.items()}
+    todo[(90, "rows")] = chosen["w8a8_128x128"].launches[0]
+    for (_, name), native in compile_many(todo, 2, None):
+        assert native.shared + native.resources["shared"] <= 227 * 1024, (name, native.shared)
+        assert native.resources["spill_stores"] == 0, name
+        if name != "rows" and todo[(90, name)].constexprs.get("MIN_BLOCKS", 1) == 2:
+            assert 2 * (native.shared + native.resources["shared"]) <= 228 * 1024, (name, native.shared)

@@ -48,6 +48,7 @@ COLUMNS = 64  # wgmma's M: a consumer warpgroup's output columns
 BUSY_CTAS = 132  # the H200's SMs: K is split (up to MAX_SPLIT) while a step's CTAs leave some idle
 MAX_SPLIT = 4
 SLACK = 12 * 1024  # of an SM's shared memory a CTA leaves to barriers, the system's 1 KB and the epilogue
+PREFILL_SLACK = 8 * 1024  # the prefill tile's barriers and the system's 1 KB
 
 
 def fp8_gemm(gemm: NativeGemm, row_symbol: str) -> list[VariantSpec]:
@@ -62,10 +63,13 @@ def fp8_gemm(gemm: NativeGemm, row_symbol: str) -> list[VariantSpec]:
     quantize, decode = (_quantize_launch(roles, k, dim, row_symbol, pdl) for pdl in (False, True))
     gemm_params = [tensor("A", QUANTIZED, FP8), tensor("AS", ROW_SCALES, "*fp32"), tensor("W", roles["weight"], FP8),
                    tensor("WS", roles["scale"], "*fp32"), tensor("C", roles["out"]), dim]
+    # the CTA's row scales sit beside the stages (the output tile reuses their bytes): fewer stages for a long K
+    stage = (tile.block_m + (2 if tile.merged else 1) * tile.block_n) * GROUP
+    stages = min(tile.stages, (SM90_SHARED - tile.block_m * (k // GROUP) * 4 - PREFILL_SLACK) // stage)
     constexprs = dict(N=n, K=k, ACT=roles["act"], SCALE=mode, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
-                      STAGES=tile.stages, THREADS=tile.threads, SWIZZLE=10)
+                      STAGES=stages, THREADS=tile.threads, SWIZZLE=10)
     grid = (GridDim((n,), tile.block_n), GridDim((row_symbol,), tile.block_m))
-    product = launch("gemm_fp8.py", "gemm_fp8", gemm_params, constexprs, grid, tile.threads, tile.stages)
+    product = launch("gemm_fp8.py", "gemm_fp8", gemm_params, constexprs, grid, tile.threads, stages)
     return _swapped(decode, gemm_params, n, k, roles["act"], mode, row_symbol) \
         + [VariantSpec(tile.name, None, [quantize, product], "tilelang", sms=(90,))]
 

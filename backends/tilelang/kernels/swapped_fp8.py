@@ -1,6 +1,6 @@
 """y = x @ W^T (ACT 1: SiLU(x @ Wg^T) * (x @ Wu^T) over a merged [2N, K] weight) for decode steps of up to 256
 rows, both operands e4m3 (W8A8, as gemm_fp8.py) with the weights as wgmma's A operand, as swapped.py: a CTA's
-BLOCK_N output columns are wgmma's 64-row M and the step's rows its N (8 to 128), so each FP8 weight tile crosses
+BLOCK_N output columns are wgmma's 64-row M and the step's rows its N (16 to 128), so each FP8 weight tile crosses
 HBM once whatever the rows. A K step is one 128-column group of the rows (their scales AS, loaded whole before the
 pipeline) and one block of the weights; its product lands in a fresh accumulator, added to the sums times the row's
 scale (and, SCALE 2, the weight block's). SPLIT > 1 cuts K over the grid's third axis into fp32 planes P, which
