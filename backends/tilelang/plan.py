@@ -306,18 +306,19 @@ def _decode_gemm(launches: list[LaunchSpec], params: list[Param], n: int, k: int
 
 def gemm_scratch(graph: Graph, node: Node, variants: list[VariantSpec]) -> dict[str, tuple[str, tuple]]:
     """What the variants' launches write besides the kernel's outputs: the normed rows of a norm launch, read by
-    the TMA loads of the GEMM after it ([rows, K] bf16), and a split GEMM's planes ([SPLIT x 16, N] fp32; the
-swapped tiles': swapped_plan.py)."""
+    the TMA loads of the GEMM after it ([rows, K] bf16), the e4m3 rows and their scales of a quantizing launch
+    (fp8_plan.py), and a split GEMM's planes ([SPLIT x 16, N] fp32; the swapped tiles': swapped_plan.py)."""
     launches = [launch for v in variants for launch in v.launches]
+    functions = {launch.function for launch in launches}
     scratch = {}
-    if any(launch.function == "add_rms_norm" for launch in launches):
+    if functions & {"add_rms_norm", "quantize_rows"}:
         roles = gemm_roles(node)
         types = graph.value_types()
-        scratch["gemm.normed"] = ("bf16", (types[roles["x"]].shape[0], types[roles["weight"]].shape[1]))
-    if any(launch.function == "quantize_rows" for launch in launches):
-        roles = gemm_roles(node)
-        types = graph.value_types()
-        scratch |= fp8_scratch(types[roles["x"]].shape[0], types[roles["weight"]].shape[1])
+        rows, k = types[roles["x"]].shape[0], types[roles["weight"]].shape[1]
+        if "add_rms_norm" in functions:
+            scratch["gemm.normed"] = ("bf16", (rows, k))
+        if "quantize_rows" in functions:
+            scratch |= fp8_scratch(rows, k)
     scratch |= swapped_scratch(launches)
     for launch in launches:
         if launch.constexprs.get("PARTIAL"):

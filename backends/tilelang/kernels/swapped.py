@@ -21,6 +21,7 @@ def swapped(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_M: int, BLOCK_K: int, 
     M = T.dynamic("M")
     steps = K // BLOCK_K // SPLIT
     w_rows = 2 * N if ACT else N
+    store_rows, store_plane = transposed_stores(ACT, BLOCK_N, BLOCK_M, M)
 
     @T.macro
     def products(A, W, acc, up, bx, by, bz):
@@ -55,10 +56,7 @@ def swapped(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_M: int, BLOCK_K: int, 
                 acc = T.alloc_fragment((BLOCK_N, BLOCK_M), T.float32)
                 c_s = T.alloc_shared((BLOCK_N, BLOCK_M), T.float32)
                 products(A, W, acc, None, bx, by, bz)
-                T.copy(acc, c_s)
-                for i, j in T.Parallel(BLOCK_M, BLOCK_N):
-                    if by * BLOCK_M + i < M:
-                        P[bz, by * BLOCK_M + i, bx * BLOCK_N + j] = c_s[j, i]
+                store_plane(acc, c_s, P, bx, by, bz)
         return swapped
 
     @T.prim_func
@@ -68,14 +66,32 @@ def swapped(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_M: int, BLOCK_K: int, 
             up = T.alloc_fragment((BLOCK_N, BLOCK_M), T.float32) if ACT else None
             c_s = T.alloc_shared((BLOCK_N, BLOCK_M), BF16)
             products(A, W, acc, up, bx, by, 0)
-            if ACT:
-                for j, i in T.Parallel(BLOCK_N, BLOCK_M):
-                    acc[j, i] = silu_times(acc[j, i], up[j, i])
-            T.copy(acc, c_s)
-            for i, j in T.Parallel(BLOCK_M, BLOCK_N):  # back to rows x columns, a row's columns side by side
-                if by * BLOCK_M + i < M:
-                    C[by * BLOCK_M + i, bx * BLOCK_N + j] = c_s[j, i]
+            store_rows(acc, up, c_s, C, bx, by)
     return swapped
+
+
+def transposed_stores(ACT: int, BLOCK_N: int, BLOCK_M: int, M):
+    """The swapped tiles' epilogues, their sums held as acc[column, row]: `store_rows` ([SiLU(gate) * up, then]
+    back to rows x columns through shared memory, a row's columns side by side) and `store_plane` (a K slice's fp32
+    sums into its plane of P)."""
+    @T.macro
+    def store_rows(acc, up, c_s, C, bx, by):
+        if ACT:
+            for j, i in T.Parallel(BLOCK_N, BLOCK_M):
+                acc[j, i] = silu_times(acc[j, i], up[j, i])
+        T.copy(acc, c_s)
+        for i, j in T.Parallel(BLOCK_M, BLOCK_N):
+            if by * BLOCK_M + i < M:
+                C[by * BLOCK_M + i, bx * BLOCK_N + j] = c_s[j, i]
+
+    @T.macro
+    def store_plane(acc, c_s, P, bx, by, bz):
+        T.copy(acc, c_s)
+        for i, j in T.Parallel(BLOCK_M, BLOCK_N):
+            if by * BLOCK_M + i < M:
+                P[bz, by * BLOCK_M + i, bx * BLOCK_N + j] = c_s[j, i]
+
+    return store_rows, store_plane
 
 
 def sum_slices(N: int, SPLIT: int, THREADS: int):

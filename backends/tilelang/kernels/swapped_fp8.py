@@ -8,7 +8,7 @@ swapped.py's `sum_slices` adds in slice order. PDL: the launch may start while t
 
 import tilelang.language as T
 
-from pegainfer.backends.tilelang.kernels.gemm import silu_times
+from pegainfer.backends.tilelang.kernels.swapped import transposed_stores
 
 BF16 = T.bfloat16
 FP8 = T.float8_e4m3fn
@@ -26,6 +26,7 @@ def swapped_fp8(N: int, K: int, ACT: int, SCALE: int, BLOCK_N: int, BLOCK_M: int
     w_rows = 2 * N if ACT else N
     ws_shape = (w_rows // GROUP, KB) if SCALE == 2 else (w_rows, 1)
     products = _products(N, K, ACT, SCALE, BLOCK_N, BLOCK_M, STAGES, SPLIT, MIN_BLOCKS, PDL, M)
+    store_rows, store_plane = transposed_stores(ACT, BLOCK_N, BLOCK_M, M)
 
     if SPLIT > 1:
         @T.prim_func
@@ -35,10 +36,7 @@ def swapped_fp8(N: int, K: int, ACT: int, SCALE: int, BLOCK_N: int, BLOCK_M: int
                 acc = T.alloc_fragment((BLOCK_N, BLOCK_M), F32)
                 c_s = T.alloc_shared((BLOCK_N, BLOCK_M), F32)
                 products(A, AS, W, WS, acc, None, bx, by, bz)
-                T.copy(acc, c_s)
-                for i, j in T.Parallel(BLOCK_M, BLOCK_N):
-                    if by * BLOCK_M + i < M:
-                        P[bz, by * BLOCK_M + i, bx * BLOCK_N + j] = c_s[j, i]
+                store_plane(acc, c_s, P, bx, by, bz)
         return swapped_fp8
 
     @T.prim_func
@@ -49,13 +47,7 @@ def swapped_fp8(N: int, K: int, ACT: int, SCALE: int, BLOCK_N: int, BLOCK_M: int
             up = T.alloc_fragment((BLOCK_N, BLOCK_M), F32) if ACT else None
             c_s = T.alloc_shared((BLOCK_N, BLOCK_M), BF16)
             products(A, AS, W, WS, acc, up, bx, by, 0)
-            if ACT:
-                for c, r in T.Parallel(BLOCK_N, BLOCK_M):
-                    acc[c, r] = silu_times(acc[c, r], up[c, r])
-            T.copy(acc, c_s)
-            for i, j in T.Parallel(BLOCK_M, BLOCK_N):  # back to rows x columns, a row's columns side by side
-                if by * BLOCK_M + i < M:
-                    C[by * BLOCK_M + i, bx * BLOCK_N + j] = c_s[j, i]
+            store_rows(acc, up, c_s, C, bx, by)
     return swapped_fp8
 
 
