@@ -35,6 +35,7 @@ class TensorInfo:
     dtype: str  # safetensors' spelling: BF16, F32, ...
     offset: int = -1  # where its bytes start in the file (-1: unknown)
     nbytes: int = 0
+    stored_name: str = ""  # its name in the file, when the graph knows it by another (frontends/text_stack.py)
 
 
 def scan_checkpoint(folder: Path) -> dict[str, TensorInfo]:
@@ -104,9 +105,13 @@ def check_weights(expected: dict[str, TensorType], tensors: dict[str, TensorInfo
 
 
 def derive_weights(derivations: dict[str, Derivation], weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The weights a lowered graph reads: `weights` plus each derived param (a concatenation of checkpoint tensors)."""
-    derived = {name: np.concatenate([weights[s] for s in d.sources], axis=d.axis) for name, d in derivations.items()}
-    return {**weights, **derived}
+    """The weights a lowered graph reads: `weights` plus each derived param (a concatenation of checkpoint tensors,
+    or of row ranges of them)."""
+    def derive(d: Derivation) -> np.ndarray:
+        if d.rows:
+            return np.concatenate([weights[source][start:stop] for source, start, stop in d.pieces()])
+        return np.concatenate([weights[s] for s in d.sources], axis=d.axis)
+    return {**weights, **{name: derive(d) for name, d in derivations.items()}}
 
 
 class LazyWeights(Mapping[str, np.ndarray]):
@@ -160,5 +165,5 @@ def _read(handle, name: str, info: TensorInfo, type_: TensorType) -> np.ndarray:
     if info.dtype in FP8_DTYPES:
         data = np.fromfile(info.file, dtype=np.uint8, count=info.nbytes, offset=info.offset)
         return data.view(type_.dtype.np_dtype).reshape(info.shape)
-    return handle.get_tensor(name).astype(type_.dtype.np_dtype, copy=False).reshape(type_.shape)
+    return handle.get_tensor(info.stored_name or name).astype(type_.dtype.np_dtype, copy=False).reshape(type_.shape)
 

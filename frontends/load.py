@@ -16,6 +16,7 @@ from pegainfer.frontends.kv_cache import apply_kv_cache_dtype, check_kv_scales
 from pegainfer.frontends.online_quantization import QuantizedWeights, stored_params
 from pegainfer.frontends.quantization import quantize_graph, scheme_for
 from pegainfer.frontends.registry import dag_module_for
+from pegainfer.frontends.text_stack import text_stack_config, text_stack_tensors
 from pegainfer.ir import Graph
 from pegainfer.ir.dtypes import dtype_from_name
 
@@ -37,6 +38,11 @@ class ModelSpec:
     @property
     def dag_file(self) -> str:
         return Path(self.dag.__file__).name
+
+    @property
+    def text_stack(self) -> bool:
+        """A multimodal checkpoint of which pegainfer serves the text model (frontends/text_stack.py)."""
+        return self.architecture in getattr(self.dag, "WRAPPERS", {})
 
 
 @dataclass
@@ -75,6 +81,8 @@ def load_spec(config_path: Path, *, dtype: str = "auto", device: str = "cpu", qu
     source = str(config_path)
     architecture = architecture_of(raw, source)
     dag = dag_module_for(architecture, source)
+    if architecture in getattr(dag, "WRAPPERS", {}):
+        raw = text_stack_config(raw, dag, source)
     config = parse_config(dag.Config, raw, source)
     try:
         dag.check_config(config)
@@ -125,6 +133,8 @@ def load_model(folder: Path, *, lazy: bool = False, dtype: str = "auto", device:
                      kv_cache_dtype=kv_cache_dtype)
     expected = stored_params(spec.graph) if quantization else spec.graph.checkpoint_params()
     tensors = scan_checkpoint(folder)
+    if spec.text_stack:
+        tensors = text_stack_tensors(tensors)
     defaults = spec.graph.param_defaults()  # an FP8 cache's scales
     filled = {name: np.full(expected[name].shape, value, expected[name].dtype.np_dtype)
               for name, value in defaults.items() if name not in tensors}

@@ -8,6 +8,8 @@ A DAG module provides:
   check_config(config) -> None    raises ConfigError for settings the file does not implement
   build_graph(config) -> Graph    the whole model, its layer declared once
   TINY_CONFIG: dict               a small config.json body for tests and `pegainfer make-checkpoint`
+and may provide WRAPPERS (multimodal architectures whose text stack it is: frontends/text_stack.py) with
+TEXT_DEFAULTS (the text model's defaults for keys a wrapper's text_config leaves out).
 """
 
 import importlib
@@ -31,7 +33,7 @@ def dag_modules() -> dict[str, ModuleType]:
             continue
         missing = [name for name in REQUIRED if not hasattr(module, name)]
         assert not missing, f"DAG file {module.__file__} lacks {missing}"
-        for arch in module.ARCHITECTURES:
+        for arch in (*module.ARCHITECTURES, *getattr(module, "WRAPPERS", {})):
             assert arch not in found, f"architecture {arch} claimed by {found[arch].__file__} and {module.__file__}"
             found[arch] = module
     return found

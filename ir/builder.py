@@ -53,6 +53,16 @@ class GraphBuilder:
         self.graph.derived[name] = Derivation(tuple(sources), (source_type,) * len(sources), axis=0)
         return value
 
+    def row_ranges_param(self, name: str, source: str, dtype: DType, source_shape: tuple[int, ...],
+                         rows: list[tuple[int, int]]) -> Value:
+        """A weight the loader makes from row ranges of one checkpoint tensor, in the given order (a projection
+        whose output heads the checkpoint interleaves, regrouped so that each part is contiguous)."""
+        source_type = TensorType(dtype, tuple(source_shape))
+        value = self.param(name, dtype, (sum(stop - start for start, stop in rows), *source_shape[1:]))
+        self.graph.derived[name] = Derivation((source,), (source_type,), 0,
+                                              tuple((0, start, stop) for start, stop in rows))
+        return value
+
     def state(self, name: str, dtype: DType, shape: tuple[Dim, ...]) -> Value:
         """A tensor that outlives the step (a KV cache), updated in place by mutating ops."""
         return self._declare(self.graph.states, name, TensorType(dtype, tuple(shape)))

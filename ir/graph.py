@@ -21,11 +21,20 @@ _PLACEHOLDER = re.compile(r"\{layer(?:\*(\d+))?(?:\+(\d+))?\}")
 
 @dataclass(frozen=True)
 class Derivation:
-    """A weight the loader makes from checkpoint tensors (their concatenation along `axis`), recorded in the graph
-    so that the mapping from Hugging Face names stays inspectable."""
+    """A weight the loader makes from checkpoint tensors (their concatenation along `axis`; or, with `rows`, the
+    concatenation of row ranges (source index, start, stop) of them), recorded in the graph so that the mapping
+    from Hugging Face names stays inspectable."""
     sources: tuple[str, ...]
     source_types: tuple[TensorType, ...]
     axis: int = 0
+    rows: tuple[tuple[int, int, int], ...] = ()
+
+    def pieces(self) -> list[tuple[str, int, int]]:
+        """(source, first row, row after the last) of each piece in order (whole sources: axis 0 only)."""
+        if self.rows:
+            return [(self.sources[index], start, stop) for index, start, stop in self.rows]
+        assert self.axis == 0, f"row pieces of a concatenation along axis {self.axis}"
+        return [(source, 0, t.shape[0]) for source, t in zip(self.sources, self.source_types)]
 
 
 @dataclass
@@ -97,7 +106,7 @@ class Graph:
 
     def derivations(self) -> dict[str, Derivation]:
         """Derived params by expanded name, their sources expanded too."""
-        return {_at(name, layer): Derivation(tuple(_at(s, layer) for s in d.sources), d.source_types, d.axis)
+        return {_at(name, layer): Derivation(tuple(_at(s, layer) for s in d.sources), d.source_types, d.axis, d.rows)
                 for graph, layer in self.instances() for name, d in graph.derived.items()}
 
     def param_defaults(self) -> dict[str, float]:

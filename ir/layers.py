@@ -56,7 +56,7 @@ def repeat_layers(b: GraphBuilder, name: str, kinds: Sequence[Hashable], layer: 
         single = len(segments) == 1 and segment.period == 1
         body = GraphBuilder(f"{name}_layer" if single else f"{name}_layers{segment.start}", body=True)
         h = body.input("hidden", hidden.dtype, hidden.shape)
-        body_attention = declare_attention_inputs(body)
+        body_attention = declare_attention_inputs(body, recurrent=attention.state_slots is not None)
         for j in range(segment.period):
             slot = LayerSlot(kinds[segment.start + j], layer_placeholder(segment.period, segment.start + j))
             h = layer(body, h, body_attention, slot)

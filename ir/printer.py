@@ -41,6 +41,8 @@ def _derivation(graph: Graph, name: str) -> str:
         return f" = {graph.defaults[name]!r} where the checkpoint has none"
     if derivation is None:
         return ""
+    if derivation.rows:
+        return f" = concat({', '.join(f'@{s}[{a}:{b}]' for s, a, b in derivation.pieces())})"
     return f" = concat({', '.join('@' + s for s in derivation.sources)}, axis={derivation.axis})"
 
 

@@ -22,6 +22,9 @@ TOKEN_INPUTS = ("input_ids", "positions", "slot_mapping")
 SEQUENCE_INPUTS = ("seq_starts", "query_lens", "context_lens")
 LOGITS_INDICES = "logits_indices"
 BLOCK_TABLES = "block_tables"
+# Layers with a recurrent state (linear attention) keep one fixed-size row per running sequence in pools of
+# SLOT_POOL rows; STATE_SLOTS [batch] says which row each sequence of the step owns (runtime/kv_blocks.py).
+STATE_SLOTS, SLOT_POOL = "state_slots", "num_state_slots"
 
 
 @dataclass(frozen=True)
@@ -33,13 +36,15 @@ class AttentionInputs:
     seq_starts: Value
     query_lens: Value
     context_lens: Value
+    state_slots: Value | None = None  # for models with recurrent layers: each sequence's row of the state pools
 
     def as_list(self) -> list[Value]:
         return [self.positions, self.slot_mapping, self.block_tables, self.seq_starts, self.query_lens,
-                self.context_lens]
+                self.context_lens, *([self.state_slots] if self.state_slots is not None else [])]
 
 
-def declare_attention_inputs(b: GraphBuilder) -> AttentionInputs:
+def declare_attention_inputs(b: GraphBuilder, recurrent: bool = False) -> AttentionInputs:
+    """The step's sequence inputs; `recurrent` adds STATE_SLOTS, for a model with recurrent-state layers."""
     return AttentionInputs(
         positions=b.input("positions", INT32, ("tokens",)),
         slot_mapping=b.input("slot_mapping", INT32, ("tokens",)),
@@ -47,13 +52,14 @@ def declare_attention_inputs(b: GraphBuilder) -> AttentionInputs:
         seq_starts=b.input("seq_starts", INT32, ("batch",)),
         query_lens=b.input("query_lens", INT32, ("batch",)),
         context_lens=b.input("context_lens", INT32, ("batch",)),
+        state_slots=b.input(STATE_SLOTS, INT32, ("batch",)) if recurrent else None,
     )
 
 
-def declare_step_inputs(b: GraphBuilder) -> tuple[Value, AttentionInputs, Value]:
+def declare_step_inputs(b: GraphBuilder, recurrent: bool = False) -> tuple[Value, AttentionInputs, Value]:
     """(input_ids [tokens], attention inputs, logits_indices [samples]): the rows whose logits the step returns."""
     input_ids = b.input("input_ids", INT32, ("tokens",))
-    attention = declare_attention_inputs(b)
+    attention = declare_attention_inputs(b, recurrent)
     logits_indices = b.input(LOGITS_INDICES, INT32, ("samples",))
     return input_ids, attention, logits_indices
 
@@ -69,6 +75,16 @@ def launch_sizes(query_lens) -> dict[str, int]:
 
 def kv_cache_shape(kv_heads: int, head_dim: int) -> tuple[str, str, int, int]:
     return ("num_blocks", "block_size", kv_heads, head_dim)
+
+
+def recurrent_state_shape(*dims: int) -> tuple[str, ...]:
+    """A recurrent layer's state pool: one row of `dims` per state slot."""
+    return (SLOT_POOL, *dims)
+
+
+def has_recurrent_state(graph: Graph) -> bool:
+    """Whether the model keeps per-sequence state rows (then the runtime hands out state slots)."""
+    return STATE_SLOTS in graph.inputs
 
 
 # Per-row sampling parameters, one entry per row of logits (`samples`), which the sampler tail (passes/fusion.py's
@@ -108,7 +124,7 @@ def penalty_input_types(rows: str) -> dict[str, TensorType]:
 
 
 # Every input the runtime uploads for a step, in one copy before the step's first kernel.
-STEP_INPUTS = (*TOKEN_INPUTS, *SEQUENCE_INPUTS, BLOCK_TABLES, LOGITS_INDICES, *SAMPLING_INPUTS, TOKEN_BITMASK,
+STEP_INPUTS = (*TOKEN_INPUTS, *SEQUENCE_INPUTS, BLOCK_TABLES, STATE_SLOTS, LOGITS_INDICES, *SAMPLING_INPUTS, TOKEN_BITMASK,
                TOKEN_MASK_INDEX, PENALTY_START, PENALTY_COUNT, PENALTY_IDS, PENALTY_TERMS)
 
 

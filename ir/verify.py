@@ -1,12 +1,12 @@
-"""The verifier: every value defined once, no dangling edges, no cycles, nodes in topological order, and every
-node's recorded output types equal to what its op's type rule gives."""
+"""The verifier: every value defined once, no dangling edges, no cycles, nodes in topological order, every
+node's recorded output types equal to what its op's type rule gives, and each state written by its kind of op."""
 
 from pegainfer.errors import GraphError
 from pegainfer.ir.dag import find_cycle
 from pegainfer.ir.graph import KERNEL, LAYER_PLACEHOLDER, REPEAT, Graph, Node, has_placeholder
 from pegainfer.ir.kernel import in_place_outputs, inner_nodes
-from pegainfer.ir.registry import infer_types
-from pegainfer.ir.step import STEP_INPUTS
+from pegainfer.ir.registry import CACHE_WRITE, RECURRENCE, get_op, infer_types
+from pegainfer.ir.step import SLOT_POOL, STATE_SLOTS, STEP_INPUTS
 from pegainfer.ir.types import TensorType
 
 
@@ -74,6 +74,8 @@ def _verify_nodes(where: str, nodes, defined: dict[str, TensorType], stateful: s
                 raise GraphError(f"graph {where}, node %{node.name} ({node.op}): recorded output types "
                                  f"{_fmt(node.output_types)} but the op's rule gives {_fmt(expected)}")
         _check_mutation(where, node, stateful)
+        if node.op not in (KERNEL, REPEAT):
+            _check_state_kind(where, node, defined)
         for out, type_ in zip(node.outputs, node.output_types):
             if out in defined:
                 raise GraphError(f"graph {where}, node %{node.name}: value {out!r} defined twice")
@@ -121,6 +123,26 @@ def _check_mutation(where: str, node: Node, stateful: set[str]) -> None:
             raise GraphError(f"graph {where}, node %{node.name} ({node.op}): writes in place into "
                              f"{source!r}, which is not a state")
         stateful.add(out)
+
+
+def _check_state_kind(where: str, node: Node, defined: dict[str, TensorType]) -> None:
+    """A recurrence writes rows of a state pool ([SLOT_POOL, ...]) picked by the step's STATE_SLOTS, the input after
+    its state; a cache write writes token slots of a paged cache, never a pool of per-sequence rows."""
+    op = get_op(node.op)
+    if op.category not in (RECURRENCE, CACHE_WRITE):
+        return
+    for position in op.mutates:
+        state = defined[node.inputs[position]]
+        pooled = state.shape[0] == SLOT_POOL
+        if op.category == CACHE_WRITE and pooled:
+            raise GraphError(f"graph {where}, node %{node.name} ({node.op}): writes token slots into "
+                             f"{node.inputs[position]!r} {state}, a pool of per-sequence state rows")
+        if op.category == RECURRENCE and not pooled:
+            raise GraphError(f"graph {where}, node %{node.name} ({node.op}): its state {node.inputs[position]!r} "
+                             f"must be a pool of per-sequence rows [{SLOT_POOL}, ...], found {state}")
+    if op.category == RECURRENCE and node.inputs[op.mutates[-1] + 1] != STATE_SLOTS:
+        raise GraphError(f"graph {where}, node %{node.name} ({node.op}): its rows must be picked by the step "
+                         f"input {STATE_SLOTS!r}, found {node.inputs[op.mutates[-1] + 1]!r}")
 
 
 def _repeat_types(node: Node, input_types: list[TensorType], root: Graph) -> tuple[TensorType, ...]:

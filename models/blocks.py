@@ -78,6 +78,8 @@ class AttentionSpec:
     o_bias: bool = False
     qk_norm_eps: float | None = None  # per-head RMSNorm of q and k before RoPE (q_norm, k_norm) when set
     norm_offset: float = 0.0  # 1.0 for norms that scale by 1 + weight
+    rotary_dim: int = 0  # the leading dims of each head RoPE rotates (partial rotary); 0: all
+    output_gate: bool = False  # q_proj also gives a gate per head, after its q: output * sigmoid(gate)
 
 
 def self_attention(b: GraphBuilder, x: Value, attention: AttentionInputs, prefix: str, cache: str,
@@ -97,9 +99,10 @@ def self_attention(b: GraphBuilder, x: Value, attention: AttentionInputs, prefix
             value = b.rms_norm(value, weight(f"{norm}.weight", spec.head_dim), eps=spec.qk_norm_eps, name=norm,
                                **optional(offset=spec.norm_offset))
         return b.rope(value, attention.positions, theta=spec.theta, name=f"{norm[0]}_rope",
-                      **optional(scaling=spec.scaling))
+                      **optional(scaling=spec.scaling, rotary_dim=spec.rotary_dim))
 
-    q = norm_and_rope(project("q_proj", spec.heads), "q_norm")
+    q, gate = _gated_query(b, x, prefix, spec) if spec.output_gate else (project("q_proj", spec.heads), None)
+    q = norm_and_rope(q, "q_norm")
     k = norm_and_rope(project("k_proj", spec.kv_heads), "k_norm")
     v = project("v_proj", spec.kv_heads)
     k_cache = b.state(f"{cache}.k", x.dtype, kv_cache_shape(spec.kv_heads, spec.head_dim))
@@ -109,8 +112,23 @@ def self_attention(b: GraphBuilder, x: Value, attention: AttentionInputs, prefix
                             attention.context_lens, scale=spec.scale or spec.head_dim ** -0.5, name="attention",
                             **optional(window=spec.window))
     out = b.reshape(out, shape=("tokens", spec.heads * spec.head_dim), name="attention_flat")
+    if gate is not None:
+        out = b.mul(out, b.sigmoid(gate, name="output_gate"), name="gated_attention")
     o_bias = [weight("o_proj.bias", spec.hidden)] if spec.o_bias else []
     return b.linear(out, weight("o_proj.weight", spec.hidden, spec.heads * spec.head_dim), *o_bias, name="o_proj")
+
+
+def _gated_query(b: GraphBuilder, x: Value, prefix: str, spec: AttentionSpec) -> tuple[Value, Value]:
+    """q_proj's output holds each head's q then its gate; the loader regroups the weight's rows so that the GEMM
+    gives all q heads then all gates, two column ranges of one output. (q [tokens, heads, head_dim], gate)."""
+    if spec.qkv_bias:
+        raise ConfigError("an attention output gate with q/k/v biases is not implemented")
+    width, dim = spec.heads * spec.head_dim, spec.head_dim
+    rows = [(2 * h * dim + part * dim, 2 * h * dim + (part + 1) * dim) for part in (0, 1) for h in range(spec.heads)]
+    w = b.row_ranges_param(f"{prefix}.q_proj.weight.grouped", f"{prefix}.q_proj.weight", x.dtype,
+                           (2 * width, spec.hidden), rows)
+    q, gate = b.split(b.linear(x, w, name="q_proj"), sizes=(width, width), name="q_and_gate")
+    return b.reshape(q, shape=("tokens", spec.heads, dim), name="q_proj_heads"), gate
 
 
 def gated_mlp(b: GraphBuilder, x: Value, prefix: str, intermediate: int, act: str, bias: bool = False) -> Value:

@@ -17,6 +17,10 @@ from pegainfer.models.blocks import (AttentionSpec, gated_mlp, glu_activation, l
 
 ARCHITECTURES = ("Gemma3ForCausalLM",)
 MODEL_TYPE = "gemma3_text"
+WRAPPERS = {"Gemma3ForConditionalGeneration": "gemma3"}  # Gemma 3 at 4B and above: served by its text stack
+# transformers' Gemma3TextConfig defaults for the sizes, which published text_configs leave out
+TEXT_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                 "num_attention_heads": 8, "num_key_value_heads": 4}
 FLOAT16_UNSUPPORTED = "its activations overflow float16 (vLLM refuses it too)"
 SLIDING, FULL = "sliding_attention", "full_attention"
 NORM_OFFSET = 1.0  # Gemma's RMSNorm scales by 1 + weight

@@ -6,7 +6,7 @@ from itertools import chain
 
 import numpy as np
 
-from pegainfer.ir.step import TOKEN_BITMASK, TOKEN_MASK_INDEX
+from pegainfer.ir.step import STATE_SLOTS, TOKEN_BITMASK, TOKEN_MASK_INDEX
 from pegainfer.runtime.device_sampling import greedy_inputs, no_penalties
 from pegainfer.runtime.kv_blocks import BlockAllocator, BlockTable
 
@@ -28,8 +28,8 @@ class Chunk:
 
 
 def pack_step(chunks: list[Chunk], allocator: BlockAllocator, *, all_logits: bool = False) -> dict[str, np.ndarray]:
-    """Allocates KV blocks for the chunks and returns the step's inputs. Logits rows are each chunk's last token,
-    or every token with `all_logits` (for scoring a prompt)."""
+    """Allocates KV blocks (and state slots) for the chunks and returns the step's inputs. Logits rows are each
+    chunk's last token, or every token with `all_logits` (for scoring a prompt)."""
     assert chunks, "a step needs at least one chunk"
     ids, positions, slots, starts, logits_rows = [], [], [], [], []
     size = allocator.block_size
@@ -39,7 +39,7 @@ def pack_step(chunks: list[Chunk], allocator: BlockAllocator, *, all_logits: boo
         assert 0 < count and end <= len(seq.token_ids), \
             f"chunk of {count} tokens at {start} overruns sequence {seq.seq_id} of {len(seq.token_ids)}"
         blocks = seq.table.blocks
-        if len(blocks) * size < end:
+        if len(blocks) * size < end or allocator.needs_slot(seq.table):
             allocator.grow(seq.table, end)
         row = len(ids)
         starts.append(row)
@@ -69,11 +69,13 @@ def pack_step(chunks: list[Chunk], allocator: BlockAllocator, *, all_logits: boo
         **greedy_inputs(len(logits_rows)),  # the sampler tail's inputs; engine.sample replaces them
         TOKEN_BITMASK: np.zeros((1, 1), dtype=np.int32), TOKEN_MASK_INDEX: np.full(len(logits_rows), -1, np.int32),
         **no_penalties(len(logits_rows)),
+        **({STATE_SLOTS: np.array([c.seq.table.state_slot for c in chunks], dtype=np.int32)}
+           if allocator.state_slots else {}),
     }
 
 
 def release_sequence(allocator: BlockAllocator, seq: Sequence) -> None:
-    """Frees the sequence's KV blocks; stepped again, it would be recomputed from its first token."""
+    """Frees the sequence's KV blocks and state slot; stepped again, it would be recomputed from its first token."""
     allocator.release(seq.table)
     seq.num_cached = 0
 

@@ -1,4 +1,5 @@
-"""Paged KV-cache bookkeeping: a pool of fixed-size blocks and each sequence's block table."""
+"""Paged KV-cache bookkeeping: a pool of fixed-size blocks and each sequence's block table, and for models with
+recurrent layers a pool of state slots, one per running sequence (its row of every recurrent state pool)."""
 
 from dataclasses import dataclass, field
 
@@ -10,12 +11,23 @@ class OutOfBlocks(Exception):
 class BlockAllocator:
     """A free list of block ids 0 .. num_blocks-1."""
 
-    def __init__(self, num_blocks: int, block_size: int, reserved: int = 0) -> None:
-        """Blocks 0 .. reserved-1 are never handed out (the GPU engine's padding block)."""
+    def __init__(self, num_blocks: int, block_size: int, reserved: int = 0, state_slots: int = 0) -> None:
+        """Blocks 0 .. reserved-1 are never handed out (the GPU engine's padding block), nor, of `state_slots`
+        slots (0: a model without recurrent state), slots 0 .. reserved-1."""
         assert num_blocks > reserved >= 0 and block_size > 0, f"bad pool: {num_blocks} blocks of {block_size}"
+        assert state_slots == 0 or state_slots > reserved, f"bad pool: {state_slots} state slots"
         self.num_blocks = num_blocks - reserved
         self.block_size = block_size
         self._free = list(range(num_blocks - 1, reserved - 1, -1))
+        self.state_slots = max(state_slots - reserved, 0)  # the slots sequences may hold
+        self._free_slots = list(range(state_slots - 1, reserved - 1, -1))
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    def needs_slot(self, table: "BlockTable") -> bool:
+        return self.state_slots > 0 and table.state_slot < 0
 
     @property
     def num_free(self) -> int:
@@ -29,16 +41,24 @@ class BlockAllocator:
         needed = self.blocks_for(num_tokens) - len(table.blocks)
         if needed > len(self._free):
             raise OutOfBlocks(f"need {needed} more KV blocks, {len(self._free)} free of {self.num_blocks}")
+        if self.needs_slot(table):
+            if not self._free_slots:
+                raise OutOfBlocks(f"need a state slot, none free of {self.state_slots}")
+            table.state_slot = self._free_slots.pop()
         for _ in range(max(needed, 0)):
             table.blocks.append(self._free.pop())
 
     def release(self, table: "BlockTable") -> None:
         self._free.extend(reversed(table.blocks))
         table.blocks.clear()
+        if table.state_slot >= 0:
+            self._free_slots.append(table.state_slot)
+            table.state_slot = -1
 
 
 @dataclass
 class BlockTable:
     """A sequence's blocks in order: the token at position p lives at slot blocks[p // size] * size + p % size of
-    the flat [num_blocks * block_size] pool."""
+    the flat [num_blocks * block_size] pool. `state_slot`: its row of the recurrent state pools (-1: none)."""
     blocks: list[int] = field(default_factory=list)
+    state_slot: int = -1

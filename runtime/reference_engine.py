@@ -9,7 +9,7 @@ from pegainfer.frontends.checkpoint import derive_weights
 from pegainfer.frontends.load import LoadedModel
 from pegainfer.ir.graph import Graph
 from pegainfer.ir.interpreter import run_graph
-from pegainfer.ir.step import sampler_outputs
+from pegainfer.ir.step import SLOT_POOL, has_recurrent_state, sampler_outputs
 from pegainfer.passes.fusion import TAIL_TOP_K
 from pegainfer.runtime.batch import Chunk, Sequence, commit_step, pack_step, release_sequence
 from pegainfer.runtime.constraint import TokenConstraint
@@ -19,18 +19,21 @@ from pegainfer.runtime.kv_blocks import BlockAllocator
 from pegainfer.runtime.sampler import SamplingParams
 
 DEFAULT_BLOCK_SIZE = 16
+DEFAULT_MAX_SEQS = 256  # the scheduler's default max_num_seqs: the state slots a model with recurrent layers gets
 
 
 class ReferenceEngine:
     def __init__(self, model: LoadedModel, *, max_tokens: int = 8192, block_size: int = DEFAULT_BLOCK_SIZE,
-                 graph: Graph | None = None) -> None:
-        """Sizes the KV pool to hold `max_tokens` tokens over all sequences. `graph` (the model's own graph by
-        default) may be a lowered one: its derived weights are made from the checkpoint's."""
+                 graph: Graph | None = None, max_seqs: int = DEFAULT_MAX_SEQS) -> None:
+        """Sizes the KV pool to hold `max_tokens` tokens over all sequences, and for a model with recurrent layers
+        the state pools to hold `max_seqs` sequences. `graph` (the model's own graph by default) may be a lowered
+        one: its derived weights are made from the checkpoint's."""
         self.model = model
         self.graph = graph or model.spec.graph
         self.weights = derive_weights(self.graph.derivations(), model.weights)
-        self.allocator = BlockAllocator(-(-max_tokens // block_size), block_size)
-        sizes = {"num_blocks": self.allocator.num_blocks, "block_size": block_size}
+        slots = max_seqs if has_recurrent_state(self.graph) else 0
+        self.allocator = BlockAllocator(-(-max_tokens // block_size), block_size, state_slots=slots)
+        sizes = {"num_blocks": self.allocator.num_blocks, "block_size": block_size, SLOT_POOL: slots}
         self.rng = np.random.default_rng()  # seeds for requests that have none
         self.vocab_size = self.graph.value_types()[self.graph.outputs[0]].shape[-1]  # the logits' width
         self.states = {name: np.zeros(t.concrete(sizes), dtype=t.dtype.np_dtype)

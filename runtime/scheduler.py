@@ -19,7 +19,8 @@ A waiting request is admitted only when its whole uncached sequence fits beside 
 waits otherwise, and the requests behind it with it. When a running sequence needs a block and none is left (after
 evicting unreferenced prefix-cache blocks), the newest running sequence not yet in the step is preempted: its blocks
 are released and it goes back to the head of the queue, to be recomputed from its tokens later. An abort frees a
-request's blocks at once.
+request's blocks at once. A model with recurrent layers also gives each running sequence a state slot (freed with
+its blocks, so running sequences never outnumber the slots), and runs without the prefix cache.
 """
 
 import itertools
@@ -52,6 +53,12 @@ class Engine(Protocol):
     def release(self, seq: Sequence) -> None: ...
 
     def step(self, chunks: list[Chunk], *, all_logits: bool = False) -> np.ndarray: ...
+
+
+# Why a model with recurrent layers runs without the prefix cache: a hit would need each layer's state as it was
+# after the cached prefix, and states are kept only as of each sequence's last step.
+NO_PREFIX_CACHE_FOR_RECURRENT = ("its recurrent layers keep their state only as of each sequence's last step, not "
+                                 "at cached block boundaries")
 
 
 @dataclass(frozen=True)
@@ -137,8 +144,12 @@ class Scheduler:
                              f"({config.max_num_seqs}): every running sequence's decode token must fit in a step")
         self.engine, self.eos_ids, self.config = engine, eos_ids, config
         self.allocator = engine.allocator
+        slots = self.allocator.state_slots
+        if slots and config.max_num_seqs > slots:
+            raise ValueError(f"max_num_seqs ({config.max_num_seqs}) must be at most the engine's state slots "
+                             f"({slots}): every running sequence of a model with recurrent layers holds one")
         self.block_size = self.allocator.block_size
-        self.cache = PrefixCache(self.allocator) if config.prefix_cache else None
+        self.cache = PrefixCache(self.allocator) if config.prefix_cache and not slots else None
         self.waiting = WaitingQueue()
         self.running: list[_State] = []
         self.stats = SchedulerStats()
@@ -187,6 +198,12 @@ class Scheduler:
             self.waiting.remove(state)
         self._forget(state)
         return True
+
+    def prefix_cache_status(self) -> str:
+        """"on", "off", or off with the reason when it was asked for and the model cannot have it."""
+        if self.cache is not None:
+            return "on"
+        return f"off ({NO_PREFIX_CACHE_FOR_RECURRENT})" if self.config.prefix_cache else "off"
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

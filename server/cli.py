@@ -204,7 +204,8 @@ def start_serving(args: argparse.Namespace, trace: TextIO | None, listener: sock
     # The engine thread waits on the GPU without the GIL once a step; under load the event loop holds it then, and
     # hands it back only at the switch interval (5 ms by default, which would add up to that to every step)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    loop = EngineLoop(Scheduler(engine, tokenizer.eos_token_ids, config), engine_thread_init(engine), trace).start()
+    scheduler = Scheduler(engine, tokenizer.eos_token_ids, config)
+    loop = EngineLoop(scheduler, engine_thread_init(engine), trace).start()
     name = args.served_model_name or checkpoint.name
     cache_info = {"cache_dtype": args.kv_cache_dtype}
     if device == "cuda" and args.kv_cache_tokens is None:
@@ -223,7 +224,7 @@ def start_serving(args: argparse.Namespace, trace: TextIO | None, listener: sock
         return (f"pegainfer: serving {name} on http://{_address(listener)} (device {device}: {reason}; dtype "
                 f"{model.spec.config.torch_dtype}; {allocator.num_blocks} KV blocks of {allocator.block_size} "
                 f"tokens{cache_dtype}; max_model_len {max_model_len}{clamp_note}; prefix cache "
-                f"{'on' if args.prefix_cache else 'off'}); ready {ctx.metrics.startup_seconds:.2f} s after start "
+                f"{scheduler.prefix_cache_status()}); ready {ctx.metrics.startup_seconds:.2f} s after start "
                 f"({', '.join(f'{k} {v:.2f} s' for k, v in phases.items())})")
     return loop, ctx, ready_line
 
@@ -308,7 +309,7 @@ def build_engine(model: "LoadedModel", device: str, args: argparse.Namespace, ma
         from pegainfer.runtime.reference_engine import ReferenceEngine
 
         tokens = args.kv_cache_tokens or min(CPU_KV_TOKENS, args.max_num_seqs * max_model_len)
-        return ReferenceEngine(model, max_tokens=tokens, block_size=KV_BLOCK_SIZE)
+        return ReferenceEngine(model, max_tokens=tokens, block_size=KV_BLOCK_SIZE, max_seqs=args.max_num_seqs)
     from pegainfer.runtime.gpu.engine import EngineOptions
     from pegainfer.runtime.gpu.start import gpu_engine
 

@@ -32,6 +32,16 @@ ARCH_CONFIGS = {
     "qwen3_moe_topk": ("Qwen3MoeForCausalLM", {}),
     "qwen3_moe_normalized_sparse": ("Qwen3MoeForCausalLM", {"norm_topk_prob": True, "num_experts_per_tok": 3,
                                                             "decoder_sparse_step": 2, "num_hidden_layers": 3}),
+    # Qwen3.5: linear-attention layers beside full ones; grouped value heads, odd head counts, one KV head, the
+    # layer pattern from full_attention_interval; the multimodal wrappers served by their text stacks
+    "qwen3_5_hybrid": ("Qwen3_5ForCausalLM", {}),
+    "qwen3_5_odd_heads": ("Qwen3_5ForCausalLM", {
+        "hidden_size": 48, "num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": 32,
+        "linear_num_key_heads": 1, "linear_num_value_heads": 3, "linear_key_head_dim": 8, "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 3, "num_hidden_layers": 5, "layer_types": None, "full_attention_interval": 2,
+        "tie_word_embeddings": False, "intermediate_size": 80, "rms_norm_eps": 1e-5}),
+    "qwen3_5_wrapper": ("Qwen3_5ForConditionalGeneration", {"tie_word_embeddings": False}),
+    "gemma3_wrapper": ("Gemma3ForConditionalGeneration", {}),
 }
 
 GOLDEN_CONFIGS: dict[str, tuple[str, dict]] = {

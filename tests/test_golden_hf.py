@@ -31,8 +31,10 @@ def make_prompts(vocab_size: int) -> list[list[int]]:
 
 
 def hf_model(folder):
-    return transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager",
-                                                             dtype=torch.float32).eval()
+    """The checkpoint's own class: a multimodal wrapper as itself, not its text-only form."""
+    architecture = transformers.AutoConfig.from_pretrained(folder).architectures[0]
+    return getattr(transformers, architecture).from_pretrained(folder, attn_implementation="eager",
+                                                               dtype=torch.float32).eval()
 
 
 def hf_greedy(model, prompt: list[int], steps: int) -> tuple[list[int], list[np.ndarray]]:

@@ -1,5 +1,5 @@
 """Planning the rope/KV-write kernel (q/k norms, RoPE on q and k, the paged KV write): head_rows, a program per
-(token, head), for decode steps; token_rows, a program per token, for prompt chunks."""
+(token, head), for decode steps; token_rows, a program per token, for prompt chunks (of a full rotary)."""
 
 from pegainfer.backends.planning import static_layout
 from pegainfer.backends.spec import GridDim, KernelSpec, VariantSpec
@@ -49,13 +49,16 @@ def plan_rope_kv_write(graph: Graph, node: Node) -> KernelSpec:
     constexprs = dict(HEADS=heads, KV_HEADS=kv_heads, HD=head_dim, EPS=q_norm.attrs["eps"] if norm else 1e-6,
                       NORM=norm, NORM_OFFSET=float(q_norm.attrs.get("offset", 0.0)) if norm else 0.0,
                       THETA=float(q_rope.attrs["theta"]), BLOCK_HALF=next_pow2(head_dim // 2),
+                      ROT=q_rope.attrs.get("rotary_dim") or head_dim, BLOCK_HD=next_pow2(head_dim),
                       EARLY=uploaded(graph, q_rope.inputs[1]) and uploaded(graph, slots)
                       and (not norm or {q_norm.inputs[1], k_norm.inputs[1]} <= set(graph.params)),
                       **_rope_scaling_constexprs(q_rope.attrs.get("scaling")))
     row_symbol = types[q_heads].shape[0]
     rope = launch("rope.py", "qk_rope_kv_write_kernel", p, constexprs,
                   (GridDim((row_symbol,)), GridDim((heads + kv_heads,))), num_warps=1)
-    rows_constexprs = {k: v for k, v in constexprs.items() if k != "EARLY"} | {
+    if constexprs["ROT"] < head_dim:
+        return kernel_spec(graph, node, row_symbol, [VariantSpec("head_rows", None, [rope])])
+    rows_constexprs = {k: v for k, v in constexprs.items() if k not in ("EARLY", "ROT", "BLOCK_HD")} | {
         "BLOCK_HEADS": next_pow2(heads + kv_heads)}
     token_rows = launch("rope.py", "qk_rope_kv_write_rows_kernel", p, rows_constexprs, (GridDim((row_symbol,)),),
                         num_warps=4)

@@ -17,9 +17,12 @@ from pegainfer.ir.registry import ATTENTION, CACHE_WRITE, ELEMENTWISE, expect, r
 from pegainfer.ir.types import TensorType
 
 
-def _infer_rope(x: TensorType, positions: TensorType, *, theta: float, scaling: tuple | None = None) -> TensorType:
+def _infer_rope(x: TensorType, positions: TensorType, *, theta: float, scaling: tuple | None = None,
+                rotary_dim: int = 0) -> TensorType:
     expect(x.rank == 3, f"rope: input must be [tokens, heads, head_dim], found {x}")
     expect(isinstance(x.shape[2], int) and x.shape[2] % 2 == 0, f"rope: head_dim must be even, found {x}")
+    expect(rotary_dim == 0 or (rotary_dim % 2 == 0 and 0 < rotary_dim <= x.shape[2]),
+           f"rope: rotary_dim must be 0 (all of head_dim) or even and at most {x.shape[2]}, found {rotary_dim}")
     expect(positions.rank == 1 and positions.shape[0] == x.shape[0] and not positions.dtype.is_float,
            f"rope: positions must be integer [{x.shape[0]}], found {positions}")
     expect(theta > 0, f"rope: theta must be positive, found {theta}")
@@ -62,11 +65,15 @@ def rope_cos_sin(positions: np.ndarray, head_dim: int, theta: float,
     return np.cos(angles), np.sin(angles)
 
 
-def _rope(x: np.ndarray, positions: np.ndarray, *, theta: float, scaling: tuple | None = None) -> np.ndarray:
-    cos, sin = rope_cos_sin(positions, x.shape[-1], theta, scaling)
-    half = x.shape[-1] // 2
-    rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+def _rope(x: np.ndarray, positions: np.ndarray, *, theta: float, scaling: tuple | None = None,
+          rotary_dim: int = 0) -> np.ndarray:
+    """Rotates the first `rotary_dim` dims of each head (all when 0: partial rotary leaves the rest as they are)."""
+    dims = rotary_dim or x.shape[-1]
+    cos, sin = rope_cos_sin(positions, dims, theta, scaling)
+    rot, rest = x[..., :dims], x[..., dims:]
+    half = dims // 2
+    rotated = np.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
+    return np.concatenate([rot * cos[:, None, :] + rotated * sin[:, None, :], rest], axis=-1)
 
 
 FP8_CACHE_MAX = 448.0  # the largest finite float8 e4m3fn: a stored value saturates there

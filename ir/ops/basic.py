@@ -48,6 +48,28 @@ def _silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 
 
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+SOFTPLUS_LINEAR_ABOVE = 20.0  # torch's softplus threshold: above it softplus(x) is x
+
+
+def _infer_decay_gate(a: TensorType, a_log: TensorType, dt_bias: TensorType) -> TensorType:
+    expect(a.dtype.is_float and a.rank >= 1, f"decay_gate: a must be float [..., heads], found {a}")
+    for name, t in (("a_log", a_log), ("dt_bias", dt_bias)):
+        expect(t.shape == (a.shape[-1],), f"decay_gate: {name} must be [{a.shape[-1]}], found {t}")
+    return TensorType(FP32, a.shape)
+
+
+def _decay_gate(a: np.ndarray, a_log: np.ndarray, dt_bias: np.ndarray) -> np.ndarray:
+    """A linear-attention layer's log decay per head, -exp(a_log) * softplus(a + dt_bias), kept in float32: its
+    exponent multiplies the state at every token, so a bf16 rounding here would compound."""
+    x = a + dt_bias
+    softplus = np.where(x > SOFTPLUS_LINEAR_ABOVE, x, np.log1p(np.exp(np.minimum(x, SOFTPLUS_LINEAR_ABOVE))))
+    return -np.exp(a_log) * softplus
+
+
 def _gelu_tanh(x: np.ndarray) -> np.ndarray:
     """GELU with the tanh approximation (Hugging Face's gelu_pytorch_tanh)."""
     inner = np.float32(np.sqrt(2.0 / np.pi)) * (x + np.float32(0.044715) * x * x * x)
@@ -118,6 +140,8 @@ register_op("add", _infer_same, np.add, ELEMENTWISE)
 register_op("mul", _infer_same, np.multiply, ELEMENTWISE)
 register_op("silu", _infer_float, _silu, ELEMENTWISE)
 register_op("gelu_tanh", _infer_float, _gelu_tanh, ELEMENTWISE)
+register_op("sigmoid", _infer_float, _sigmoid, ELEMENTWISE)
+register_op("decay_gate", _infer_decay_gate, _decay_gate, ELEMENTWISE)
 register_op("zeros_like", _infer_float, _zeros_like, ELEMENTWISE)
 register_op("reshape", _infer_reshape, _reshape, VIEW)
 register_op("split", _infer_split, _split, VIEW)

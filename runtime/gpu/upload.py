@@ -16,7 +16,7 @@ from math import prod
 import numpy as np
 
 from pegainfer.frontends.checkpoint import FileSpan
-from pegainfer.ir.graph import Graph
+from pegainfer.ir.graph import Derivation, Graph
 from pegainfer.progress import Progress
 from pegainfer.runtime.cuda import driver
 
@@ -63,22 +63,34 @@ def plan_pieces(graph: Graph, weights: Mapping[str, np.ndarray], take: Callable[
     for name, t in graph.expanded_params().items():
         nbytes = t.dtype.itemsize * prod(t.shape)
         ptr = addresses[name] = take(nbytes)
-        assert name not in derivations or derivations[name].axis == 0, f"{name}: only row concatenation"
+        derivation = derivations.get(name)
+        segments = _segments(derivation, weights) if derivation else [(name, 0, _stored_nbytes(weights, name))]
+        arrays = {}
+        for source in dict.fromkeys(source for source, _, _ in segments):
+            if span_of(source) is None:
+                count = sum(len(range(a, b, chunk)) for s, a, b in segments if s == source)
+                arrays[source] = ArraySource(lambda source=source: weights[source], count)
         offset = 0
-        for source in derivations[name].sources if name in derivations else (name,):
+        for source, begin, end in segments:
             span = span_of(source)
-            size = span.nbytes if span is not None else _stored_nbytes(weights, source)
-            starts = range(0, size, chunk)
-            array = None if span is not None else ArraySource(lambda source=source: weights[source], len(starts))
-            for start in starts:
-                n = min(chunk, size - start)
-                pieces.append(Piece(ptr + offset + start, n, start=start, source=array,
+            for start in range(begin, end, chunk):
+                n = min(chunk, end - start)
+                pieces.append(Piece(ptr + offset + start - begin, n, start=start, source=arrays.get(source),
                                     span=FileSpan(span.file, span.offset + start, n) if span is not None else None))
                 completes.append("")
-            offset += size
+            offset += end - begin
         assert offset == nbytes, f"{name}: planned {offset} bytes for {t}"
         completes[-1] = name
     return pieces, addresses, completes
+
+
+def _segments(derivation: Derivation, weights: Mapping[str, np.ndarray]) -> list[tuple[str, int, int]]:
+    """A derived param's pieces as (source, first byte, byte after the last) of the source as the graph stores it."""
+    segments = []
+    for source, start, stop in derivation.pieces():
+        row = _stored_nbytes(weights, source) // derivation.source_types[derivation.sources.index(source)].shape[0]
+        segments.append((source, start * row, stop * row))
+    return segments
 
 
 def _stored_nbytes(weights: Mapping[str, np.ndarray], name: str) -> int:

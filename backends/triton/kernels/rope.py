@@ -1,6 +1,7 @@
 """Per-head q/k RMSNorm + RoPE + the paged KV write (layouts: ir/ops/attention.py): a program per (token, head) for
 decode steps, a program per token for prompt chunks. RoPE frequencies follow ir/ops/attention.py's rope_inv_freq:
-SCALING 0 none, 1 linear, 2 by_wavelength. An FP8 cache comes with k_scale_ptr and v_scale_ptr (None otherwise):
+SCALING 0 none, 1 linear, 2 by_wavelength; a partial rotary (ROT < HD dims rotated, the rest passed through) runs
+the program per (token, head) alone. An FP8 cache comes with k_scale_ptr and v_scale_ptr (None otherwise):
 the write stores x / scale, saturated."""
 
 import triton
@@ -53,6 +54,53 @@ def _norm_rotate_halves(x1, x2, w1, w2, cos, sin, HD: tl.constexpr, EPS: tl.cons
 
 
 @triton.jit
+def _norm_rotate_partial(x_ptr, w_ptr, pos, HD: tl.constexpr, ROT: tl.constexpr, BLOCK_HD: tl.constexpr,
+                         EPS: tl.constexpr, NORM: tl.constexpr, NORM_OFFSET: tl.constexpr, THETA: tl.constexpr,
+                         SCALING: tl.constexpr, FACTOR: tl.constexpr, LOW_FREQ: tl.constexpr,
+                         HIGH_FREQ: tl.constexpr, ORIGINAL: tl.constexpr):
+    """A head's RMSNorm over all HD dims, then the rotation of its first ROT: dim j < ROT pairs with its partner
+    j +- ROT / 2, loaded beside it; the dims from ROT on pass through."""
+    rot_half: tl.constexpr = ROT // 2
+    offs = tl.arange(0, BLOCK_HD)
+    mask = offs < HD
+    partner = tl.where(offs < rot_half, offs + rot_half, tl.where(offs < ROT, offs - rot_half, offs))
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(x_ptr + partner, mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / HD + EPS)
+        x = x * rstd * (tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32) + NORM_OFFSET)
+        xp = xp * rstd * (tl.load(w_ptr + partner, mask=mask, other=0.0).to(tl.float32) + NORM_OFFSET)
+    cos, sin = _rotation(pos, offs % rot_half, ROT, THETA, SCALING, FACTOR, LOW_FREQ, HIGH_FREQ, ORIGINAL)
+    rotated = x * cos + tl.where(offs < rot_half, -xp, xp) * sin
+    return tl.where(offs < ROT, rotated, x), offs, mask
+
+
+@triton.jit
+def _rope_partial_head(q_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
+                       k_scale_ptr, v_scale_ptr, token, head, pos, slot, stride_q, stride_k, stride_v, stride_q_out,
+                       HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HD: tl.constexpr, ROT: tl.constexpr,
+                       BLOCK_HD: tl.constexpr, EPS: tl.constexpr, NORM: tl.constexpr, NORM_OFFSET: tl.constexpr,
+                       THETA: tl.constexpr, SCALING: tl.constexpr, FACTOR: tl.constexpr, LOW_FREQ: tl.constexpr,
+                       HIGH_FREQ: tl.constexpr, ORIGINAL: tl.constexpr):
+    """One (token, head) of qk_rope_kv_write_kernel under a partial rotary."""
+    if head < HEADS:
+        out, offs, mask = _norm_rotate_partial(q_ptr + token * stride_q + head * HD, q_norm_ptr, pos, HD, ROT,
+                                               BLOCK_HD, EPS, NORM, NORM_OFFSET, THETA, SCALING, FACTOR, LOW_FREQ,
+                                               HIGH_FREQ, ORIGINAL)
+        tl.store(q_out_ptr + token * stride_q_out + head * HD + offs, out.to(q_out_ptr.dtype.element_ty), mask=mask)
+    else:
+        kv_head = head - HEADS
+        out, offs, mask = _norm_rotate_partial(k_ptr + token * stride_k + kv_head * HD, k_norm_ptr, pos, HD, ROT,
+                                               BLOCK_HD, EPS, NORM, NORM_OFFSET, THETA, SCALING, FACTOR, LOW_FREQ,
+                                               HIGH_FREQ, ORIGINAL)
+        write = mask & (slot >= 0)
+        cache_offset = (slot.to(tl.int64) * KV_HEADS + kv_head) * HD
+        tl.store(k_cache_ptr + cache_offset + offs, _to_cache(out, k_scale_ptr, k_cache_ptr), mask=write)
+        v = tl.load(v_ptr + token * stride_v + kv_head * HD + offs, mask=mask, other=0.0)
+        tl.store(v_cache_ptr + cache_offset + offs, _to_cache(v, v_scale_ptr, v_cache_ptr), mask=write)
+
+
+@triton.jit
 def _to_cache(x, scale_ptr, cache_ptr):
     """A key or value row as the cache stores it: for an FP8 cache, divided by the layer's scale and saturated."""
     if scale_ptr is not None:
@@ -69,7 +117,7 @@ def qk_rope_kv_write_kernel(q_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, pos_ptr
                             NORM: tl.constexpr, NORM_OFFSET: tl.constexpr, THETA: tl.constexpr,
                             SCALING: tl.constexpr, FACTOR: tl.constexpr, LOW_FREQ: tl.constexpr,
                             HIGH_FREQ: tl.constexpr, ORIGINAL: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                            PDL: tl.constexpr, EARLY: tl.constexpr):
+                            ROT: tl.constexpr, BLOCK_HD: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
     """EARLY (positions and slots are step inputs, uploaded before the step): the position, the slot, the norm's
     weights and the rotation's cos and sin come before the wait for the previous kernel, whose output is only the
     heads."""
@@ -79,6 +127,15 @@ def qk_rope_kv_write_kernel(q_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, pos_ptr
             gdc_wait()
     token = tl.program_id(0)
     head = tl.program_id(1)
+    if ROT < HD:
+        pos, slot = tl.load(pos_ptr + token).to(tl.float32), tl.load(slot_ptr + token)
+        if PDL and EARLY:
+            gdc_wait()
+        _rope_partial_head(q_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
+                           k_scale_ptr, v_scale_ptr, token, head, pos, slot, stride_q, stride_k, stride_v,
+                           stride_q_out, HEADS, KV_HEADS, HD, ROT, BLOCK_HD, EPS, NORM, NORM_OFFSET, THETA, SCALING,
+                           FACTOR, LOW_FREQ, HIGH_FREQ, ORIGINAL)
+        return
     half: tl.constexpr = HD // 2
     offs = tl.arange(0, BLOCK_HALF)
     mask = offs < half
