@@ -25,7 +25,6 @@ its blocks, so running sequences never outnumber the slots), and runs without th
 
 import itertools
 import time
-from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Callable, Protocol
 
@@ -39,6 +38,7 @@ from pegainfer.runtime.kv_blocks import BlockAllocator
 from pegainfer.runtime.prefix_cache import ROOT, PrefixCache, chain_hashes
 from pegainfer.runtime.prompt_logprobs import draw_first, position_logprobs
 from pegainfer.runtime.sampler import SamplingParams
+from pegainfer.runtime.step_stats import SchedulerStats, StepRecord
 from pegainfer.runtime.waiting import WaitingQueue
 
 
@@ -91,27 +91,6 @@ class TokenOutput:
     time: float
     first_scheduled: float  # time.monotonic() when first admitted; a preempted and resumed request keeps it
     prompt_logprobs: list[dict[int, float]] | None = None  # on the first token, where asked: positions 1 on
-
-
-@dataclass
-class SchedulerStats:
-    prompt_tokens: int = 0  # prompt tokens of admitted requests, cached or not
-    generation_tokens: int = 0
-    prefill_tokens: int = 0  # tokens computed in prefill chunks, recomputes after preemption included
-    preemptions: int = 0
-    steps: int = 0
-    step_tokens: Counter[int] = field(default_factory=Counter)  # engine steps by tokens run; /metrics buckets them
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """What one engine step ran and how long the engine took over it (the serving trace's line)."""
-    start: float  # time.monotonic() when the engine was called
-    seconds: float
-    seqs: int
-    tokens: int
-    prefill_tokens: int  # tokens of prompt chunks (and recomputes); the rest are one decode token per sequence
-    outputs: int  # tokens handed to requests
 
 
 @dataclass(eq=False)  # compared by identity: `in self.running` ran a field-by-field __eq__ per running request

@@ -13,16 +13,21 @@ import pytest
 from pegainfer.backends.planning import PlanOptions
 from pegainfer.backends.triton.execute import InterpretedExecutor, to_torch
 from pegainfer.backends.triton.plan import plan_kernel
+from pegainfer.frontends.checkpoint import derive_weights
 from pegainfer.frontends.config import normalize_hf_config, parse_config
 from pegainfer.frontends.registry import dag_modules
 from pegainfer.ir.graph import KERNEL
 from pegainfer.ir.interpreter import run_graph
+from pegainfer.ir.step import SLOT_POOL, has_recurrent_state
 from pegainfer.passes.pipeline import lower
 from pegainfer.runtime.batch import Chunk, Sequence, commit_step, pack_step
 from pegainfer.runtime.kv_blocks import BlockAllocator
 from random_models import BLOCK_SIZE
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2}  # relative error in norm
+# States carried across steps compound bf16 rounding: on these weights the bf16 reference is itself 1.6% from
+# float32's logits at the mixed step (the kernels 2.7%), so the bound is the noise's, not the kernels'
+BF16_TOLERANCE = {"Qwen3_5ForCausalLM": 4e-2}
 # 15 and 5 rows (the GEMM's tensor-core tiles), then one sequence alone: batch 1's one-row GEMVs
 STEPS = {"prefill": [5, 1, 9], "mixed": [1, 1, 3], "single": [1]}
 # Each architecture's TINY_CONFIG, made smaller still, with windows shorter than the sequences.
@@ -35,14 +40,18 @@ OVERRIDES = {
     "Gemma3ForCausalLM": {"sliding_window": 3, "query_pre_attn_scalar": 12},
     "Qwen3MoeForCausalLM": {"moe_intermediate_size": 24, "num_experts": 6, "num_experts_per_tok": 2,
                             "norm_topk_prob": True},
+    "Qwen3_5ForCausalLM": {"head_dim": 16, "num_hidden_layers": 2, "layer_types": ["linear_attention",
+                                                                                 "full_attention"]},
 }
 CASES = [("LlamaForCausalLM", "float32"), ("Qwen2ForCausalLM", "float32"), ("MistralForCausalLM", "float32"),
-         ("Gemma3ForCausalLM", "float32"), ("Qwen3MoeForCausalLM", "float32"), ("Qwen3MoeForCausalLM", "bfloat16")]
+         ("Gemma3ForCausalLM", "float32"), ("Qwen3MoeForCausalLM", "float32"), ("Qwen3MoeForCausalLM", "bfloat16"),
+         ("Qwen3_5ForCausalLM", "float32"), ("Qwen3_5ForCausalLM", "bfloat16")]
 SPLIT_KV = {"MistralForCausalLM"}  # the split-KV attention variant (batch <= 16) with a window; others plain
 
 
 @dataclasses.dataclass
 class Model:
+    architecture: str
     dtype: str
     vocab: int
     lowered: object
@@ -61,11 +70,11 @@ def model(request) -> Model:
     rng = np.random.default_rng(3)
     weights = {name: (rng.standard_normal(t.shape) * 0.5).astype(t.dtype.np_dtype)
                for name, t in lowered.checkpoint_params().items()}
-    weights |= {n: np.concatenate([weights[s] for s in d.sources]) for n, d in lowered.derivations().items()}
+    weights = derive_weights(lowered.derivations(), weights)
     options = PlanOptions(block_size=BLOCK_SIZE, split_kv_max_batch=16 if architecture in SPLIT_KV else 0)
     specs = {(g.name, n.name): plan_kernel(g, n, options)
              for g in lowered.all_graphs() for n in g.nodes if n.op == KERNEL}
-    return Model(dtype, config.vocab_size, lowered, specs, weights)
+    return Model(architecture, dtype, config.vocab_size, lowered, specs, weights)
 
 
 def relative_error(ours: np.ndarray, theirs: np.ndarray) -> float:
@@ -76,8 +85,9 @@ def relative_error(ours: np.ndarray, theirs: np.ndarray) -> float:
 def workload(model: Model, run) -> list[list[np.ndarray]]:
     """The outputs of the STEPS of `run(inputs, states)` over three sequences of 16 tokens."""
     rng = np.random.default_rng(5)
-    allocator = BlockAllocator(num_blocks=24, block_size=BLOCK_SIZE)
-    sizes = {"num_blocks": 24, "block_size": BLOCK_SIZE}
+    slots = 4 if has_recurrent_state(model.lowered) else 0
+    allocator = BlockAllocator(num_blocks=24, block_size=BLOCK_SIZE, state_slots=slots)
+    sizes = {"num_blocks": 24, "block_size": BLOCK_SIZE, SLOT_POOL: slots}
     states = {n: np.zeros(t.concrete(sizes), t.dtype.np_dtype) for n, t in model.lowered.expanded_states().items()}
     seqs = [Sequence(i, rng.integers(0, model.vocab, 16).tolist()) for i in range(3)]
     results = []
@@ -96,6 +106,8 @@ def test_steps_made_of_generated_kernels_match_the_reference(model):
     got = workload(model, lambda inputs, states: executor.run(
         inputs, model.weights, {n: to_torch(s) for n, s in states.items()}))
     for step, ours, theirs in zip(STEPS, got, expected):
-        assert relative_error(ours[0], theirs[0]) < TOLERANCE[model.dtype], f"{step} step logits"
+        bound = BF16_TOLERANCE.get(model.architecture, TOLERANCE[model.dtype]) if model.dtype == "bfloat16" \
+            else TOLERANCE[model.dtype]
+        assert relative_error(ours[0], theirs[0]) < bound, f"{step} step logits"
         if model.dtype == "float32":
             assert (ours[0].argmax(-1) == theirs[0].argmax(-1)).all()

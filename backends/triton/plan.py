@@ -54,6 +54,11 @@ def plan_kernel(graph: Graph, node: Node, options: PlanOptions) -> KernelSpec:
     if "kv_write" in ops:
         from pegainfer.backends.triton.rope import plan_rope_kv_write
         return plan_rope_kv_write(graph, node)
+    if ops in (["causal_conv1d"], ["gated_delta_rule"]):
+        from pegainfer.backends.triton import recurrence
+        if ops == ["causal_conv1d"]:
+            return recurrence.plan_causal_conv1d(graph, node)
+        return recurrence.plan_gated_delta_rule(graph, node)
     if ops in (["moe_route"], ["moe_experts"]):
         from pegainfer.backends.triton import moe
         return moe.plan_moe_route(graph, node) if ops == ["moe_route"] else moe.plan_moe_experts(graph, node)

@@ -15,6 +15,10 @@ _EXPRESSIONS = {
     "gelu_tanh": lambda x: f"0.5 * {x} * (1.0 + (2.0 / (1.0 + tl.exp(-1.5957691216057308 * ({x} + 0.044715 * {x} * {x} "
                            f"* {x}))) - 1.0))",
     "zeros_like": lambda x: "tl.zeros([BLOCK_D], dtype=tl.float32)",
+    "sigmoid": lambda x: f"1.0 / (1.0 + tl.exp(-{x}))",
+    # -exp(a_log) * softplus(a + dt_bias), softplus linear above 20 as torch's (ir/ops/basic.py's decay_gate)
+    "decay_gate": lambda a, a_log, dt: f"-tl.exp({a_log}) * tl.where({a} + {dt} > 20.0, {a} + {dt}, "
+                                       f"tl.log(1.0 + tl.exp(tl.minimum({a} + {dt}, 20.0))))",
 }
 
 
