@@ -13,6 +13,7 @@ import numpy as np
 from pegainfer.frontends.load import LoadedModel, ModelSpec, load_model, load_spec, resolve_config_path
 from pegainfer.ir.dtypes import F8E4M3
 from pegainfer.ir.graph import instantiate
+from pegainfer.ir.step import SLOT_POOL
 from pegainfer.runtime.batch import Chunk, Sequence
 from pegainfer.runtime.gpu.engine import EngineOptions, GpuEngine
 
@@ -81,7 +82,14 @@ def weight_bytes(spec: ModelSpec) -> int:
 
 
 def kv_bytes_per_token(spec: ModelSpec) -> int:
-    return sum(prod(t.shape[2:]) * t.dtype.itemsize for t in spec.graph.expanded_states().values())
+    return sum(prod(t.shape[2:]) * t.dtype.itemsize for t in spec.graph.expanded_states().values()
+               if t.shape[0] != SLOT_POOL)
+
+
+def state_bytes_per_sequence(spec: ModelSpec) -> int:
+    """A sequence's rows of the recurrent state pools (none for attention-only models)."""
+    return sum(prod(t.shape[1:]) * t.dtype.itemsize for t in spec.graph.expanded_states().values()
+               if t.shape[0] == SLOT_POOL)
 
 
 def bench_decode(engine: GpuEngine, batches: list[int], contexts: list[int], steps: int = 20,
@@ -102,7 +110,8 @@ def bench_decode(engine: GpuEngine, batches: list[int], contexts: list[int], ste
             for seq in seqs:
                 engine.release(seq)
             ms = float(np.median(times) * 1e3)
-            moved = weight_bytes(spec) + batch * (context + steps // 2) * kv_bytes_per_token(spec)
+            moved = weight_bytes(spec) + batch * ((context + steps // 2) * kv_bytes_per_token(spec)
+                                                  + 2 * state_bytes_per_sequence(spec))  # states read and written
             rows.append(DecodeRow(graphs, batch, context, ms, batch / ms * 1e3, moved / HBM_BYTES_PER_S * 1e3,
                                   moved / ms / 1e9))
     return rows

@@ -104,6 +104,17 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: Any) -> Any:
+        """Images, audio and files: pegainfer serves a model's text stack (frontends/text_stack.py), no encoder."""
+        for part in value if isinstance(value, list) else []:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in (None, "text"):
+                raise ValueError(f"content parts of type {kind!r} are not supported: this server runs the model's "
+                                 f"text stack only, so a message's content must be text")
+        return value
+
     def as_template_input(self) -> dict[str, Any]:
         """The message as templates read it: text parts joined, and a tool call's JSON arguments as an object (as
         vLLM passes them: templates that write `arguments | tojson` would encode a string twice)."""

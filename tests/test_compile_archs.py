@@ -20,11 +20,13 @@ EXPECTED = {
     "MistralForCausalLM": {"WINDOW": 7},
     "Gemma3ForCausalLM": {"WINDOW": 6, "SCALING": 1, "NORM_OFFSET": 1.0, "ACT": 2, "SCALE": 8.0},
     "Qwen3MoeForCausalLM": {"NORMALIZE": False, "INTER": 32},
+    "Qwen3_5ForCausalLM": {"ROT": 4, "CHUNK": 32, "WIDTH": 4, "NORM_OFFSET": 1.0},
 }
 
 
 def test_every_architecture_compiles_for_sm90(tmp_path, capsys):
-    assert set(EXPECTED) | {"Qwen3ForCausalLM"} == set(dag_modules()), "a new DAG file needs its compile check"
+    text_models = {a for module in dag_modules().values() for a in module.ARCHITECTURES}
+    assert set(EXPECTED) | {"Qwen3ForCausalLM"} == text_models, "a new DAG file needs its compile check"
     cache = tmp_path / "cache"
     for architecture, expected in EXPECTED.items():
         config = tmp_path / architecture / "config.json"
@@ -46,3 +48,5 @@ def test_every_architecture_compiles_for_sm90(tmp_path, capsys):
             assert value in constexprs.get(key, set()), f"{architecture}: no launch with {key}={value}"
         if architecture == "Qwen3MoeForCausalLM":
             assert {"moe_route", "moe_experts"} <= {k.kind for k in data.kernels}
+        if architecture == "Qwen3_5ForCausalLM":
+            assert {"causal_conv1d", "gated_delta_rule"} <= {k.kind for k in data.kernels}

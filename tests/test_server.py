@@ -234,6 +234,18 @@ def test_bad_input_gets_an_openai_error_naming_the_parameter(server, path, body,
         assert word in error["message"], error
 
 
+def test_a_message_with_an_image_is_refused_with_400_and_the_server_goes_on(server):
+    client = server.client()
+    content = [{"type": "text", "text": "what is this?"},
+               {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": content}], max_tokens=2)
+    assert bad.value.status_code == 400
+    assert "content parts of type 'image_url' are not supported" in bad.value.message
+    assert client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": content[:1]}],
+                                          max_tokens=2).usage.completion_tokens == 2
+
+
 def test_the_openai_client_raises_its_exceptions_with_the_message(server):
     client = server.client()
     with pytest.raises(openai.BadRequestError) as bad:

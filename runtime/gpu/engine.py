@@ -9,8 +9,8 @@ import numpy as np
 
 from pegainfer.errors import PegainferError
 from pegainfer.frontends.load import LoadedModel
-from pegainfer.ir.step import (PENALTY_COUNT, PENALTY_IDS, PENALTY_START, PENALTY_TERMS, SAMPLING_INPUTS,
-                               TOKEN_BITMASK, TOKEN_MASK_INDEX, mask_words, sampler_outputs)
+from pegainfer.ir.step import (PENALTY_COUNT, PENALTY_IDS, PENALTY_START, PENALTY_TERMS, SAMPLING_INPUTS, STATE_SLOTS,
+                               TOKEN_BITMASK, TOKEN_MASK_INDEX, has_recurrent_state, mask_words, sampler_outputs)
 from pegainfer.passes.pipeline import lower
 from pegainfer.runtime.batch import Chunk, Sequence, commit_step, pack_step, release_sequence
 from pegainfer.runtime.constraint import TokenConstraint
@@ -23,6 +23,7 @@ from pegainfer.runtime.kv_blocks import BlockAllocator
 from pegainfer.runtime.sampler import SamplingParams
 
 PADDING_BLOCK = 0  # a KV block no sequence owns: padding slots of captured decode steps point here
+PADDING_SLOT = 0  # likewise a row of the recurrent state pools, for padding sequences (which start from zeros)
 
 
 def decode_buckets(max_batch: int) -> list[int]:
@@ -54,9 +55,13 @@ class GpuEngine:
         limits = Limits(options.max_tokens, options.max_batch, -(-options.max_model_len // options.block_size),
                         0, options.block_size)
         self.executor = GpuExecutor(self.ctx, lowered, manifest, model.weights, limits)
+        slots = options.max_batch + PADDING_SLOT + 1 if has_recurrent_state(lowered) else 0  # one per sequence
+        if slots:
+            self.executor.allocate_state_pools(slots)
         num_blocks = self._kv_blocks()
         self.executor.allocate_kv(num_blocks)
-        self.allocator = BlockAllocator(num_blocks, options.block_size, reserved=PADDING_BLOCK + 1)
+        self.allocator = BlockAllocator(num_blocks, options.block_size, reserved=PADDING_BLOCK + 1,
+                                        state_slots=slots)
         self.executor.pdl_max_tokens = options.pdl_max_tokens
         self.buckets = decode_buckets(options.max_batch)
         self.graphs: dict[tuple[int, bool], tuple[tuple[driver.Graph, ...], dict]] = {}  # (bucket, split)
@@ -173,7 +178,8 @@ class GpuEngine:
 
 def pad_decode_step(step: dict[str, np.ndarray], bucket: int) -> dict[str, np.ndarray]:
     """Pads a decode step to `bucket` sequences of one token. A padding sequence writes nowhere (slot -1) and
-    attends to one token of the padding block, so it can never touch a real sequence's KV."""
+    attends to one token of the padding block, so it can never touch a real sequence's KV; its recurrent state is
+    the padding slot's, which it starts from zeros (its context is its one token)."""
     real = len(step["query_lens"])
     extra = bucket - real
     if extra == 0:
@@ -197,6 +203,8 @@ def pad_decode_step(step: dict[str, np.ndarray], bucket: int) -> dict[str, np.nd
         **({PENALTY_START: np.concatenate([step[PENALTY_START], np.zeros(extra, np.int32)]),
             PENALTY_COUNT: np.concatenate([step[PENALTY_COUNT], np.zeros(extra, np.int32)]),
             PENALTY_IDS: step[PENALTY_IDS], PENALTY_TERMS: step[PENALTY_TERMS]} if PENALTY_COUNT in step else {}),
+        **({STATE_SLOTS: np.concatenate([step[STATE_SLOTS], np.full(extra, PADDING_SLOT, np.int32)])}
+           if STATE_SLOTS in step else {}),
     }
 
 

@@ -15,7 +15,7 @@ from pegainfer.backends.spec import ParamKind, first_serving, planes_of, runtime
 from pegainfer.errors import PegainferError
 from pegainfer.ir.graph import KERNEL, REPEAT, Graph, instantiate
 from pegainfer.ir.kernel import in_place_outputs
-from pegainfer.ir.step import launch_sizes, mask_words
+from pegainfer.ir.step import SLOT_POOL, launch_sizes, mask_words
 from pegainfer.ir.types import TensorType
 from pegainfer.runtime.cuda import driver
 from pegainfer.runtime.gpu.abi import DeviceTensor
@@ -40,11 +40,13 @@ class Limits:
     block_size: int
     mask_words: int = 1  # words of a grammar bitmask row: the logits' width over 32 (the executor sets it)
     penalties: int = PENALTY_ENTRIES  # penalty entries of one step (rows past them are drawn on the host)
+    state_slots: int = 0  # rows of each recurrent state pool (a model with recurrent layers)
 
     def sizes(self) -> dict[str, int]:
         return {"tokens": self.max_tokens, "batch": self.max_batch, "samples": self.max_batch, "masks": self.max_batch,
                 "mask_words": self.mask_words, "max_blocks": self.max_blocks_per_seq, "num_blocks": self.num_blocks,
-                "block_size": self.block_size, "max_query_len": self.max_tokens, "penalties": self.penalties}
+                "block_size": self.block_size, "max_query_len": self.max_tokens, "penalties": self.penalties,
+                SLOT_POOL: self.state_slots}
 
 
 class GpuExecutor:
@@ -77,6 +79,7 @@ class GpuExecutor:
             for t in tensors.values():
                 driver.memset(t.ptr, prod(t.shape) * t.dtype.itemsize, ctx.stream)
         self.states: dict[str, DeviceTensor] = {}  # the KV cache: allocate_kv, once the engine knows its size
+        self.pools: dict[str, DeviceTensor] = {}  # recurrent state pools: allocate_state_pools
         self.profile: list[tuple[str, driver.Event, driver.Event]] | None = None  # set to a list to time launches
         self.pdl_max_tokens = PDL_MAX_TOKENS  # programmatic dependent launch up to this many tokens (0: never)
         self.inputs, self.staging, self.input_region = self._allocate_inputs(sizes)
@@ -84,18 +87,33 @@ class GpuExecutor:
 
     def kv_bytes_per_block(self) -> int:
         one = {"num_blocks": 1, "block_size": self.limits.block_size}
-        return sum(aligned(_nbytes(t, one)) for t in self.graph.expanded_states().values())
+        return sum(aligned(_nbytes(t, one)) for t in self._states(pooled=False).values())
+
+    def allocate_state_pools(self, slots: int) -> None:
+        """The recurrent layers' state pools, `slots` rows each, zeroed: before the KV cache takes what is left."""
+        assert not self.states, "state pools come before the KV cache"
+        self.limits = replace(self.limits, state_slots=slots)
+        pools = self._states(pooled=True)
+        sizes = {SLOT_POOL: slots}
+        arena = Arena(sum(aligned(_nbytes(t, sizes)) for t in pools.values()), "recurrent state")
+        self.pools = {name: DeviceTensor.contiguous(arena.take(_nbytes(t, sizes)), t.concrete(sizes), t.dtype)
+                      for name, t in pools.items()}
+        driver.memset(arena.base, arena.size, self.ctx.stream)
 
     def allocate_kv(self, num_blocks: int) -> None:
-        """The paged KV cache (every state of the graph) for `num_blocks` blocks, zeroed."""
+        """The paged KV cache (every paged state of the graph) for `num_blocks` blocks, zeroed."""
         assert not self.states, "the KV cache is allocated once"
         self.bound.clear()  # layers bound before, without their cache
         self.limits = replace(self.limits, num_blocks=num_blocks)
         sizes = self.limits.sizes()
         arena = Arena(self.kv_bytes_per_block() * num_blocks, "KV cache")
         self.states = {name: DeviceTensor.contiguous(arena.take(_nbytes(t, sizes)), t.concrete(sizes), t.dtype)
-                       for name, t in self.graph.expanded_states().items()}
+                       for name, t in self._states(pooled=False).items()} | self.pools
         driver.memset(arena.base, arena.size, self.ctx.stream)
+
+    def _states(self, pooled: bool) -> dict[str, TensorType]:
+        """The graph's paged states (KV caches), or its pools of per-sequence rows."""
+        return {name: t for name, t in self.graph.expanded_states().items() if (t.shape[0] == SLOT_POOL) == pooled}
 
     def _load_functions(self, folder: Path) -> dict[str, tuple]:
         functions = {}
@@ -147,7 +165,7 @@ class GpuExecutor:
     def upload_step(self, step: dict[str, np.ndarray]) -> dict[str, int]:
         """Copies the step's inputs up in one transfer; returns the step's sizes."""
         sizes = {"num_blocks": self.limits.num_blocks, "block_size": self.limits.block_size,
-                 "max_blocks": self.limits.max_blocks_per_seq}
+                 "max_blocks": self.limits.max_blocks_per_seq, SLOT_POOL: self.limits.state_slots}
         arrays = {}
         for name, (offset, t) in self.inputs.items():
             array = np.ascontiguousarray(step[name], dtype=t.dtype.np_dtype)

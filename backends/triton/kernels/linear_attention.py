@@ -42,10 +42,10 @@ def causal_conv1d_kernel(x_ptr, w_ptr, state_ptr, slots_ptr, starts_ptr, qlens_p
              mask=tmask)
     if tblk == 0:
         for j in tl.static_range(WIDTH - 1):
-            off = q_len - (WIDTH - 1) + j
-            xv = tl.load(x_ptr + (start + off) * stride_x + chans, mask=cmask & (off >= 0), other=0.0)
-            sv = tl.load(state_row + (WIDTH - 1) + off, mask=cmask & (off < 0) & carried, other=0.0)
-            tl.store(state_row + j, (xv.to(tl.float32) + sv.to(tl.float32)).to(state_ptr.dtype.element_ty),
+            back = q_len - (WIDTH - 1) + j
+            x_in = tl.load(x_ptr + (start + back) * stride_x + chans, mask=cmask & (back >= 0), other=0.0)
+            s_in = tl.load(state_row + (WIDTH - 1) + back, mask=cmask & (back < 0) & carried, other=0.0)
+            tl.store(state_row + j, (x_in.to(tl.float32) + s_in.to(tl.float32)).to(state_ptr.dtype.element_ty),
                      mask=cmask)
 
 
