@@ -144,14 +144,16 @@ def bench_prefill(engine: GpuEngine, prompt_lengths: list[int], repeats: int = 3
 
 
 def prefill_flops(spec: ModelSpec, tokens: int) -> float:
-    """2 x weights x tokens for the GEMMs (the LM head for the last token only) plus causal attention; weights
+    """2 x weights x tokens for the GEMMs (the LM head for the last token only) plus causal attention in the layers
+    with a KV cache (recurrent layers' scans are left out, as small beside their projections); weights
     counted by element (an FP8 projection's scales left out), so FP8 and bf16 steps do the same flops."""
     config = spec.config
     head = config.vocab_size * config.hidden_size
     scales = scale_params(spec)
     weights = sum(prod(t.shape) for name, t in spec.graph.checkpoint_params().items() if name not in scales)
     gemm = 2 * (weights - head) * tokens + 2 * head
-    attention = 2 * 2 * config.num_hidden_layers * config.num_attention_heads * config.dims_per_head * tokens ** 2 / 2
+    caches = [t for t in spec.graph.expanded_states().values() if t.shape[0] != SLOT_POOL]  # a K and a V a layer
+    attention = sum(2 * config.num_attention_heads * t.shape[-1] * tokens ** 2 / 2 for t in caches)
     return gemm + attention
 
 
