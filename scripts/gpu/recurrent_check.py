@@ -14,6 +14,7 @@ import check  # noqa: E402  (scripts/gpu/check.py: the shared GPU checks)
 
 from pegainfer.frontends.load import load_model  # noqa: E402
 from pegainfer.runtime import bench  # noqa: E402
+from pegainfer.runtime.batch import Chunk, Sequence  # noqa: E402
 from pegainfer.runtime.device import visible_sm  # noqa: E402
 from pegainfer.runtime.gpu.start import ensure_manifest, gpu_engine  # noqa: E402
 from pegainfer.runtime.reference_engine import ReferenceEngine  # noqa: E402
@@ -72,6 +73,28 @@ def bench_4b(results: dict, name: str) -> None:
     print(bench.format_prefill(rows))
 
 
+def profile_prefill(results: dict, name: str, tokens: int = 4096) -> None:
+    """GPU time by kernel name of one prompt of `tokens` (CUPTI records through torch.profiler), summed over layers."""
+    import torch
+
+    model = bench.bench_model(name)
+    manifest = ensure_manifest(model.spec, visible_sm(), label=name, compile_missing=False)
+    engine = bench.engine_for(model, manifest, max_tokens=tokens, max_batch=1, max_model_len=tokens + 16)
+    rng = np.random.default_rng(2)
+    for warm in (True, False):
+        seq = Sequence(0, rng.integers(0, model.spec.config.vocab_size, tokens).tolist())
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            engine.run([Chunk(seq, tokens)])
+            engine.ctx.synchronize()
+        engine.release(seq)
+    totals: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name] = totals.get(event.name, 0.0) + event.device_time / 1e3
+    results[f"{name}_prefill{tokens}_kernel_ms"] = dict(sorted(((k, round(v, 2)) for k, v in totals.items()),
+                                                               key=lambda kv: -kv[1])[:14])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--small", type=Path, required=True)
@@ -83,7 +106,8 @@ def main() -> None:
     sections = (("small", lambda: check.check_small(args.small, results)),
                 ("mixed", lambda: check_mixed(args.small, results)),
                 ("batches", lambda: check_batches(args.small, results)),
-                ("bench", lambda: bench_4b(results, "qwen3.5-4b")))
+                ("bench", lambda: bench_4b(results, "qwen3.5-4b")),
+                ("profile", lambda: profile_prefill(results, "qwen3.5-4b")))
     check.run_sections(sections, args.skip, args.out, results)
 
 
