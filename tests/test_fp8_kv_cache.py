@@ -108,7 +108,7 @@ def test_triton_kernels_write_and_read_an_fp8_cache_as_the_reference_does(split_
     options = PlanOptions(block_size=archs.BLOCK_SIZE, split_kv_max_batch=split_kv)
     specs = {(g.name, n.name): plan_kernel(g, n, options) for g in lowered.all_graphs() for n in g.nodes
              if n.op == KERNEL}
-    model = archs.Model("float32", raw["vocab_size"], lowered, specs, weights)
+    model = archs.Model("Qwen3ForCausalLM", "float32", raw["vocab_size"], lowered, specs, weights)
     expected = archs.workload(model, lambda inputs, states: run_graph(lowered, inputs, weights, states))
     executor = InterpretedExecutor(lowered, specs)
     got = archs.workload(model, lambda inputs, states: executor.run(
