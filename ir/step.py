@@ -124,8 +124,8 @@ def penalty_input_types(rows: str) -> dict[str, TensorType]:
 
 
 # Every input the runtime uploads for a step, in one copy before the step's first kernel.
-STEP_INPUTS = (*TOKEN_INPUTS, *SEQUENCE_INPUTS, BLOCK_TABLES, STATE_SLOTS, LOGITS_INDICES, *SAMPLING_INPUTS, TOKEN_BITMASK,
-               TOKEN_MASK_INDEX, PENALTY_START, PENALTY_COUNT, PENALTY_IDS, PENALTY_TERMS)
+STEP_INPUTS = (*TOKEN_INPUTS, *SEQUENCE_INPUTS, BLOCK_TABLES, STATE_SLOTS, LOGITS_INDICES, *SAMPLING_INPUTS,
+               TOKEN_BITMASK, TOKEN_MASK_INDEX, PENALTY_START, PENALTY_COUNT, PENALTY_IDS, PENALTY_TERMS)
 
 
 def uploaded(graph: Graph, value: str) -> bool:

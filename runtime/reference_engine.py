@@ -17,14 +17,14 @@ from pegainfer.runtime.device_sampling import (SampleResult, device_masks, finis
                                                sampling_inputs, tail_reference)
 from pegainfer.runtime.kv_blocks import BlockAllocator
 from pegainfer.runtime.sampler import SamplingParams
+from pegainfer.runtime.scheduler import SchedulerConfig
 
 DEFAULT_BLOCK_SIZE = 16
-DEFAULT_MAX_SEQS = 256  # the scheduler's default max_num_seqs: the state slots a model with recurrent layers gets
 
 
 class ReferenceEngine:
     def __init__(self, model: LoadedModel, *, max_tokens: int = 8192, block_size: int = DEFAULT_BLOCK_SIZE,
-                 graph: Graph | None = None, max_seqs: int = DEFAULT_MAX_SEQS) -> None:
+                 graph: Graph | None = None, max_seqs: int = SchedulerConfig.max_num_seqs) -> None:
         """Sizes the KV pool to hold `max_tokens` tokens over all sequences, and for a model with recurrent layers
         the state pools to hold `max_seqs` sequences. `graph` (the model's own graph by default) may be a lowered
         one: its derived weights are made from the checkpoint's."""

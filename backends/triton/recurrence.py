@@ -6,6 +6,7 @@ from pegainfer.backends.planning import static_layout
 from pegainfer.backends.spec import GridDim, KernelSpec, VariantSpec
 from pegainfer.backends.triton.launches import Params, kernel_spec, launch, next_pow2
 from pegainfer.ir.graph import Graph, Node
+from pegainfer.ir.ops.linear_attention import L2_EPS
 
 CONV_BLOCK_C, CONV_BLOCK_T = 128, 16
 DELTA_CHUNK = 32  # tokens of a chunk of the chunked form: its system is CHUNK x CHUNK
@@ -42,7 +43,7 @@ def plan_gated_delta_rule(graph: Graph, node: Node) -> KernelSpec:
     block_v = max(16, min(DELTA_BLOCK_V, next_pow2(value_dim)))
     constexprs = dict(KEY_HEADS=key_heads, VALUE_HEADS=value_heads, K=key_dim, V=value_dim,
                       BK=max(16, next_pow2(key_dim)), BV=block_v, SCALE=float(delta.attrs["scale"]),
-                      L2NORM=bool(delta.attrs.get("l2norm", True)))
+                      L2NORM=bool(delta.attrs.get("l2norm", True)), L2_EPS=L2_EPS)
     blocks = GridDim((value_dim,), block_v)
 
     def params(chunked: bool) -> Params:

@@ -51,8 +51,8 @@ def check_batches(folder: Path, results: dict) -> None:
             gpu.options.cuda_graphs = graphs
             ours = check.teacher_forced(gpu, prompts, forced)
             errors = [round(check.relative_error(o, r), 4) for o, r in zip(ours, reference)]
-            table[f"b{batch}_{'graphs' if graphs else 'eager'}"] = {"max": max(errors), "lens": [len(p) for p in prompts],
-                                                                    "errors": errors}
+            table[f"b{batch}_{'graphs' if graphs else 'eager'}"] = {
+                "max": max(errors), "lens": [len(p) for p in prompts], "errors": errors}
     results["small_batches_per_sequence"] = table
 
 

@@ -50,11 +50,11 @@ def causal_conv1d_kernel(x_ptr, w_ptr, state_ptr, slots_ptr, starts_ptr, qlens_p
 
 
 @triton.jit
-def _key_rows(ptr, rows, dims, mask, L2NORM: tl.constexpr):
-    """Rows of q or k in float32, each L2-normed if asked (ir/ops/linear_attention.py's L2_EPS)."""
+def _key_rows(ptr, rows, dims, mask, L2NORM: tl.constexpr, L2_EPS: tl.constexpr):
+    """Rows of q or k in float32, each L2-normed if asked."""
     x = tl.load(ptr + rows + dims, mask=mask, other=0.0).to(tl.float32)
     if L2NORM:
-        x = x / tl.sqrt(tl.sum(x * x, axis=-1, keep_dims=True) + 1e-6)
+        x = x / tl.sqrt(tl.sum(x * x, axis=-1, keep_dims=True) + L2_EPS)
     return x
 
 
@@ -73,7 +73,7 @@ def gated_delta_rule_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, stat
                                       stride_g, stride_beta, stride_out, KEY_HEADS: tl.constexpr,
                                       VALUE_HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                                       BK: tl.constexpr, BV: tl.constexpr, SCALE: tl.constexpr,
-                                      L2NORM: tl.constexpr, PDL: tl.constexpr):
+                                      L2NORM: tl.constexpr, L2_EPS: tl.constexpr, PDL: tl.constexpr):
     """The step's first `decode_seqs` sequences (one token each, as the scheduler packs decodes first), a program
     per (sequence, value head, value block), token by token: the state tile stays in registers."""
     if PDL:
@@ -90,8 +90,8 @@ def gated_delta_rule_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, stat
                                 tl.load(ctx_ptr + seq) != q_len, VALUE_HEADS, K, V)
     for i in range(q_len):
         tok = start + i
-        q = _key_rows(q_ptr + key_head * K, tok * stride_q, ks, kmask, L2NORM) * SCALE
-        k = _key_rows(k_ptr + key_head * K, tok * stride_k, ks, kmask, L2NORM)
+        q = _key_rows(q_ptr + key_head * K, tok * stride_q, ks, kmask, L2NORM, L2_EPS) * SCALE
+        k = _key_rows(k_ptr + key_head * K, tok * stride_k, ks, kmask, L2NORM, L2_EPS)
         v = tl.load(v_ptr + tok * stride_v + head * V + vs, mask=vmask, other=0.0).to(tl.float32)
         s = s * tl.exp(tl.load(g_ptr + tok * stride_g + head).to(tl.float32))
         delta = (v - tl.sum(s * k[:, None], axis=0)) * tl.load(beta_ptr + tok * stride_beta + head).to(tl.float32)
@@ -120,7 +120,7 @@ def gated_delta_rule_chunked_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_
                                     stride_g, stride_beta, stride_out, KEY_HEADS: tl.constexpr,
                                     VALUE_HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                                     BV: tl.constexpr, CHUNK: tl.constexpr, SCALE: tl.constexpr,
-                                    L2NORM: tl.constexpr, PDL: tl.constexpr):
+                                    L2NORM: tl.constexpr, L2_EPS: tl.constexpr, PDL: tl.constexpr):
     """The sequences after the first `decode_seqs` (prompt chunks), CHUNK tokens at a time in the chunked form
     (ir/ops/linear_attention.py's chunked_gated_delta_rule): within a chunk the updates are one unit lower
     triangular system, solved once and applied with tensor-core products; across chunks the state tile carries."""
@@ -140,8 +140,8 @@ def gated_delta_rule_chunked_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_
         valid = begin + rows < q_len
         tok = start + begin + rows
         kmask = valid[:, None] & (ks < K)[None, :]
-        q = _key_rows(q_ptr + key_head * K, tok[:, None] * stride_q, ks[None, :], kmask, L2NORM) * SCALE
-        k = _key_rows(k_ptr + key_head * K, tok[:, None] * stride_k, ks[None, :], kmask, L2NORM)
+        q = _key_rows(q_ptr + key_head * K, tok[:, None] * stride_q, ks[None, :], kmask, L2NORM, L2_EPS) * SCALE
+        k = _key_rows(k_ptr + key_head * K, tok[:, None] * stride_k, ks[None, :], kmask, L2NORM, L2_EPS)
         v = tl.load(v_ptr + tok[:, None] * stride_v + head * V + vs[None, :], mask=valid[:, None] & (vs < V)[None, :],
                     other=0.0).to(tl.float32)
         g = tl.cumsum(tl.load(g_ptr + tok * stride_g + head, mask=valid, other=0.0).to(tl.float32), axis=0)
