@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import TextIO
 
 from pegainfer.errors import PegainferError, RequestError
-from pegainfer.runtime.scheduler import EngineRequest, Scheduler, TokenOutput
+from pegainfer.runtime.requests import EngineRequest, TokenOutput
+from pegainfer.runtime.scheduler import Scheduler
 
 Put = Callable[[TokenOutput | Exception], None]
 

@@ -4,8 +4,9 @@ and generate so share one rule for sampling (inside the engine's step) and one f
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
+from pegainfer.runtime.requests import EngineRequest
 from pegainfer.runtime.sampler import SamplingParams
-from pegainfer.runtime.scheduler import Engine, EngineRequest, Scheduler, SchedulerConfig
+from pegainfer.runtime.scheduler import Engine, Scheduler, SchedulerConfig
 
 
 @dataclass(frozen=True)

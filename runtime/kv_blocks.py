@@ -1,5 +1,6 @@
 """Paged KV-cache bookkeeping: a pool of fixed-size blocks and each sequence's block table, and for models with
-recurrent layers a pool of state slots, one per running sequence (its row of every recurrent state pool)."""
+recurrent layers a pool of state slots, one per running sequence (its row of every recurrent state pool), beside
+rows kept for the prefix cache's state snapshots (runtime/state_snapshots.py)."""
 
 from dataclasses import dataclass, field
 
@@ -11,9 +12,11 @@ class OutOfBlocks(Exception):
 class BlockAllocator:
     """A free list of block ids 0 .. num_blocks-1."""
 
-    def __init__(self, num_blocks: int, block_size: int, reserved: int = 0, state_slots: int = 0) -> None:
+    def __init__(self, num_blocks: int, block_size: int, reserved: int = 0, state_slots: int = 0,
+                 snapshot_slots: int = 0) -> None:
         """Blocks 0 .. reserved-1 are never handed out (the GPU engine's padding block), nor, of `state_slots`
-        slots (0: a model without recurrent state), slots 0 .. reserved-1."""
+        slots (0: a model without recurrent state), slots 0 .. reserved-1. Rows state_slots .. state_slots +
+        snapshot_slots - 1 of the state pools hold snapshots, never a running sequence."""
         assert num_blocks > reserved >= 0 and block_size > 0, f"bad pool: {num_blocks} blocks of {block_size}"
         assert state_slots == 0 or state_slots > reserved, f"bad pool: {state_slots} state slots"
         self.num_blocks = num_blocks - reserved
@@ -21,6 +24,12 @@ class BlockAllocator:
         self._free = list(range(num_blocks - 1, reserved - 1, -1))
         self.state_slots = max(state_slots - reserved, 0)  # the slots sequences may hold
         self._free_slots = list(range(state_slots - 1, reserved - 1, -1))
+        self.snapshot_rows = range(state_slots, state_slots + snapshot_slots) if state_slots else range(0)
+
+    @property
+    def state_rows(self) -> int:
+        """Rows of each recurrent state pool the engine allocates: sequences', reserved and snapshots'."""
+        return self.snapshot_rows.stop
 
     @property
     def num_free_slots(self) -> int:
@@ -42,11 +51,17 @@ class BlockAllocator:
         if needed > len(self._free):
             raise OutOfBlocks(f"need {needed} more KV blocks, {len(self._free)} free of {self.num_blocks}")
         if self.needs_slot(table):
-            if not self._free_slots:
-                raise OutOfBlocks(f"need a state slot, none free of {self.state_slots}")
-            table.state_slot = self._free_slots.pop()
+            self.take_slot(table)
         for _ in range(max(needed, 0)):
             table.blocks.append(self._free.pop())
+
+    def take_slot(self, table: "BlockTable") -> int:
+        """Gives `table` a state slot (before its first step, so that a restored snapshot can be copied in)."""
+        assert self.needs_slot(table), "the table holds a slot already, or the model has no recurrent state"
+        if not self._free_slots:
+            raise OutOfBlocks(f"need a state slot, none free of {self.state_slots}")
+        table.state_slot = self._free_slots.pop()
+        return table.state_slot
 
     def release(self, table: "BlockTable") -> None:
         self._free.extend(reversed(table.blocks))

@@ -9,7 +9,7 @@ blocks are shared, and a sequence writes only past its last full block, so a sha
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence as Seq
+from collections.abc import Callable, Sequence as Seq
 
 import numpy as np
 
@@ -32,8 +32,9 @@ def chain_hashes(token_ids: Seq[int], block_size: int, parent: bytes = ROOT, sta
 
 
 class PrefixCache:
-    def __init__(self, allocator: BlockAllocator) -> None:
-        self.allocator = allocator
+    def __init__(self, allocator: BlockAllocator, on_evict: Callable[[bytes], None] | None = None) -> None:
+        """`on_evict(hash)`: told of each block evicted (what is kept beside a block goes with it)."""
+        self.allocator, self.on_evict = allocator, on_evict
         self.block_size = allocator.block_size
         self._block_of: dict[bytes, int] = {}
         self._hash_of: dict[int, bytes] = {}
@@ -104,7 +105,10 @@ class PrefixCache:
         freed = []
         while self._evictable and len(freed) < count:
             block, _ = self._evictable.popitem(last=False)
-            del self._block_of[self._hash_of.pop(block)], self._refs[block]
+            block_hash = self._hash_of.pop(block)
+            del self._block_of[block_hash], self._refs[block]
+            if self.on_evict is not None:
+                self.on_evict(block_hash)
             freed.append(block)
         count = len(freed)
         self.evictions += count

@@ -24,20 +24,25 @@ DEFAULT_BLOCK_SIZE = 16
 
 class ReferenceEngine:
     def __init__(self, model: LoadedModel, *, max_tokens: int = 8192, block_size: int = DEFAULT_BLOCK_SIZE,
-                 graph: Graph | None = None, max_seqs: int = SchedulerConfig.max_num_seqs) -> None:
+                 graph: Graph | None = None, max_seqs: int = SchedulerConfig.max_num_seqs,
+                 state_snapshots: int | None = None) -> None:
         """Sizes the KV pool to hold `max_tokens` tokens over all sequences, and for a model with recurrent layers
-        the state pools to hold `max_seqs` sequences. `graph` (the model's own graph by default) may be a lowered
-        one: its derived weights are made from the checkpoint's."""
+        the state pools to hold `max_seqs` sequences and `state_snapshots` snapshots for the prefix cache (None:
+        as many as sequences). `graph` (the model's own graph by default) may be a lowered one: its derived
+        weights are made from the checkpoint's."""
         self.model = model
         self.graph = graph or model.spec.graph
         self.weights = derive_weights(self.graph.derivations(), model.weights)
         slots = max_seqs if has_recurrent_state(self.graph) else 0
-        self.allocator = BlockAllocator(-(-max_tokens // block_size), block_size, state_slots=slots)
-        sizes = {"num_blocks": self.allocator.num_blocks, "block_size": block_size, SLOT_POOL: slots}
+        self.allocator = BlockAllocator(-(-max_tokens // block_size), block_size, state_slots=slots,
+                                        snapshot_slots=max_seqs if state_snapshots is None else state_snapshots)
+        sizes = {"num_blocks": self.allocator.num_blocks, "block_size": block_size,
+                 SLOT_POOL: self.allocator.state_rows}
         self.rng = np.random.default_rng()  # seeds for requests that have none
         self.vocab_size = self.graph.value_types()[self.graph.outputs[0]].shape[-1]  # the logits' width
         self.states = {name: np.zeros(t.concrete(sizes), dtype=t.dtype.np_dtype)
                        for name, t in self.graph.expanded_states().items()}
+        self.pooled = [name for name, t in self.graph.expanded_states().items() if t.shape[0] == SLOT_POOL]
 
     def step(self, chunks: list[Chunk], *, all_logits: bool = False) -> np.ndarray:
         """Runs one packed step and returns float32 logits, one row per chunk (or per token with all_logits)."""
@@ -65,6 +70,10 @@ class ReferenceEngine:
         tail = {role: outputs[name] for role, name in names.items()} if names else \
             tail_reference(masked_logits(logits, masks), sampling, TAIL_TOP_K)
         return finish(tail, sampling, params, lambda row: logits[row], constraints, masks)
+
+    def copy_state(self, src: int, dst: int) -> None:
+        for name in self.pooled:
+            self.states[name][dst] = self.states[name][src]
 
     def release(self, seq: Sequence) -> None:
         release_sequence(self.allocator, seq)

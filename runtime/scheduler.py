@@ -20,7 +20,8 @@ waits otherwise, and the requests behind it with it. When a running sequence nee
 evicting unreferenced prefix-cache blocks), the newest running sequence not yet in the step is preempted: its blocks
 are released and it goes back to the head of the queue, to be recomputed from its tokens later. An abort frees a
 request's blocks at once. A model with recurrent layers also gives each running sequence a state slot (freed with
-its blocks, so running sequences never outnumber the slots), and runs without the prefix cache.
+its blocks, so running sequences never outnumber the slots); its prefix hits restore the state snapshotted at a
+cached block boundary (runtime/state_snapshots.py), and its prompt chunks end on block boundaries to make them.
 """
 
 import itertools
@@ -37,7 +38,9 @@ from pegainfer.runtime.device_sampling import SampleResult
 from pegainfer.runtime.kv_blocks import BlockAllocator
 from pegainfer.runtime.prefix_cache import ROOT, PrefixCache, chain_hashes
 from pegainfer.runtime.prompt_logprobs import draw_first, position_logprobs
+from pegainfer.runtime.requests import EngineRequest, TokenOutput
 from pegainfer.runtime.sampler import SamplingParams
+from pegainfer.runtime.state_snapshots import StateSnapshots, chunk_to_boundary
 from pegainfer.runtime.step_stats import SchedulerStats, StepRecord
 from pegainfer.runtime.waiting import WaitingQueue
 
@@ -54,11 +57,14 @@ class Engine(Protocol):
 
     def step(self, chunks: list[Chunk], *, all_logits: bool = False) -> np.ndarray: ...
 
+    def copy_state(self, src: int, dst: int) -> None:
+        """Copies row `src` of every recurrent state pool to row `dst`, in order with the steps."""
 
-# Why a model with recurrent layers runs without the prefix cache: a hit would need each layer's state as it was
-# after the cached prefix, and states are kept only as of each sequence's last step.
-NO_PREFIX_CACHE_FOR_RECURRENT = ("its recurrent layers keep their state only as of each sequence's last step, not "
-                                 "at cached block boundaries")
+
+# Why a model with recurrent layers may run without the prefix cache: a hit needs each layer's state as it was after
+# the cached prefix, and the engine kept no rows to snapshot it in.
+NO_PREFIX_CACHE_FOR_RECURRENT = ("its recurrent layers' state needs snapshots at cached block boundaries and the "
+                                 "engine keeps no rows for them (--state-snapshots 0)")
 
 
 @dataclass(frozen=True)
@@ -69,30 +75,6 @@ class SchedulerConfig:
     prefix_cache: bool = True
 
 
-@dataclass(frozen=True)
-class EngineRequest:
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    stop_token_ids: frozenset[int] = frozenset()
-    arrival: float = field(default_factory=time.monotonic)
-    group: str | None = None  # requests sharing admission fairness (an API request's choices); None: its own
-    constraint: TokenConstraint | None = None  # what its tokens may be (a grammar); its own, never shared
-
-
-@dataclass(frozen=True)
-class TokenOutput:
-    """One generated token of a request; the last one carries its finish_reason ("stop" or "length")."""
-    request_id: str
-    token_id: int
-    logprobs: dict[int, float] | None
-    finish_reason: str | None
-    num_cached_tokens: int  # prompt tokens the prefix cache supplied when the request was first admitted
-    time: float
-    first_scheduled: float  # time.monotonic() when first admitted; a preempted and resumed request keeps it
-    prompt_logprobs: list[dict[int, float]] | None = None  # on the first token, where asked: positions 1 on
-
-
 @dataclass(eq=False)  # compared by identity: `in self.running` ran a field-by-field __eq__ per running request
 class _State:
     request: EngineRequest
@@ -100,6 +82,7 @@ class _State:
     block_hashes: list[bytes] = field(default_factory=list)  # of the sequence's full, computed blocks
     num_generated: int = 0
     num_cached_tokens: int = 0
+    generated_snapshot: bytes | None = None  # the boundary of its latest state snapshot past the prompt
     admitted: bool = False
     first_scheduled: float = 0.0
     prompt_steps: list[dict[int, float]] | None = None  # prompt logprobs so far, where the request asks
@@ -128,7 +111,10 @@ class Scheduler:
             raise ValueError(f"max_num_seqs ({config.max_num_seqs}) must be at most the engine's state slots "
                              f"({slots}): every running sequence of a model with recurrent layers holds one")
         self.block_size = self.allocator.block_size
-        self.cache = PrefixCache(self.allocator) if config.prefix_cache and not slots else None
+        rows = self.allocator.snapshot_rows if config.prefix_cache and slots else range(0)
+        self.snapshots = StateSnapshots(rows) if rows else None
+        on_evict = self.snapshots.drop if self.snapshots else None
+        self.cache = PrefixCache(self.allocator, on_evict) if config.prefix_cache and (rows or not slots) else None
         self.waiting = WaitingQueue()
         self.running: list[_State] = []
         self.stats = SchedulerStats()
@@ -181,7 +167,8 @@ class Scheduler:
     def prefix_cache_status(self) -> str:
         """"on", "off", or off with the reason when it was asked for and the model cannot have it."""
         if self.cache is not None:
-            return "on"
+            snapshots = self.snapshots
+            return f"on (recurrent state kept at up to {snapshots.capacity} block boundaries)" if snapshots else "on"
         return f"off ({NO_PREFIX_CACHE_FOR_RECURRENT})" if self.config.prefix_cache else "off"
 
     def has_work(self) -> bool:
@@ -239,6 +226,7 @@ class Scheduler:
         self.stats.prefill_tokens += chunk.num_tokens
         if self._has_new_full_blocks(state):
             self._cache_full_blocks(state)
+            self._snapshot(state)
         if chunk.seq.num_cached < len(chunk.seq.token_ids):
             return None
         token, logprobs = draw_first(rows[chunk.num_tokens - 1], state.request.params, 0, state.request.constraint,
@@ -258,7 +246,7 @@ class Scheduler:
                     continue
                 if self.stats.preemptions != preemptions and state not in self.running:
                     continue  # preempted earlier in this step (a membership test only then: it is linear)
-                count = min(uncached, budget, self.config.max_num_seqs if state.scoring else budget)
+                count = self._chunk(state, min(uncached, budget, self.config.max_num_seqs if state.scoring else budget))
                 if not self._room_for(state, count, scheduled):
                     preempted = True
                     continue
@@ -296,6 +284,8 @@ class Scheduler:
         seq, tokens = state.seq, state.seq.token_ids
         cached_ok = self.cache is not None and not state.scoring  # a cached block has no logits to score
         blocks, hashes = self.cache.lookup(tokens, (len(tokens) - 1) // self.block_size) if cached_ok else ([], [])
+        if self.snapshots:  # a recurrent layer resumes only where its state was snapshotted
+            blocks, hashes = blocks[:(hit := self.snapshots.deepest(hashes))], hashes[:hit]
         evictable = self.cache.num_evictable - self.cache.count_evictable(blocks) if self.cache else 0
         available = self.allocator.num_free - self._reserved + evictable
         if self.allocator.blocks_for(len(tokens)) - len(blocks) > available:
@@ -308,9 +298,15 @@ class Scheduler:
         if not state.admitted:
             state.admitted, state.num_cached_tokens, state.first_scheduled = True, cached, time.monotonic()
             self.stats.prompt_tokens += len(tokens)
-        count = min(len(tokens) - cached, budget)
+        if self.snapshots and hashes:
+            self.engine.copy_state(self.snapshots.restore(hashes[-1]), self.allocator.take_slot(seq.table))
+        count = self._chunk(state, min(len(tokens) - cached, budget))
         assert self._reserve(self._blocks_needed(seq, count)), "admission checked that the sequence fits"
         return count
+
+    def _chunk(self, state: _State, count: int) -> int:
+        """A prompt chunk of a model with state snapshots ends on a block boundary where it crosses one."""
+        return chunk_to_boundary(state.seq.num_cached, count, self.block_size) if self.snapshots else count
 
     def _blocks_needed(self, seq: Sequence, count: int) -> int:
         return max(self.allocator.blocks_for(seq.num_cached + count) - len(seq.table.blocks), 0)
@@ -353,6 +349,7 @@ class Scheduler:
             state = self._by_seq[chunk.seq.seq_id]
             if self._has_new_full_blocks(state):
                 self._cache_full_blocks(state)
+                self._snapshot(state)
             if state.seq.num_cached < len(state.seq.token_ids):
                 continue  # a prompt chunk short of the prompt's end: its draw is not a next token
             outputs.append(self._append(state, result.tokens[row], result.logprobs[row], now))
@@ -370,6 +367,18 @@ class Scheduler:
         for block, block_hash in zip(seq.table.blocks[known:full], new):
             self.cache.insert(block, block_hash)
         state.block_hashes += new
+
+    def _snapshot(self, state: _State) -> None:
+        """Copies the state of a sequence whose step ended on the boundary of its newest cached block; past the
+        prompt only the latest such boundary of each sequence is kept (a decode makes one a block)."""
+        seq, snapshots, block_hash = state.seq, self.snapshots, state.block_hashes[-1]
+        if snapshots is None or seq.num_cached != len(state.block_hashes) * self.block_size or block_hash in snapshots:
+            return
+        if seq.num_cached > len(state.request.prompt_ids):
+            if state.generated_snapshot is not None:
+                snapshots.drop(state.generated_snapshot)
+            state.generated_snapshot = block_hash
+        self.engine.copy_state(seq.table.state_slot, snapshots.take(block_hash))
 
     def _append(self, state: _State, token: int, logprobs: dict[int, float] | None, now: float) -> TokenOutput:
         params, seq = state.request.params, state.seq

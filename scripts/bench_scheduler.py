@@ -12,8 +12,9 @@ import numpy as np
 from pegainfer.runtime.batch import Chunk, commit_step, pack_step, release_sequence
 from pegainfer.runtime.device_sampling import SampleResult
 from pegainfer.runtime.kv_blocks import BlockAllocator
+from pegainfer.runtime.requests import EngineRequest
 from pegainfer.runtime.sampler import SamplingParams
-from pegainfer.runtime.scheduler import EngineRequest, Scheduler, SchedulerConfig
+from pegainfer.runtime.scheduler import Scheduler, SchedulerConfig
 
 
 class InstantEngine:

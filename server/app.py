@@ -19,7 +19,7 @@ from pegainfer import __version__
 from pegainfer.errors import RequestError
 from pegainfer.runtime.chat import ChatTemplate
 from pegainfer.runtime.engine_loop import EngineDead, EngineLoop
-from pegainfer.runtime.scheduler import EngineRequest
+from pegainfer.runtime.requests import EngineRequest
 from pegainfer.runtime.tokenizer import TextTokenizer
 from pegainfer.server import openai_format as fmt
 from pegainfer.server import responses as schema

@@ -71,6 +71,9 @@ def add_serve(commands) -> None:
                         f"or max-num-seqs x max-model-len if smaller)")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="do not share the KV blocks of common prompt prefixes")
+    p.add_argument("--state-snapshots", type=argtypes.non_negative_int, default=None,
+                   help="for models with recurrent layers: their state kept at this many cached block boundaries "
+                        "for prefix hits (default: max-num-seqs; 0 turns the prefix cache off for them)")
     p.add_argument("--max-seqs-per-request", type=argtypes.positive_int, default=256,
                    help="prompts x n of one request at most; more is refused with a 400 (default 256)")
     p.add_argument("--max-request-bytes", type=argtypes.positive_int, default=8 << 20,
@@ -309,14 +312,22 @@ def build_engine(model: "LoadedModel", device: str, args: argparse.Namespace, ma
         from pegainfer.runtime.reference_engine import ReferenceEngine
 
         tokens = args.kv_cache_tokens or min(CPU_KV_TOKENS, args.max_num_seqs * max_model_len)
-        return ReferenceEngine(model, max_tokens=tokens, block_size=KV_BLOCK_SIZE, max_seqs=args.max_num_seqs)
+        return ReferenceEngine(model, max_tokens=tokens, block_size=KV_BLOCK_SIZE, max_seqs=args.max_num_seqs,
+                               state_snapshots=state_snapshots(args))
     from pegainfer.runtime.gpu.engine import EngineOptions
     from pegainfer.runtime.gpu.start import gpu_engine
 
     options = EngineOptions(max_tokens=step_tokens, max_batch=args.max_num_seqs, max_model_len=max_model_len,
                             kv_tokens=args.kv_cache_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
-                            block_size=KV_BLOCK_SIZE)
+                            block_size=KV_BLOCK_SIZE, state_snapshots=state_snapshots(args))
     return gpu_engine(model, options, args.cache_dir)  # without --kv-cache-tokens: the KV cache fills the utilization
+
+
+def state_snapshots(args: argparse.Namespace) -> int:
+    """Rows of recurrent state kept for the prefix cache: none without it."""
+    if not args.prefix_cache:
+        return 0
+    return args.max_num_seqs if args.state_snapshots is None else args.state_snapshots
 
 
 def fit_model_len(max_model_len: int, explicit: bool, pool_tokens: int) -> tuple[int, str]:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from pegainfer.runtime.detokenize import IncrementalDetokenizer, StopChecker
 from pegainfer.runtime.engine_loop import EngineLoop, LoopSink
-from pegainfer.runtime.scheduler import EngineRequest, TokenOutput
+from pegainfer.runtime.requests import EngineRequest, TokenOutput
 from pegainfer.runtime.tokenizer import TextTokenizer
 from pegainfer.server.metrics import Metrics
 

@@ -9,7 +9,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pegainfer.runtime.scheduler import EngineRequest, Scheduler, SchedulerConfig, TokenOutput
+from pegainfer.runtime.requests import EngineRequest, TokenOutput
+from pegainfer.runtime.scheduler import Scheduler, SchedulerConfig
 
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0, 160.0]

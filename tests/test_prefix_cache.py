@@ -10,8 +10,9 @@ from pegainfer.frontends.load import load_model
 from pegainfer.runtime.kv_blocks import BlockAllocator, BlockTable
 from pegainfer.runtime.prefix_cache import PrefixCache, chain_hashes
 from pegainfer.runtime.reference_engine import ReferenceEngine
+from pegainfer.runtime.requests import EngineRequest
 from pegainfer.runtime.sampler import SamplingParams
-from pegainfer.runtime.scheduler import EngineRequest, Scheduler, SchedulerConfig
+from pegainfer.runtime.scheduler import Scheduler, SchedulerConfig
 
 BS = 4
 

@@ -13,8 +13,9 @@ import transformers
 from live_server import NAME, start_server, stop_server
 from pegainfer.frontends.load import load_model
 from pegainfer.runtime.reference_engine import ReferenceEngine
+from pegainfer.runtime.requests import EngineRequest
 from pegainfer.runtime.sampler import SamplingParams
-from pegainfer.runtime.scheduler import EngineRequest, Scheduler, SchedulerConfig
+from pegainfer.runtime.scheduler import Scheduler, SchedulerConfig
 
 PROMPT = [5, 17, 33, 2, 90, 41, 7, 66, 12, 3, 150, 9]
 

@@ -1,6 +1,6 @@
 """A model with recurrent layers (Qwen3.5's linear attention) under the runtime: chunked prefill carries the state
-across chunks, each running sequence holds one state slot, and preemption, abort and finish free it; the prefix
-cache is off for such a model, and the server says why."""
+across chunks, each running sequence holds one state slot, and preemption, abort and finish free it; without
+rows for state snapshots the prefix cache is off for such a model, and the server says why."""
 
 from dataclasses import replace
 
@@ -11,8 +11,9 @@ from pegainfer.frontends.load import load_model
 from pegainfer.runtime.batch import Chunk, Sequence
 from pegainfer.runtime.generate import Request, generate
 from pegainfer.runtime.reference_engine import ReferenceEngine
+from pegainfer.runtime.requests import EngineRequest
 from pegainfer.runtime.sampler import SamplingParams
-from pegainfer.runtime.scheduler import NO_PREFIX_CACHE_FOR_RECURRENT, EngineRequest, Scheduler, SchedulerConfig
+from pegainfer.runtime.scheduler import NO_PREFIX_CACHE_FOR_RECURRENT, Scheduler, SchedulerConfig
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 
@@ -46,7 +47,8 @@ def run_all(scheduler: Scheduler, requests: list[EngineRequest], max_steps: int 
 
 def all_free(scheduler: Scheduler) -> bool:
     allocator = scheduler.allocator
-    return allocator.num_free == allocator.num_blocks and allocator.num_free_slots == allocator.state_slots
+    cached = scheduler.cache.num_evictable if scheduler.cache else 0  # unreferenced prefix-cache blocks
+    return allocator.num_free + cached == allocator.num_blocks and allocator.num_free_slots == allocator.state_slots
 
 
 @pytest.mark.parametrize("cuts", [(1,), (5,), (16,), (17, 18), (3, 20, 31), tuple(range(1, 40))])
@@ -107,8 +109,8 @@ def test_each_running_sequence_holds_a_slot_and_max_num_seqs_may_not_exceed_them
     assert scheduler.abort("r0") and engine.allocator.num_free_slots == 1
 
 
-def test_the_prefix_cache_is_off_with_its_reason_and_a_repeated_prompt_gives_the_same_tokens(model):
-    engine = ReferenceEngine(model, max_tokens=1024, max_seqs=8)
+def test_without_snapshot_rows_the_prefix_cache_is_off_with_its_reason(model):
+    engine = ReferenceEngine(model, max_tokens=1024, max_seqs=8, state_snapshots=0)
     scheduler = Scheduler(engine, frozenset(), SchedulerConfig(max_num_seqs=8, prefix_cache=True))
     assert scheduler.cache is None
     assert scheduler.prefix_cache_status() == f"off ({NO_PREFIX_CACHE_FOR_RECURRENT})"

@@ -17,8 +17,9 @@ from pegainfer.runtime.batch import Chunk
 from pegainfer.runtime.engine_loop import EngineDead, EngineLoop
 from pegainfer.runtime.generate import Request, generate
 from pegainfer.runtime.reference_engine import ReferenceEngine
+from pegainfer.runtime.requests import EngineRequest
 from pegainfer.runtime.sampler import SamplingParams
-from pegainfer.runtime.scheduler import EngineRequest, Scheduler, SchedulerConfig
+from pegainfer.runtime.scheduler import Scheduler, SchedulerConfig
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 

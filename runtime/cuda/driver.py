@@ -113,6 +113,10 @@ def copy_to_host(dst: np.ndarray, src: int, stream=None) -> np.ndarray:
     return dst
 
 
+def copy_on_device(dst: int, src: int, nbytes: int, stream) -> None:
+    check(_driver().cuMemcpyDtoDAsync(dst, src, nbytes, stream), "cuMemcpyDtoDAsync")
+
+
 def memset(ptr: int, nbytes: int, stream) -> None:
     check(_driver().cuMemsetD8Async(ptr, 0, nbytes, stream), "cuMemsetD8Async")
 

@@ -45,6 +45,7 @@ class EngineOptions:
     block_size: int = 16
     cuda_graphs: bool = True
     pdl_max_tokens: int = PDL_MAX_TOKENS  # programmatic dependent launch for steps of at most this many tokens
+    state_snapshots: int | None = None  # recurrent state rows kept for the prefix cache; None: max_batch
 
 
 class GpuEngine:
@@ -56,12 +57,13 @@ class GpuEngine:
                         0, options.block_size)
         self.executor = GpuExecutor(self.ctx, lowered, manifest, model.weights, limits)
         slots = options.max_batch + PADDING_SLOT + 1 if has_recurrent_state(lowered) else 0  # one per sequence
+        snapshots = options.max_batch if options.state_snapshots is None else options.state_snapshots
         if slots:
-            self.executor.allocate_state_pools(slots)
+            self.executor.allocate_state_pools(slots + snapshots)
         num_blocks = self._kv_blocks()
         self.executor.allocate_kv(num_blocks)
         self.allocator = BlockAllocator(num_blocks, options.block_size, reserved=PADDING_BLOCK + 1,
-                                        state_slots=slots)
+                                        state_slots=slots, snapshot_slots=snapshots)
         self.executor.pdl_max_tokens = options.pdl_max_tokens
         self.buckets = decode_buckets(options.max_batch)
         self.graphs: dict[tuple[int, bool], tuple[tuple[driver.Graph, ...], dict]] = {}  # (bucket, split)
@@ -171,6 +173,9 @@ class GpuEngine:
         assert capturing[0] is tail, "the graph has no sampler tail to capture apart"
         tail.__exit__(None, None, None)
         return (body, tail), outputs
+
+    def copy_state(self, src: int, dst: int) -> None:
+        self.executor.copy_state_row(src, dst)
 
     def release(self, seq: Sequence) -> None:
         release_sequence(self.allocator, seq)

@@ -100,6 +100,12 @@ class GpuExecutor:
                       for name, t in pools.items()}
         driver.memset(arena.base, arena.size, self.ctx.stream)
 
+    def copy_state_row(self, src: int, dst: int) -> None:
+        """Row `src` of every recurrent state pool onto row `dst`, queued on the step's stream."""
+        for pool in self.pools.values():
+            row = pool.row_stride * pool.dtype.itemsize
+            driver.copy_on_device(pool.ptr + dst * row, pool.ptr + src * row, row, self.ctx.stream)
+
     def allocate_kv(self, num_blocks: int) -> None:
         """The paged KV cache (every paged state of the graph) for `num_blocks` blocks, zeroed."""
         assert not self.states, "the KV cache is allocated once"
