@@ -36,6 +36,7 @@ class TensorInfo:
     offset: int = -1  # where its bytes start in the file (-1: unknown)
     nbytes: int = 0
     stored_name: str = ""  # its name in the file, when the graph knows it by another (frontends/text_stack.py)
+    rows: tuple[int, int, int] | None = None  # a view of a stored [n, rows, cols] tensor: (index, first row, stop)
 
 
 def scan_checkpoint(folder: Path) -> dict[str, TensorInfo]:
@@ -165,5 +166,11 @@ def _read(handle, name: str, info: TensorInfo, type_: TensorType) -> np.ndarray:
     if info.dtype in FP8_DTYPES:
         data = np.fromfile(info.file, dtype=np.uint8, count=info.nbytes, offset=info.offset)
         return data.view(type_.dtype.np_dtype).reshape(info.shape)
-    return handle.get_tensor(info.stored_name or name).astype(type_.dtype.np_dtype, copy=False).reshape(type_.shape)
+    stored = info.stored_name or name
+    if info.rows is not None:  # frontends/fused_experts.py
+        index, first, stop = info.rows
+        data = handle.get_slice(stored)[index, first:stop]
+    else:
+        data = handle.get_tensor(stored)
+    return data.astype(type_.dtype.np_dtype, copy=False).reshape(type_.shape)
 

@@ -12,6 +12,7 @@ import numpy as np
 from pegainfer.errors import ConfigError
 from pegainfer.frontends.checkpoint import LazyWeights, check_weights, load_weights, scan_checkpoint
 from pegainfer.frontends.config import architecture_of, parse_config, read_config
+from pegainfer.frontends.fused_experts import split_fused_experts
 from pegainfer.frontends.kv_cache import apply_kv_cache_dtype, check_kv_scales
 from pegainfer.frontends.online_quantization import QuantizedWeights, stored_params
 from pegainfer.frontends.quantization import quantize_graph, scheme_for
@@ -135,6 +136,8 @@ def load_model(folder: Path, *, lazy: bool = False, dtype: str = "auto", device:
     tensors = scan_checkpoint(folder)
     if spec.text_stack:
         tensors = text_stack_tensors(tensors)
+    if getattr(spec.dag, "FUSED_EXPERTS", False):
+        tensors = split_fused_experts(tensors)
     defaults = spec.graph.param_defaults()  # an FP8 cache's scales
     filled = {name: np.full(expected[name].shape, value, expected[name].dtype.np_dtype)
               for name, value in defaults.items() if name not in tensors}

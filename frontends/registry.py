@@ -9,7 +9,8 @@ A DAG module provides:
   build_graph(config) -> Graph    the whole model, its layer declared once
   TINY_CONFIG: dict               a small config.json body for tests and `pegainfer make-checkpoint`
 and may provide WRAPPERS (multimodal architectures whose text stack it is: frontends/text_stack.py) with
-TEXT_DEFAULTS (the text model's defaults for keys a wrapper's text_config leaves out).
+TEXT_DEFAULTS (the text model's defaults for keys a wrapper's text_config leaves out), and FUSED_EXPERTS (its
+checkpoints may store a layer's experts fused: frontends/fused_experts.py).
 """
 
 import importlib

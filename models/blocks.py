@@ -131,6 +131,23 @@ def _gated_query(b: GraphBuilder, x: Value, prefix: str, spec: AttentionSpec) ->
     return b.reshape(q, shape=("tokens", spec.heads, dim), name="q_proj_heads"), gate
 
 
+def routed_experts(b: GraphBuilder, x: Value, prefix: str, experts: int, k: int, intermediate: int,
+                   normalize: bool, act: str) -> Value:
+    """A sparse MoE block: the router's softmax over `experts`, the top `k` (their weights renormalised when
+    `normalize`) and the chosen experts' gated MLPs, each expert's weights stacked at load under Hugging Face's
+    names `<prefix>.experts.<e>.{gate,up,down}_proj.weight`."""
+    hidden = x.shape[-1]
+    router = b.linear(x, b.param(f"{prefix}.gate.weight", x.dtype, (experts, hidden)), name="router")
+    weights, ids = b.moe_route(router, k=k, normalize=normalize, name="route")
+    gate_up = b.stacked_param(f"{prefix}.experts.gate_up_proj.weight",
+                              [f"{prefix}.experts.{e}.{p}_proj.weight" for e in range(experts) for p in ("gate", "up")],
+                              x.dtype, (intermediate, hidden))
+    down = b.stacked_param(f"{prefix}.experts.down_proj.weight",
+                           [f"{prefix}.experts.{e}.down_proj.weight" for e in range(experts)], x.dtype,
+                           (hidden, intermediate))
+    return b.moe_experts(x, weights, ids, gate_up, down, experts=experts, act=act, name="experts")
+
+
 def gated_mlp(b: GraphBuilder, x: Value, prefix: str, intermediate: int, act: str, bias: bool = False) -> Value:
     """down(act(gate(x)) * up(x)) over `<prefix>.{gate,up,down}_proj`."""
     hidden = x.shape[-1]

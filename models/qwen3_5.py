@@ -3,6 +3,7 @@ layers with a sigmoid output gate, q/k norms and partial rotary, in the pattern 
 RMSNorms scale by 1 + weight. Text-only positions make its multimodal RoPE the ordinary one (its three position
 components are equal). A DAG of IR ops over Hugging Face weight names."""
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pegainfer.errors import ConfigError
@@ -25,10 +26,10 @@ NORM_OFFSET = 1.0  # Qwen3.5's RMSNorms scale by 1 + weight (the output gate's n
 class Config:
     vocab_size: int
     hidden_size: int
-    intermediate_size: int
     num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
+    intermediate_size: int | None = None  # the dense MLP's (the MoE form has none)
     head_dim: int = 256
     linear_conv_kernel_dim: int = 4
     linear_key_head_dim: int = 128
@@ -67,6 +68,13 @@ class Config:
 
 
 def check_config(config: Config) -> None:
+    if config.intermediate_size is None:
+        raise ConfigError("missing key 'intermediate_size' (int)")
+    check_layers(config)
+
+
+def check_layers(config: Config) -> None:
+    """What the dense and MoE forms share: the mixers, the rotary and the layer pattern."""
     require_positive(config, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim", "linear_conv_kernel_dim",
                      "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads",
@@ -89,18 +97,28 @@ def check_config(config: Config) -> None:
                           f"found {config.layer_types!r}")
 
 
-def build_graph(config: Config) -> Graph:
+# The layer's MLP: (builder, the normed input, the layer's prefix) -> its output.
+MlpBlock = Callable[[GraphBuilder, Value, str], Value]
+
+
+def build_graph(config: Config, name: str = "qwen3_5", mlp: MlpBlock | None = None) -> Graph:
+    """The model's graph; `mlp` replaces every layer's gated MLP (the MoE form's sparse block)."""
     dtype = dtype_from_name(config.torch_dtype)
-    b = GraphBuilder("qwen3_5")
+    b = GraphBuilder(name)
     input_ids, attention, logits_indices = declare_step_inputs(b, recurrent=True)
     embed = b.param("model.embed_tokens.weight", dtype, (config.vocab_size, config.hidden_size))
     hidden = b.embedding(input_ids, embed, name="embed")
-    hidden = repeat_layers(b, "qwen3_5", config.kinds(), _layer(config), hidden, attention)
+    hidden = repeat_layers(b, name, config.kinds(), _layer(config, mlp or _dense_mlp(config)), hidden, attention)
     return b.finish(lm_head(b, hidden, logits_indices, embed, config.vocab_size, config.rms_norm_eps,
                             config.tie_word_embeddings, norm_offset=NORM_OFFSET))
 
 
-def _layer(config: Config):
+def _dense_mlp(config: Config) -> MlpBlock:
+    return lambda b, x, prefix: gated_mlp(b, x, f"{prefix}.mlp", config.intermediate_size,
+                                         glu_activation(config.hidden_act))
+
+
+def _layer(config: Config, mlp: MlpBlock):
     spec = AttentionSpec(hidden=config.hidden_size, heads=config.num_attention_heads,
                          kv_heads=config.num_key_value_heads, head_dim=config.head_dim, theta=config.rope_theta,
                          qkv_bias=config.attention_bias, o_bias=config.attention_bias, qk_norm_eps=config.rms_norm_eps,
@@ -121,9 +139,8 @@ def _layer(config: Config):
         else:
             mixed = self_attention(b, x, attention, f"{prefix}.self_attn", f"kv.{slot.index}", spec)
         residual = b.add(residual, mixed, name="mixer_residual")
-        mlp = gated_mlp(b, norm(residual, "post_attention_layernorm", "mlp_norm"), f"{prefix}.mlp",
-                        config.intermediate_size, glu_activation(config.hidden_act))
-        return b.add(residual, mlp, name="mlp_residual")
+        out = mlp(b, norm(residual, "post_attention_layernorm", "mlp_norm"), prefix)
+        return b.add(residual, out, name="mlp_residual")
     return layer
 
 

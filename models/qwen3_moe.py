@@ -11,7 +11,7 @@ from pegainfer.ir import Graph, GraphBuilder, Value, dtype_from_name
 from pegainfer.ir.layers import LayerSlot, repeat_layers
 from pegainfer.ir.step import AttentionInputs, declare_step_inputs
 from pegainfer.models.blocks import (AttentionSpec, HeadShape, gated_mlp, glu_activation, lm_head,
-                                     require_grouped_heads, self_attention)
+                                     require_grouped_heads, routed_experts, self_attention)
 
 ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 MODEL_TYPE = "qwen3_moe"
@@ -99,23 +99,12 @@ def _layer(config: Config):
         residual = b.add(residual, attn, name="attn_residual")
         normed = norm(residual, "post_attention_layernorm", "mlp_norm")
         if slot.kind == SPARSE:
-            mlp = _sparse_moe(b, normed, f"{prefix}.mlp", config, act)
+            mlp = routed_experts(b, normed, f"{prefix}.mlp", config.experts, config.num_experts_per_tok,
+                                 config.moe_intermediate_size, config.norm_topk_prob, act)
         else:
             mlp = gated_mlp(b, normed, f"{prefix}.mlp", config.intermediate_size, act)
         return b.add(residual, mlp, name="mlp_residual")
     return layer
-
-
-def _sparse_moe(b: GraphBuilder, x: Value, prefix: str, config: Config, act: str) -> Value:
-    experts, hidden, inter = config.experts, config.hidden_size, config.moe_intermediate_size
-    router = b.linear(x, b.param(f"{prefix}.gate.weight", x.dtype, (experts, hidden)), name="router")
-    weights, ids = b.moe_route(router, k=config.num_experts_per_tok, normalize=config.norm_topk_prob, name="route")
-    gate_up = b.stacked_param(f"{prefix}.experts.gate_up_proj.weight",
-                              [f"{prefix}.experts.{e}.{p}_proj.weight" for e in range(experts) for p in ("gate", "up")],
-                              x.dtype, (inter, hidden))
-    down = b.stacked_param(f"{prefix}.experts.down_proj.weight",
-                           [f"{prefix}.experts.{e}.down_proj.weight" for e in range(experts)], x.dtype, (hidden, inter))
-    return b.moe_experts(x, weights, ids, gate_up, down, experts=experts, act=act, name="experts")
 
 
 TINY_CONFIG = {

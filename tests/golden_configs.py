@@ -41,6 +41,10 @@ ARCH_CONFIGS = {
         "linear_conv_kernel_dim": 3, "num_hidden_layers": 5, "layer_types": None, "full_attention_interval": 2,
         "tie_word_embeddings": False, "intermediate_size": 80, "rms_norm_eps": 1e-5}),
     "qwen3_5_wrapper": ("Qwen3_5ForConditionalGeneration", {"tie_word_embeddings": False}),
+    # Qwen3.5-MoE: routed experts renormalised plus the gated shared expert, in every layer
+    "qwen3_5_moe": ("Qwen3_5MoeForCausalLM", {}),
+    "qwen3_5_moe_wrapper": ("Qwen3_5MoeForConditionalGeneration", {"num_hidden_layers": 2, "layer_types": [
+        "linear_attention", "full_attention"], "num_experts_per_tok": 3}),
     "gemma3_wrapper": ("Gemma3ForConditionalGeneration", {}),
 }
 

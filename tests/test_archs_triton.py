@@ -27,7 +27,7 @@ from random_models import BLOCK_SIZE
 TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2}  # relative error in norm
 # States carried across steps compound bf16 rounding: on these weights the bf16 reference is itself 1.6% from
 # float32's logits at the mixed step (the kernels 2.7%), so the bound is the noise's, not the kernels'
-BF16_TOLERANCE = {"Qwen3_5ForCausalLM": 4e-2}
+BF16_TOLERANCE = {"Qwen3_5ForCausalLM": 4e-2, "Qwen3_5MoeForCausalLM": 4e-2}
 # 15 and 5 rows (the GEMM's tensor-core tiles), then one sequence alone: batch 1's one-row GEMVs
 STEPS = {"prefill": [5, 1, 9], "mixed": [1, 1, 3], "single": [1]}
 # Each architecture's TINY_CONFIG, made smaller still, with windows shorter than the sequences.
@@ -42,10 +42,14 @@ OVERRIDES = {
                             "norm_topk_prob": True},
     "Qwen3_5ForCausalLM": {"head_dim": 16, "num_hidden_layers": 2, "layer_types": ["linear_attention",
                                                                                  "full_attention"]},
+    "Qwen3_5MoeForCausalLM": {"head_dim": 16, "num_hidden_layers": 2, "layer_types": ["linear_attention",
+                                                                                    "full_attention"],
+                              "moe_intermediate_size": 24, "num_experts": 6, "shared_expert_intermediate_size": 40},
 }
 CASES = [("LlamaForCausalLM", "float32"), ("Qwen2ForCausalLM", "float32"), ("MistralForCausalLM", "float32"),
          ("Gemma3ForCausalLM", "float32"), ("Qwen3MoeForCausalLM", "float32"), ("Qwen3MoeForCausalLM", "bfloat16"),
-         ("Qwen3_5ForCausalLM", "float32"), ("Qwen3_5ForCausalLM", "bfloat16")]
+         ("Qwen3_5ForCausalLM", "float32"), ("Qwen3_5ForCausalLM", "bfloat16"), ("Qwen3_5MoeForCausalLM", "float32"),
+         ("Qwen3_5MoeForCausalLM", "bfloat16")]
 SPLIT_KV = {"MistralForCausalLM"}  # the split-KV attention variant (batch <= 16) with a window; others plain
 
 

@@ -1,10 +1,14 @@
 """Op references checked against torch on random inputs: attention over a shuffled paged cache (prefill, decode
-and chunked prefill in one step), the KV write with padding slots, RoPE and RMSNorm."""
+and chunked prefill in one step), the KV write with padding slots, RoPE and RMSNorm; row scaling's shape rule."""
 
 import numpy as np
+import pytest
 import torch
 
-from pegainfer.ir.registry import get_op
+from pegainfer.errors import GraphError
+from pegainfer.ir.dtypes import FP32
+from pegainfer.ir.registry import get_op, infer_types
+from pegainfer.ir.types import TensorType
 
 RNG = np.random.default_rng(0)
 
@@ -102,3 +106,11 @@ def test_linear_embedding_and_gather():
     np.testing.assert_array_equal(reference("gather_rows", x, np.array([3, 0])), x[[3, 0]])
     np.testing.assert_allclose(reference("silu", x), torch.nn.functional.silu(torch.from_numpy(x)).numpy(),
                                rtol=1e-6)
+
+
+def test_scale_rows_multiplies_each_row_by_its_scalar_and_refuses_a_scale_of_another_shape():
+    x = RNG.standard_normal((4, 6)).astype(np.float32)
+    scale = RNG.standard_normal((4, 1)).astype(np.float32)
+    np.testing.assert_array_equal(reference("scale_rows", x, scale), x * scale[:, :1].repeat(6, axis=1))
+    with pytest.raises(GraphError, match=r"scale_rows: the scale must be f32\[tokens,1\]"):
+        infer_types("scale_rows", [TensorType(FP32, ("tokens", 6)), TensorType(FP32, ("tokens", 6))], {})

@@ -1,5 +1,6 @@
 """Generated Triton source for row kernels: any chain of row-local ops (add, mul, silu, zeros_like, rms_norm...)
-becomes one program per row that loads its inputs once, computes in float32 and stores what the kernel writes.
+becomes one program per row that loads its inputs once (a value of one column as the row's scalar), computes in
+float32 and stores what the kernel writes.
 This is what makes the generic fusion rule useful for an architecture nobody wrote a template for."""
 
 from math import prod
@@ -11,6 +12,7 @@ from pegainfer.ir.types import TensorType
 _EXPRESSIONS = {
     "add": lambda a, b: f"{a} + {b}",
     "mul": lambda a, b: f"{a} * {b}",
+    "scale_rows": lambda x, scale: f"{x} * {scale}",  # the scale a column value: one scalar a row
     "silu": lambda x: f"{x} / (1.0 + tl.exp(-{x}))",
     "gelu_tanh": lambda x: f"0.5 * {x} * (1.0 + (2.0 / (1.0 + tl.exp(-1.5957691216057308 * ({x} + 0.044715 * {x} * {x} "
                            f"* {x}))) - 1.0))",
@@ -30,9 +32,11 @@ def generate_row_kernel(name: str, kernel: Node, types: dict[str, TensorType], p
     """Source of `name`(<input ptrs>, <output ptrs>, <row strides>, D, INNER, BLOCK_D, PDL): see plan_row_kernel."""
     inner = kernel.attrs["nodes"]
     width = kernel.output_types[0].shape[-1]
+    columns = {v for v in kernel.inputs if v not in params and types[v].shape[-1] == 1 != width}
     for value in [*kernel.inputs, *kernel.outputs]:
         shape = types[value].shape
-        if shape[-1] != width or (value not in params and shape[:-1] != kernel.output_types[0].shape[:-1]):
+        if (shape[-1] != width and value not in columns) or \
+                (value not in params and shape[:-1] != kernel.output_types[0].shape[:-1]):
             raise PegainferError(f"kernel {kernel.name}: the Triton row kernel needs one row shape, found "
                                  f"{value}: {types[value]} beside {kernel.output_types[0]}")
     local = local_names(kernel)
@@ -40,6 +44,8 @@ def generate_row_kernel(name: str, kernel: Node, types: dict[str, TensorType], p
     strides = [f"stride_{local[v]}" for v in [*kernel.inputs, *kernel.outputs] if v not in params]
     body = [f"    {local[v]} = tl.load({local[v]}_ptr + offs, mask=mask, other=0.0).to(tl.float32)"
             if v in params else
+            f"    {local[v]} = tl.load({local[v]}_ptr + outer * stride_{local[v]} + inner).to(tl.float32)"
+            if v in columns else
             f"    {local[v]} = tl.load({local[v]}_ptr + outer * stride_{local[v]} + inner * D + offs, mask=mask, "
             f"other=0.0).to(tl.float32)" for v in kernel.inputs]
     for node in inner:

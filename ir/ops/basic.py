@@ -39,6 +39,17 @@ def _infer_same(a: TensorType, b: TensorType) -> TensorType:
     return a
 
 
+def _infer_scale_rows(x: TensorType, scale: TensorType) -> TensorType:
+    expect(scale.dtype == x.dtype and scale.shape == (*x.shape[:-1], 1),
+           f"scale_rows: the scale must be {x.with_shape((*x.shape[:-1], 1))}, one value a row of {x}, found {scale}")
+    return x
+
+
+def _scale_rows(x: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """Each row times its own scalar (a gate of one column, as a gated shared expert has)."""
+    return x * scale
+
+
 def _infer_float(x: TensorType) -> TensorType:
     expect(x.dtype.is_float, f"activation: input must be a float tensor, found {x}")
     return x
@@ -138,6 +149,7 @@ register_op("embedding", _infer_embedding, _embedding, GATHER)
 register_op("linear", _infer_linear, _linear, GEMM)
 register_op("add", _infer_same, np.add, ELEMENTWISE)
 register_op("mul", _infer_same, np.multiply, ELEMENTWISE)
+register_op("scale_rows", _infer_scale_rows, _scale_rows, ELEMENTWISE)
 register_op("silu", _infer_float, _silu, ELEMENTWISE)
 register_op("gelu_tanh", _infer_float, _gelu_tanh, ELEMENTWISE)
 register_op("sigmoid", _infer_float, _sigmoid, ELEMENTWISE)
