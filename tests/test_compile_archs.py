@@ -21,6 +21,7 @@ EXPECTED = {
     "Gemma3ForCausalLM": {"WINDOW": 6, "SCALING": 1, "NORM_OFFSET": 1.0, "ACT": 2, "SCALE": 8.0},
     "Qwen3MoeForCausalLM": {"NORMALIZE": False, "INTER": 32},
     "Qwen3_5ForCausalLM": {"ROT": 4, "CHUNK": 32, "WIDTH": 4, "NORM_OFFSET": 1.0},
+    "Qwen3_5MoeForCausalLM": {"ROT": 4, "CHUNK": 32, "NORMALIZE": True, "INTER": 32},
 }
 
 
