@@ -1,6 +1,7 @@
-"""The GEMM kernels that the TileLang and CuTe DSL templates implement in full: [add +] RMSNorm + linear [+ SiLU x
-up] over bf16 rows stored whole and back to back. Both backends offer candidates only for these, so that a setting
-only Triton's templates take (a gather, the sampler tail, a bias, GELU, a 1 + weight norm) never reaches them."""
+"""The GEMM kernels that the TileLang and CuTe DSL templates implement in full: [add +] RMSNorm (times weight, or
+1 + weight: roles["norm_offset"], each template's NORM_OFFSET) + linear [+ SiLU x up] over bf16 rows stored whole and
+back to back. Both backends offer candidates only for these, so that a setting only Triton's templates take (a
+gather, the sampler tail, a bias, GELU) never reaches them."""
 
 from dataclasses import dataclass
 
@@ -24,7 +25,7 @@ def native_gemm(graph: Graph, node: Node, fp8: bool = False) -> NativeGemm | Non
         roles = gemm_roles(node)
     except Exception:  # a shape the GEMM family does not cover
         return None
-    if roles["rows"] or roles["top_k"] or roles["bias"] or roles["act"] not in (0, 1) or roles["norm_offset"]:
+    if roles["rows"] or roles["top_k"] or roles["bias"] or roles["act"] not in (0, 1):
         return None
     weights = {"f8e4m3"} if fp8 and roles["scale"] is not None else {"bf16"}
     if not {roles["weight"], roles["norm"] or roles["weight"], roles["scale"] or roles["weight"]} <= set(graph.params):

@@ -198,3 +198,20 @@ def test_reselect_keeps_a_variant_that_serves_two_slots_under_one_label(tmp_path
         ("tilelang:decode_tile_16x16", 4), ("tilelang:decode_tile_16x16", 16), ("triton:many", None)]
     four = next(s for s in kernel.selection if s.slot == "rows<=4")
     assert [v.max_rows for v in slot_candidates(kernel, four)] == [4, 4]
+
+
+def test_hopper_runs_a_gemm_whose_norm_scales_by_one_plus_weight_on_tilelang():
+    """Qwen3.5's gate/up (its RMSNorm scales by 1 + weight) takes TileLang's tiles in every slot on sm_90 by
+    default, each launch reading the norm's weight with NORM_OFFSET=1.0; on sm_80, whose default is Triton,
+    Triton's."""
+    from pegainfer.backends.build import _supported, plan_model
+    from pegainfer.backends.planning import PlanOptions
+    from pegainfer.frontends.load import embedded_configs, load_spec
+
+    spec = load_spec(embedded_configs()["qwen3.5-0.8b"])
+    (gate_up,) = [k for k in plan_model(spec, PlanOptions(), ("triton", "tilelang", "cute"))[1] if k.node == "gate_up"]
+    chosen, _ = choose(gate_up, _supported(gate_up, 90), 90, {})
+    assert chosen and all(v.backend == "tilelang" for v in chosen), [v.label for v in chosen]
+    normed = [launch for v in chosen for launch in v.launches if any(p.name == "G" for p in launch.params)]
+    assert normed and all(launch.constexprs["NORM_OFFSET"] == 1.0 for launch in normed)
+    assert all(v.backend == "triton" for v in choose(gate_up, _supported(gate_up, 80), 80, {})[0])

@@ -8,6 +8,7 @@ launch configuration and kernelParams it builds)."""
 
 import re
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -427,3 +428,82 @@ def test_tilelang_launches_declare_programmatic_launch_in_the_manifest_as_their_
         assert pdl == ("griddepcontrol.wait" in native.files["ptx"]), key
         seen.add(pdl)
     assert seen == {True, False}
+
+
+def norm_weight_readers(name: str, quantization: str | None = None, overrides: dict | None = None) -> dict:
+    """The first native launch of each kind that reads a norm's weight G in the model's plan, by (function,
+    ACT, PDL, PLANES): rows.py's norm launch (prefill's, the decode tiles' with PDL and X2's planes) and FP8
+    quantizing launch, decode_normed.py's tile, CuTe's GEMV."""
+    import json
+    import tempfile
+
+    config = embedded_configs()[name]
+    with tempfile.TemporaryDirectory() as folder:
+        if overrides:
+            config = Path(folder) / "config.json"
+            config.write_text(json.dumps(json.loads(embedded_configs()[name].read_text()) | overrides))
+        spec = load_spec(config, quantization=quantization)
+    readers = {}
+    for kernel in plan_model(spec, PlanOptions(), ("triton", "tilelang", "cute"))[1]:
+        for launch in (launch for v in kernel.variants if v.backend != "triton" for launch in v.launches):
+            if any(p.name == "G" for p in launch.params) or launch.constexprs.get("NORM"):
+                c = launch.constexprs
+                readers.setdefault((launch.function, c.get("ACT"), c.get("PDL"), c.get("PLANES")), launch)
+    return readers
+
+
+def generated(launch) -> str:
+    """The launch's generated code for sm_90a: TileLang's CUDA, CuTe DSL's PTX."""
+    if launch.backend == "cute":
+        from pegainfer.backends.cute.compiler import compile_to_files
+        return compile_to_files(launch, 90)[0]
+    from pegainfer.backends.tilelang.compiler import lower
+    return lower(launch, 90)[1].kernel_source
+
+
+def offset_adds(launch, code: str) -> int:
+    """How many times the code adds the float 1.0 to a value where the norm's weight becomes float32: TileLang
+    broadcasts the constant into a variable first; the PTX adds it as an immediate (0f3F800000)."""
+    if launch.backend == "cute":
+        return len(re.findall(r"add\.f32\s+%r\d+, %r\d+, 0f3F800000;", code))
+    return len(re.findall(r"float broadcast_var\w* = 0x1p\+0f", code))
+
+
+@pytest.fixture(scope="module")
+def offset_readers():
+    """The launches reading G of Gemma 3 (at a width both backends take: its QKV gives the single GEMM's tiles)
+    and Qwen3.5-0.8B (SiLU x up's), whose norms before their GEMMs scale by 1 + weight, and Gemma 3's FP8
+    quantizing launch (--quantization fp8; Qwen3.5's FP8 weights are not loaded yet)."""
+    width = {"hidden_size": 1024}
+    fp8 = norm_weight_readers("gemma-3-1b", "fp8", width)
+    return norm_weight_readers("gemma-3-1b", None, width) | norm_weight_readers("qwen3.5-0.8b") \
+        | {key: launch for key, launch in fp8.items() if key[0] == "quantize_rows"}
+
+
+def test_a_norm_that_scales_by_one_plus_weight_adds_the_offset_to_g_in_the_generated_code(offset_readers):
+    """Each native launch reading G of a 1 + weight norm (NORM_OFFSET=1.0) adds 1.0 to G once G is float32 (the
+    8 values of a CuTe GEMV's load at least); the same launch at NORM_OFFSET=0.0, as Qwen3's are planned, has no
+    such add, and Qwen3's own launches have none."""
+    assert {key[:2] for key in offset_readers if key[0] in ("decode_normed", "gemv")} == {
+        ("decode_normed", 0), ("decode_normed", 1), ("gemv", 0), ("gemv", 1)}
+    assert {key[2] for key in offset_readers if key[0] == "quantize_rows"} == {False, True}
+    assert {key[2:] for key in offset_readers if key[0] == "add_rms_norm"} == {(None, None), (True, 4)}
+    for key, launch in offset_readers.items():
+        assert launch.constexprs["NORM_OFFSET"] == 1.0, key
+        plain = replace(launch, constexprs=launch.constexprs | {"NORM_OFFSET": 0.0})
+        with_offset, without = offset_adds(launch, generated(launch)), offset_adds(plain, generated(plain))
+        assert with_offset >= (8 if launch.backend == "cute" else 1) and without == 0, (key, with_offset, without)
+    for key, launch in norm_weight_readers("qwen3-0.6b").items():
+        assert launch.constexprs["NORM_OFFSET"] == 0.0, key
+        assert offset_adds(launch, generated(launch)) == 0, key
+
+
+def test_the_launches_with_a_norm_offset_compile_for_sm90a(offset_readers):
+    """The offset launches build to cubins with no spills (TileLang's ptxas report; CuTe's local memory), each
+    within the registers of the CTAs it asks an SM to hold."""
+    todo = {(90, "/".join(map(str, key))): launch for key, launch in offset_readers.items()}
+    for (_, key), native in compile_many(todo, 2, None):
+        assert native.cubin[:4] == b"\x7fELF", key
+        assert native.resources.get("spill_stores", 0) == 0 and native.resources.get("local", 0) == 0, key
+        blocks = todo[(90, key)].constexprs.get("MIN_BLOCKS", 1)
+        assert native.resources["registers"] * native.threads * blocks <= 65536, (key, native.resources)

@@ -1,7 +1,8 @@
-"""The TileLang and CuTe DSL candidates exist only for kernels their templates implement in full: a GEMM whose
-RMSNorm scales by 1 + weight (Gemma's offset) or attention over a sliding window must stay with Triton, whose
-templates take those settings, or the sm_90 default (TileLang for prefill) would compute something else. Planning
-needs no compiler, so this runs wherever the tests run."""
+"""The TileLang and CuTe DSL candidates exist only for kernels their templates implement in full: attention over a
+sliding window or a GELU GEMM must stay with Triton, whose templates take those settings, or the sm_90 default
+(TileLang for prefill) would compute something else; a GEMM whose RMSNorm scales by 1 + weight (Gemma's, Qwen3.5's)
+is native, each launch that reads the norm's weight told the offset. Planning needs no compiler, so this runs
+wherever the tests run."""
 
 import json
 import re
@@ -30,15 +31,38 @@ def offers(plan, graph, node) -> bool:
     return bool(plan.candidates(graph, node, PlanOptions(block_size=16)))
 
 
+def reads_norm_weight(launch) -> bool:
+    """Whether the launch reads the norm's weight G: TileLang's by a parameter of that name, CuTe's GEMV (whose
+    parameters are fixed) where it norms."""
+    return any(p.name == "G" for p in launch.params) or bool(launch.constexprs.get("NORM"))
+
+
+# config, overrides (Gemma 3 1B at a width both backends' tiles take), the offset of its norms before a GEMM
+NORMED_CONFIGS = {"gemma-3-1b": ({"hidden_size": 1024}, 1.0), "qwen3.5-0.8b": ({}, 1.0), "qwen3-4b": ({}, 0.0)}
+
+
 @pytest.mark.parametrize("plan", [tilelang_plan, cute_plan], ids=["tilelang", "cute"])
-def test_no_native_gemm_for_a_norm_with_an_offset(plan, tmp_path):
-    config = json.loads((CONFIGS / "gemma-3-1b.json").read_text()) | {"hidden_size": 1024}  # aligned for both
+@pytest.mark.parametrize("name", sorted(NORMED_CONFIGS))
+def test_native_gemms_with_a_norm_pass_its_offset_to_every_launch_that_reads_its_weight(plan, name, tmp_path):
+    """A GEMM whose norm scales by 1 + weight (Gemma 3's, Qwen3.5's) gets native candidates, and every launch of
+    them that reads G (the norm launch, decode_normed.py's tile, CuTe's GEMV) carries NORM_OFFSET=1.0; Qwen3's
+    carry 0.0. Gemma's GELU x up still gets none, and the GEMMs without a norm are still offered."""
+    overrides, offset = NORMED_CONFIGS[name]
+    config = json.loads((CONFIGS / f"{name}.json").read_text()) | overrides
     (tmp_path / "config.json").write_text(json.dumps(config))
     gemms = [(g, n) for g, n in kernels(tmp_path / "config.json")
              if "linear" in fused_ops(n) and "top_k" not in fused_ops(n)]
-    with_offset = [(g, n) for g, n in gemms if gemm_roles(n)["norm"] and gemm_roles(n)["norm_offset"] != 0.0]
-    assert with_offset, "Gemma 3's RMSNorm before its projections scales by 1 + weight"
-    assert not any(offers(plan, g, n) for g, n in with_offset)
+    normed = [(g, n, gemm_roles(n)) for g, n in gemms if gemm_roles(n)["norm"]]
+    assert normed and all(roles["norm_offset"] == offset for _, _, roles in normed), name
+    offered = 0
+    for graph, node, roles in normed:
+        variants = plan.candidates(graph, node, PlanOptions(block_size=16))
+        assert not variants or roles["act"] in (0, 1), (node.name, "GELU x up stays with Triton")
+        readers = [launch for v in variants for launch in v.launches if reads_norm_weight(launch)]
+        assert bool(readers) == bool(variants), node.name
+        assert all(launch.constexprs["NORM_OFFSET"] == offset for launch in readers), node.name
+        offered += bool(variants)
+    assert offered, f"{name}: some GEMM with a norm gets {plan.__name__}'s candidates"
     plain = [(g, n) for g, n in gemms if not gemm_roles(n)["norm"] and not gemm_roles(n)["act"]]
     assert any(offers(plan, g, n) for g, n in plain), "the GEMMs without a norm are still offered"
 

@@ -104,6 +104,18 @@ def test_fp8_blocks_the_tile_has_no_form_for_stay_with_triton(tmp_path):
     assert len(gemms) == 4 and not [v for k in gemms for v in k.variants if v.backend == "tilelang"]
 
 
+def test_a_norm_that_scales_by_one_plus_weight_reaches_the_quantizing_launch(tmp_path):
+    """Gemma 3's QKV under --quantization fp8 (at a width the tiles take): its RMSNorm scales by 1 + weight, so the
+    quantizing row launch before each W8A8 tile norms with NORM_OFFSET=1.0; the launches with no norm take 0.0."""
+    config = json.loads(embedded_configs()["gemma-3-1b"].read_text()) | {"hidden_size": 1024}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    kernels = plan_model(load_spec(tmp_path / "config.json", quantization="fp8"), PlanOptions(),
+                         ("triton", "tilelang"))[1]
+    quantized = {(k.node.split(".")[0], launch.constexprs["NORM"], launch.constexprs["NORM_OFFSET"])
+                 for k in kernels for v in k.variants for launch in v.launches if launch.function == "quantize_rows"}
+    assert quantized == {("qkv", True, 1.0), ("o_proj", False, 0.0), ("down", False, 0.0)}, quantized
+
+
 @pytest.mark.slow
 def test_w8a8_tiles_compile_for_sm90a_to_qgmma_on_e4m3_fed_by_tma(tmp_path):
     pytest.importorskip("tilelang")

@@ -34,7 +34,7 @@ def candidates(graph: Graph, node: Node, options: PlanOptions) -> list[VariantSp
             continue
         constexprs = dict(ROWS=rows, N=n, K=k, ACT=roles["act"], NORM=roles["norm"] is not None,
                           ADD=roles["x2"] is not None, WRITE_SUM=roles["sum"] is not None, EPS=float(roles["eps"]),
-                          COLS=cols, WARPS=WARPS)
+                          COLS=cols, WARPS=WARPS, NORM_OFFSET=roles["norm_offset"])
         launch = LaunchSpec("gemv", "gemv.py", (KERNELS / "gemv.py").read_text(), params, constexprs,
                             (GridDim((n,), cols * WARPS), GridDim(), GridDim()), WARPS, 1, backend="cute")
         variants.append(VariantSpec(name, rows, [launch], "cute", sms=SMS))

@@ -119,7 +119,8 @@ def _quantize_launch(roles: dict, k: int, dim: Param, row_symbol: str, pdl: bool
     params += [tensor("Y", QUANTIZED, FP8), tensor("AS", ROW_SCALES, "*fp32"), dim]
     return launch("rows.py", "quantize_rows", params,
                   dict(K=k, EPS=float(roles["eps"]), NORM=roles["norm"] is not None, ADD=roles["x2"] is not None,
-                       WRITE_SUM=roles["sum"] is not None, THREADS=128, PDL=pdl), (GridDim((row_symbol,)),), 128)
+                       WRITE_SUM=roles["sum"] is not None, THREADS=128, PDL=pdl, NORM_OFFSET=roles["norm_offset"]),
+                  (GridDim((row_symbol,)),), 128)
 
 
 def fp8_scratch(rows: str | int, k: int) -> dict[str, tuple[str, tuple]]:

@@ -191,7 +191,7 @@ def _norm_launches(roles: dict, k: int, dim: Param, row_symbol: str,
     if roles["sum"]:
         params.insert(3, _tensor("S", roles["sum"]))
     norm = dict(K=k, EPS=float(roles["eps"]), ADD=roles["x2"] is not None, WRITE_SUM=roles["sum"] is not None,
-                THREADS=128)
+                THREADS=128, NORM_OFFSET=roles["norm_offset"])
     grid = (GridDim((row_symbol,)),)
     decode_params, planes = params, {}
     if roles["x2"]:
@@ -215,7 +215,8 @@ def _normed_rows(roles: dict, n: int, k: int, dim: Param, row_symbol: str) -> li
     values = dict(A=roles["x"], X2=roles["x2"], G=roles["norm"], S=roles["sum"], W=roles["weight"], C=roles["out"])
     params = [_tensor(name, values[name]) for name in names] + [dim]
     constexprs = dict(N=n, K=k, ACT=roles["act"], PDL=True, ADD=roles["x2"] is not None,
-                      WRITE_SUM=roles["sum"] is not None, EPS=float(roles["eps"])) | tile.constexprs()
+                      WRITE_SUM=roles["sum"] is not None, EPS=float(roles["eps"]),
+                      NORM_OFFSET=roles["norm_offset"]) | tile.constexprs()
     grid = (GridDim((n,), tile.block_n), GridDim((row_symbol,), PAIRED_ROWS))
     threads = tile.threads + 2 * PRODUCER  # the consumer warp, the producer and the scalers
     gemm = _launch("decode_normed.py", "decode_normed", params, constexprs, grid, threads, tile.stages)

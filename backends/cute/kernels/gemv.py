@@ -1,7 +1,8 @@
 """The decode GEMV family in CuTe DSL: y[m, n] = sum_k a[m, k] W[n, k] for up to ROWS rows (a batch bucket),
-with the GEMM family's prologue (residual add, RMSNorm: a = (x + x2) * rstd * g, rounded to bf16 as the tensor
-cores would read it) and epilogue (SiLU(gate) * up over a merged [2N, K] weight). Each warp streams COLS weight
-rows with 16-byte loads, keeps ROWS x COLS sums per lane, and reduces them across the warp once at the end.
+with the GEMM family's prologue (residual add, RMSNorm: a = (x + x2) * rstd * (g + NORM_OFFSET), rounded to bf16 as
+the tensor cores would read it; NORM_OFFSET 1 for a norm that scales by 1 + g) and epilogue (SiLU(gate) * up over a
+merged [2N, K] weight). Each warp streams COLS weight rows with 16-byte loads, keeps ROWS x COLS sums per lane, and
+reduces them across the warp once at the end.
 
 Parameters are fixed whatever the flags: (x, x2, g, w, y, s, m); the plan passes x for an unused tensor."""
 
@@ -14,7 +15,7 @@ from cutlass.cute.runtime import make_fake_compact_tensor
 VEC = 8  # bf16 elements per 16-byte load
 
 
-def _loaders(ADD: bool, NORM: bool):
+def _loaders(ADD: bool, NORM: bool, NORM_OFFSET: float):
     """(load, activation): 8 bf16 of a row as fp32, and a row's chunk of the GEMM's operand after the prologue."""
     @cute.jit
     def load(t: cute.Tensor, row, chunk):
@@ -32,7 +33,11 @@ def _loaders(ADD: bool, NORM: bool):
             gv = cute.local_tile(g, (VEC,), (chunk,))
             gf = cute.make_rmem_tensor_like(gv)
             cute.autovec_copy(gv, gf)
-            a = (a * rstd[row] * gf.load().to(Float32)).to(BFloat16).to(Float32)
+            scaled = a * rstd[row]  # before G's load: a plain norm's PTX stays what it was
+            weight = gf.load().to(Float32)
+            if cutlass.const_expr(NORM_OFFSET != 0.0):  # a norm that scales by 1 + g; none traced for a plain one
+                weight = weight + NORM_OFFSET
+            a = (scaled * weight).to(BFloat16).to(Float32)
         return a
 
     return load, activation
@@ -67,12 +72,12 @@ def _row_scales(ROWS: int, K: int, ADD: bool, WRITE_SUM: bool, EPS: float, WARPS
 
 
 def gemv(ROWS: int, N: int, K: int, ACT: int, NORM: bool, ADD: bool, WRITE_SUM: bool, EPS: float, COLS: int,
-         WARPS: int):
+         WARPS: int, NORM_OFFSET: float = 0.0):
     iters = K // (32 * VEC)
     per_cta = COLS * WARPS
     unroll = 2 if ROWS <= 4 else 1  # 16 rows are 32 loads an iteration already; unrolling only slows compiling
 
-    load, activation = _loaders(ADD, NORM)
+    load, activation = _loaders(ADD, NORM, NORM_OFFSET)
     row_scales = _row_scales(ROWS, K, ADD, WRITE_SUM, EPS, WARPS, load)
 
     @cute.kernel

@@ -4,12 +4,13 @@ B: the step's 4 rows and X2's 4. As they land, a warpgroup of scalers after the 
 residual sum to S (the first column tile), keeps each row's sum of squares and overwrites the stage with the sum
 times G split into a bf16 high part (rows 0-3) and its remainder (rows 4-7), so that the producer's loads never wait
 for a landing; the consumers add both halves' products and scale them by 1/rms, known only then. G, a weight like W,
-is copied whole before the PDL wait."""
+is copied whole before the PDL wait; a norm that scales by offset + G (NORM_OFFSET) adds it in float32."""
 
 import tilelang.language as T
 
 from pegainfer.backends.tilelang.kernels.decode_ring import (BF16, CONSUMERS_BARRIER, PRODUCER, Ring, allocator,
                                                              multiplier, producer, starter)
+from pegainfer.backends.tilelang.kernels.rows import norm_weight
 
 SWAP_ROWS = 8  # a stage's rows: the step's 4 (and X2's), then the remainders
 STEP_ROWS = SWAP_ROWS // 2  # the step's rows a CTA
@@ -30,11 +31,12 @@ def _row_loader(ring: Ring, ADD: bool):
     return load_rows
 
 
-def _scalers(ring: Ring, ADD: bool, WRITE_SUM: bool, EPS: float, M):
+def _scalers(ring: Ring, ADD: bool, WRITE_SUM: bool, EPS: float, NORM_OFFSET: float, M):
     @T.macro
     def scale_rows(a_s, g_s, S, x, squares, landed, a_full, bx, by, k):
-        """As step k's rows land: row r (+ X2's, in row r + 4) times G, split into a bf16 high part (row r) and
-        the rest (row r + 4); the squares summed apart; the sum written to S by the first column tile."""
+        """As step k's rows land: row r (+ X2's, in row r + 4) times G (+ NORM_OFFSET), split into a bf16 high
+        part (row r) and the rest (row r + 4); the squares summed apart; the sum written to S by the first column
+        tile."""
         stage = k % ring.STAGES
         T.mbarrier_wait_parity(landed[stage], (k // ring.STAGES) % 2)
         # every load first: in one loop, each waited for the last store
@@ -47,7 +49,7 @@ def _scalers(ring: Ring, ADD: bool, WRITE_SUM: bool, EPS: float, M):
             if WRITE_SUM:
                 if bx == 0 and by * STEP_ROWS + r < M:
                     S[by * STEP_ROWS + r, ring.column(0, k) + j] = T.cast(x[r, j], BF16)
-            x[r, j] = x[r, j] * T.cast(g_s[ring.column(0, k) + j], T.float32)
+            x[r, j] = x[r, j] * norm_weight(T.cast(g_s[ring.column(0, k) + j], T.float32), NORM_OFFSET)
             a_s[stage, r, j] = T.cast(x[r, j], BF16)
             a_s[stage, r + STEP_ROWS, j] = T.cast(x[r, j] - T.cast(T.cast(x[r, j], BF16), T.float32), BF16)
         T.mbarrier_arrive(a_full[stage])  # each thread after its own stores: the phase completes after them all
@@ -89,7 +91,8 @@ def _epilogue(ring: Ring, M):
 
 
 def decode_normed(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: int, THREADS: int, MIN_BLOCKS: int,
-                  ADD: bool, WRITE_SUM: bool, EPS: float, PDL: bool = False, PRE: int = 0, CHAINS: int = 1):
+                  ADD: bool, WRITE_SUM: bool, EPS: float, PDL: bool = False, PRE: int = 0, CHAINS: int = 1,
+                  NORM_OFFSET: float = 0.0):
     assert K % BLOCK_K == 0, f"K={K} must be whole {BLOCK_K}-wide steps"
     assert ADD or not WRITE_SUM, "WRITE_SUM writes the sum of ADD's rows"
     ring = Ring(N, K, ACT, BLOCK_N, BLOCK_K, STAGES, THREADS, MIN_BLOCKS, CHAINS, PDL, PRE, rows=SWAP_ROWS,
@@ -97,7 +100,7 @@ def decode_normed(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_K: int, STAGES: 
     M = T.dynamic("M")
     multiply_all, start, alloc_stages = multiplier(ring), starter(ring), allocator(ring)
     issue_ahead, stream = producer(ring, _row_loader(ring, ADD))
-    scale_all, store_normed = _scalers(ring, ADD, WRITE_SUM, EPS, M), _epilogue(ring, M)
+    scale_all, store_normed = _scalers(ring, ADD, WRITE_SUM, EPS, NORM_OFFSET, M), _epilogue(ring, M)
 
     @T.macro
     def tile(A, X2, G, S, W, C):

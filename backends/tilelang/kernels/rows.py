@@ -8,14 +8,22 @@ BF16 = T.bfloat16
 PLANE_ROWS = 16  # a split GEMM's plane holds 16 rows (decode_ring.py's ROWS), whatever M
 
 
+def norm_weight(weight, NORM_OFFSET: float):
+    """A norm's weight, already cast to float32, plus NORM_OFFSET for a norm that scales by offset + G (1 + G for
+    weights stored around zero); added only where there is an offset, so that a plain norm's code is what it always
+    was."""
+    return weight + NORM_OFFSET if NORM_OFFSET else weight
+
+
 def add_rms_norm(K: int, EPS: float, ADD: bool, WRITE_SUM: bool, THREADS: int, PDL: bool = False,
-                 PLANES: int = 0):
-    """Per row, the residual sum X + X2 (written to S when WRITE_SUM) and its RMSNorm times G, rounded to bf16 as the
-    GEMM reads it. PDL: the next kernel (the GEMM, launched programmatically) may start at once, so that its first
-    weight stages stream while the rows are normed; G, a weight, is loaded before the wait for the previous kernel,
-    off the path from that kernel's end to the GEMM's rows. PLANES: X2 may come as a split GEMM's fp32 planes P
-    ([PR, K], PR / 16 planes, at most PLANES; PR = 0: X2 as stored), added in plane order and rounded to bf16 as
-    sum_planes would have stored X2 (decode_planes.py), their loads unrolled, predicated and issued at once."""
+                 PLANES: int = 0, NORM_OFFSET: float = 0.0):
+    """Per row, the residual sum X + X2 (written to S when WRITE_SUM) and its RMSNorm times G (+ NORM_OFFSET, in
+    float32), rounded to bf16 as the GEMM reads it. PDL: the next kernel (the GEMM, launched programmatically) may
+    start at once, so that its first weight stages stream while the rows are normed; G, a weight, is loaded before
+    the wait for the previous kernel, off the path from that kernel's end to the GEMM's rows. PLANES: X2 may come as
+    a split GEMM's fp32 planes P ([PR, K], PR / 16 planes, at most PLANES; PR = 0: X2 as stored), added in plane
+    order and rounded to bf16 as sum_planes would have stored X2 (decode_planes.py), their loads unrolled,
+    predicated and issued at once."""
     assert ADD or not (WRITE_SUM or PLANES), "WRITE_SUM and PLANES concern the add's sum and its second operand"
     M = T.dynamic("M")
     PR = T.dynamic("PR")
@@ -31,7 +39,7 @@ def add_rms_norm(K: int, EPS: float, ADD: bool, WRITE_SUM: bool, THREADS: int, P
                 g = T.alloc_fragment((1, K), T.float32)
                 T.pdl_trigger()
                 for i, j in T.Parallel(1, K):
-                    g[i, j] = T.cast(G[j], T.float32)
+                    g[i, j] = norm_weight(T.cast(G[j], T.float32), NORM_OFFSET)
                 T.pdl_sync()
             if PLANES:
                 delta = T.alloc_fragment((1, K), T.float32)
@@ -55,7 +63,7 @@ def add_rms_norm(K: int, EPS: float, ADD: bool, WRITE_SUM: bool, THREADS: int, P
                 squares[i, j] = x[i, j] * x[i, j]
             T.reduce_sum(squares, total, dim=1)
             for i, j in T.Parallel(1, K):
-                weight = g[i, j] if PDL else T.cast(G[j], T.float32)
+                weight = g[i, j] if PDL else norm_weight(T.cast(G[j], T.float32), NORM_OFFSET)
                 Y[row, j] = T.cast(x[i, j] * T.rsqrt(total[i] / K + EPS) * weight, BF16)
 
     if PLANES and WRITE_SUM:
@@ -114,10 +122,11 @@ FP8_MAX = 448.0  # e4m3's largest finite value
 GROUP = 128  # gemm_fp8.py's quantization group
 
 
-def quantize_rows(K: int, EPS: float, NORM: bool, ADD: bool, WRITE_SUM: bool, THREADS: int, PDL: bool = False):
+def quantize_rows(K: int, EPS: float, NORM: bool, ADD: bool, WRITE_SUM: bool, THREADS: int, PDL: bool = False,
+                  NORM_OFFSET: float = 0.0):
     """The rows of an FP8 GEMM (gemm_fp8.py) in e4m3 groups of 128 columns: per row [the residual sum X + X2 in
-    bf16, written to S] [its RMSNorm times G, rounded to bf16 once], then each group over its
-    largest magnitude / 448 (AS, [M, K / 128]) and rounded to e4m3 (Y), as vLLM's per-token-group
+    bf16, written to S] [its RMSNorm times G (+ NORM_OFFSET, in float32), rounded to bf16 once], then each group
+    over its largest magnitude / 448 (AS, [M, K / 128]) and rounded to e4m3 (Y), as vLLM's per-token-group
     quantization does. PDL: the GEMM after it, launched programmatically, may start at once (and waits for it)."""
     assert NORM or not (ADD or WRITE_SUM), "an add without a norm is not a shape the passes make"
     assert K % GROUP == 0, K
@@ -150,7 +159,8 @@ def quantize_rows(K: int, EPS: float, NORM: bool, ADD: bool, WRITE_SUM: bool, TH
                 T.reduce_sum(partial, total, dim=0)
                 for g, j in T.Parallel(KB, GROUP):
                     x[g, j] = T.cast(T.cast(x[g, j] * T.rsqrt(total[0] / K + EPS)
-                                            * T.cast(G[g * GROUP + j], T.float32), BF16), T.float32)
+                                            * norm_weight(T.cast(G[g * GROUP + j], T.float32), NORM_OFFSET), BF16),
+                                     T.float32)
             T.reduce_absmax(x, amax, dim=1)
             for g in T.Parallel(KB):
                 amax[g] = T.max(amax[g], 1e-10) / FP8_MAX
