@@ -1,6 +1,7 @@
 """On the lent GPU (scripts/gpu/prepare_recurrent.sh first): a model with recurrent layers (Qwen3.5) on the GPU
 engine against the CPU reference and Hugging Face bf16 on a small random checkpoint (prefill, decode through CUDA
-graphs, mixed steps whose prompt chunks carry the state), then decode and prefill on the full Qwen3.5-4B shape with
+graphs, mixed steps whose prompt chunks carry the state), a prefix hit restoring a state snapshot against a cold
+run, the small Qwen3.5-MoE against its CPU reference, then decode and prefill on the full Qwen3.5-4B shape with
 random weights. Prints a table last; every number also goes to $OUT/results.json."""
 
 import argparse
@@ -18,6 +19,9 @@ from pegainfer.runtime.batch import Chunk, Sequence  # noqa: E402
 from pegainfer.runtime.device import visible_sm  # noqa: E402
 from pegainfer.runtime.gpu.start import ensure_manifest, gpu_engine  # noqa: E402
 from pegainfer.runtime.reference_engine import ReferenceEngine  # noqa: E402
+from pegainfer.runtime.requests import EngineRequest  # noqa: E402
+from pegainfer.runtime.sampler import SamplingParams  # noqa: E402
+from pegainfer.runtime.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 
 
 def check_mixed(folder: Path, results: dict) -> None:
@@ -54,6 +58,40 @@ def check_batches(folder: Path, results: dict) -> None:
             table[f"b{batch}_{'graphs' if graphs else 'eager'}"] = {
                 "max": max(errors), "lens": [len(p) for p in prompts], "errors": errors}
     results["small_batches_per_sequence"] = table
+
+
+def check_prefix(folder: Path, results: dict) -> None:
+    """A prompt sharing 40 tokens with an earlier one, served from its cached blocks and the state snapshot at 32,
+    against the same prompt cold (no prefix cache) on the same engine: greedy tokens and their logprobs."""
+    model = load_model(folder)
+    gpu = gpu_engine(model, check.SMALL)
+    rng = np.random.default_rng(3)
+    vocab = model.spec.config.vocab_size
+    first = rng.integers(0, vocab, 45).tolist()
+    second = first[:40] + rng.integers(0, vocab, 10).tolist()
+    params = SamplingParams(max_tokens=16, ignore_eos=True, logprobs=1)
+
+    def serve(prefix_cache: bool, prompts: list[list[int]]) -> list:
+        scheduler = Scheduler(gpu, frozenset(), SchedulerConfig(max_num_seqs=8, prefix_cache=prefix_cache))
+        outputs = []
+        for i, prompt in enumerate(prompts):
+            scheduler.add(EngineRequest(f"r{i}", prompt, params))
+            outputs.append([])
+            while scheduler.has_work():
+                outputs[-1] += scheduler.step()
+        return outputs[-1]
+    hit, cold = serve(True, [first, second]), serve(False, [second])
+    results["prefix_cached_tokens"] = hit[0].num_cached_tokens
+    results["prefix_tokens_equal_cold"] = [o.token_id for o in hit] == [o.token_id for o in cold]
+    results["prefix_max_logprob_delta"] = max(abs(a.logprobs[a.token_id] - b.logprobs[b.token_id])
+                                              for a, b in zip(hit, cold))
+
+
+def check_moe(folder: Path, results: dict) -> None:
+    """The small Qwen3.5-MoE through check_small (GPU against the CPU reference and Hugging Face), prefixed moe_."""
+    figures: dict = {}
+    check.check_small(folder, figures)
+    results.update({f"moe_{key}": value for key, value in figures.items()})
 
 
 def bench_4b(results: dict, name: str) -> None:
@@ -98,6 +136,7 @@ def profile_prefill(results: dict, name: str, tokens: int = 4096) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--small", type=Path, required=True)
+    parser.add_argument("--small-moe", type=Path, default=Path(".gpu/small_q35_moe"))
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--skip", nargs="*", default=[])
     args = parser.parse_args()
@@ -106,6 +145,8 @@ def main() -> None:
     sections = (("small", lambda: check.check_small(args.small, results)),
                 ("mixed", lambda: check_mixed(args.small, results)),
                 ("batches", lambda: check_batches(args.small, results)),
+                ("prefix", lambda: check_prefix(args.small, results)),
+                ("moe", lambda: check_moe(args.small_moe, results)),
                 ("bench", lambda: bench_4b(results, "qwen3.5-4b")),
                 ("profile", lambda: profile_prefill(results, "qwen3.5-4b")))
     check.run_sections(sections, args.skip, args.out, results)
