@@ -9,8 +9,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from pegainfer.errors import ConfigError
-from pegainfer.frontends.checkpoint import LazyWeights, check_weights, load_weights, scan_checkpoint
+from pegainfer.errors import CheckpointError, ConfigError
+from pegainfer.frontends.checkpoint import LazyWeights, TensorInfo, check_weights, load_weights, scan_checkpoint
 from pegainfer.frontends.config import architecture_of, parse_config, read_config
 from pegainfer.frontends.fused_experts import split_fused_experts
 from pegainfer.frontends.kv_cache import apply_kv_cache_dtype, check_kv_scales
@@ -51,6 +51,7 @@ class LoadedModel:
     spec: ModelSpec
     folder: Path
     weights: Mapping[str, np.ndarray]
+    mtp: Mapping[str, np.ndarray] | None = None  # the checkpoint's MTP head, checked, read when used (mtp_head)
 
 
 def embedded_configs() -> dict[str, Path]:
@@ -134,6 +135,7 @@ def load_model(folder: Path, *, lazy: bool = False, dtype: str = "auto", device:
                      kv_cache_dtype=kv_cache_dtype)
     expected = stored_params(spec.graph) if quantization else spec.graph.checkpoint_params()
     tensors = scan_checkpoint(folder)
+    mtp = mtp_head(spec, {name: t for name, t in tensors.items() if name.startswith("mtp.")}, folder)
     if spec.text_stack:
         tensors = text_stack_tensors(tensors)
     if getattr(spec.dag, "FUSED_EXPERTS", False):
@@ -147,4 +149,21 @@ def load_model(folder: Path, *, lazy: bool = False, dtype: str = "auto", device:
     check_kv_scales({name: weights[name] for name in defaults if name not in filled}, str(folder))
     if quantization:  # scheme_for refused it for a checkpoint quantized already
         weights = QuantizedWeights(weights, spec.graph)
-    return LoadedModel(spec, folder, weights)
+    return LoadedModel(spec, folder, weights, mtp)
+
+
+def mtp_head(spec: ModelSpec, tensors: dict[str, TensorInfo], folder: Path) -> LazyWeights | None:
+    """The multi-token-prediction head a checkpoint carries (its DAG file's `mtp_params`), every tensor checked for
+    name and shape; None where the checkpoint or the config has none."""
+    layout = getattr(spec.dag, "mtp_params", None)
+    if not tensors or layout is None or not getattr(spec.config, "mtp_num_hidden_layers", 0):
+        return None
+    if getattr(spec.dag, "FUSED_EXPERTS", False):
+        tensors = split_fused_experts(tensors)
+    expected = layout(spec.config)
+    unexpected = sorted(set(tensors) - set(expected))
+    if unexpected:
+        raise CheckpointError(f"{folder}: tensor {unexpected[0]!r} is not part of the MTP head of "
+                              f"mtp_num_hidden_layers {spec.config.mtp_num_hidden_layers}")
+    check_weights(expected, tensors, folder)
+    return LazyWeights(expected, tensors)

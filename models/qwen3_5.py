@@ -8,12 +8,13 @@ from dataclasses import dataclass
 
 from pegainfer.errors import ConfigError
 from pegainfer.frontends.config import require_float_dtype, require_positive
-from pegainfer.ir import Graph, GraphBuilder, Value, dtype_from_name
+from pegainfer.ir import Graph, GraphBuilder, TensorType, Value, dtype_from_name
 from pegainfer.ir.layers import LayerSlot, repeat_layers
 from pegainfer.ir.step import AttentionInputs, declare_step_inputs
 from pegainfer.models.blocks import (AttentionSpec, gated_mlp, glu_activation, lm_head, require_grouped_heads,
                                      self_attention)
 from pegainfer.models.delta_net import DeltaNetSpec, check_delta_net, gated_delta_net
+from pegainfer.models.qwen3_5_mtp import head_params
 
 ARCHITECTURES = ("Qwen3_5ForCausalLM",)
 MODEL_TYPE = "qwen3_5_text"
@@ -44,6 +45,7 @@ class Config:
     partial_rotary_factor: float | None = None  # transformers 4.x's spelling; 5.x's is in rope_parameters
     rope_scaling: dict | None = None
     attn_output_gate: bool = True
+    mtp_num_hidden_layers: int = 0  # the multi-token-prediction head's layers (models/qwen3_5_mtp.py)
     attention_bias: bool = False
     hidden_act: str = "silu"
     tie_word_embeddings: bool = False
@@ -118,7 +120,7 @@ def _dense_mlp(config: Config) -> MlpBlock:
                                          glu_activation(config.hidden_act))
 
 
-def _layer(config: Config, mlp: MlpBlock):
+def _layer(config: Config, mlp: MlpBlock, root: str = "model.layers"):
     spec = AttentionSpec(hidden=config.hidden_size, heads=config.num_attention_heads,
                          kv_heads=config.num_key_value_heads, head_dim=config.head_dim, theta=config.rope_theta,
                          qkv_bias=config.attention_bias, o_bias=config.attention_bias, qk_norm_eps=config.rms_norm_eps,
@@ -126,7 +128,7 @@ def _layer(config: Config, mlp: MlpBlock):
                          else 0, output_gate=config.attn_output_gate)
 
     def layer(b: GraphBuilder, residual: Value, attention: AttentionInputs, slot: LayerSlot) -> Value:
-        prefix = f"model.layers.{slot.index}"
+        prefix = f"{root}.{slot.index}"
 
         def norm(x: Value, name: str, label: str) -> Value:
             weight = b.param(f"{prefix}.{name}.weight", x.dtype, (config.hidden_size,))
@@ -142,6 +144,11 @@ def _layer(config: Config, mlp: MlpBlock):
         out = mlp(b, norm(residual, "post_attention_layernorm", "mlp_norm"), prefix)
         return b.add(residual, out, name="mlp_residual")
     return layer
+
+
+def mtp_params(config: Config) -> dict[str, TensorType]:
+    """The tensors of the checkpoint's MTP head (models/qwen3_5_mtp.py), by name."""
+    return head_params(config, _layer(config, _dense_mlp(config), root="mtp.layers"))
 
 
 TINY_CONFIG = {

@@ -8,9 +8,10 @@ from dataclasses import dataclass
 
 from pegainfer.errors import ConfigError
 from pegainfer.frontends.config import require_positive
-from pegainfer.ir import Graph, GraphBuilder, Value
+from pegainfer.ir import Graph, GraphBuilder, TensorType, Value
 from pegainfer.models import qwen3_5
 from pegainfer.models.blocks import gated_mlp, glu_activation, routed_experts
+from pegainfer.models.qwen3_5_mtp import head_params
 
 ARCHITECTURES = ("Qwen3_5MoeForCausalLM",)
 MODEL_TYPE = "qwen3_5_moe_text"
@@ -36,6 +37,11 @@ def check_config(config: Config) -> None:
 
 def build_graph(config: Config) -> Graph:
     return qwen3_5.build_graph(config, "qwen3_5_moe", _sparse_block(config))
+
+
+def mtp_params(config: Config) -> dict[str, TensorType]:
+    """The tensors of the checkpoint's MTP head, its layer's MLP the sparse block (per-expert or fused)."""
+    return head_params(config, qwen3_5._layer(config, _sparse_block(config), root="mtp.layers"))
 
 
 def _sparse_block(config: Config):
