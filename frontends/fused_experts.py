@@ -7,10 +7,10 @@ stacked expert weights and the uploader's direct reads work unchanged."""
 from dataclasses import replace
 
 from pegainfer.errors import CheckpointError
-from pegainfer.frontends.checkpoint import TensorInfo
+from pegainfer.frontends.checkpoint import FLOAT_DTYPES, FP8_DTYPES, TensorInfo
+from pegainfer.ir.dtypes import dtype_from_name
 
 GATE_UP, DOWN = ".experts.gate_up_proj", ".experts.down_proj"
-ITEM_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1}
 
 
 def split_fused_experts(tensors: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
@@ -32,12 +32,13 @@ def _views(name: str, info: TensorInfo, prefix: str, parts: tuple[str, ...]) -> 
                               f"[experts, {' + '.join(f'{p} rows' for p in parts)}, in-features]")
     experts, rows, width = info.shape
     piece = rows // len(parts)
-    item = ITEM_BYTES.get(info.dtype, 0)
+    known = info.offset >= 0 and info.dtype in (*FLOAT_DTYPES, *FP8_DTYPES)  # else read by name, not span
+    item = dtype_from_name(info.dtype).itemsize if known else 0
     views = {}
     for e in range(experts):
         for i, part in enumerate(parts):
             first = e * rows + i * piece
-            span = (info.offset + first * width * item, piece * width * item) if info.offset >= 0 and item else (-1, 0)
+            span = (info.offset + first * width * item, piece * width * item) if known else (-1, 0)
             views[f"{prefix}.experts.{e}.{part}_proj.weight"] = replace(
                 info, shape=(piece, width), offset=span[0], nbytes=span[1], stored_name=info.stored_name or name,
                 rows=(e, i * piece, (i + 1) * piece))

@@ -5,16 +5,20 @@ concatenated and projected back to the hidden size by `fc`, then full-attention 
 at load (frontends/load.py) and kept, read lazily, for a speculative-decoding proposer."""
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from pegainfer.ir import GraphBuilder, TensorType, dtype_from_name
 from pegainfer.ir.layers import LayerSlot
 from pegainfer.ir.step import declare_step_inputs
 
+if TYPE_CHECKING:  # qwen3_5 imports this module
+    from pegainfer.models.qwen3_5 import Config
+
 FULL = "full_attention"
 NORMS = ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")
 
 
-def head_params(config, layer: Callable) -> dict[str, TensorType]:
+def head_params(config: "Config", layer: Callable) -> dict[str, TensorType]:
     """The head's checkpoint tensors by name: `layer` (the DAG file's full-attention layer under `mtp.layers`)
     traced once per MTP layer, plus fc and the three norms."""
     dtype, hidden = dtype_from_name(config.torch_dtype), config.hidden_size

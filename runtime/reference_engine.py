@@ -40,9 +40,9 @@ class ReferenceEngine:
                  SLOT_POOL: self.allocator.state_rows}
         self.rng = np.random.default_rng()  # seeds for requests that have none
         self.vocab_size = self.graph.value_types()[self.graph.outputs[0]].shape[-1]  # the logits' width
-        self.states = {name: np.zeros(t.concrete(sizes), dtype=t.dtype.np_dtype)
-                       for name, t in self.graph.expanded_states().items()}
-        self.pooled = [name for name, t in self.graph.expanded_states().items() if t.shape[0] == SLOT_POOL]
+        states = self.graph.expanded_states()
+        self.states = {name: np.zeros(t.concrete(sizes), dtype=t.dtype.np_dtype) for name, t in states.items()}
+        self.pooled = [name for name, t in states.items() if t.shape[0] == SLOT_POOL]  # copy_state's
 
     def step(self, chunks: list[Chunk], *, all_logits: bool = False) -> np.ndarray:
         """Runs one packed step and returns float32 logits, one row per chunk (or per token with all_logits)."""
