@@ -100,6 +100,7 @@ def add_tune(commands) -> None:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
+    from pegainfer.frontends.kv_cache import kv_cache_summary
     from pegainfer.frontends.load import load_spec, resolve_config_path
     from pegainfer.passes.kernels import format_kernels, list_kernels
     from pegainfer.passes.pipeline import lower
@@ -122,6 +123,7 @@ def run_inspect(args: argparse.Namespace) -> int:
                           "kernels": [k.as_json() for k in list_kernels(lowered)]}, indent=1))
     else:
         print(format_kernels(lowered), end="")
+        print(kv_cache_summary(spec.graph))
     return 0
 
 

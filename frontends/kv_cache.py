@@ -22,6 +22,9 @@ def apply_kv_cache_dtype(graph: Graph, kv_cache_dtype: str) -> Graph:
         raise ConfigError(f"--kv-cache-dtype {kv_cache_dtype}: expected one of {', '.join(KV_CACHE_DTYPES)}")
     if kv_cache_dtype == "auto":
         return graph
+    if any(n.op == "latent_write" for g in graph.all_graphs() for n in g.nodes):
+        raise ConfigError(f"--kv-cache-dtype {kv_cache_dtype}: an FP8 latent attention cache is not implemented; "
+                          f"use --kv-cache-dtype auto (the latent cache is already a fraction of per-head keys)")
     for g in graph.all_graphs():
         for write in [n for n in g.nodes if n.op == "kv_write"]:
             _store_fp8(g, write)
@@ -30,6 +33,24 @@ def apply_kv_cache_dtype(graph: Graph, kv_cache_dtype: str) -> Graph:
 
 def has_fp8_cache(graph: Graph) -> bool:
     return any(t.dtype.name.startswith("f8") for g in graph.all_graphs() for t in g.states.values())
+
+
+def kv_cache_summary(graph: Graph) -> str:
+    """A token's bytes in the KV cache over all layers; for latent attention, the values a layer caches against the
+    per-head keys and values the same heads would cache."""
+    states = [t for name, t in graph.expanded_states().items() if t.shape[0] == "num_blocks"]
+    nbytes = sum(int(np.prod(t.shape[2:])) * t.dtype.itemsize for t in states)
+    line = f"KV cache: {nbytes} bytes a token over {len(states)} cache tensors"
+    for g in graph.all_graphs():
+        mla = next((n for n in g.nodes if n.op == "mla_attention"), None)
+        if mla is not None:
+            types = g.value_types()
+            heads, nope = types[mla.inputs[0]].shape[1:]
+            per_head = heads * (nope + types[mla.inputs[1]].shape[2] + mla.output_types[0].shape[2])
+            latent = types[mla.inputs[2]].shape[3]
+            return (f"{line}; latent attention: {latent} values a token a layer, where per-head keys and values "
+                    f"would be {per_head} ({per_head / latent:.1f}x)")
+    return line
 
 
 def _store_fp8(g: Graph, write: Node) -> None:

@@ -139,13 +139,21 @@ def routed_experts(b: GraphBuilder, x: Value, prefix: str, experts: int, k: int,
     hidden = x.shape[-1]
     router = b.linear(x, b.param(f"{prefix}.gate.weight", x.dtype, (experts, hidden)), name="router")
     weights, ids = b.moe_route(router, k=k, normalize=normalize, name="route")
+    gate_up, down = stacked_experts(b, x, prefix, experts, intermediate)
+    return b.moe_experts(x, weights, ids, gate_up, down, experts=experts, act=act, name="experts")
+
+
+def stacked_experts(b: GraphBuilder, x: Value, prefix: str, experts: int, intermediate: int) -> tuple[Value, Value]:
+    """The experts' gate/up and down weights, each stacked at load from Hugging Face's per-expert names
+    `<prefix>.experts.<e>.{gate,up,down}_proj.weight` (ir/ops/moe.py's layout)."""
+    hidden = x.shape[-1]
     gate_up = b.stacked_param(f"{prefix}.experts.gate_up_proj.weight",
                               [f"{prefix}.experts.{e}.{p}_proj.weight" for e in range(experts) for p in ("gate", "up")],
                               x.dtype, (intermediate, hidden))
     down = b.stacked_param(f"{prefix}.experts.down_proj.weight",
                            [f"{prefix}.experts.{e}.down_proj.weight" for e in range(experts)], x.dtype,
                            (hidden, intermediate))
-    return b.moe_experts(x, weights, ids, gate_up, down, experts=experts, act=act, name="experts")
+    return gate_up, down
 
 
 def gated_mlp(b: GraphBuilder, x: Value, prefix: str, intermediate: int, act: str, bias: bool = False) -> Value:

@@ -1,6 +1,7 @@
 """The default pass pipeline, phase by phase, and `lower`: model graph -> kernel DAG."""
 
 from pegainfer.ir.graph import Graph
+from pegainfer.passes.absorb import absorb_latent_attention
 from pegainfer.passes.cleanup import eliminate_common_subexpressions, eliminate_dead_code
 from pegainfer.passes.fusion import (fuse_add_rms_norm, fuse_gemm_activation_epilogue, fuse_norm_prologue,
                                      fuse_qk_norm_rope_kv_write, fuse_weight_dequantize, plan_sampler_tail,
@@ -15,6 +16,7 @@ DEFAULT_PASSES = [
     Pass("eliminate_dead_code", "cleanup", eliminate_dead_code),
     Pass("eliminate_common_subexpressions", "cleanup", eliminate_common_subexpressions),
     Pass("merge_sibling_linears", "weight_transforms", merge_sibling_linears),
+    Pass("absorb_latent_attention", "weight_transforms", absorb_latent_attention),
     Pass("split_residual_carry", "fusion", split_residual_carry),
     Pass("fuse_add_rms_norm", "fusion", fuse_add_rms_norm),
     Pass("fuse_qk_norm_rope_kv_write", "fusion", fuse_qk_norm_rope_kv_write),

@@ -46,6 +46,21 @@ ARCH_CONFIGS = {
     "qwen3_5_moe_wrapper": ("Qwen3_5MoeForConditionalGeneration", {"num_hidden_layers": 2, "layer_types": [
         "linear_attention", "full_attention"], "num_experts_per_tok": 3}),
     "gemma3_wrapper": ("Gemma3ForConditionalGeneration", {}),
+    # DeepSeek-V2 / V3 (MLA + MoE): with and without a query LoRA, greedy and group-limited softmax routing,
+    # sigmoid routing with the score bias and top-2 group scores, a dense first layer, YaRN with an attention
+    # factor and its mscale in the softmax scale, interleaved and rotate-half rope
+    "deepseek_v2_greedy": ("DeepseekV2ForCausalLM", {}),
+    "deepseek_v2_grouped_yarn": ("DeepseekV2ForCausalLM", {
+        "q_lora_rank": 24, "topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2,
+        "num_experts_per_tok": 3, "routed_scaling_factor": 16.0, "n_shared_experts": 1,
+        "rope_scaling": {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 64, "beta_fast": 32,
+                         "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.707}}),
+    "deepseek_v3_grouped": ("DeepseekV3ForCausalLM", {}),
+    "deepseek_v3_yarn_ungrouped": ("DeepseekV3ForCausalLM", {
+        "q_lora_rank": None, "n_group": 1, "topk_group": 1, "norm_topk_prob": False, "first_k_dense_replace": 0,
+        "num_hidden_layers": 2, "rope_interleave": False, "vocab_size": 300,
+        "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 128,
+                         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}}),
 }
 
 GOLDEN_CONFIGS: dict[str, tuple[str, dict]] = {

@@ -18,7 +18,7 @@ from pegainfer.ir.types import TensorType
 
 
 def _infer_rope(x: TensorType, positions: TensorType, *, theta: float, scaling: tuple | None = None,
-                rotary_dim: int = 0) -> TensorType:
+                rotary_dim: int = 0, interleaved: bool = False) -> TensorType:
     expect(x.rank == 3, f"rope: input must be [tokens, heads, head_dim], found {x}")
     expect(isinstance(x.shape[2], int) and x.shape[2] % 2 == 0, f"rope: head_dim must be even, found {x}")
     expect(rotary_dim == 0 or (rotary_dim % 2 == 0 and 0 < rotary_dim <= x.shape[2]),
@@ -28,17 +28,23 @@ def _infer_rope(x: TensorType, positions: TensorType, *, theta: float, scaling: 
     expect(theta > 0, f"rope: theta must be positive, found {theta}")
     expect(scaling is None or (scaling[0] == "linear" and len(scaling) == 2 and scaling[1] > 0)
            or (scaling[0] == "by_wavelength" and len(scaling) == 5 and scaling[1] > 0 and scaling[3] > scaling[2] > 0
+               and scaling[4] > 0)
+           or (scaling[0] == "yarn" and len(scaling) == 5 and scaling[1] > 0 and 0 <= scaling[2] <= scaling[3]
                and scaling[4] > 0),
-           f"rope: scaling must be null, (linear, factor) or (by_wavelength, factor, low_freq_factor, "
-           f"high_freq_factor, original_max_position), found {scaling}")
+           f"rope: scaling must be null, (linear, factor), (by_wavelength, factor, low_freq_factor, "
+           f"high_freq_factor, original_max_position) or (yarn, factor, low_dim, high_dim, attention_factor), "
+           f"found {scaling}")
+    expect(isinstance(interleaved, bool) and not (interleaved and rotary_dim),
+           f"rope: interleaved must be a bool, and not with a partial rotary, found {interleaved!r}")
     return x
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: tuple | None = None) -> np.ndarray:
     """The rotation frequencies [head_dim / 2] in float32, as Hugging Face computes them: unscaled, linear (every
-    frequency divided by the factor) and by_wavelength (Hugging Face's rope_type of Meta's 3.1 models: frequencies
+    frequency divided by the factor), by_wavelength (Hugging Face's rope_type of Meta's 3.1 models: frequencies
     whose wavelength exceeds original_max_position / low_freq_factor divided by the factor, those under
-    original_max_position / high_freq_factor kept, a smooth blend between)."""
+    original_max_position / high_freq_factor kept, a smooth blend between) and yarn (frequency i divided by the
+    factor by a ramp from 0 at dim low_dim to 1 at high_dim)."""
     exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
     inv_freq = (np.float32(1.0) / (np.float32(theta) ** exponents)).astype(np.float32)
     if scaling is None:
@@ -46,6 +52,10 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: tuple | None = None) -> 
     kind, factor = scaling[0], np.float32(scaling[1])
     if kind == "linear":
         return inv_freq / factor
+    if kind == "yarn":
+        low, high = np.float32(scaling[2]), np.float32(scaling[3] if scaling[3] > scaling[2] else scaling[2] + 0.001)
+        ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+        return (inv_freq / factor * ramp + inv_freq * (np.float32(1) - ramp)).astype(np.float32)
     low, high, original = (np.float32(v) for v in scaling[2:])
     wavelen = np.float32(2 * np.pi) / inv_freq
     low_wavelen, high_wavelen = original / low, original / high
@@ -58,17 +68,25 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: tuple | None = None) -> 
 
 def rope_cos_sin(positions: np.ndarray, head_dim: int, theta: float,
                  scaling: tuple | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin tables [tokens, head_dim] in float32, halves repeated (the rotate-half convention)."""
+    """cos and sin tables [tokens, head_dim] in float32, halves repeated (the rotate-half convention); yarn's
+    attention factor scales both."""
     inv_freq = rope_inv_freq(head_dim, theta, scaling)
     freqs = positions.astype(np.float32)[:, None] * inv_freq[None, :].astype(np.float32)
     angles = np.concatenate([freqs, freqs], axis=-1)
-    return np.cos(angles), np.sin(angles)
+    factor = np.float32(scaling[4]) if scaling is not None and scaling[0] == "yarn" else np.float32(1)
+    return np.cos(angles) * factor, np.sin(angles) * factor
 
 
 def _rope(x: np.ndarray, positions: np.ndarray, *, theta: float, scaling: tuple | None = None,
-          rotary_dim: int = 0) -> np.ndarray:
-    """Rotates the first `rotary_dim` dims of each head (all when 0: partial rotary leaves the rest as they are)."""
+          rotary_dim: int = 0, interleaved: bool = False) -> np.ndarray:
+    """Rotates the first `rotary_dim` dims of each head (all when 0: partial rotary leaves the rest as they are);
+    interleaved: dims 2i and 2i + 1 form pair i instead of i and i + head_dim / 2."""
     dims = rotary_dim or x.shape[-1]
+    if interleaved:
+        order = np.concatenate([np.arange(0, dims, 2), np.arange(1, dims, 2)])
+        out = np.empty_like(x)
+        out[..., order] = _rope(x[..., order], positions, theta=theta, scaling=scaling)
+        return out
     cos, sin = rope_cos_sin(positions, dims, theta, scaling)
     rot, rest = x[..., :dims], x[..., dims:]
     half = dims // 2

@@ -1,4 +1,5 @@
-"""Mixture of experts: routing each token to its top-k experts, and applying the chosen experts' gated MLPs.
+"""Mixture of experts: routing each token to its top-k experts (softmax or sigmoid scores, optionally within the best
+groups of experts), and applying the chosen experts' gated MLPs.
 
 Expert weights are stacked along rows, expert e's block after expert e-1's (a derived param the loader stacks from
 the checkpoint's per-expert tensors): gate_up is [experts * 2I, H], expert e's rows 2Ie .. 2Ie + I its gate
@@ -15,25 +16,56 @@ from pegainfer.ir.types import TensorType
 ACTIVATIONS = {"silu": _silu, "gelu_tanh": _gelu_tanh}
 
 
-def _infer_route(logits: TensorType, *, k: int, normalize: bool) -> tuple[TensorType, TensorType]:
+SCORINGS = ("softmax", "sigmoid")
+GROUP_SCORES = ("max", "top2")  # a group's score: its best expert's, or its best two's sum
+
+
+def _infer_route(logits: TensorType, *bias: TensorType, k: int, normalize: bool, scoring: str = "softmax",
+                 groups: int = 0, topk_group: int = 0, group_score: str = "max",
+                 scale: float = 1.0) -> tuple[TensorType, TensorType]:
     expect(logits.rank == 2 and logits.dtype.is_float and isinstance(logits.shape[1], int),
            f"moe_route: router logits must be float [tokens, experts], found {logits}")
-    expect(isinstance(k, int) and 0 < k <= logits.shape[1], f"moe_route: k must be in 1..{logits.shape[1]}, "
-                                                             f"found {k!r}")
+    experts = logits.shape[1]
+    expect(isinstance(k, int) and 0 < k <= experts, f"moe_route: k must be in 1..{experts}, found {k!r}")
     expect(isinstance(normalize, bool), f"moe_route: normalize must be a bool, found {normalize!r}")
+    expect(scoring in SCORINGS, f"moe_route: scoring must be one of {SCORINGS}, found {scoring!r}")
+    expect(len(bias) <= 1 and all(b.rank == 1 and b.shape[0] == experts and b.dtype.is_float for b in bias),
+           f"moe_route: the optional score bias must be float [{experts}], found {list(map(str, bias))}")
+    if groups:
+        expect(isinstance(groups, int) and experts % groups == 0 and 0 < topk_group <= groups
+               and k <= topk_group * (experts // groups) and group_score in GROUP_SCORES,
+               f"moe_route: {groups} groups must divide {experts} experts, topk_group in 1..{groups} keep at least "
+               f"k={k} experts, group_score one of {GROUP_SCORES}; found topk_group {topk_group!r}, "
+               f"group_score {group_score!r}")
+    expect(scale > 0, f"moe_route: scale must be positive, found {scale!r}")
     return TensorType(logits.dtype, (logits.shape[0], k)), TensorType(INT32, (logits.shape[0], k))
 
 
-def _route(logits: np.ndarray, *, k: int, normalize: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Softmax over the experts, the k most probable (descending, ties to the lower index), and their weights:
-    the probabilities themselves, or renormalised to sum to 1 (norm_topk_prob)."""
-    probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
-    probs /= probs.sum(axis=-1, keepdims=True)
-    ids = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
-    weights = np.take_along_axis(probs, ids, axis=-1)
+def _route(logits: np.ndarray, *bias: np.ndarray, k: int, normalize: bool, scoring: str = "softmax",
+           groups: int = 0, topk_group: int = 0, group_score: str = "max",
+           scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """Scores (softmax over the experts, or each expert's sigmoid); the experts chosen by score plus the optional
+    bias, within the `topk_group` best of `groups` groups when grouped; the k best (descending, ties to the lower
+    index) weighted by their scores, renormalised to sum to 1 when `normalize`, times `scale`."""
+    if scoring == "softmax":
+        scores = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        scores /= scores.sum(axis=-1, keepdims=True)
+    else:
+        scores = 1.0 / (1.0 + np.exp(-logits))
+    choice = scores + bias[0] if bias else scores
+    if groups:
+        grouped = choice.reshape(len(choice), groups, -1)
+        ranked = -np.sort(-grouped, axis=-1)
+        group_scores = ranked[..., 0] if group_score == "max" else ranked[..., :2].sum(axis=-1)
+        best = np.argsort(-group_scores, axis=-1, kind="stable")[:, :topk_group]
+        kept = np.zeros(group_scores.shape, bool)
+        np.put_along_axis(kept, best, True, axis=-1)
+        choice = np.where(np.repeat(kept, grouped.shape[-1], axis=-1), choice, -np.inf)
+    ids = np.argsort(-choice, axis=-1, kind="stable")[:, :k]
+    weights = np.take_along_axis(scores, ids, axis=-1)
     if normalize:
         weights = weights / weights.sum(axis=-1, keepdims=True)
-    return weights.astype(np.float32), ids.astype(np.int32)
+    return (weights * np.float32(scale)).astype(np.float32), ids.astype(np.int32)
 
 
 def _infer_experts(x: TensorType, weights: TensorType, ids: TensorType, gate_up: TensorType, down: TensorType, *,
