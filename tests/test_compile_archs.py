@@ -1,6 +1,6 @@
 """`pegainfer compile <config> --sm 90` on a machine with no GPU for every architecture besides Qwen3 (whose
 full-size compile is test_compile's): each small config lowers, every launch compiles to a cubin, and the
-manifest carries what makes each architecture itself (windows, RoPE scaling, norm offsets, the MoE kernels)."""
+manifest carries what makes each architecture itself (windows, RoPE scaling, norm offsets, the MoE and latent attention kernels)."""
 
 import json
 from pathlib import Path
@@ -22,6 +22,8 @@ EXPECTED = {
     "Qwen3MoeForCausalLM": {"NORMALIZE": False, "INTER": 32},
     "Qwen3_5ForCausalLM": {"ROT": 4, "CHUNK": 32, "WIDTH": 4, "NORM_OFFSET": 1.0},
     "Qwen3_5MoeForCausalLM": {"ROT": 4, "CHUNK": 32, "NORMALIZE": True, "INTER": 32},
+    "DeepseekV2ForCausalLM": {"INTERLEAVED": True, "SIGMOID": False, "INTER": 32},
+    "DeepseekV3ForCausalLM": {"INTERLEAVED": True, "SIGMOID": True, "GROUP_TOP2": True, "TOPK_GROUP": 2},
 }
 
 
@@ -49,5 +51,7 @@ def test_every_architecture_compiles_for_sm90(tmp_path, capsys):
             assert value in constexprs.get(key, set()), f"{architecture}: no launch with {key}={value}"
         if architecture == "Qwen3MoeForCausalLM":
             assert {"moe_route", "moe_experts"} <= {k.kind for k in data.kernels}
+        if architecture.startswith("Deepseek"):
+            assert {"latent_write", "latent_attention", "head_linear", "moe_experts"} <= {k.kind for k in data.kernels}
         if architecture == "Qwen3_5ForCausalLM":
             assert {"causal_conv1d", "gated_delta_rule"} <= {k.kind for k in data.kernels}

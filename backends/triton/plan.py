@@ -62,6 +62,13 @@ def plan_kernel(graph: Graph, node: Node, options: PlanOptions) -> KernelSpec:
     if ops in (["moe_route"], ["moe_experts"]):
         from pegainfer.backends.triton import moe
         return moe.plan_moe_route(graph, node) if ops == ["moe_route"] else moe.plan_moe_experts(graph, node)
+    if ops in (["latent_write"], ["latent_attention"], ["head_linear"], ["rope"]):
+        from pegainfer.backends.triton import latent
+        if ops == ["latent_attention"]:
+            return latent.plan_latent_attention(graph, node, options)
+        if ops == ["latent_write"]:
+            return latent.plan_latent_write(graph, node)
+        return latent.plan_head_linear(graph, node) if ops == ["head_linear"] else latent.plan_rope(graph, node)
     if "linear" in ops:
         return _plan_gemm(graph, node)
     if ops == ["embedding"]:
