@@ -1,65 +1,175 @@
-"""Planning the mixture-of-experts kernels (kernels/moe.py): routing, and the experts' two launches over a float32
-scratch of [tokens, K x moe_intermediate] between them."""
+"""Planning the mixture-of-experts kernels: routing (kernels/moe.py), and the experts in two variants by the step's
+rows: per-pair GEMVs for decode (kernels/moe.py, two launches over a float32 scratch of [tokens, K x
+moe_intermediate]), and grouped tensor-core GEMMs over the pairs sorted by expert for prefill
+(kernels/moe_grouped.py: sort, gate/up, down, sum)."""
 
-from pegainfer.backends.spec import GridDim, KernelSpec, VariantSpec
+from dataclasses import dataclass
+from inspect import Parameter, signature
+
+from pegainfer.backends.spec import GridDim, KernelSpec, LaunchSpec, VariantSpec
 from pegainfer.backends.planning import static_layout
 from pegainfer.backends.triton.launches import Params, kernel_spec, launch, next_pow2
 from pegainfer.ir.dtypes import dtype_from_name
 from pegainfer.ir.graph import Graph, Node
+from pegainfer.ir.ops.moe import _infer_route
 from pegainfer.ir.types import TensorType
 
 ACT_CODES = {"silu": 1, "gelu_tanh": 2}  # as kernels/gemm.py's
-BLOCK_N, BLOCK_K = 32, 128
+BLOCK_N, BLOCK_K = 32, 128  # the GEMV path's column and K tiles
+GEMV_MAX_ROWS = 64  # up to this many rows (decode steps) a pair's GEMV; more take the grouped GEMMs
+GROUPED_M, GROUPED_N, GROUPED_K = 64, 64, 64  # the grouped GEMMs' tiles: pairs, columns, K (at most)
+GROUPED_WARPS, GROUPED_STAGES = 4, 3
+TILE_PROGRAMS = 2  # the grouped GEMMs' programs a column tile, per GROUPED_M pairs of the step: tiles are at most
+# those plus one an expert, so a program takes a few tiles when a step has few pairs an expert, about one when many
+SORT_EXPERTS, SORT_PAIRS = 8, 1024  # the experts one program of the sort places; the pairs it reads at once
+SORT_WARPS = 4
+SUM_N = 256  # the columns of a program summing a token's K rows
+ROUTE_DEFAULTS = {name: p.default for name, p in signature(_infer_route).parameters.items()
+                  if p.default is not Parameter.empty}
 
 
 def plan_moe_route(graph: Graph, node: Node) -> KernelSpec:
+    """One program a token; the attributes the node leaves out take _infer_route's defaults."""
     (route,) = node.attrs["nodes"]
+    attrs = ROUTE_DEFAULTS | route.attrs
     types = graph.value_types() | dict(zip(route.outputs, route.output_types))
     rows, experts = types[route.inputs[0]].shape
-    k = route.attrs["k"]
+    bias = route.inputs[1] if len(route.inputs) > 1 else None
     p = Params(types, static_layout(graph))
-    for name, value in (("logits_ptr", route.inputs[0]), ("weights_ptr", route.outputs[0]),
+    for name, value in (("logits_ptr", route.inputs[0]), ("bias_ptr", bias), ("weights_ptr", route.outputs[0]),
                         ("ids_ptr", route.outputs[1])):
         p.tensor(name, value)
     for name, value in (("stride_logits", route.inputs[0]), ("stride_weights", route.outputs[0]),
                         ("stride_ids", route.outputs[1])):
         p.stride(name, value)
-    constexprs = dict(E=experts, K=k, BLOCK_E=next_pow2(experts), BLOCK_K=next_pow2(k),
-                      NORMALIZE=bool(route.attrs["normalize"]))
+    groups = attrs["groups"] or 1
+    per_group = experts // groups
+    constexprs = dict(E=experts, K=attrs["k"], G=groups, S=per_group, BLOCK_G=next_pow2(groups),
+                      BLOCK_S=next_pow2(per_group), BLOCK_K=next_pow2(attrs["k"]),
+                      TOPK_GROUP=attrs["topk_group"] if attrs["groups"] else 1,
+                      GROUP_TOP2=attrs["group_score"] == "top2", SIGMOID=attrs["scoring"] == "sigmoid",
+                      NORMALIZE=bool(attrs["normalize"]), SCALE=float(attrs["scale"]), BIAS=bias is not None)
     route_launch = launch("moe.py", "moe_route_kernel", p, constexprs, (GridDim((rows,)),), num_warps=1)
     return kernel_spec(graph, node, rows, [VariantSpec("default", None, [route_launch])])
 
 
+@dataclass(frozen=True)
+class Experts:
+    """What both variants of a moe_experts kernel read off its node."""
+    x: str
+    weights: str
+    ids: str
+    gate_up: str
+    down: str
+    out: str
+    rows: str  # the row symbol
+    hidden: int
+    inter: int
+    k: int
+    experts: int
+    act: int
+
+
 def plan_moe_experts(graph: Graph, node: Node) -> KernelSpec:
+    """The per-pair GEMVs up to GEMV_MAX_ROWS rows (decode), the grouped GEMMs above (prefill)."""
     (moe,) = node.attrs["nodes"]
     x, weights, ids, gate_up, down = moe.inputs
     types = graph.value_types() | dict(zip(moe.outputs, moe.output_types))
     rows, hidden = types[x].shape
     k, experts = types[ids].shape[1], moe.attrs["experts"]
-    inter = types[gate_up].shape[0] // (2 * experts)
-    scratch = {"moe.hidden": TensorType(dtype_from_name("f32"), (rows, k * inter))}
+    e = Experts(x, weights, ids, gate_up, down, moe.outputs[0], rows, hidden,
+                types[gate_up].shape[0] // (2 * experts), k, experts, ACT_CODES[moe.attrs["act"]])
+    f32, i32 = dtype_from_name("f32"), dtype_from_name("i32")
+    scratch = {"moe.hidden": TensorType(f32, (rows, k * e.inter)),
+               "moe.act": TensorType(types[gate_up].dtype, (rows, k * e.inter)),
+               "moe.partial": TensorType(f32, (rows, k * hidden)),
+               "moe.pairs": TensorType(i32, (rows, pair_slots(k, experts))),
+               "moe.tiles": TensorType(i32, (rows, k + 1))}
     types = types | scratch
     layout = static_layout(graph) | {name: (t.shape[1], 0) for name, t in scratch.items()}
-    block_k = lambda n: min(BLOCK_K, max(16, next_pow2(n)))  # noqa: E731
-    gate = Params(types, layout)
-    for name, value in (("x_ptr", x), ("ids_ptr", ids), ("w_ptr", gate_up), ("hidden_ptr", "moe.hidden")):
-        gate.tensor(name, value)
-    for name, value in (("stride_x", x), ("stride_ids", ids), ("stride_hidden", "moe.hidden")):
-        gate.stride(name, value)
-    gate_launch = launch("moe.py", "moe_gate_up_kernel", gate,
-                         dict(H=hidden, INTER=inter, K=k, ACT=ACT_CODES[moe.attrs["act"]], BLOCK_N=BLOCK_N,
-                              BLOCK_K=block_k(hidden)),
-                         (GridDim((rows, k)), GridDim((inter,), BLOCK_N)))
-    down_p = Params(types, layout)
-    for name, value in (("hidden_ptr", "moe.hidden"), ("weights_ptr", weights), ("ids_ptr", ids), ("w_ptr", down),
-                        ("out_ptr", moe.outputs[0])):
-        down_p.tensor(name, value)
-    for name, value in (("stride_hidden", "moe.hidden"), ("stride_weights", weights), ("stride_ids", ids),
-                        ("stride_out", moe.outputs[0])):
-        down_p.stride(name, value)
-    down_launch = launch("moe.py", "moe_down_kernel", down_p,
-                         dict(H=hidden, INTER=inter, K=k, BLOCK_N=BLOCK_N, BLOCK_K=block_k(inter)),
-                         (GridDim((rows,)), GridDim((hidden,), BLOCK_N)))
-    spec = kernel_spec(graph, node, rows, [VariantSpec("default", None, [gate_launch, down_launch])])
+    variants = [VariantSpec("gemv_1", GEMV_MAX_ROWS, _gemv_launches(e, types, layout)),
+                VariantSpec(f"grouped_{GROUPED_M}", None, _grouped_launches(e, types, layout))]
+    spec = kernel_spec(graph, node, rows, variants)
     spec.scratch = {name: (t.dtype.name, t.shape) for name, t in scratch.items()}
     return spec
+
+
+def pair_slots(k: int, experts: int) -> int:
+    """moe.pairs' entries a row: the padded pairs are at most tokens x k + experts x (GROUPED_M - 1) (each expert
+    with a pair pads its last tile), and at most tokens x k x GROUPED_M (each pair pads a tile of its own). The
+    grouped variant serves more than GEMV_MAX_ROWS rows only, and the runtime sizes scratch for its largest step,
+    so the first bound is met by a share of the experts' padding a row."""
+    return min(k * GROUPED_M, k + -(-experts * (GROUPED_M - 1) // (GEMV_MAX_ROWS + 1)))
+
+
+def _block(n: int, most: int) -> int:
+    """A tile side for n: a power of two from 16 (tl.dot's least) to `most`."""
+    return min(most, max(16, next_pow2(n)))
+
+
+def _gemv_launches(e: Experts, types: dict, layout: dict) -> list[LaunchSpec]:
+    gate = Params(types, layout)
+    for name, value in (("x_ptr", e.x), ("ids_ptr", e.ids), ("w_ptr", e.gate_up), ("hidden_ptr", "moe.hidden")):
+        gate.tensor(name, value)
+    for name, value in (("stride_x", e.x), ("stride_ids", e.ids), ("stride_hidden", "moe.hidden")):
+        gate.stride(name, value)
+    gate_launch = launch("moe.py", "moe_gate_up_kernel", gate,
+                         dict(H=e.hidden, INTER=e.inter, K=e.k, ACT=e.act, BLOCK_N=BLOCK_N,
+                              BLOCK_K=_block(e.hidden, BLOCK_K)),
+                         (GridDim((e.rows, e.k)), GridDim((e.inter,), BLOCK_N)))
+    down = Params(types, layout)
+    for name, value in (("hidden_ptr", "moe.hidden"), ("weights_ptr", e.weights), ("ids_ptr", e.ids),
+                        ("w_ptr", e.down), ("out_ptr", e.out)):
+        down.tensor(name, value)
+    for name, value in (("stride_hidden", "moe.hidden"), ("stride_weights", e.weights), ("stride_ids", e.ids),
+                        ("stride_out", e.out)):
+        down.stride(name, value)
+    down_launch = launch("moe.py", "moe_down_kernel", down,
+                         dict(H=e.hidden, INTER=e.inter, K=e.k, BLOCK_N=BLOCK_N, BLOCK_K=_block(e.inter, BLOCK_K)),
+                         (GridDim((e.rows,)), GridDim((e.hidden,), BLOCK_N)))
+    return [gate_launch, down_launch]
+
+
+def _grouped_launches(e: Experts, types: dict, layout: dict) -> list[LaunchSpec]:
+    tiles = GridDim((e.rows, e.k), GROUPED_M, TILE_PROGRAMS)  # the programs that share a GEMM's tiles
+    sort = Params(types, layout)
+    for name, value in (("ids_ptr", e.ids), ("pairs_ptr", "moe.pairs"), ("tiles_ptr", "moe.tiles")):
+        sort.tensor(name, value)
+    sort.dim("M", e.rows)
+    sort.stride("stride_ids", e.ids)
+    owned = min(SORT_EXPERTS, next_pow2(e.experts))
+    sort_launch = launch("moe_grouped.py", "moe_sort_kernel", sort,
+                         dict(K=e.k, BLOCK_E=next_pow2(e.experts), EXPERTS=owned, BLOCK_P=SORT_PAIRS,
+                              BLOCK_M=GROUPED_M, BLOCK_T=32), (GridDim((e.experts,), owned),), SORT_WARPS)
+    gate = Params(types, layout)
+    for name, value in (("x_ptr", e.x), ("w_ptr", e.gate_up), ("pairs_ptr", "moe.pairs"), ("tiles_ptr", "moe.tiles"),
+                        ("hidden_ptr", "moe.act")):
+        gate.tensor(name, value)
+    for name, value in (("stride_x", e.x), ("stride_hidden", "moe.act")):
+        gate.stride(name, value)
+    gate_n = _block(e.inter, GROUPED_N)
+    gate_launch = launch("moe_grouped.py", "moe_grouped_gate_up_kernel", gate,
+                         dict(H=e.hidden, INTER=e.inter, K=e.k, ACT=e.act, BLOCK_M=GROUPED_M, BLOCK_N=gate_n,
+                              BLOCK_K=_block(e.hidden, GROUPED_K), UPCAST_DOT=False),
+                         (GridDim((e.inter,), gate_n), tiles), GROUPED_WARPS, GROUPED_STAGES)
+    down = Params(types, layout)
+    for name, value in (("hidden_ptr", "moe.act"), ("weights_ptr", e.weights), ("w_ptr", e.down),
+                        ("pairs_ptr", "moe.pairs"), ("tiles_ptr", "moe.tiles"), ("partial_ptr", "moe.partial")):
+        down.tensor(name, value)
+    for name, value in (("stride_hidden", "moe.act"), ("stride_weights", e.weights),
+                        ("stride_partial", "moe.partial")):
+        down.stride(name, value)
+    down_n = _block(e.hidden, GROUPED_N)
+    down_launch = launch("moe_grouped.py", "moe_grouped_down_kernel", down,
+                         dict(H=e.hidden, INTER=e.inter, K=e.k, BLOCK_M=GROUPED_M, BLOCK_N=down_n,
+                              BLOCK_K=_block(e.inter, GROUPED_K), UPCAST_DOT=False),
+                         (GridDim((e.hidden,), down_n), tiles), GROUPED_WARPS, GROUPED_STAGES)
+    total = Params(types, layout)
+    for name, value in (("partial_ptr", "moe.partial"), ("out_ptr", e.out)):
+        total.tensor(name, value)
+    for name, value in (("stride_partial", "moe.partial"), ("stride_out", e.out)):
+        total.stride(name, value)
+    sum_n = min(SUM_N, next_pow2(e.hidden))
+    sum_launch = launch("moe_grouped.py", "moe_sum_kernel", total, dict(H=e.hidden, K=e.k, BLOCK_N=sum_n),
+                        (GridDim((e.rows,)), GridDim((e.hidden,), sum_n)))
+    return [sort_launch, gate_launch, down_launch, sum_launch]

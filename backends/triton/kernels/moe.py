@@ -1,37 +1,81 @@
-"""Mixture of experts (layouts: ir/ops/moe.py). Routing: one program per token takes the softmax over the experts
-and the K most probable, renormalised when NORMALIZE. Experts, the per-expert GEMV path: one program per (token,
-choice, column tile) applies the chosen expert's gate/up projection and activation into a float32 scratch row,
-then one program per (token, column tile) sums the K down projections, each times its routing weight. Every
-token reads its experts' weights itself: right for decode, where a step's tokens seldom share an expert; a grouped
-GEMM that batches the tokens of each expert on the tensor cores is what prefill would want next."""
+"""Mixture of experts (layouts: ir/ops/moe.py). Routing: one program per token scores the experts (softmax, or each
+one's sigmoid), adds the optional bias to choose by, keeps the TOPK_GROUP best of G groups when grouped, and takes
+the K best, weighted by their scores (renormalised when NORMALIZE, times SCALE). The experts are held as a
+[groups, experts a group] tile (one group when ungrouped), so no count needs to be a power of two. Experts, the
+per-expert GEMV path: one program per (token, choice, column tile) applies the chosen expert's gate/up projection
+and activation into a float32 scratch row, then one program per (token, column tile) sums the K down projections,
+each times its routing weight. Every token reads its experts' weights itself: right for decode, where a step's
+tokens seldom share an expert; prefill-shaped steps take moe_grouped.py's grouped GEMMs instead."""
 
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def moe_route_kernel(logits_ptr, weights_ptr, ids_ptr, stride_logits, stride_weights, stride_ids,
-                     E: tl.constexpr, K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                     NORMALIZE: tl.constexpr):
+def _scores(logits, valid, SIGMOID: tl.constexpr):
+    """Softmax over every valid expert, or each one's sigmoid; 0 where no expert is."""
+    if SIGMOID:
+        scores = 1.0 / (1.0 + tl.exp(-logits))
+    else:
+        scores = tl.exp(logits - tl.max(logits))
+        scores = tl.where(valid, scores, 0.0)
+        scores = scores / tl.sum(scores)
+    return tl.where(valid, scores, 0.0)
+
+
+@triton.jit
+def _best_groups(choice, G: tl.constexpr, S: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
+                 TOPK_GROUP: tl.constexpr, GROUP_TOP2: tl.constexpr):
+    """choice with every expert outside the TOPK_GROUP best groups at -inf: a group scores its best choice, or
+    its best two's sum (GROUP_TOP2); ties go to the lower group."""
+    members = tl.arange(0, BLOCK_S)[None, :]
+    score = tl.max(choice, axis=1)
+    if GROUP_TOP2 and S > 1:
+        first = tl.min(tl.where(choice == score[:, None], members, BLOCK_S), axis=1)
+        score += tl.max(tl.where(members == first[:, None], float("-inf"), choice), axis=1)
+    groups = tl.arange(0, BLOCK_G)
+    remaining = tl.where(groups < G, score, float("-inf"))
+    kept = tl.zeros([BLOCK_G], tl.int32)
+    for _ in tl.static_range(TOPK_GROUP):
+        top = tl.max(remaining, axis=0)
+        index = tl.min(tl.where(remaining == top, groups, BLOCK_G), axis=0)
+        kept = tl.where(groups == index, 1, kept)
+        remaining = tl.where(groups == index, float("-inf"), remaining)
+    return tl.where(kept[:, None] != 0, choice, float("-inf"))
+
+
+@triton.jit
+def moe_route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_logits, stride_weights, stride_ids,
+                     E: tl.constexpr, K: tl.constexpr, G: tl.constexpr, S: tl.constexpr, BLOCK_G: tl.constexpr,
+                     BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                     GROUP_TOP2: tl.constexpr, SIGMOID: tl.constexpr, NORMALIZE: tl.constexpr,
+                     SCALE: tl.constexpr, BIAS: tl.constexpr):
+    """ids: the K best choices (descending, ties to the lower expert); weights: their scores, not their choices."""
     row = tl.program_id(0)
-    offs = tl.arange(0, BLOCK_E)
-    mask = offs < E
-    logits = tl.load(logits_ptr + row * stride_logits + offs, mask=mask, other=float("-inf")).to(tl.float32)
-    probs = tl.exp(logits - tl.max(logits, axis=0))
-    probs = tl.where(mask, probs, 0.0)
-    probs = probs / tl.sum(probs, axis=0)
-    remaining = tl.where(mask, probs, -1.0)
+    groups, members = tl.arange(0, BLOCK_G)[:, None], tl.arange(0, BLOCK_S)[None, :]
+    experts = groups * S + members  # the expert's index, as E = G * S lays them out
+    valid = (groups < G) & (members < S)
+    logits = tl.load(logits_ptr + row * stride_logits + experts, mask=valid, other=float("-inf")).to(tl.float32)
+    scores = _scores(logits, valid, SIGMOID)
+    choice = scores
+    if BIAS:
+        choice += tl.load(bias_ptr + experts, mask=valid, other=0.0).to(tl.float32)
+    choice = tl.where(valid, choice, float("-inf"))
+    if TOPK_GROUP < G:
+        choice = _best_groups(choice, G, S, BLOCK_G, BLOCK_S, TOPK_GROUP, GROUP_TOP2)
     slots = tl.arange(0, BLOCK_K)
     chosen = tl.zeros([BLOCK_K], tl.float32)
     ids = tl.zeros([BLOCK_K], tl.int32)
-    for j in tl.static_range(K):  # the largest left, ties to the lower index
-        best = tl.max(remaining, axis=0)
-        index = tl.min(tl.where(remaining == best, offs, BLOCK_E), axis=0)
-        chosen = tl.where(slots == j, best, chosen)
+    for j in tl.static_range(K):  # the best left, ties to the lower index; -inf marks the taken and the excluded
+        best = tl.max(choice)
+        index = tl.min(tl.where(choice == best, experts, E))
+        chosen = tl.where(slots == j, tl.sum(tl.where(experts == index, scores, 0.0)), chosen)
         ids = tl.where(slots == j, index, ids)
-        remaining = tl.where(offs == index, -1.0, remaining)
+        choice = tl.where(experts == index, float("-inf"), choice)
     if NORMALIZE:
         chosen = chosen / tl.sum(chosen, axis=0)
+    if SCALE != 1.0:
+        chosen = chosen * SCALE
     keep = slots < K
     tl.store(weights_ptr + row * stride_weights + slots, chosen.to(weights_ptr.dtype.element_ty), mask=keep)
     tl.store(ids_ptr + row * stride_ids + slots, ids, mask=keep)
