@@ -1,6 +1,7 @@
 """`pegainfer compile <config> --sm 90` on a machine with no GPU for every architecture besides Qwen3 (whose
 full-size compile is test_compile's): each small config lowers, every launch compiles to a cubin, and the
-manifest carries what makes each architecture itself (windows, RoPE scaling, norm offsets, the MoE and latent attention kernels)."""
+manifest carries what makes each architecture itself (windows, RoPE scaling, norm offsets, the MoE and latent
+attention kernels)."""
 
 import json
 from pathlib import Path
