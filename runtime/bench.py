@@ -77,8 +77,32 @@ def scale_params(spec: ModelSpec) -> set[str]:
             for n in g.nodes if n.op == "dequantize" for value in n.inputs[1:]}
 
 
-def weight_bytes(spec: ModelSpec) -> int:
-    return sum(prod(t.shape) * t.dtype.itemsize for t in spec.graph.checkpoint_params().values())
+def weight_bytes(spec: ModelSpec, batch: int | None = None) -> float:
+    """The weights a decode step of `batch` tokens reads: all of them, but of each routed expert its expected share
+    (None: every expert)."""
+    shares = routed_shares(spec, batch) if batch is not None else {}
+    return sum(prod(t.shape) * t.dtype.itemsize * shares.get(name, 1.0)
+               for name, t in spec.graph.checkpoint_params().items())
+
+
+def routed_shares(spec: ModelSpec, tokens: int | None) -> dict[str, float]:
+    """Each routed expert tensor's expected share of use: at decode of `tokens` tokens the chance some token picks
+    its expert, 1 - (1 - k / E)^tokens, under uniform routing (random weights route about so); for a prefill
+    (None) k / E, the share of the tokens it multiplies."""
+    derivations = spec.graph.derivations()
+    shares = {}
+    for graph, layer in spec.graph.instances():
+        types = graph.value_types()
+        for node in graph.nodes:
+            if node.op != "moe_experts":
+                continue
+            picked = types[node.inputs[2]].shape[1] / node.attrs["experts"]
+            share = picked if tokens is None else 1 - (1 - picked) ** tokens
+            for stacked in node.inputs[3:5]:
+                name = stacked if layer is None else instantiate(stacked, layer)
+                sources = derivations[name].sources if name in derivations else (name,)
+                shares.update(dict.fromkeys(sources, share))
+    return shares
 
 
 def kv_bytes_per_token(spec: ModelSpec) -> int:
@@ -110,7 +134,7 @@ def bench_decode(engine: GpuEngine, batches: list[int], contexts: list[int], ste
             for seq in seqs:
                 engine.release(seq)
             ms = float(np.median(times) * 1e3)
-            moved = weight_bytes(spec) + batch * ((context + steps // 2) * kv_bytes_per_token(spec)
+            moved = weight_bytes(spec, batch) + batch * ((context + steps // 2) * kv_bytes_per_token(spec)
                                                   + 2 * state_bytes_per_sequence(spec))  # states read and written
             rows.append(DecodeRow(graphs, batch, context, ms, batch / ms * 1e3, moved / HBM_BYTES_PER_S * 1e3,
                                   moved / ms / 1e9))
@@ -146,11 +170,13 @@ def bench_prefill(engine: GpuEngine, prompt_lengths: list[int], repeats: int = 3
 def prefill_flops(spec: ModelSpec, tokens: int) -> float:
     """2 x weights x tokens for the GEMMs (the LM head for the last token only) plus causal attention in the layers
     with a KV cache (recurrent layers' scans are left out, as small beside their projections); weights
-    counted by element (an FP8 projection's scales left out), so FP8 and bf16 steps do the same flops."""
+    counted by element (an FP8 projection's scales left out), so FP8 and bf16 steps do the same flops; a routed
+    expert's by the share of the tokens it takes."""
     config = spec.config
     head = config.vocab_size * config.hidden_size
-    scales = scale_params(spec)
-    weights = sum(prod(t.shape) for name, t in spec.graph.checkpoint_params().items() if name not in scales)
+    scales, shares = scale_params(spec), routed_shares(spec, None)
+    weights = sum(prod(t.shape) * shares.get(name, 1.0) for name, t in spec.graph.checkpoint_params().items()
+                  if name not in scales)
     gemm = 2 * (weights - head) * tokens + 2 * head
     caches = [t for t in spec.graph.expanded_states().values() if t.shape[0] != SLOT_POOL]  # a K and a V a layer
     attention = sum(2 * config.num_attention_heads * t.shape[-1] * tokens ** 2 / 2 for t in caches)

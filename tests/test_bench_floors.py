@@ -1,0 +1,46 @@
+"""`pegainfer bench`'s floors: a decode step reads every dense weight but of each routed expert only its expected
+share, and a prefill multiplies an expert's weights by its share of the tokens."""
+
+from math import prod
+
+import pytest
+
+from pegainfer.frontends.load import load_spec, resolve_config_path
+from pegainfer.runtime.bench import prefill_flops, routed_shares, weight_bytes
+
+
+@pytest.fixture(scope="module")
+def moe_spec():
+    return load_spec(resolve_config_path("deepseek-v2-lite"))
+
+
+def test_a_dense_model_reads_all_its_weights_at_any_batch():
+    spec = load_spec(resolve_config_path("qwen3-0.6b"))
+    total = sum(prod(t.shape) * t.dtype.itemsize for t in spec.graph.checkpoint_params().values())
+    assert routed_shares(spec, 1) == {}
+    assert weight_bytes(spec, 1) == weight_bytes(spec, 256) == total
+
+
+def test_decode_reads_each_routed_expert_by_the_chance_a_token_picks_it(moe_spec):
+    config = moe_spec.config
+    shares = routed_shares(moe_spec, 1)
+    routed = 2 * config.n_routed_experts * 3 * (config.num_hidden_layers - config.first_k_dense_replace) // 2
+    assert len(shares) == routed, "every routed expert's gate, up and down in every MoE layer"
+    assert "model.layers.1.mlp.experts.63.down_proj.weight" in shares
+    assert not any(".shared_experts." in name or ".layers.0." in name for name in shares)
+    k_over_e = config.num_experts_per_tok / config.n_routed_experts
+    assert list(shares.values()) == pytest.approx([k_over_e] * routed)
+    assert list(routed_shares(moe_spec, 8).values()) == pytest.approx([1 - (1 - k_over_e) ** 8] * routed)
+    full, one, many = weight_bytes(moe_spec), weight_bytes(moe_spec, 1), weight_bytes(moe_spec, 4096)
+    assert one < 0.2 * full and many == pytest.approx(full, rel=1e-6)
+
+
+def test_prefill_flops_count_an_expert_for_its_tokens_only(moe_spec):
+    config = moe_spec.config
+    shares = routed_shares(moe_spec, None)
+    experts = sum(prod(t.shape) for name, t in moe_spec.graph.checkpoint_params().items() if name in shares)
+    dense = sum(prod(t.shape) for name, t in moe_spec.graph.checkpoint_params().items() if name not in shares)
+    k_over_e = config.num_experts_per_tok / config.n_routed_experts
+    head = config.vocab_size * config.hidden_size
+    gemm = 2 * (dense + experts * k_over_e - head) * 1000 + 2 * head
+    assert gemm < prefill_flops(moe_spec, 1000) < gemm * 1.2  # the rest is attention
