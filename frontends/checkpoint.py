@@ -13,6 +13,7 @@ from safetensors import SafetensorError, safe_open
 from pegainfer.errors import CheckpointError
 from pegainfer.ir.dtypes import dtype_from_name
 from pegainfer.ir.graph import Derivation
+from pegainfer.ir.ops.quantize import dequantize
 from pegainfer.ir.types import TensorType
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -105,14 +106,21 @@ def check_weights(expected: dict[str, TensorType], tensors: dict[str, TensorInfo
             raise CheckpointError(f"{info.file}: tensor {name!r} has dtype {info.dtype}, expected a float type")
 
 
-def derive_weights(derivations: dict[str, Derivation], weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def derive_weights(derivations: dict[str, Derivation], weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The weights a lowered graph reads: `weights` plus each derived param (a concatenation of checkpoint tensors,
     or of row ranges of them)."""
-    def derive(d: Derivation) -> np.ndarray:
-        if d.rows:
-            return np.concatenate([weights[source][start:stop] for source, start, stop in d.pieces()])
-        return np.concatenate([weights[s] for s in d.sources], axis=d.axis)
-    return {**weights, **{name: derive(d) for name, d in derivations.items()}}
+    return {**weights, **{name: derive(d, weights) for name, d in derivations.items()}}
+
+
+def derive(d: Derivation, weights: Mapping[str, np.ndarray]) -> np.ndarray:
+    """One derived param from its sources in `weights`."""
+    if d.dequantize is not None:
+        rows, cols, dtype = d.dequantize
+        values = dequantize(weights[d.sources[0]], weights[d.sources[1]], block=(rows, cols), dtype=dtype)
+        return np.concatenate([values[start:stop] for _, start, stop in d.rows])
+    if d.rows:
+        return np.concatenate([weights[source][start:stop] for source, start, stop in d.pieces()])
+    return np.concatenate([weights[s] for s in d.sources], axis=d.axis)
 
 
 class LazyWeights(Mapping[str, np.ndarray]):

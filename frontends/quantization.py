@@ -13,7 +13,7 @@ import numpy as np
 from pegainfer.errors import ConfigError
 from pegainfer.frontends.kv_cache import has_fp8_cache
 from pegainfer.ir.dtypes import F8E4M3, FP32, DType
-from pegainfer.ir.graph import Graph, Node
+from pegainfer.ir.graph import Derivation, Graph, Node
 from pegainfer.ir.ops.quantize import scale_shape
 from pegainfer.ir.types import TensorType
 from pegainfer.passes.rewrite import fresh_name
@@ -146,21 +146,48 @@ def scheme_for(raw: dict, source: str, quantization: str | None) -> Fp8Weights |
 
 
 def quantize_graph(graph: Graph, scheme: Fp8Weights, dtype: DType) -> Graph:
-    """Every projection weight (a linear's param, but the LM head's) stored as FP8 with its scales, dequantized to
-    `dtype` before its GEMM."""
+    """Every projection weight stored as FP8 with its scales, as the checkpoint makers quantize: a linear's (but the
+    LM head's and a router's, whose scores stay exact) dequantized to `dtype` before its GEMM, a latent attention's
+    kv_b the same, and a MoE layer's stacked experts read as FP8 by their op."""
     head = graph.producers().get(graph.outputs[0])
     for g in graph.all_graphs():
+        routers = {n.inputs[0] for n in g.nodes if n.op == "moe_route"}
         for node in list(g.nodes):
-            if node.op != "linear" or node is head or node.inputs[1] not in g.params:
+            if node.op == "moe_experts":
+                _quantize_experts(g, node, scheme)
                 continue
-            weight = node.inputs[1]
-            if weight in g.derived:
-                raise ConfigError(f"FP8 weights: {weight} is stacked from several checkpoint tensors (a MoE "
-                                  f"layer's experts), which FP8 checkpoints do not support yet")
-            if scheme.skips(_module_of(weight)):
+            index = {"linear": 1, "mla_attention": 3}.get(node.op)
+            if index is None or node is head or node.inputs[index] not in g.params or node.outputs[0] in routers:
                 continue
-            _dequantize_before(g, node, weight, scheme, dtype)
+            weight = node.inputs[index]
+            assert weight not in g.derived, f"{weight}: a projection weight stacked from several tensors"
+            if not scheme.skips(_module_of(weight)):
+                _dequantize_before(g, node, index, scheme, dtype)
     return graph
+
+
+def _quantize_experts(g: Graph, node: Node, scheme: Fp8Weights) -> None:
+    """The stacked experts' weights as their FP8 sources, with the sources' scales stacked beside them."""
+    blocks = set()
+    for index in (3, 4):
+        stacked = node.inputs[index]
+        derivation = g.derived[stacked]
+        if any(scheme.skips(_module_of(source)) for source in derivation.sources):
+            raise ConfigError(f"FP8 weights: {stacked}'s experts are partly left unquantized "
+                              f"(modules_to_not_convert), which the FP8 expert kernels do not take")
+        source_type = derivation.source_types[0]
+        block = scheme.block_of(source_type.shape)
+        scale_type = TensorType(FP32, scale_shape(source_type.shape, block))
+        count = len(derivation.sources)
+        g.params[stacked] = TensorType(F8E4M3, g.params[stacked].shape)
+        g.derived[stacked] = Derivation(derivation.sources, (TensorType(F8E4M3, source_type.shape),) * count)
+        scale = fresh_name(g, stacked + scheme.scale_suffix)
+        g.params[scale] = TensorType(FP32, (count * scale_type.shape[0], scale_type.shape[1]))
+        g.derived[scale] = Derivation(tuple(s + scheme.scale_suffix for s in derivation.sources), (scale_type,) * count)
+        node.inputs = (*node.inputs, scale)
+        blocks.add(tuple(block))
+    assert len(blocks) == 1, f"{node.name}: gate_up and down quantized in different blocks {blocks}"
+    node.attrs = {**node.attrs, "block": list(blocks.pop())}
 
 
 def is_quantized(graph: Graph) -> bool:
@@ -186,7 +213,8 @@ def _module_of(weight: str) -> str:
     return re.sub(r"\.weight$", "", weight)
 
 
-def _dequantize_before(g: Graph, linear: Node, weight: str, scheme: Fp8Weights, dtype: DType) -> None:
+def _dequantize_before(g: Graph, consumer: Node, index: int, scheme: Fp8Weights, dtype: DType) -> None:
+    weight = consumer.inputs[index]
     stored = g.params[weight]
     g.params[weight] = TensorType(F8E4M3, stored.shape)
     scale = weight + scheme.scale_suffix
@@ -195,5 +223,5 @@ def _dequantize_before(g: Graph, linear: Node, weight: str, scheme: Fp8Weights, 
     value = fresh_name(g, _module_of(weight).split(".")[-1] + ".dequantized")
     attrs = {"block": list(block), "dtype": dtype.name}
     node = Node("dequantize", (weight, scale), (value,), (TensorType(dtype, stored.shape),), attrs)
-    g.nodes.insert(g.nodes.index(linear), node)
-    linear.inputs = (linear.inputs[0], value, *linear.inputs[2:])
+    g.nodes.insert(g.nodes.index(consumer), node)
+    consumer.inputs = (*consumer.inputs[:index], value, *consumer.inputs[index + 1:])

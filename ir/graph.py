@@ -23,11 +23,13 @@ _PLACEHOLDER = re.compile(r"\{layer(?:\*(\d+))?(?:\+(\d+))?\}")
 class Derivation:
     """A weight the loader makes from checkpoint tensors (their concatenation along `axis`; or, with `rows`, the
     concatenation of row ranges (source index, start, stop) of them), recorded in the graph so that the mapping
-    from Hugging Face names stays inspectable."""
+    from Hugging Face names stays inspectable. With `dequantize` (block rows, block columns, dtype) the sources are
+    an FP8 weight and its scales, dequantized (ir/ops/quantize.py) before its rows are taken."""
     sources: tuple[str, ...]
     source_types: tuple[TensorType, ...]
     axis: int = 0
     rows: tuple[tuple[int, int, int], ...] = ()
+    dequantize: tuple[int, int, str] | None = None
 
     def pieces(self) -> list[tuple[str, int, int]]:
         """(source, first row, row after the last) of each piece in order (whole sources: axis 0 only)."""
@@ -106,7 +108,8 @@ class Graph:
 
     def derivations(self) -> dict[str, Derivation]:
         """Derived params by expanded name, their sources expanded too."""
-        return {_at(name, layer): Derivation(tuple(_at(s, layer) for s in d.sources), d.source_types, d.axis, d.rows)
+        return {_at(name, layer): Derivation(tuple(_at(s, layer) for s in d.sources), d.source_types, d.axis, d.rows,
+                                             d.dequantize)
                 for graph, layer in self.instances() for name, d in graph.derived.items()}
 
     def param_defaults(self) -> dict[str, float]:

@@ -41,6 +41,11 @@ def _derivation(graph: Graph, name: str) -> str:
         return f" = {graph.defaults[name]!r} where the checkpoint has none"
     if derivation is None:
         return ""
+    if derivation.dequantize is not None:
+        rows, cols, dtype = derivation.dequantize
+        weight, scale = derivation.sources
+        pieces = ", ".join(f"[{a}:{b}]" for _, a, b in derivation.rows)
+        return f" = rows {pieces} of dequantize(@{weight}, @{scale}) {{block=[{rows}, {cols}], dtype={dtype}}}"
     if derivation.rows:
         return f" = concat({', '.join(f'@{s}[{a}:{b}]' for s, a, b in derivation.pieces())})"
     return f" = concat({', '.join('@' + s for s in derivation.sources)}, axis={derivation.axis})"

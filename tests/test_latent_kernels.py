@@ -15,8 +15,10 @@ from pegainfer.backends.triton.latent import plan_rope
 from pegainfer.backends.triton.plan import plan_kernel
 from pegainfer.frontends.checkpoint import derive_weights
 from pegainfer.frontends.config import normalize_hf_config, parse_config
+from pegainfer.frontends.quantization import Fp8Weights, quantize_graph
 from pegainfer.frontends.registry import dag_modules
 from pegainfer.ir import GraphBuilder, dtype_from_name
+from pegainfer.ir.dtypes import F8E4M3
 from pegainfer.ir.graph import KERNEL
 from pegainfer.ir.kernel import fused_ops
 from pegainfer.ir.ops.attention import _rope
@@ -153,15 +155,25 @@ class Model:
     vocab: int
 
 
-def tiny_model(architecture: str, dtype: str, block_size: int) -> Model:
+def tiny_model(architecture: str, dtype: str, block_size: int, fp8: bool = False) -> Model:
+    """With fp8, the projections and experts in FP8 of 128 x 128 blocks, as the published checkpoints store them."""
     dag = dag_modules()[architecture]
     raw = normalize_hf_config({**dag.TINY_CONFIG, "vocab_size": 96, "num_hidden_layers": 2, "torch_dtype": dtype})
     config = parse_config(dag.Config, raw, architecture)
     dag.check_config(config)
-    lowered, _ = lower(dag.build_graph(config))
+    graph = dag.build_graph(config)
+    if fp8:
+        graph = quantize_graph(graph, Fp8Weights((128, 128), "_scale_inv"), dtype_from_name(dtype))
+    lowered, _ = lower(graph)
     rng = np.random.default_rng(3)
-    weights = {name: (rng.standard_normal(t.shape) * 0.5).astype(t.dtype.np_dtype)
-               for name, t in lowered.checkpoint_params().items()}
+
+    def random(name: str, t) -> np.ndarray:
+        if t.dtype == F8E4M3:
+            return (rng.standard_normal(t.shape) * 64).clip(-448, 448).astype(t.dtype.np_dtype)
+        if name.endswith("_scale_inv"):
+            return (rng.random(t.shape) * 0.01 + 0.004).astype(np.float32)
+        return (rng.standard_normal(t.shape) * 0.5).astype(t.dtype.np_dtype)
+    weights = {name: random(name, t) for name, t in lowered.checkpoint_params().items()}
     weights = derive_weights(lowered.derivations(), weights)
     options = PlanOptions(block_size=block_size, split_kv_max_batch=0)
     specs = {(g.name, n.name): plan(g, n, options) for g in lowered.all_graphs() for n in g.nodes if n.op == KERNEL}
@@ -187,13 +199,13 @@ def workload(model: Model, run, block_size: int) -> list[list[np.ndarray]]:
 # two layers of random weights that compounds to about 3% in the logits (as test_archs_triton's Qwen3.5 bound)
 BF16_TOLERANCE = 4e-2
 # V3's router (sigmoid scores, expert groups) needs the route kernel's grouped form; V2's routes greedily by softmax
-ARCHITECTURES = [("DeepseekV2ForCausalLM", "float32"), ("DeepseekV3ForCausalLM", "float32"),
-                 ("DeepseekV2ForCausalLM", "bfloat16")]
+ARCHITECTURES = [("DeepseekV2ForCausalLM", "float32", False), ("DeepseekV3ForCausalLM", "float32", False),
+                 ("DeepseekV2ForCausalLM", "bfloat16", False), ("DeepseekV3ForCausalLM", "float32", True)]
 
 
-@pytest.mark.parametrize("architecture,dtype", ARCHITECTURES)
-def test_whole_steps_match_the_reference(architecture, dtype):
-    model = tiny_model(architecture, dtype, block_size=4)
+@pytest.mark.parametrize("architecture,dtype,fp8", ARCHITECTURES)
+def test_whole_steps_match_the_reference(architecture, dtype, fp8):
+    model = tiny_model(architecture, dtype, block_size=4, fp8=fp8)
     assert {"latent_write", "latent_attention", "head_linear"} <= {s.kind for s in model.specs.values()}
     expected = workload(model, lambda inputs, states: run_graph(model.lowered, inputs, model.weights, states), 4)
     executor = InterpretedExecutor(model.lowered, model.specs)

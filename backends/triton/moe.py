@@ -68,20 +68,28 @@ class Experts:
     k: int
     experts: int
     act: int
+    gate_up_scale: str | None  # FP8 experts' scales (None: the weights are in the model's dtype)
+    down_scale: str | None
+    block: tuple[int, int]  # the rows and columns one scale covers (FP8 only)
+
+    def fp8(self, scale: str | None) -> dict:
+        return dict(FP8=scale is not None, BR=self.block[0], BC=self.block[1])
 
 
 def plan_moe_experts(graph: Graph, node: Node) -> KernelSpec:
     """The per-pair GEMVs up to GEMV_MAX_ROWS rows (decode), the grouped GEMMs above (prefill)."""
     (moe,) = node.attrs["nodes"]
-    x, weights, ids, gate_up, down = moe.inputs
+    x, weights, ids, gate_up, down, *scales = moe.inputs
     types = graph.value_types() | dict(zip(moe.outputs, moe.output_types))
     rows, hidden = types[x].shape
     k, experts = types[ids].shape[1], moe.attrs["experts"]
+    gate_up_scale, down_scale = scales or (None, None)
     e = Experts(x, weights, ids, gate_up, down, moe.outputs[0], rows, hidden,
-                types[gate_up].shape[0] // (2 * experts), k, experts, ACT_CODES[moe.attrs["act"]])
+                types[gate_up].shape[0] // (2 * experts), k, experts, ACT_CODES[moe.attrs["act"]],
+                gate_up_scale, down_scale, tuple(moe.attrs.get("block") or (1, 1)))
     f32, i32 = dtype_from_name("f32"), dtype_from_name("i32")
     scratch = {"moe.hidden": TensorType(f32, (rows, k * e.inter)),
-               "moe.act": TensorType(types[gate_up].dtype, (rows, k * e.inter)),
+               "moe.act": TensorType(types[x].dtype, (rows, k * e.inter)),
                "moe.partial": TensorType(f32, (rows, k * hidden)),
                "moe.pairs": TensorType(i32, (rows, pair_slots(k, experts))),
                "moe.tiles": TensorType(i32, (rows, k + 1))}
@@ -109,23 +117,25 @@ def _block(n: int, most: int) -> int:
 
 def _gemv_launches(e: Experts, types: dict, layout: dict) -> list[LaunchSpec]:
     gate = Params(types, layout)
-    for name, value in (("x_ptr", e.x), ("ids_ptr", e.ids), ("w_ptr", e.gate_up), ("hidden_ptr", "moe.hidden")):
+    for name, value in (("x_ptr", e.x), ("ids_ptr", e.ids), ("w_ptr", e.gate_up), ("scale_ptr", e.gate_up_scale),
+                        ("hidden_ptr", "moe.hidden")):
         gate.tensor(name, value)
     for name, value in (("stride_x", e.x), ("stride_ids", e.ids), ("stride_hidden", "moe.hidden")):
         gate.stride(name, value)
     gate_launch = launch("moe.py", "moe_gate_up_kernel", gate,
                          dict(H=e.hidden, INTER=e.inter, K=e.k, ACT=e.act, BLOCK_N=BLOCK_N,
-                              BLOCK_K=_block(e.hidden, BLOCK_K)),
+                              BLOCK_K=_block(e.hidden, BLOCK_K), **e.fp8(e.gate_up_scale)),
                          (GridDim((e.rows, e.k)), GridDim((e.inter,), BLOCK_N)))
     down = Params(types, layout)
     for name, value in (("hidden_ptr", "moe.hidden"), ("weights_ptr", e.weights), ("ids_ptr", e.ids),
-                        ("w_ptr", e.down), ("out_ptr", e.out)):
+                        ("w_ptr", e.down), ("scale_ptr", e.down_scale), ("out_ptr", e.out)):
         down.tensor(name, value)
     for name, value in (("stride_hidden", "moe.hidden"), ("stride_weights", e.weights), ("stride_ids", e.ids),
                         ("stride_out", e.out)):
         down.stride(name, value)
     down_launch = launch("moe.py", "moe_down_kernel", down,
-                         dict(H=e.hidden, INTER=e.inter, K=e.k, BLOCK_N=BLOCK_N, BLOCK_K=_block(e.inter, BLOCK_K)),
+                         dict(H=e.hidden, INTER=e.inter, K=e.k, BLOCK_N=BLOCK_N, BLOCK_K=_block(e.inter, BLOCK_K),
+                              **e.fp8(e.down_scale)),
                          (GridDim((e.rows,)), GridDim((e.hidden,), BLOCK_N)))
     return [gate_launch, down_launch]
 
@@ -142,19 +152,20 @@ def _grouped_launches(e: Experts, types: dict, layout: dict) -> list[LaunchSpec]
                          dict(K=e.k, BLOCK_E=next_pow2(e.experts), EXPERTS=owned, BLOCK_P=SORT_PAIRS,
                               BLOCK_M=GROUPED_M, BLOCK_T=32), (GridDim((e.experts,), owned),), SORT_WARPS)
     gate = Params(types, layout)
-    for name, value in (("x_ptr", e.x), ("w_ptr", e.gate_up), ("pairs_ptr", "moe.pairs"), ("tiles_ptr", "moe.tiles"),
-                        ("hidden_ptr", "moe.act")):
+    for name, value in (("x_ptr", e.x), ("w_ptr", e.gate_up), ("scale_ptr", e.gate_up_scale),
+                        ("pairs_ptr", "moe.pairs"), ("tiles_ptr", "moe.tiles"), ("hidden_ptr", "moe.act")):
         gate.tensor(name, value)
     for name, value in (("stride_x", e.x), ("stride_hidden", "moe.act")):
         gate.stride(name, value)
     gate_n = _block(e.inter, GROUPED_N)
     gate_launch = launch("moe_grouped.py", "moe_grouped_gate_up_kernel", gate,
                          dict(H=e.hidden, INTER=e.inter, K=e.k, ACT=e.act, BLOCK_M=GROUPED_M, BLOCK_N=gate_n,
-                              BLOCK_K=_block(e.hidden, GROUPED_K), UPCAST_DOT=False),
+                              BLOCK_K=_block(e.hidden, GROUPED_K), UPCAST_DOT=False, **e.fp8(e.gate_up_scale)),
                          (GridDim((e.inter,), gate_n), tiles), GROUPED_WARPS, GROUPED_STAGES)
     down = Params(types, layout)
     for name, value in (("hidden_ptr", "moe.act"), ("weights_ptr", e.weights), ("w_ptr", e.down),
-                        ("pairs_ptr", "moe.pairs"), ("tiles_ptr", "moe.tiles"), ("partial_ptr", "moe.partial")):
+                        ("scale_ptr", e.down_scale), ("pairs_ptr", "moe.pairs"), ("tiles_ptr", "moe.tiles"),
+                        ("partial_ptr", "moe.partial")):
         down.tensor(name, value)
     for name, value in (("stride_hidden", "moe.act"), ("stride_weights", e.weights),
                         ("stride_partial", "moe.partial")):
@@ -162,7 +173,7 @@ def _grouped_launches(e: Experts, types: dict, layout: dict) -> list[LaunchSpec]
     down_n = _block(e.hidden, GROUPED_N)
     down_launch = launch("moe_grouped.py", "moe_grouped_down_kernel", down,
                          dict(H=e.hidden, INTER=e.inter, K=e.k, BLOCK_M=GROUPED_M, BLOCK_N=down_n,
-                              BLOCK_K=_block(e.inter, GROUPED_K), UPCAST_DOT=False),
+                              BLOCK_K=_block(e.inter, GROUPED_K), UPCAST_DOT=False, **e.fp8(e.down_scale)),
                          (GridDim((e.hidden,), down_n), tiles), GROUPED_WARPS, GROUPED_STAGES)
     total = Params(types, layout)
     for name, value in (("partial_ptr", "moe.partial"), ("out_ptr", e.out)):

@@ -3,13 +3,16 @@ groups of experts), and applying the chosen experts' gated MLPs.
 
 Expert weights are stacked along rows, expert e's block after expert e-1's (a derived param the loader stacks from
 the checkpoint's per-expert tensors): gate_up is [experts * 2I, H], expert e's rows 2Ie .. 2Ie + I its gate
-projection and the next I its up projection; down is [experts * H, I].
+projection and the next I its up projection; down is [experts * H, I]. FP8 experts (an FP8 checkpoint's) are float8
+e4m3 with float32 scales stacked the same way: each of the 2E projections of gate_up (and E of down) keeps its own
+blocks of `block` rows x columns, cut short at its edges, as the checkpoint stores them.
 """
 
 import numpy as np
 
-from pegainfer.ir.dtypes import INT32
+from pegainfer.ir.dtypes import FP32, INT32
 from pegainfer.ir.ops.basic import _gelu_tanh, _silu
+from pegainfer.ir.ops.quantize import dequantize, scale_shape
 from pegainfer.ir.registry import GEMM, ROW_REDUCTION, expect, register_op
 from pegainfer.ir.types import TensorType
 
@@ -68,8 +71,8 @@ def _route(logits: np.ndarray, *bias: np.ndarray, k: int, normalize: bool, scori
     return (weights * np.float32(scale)).astype(np.float32), ids.astype(np.int32)
 
 
-def _infer_experts(x: TensorType, weights: TensorType, ids: TensorType, gate_up: TensorType, down: TensorType, *,
-                   experts: int, act: str) -> TensorType:
+def _infer_experts(x: TensorType, weights: TensorType, ids: TensorType, gate_up: TensorType, down: TensorType,
+                   *scales: TensorType, experts: int, act: str, block: list[int] | None = None) -> TensorType:
     expect(x.rank == 2 and x.dtype.is_float, f"moe_experts: input must be float [tokens, hidden], found {x}")
     expect(weights.rank == 2 and weights.shape[0] == x.shape[0] and weights.dtype.is_float
            and ids.shape == weights.shape and not ids.dtype.is_float,
@@ -82,12 +85,36 @@ def _infer_experts(x: TensorType, weights: TensorType, ids: TensorType, gate_up:
     inter = gate_up.shape[0] // (2 * experts)
     expect(down.shape == (experts * hidden, inter), f"moe_experts: down must be [{experts * hidden}, {inter}], "
                                                     f"found {down}")
+    fp8 = gate_up.dtype.name.startswith("f8")
+    expect(fp8 == down.dtype.name.startswith("f8") == bool(scales) == (block is not None),
+           f"moe_experts: FP8 experts take both weights in FP8, their two scales and a block; found {gate_up}, "
+           f"{down}, {len(scales)} scales, block {block}")
+    if fp8:
+        expect(len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block),
+               f"moe_experts: block must be two positive sizes, found {block}")
+        for name, scale, projections, shape in (("gate_up", scales[0], 2 * experts, (inter, hidden)),
+                                                ("down", scales[1], experts, (hidden, inter))):
+            rows, cols = scale_shape(shape, tuple(block))
+            wanted = TensorType(FP32, (projections * rows, cols))
+            expect(scale == wanted, f"moe_experts: {name}'s scales must be {wanted} ({projections} projections of "
+                                    f"{list(shape)} in blocks of {block}), found {scale}")
     return x
 
 
-def _experts(x: np.ndarray, weights: np.ndarray, ids: np.ndarray, gate_up: np.ndarray, down: np.ndarray, *,
-             experts: int, act: str) -> np.ndarray:
+def stacked_dequantize(q: np.ndarray, scale: np.ndarray, projections: int, block: list[int]) -> np.ndarray:
+    """Stacked FP8 projections to float32, each of the `projections` by its own blocks."""
+    rows = q.shape[0] // projections
+    per = scale.shape[0] // projections
+    return np.concatenate([dequantize(q[p * rows:(p + 1) * rows], scale[p * per:(p + 1) * per],
+                                      block=tuple(block), dtype="f32") for p in range(projections)])
+
+
+def _experts(x: np.ndarray, weights: np.ndarray, ids: np.ndarray, gate_up: np.ndarray, down: np.ndarray,
+             *scales: np.ndarray, experts: int, act: str, block: list[int] | None = None) -> np.ndarray:
     """sum over the k chosen experts e of weight * down_e(act(gate_e x) * up_e x), per token."""
+    if scales:  # dequantized to the activations' dtype, as a dequantize op rounds them
+        gate_up = stacked_dequantize(gate_up, scales[0], 2 * experts, block).astype(x.dtype)
+        down = stacked_dequantize(down, scales[1], experts, block).astype(x.dtype)
     hidden = x.shape[1]
     inter = gate_up.shape[0] // (2 * experts)
     gate_up, down = gate_up.reshape(experts, 2 * inter, hidden), down.reshape(experts, hidden, inter)

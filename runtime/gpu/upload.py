@@ -15,7 +15,7 @@ from math import prod
 
 import numpy as np
 
-from pegainfer.frontends.checkpoint import FileSpan
+from pegainfer.frontends.checkpoint import FileSpan, derive
 from pegainfer.ir.graph import Derivation, Graph
 from pegainfer.progress import Progress
 from pegainfer.runtime.cuda import driver
@@ -64,15 +64,19 @@ def plan_pieces(graph: Graph, weights: Mapping[str, np.ndarray], take: Callable[
         nbytes = t.dtype.itemsize * prod(t.shape)
         ptr = addresses[name] = take(nbytes)
         derivation = derivations.get(name)
-        segments = _segments(derivation, weights) if derivation else [(name, 0, _stored_nbytes(weights, name))]
         arrays = {}
+        if derivation is not None and derivation.dequantize is not None:  # made on the host, then sent whole
+            segments = [(name, 0, nbytes)]
+            arrays[name] = ArraySource(lambda d=derivation: derive(d, weights), len(range(0, nbytes, chunk)))
+        else:
+            segments = _segments(derivation, weights) if derivation else [(name, 0, _stored_nbytes(weights, name))]
         for source in dict.fromkeys(source for source, _, _ in segments):
-            if span_of(source) is None:
+            if source not in arrays and span_of(source) is None:
                 count = sum(len(range(a, b, chunk)) for s, a, b in segments if s == source)
                 arrays[source] = ArraySource(lambda source=source: weights[source], count)
         offset = 0
         for source, begin, end in segments:
-            span = span_of(source)
+            span = None if source in arrays else span_of(source)
             for start in range(begin, end, chunk):
                 n = min(chunk, end - start)
                 pieces.append(Piece(ptr + offset + start - begin, n, start=start, source=arrays.get(source),

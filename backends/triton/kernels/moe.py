@@ -92,9 +92,30 @@ def _activate(gate, ACT: tl.constexpr):
 
 
 @triton.jit
-def moe_gate_up_kernel(x_ptr, ids_ptr, w_ptr, hidden_ptr, stride_x, stride_ids, stride_hidden,
+def expert_tile(w_ptr, scale_ptr, rows, offs_k, mask, like, COLS: tl.constexpr, ROWS_PER: tl.constexpr,
+                FP8: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, EXACT: tl.constexpr = False):
+    """The weights [rows, offs_k] of a stacked expert tensor of COLS columns, in like's dtype; FP8 ones times the
+    scale of their block of BR x BC within their own projection of ROWS_PER rows (ir/ops/moe.py's layout), left in
+    float32 with EXACT (Triton's CPU interpreter truncates float casts where the GPU rounds)."""
+    raw = tl.load(w_ptr + rows[:, None] * COLS + offs_k[None, :], mask=mask, other=0.0)
+    if FP8:
+        scale_rows = (rows // ROWS_PER) * ((ROWS_PER + BR - 1) // BR) + (rows % ROWS_PER) // BR
+        scale = tl.load(scale_ptr + scale_rows[:, None] * ((COLS + BC - 1) // BC) + (offs_k // BC)[None, :],
+                        mask=mask, other=0.0)
+        if EXACT:
+            tile = raw.to(tl.float32) * scale
+        else:
+            tile = (raw.to(tl.float32) * scale).to(like.dtype)
+    else:
+        tile = raw.to(like.dtype)
+    return tile
+
+
+@triton.jit
+def moe_gate_up_kernel(x_ptr, ids_ptr, w_ptr, scale_ptr, hidden_ptr, stride_x, stride_ids, stride_hidden,
                        H: tl.constexpr, INTER: tl.constexpr, K: tl.constexpr, ACT: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr, BR: tl.constexpr,
+                       BC: tl.constexpr):
     """hidden[token, j*INTER + n] = act(gate_e x) * (up_e x) for the token's j-th expert e."""
     token, choice = tl.program_id(0) // K, tl.program_id(0) % K
     expert = tl.load(ids_ptr + token * stride_ids + choice).to(tl.int64)
@@ -108,18 +129,19 @@ def moe_gate_up_kernel(x_ptr, ids_ptr, w_ptr, hidden_ptr, stride_x, stride_ids, 
         mask_k = offs_k < H
         a = tl.load(x_ptr + token * stride_x + offs_k, mask=mask_k, other=0.0).to(tl.float32)
         w_mask = mask_n[:, None] & mask_k[None, :]
-        gate = tl.load(w_ptr + gate_rows[:, None] * H + offs_k[None, :], mask=w_mask, other=0.0)
-        up = tl.load(w_ptr + (gate_rows + INTER)[:, None] * H + offs_k[None, :], mask=w_mask, other=0.0)
-        gate3 += gate.to(tl.float32) * a[None, :]
-        up3 += up.to(tl.float32) * a[None, :]
+        gate = expert_tile(w_ptr, scale_ptr, gate_rows, offs_k, w_mask, a, H, INTER, FP8, BR, BC)
+        up = expert_tile(w_ptr, scale_ptr, gate_rows + INTER, offs_k, w_mask, a, H, INTER, FP8, BR, BC)
+        gate3 += gate * a[None, :]
+        up3 += up * a[None, :]
     out = _activate(tl.sum(gate3, axis=1), ACT) * tl.sum(up3, axis=1)
     tl.store(hidden_ptr + token * stride_hidden + choice * INTER + offs_n, out, mask=mask_n)
 
 
 @triton.jit
-def moe_down_kernel(hidden_ptr, weights_ptr, ids_ptr, w_ptr, out_ptr, stride_hidden, stride_weights, stride_ids,
-                    stride_out, H: tl.constexpr, INTER: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
+def moe_down_kernel(hidden_ptr, weights_ptr, ids_ptr, w_ptr, scale_ptr, out_ptr, stride_hidden, stride_weights,
+                    stride_ids, stride_out, H: tl.constexpr, INTER: tl.constexpr, K: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr, BR: tl.constexpr,
+                    BC: tl.constexpr):
     """out[token] = sum over its K choices of weight * down_e(hidden[token, choice])."""
     token = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -134,8 +156,8 @@ def moe_down_kernel(hidden_ptr, weights_ptr, ids_ptr, w_ptr, out_ptr, stride_hid
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask_k = offs_k < INTER
             h = tl.load(hidden_ptr + token * stride_hidden + choice * INTER + offs_k, mask=mask_k, other=0.0)
-            w = tl.load(w_ptr + rows[:, None] * INTER + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :],
-                        other=0.0)
-            acc3 += w.to(tl.float32) * h[None, :]
+            w = expert_tile(w_ptr, scale_ptr, rows, offs_k, mask_n[:, None] & mask_k[None, :], h, INTER, H, FP8,
+                            BR, BC)
+            acc3 += w * h[None, :]
         out += weight * tl.sum(acc3, axis=1)
     tl.store(out_ptr + token * stride_out + offs_n, out.to(out_ptr.dtype.element_ty), mask=mask_n)

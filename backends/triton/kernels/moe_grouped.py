@@ -75,10 +75,10 @@ def _tile_pairs(pairs_ptr, tiles_ptr, tile, K: tl.constexpr, BLOCK_M: tl.constex
 
 
 @triton.jit
-def moe_grouped_gate_up_kernel(x_ptr, w_ptr, pairs_ptr, tiles_ptr, hidden_ptr, stride_x, stride_hidden,
+def moe_grouped_gate_up_kernel(x_ptr, w_ptr, scale_ptr, pairs_ptr, tiles_ptr, hidden_ptr, stride_x, stride_hidden,
                                H: tl.constexpr, INTER: tl.constexpr, K: tl.constexpr, ACT: tl.constexpr,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                               UPCAST_DOT: tl.constexpr):
+                               UPCAST_DOT: tl.constexpr, FP8: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
     """hidden[token, choice*INTER + n] = act(gate_e x) * (up_e x) for every pair of each tile's expert e."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < INTER
@@ -93,10 +93,8 @@ def moe_grouped_gate_up_kernel(x_ptr, w_ptr, pairs_ptr, tiles_ptr, hidden_ptr, s
             a = tl.load(x_ptr + token[:, None] * stride_x + offs_k[None, :], mask=valid[:, None] & mask_k[None, :],
                         other=0.0)
             w_mask = mask_n[:, None] & mask_k[None, :]
-            w_gate = tl.load(w_ptr + gate_rows[:, None] * H + offs_k[None, :], mask=w_mask, other=0.0)
-            w_up = tl.load(w_ptr + (gate_rows + INTER)[:, None] * H + offs_k[None, :], mask=w_mask, other=0.0)
-            if not UPCAST_DOT:  # the tensor cores take the weights' type
-                a = a.to(w_ptr.dtype.element_ty)
+            w_gate = expert_tile(w_ptr, scale_ptr, gate_rows, offs_k, w_mask, a, H, INTER, FP8, BR, BC, UPCAST_DOT)
+            w_up = expert_tile(w_ptr, scale_ptr, gate_rows + INTER, offs_k, w_mask, a, H, INTER, FP8, BR, BC, UPCAST_DOT)
             gate = _mma(a, tl.trans(w_gate), gate, UPCAST_DOT)
             up = _mma(a, tl.trans(w_up), up, UPCAST_DOT)
         out = (_activate(gate, ACT) * up).to(hidden_ptr.dtype.element_ty)
@@ -105,10 +103,10 @@ def moe_grouped_gate_up_kernel(x_ptr, w_ptr, pairs_ptr, tiles_ptr, hidden_ptr, s
 
 
 @triton.jit
-def moe_grouped_down_kernel(hidden_ptr, weights_ptr, w_ptr, pairs_ptr, tiles_ptr, partial_ptr, stride_hidden,
-                            stride_weights, stride_partial, H: tl.constexpr, INTER: tl.constexpr, K: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            UPCAST_DOT: tl.constexpr):
+def moe_grouped_down_kernel(hidden_ptr, weights_ptr, w_ptr, scale_ptr, pairs_ptr, tiles_ptr, partial_ptr,
+                            stride_hidden, stride_weights, stride_partial, H: tl.constexpr, INTER: tl.constexpr,
+                            K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            UPCAST_DOT: tl.constexpr, FP8: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
     """partial[token, choice*H + n] = weight * down_e(hidden[token, choice]) for every pair of each tile."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < H
@@ -121,10 +119,8 @@ def moe_grouped_down_kernel(hidden_ptr, weights_ptr, w_ptr, pairs_ptr, tiles_ptr
             mask_k = offs_k < INTER
             a = tl.load(hidden_ptr + token[:, None] * stride_hidden + choice[:, None] * INTER + offs_k[None, :],
                         mask=valid[:, None] & mask_k[None, :], other=0.0)
-            w = tl.load(w_ptr + rows[:, None] * INTER + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :],
-                        other=0.0)
-            if not UPCAST_DOT:  # the tensor cores take the weights' type
-                a = a.to(w_ptr.dtype.element_ty)
+            w = expert_tile(w_ptr, scale_ptr, rows, offs_k, mask_n[:, None] & mask_k[None, :], a, INTER, H, FP8,
+                            BR, BC, UPCAST_DOT)
             acc = _mma(a, tl.trans(w), acc, UPCAST_DOT)
         weight = tl.load(weights_ptr + token * stride_weights + choice, mask=valid, other=0.0).to(tl.float32)
         tl.store(partial_ptr + token[:, None] * stride_partial + choice[:, None] * H + offs_n[None, :],

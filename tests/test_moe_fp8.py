@@ -1,0 +1,97 @@
+"""FP8 experts (an FP8 checkpoint's stacked e4m3 weights, each projection with its own blocks of scales) in both
+variants of the moe_experts kernel under TRITON_INTERPRET, against ir/ops/moe.py's `_experts` on the dequantized
+weights (rounded to bf16, as the model's dequantize rounds them): blocks that cut projections short, several blocks
+a projection, and a scale per output row."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from pegainfer.backends.planning import PlanOptions
+from pegainfer.backends.spec import pick_variant
+from pegainfer.backends.triton.execute import to_numpy
+from pegainfer.backends.triton.plan import plan_kernel
+from pegainfer.ir import GraphBuilder, dtype_from_name
+from pegainfer.ir.dtypes import F8E4M3, FP32, INT32
+from pegainfer.ir.graph import KERNEL
+from pegainfer.ir.ops.moe import _experts, stacked_dequantize
+from pegainfer.ir.ops.quantize import scale_shape
+from pegainfer.errors import GraphError
+from pegainfer.passes.pipeline import lower
+from test_moe_grouped import relative_error, run_variant, skewed_routing
+
+HIDDEN, INTER, EXPERTS, K = 72, 40, 8, 2
+BLOCKS = {"one_block_a_projection": (128, 128), "blocks_of_16x32": (16, 32), "per_row": (1, HIDDEN)}
+
+
+def fp8_graph(block: tuple[int, int]):
+    b = GraphBuilder("experts")
+    bf16 = dtype_from_name("bf16")
+    x = b.input("x", bf16, ("tokens", HIDDEN))
+    weights = b.input("weights", bf16, ("tokens", K))
+    ids = b.input("ids", INT32, ("tokens", K))
+    gate_up = b.param("gate_up", F8E4M3, (EXPERTS * 2 * INTER, HIDDEN))
+    down = b.param("down", F8E4M3, (EXPERTS * HIDDEN, INTER))
+    rows, cols = scale_shape((INTER, HIDDEN), block)
+    gate_up_scale = b.param("gate_up_scale", FP32, (2 * EXPERTS * rows, cols))
+    rows, cols = scale_shape((HIDDEN, INTER), block)
+    down_scale = b.param("down_scale", FP32, (EXPERTS * rows, cols))
+    return b.finish(b.moe_experts(x, weights, ids, gate_up, down, gate_up_scale, down_scale, experts=EXPERTS,
+                                  act="silu", block=list(block), name="experts"))
+
+
+def fp8_params(rng, graph) -> dict[str, np.ndarray]:
+    types = graph.params
+    return {name: (rng.standard_normal(t.shape) * 64).clip(-448, 448).astype(ml_dtypes.float8_e4m3fn)
+            if t.dtype == F8E4M3 else (rng.random(t.shape) * 0.01 + 0.001).astype(np.float32)
+            for name, t in types.items()}
+
+
+@pytest.mark.parametrize("rows", [5, 90], ids=["gemv", "grouped"])
+@pytest.mark.parametrize("block", BLOCKS.values(), ids=BLOCKS.keys())
+def test_fp8_experts_match_the_reference_on_their_dequantized_weights(block, rows):
+    graph = fp8_graph(block)
+    lowered, _ = lower(graph)
+    (node,) = [n for n in lowered.nodes if n.op == KERNEL]
+    spec = plan_kernel(lowered, node, PlanOptions())
+    variant = pick_variant(spec, {"tokens": rows})
+    assert variant.name == ("gemv_1" if rows <= 64 else "grouped_64")
+    rng = np.random.default_rng(rows)
+    params = fp8_params(rng, graph)
+    ids = skewed_routing(rng, rows, EXPERTS, K, (5,), 2)
+    routing = rng.random((rows, K)) + 0.1
+    inputs = {"x": rng.standard_normal((rows, HIDDEN)).astype(ml_dtypes.bfloat16),
+              "weights": (routing / routing.sum(-1, keepdims=True)).astype(ml_dtypes.bfloat16), "ids": ids}
+    f32 = {name: a.astype(np.float32) for name, a in inputs.items() if name != "ids"}
+    as_bf16 = {name: stacked_dequantize(params[name], params[f"{name}_scale"], count, list(block))
+               .astype(ml_dtypes.bfloat16).astype(np.float32) for name, count in (("gate_up", 2 * EXPERTS),
+                                                                                   ("down", EXPERTS))}
+    expected = _experts(f32["x"], f32["weights"], ids, as_bf16["gate_up"], as_bf16["down"], experts=EXPERTS,
+                        act="silu")
+    got = to_numpy(run_variant(spec, variant, inputs, params, rows)["experts"])
+    assert np.isfinite(got).all()
+    assert relative_error(got, expected) < 1e-2
+
+
+def test_the_reference_dequantizes_each_projection_by_its_own_blocks():
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2 * 5, 3)).astype(ml_dtypes.float8_e4m3fn)
+    scale = np.array([[2.0], [3.0], [5.0], [7.0]], np.float32)  # blocks of 4 rows: two a projection of 5
+    got = stacked_dequantize(q, scale, 2, [4, 3])
+    wanted = q.astype(np.float32) * np.array([2, 2, 2, 2, 3, 5, 5, 5, 5, 7], np.float32)[:, None]
+    np.testing.assert_array_equal(got, wanted)
+
+
+def test_fp8_experts_without_their_scales_or_with_the_wrong_ones_are_refused():
+    b = GraphBuilder("experts")
+    bf16 = dtype_from_name("bf16")
+    x = b.input("x", bf16, ("tokens", HIDDEN))
+    weights, ids = b.input("weights", bf16, ("tokens", K)), b.input("ids", INT32, ("tokens", K))
+    gate_up = b.param("gate_up", F8E4M3, (EXPERTS * 2 * INTER, HIDDEN))
+    down = b.param("down", F8E4M3, (EXPERTS * HIDDEN, INTER))
+    with pytest.raises(GraphError, match="FP8 experts take both weights in FP8, their two scales and a block"):
+        b.moe_experts(x, weights, ids, gate_up, down, experts=EXPERTS, act="silu")
+    wrong = b.param("wrong", FP32, (EXPERTS, 1))
+    with pytest.raises(GraphError, match=r"gate_up's scales must be f32\[16,1\]"):
+        b.moe_experts(x, weights, ids, gate_up, down, wrong, wrong, experts=EXPERTS, act="silu", block=[128, 128])
