@@ -172,7 +172,8 @@ def _layer(config: Any, route: Router):
 
 def _moe(b: GraphBuilder, x: Value, prefix: str, config: Any, route: Router, act: str) -> Value:
     experts = config.n_routed_experts
-    router = b.linear(x, b.param(f"{prefix}.gate.weight", x.dtype, (experts, config.hidden_size)), name="router")
+    router = b.linear(x, b.param(f"{prefix}.gate.weight", x.dtype, (experts, config.hidden_size)), name="router",
+                      dtype="f32")  # float32 logits, as transformers computes them: near ties pick the same experts
     weights, ids = route(b, router, prefix)
     gate_up, down = stacked_experts(b, x, prefix, experts, config.moe_intermediate_size)
     routed = b.moe_experts(x, weights, ids, gate_up, down, experts=experts, act=act, name="experts")

@@ -29,8 +29,9 @@ def merge_sibling_linears(graph: Graph, log: PassLog) -> Graph:
 
 
 def _merge_key(g: Graph, node: Node, value: str, producers: dict, readers: dict) -> tuple | None:
-    """What a linear must share with its siblings to merge (None: it cannot): a bias or none, and for a weight
-    dequantized from FP8 params, read by it alone, the dequantize's attrs, where its rows fill whole scale blocks."""
+    """What a linear must share with its siblings to merge (None: it cannot): a bias or none, its attrs (an output
+    dtype), and for a weight dequantized from FP8 params, read by it alone, the dequantize's attrs, where its rows
+    fill whole scale blocks."""
     if node.op != "linear" or node.inputs[0] != value:
         return None
     params = list(node.inputs[2:])
@@ -45,7 +46,8 @@ def _merge_key(g: Graph, node: Node, value: str, producers: dict, readers: dict)
         params += dequantize.inputs
     if not all(p in g.params and p not in g.derived for p in params):
         return None
-    return len(node.inputs) == 3, None if dequantize is None else repr(sorted(dequantize.attrs.items()))
+    return (len(node.inputs) == 3, repr(sorted(node.attrs.items())),
+            None if dequantize is None else repr(sorted(dequantize.attrs.items())))
 
 
 def _merge(g: Graph, group: list[Node], producers: dict, log: PassLog) -> None:
@@ -68,7 +70,7 @@ def _merge(g: Graph, group: list[Node], producers: dict, log: PassLog) -> None:
     out_type = group[0].output_types[0]
     merged_type = out_type.with_shape((*out_type.shape[:-1], sum(sizes)))
     merged = fresh_name(g, "+".join(node.name for node in group))
-    linear = Node("linear", tuple(inputs), (merged,), (merged_type,))
+    linear = Node("linear", tuple(inputs), (merged,), (merged_type,), dict(group[0].attrs))
     split = Node("split", (merged,), tuple(out for node in group for out in node.outputs),
                  tuple(node.output_types[0] for node in group), {"sizes": sizes})
     first = g.nodes.index(group[0])

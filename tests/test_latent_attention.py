@@ -178,3 +178,17 @@ def test_embedded_configs_build(name, experts, layers):
     spec = load_spec(resolve_config_path(name), device="cpu")
     assert spec.config.n_routed_experts == experts and spec.config.num_hidden_layers == layers
     assert sum(1 for n in spec.graph.expanded_states() if n.startswith("kv.")) == layers
+
+
+def test_the_router_keeps_float32_logits_in_its_own_gemm():
+    """transformers scores experts from float32 logits; a bf16 router's rounding would flip near ties. The router
+    GEMM therefore stays apart from the shared experts' gate/up merge, whose output is bf16."""
+    from pegainfer.passes.pipeline import lower
+    raw = normalize_hf_config({**deepseek_v3.TINY_CONFIG, "torch_dtype": "bfloat16"})
+    lowered, _ = lower(deepseek_v3.build_graph(parse_config(deepseek_v3.Config, raw, "x")))
+    body = next(g for g in lowered.all_graphs() if any(n.name == "router" for n in g.nodes))
+    (router,) = [n for n in body.nodes if n.name == "router"]
+    assert router.output_types[0].dtype.name == "f32"
+    assert [n.op for n in router.attrs["nodes"]] == ["linear"]
+    route = next(n for n in body.nodes if n.name == "route")
+    assert route.inputs[0] == router.outputs[0]

@@ -3,7 +3,7 @@
 import numpy as np
 
 from pegainfer.ir.registry import ELEMENTWISE, GATHER, GEMM, ROW_REDUCTION, VIEW, expect, register_op
-from pegainfer.ir.dtypes import FP32, INT32
+from pegainfer.ir.dtypes import FP32, INT32, dtype_from_name
 from pegainfer.ir.types import Dim, TensorType, same_elements
 
 
@@ -20,16 +20,20 @@ def _embedding(ids: np.ndarray, table: np.ndarray, *, scale: float = 1.0) -> np.
     return rows if scale == 1.0 else rows * np.float32(scale)
 
 
-def _infer_linear(x: TensorType, w: TensorType, bias: TensorType | None = None) -> TensorType:
+def _infer_linear(x: TensorType, w: TensorType, bias: TensorType | None = None, *,
+                  dtype: str | None = None) -> TensorType:
+    """dtype: the output's, where it differs from the input's (a router's float32 logits)."""
     expect(w.rank == 2, f"linear: weight must be [out, in], found {w}")
     expect(x.rank >= 1 and x.shape[-1] == w.shape[1],
            f"linear: input's last dim must equal weight's in-features {w.shape[1]}, found {x}")
     if bias is not None:
         expect(bias.shape == (w.shape[0],), f"linear: bias must be [{w.shape[0]}], found {bias}")
-    return TensorType(x.dtype, (*x.shape[:-1], w.shape[0]))
+    out = x.dtype if dtype is None else dtype_from_name(dtype)
+    expect(out.is_float, f"linear: the output dtype must be a float type, found {dtype!r}")
+    return TensorType(out, (*x.shape[:-1], w.shape[0]))
 
 
-def _linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+def _linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None, *, dtype: str | None = None) -> np.ndarray:
     y = x @ w.T
     return y if bias is None else y + bias
 
