@@ -63,12 +63,19 @@ def random_weights(spec: ModelSpec, seed: int = 0) -> dict[str, np.ndarray]:
         if name in defaults:
             weights[name] = np.full(t.shape, defaults[name], t.dtype.np_dtype)
         elif t.dtype == F8E4M3:
-            weights[name] = np.resize(fp8, t.shape)
+            weights[name] = _tiled(fp8, t.shape)
         elif name in scales:
             weights[name] = np.full(t.shape, 0.02 / 64, np.float32)
         else:
-            weights[name] = np.resize(block, t.shape).astype(t.dtype.np_dtype, copy=False)
+            weights[name] = _tiled(block, t.shape).astype(t.dtype.np_dtype, copy=False)
     return weights
+
+
+def _tiled(values: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """`values` repeated to `shape`; a tensor no larger is a view of them (np.resize would keep a copy of all of
+    `values` behind each small tensor: 32 MB apiece for thousands of experts)."""
+    size = prod(shape)
+    return values[:size].reshape(shape) if size <= values.size else np.resize(values, shape)
 
 
 def scale_params(spec: ModelSpec) -> set[str]:
