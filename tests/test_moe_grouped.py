@@ -135,20 +135,21 @@ def test_grouped_and_gemv_variants_agree_and_the_grouped_one_is_deterministic():
     _, spec = planned(case)
     inputs, params = case_inputs(case)
     gemv, grouped = (v for v in spec.variants)
-    assert (gemv.max_rows, grouped.max_rows) == (moe.GEMV_MAX_ROWS, None)
+    assert (gemv.max_rows, grouped.max_rows) == (moe.gemv_rows(6, 16), None)
     first = to_numpy(run_variant(spec, grouped, inputs, params, rows)["experts"])
     again = to_numpy(run_variant(spec, grouped, inputs, params, rows, garbage=-3)["experts"])
     np.testing.assert_array_equal(first, again)
     assert relative_error(to_numpy(run_variant(spec, gemv, inputs, params, rows)["experts"]), first) < 1e-2
 
 
-@pytest.mark.parametrize("rows", [1, 4, 16, 64, 65, 512, 4096])
+@pytest.mark.parametrize("rows", [1, 2, 3, 16, 64, 65, 512, 4096])
 def test_few_rows_take_the_gemv_variant_and_many_the_grouped_one(rows):
+    """Up to about one pair an expert (16 experts, k = 6: 2 rows) the GEMVs; more, the grouped GEMMs."""
     _, spec = planned("bf16_k6_silu")
     variant = pick_variant(spec, {"tokens": rows})
-    assert variant.name == ("gemv_1" if rows <= 64 else f"grouped_{moe.GROUPED_M}")
+    assert variant.name == ("gemv_1" if rows <= 2 else f"grouped_{moe.GROUPED_M}")
     functions = [launch.function for launch in variant.launches]
-    if rows <= 64:
+    if rows <= 2:
         assert functions == ["moe_gate_up_kernel", "moe_down_kernel"]
     else:
         assert functions == ["moe_sort_kernel", "moe_grouped_gate_up_kernel", "moe_grouped_down_kernel",
@@ -157,12 +158,13 @@ def test_few_rows_take_the_gemv_variant_and_many_the_grouped_one(rows):
         assert variant.launches[1].grid[1].size({"tokens": rows}) == 2 * -(-rows * 6 // moe.GROUPED_M)
 
 
-@pytest.mark.parametrize("k, experts", [(1, 8), (2, 64), (6, 16), (8, 128), (8, 256), (4, 512)])
+@pytest.mark.parametrize("k, experts", [(1, 8), (2, 64), (6, 16), (6, 64), (8, 128), (8, 256), (4, 512)])
 def test_scratch_bounds_the_padded_pairs_of_every_grouped_step(k, experts):
     """At every row count the grouped variant serves, the worst routing's tiles (one pair alone in a tile for as
     many experts as can have one, the rest in whole tiles) fit moe.pairs padded, and moe.tiles with their count."""
-    block, slots = moe.GROUPED_M, moe.pair_slots(k, experts)
-    for rows in range(moe.GEMV_MAX_ROWS + 1, 5000, 7):
+    gemv_max = moe.gemv_rows(k, experts)
+    block, slots = moe.GROUPED_M, moe.pair_slots(k, experts, gemv_max)
+    for rows in range(gemv_max + 1, 5000, 7):
         pairs = rows * k
         alone = min(experts, pairs)
         tiles = alone + (pairs - alone) // block

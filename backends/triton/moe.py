@@ -16,7 +16,7 @@ from pegainfer.ir.types import TensorType
 
 ACT_CODES = {"silu": 1, "gelu_tanh": 2}  # as kernels/gemm.py's
 BLOCK_N, BLOCK_K = 32, 128  # the GEMV path's column and K tiles
-GEMV_MAX_ROWS = 64  # up to this many rows (decode steps) a pair's GEMV; more take the grouped GEMMs
+GEMV_MAX_ROWS = 64  # at most this many rows take a pair's GEMV (gemv_rows); more take the grouped GEMMs
 GROUPED_M, GROUPED_N, GROUPED_K = 64, 64, 64  # the grouped GEMMs' tiles: pairs, columns, K (at most)
 GROUPED_WARPS, GROUPED_STAGES = 4, 3
 TILE_PROGRAMS = 2  # the grouped GEMMs' programs a column tile, per GROUPED_M pairs of the step: tiles are at most
@@ -77,7 +77,7 @@ class Experts:
 
 
 def plan_moe_experts(graph: Graph, node: Node) -> KernelSpec:
-    """The per-pair GEMVs up to GEMV_MAX_ROWS rows (decode), the grouped GEMMs above (prefill)."""
+    """The per-pair GEMVs up to gemv_rows rows (small decode steps), the grouped GEMMs above."""
     (moe,) = node.attrs["nodes"]
     x, weights, ids, gate_up, down, *scales = moe.inputs
     types = graph.value_types() | dict(zip(moe.outputs, moe.output_types))
@@ -91,23 +91,30 @@ def plan_moe_experts(graph: Graph, node: Node) -> KernelSpec:
     scratch = {"moe.hidden": TensorType(f32, (rows, k * e.inter)),
                "moe.act": TensorType(types[x].dtype, (rows, k * e.inter)),
                "moe.partial": TensorType(f32, (rows, k * hidden)),
-               "moe.pairs": TensorType(i32, (rows, pair_slots(k, experts))),
+               "moe.pairs": TensorType(i32, (rows, pair_slots(k, experts, gemv_rows(k, experts)))),
                "moe.tiles": TensorType(i32, (rows, k + 1))}
     types = types | scratch
     layout = static_layout(graph) | {name: (t.shape[1], 0) for name, t in scratch.items()}
-    variants = [VariantSpec("gemv_1", GEMV_MAX_ROWS, _gemv_launches(e, types, layout)),
+    variants = [VariantSpec("gemv_1", gemv_rows(k, experts), _gemv_launches(e, types, layout)),
                 VariantSpec(f"grouped_{GROUPED_M}", None, _grouped_launches(e, types, layout))]
     spec = kernel_spec(graph, node, rows, variants)
     spec.scratch = {name: (t.dtype.name, t.shape) for name, t in scratch.items()}
     return spec
 
 
-def pair_slots(k: int, experts: int) -> int:
+def gemv_rows(k: int, experts: int) -> int:
+    """The most rows the GEMVs serve: up to about one pair an expert each reads its expert's weights once either
+    way; past it the grouped GEMMs read an expert once for all its pairs (measured on DeepSeek-V2-Lite's shape:
+    docs/benchmarks/2026-12-04-latent-moe.md)."""
+    return max(1, min(GEMV_MAX_ROWS, experts // k))
+
+
+def pair_slots(k: int, experts: int, gemv_max: int) -> int:
     """moe.pairs' entries a row: the padded pairs are at most tokens x k + experts x (GROUPED_M - 1) (each expert
     with a pair pads its last tile), and at most tokens x k x GROUPED_M (each pair pads a tile of its own). The
-    grouped variant serves more than GEMV_MAX_ROWS rows only, and the runtime sizes scratch for its largest step,
+    grouped variant serves more than `gemv_max` rows only, and the runtime sizes scratch for its largest step,
     so the first bound is met by a share of the experts' padding a row."""
-    return min(k * GROUPED_M, k + -(-experts * (GROUPED_M - 1) // (GEMV_MAX_ROWS + 1)))
+    return min(k * GROUPED_M, k + -(-experts * (GROUPED_M - 1) // (gemv_max + 1)))
 
 
 def _block(n: int, most: int) -> int:
