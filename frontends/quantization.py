@@ -167,7 +167,9 @@ def quantize_graph(graph: Graph, scheme: Fp8Weights, dtype: DType) -> Graph:
 
 
 def _quantize_experts(g: Graph, node: Node, scheme: Fp8Weights) -> None:
-    """The stacked experts' weights as their FP8 sources, with the sources' scales stacked beside them."""
+    """The stacked experts' weights as their FP8 sources, with the sources' scales stacked beside them. Scales per
+    output row take blocks of one row and the wider projection's columns, so that gate_up and down share them."""
+    widest = max(g.derived[node.inputs[i]].source_types[0].shape[1] for i in (3, 4))
     blocks = set()
     for index in (3, 4):
         stacked = node.inputs[index]
@@ -176,7 +178,7 @@ def _quantize_experts(g: Graph, node: Node, scheme: Fp8Weights) -> None:
             raise ConfigError(f"FP8 weights: {stacked}'s experts are partly left unquantized "
                               f"(modules_to_not_convert), which the FP8 expert kernels do not take")
         source_type = derivation.source_types[0]
-        block = scheme.block_of(source_type.shape)
+        block = scheme.block or (1, widest)
         scale_type = TensorType(FP32, scale_shape(source_type.shape, block))
         count = len(derivation.sources)
         g.params[stacked] = TensorType(F8E4M3, g.params[stacked].shape)

@@ -28,8 +28,8 @@ def fp8_v3(checkpoint_factory):
 
 
 def dequantized_copy(folder, out):
-    """The checkpoint in float32, each FP8 weight times its 128 x 128 blocks' scales (by torch, apart from the op
-    under test), for Hugging Face to load under its own names."""
+    """The checkpoint in float32, each FP8 weight times its 128 x 128 blocks' scales or its rows' (by torch, apart
+    from the op under test), for Hugging Face to load under its own names."""
     config = json.loads((folder / "config.json").read_text())
     config.pop("quantization_config")
     out.mkdir()
@@ -39,9 +39,11 @@ def dequantized_copy(folder, out):
     stored = load_file(folder / "model.safetensors")
     state = {}
     for name, tensor in stored.items():
-        if name.endswith("_scale_inv"):
+        if name.endswith(("_scale_inv", "_scale")):
             continue
-        if tensor.dtype == torch.float8_e4m3fn:
+        if tensor.dtype == torch.float8_e4m3fn and f"{name}_scale" in stored:
+            tensor = tensor.float() * stored[f"{name}_scale"].float()
+        elif tensor.dtype == torch.float8_e4m3fn:
             scale = stored[f"{name}_scale_inv"].repeat_interleave(128, 0).repeat_interleave(128, 1)
             tensor = tensor.float() * scale[: tensor.shape[0], : tensor.shape[1]]
         state[name] = tensor.float()

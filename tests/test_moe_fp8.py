@@ -1,17 +1,20 @@
 """FP8 experts (an FP8 checkpoint's stacked e4m3 weights, each projection with its own blocks of scales) in both
 variants of the moe_experts kernel under TRITON_INTERPRET, against ir/ops/moe.py's `_experts` on the dequantized
 weights (rounded to bf16, as the model's dequantize rounds them): blocks that cut projections short, several blocks
-a projection, and a scale per output row."""
+a projection, and a scale per output row. And a Qwen3-MoE checkpoint in either FP8 format on the CPU engine against
+Hugging Face float32 on its dequantized weights."""
 
 import ml_dtypes
 import numpy as np
 import pytest
 import torch
+import transformers
 
 from pegainfer.backends.planning import PlanOptions
 from pegainfer.backends.spec import pick_variant
 from pegainfer.backends.triton.execute import to_numpy
 from pegainfer.backends.triton.plan import plan_kernel
+from pegainfer.frontends.load import load_model
 from pegainfer.ir import GraphBuilder, dtype_from_name
 from pegainfer.ir.dtypes import F8E4M3, FP32, INT32
 from pegainfer.ir.graph import KERNEL
@@ -19,6 +22,9 @@ from pegainfer.ir.ops.moe import _experts, stacked_dequantize
 from pegainfer.ir.ops.quantize import scale_shape
 from pegainfer.errors import GraphError
 from pegainfer.passes.pipeline import lower
+from pegainfer.runtime.batch import Chunk, Sequence
+from pegainfer.runtime.reference_engine import ReferenceEngine
+from test_latent_fp8 import dequantized_copy
 from test_moe_grouped import relative_error, run_variant, skewed_routing
 
 HIDDEN, INTER, EXPERTS, K = 72, 40, 8, 2
@@ -95,3 +101,22 @@ def test_fp8_experts_without_their_scales_or_with_the_wrong_ones_are_refused():
     wrong = b.param("wrong", FP32, (EXPERTS, 1))
     with pytest.raises(GraphError, match=r"gate_up's scales must be f32\[16,1\]"):
         b.moe_experts(x, weights, ids, gate_up, down, wrong, wrong, experts=EXPERTS, act="silu", block=[128, 128])
+
+
+@pytest.mark.parametrize("fmt", ["fp8-block", "fp8-channel"])
+def test_an_fp8_moe_checkpoint_runs_as_hugging_face_does_on_its_dequantized_weights(checkpoint_factory, tmp_path,
+                                                                                     fmt):
+    folder = checkpoint_factory(f"qwen3_moe_{fmt}", quantization=fmt, architecture="Qwen3MoeForCausalLM")
+    ours = load_model(folder)
+    params = ours.spec.graph.checkpoint_params()
+    assert params["model.layers.0.mlp.experts.1.down_proj.weight"].dtype == F8E4M3
+    assert params["model.layers.0.mlp.gate.weight"].dtype != F8E4M3
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        dequantized_copy(folder, tmp_path / "dequantized"), dtype=torch.float32, attn_implementation="eager").eval()
+    prompts = ([3, 17, 40, 5, 99], [7], list(range(20, 53)))
+    engine = ReferenceEngine(ours, max_tokens=256, graph=lower(ours.spec.graph)[0])
+    seqs = [Sequence(i, list(p)) for i, p in enumerate(prompts)]
+    logits = engine.step([Chunk(s, len(s.token_ids)) for s in seqs], all_logits=True)
+    with torch.no_grad():
+        expected = np.concatenate([theirs(torch.tensor([p])).logits[0].numpy() for p in prompts])
+    assert np.abs(logits - expected).max() / np.abs(expected).max() < 1e-4
