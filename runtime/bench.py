@@ -149,8 +149,11 @@ def bench_decode(engine: GpuEngine, batches: list[int], contexts: list[int], ste
 
 
 def _sequences(engine: GpuEngine, batch: int, context: int, steps: int) -> list[Sequence]:
-    """Sequences whose first `context` tokens count as cached (their KV content does not matter for speed)."""
-    seqs = [Sequence(i, [1] * (context + steps + 1)) for i in range(batch)]
+    """Sequences whose first `context` tokens count as cached (their KV content does not matter for speed), each
+    of random tokens of its own: a MoE routes their rows apart, as it would distinct requests'."""
+    vocab = engine.model.spec.config.vocab_size
+    seqs = [Sequence(i, np.random.default_rng(i).integers(0, vocab, context + steps + 1).tolist())
+            for i in range(batch)]
     for seq in seqs:
         engine.allocator.grow(seq.table, context)
         seq.num_cached = context
