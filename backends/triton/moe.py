@@ -104,7 +104,7 @@ def plan_moe_experts(graph: Graph, node: Node) -> KernelSpec:
 
 def gemv_rows(k: int, experts: int) -> int:
     """The most rows the GEMVs serve: up to about one pair an expert each reads its expert's weights once either
-    way; past it the grouped GEMMs read an expert once for all its pairs (measured on DeepSeek-V2-Lite's shape:
+    way; past it the grouped GEMMs read an expert once for all its pairs (measured: 2x at 64 rows of 64 experts,
     docs/benchmarks/2026-12-04-latent-moe.md)."""
     return max(1, min(GEMV_MAX_ROWS, experts // k))
 
@@ -140,10 +140,12 @@ def _gemv_launches(e: Experts, types: dict, layout: dict) -> list[LaunchSpec]:
     for name, value in (("stride_hidden", "moe.hidden"), ("stride_weights", e.weights), ("stride_ids", e.ids),
                         ("stride_out", e.out)):
         down.stride(name, value)
+    # a program a token and down_n columns: at least 256 programs a token, so that one token fills the SMs
+    down_n = max(8, min(BLOCK_N, next_pow2(e.hidden) // 256))
     down_launch = launch("moe.py", "moe_down_kernel", down,
-                         dict(H=e.hidden, INTER=e.inter, K=e.k, BLOCK_N=BLOCK_N, BLOCK_K=_block(e.inter, BLOCK_K),
+                         dict(H=e.hidden, INTER=e.inter, K=e.k, BLOCK_N=down_n, BLOCK_K=_block(e.inter, BLOCK_K),
                               **e.fp8(e.down_scale)),
-                         (GridDim((e.rows,)), GridDim((e.hidden,), BLOCK_N)))
+                         (GridDim((e.rows,)), GridDim((e.hidden,), down_n)))
     return [gate_launch, down_launch]
 
 
