@@ -27,7 +27,10 @@ from random_models import BLOCK_SIZE
 TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2}  # relative error in norm
 # States carried across steps compound bf16 rounding: on these weights the bf16 reference is itself 1.6% from
 # float32's logits at the mixed step (the kernels 2.7%), so the bound is the noise's, not the kernels'
-BF16_TOLERANCE = {"Qwen3_5ForCausalLM": 4e-2, "Qwen3_5MoeForCausalLM": 4e-2}
+BF16_TOLERANCE = {"Qwen3_5ForCausalLM": 4e-2, "Qwen3_5MoeForCausalLM": 4e-2,
+                  # steps above 3 rows take the grouped expert GEMMs, whose tensor cores read the SiLU x up
+                  # intermediate rounded to bf16 (as vLLM's fused MoE does); the per-pair GEMVs keep it in float32
+                  "Qwen3MoeForCausalLM": 2e-2}
 # 15 and 5 rows (the GEMM's tensor-core tiles), then one sequence alone: batch 1's one-row GEMVs
 STEPS = {"prefill": [5, 1, 9], "mixed": [1, 1, 3], "single": [1]}
 # Each architecture's TINY_CONFIG, made smaller still, with windows shorter than the sequences.
