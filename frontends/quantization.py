@@ -160,7 +160,9 @@ def quantize_graph(graph: Graph, scheme: Fp8Weights, dtype: DType) -> Graph:
             if index is None or node is head or node.inputs[index] not in g.params or node.outputs[0] in routers:
                 continue
             weight = node.inputs[index]
-            assert weight not in g.derived, f"{weight}: a projection weight stacked from several tensors"
+            if weight in g.derived:
+                raise ConfigError(f"FP8 weights: {weight} is made at load from rows of "
+                                  f"{', '.join(g.derived[weight].sources)}, which FP8 checkpoints do not support yet")
             if not scheme.skips(_module_of(weight)):
                 _dequantize_before(g, node, index, scheme, dtype)
     return graph
