@@ -16,14 +16,13 @@ from pegainfer.backends.planning import PlanOptions
 from pegainfer.backends.spec import pick_variant
 from pegainfer.backends.triton.execute import to_numpy
 from pegainfer.backends.triton.plan import plan_kernel
-from pegainfer.errors import ConfigError
+from pegainfer.errors import ConfigError, GraphError
 from pegainfer.frontends.load import load_model, load_spec, resolve_config_path
 from pegainfer.ir import GraphBuilder, dtype_from_name
 from pegainfer.ir.dtypes import F8E4M3, FP32, INT32
 from pegainfer.ir.graph import KERNEL
 from pegainfer.ir.ops.moe import _experts, stacked_dequantize
 from pegainfer.ir.ops.quantize import scale_shape
-from pegainfer.errors import GraphError
 from pegainfer.passes.pipeline import lower
 from pegainfer.runtime.batch import Chunk, Sequence
 from pegainfer.runtime.reference_engine import ReferenceEngine
