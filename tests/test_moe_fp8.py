@@ -56,7 +56,7 @@ def fp8_params(rng, graph) -> dict[str, np.ndarray]:
             for name, t in types.items()}
 
 
-@pytest.mark.parametrize("rows", [5, 90], ids=["gemv", "grouped"])
+@pytest.mark.parametrize("rows", [1, 5, 90], ids=["gemv", "grouped_pairs", "grouped"])
 @pytest.mark.parametrize("block", BLOCKS.values(), ids=BLOCKS.keys())
 def test_fp8_experts_match_the_reference_on_their_dequantized_weights(block, rows):
     graph = fp8_graph(block)
@@ -64,7 +64,7 @@ def test_fp8_experts_match_the_reference_on_their_dequantized_weights(block, row
     (node,) = [n for n in lowered.nodes if n.op == KERNEL]
     spec = plan_kernel(lowered, node, PlanOptions())
     variant = pick_variant(spec, {"tokens": rows})
-    assert variant.name == ("gemv_1" if rows <= 64 else "grouped_64")
+    assert variant.name == {1: "gemv_1", 5: "grouped_pairs", 90: "grouped_64"}[rows]
     rng = np.random.default_rng(rows)
     params = fp8_params(rng, graph)
     ids = skewed_routing(rng, rows, EXPERTS, K, (5,), 2)

@@ -134,28 +134,32 @@ def test_grouped_and_gemv_variants_agree_and_the_grouped_one_is_deterministic():
     rows = CASES[case][1]
     _, spec = planned(case)
     inputs, params = case_inputs(case)
-    gemv, grouped = (v for v in spec.variants)
-    assert (gemv.max_rows, grouped.max_rows) == (moe.gemv_rows(6, 16), None)
+    gemv, per_pair, grouped = spec.variants
+    assert (gemv.max_rows, per_pair.max_rows, grouped.max_rows) == (moe.gemv_rows(6, 16), moe.GEMV_MAX_ROWS, None)
     first = to_numpy(run_variant(spec, grouped, inputs, params, rows)["experts"])
     again = to_numpy(run_variant(spec, grouped, inputs, params, rows, garbage=-3)["experts"])
     np.testing.assert_array_equal(first, again)
+    # a program a pair or a few tiles a program: each tile's arithmetic is the same, so the sums are too
+    np.testing.assert_array_equal(to_numpy(run_variant(spec, per_pair, inputs, params, rows)["experts"]), first)
     assert relative_error(to_numpy(run_variant(spec, gemv, inputs, params, rows)["experts"]), first) < 1e-2
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 16, 64, 65, 512, 4096])
 def test_few_rows_take_the_gemv_variant_and_many_the_grouped_one(rows):
-    """Up to about one pair an expert (16 experts, k = 6: 2 rows) the GEMVs; more, the grouped GEMMs."""
+    """The GEMVs while pairs seldom share an expert (16 experts, k = 6: 1 row); the grouped GEMMs with a program a
+    pair up to 64 rows, then a few tiles a program."""
     _, spec = planned("bf16_k6_silu")
     variant = pick_variant(spec, {"tokens": rows})
-    assert variant.name == ("gemv_1" if rows <= 2 else f"grouped_{moe.GROUPED_M}")
+    assert variant.name == ("gemv_1" if rows <= 1 else "grouped_pairs" if rows <= 64 else f"grouped_{moe.GROUPED_M}")
     functions = [launch.function for launch in variant.launches]
-    if rows <= 2:
+    if rows <= 1:
         assert functions == ["moe_gate_up_kernel", "moe_down_kernel"]
-    else:
-        assert functions == ["moe_sort_kernel", "moe_grouped_gate_up_kernel", "moe_grouped_down_kernel",
-                             "moe_sum_kernel"]
-        # the GEMMs' programs over the tiles: 2 per GROUPED_M pairs, for at most pairs / 64 + one per expert tiles
-        assert variant.launches[1].grid[1].size({"tokens": rows}) == 2 * -(-rows * 6 // moe.GROUPED_M)
+        return
+    assert functions == ["moe_sort_kernel", "moe_grouped_gate_up_kernel", "moe_grouped_down_kernel",
+                         "moe_sum_kernel"]
+    # the GEMMs' programs over the tiles (at most pairs / 64 + one an expert): one a pair, or 2 per 64 pairs
+    programs = variant.launches[1].grid[1].size({"tokens": rows})
+    assert programs == (rows * 6 if rows <= 64 else 2 * -(-rows * 6 // moe.GROUPED_M))
 
 
 @pytest.mark.parametrize("k, experts", [(1, 8), (2, 64), (6, 16), (6, 64), (8, 128), (8, 256), (4, 512)])
@@ -180,7 +184,7 @@ def test_both_variants_compile_for_sm90_the_grouped_gemms_on_the_tensor_cores(tm
     _, spec = planned("bf16_k6_silu")
     todo = {(90, f"{variant.name}/{launch.function}"): launch for variant in spec.variants
             for launch in variant.launches}
-    assert len(todo) == 6
+    assert len(todo) == 10
     for (sm, key), compiled in compile_many(todo, 4, None):
         assert compiled.cubin[:4] == b"\x7fELF" and compiled.function.startswith(key.split("/")[1]), key
         text = sass(compiled.cubin, tmp_path)

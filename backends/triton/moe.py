@@ -16,7 +16,7 @@ from pegainfer.ir.types import TensorType
 
 ACT_CODES = {"silu": 1, "gelu_tanh": 2}  # as kernels/gemm.py's
 BLOCK_N, BLOCK_K = 32, 128  # the GEMV path's column and K tiles
-GEMV_MAX_ROWS = 64  # at most this many rows take a pair's GEMV (gemv_rows); more take the grouped GEMMs
+GEMV_MAX_ROWS = 64  # at most this many rows take a pair's GEMV (gemv_rows), or the grouped GEMMs a program a pair
 GROUPED_M, GROUPED_N, GROUPED_K = 64, 64, 64  # the grouped GEMMs' tiles: pairs, columns, K (at most)
 GROUPED_WARPS, GROUPED_STAGES = 4, 3
 TILE_PROGRAMS = 2  # the grouped GEMMs' programs a column tile, per GROUPED_M pairs of the step: tiles are at most
@@ -77,7 +77,8 @@ class Experts:
 
 
 def plan_moe_experts(graph: Graph, node: Node) -> KernelSpec:
-    """The per-pair GEMVs up to gemv_rows rows (small decode steps), the grouped GEMMs above."""
+    """The per-pair GEMVs up to gemv_rows rows, the grouped GEMMs above: a program a pair up to GEMV_MAX_ROWS
+    (decode steps, where a tile holds a pair or two), then a few tiles a program (prefill)."""
     (moe,) = node.attrs["nodes"]
     x, weights, ids, gate_up, down, *scales = moe.inputs
     types = graph.value_types() | dict(zip(moe.outputs, moe.output_types))
@@ -95,18 +96,22 @@ def plan_moe_experts(graph: Graph, node: Node) -> KernelSpec:
                "moe.tiles": TensorType(i32, (rows, k + 1))}
     types = types | scratch
     layout = static_layout(graph) | {name: (t.shape[1], 0) for name, t in scratch.items()}
+    per_pair = GridDim((rows, k))  # a program a pair: every tile has its own, however few pairs share an expert
+    shared = GridDim((rows, k), GROUPED_M, TILE_PROGRAMS)  # a few tiles a program, where tiles are mostly full
     variants = [VariantSpec("gemv_1", gemv_rows(k, experts), _gemv_launches(e, types, layout)),
-                VariantSpec(f"grouped_{GROUPED_M}", None, _grouped_launches(e, types, layout))]
+                VariantSpec("grouped_pairs", GEMV_MAX_ROWS, _grouped_launches(e, types, layout, per_pair)),
+                VariantSpec(f"grouped_{GROUPED_M}", None, _grouped_launches(e, types, layout, shared))]
     spec = kernel_spec(graph, node, rows, variants)
     spec.scratch = {name: (t.dtype.name, t.shape) for name, t in scratch.items()}
     return spec
 
 
 def gemv_rows(k: int, experts: int) -> int:
-    """The most rows the GEMVs serve: up to about one pair an expert each reads its expert's weights once either
-    way; past it the grouped GEMMs read an expert once for all its pairs (measured: 2x at 64 rows of 64 experts,
+    """The most rows the GEMVs serve: while pairs seldom share an expert (a quarter of a pair an expert) each reads
+    its expert's weights about once either way; past it the grouped GEMMs read an expert once for all its pairs
+    (measured with 64 experts, k = 6: 1.04x at 8 rows, 1.2x at 32, 2x at 64:
     docs/benchmarks/2026-12-04-latent-moe.md)."""
-    return max(1, min(GEMV_MAX_ROWS, experts // k))
+    return max(1, min(GEMV_MAX_ROWS, experts // (4 * k)))
 
 
 def pair_slots(k: int, experts: int, gemv_max: int) -> int:
@@ -149,8 +154,8 @@ def _gemv_launches(e: Experts, types: dict, layout: dict) -> list[LaunchSpec]:
     return [gate_launch, down_launch]
 
 
-def _grouped_launches(e: Experts, types: dict, layout: dict) -> list[LaunchSpec]:
-    tiles = GridDim((e.rows, e.k), GROUPED_M, TILE_PROGRAMS)  # the programs that share a GEMM's tiles
+def _grouped_launches(e: Experts, types: dict, layout: dict, tiles: GridDim) -> list[LaunchSpec]:
+    """Sort, gate/up, down, sum; `tiles`: the programs that share a GEMM's tiles (beside its column tiles)."""
     sort = Params(types, layout)
     for name, value in (("ids_ptr", e.ids), ("pairs_ptr", "moe.pairs"), ("tiles_ptr", "moe.tiles")):
         sort.tensor(name, value)

@@ -12,6 +12,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 import check  # noqa: E402  (scripts/gpu/check.py: the shared GPU checks)
+import recurrent_check  # noqa: E402  (its profile_prefill: GPU time of one prompt by kernel)
 
 from pegainfer.frontends.load import load_model  # noqa: E402
 from pegainfer.runtime import bench  # noqa: E402
@@ -68,7 +69,7 @@ def check_noise(folder: Path, prefix: str, results: dict) -> None:
         results[f"{prefix}_{name}_vs_cpu_f32"] = check.relative_error(logits[name], logits["float32"])
 
 
-def profile_decode(results: dict, name: str, batches=(1, 64), steps: int = 5) -> None:
+def profile_decode(results: dict, name: str, batches=(1, 8, 64), steps: int = 5) -> None:
     """GPU time a decode step (context 128, CUDA graphs) by kernel name, from CUPTI records (torch.profiler)."""
     import torch
 
@@ -130,7 +131,8 @@ def main() -> None:
                 ("noise", lambda: [check_noise(folder, prefix, results) for folder, prefix in
                                    ((args.v2, "v2"), (args.v3, "v3"), (args.v3_fp8, "v3_fp8"))]),
                 ("bench", lambda: bench_full(results, "deepseek-v2-lite")),
-                ("profile", lambda: profile_decode(results, "deepseek-v2-lite")))
+                ("profile", lambda: profile_decode(results, "deepseek-v2-lite")),
+                ("profile_prefill", lambda: recurrent_check.profile_prefill(results, "deepseek-v2-lite")))
     check.run_sections(sections, args.skip, args.out, results)
 
 
