@@ -72,9 +72,14 @@ def packed_step(rng, block_size: int, num_blocks: int = 16) -> dict[str, np.ndar
                 slot_mapping=np.array(slots + [-1], np.int32))
 
 
+@pytest.mark.parametrize("variant", ["default", "prefill"])
 @pytest.mark.parametrize("heads,width,rope,block_size,dtype", [(4, 48, 8, 4, F32), (4, 32, 8, 16, F32),
-                                                               (3, 80, 8, 4, F32), (4, 48, 8, 16, BF16)])
-def test_latent_write_and_attention_match_the_reference(heads, width, rope, block_size, dtype):
+                                                               (3, 80, 8, 4, F32), (4, 48, 8, 16, BF16),
+                                                               (4, 160, 8, 4, F32)])
+def test_latent_write_and_attention_match_the_reference(heads, width, rope, block_size, dtype, variant):
+    """Both attention variants on the same step: the decode one, and the prompt chunks' one (which a step of
+    max_query_len 16 or more launches; here it is made to serve this one), its value chunks cut at the latent's
+    edge at width 160."""
     rng = np.random.default_rng(width + block_size)
     step = packed_step(rng, block_size)
     tokens = len(step["slot_mapping"])
@@ -94,7 +99,12 @@ def test_latent_write_and_attention_match_the_reference(heads, width, rope, bloc
              "block_size": block_size} | launch_sizes(step["query_lens"])
     options = PlanOptions(block_size=block_size)
     for node in [n for n in lowered.nodes if n.op == KERNEL]:
-        env |= launch_kernel(plan_kernel(lowered, node, options), node, env, sizes)
+        spec = plan_kernel(lowered, node, options)
+        if spec.kind == "latent_attention":
+            assert [v.min_sizes for v in spec.variants] == [{"max_query_len": 16}, {}]
+            spec.variants = [v for v in spec.variants if v.name.startswith(variant)]
+            spec.variants[0].min_sizes = {}
+        env |= launch_kernel(spec, node, env, sizes)
     bound = 1e-5 if dtype is F32 else 2e-2
     assert relative_error(to_numpy(env["cache"]), want_cache) < bound
     got = to_numpy(env[lowered.outputs[0]])
@@ -234,3 +244,19 @@ def test_latent_launches_compile_for_sm_90():
     assert compiled.keys() == todo.keys()
     for result in compiled.values():
         assert result.cubin and not result.pdl
+
+
+def test_the_prompt_chunks_variant_fits_an_sm_at_full_size(tmp_path):
+    """At DeepSeek-V3's shape (128 heads, a 512 + 64 latent) the prompt chunks' attention compiles to wgmma with
+    no spills, within an sm_90 block's shared memory."""
+    from pegainfer.frontends.load import load_spec, resolve_config_path
+    from test_native_backends import sass
+
+    lowered, _ = lower(load_spec(resolve_config_path("deepseek-v3")).graph)
+    body = next(g for g in lowered.all_graphs() if any(n.name == "attention.latent" for n in g.nodes))
+    node = next(n for n in body.nodes if n.name == "attention.latent")
+    (prefill,) = [v for v in plan_kernel(body, node, PlanOptions(block_size=16)).variants if v.min_sizes]
+    ((_, compiled),) = compile_many({(90, "prefill"): prefill.launches[0]}, jobs=1, progress=None)
+    assert compiled.shared <= 227 * 1024
+    text = sass(compiled.cubin, tmp_path)
+    assert "HGMMA" in text and "STL" not in text

@@ -1,7 +1,8 @@
 """Planning latent attention (kernels/latent_attention.py): the latent cache write, a program per token; the
 attention, a program per (sequence, head tile, query tile) whose rows are a few queries times the heads that share
-the one cached latent head; the per-head GEMM, a program per (row tile, head, column tile); and plan_rope, a
-standalone rope of the rope parts (a program per token), which plan.py does not dispatch to yet."""
+the one cached latent head, and for steps holding a prompt chunk kernels/latent_prefill.py's 64-row programs, one
+per value chunk; the per-head GEMM, a program per (row tile, head, column tile); and plan_rope, a standalone rope
+of the rope parts (a program per token)."""
 
 from pegainfer.backends.planning import PlanOptions, static_layout
 from pegainfer.backends.spec import GridDim, KernelSpec, VariantSpec
@@ -15,6 +16,9 @@ MAX_HEAD_TILE = 64  # heads of one attention program at the most: more heads tak
 LATENT_TILE = 16384  # cached values (keys x latent width) of a key tile at the most: 32 keys of a 512-wide latent
 MAX_LATENT = 512  # an attention program holds its rows' whole latent (queries, output; 144 KiB shared at 64 heads)
 HEAD_TILE_M, HEAD_TILE_N, HEAD_TILE_K = 64, 64, 64  # head_linear's tiles at the most
+PREFILL_ROWS, PREFILL_QUERIES = 64, 16  # kernels/latent_prefill.py's rows a program; from this max_query_len on
+PREFILL_C, PREFILL_V, PREFILL_KV = 64, 128, 64  # its score chunks, value chunk and key tile
+PREFILL_STAGES = 1  # its key loop unpipelined: two stages of the 9 score chunks want 248 KiB of shared memory
 
 
 def _types(graph: Graph, inner: Node) -> dict:
@@ -76,7 +80,23 @@ def plan_latent_attention(graph: Graph, node: Node, options: PlanOptions) -> Ker
     batch = types[starts].shape[0]
     grid = (GridDim((batch,)), GridDim((heads,), block_h), GridDim(("max_query_len",), constexprs["BLOCK_Q"]))
     tiles = launch(TEMPLATE, "latent_attention_kernel", p, constexprs, grid, num_warps=4 if block_l <= 128 else 8)
-    return kernel_spec(graph, node, batch, [VariantSpec("default", None, [tiles])])
+    prefill = _prefill_variant(p, constexprs, batch, heads, width)
+    return kernel_spec(graph, node, batch, [prefill, VariantSpec("default", None, [tiles])])
+
+
+def _prefill_variant(p: Params, decode: dict, batch, heads: int, width: int) -> VariantSpec:
+    """kernels/latent_prefill.py for steps holding a prompt chunk (and any decode rows beside it)."""
+    block_q = max(1, PREFILL_ROWS // decode["BLOCK_H"])
+    block_v = min(PREFILL_V, decode["BLOCK_L"])
+    chunks = -(-width // block_v)
+    keep = ("SCALE", "HEADS", "L", "R", "CACHE_BLOCK", "BLOCK_R", "BLOCK_H", "HEAD_Q", "HEAD_ROPE", "HEAD_OUT",
+            "UPCAST_DOT")
+    constexprs = {key: decode[key] for key in keep} | dict(
+        BLOCK_C=min(PREFILL_C, decode["BLOCK_L"]), BLOCK_V=block_v, BLOCK_Q=block_q, BLOCK_KV=PREFILL_KV,
+        CHUNKS=chunks)
+    grid = (GridDim((batch,)), GridDim((heads,), decode["BLOCK_H"]), GridDim(("max_query_len",), block_q, chunks))
+    tiles = launch("latent_prefill.py", "latent_prefill_kernel", p, constexprs, grid, 4, PREFILL_STAGES)
+    return VariantSpec(f"prefill_{PREFILL_ROWS}x{block_v}", None, [tiles], min_sizes={"max_query_len": PREFILL_QUERIES})
 
 
 def plan_head_linear(graph: Graph, node: Node) -> KernelSpec:
