@@ -1,7 +1,7 @@
 """Planning latent attention (kernels/latent_attention.py): the latent cache write, a program per token; the
 attention, a program per (sequence, head tile, query tile) whose rows are a few queries times the heads that share
 the one cached latent head, and for steps holding a prompt chunk kernels/latent_prefill.py's 64-row programs, one
-per value chunk; the per-head GEMM, a program per (row tile, head, column tile); and plan_rope, a standalone rope
+per 256 value columns; the per-head GEMM, a program per (row tile, head, column tile); and plan_rope, a standalone rope
 of the rope parts (a program per token)."""
 
 from pegainfer.backends.planning import PlanOptions, static_layout
@@ -17,7 +17,7 @@ LATENT_TILE = 16384  # cached values (keys x latent width) of a key tile at the 
 MAX_LATENT = 512  # an attention program holds its rows' whole latent (queries, output; 144 KiB shared at 64 heads)
 HEAD_TILE_M, HEAD_TILE_N, HEAD_TILE_K = 64, 64, 64  # head_linear's tiles at the most
 PREFILL_ROWS, PREFILL_QUERIES = 64, 16  # kernels/latent_prefill.py's rows a program; from this max_query_len on
-PREFILL_C, PREFILL_V, PREFILL_KV = 64, 128, 64  # its score chunks, value chunk and key tile
+PREFILL_C, PREFILL_V, PREFILL_KV = 64, 256, 64  # its score chunks, value chunk and key tile
 PREFILL_STAGES = 1  # its key loop unpipelined: two stages of the 9 score chunks want 248 KiB of shared memory
 
 
@@ -95,7 +95,7 @@ def _prefill_variant(p: Params, decode: dict, batch, heads: int, width: int) -> 
         BLOCK_C=min(PREFILL_C, decode["BLOCK_L"]), BLOCK_V=block_v, BLOCK_Q=block_q, BLOCK_KV=PREFILL_KV,
         CHUNKS=chunks)
     grid = (GridDim((batch,)), GridDim((heads,), decode["BLOCK_H"]), GridDim(("max_query_len",), block_q, chunks))
-    tiles = launch("latent_prefill.py", "latent_prefill_kernel", p, constexprs, grid, 4, PREFILL_STAGES)
+    tiles = launch("latent_prefill.py", "latent_prefill_kernel", p, constexprs, grid, 8, PREFILL_STAGES)
     return VariantSpec(f"prefill_{PREFILL_ROWS}x{block_v}", None, [tiles], min_sizes={"max_query_len": PREFILL_QUERIES})
 
 

@@ -1,8 +1,8 @@
 """Latent attention for prompt chunks: a program per (sequence, head tile, query tile, value chunk) of 64 rows
 (queries x heads). Its scores take the whole latent and the rope key, read BLOCK_C values at a time as the dot
-wants them; its values are its own BLOCK_V of the latent, so its accumulator is [64, BLOCK_V] where the decode
-kernel's [rows, L] would spill at 64 rows. The scores are recomputed for each of the L / BLOCK_V chunks: more
-tensor-core work, for four times the decode kernel's rows a tile and so a quarter of its cache reads."""
+wants them; its values are its own BLOCK_V of the latent, so its accumulator is [64, BLOCK_V] where a [64, L] one
+would spill. The scores are recomputed for each of the L / BLOCK_V chunks: more tensor-core work, for wgmma tiles
+of 64 rows where the decode kernel's are 16 at 16 heads, and so a quarter of its cache reads."""
 
 # include: latent_attention.py
 
