@@ -9,6 +9,7 @@ from collections.abc import Mapping
 import numpy as np
 import pytest
 
+from pegainfer.frontends.checkpoint import derive
 from pegainfer.frontends.load import load_model
 from pegainfer.passes.pipeline import lower
 from pegainfer.runtime.gpu.upload import plan_pieces, stream_pieces
@@ -85,3 +86,23 @@ def test_a_tensor_needing_a_cast_is_loaded_once_and_dropped_after_its_last_piece
     assert all(p.span is None for p in pieces) and set(weights.loads.values()) == {1}
     assert all(p.source._bytes is None for p in pieces), "no tensor stays in host memory after its pieces"
     check_every_param(model, graph, device, addresses)
+
+
+def test_kv_b_rows_dequantized_at_load_land_as_the_reference_derives_them(checkpoint_factory):
+    """An FP8 latent-attention checkpoint: kv_b's key and value rows are made on the host (dequantized, then their
+    rows taken) and sent whole; every other param lands as its file's bytes."""
+    folder = checkpoint_factory("deepseek_v3_grouped_fp8", quantization="fp8-block",
+                                architecture="DeepseekV3ForCausalLM")
+    model = load_model(folder, lazy=True)
+    graph, _ = lower(model.spec.graph)
+    derivations = graph.derivations()
+    made = {name for name, d in derivations.items() if d.dequantize is not None}
+    assert made and all(".kv_b_proj." in name for name in made)
+    device, addresses, _ = run_upload(model, graph, model.weights, chunk=1000, buffers=3)
+    for name in made:
+        expected = np.ascontiguousarray(derive(derivations[name], model.weights)).reshape(-1).view(np.uint8)
+        np.testing.assert_array_equal(device[addresses[name]: addresses[name] + expected.size], expected, name)
+    for name in [n for n in graph.expanded_params() if n not in made]:
+        sources = derivations[name].sources if name in derivations else (name,)
+        expected = np.concatenate([np.asarray(model.weights[s]).reshape(-1).view(np.uint8) for s in sources])
+        np.testing.assert_array_equal(device[addresses[name]: addresses[name] + expected.size], expected, name)
