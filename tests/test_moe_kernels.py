@@ -38,8 +38,8 @@ def relative_error(ours: np.ndarray, theirs: np.ndarray) -> float:
     return float(np.linalg.norm(ours - theirs) / np.linalg.norm(theirs))
 
 
-@pytest.mark.parametrize("rows", [17, 40])
-def test_moe_kernels_write_every_element_they_read(rows):
+@pytest.mark.parametrize("rows", [1])  # the GEMVs' rows here (16 experts, k = 4); more take the grouped GEMMs,
+def test_moe_kernels_write_every_element_they_read(rows):  # whose scratch test_moe_grouped poisons the same way
     graph = moe_graph()
     lowered, _ = lower(graph)
     route, experts = [n for n in lowered.nodes if n.op == KERNEL]
@@ -56,7 +56,7 @@ def test_moe_kernels_write_every_element_they_read(rows):
     env |= launch_kernel(plan_kernel(lowered, route, PlanOptions()), route, env, sizes)
     spec = plan_kernel(lowered, experts, PlanOptions())
     variant = pick_variant(spec, sizes)
-    assert variant.name == "gemv_1"  # decode-sized steps: the per-pair GEMVs, over moe.hidden alone
+    assert variant.name == "gemv_1"  # the per-pair GEMVs, over moe.hidden alone
     assert {p.buffer for launch in variant.launches for p in launch.params} & set(spec.scratch) == {"moe.hidden"}
     env["moe.hidden"] = torch.full((rows, K * INTER), float("nan"), dtype=torch.float32)
     env["experts"] = torch.full((rows, HIDDEN), float("nan"), dtype=torch.bfloat16)
