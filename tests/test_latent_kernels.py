@@ -209,8 +209,9 @@ def workload(model: Model, run, block_size: int) -> list[list[np.ndarray]]:
 # two layers of random weights that compounds to about 3% in the logits (as test_archs_triton's Qwen3.5 bound)
 BF16_TOLERANCE = 4e-2
 # V3's router (sigmoid scores, expert groups) needs the route kernel's grouped form; V2's routes greedily by softmax
-ARCHITECTURES = [("DeepseekV2ForCausalLM", "float32", False), ("DeepseekV3ForCausalLM", "float32", False),
-                 ("DeepseekV2ForCausalLM", "bfloat16", False), ("DeepseekV3ForCausalLM", "float32", True)]
+# V2 in bf16 only: its float32 kernels are V3's less the query LoRA and the grouped router (and 35 s of the suite)
+ARCHITECTURES = [("DeepseekV3ForCausalLM", "float32", False), ("DeepseekV2ForCausalLM", "bfloat16", False),
+                 ("DeepseekV3ForCausalLM", "float32", True)]
 
 
 @pytest.mark.parametrize("architecture,dtype,fp8", ARCHITECTURES)

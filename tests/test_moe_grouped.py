@@ -139,9 +139,12 @@ def test_grouped_and_gemv_variants_agree_and_the_grouped_one_is_deterministic():
     first = to_numpy(run_variant(spec, grouped, inputs, params, rows)["experts"])
     again = to_numpy(run_variant(spec, grouped, inputs, params, rows, garbage=-3)["experts"])
     np.testing.assert_array_equal(first, again)
-    # a program a pair or a few tiles a program: each tile's arithmetic is the same, so the sums are too
-    np.testing.assert_array_equal(to_numpy(run_variant(spec, per_pair, inputs, params, rows)["experts"]), first)
-    assert relative_error(to_numpy(run_variant(spec, gemv, inputs, params, rows)["experts"]), first) < 1e-2
+    # a program a pair or a few tiles a program: each tile's arithmetic is the same, so the sums are too (on the
+    # first 20 rows: a program a pair is slow under the interpreter)
+    few = {name: a[:20] for name, a in inputs.items()}
+    np.testing.assert_array_equal(to_numpy(run_variant(spec, per_pair, few, params, 20)["experts"]),
+                                  to_numpy(run_variant(spec, grouped, few, params, 20)["experts"]))
+    assert relative_error(to_numpy(run_variant(spec, gemv, few, params, 20)["experts"]), first[:20]) < 1e-2
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 16, 64, 65, 512, 4096])

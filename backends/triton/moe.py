@@ -145,8 +145,8 @@ def _gemv_launches(e: Experts, types: dict, layout: dict) -> list[LaunchSpec]:
     for name, value in (("stride_hidden", "moe.hidden"), ("stride_weights", e.weights), ("stride_ids", e.ids),
                         ("stride_out", e.out)):
         down.stride(name, value)
-    # a program a token and down_n columns: at least 256 programs a token, so that one token fills the SMs
-    down_n = max(8, min(BLOCK_N, next_pow2(e.hidden) // 256))
+    # a program a token and down_n columns: 256 programs a token from 2048 columns on, so one token fills the SMs
+    down_n = max(8, min(BLOCK_N, next_pow2(e.hidden) // 256)) if e.hidden >= 2048 else BLOCK_N
     down_launch = launch("moe.py", "moe_down_kernel", down,
                          dict(H=e.hidden, INTER=e.inter, K=e.k, BLOCK_N=down_n, BLOCK_K=_block(e.inter, BLOCK_K),
                               **e.fp8(e.down_scale)),
