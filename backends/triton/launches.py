@@ -58,9 +58,9 @@ INCLUDE = re.compile(r"^# include: (\S+)$", re.MULTILINE)
 
 
 def template_source(template: str) -> str:
-    """A template's text with each `# include: FILE` line replaced by that file of KERNELS (shared jit helpers: a
-    launch's source is one self-contained module)."""
-    return INCLUDE.sub(lambda m: (KERNELS / m.group(1)).read_text(), (KERNELS / template).read_text())
+    """A template's text with each `# include: FILE` line replaced by that file of KERNELS, its own includes
+    expanded too (shared jit helpers: a launch's source is one self-contained module)."""
+    return INCLUDE.sub(lambda m: template_source(m.group(1)), (KERNELS / template).read_text())
 
 
 def kernel_spec(graph: Graph, node: Node, row_symbol: str, variants: list[VariantSpec]) -> KernelSpec:

@@ -9,16 +9,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # include: fp8.py
-
-
-@triton.jit
-def _dot(a, b, acc, UPCAST: tl.constexpr):
-    """As gemm.dot: float32 products under the CPU interpreter, whose bf16 dot is wrong in Triton 3.6."""
-    if UPCAST:
-        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        acc = tl.dot(a, b, acc, input_precision="ieee")
-    return acc
+# include: dot.py
 
 
 @triton.jit

@@ -7,17 +7,7 @@ only on the device), writing each pair's row of a float32 scratch; moe_sum_kerne
 choice order, so the output never depends on how the pairs were scheduled (no atomics)."""
 
 # include: moe.py
-
-
-@triton.jit
-def _mma(a, b, acc, UPCAST: tl.constexpr):
-    """acc + a @ b; UPCAST (only under Triton's CPU interpreter, whose bf16 dot is wrong) in float32, as
-    kernels/gemm.py's dot."""
-    if UPCAST:
-        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        acc = tl.dot(a, b, acc, input_precision="ieee")
-    return acc
+# include: dot.py
 
 
 @triton.jit
@@ -95,8 +85,8 @@ def moe_grouped_gate_up_kernel(x_ptr, w_ptr, scale_ptr, pairs_ptr, tiles_ptr, hi
             w_mask = mask_n[:, None] & mask_k[None, :]
             w_gate = expert_tile(w_ptr, scale_ptr, gate_rows, offs_k, w_mask, a, H, INTER, FP8, BR, BC, UPCAST_DOT)
             w_up = expert_tile(w_ptr, scale_ptr, gate_rows + INTER, offs_k, w_mask, a, H, INTER, FP8, BR, BC, UPCAST_DOT)
-            gate = _mma(a, tl.trans(w_gate), gate, UPCAST_DOT)
-            up = _mma(a, tl.trans(w_up), up, UPCAST_DOT)
+            gate = _dot(a, tl.trans(w_gate), gate, UPCAST_DOT)
+            up = _dot(a, tl.trans(w_up), up, UPCAST_DOT)
         out = (_activate(gate, ACT) * up).to(hidden_ptr.dtype.element_ty)
         tl.store(hidden_ptr + token[:, None] * stride_hidden + choice[:, None] * INTER + offs_n[None, :], out,
                  mask=valid[:, None] & mask_n[None, :])
@@ -121,7 +111,7 @@ def moe_grouped_down_kernel(hidden_ptr, weights_ptr, w_ptr, scale_ptr, pairs_ptr
                         mask=valid[:, None] & mask_k[None, :], other=0.0)
             w = expert_tile(w_ptr, scale_ptr, rows, offs_k, mask_n[:, None] & mask_k[None, :], a, INTER, H, FP8,
                             BR, BC, UPCAST_DOT)
-            acc = _mma(a, tl.trans(w), acc, UPCAST_DOT)
+            acc = _dot(a, tl.trans(w), acc, UPCAST_DOT)
         weight = tl.load(weights_ptr + token * stride_weights + choice, mask=valid, other=0.0).to(tl.float32)
         tl.store(partial_ptr + token[:, None] * stride_partial + choice[:, None] * H + offs_n[None, :],
                  acc * weight[:, None], mask=valid[:, None] & mask_n[None, :])
