@@ -117,7 +117,9 @@ def test_a_huge_prompt_is_refused_while_health_and_streams_keep_answering(server
         assert status == 400 and error["param"] == ("messages" if path == CHAT else "prompt"), body
         assert f"maximum context length is {MAX_MODEL_LEN}" in error["message"] and "Shorten" in error["message"]
     after = server.metrics()["process_resident_memory_bytes"]
-    assert health < 0.1 and gaps < 0.1, (health, gaps)
+    # A stall (the whole text encoded on the event loop) lasts far past the bound; a healthy server's worst wait
+    # reached 0.104 and 0.121 s in CI runs under load, hence 0.3 s.
+    assert health < 0.3 and gaps < 0.3, (health, gaps)
     assert after - before < 50 << 20, (before, after)
 
 
