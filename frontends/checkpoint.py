@@ -12,7 +12,8 @@ from safetensors import SafetensorError, safe_open
 
 from pegainfer.errors import CheckpointError
 from pegainfer.ir.dtypes import dtype_from_name
-from pegainfer.ir.graph import Derivation
+from pegainfer.frontends.shards import check_divides, read_shard, take_shard
+from pegainfer.ir.graph import Derivation, Shard
 from pegainfer.ir.ops.quantize import dequantize
 from pegainfer.ir.types import TensorType
 
@@ -87,14 +88,20 @@ def _shard_files(folder: Path) -> list[Path]:
     return files
 
 
-def check_weights(expected: dict[str, TensorType], tensors: dict[str, TensorInfo], folder: Path) -> None:
-    """Every weight the graph reads exists with the right shape and a float dtype."""
+def check_weights(expected: dict[str, TensorType], tensors: dict[str, TensorInfo], folder: Path,
+                  shards: Mapping[str, Shard] | None = None) -> None:
+    """Every weight the graph reads exists with the right shape (a sharded one: the shape its slice is cut from)
+    and a float dtype."""
+    shards = shards or {}
     for name, type_ in expected.items():
         info = tensors.get(name)
         if info is None:
             where = INDEX_FILE if (folder / INDEX_FILE).is_file() else ", ".join(sorted({t.file.name for t in
                                                                                           tensors.values()}))
             raise CheckpointError(f"{folder}: tensor {name!r} ({type_}) is missing from {where}")
+        if name in shards:
+            check_divides(name, info.shape, shards[name])
+            type_ = shards[name].full
         if info.shape != type_.shape and not (prod(info.shape) == prod(type_.shape) == 1):  # a scalar as [1]
             raise CheckpointError(f"{info.file}: tensor {name!r} has shape {list(info.shape)}, "
                                   f"expected {list(type_.shape)}")
@@ -128,9 +135,11 @@ class LazyWeights(Mapping[str, np.ndarray]):
     an uploader holds one tensor at a time in host memory, not the whole checkpoint."""
 
     def __init__(self, expected: dict[str, TensorType], tensors: dict[str, TensorInfo],
-                 filled: Mapping[str, np.ndarray] | None = None) -> None:
-        """`filled`: expected params the checkpoint lacks, with their values (load.py's defaults)."""
+                 filled: Mapping[str, np.ndarray] | None = None, shards: Mapping[str, Shard] | None = None) -> None:
+        """`filled`: expected params the checkpoint lacks, with their values (load.py's defaults); `shards`: this
+        rank's slices of sharded tensors (frontends/shards.py)."""
         self.expected, self.tensors, self.filled = expected, tensors, dict(filled or {})
+        self.shards = dict(shards or {})
 
     def __getitem__(self, name: str) -> np.ndarray:
         if name not in self.expected:
@@ -138,13 +147,13 @@ class LazyWeights(Mapping[str, np.ndarray]):
         if name in self.filled:
             return self.filled[name]
         with safe_open(self.tensors[name].file, framework="numpy") as handle:
-            return _read(handle, name, self.tensors[name], self.expected[name])
+            return _read(handle, name, self.tensors[name], self.expected[name], self.shards.get(name))
 
     def span(self, name: str) -> FileSpan | None:
         """Where the tensor's bytes lie in its file, when they are stored as the graph wants them (an uploader
         then reads them straight into pinned memory); None when they need a cast."""
         info = self.tensors[name]
-        if info.offset < 0 or info.dtype not in (*FLOAT_DTYPES, *FP8_DTYPES) or \
+        if name in self.shards or info.offset < 0 or info.dtype not in (*FLOAT_DTYPES, *FP8_DTYPES) or \
                 dtype_from_name(info.dtype) != self.expected[name].dtype:
             return None
         return FileSpan(info.file, info.offset, info.nbytes)
@@ -156,8 +165,11 @@ class LazyWeights(Mapping[str, np.ndarray]):
         return len(self.expected)
 
 
-def load_weights(expected: dict[str, TensorType], tensors: dict[str, TensorInfo]) -> dict[str, np.ndarray]:
-    """Loads the expected weights, cast to the graph's storage dtype. Call check_weights first."""
+def load_weights(expected: dict[str, TensorType], tensors: dict[str, TensorInfo],
+                 shards: Mapping[str, Shard] | None = None) -> dict[str, np.ndarray]:
+    """Loads the expected weights, cast to the graph's storage dtype, sharded ones as this rank's slices. Call
+    check_weights first."""
+    shards = shards or {}
     by_file: dict[Path, list[str]] = {}
     for name in expected:
         by_file.setdefault(tensors[name].file, []).append(name)
@@ -165,12 +177,15 @@ def load_weights(expected: dict[str, TensorType], tensors: dict[str, TensorInfo]
     for file, names in by_file.items():
         with safe_open(file, framework="numpy") as handle:
             for name in names:
-                weights[name] = _read(handle, name, tensors[name], expected[name])
+                weights[name] = _read(handle, name, tensors[name], expected[name], shards.get(name))
     return weights
 
 
-def _read(handle, name: str, info: TensorInfo, type_: TensorType) -> np.ndarray:
-    """A tensor cast to the graph's storage dtype; an FP8 one from its bytes in the file, as stored."""
+def _read(handle, name: str, info: TensorInfo, type_: TensorType, shard: Shard | None = None) -> np.ndarray:
+    """A tensor cast to the graph's storage dtype; an FP8 one from its bytes in the file, as stored; a sharded one
+    as this rank's slice, reading only its bytes where the file holds the tensor as it is."""
+    if shard is not None:
+        return _read_shard(handle, name, info, type_, shard)
     if info.dtype in FP8_DTYPES:
         data = np.fromfile(info.file, dtype=np.uint8, count=info.nbytes, offset=info.offset)
         return data.view(type_.dtype.np_dtype).reshape(info.shape)
@@ -182,3 +197,14 @@ def _read(handle, name: str, info: TensorInfo, type_: TensorType) -> np.ndarray:
         data = handle.get_tensor(stored)
     return data.astype(type_.dtype.np_dtype, copy=False).reshape(type_.shape)
 
+
+
+def _read_shard(handle, name: str, info: TensorInfo, type_: TensorType, shard: Shard) -> np.ndarray:
+    if info.dtype in FP8_DTYPES:
+        raise CheckpointError(f"{info.file}: tensor {name!r}: sharding FP8 tensors is not implemented")
+    if info.offset >= 0 and info.rows is None and not info.stored_name:
+        stored = np.dtype(dtype_from_name(info.dtype).np_dtype)
+        data = read_shard(info.file, info.offset, info.shape, stored, shard, name)
+    else:  # a view of another tensor (fused experts, a text stack's prefix): sliced after it is read
+        data = take_shard(_read(handle, name, info, shard.full), shard)
+    return data.astype(type_.dtype.np_dtype, copy=False)

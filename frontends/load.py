@@ -9,7 +9,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from pegainfer.errors import CheckpointError, ConfigError
+from pegainfer.errors import CheckpointError, ConfigError, GraphError
 from pegainfer.frontends.checkpoint import LazyWeights, TensorInfo, check_weights, load_weights, scan_checkpoint
 from pegainfer.frontends.config import architecture_of, parse_config, read_config
 from pegainfer.frontends.fused_experts import split_fused_experts
@@ -20,6 +20,7 @@ from pegainfer.frontends.registry import dag_module_for
 from pegainfer.frontends.text_stack import text_stack_config, text_stack_tensors
 from pegainfer.ir import Graph
 from pegainfer.ir.dtypes import dtype_from_name
+from pegainfer.passes.pipeline import shard_graph
 
 # --dtype's choices: auto is the checkpoint's own (see serving_dtype); the others cast the weights on load.
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
@@ -75,10 +76,11 @@ def resolve_config_path(model: str) -> Path:
 
 
 def load_spec(config_path: Path, *, dtype: str = "auto", device: str = "cpu", quantization: str | None = None,
-              kv_cache_dtype: str = "auto") -> ModelSpec:
+              kv_cache_dtype: str = "auto", tensor_parallel: tuple[int, int] = (1, 0)) -> ModelSpec:
     """config.json and its DAG file's graph, stored in `dtype` (DTYPE_CHOICES) as the model runs on `device`;
     FP8 projections where the checkpoint's quantization_config, or `quantization` (frontends/quantization.py),
-    says so; the KV cache in `kv_cache_dtype` (frontends/kv_cache.py)."""
+    says so; the KV cache in `kv_cache_dtype` (frontends/kv_cache.py); with `tensor_parallel` (world, rank) the
+    graph of that rank (passes/shard.py)."""
     raw = read_config(config_path)
     source = str(config_path)
     architecture = architecture_of(raw, source)
@@ -99,6 +101,12 @@ def load_spec(config_path: Path, *, dtype: str = "auto", device: str = "cpu", qu
     if fp8 is not None:
         graph = quantize_graph(graph, fp8, dtype_from_name(config.torch_dtype))
     graph = apply_kv_cache_dtype(graph, kv_cache_dtype)
+    world, rank = tensor_parallel
+    if world > 1:
+        try:
+            graph = shard_graph(graph, world, rank)
+        except GraphError as error:
+            raise ConfigError(f"{source}: {error}") from None
     return ModelSpec(config_path, raw, architecture, dag, config, graph, override)
 
 
@@ -123,16 +131,22 @@ def serving_dtype(requested: str, checkpoint: str, device: str, float16_unsuppor
 
 
 def load_model(folder: Path, *, lazy: bool = False, dtype: str = "auto", device: str = "cpu",
-               quantization: str | None = None, kv_cache_dtype: str = "auto") -> LoadedModel:
+               quantization: str | None = None, kv_cache_dtype: str = "auto",
+               tensor_parallel: tuple[int, int] = (1, 0)) -> LoadedModel:
     """A checkpoint folder: config.json, the DAG file it names, and every weight the graph reads, checked and cast
     to the graph's dtype (see load_spec), FP8 projections quantized here with `quantization`, params the checkpoint
     may lack (an FP8 cache's scales) filled with their defaults. `lazy` reads each weight from disk only when it is
-    used (the GPU uploader's way)."""
+    used (the GPU uploader's way). With `tensor_parallel` (world, rank), that rank's graph and only its slices of
+    the sharded tensors."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ConfigError(f"{folder}: not a checkpoint folder")
+    if quantization and tensor_parallel[0] > 1:
+        raise ConfigError(f"--quantization {quantization} with tensor parallelism is not implemented: quantize "
+                          f"the checkpoint first, or serve it on one GPU")
     spec = load_spec(folder / "config.json", dtype=dtype, device=device, quantization=quantization,
-                     kv_cache_dtype=kv_cache_dtype)
+                     kv_cache_dtype=kv_cache_dtype, tensor_parallel=tensor_parallel)
+    shards = spec.graph.checkpoint_shards()
     expected = stored_params(spec.graph) if quantization else spec.graph.checkpoint_params()
     tensors = scan_checkpoint(folder)
     mtp = mtp_head(spec, {name: t for name, t in tensors.items() if name.startswith("mtp.")}, folder)
@@ -144,8 +158,9 @@ def load_model(folder: Path, *, lazy: bool = False, dtype: str = "auto", device:
     filled = {name: np.full(expected[name].shape, value, expected[name].dtype.np_dtype)
               for name, value in defaults.items() if name not in tensors}
     stored = {name: t for name, t in expected.items() if name not in filled}
-    check_weights(stored, tensors, folder)
-    weights = LazyWeights(expected, tensors, filled) if lazy else load_weights(stored, tensors) | filled
+    check_weights(stored, tensors, folder, shards)
+    weights = LazyWeights(expected, tensors, filled, shards) if lazy else \
+        load_weights(stored, tensors, shards) | filled
     check_kv_scales({name: weights[name] for name in defaults if name not in filled}, str(folder))
     if quantization:  # scheme_for refused it for a checkpoint quantized already
         weights = QuantizedWeights(weights, spec.graph)

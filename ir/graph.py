@@ -39,6 +39,24 @@ class Derivation:
         return [(source, 0, t.shape[0]) for source, t in zip(self.sources, self.source_types)]
 
 
+@dataclass(frozen=True)
+class Shard:
+    """One rank's slice of a checkpoint tensor (passes/shard.py): [start, stop) along `axis` of the stored tensor
+    of type `full`, then `pad` zeros along that axis (the last rank's part of a vocabulary the ranks do not
+    divide)."""
+    axis: int
+    start: int
+    stop: int
+    full: TensorType
+    pad: int = 0
+
+    @property
+    def type(self) -> TensorType:
+        shape = list(self.full.shape)
+        shape[self.axis] = self.stop - self.start + self.pad
+        return self.full.with_shape(tuple(shape))
+
+
 @dataclass
 class Node:
     op: str
@@ -65,6 +83,7 @@ class Graph:
     derived: dict[str, Derivation] = field(default_factory=dict)  # params made at load time
     defaults: dict[str, float] = field(default_factory=dict)  # params a checkpoint may lack: filled with this value
     buffers: dict[str, str] = field(default_factory=dict)  # value -> activation buffer, set by memory planning
+    shards: dict[str, Shard] = field(default_factory=dict)  # checkpoint tensor -> this rank's slice of it
 
     def value_types(self) -> dict[str, TensorType]:
         """Every value this graph defines, by name."""
@@ -105,6 +124,10 @@ class Graph:
                 pairs = zip(derivation.sources, derivation.source_types) if derivation else [(name, type_)]
                 needed.update({_at(source, layer): t for source, t in pairs})
         return needed
+
+    def checkpoint_shards(self) -> dict[str, Shard]:
+        """This rank's slice of each sharded checkpoint tensor, by expanded name."""
+        return {_at(name, layer): shard for graph, layer in self.instances() for name, shard in graph.shards.items()}
 
     def derivations(self) -> dict[str, Derivation]:
         """Derived params by expanded name, their sources expanded too."""

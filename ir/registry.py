@@ -27,7 +27,9 @@ ATTENTION = "attention"
 CACHE_WRITE = "cache_write"
 DEQUANTIZE = "dequantize"  # a weight's stored form (FP8 and its scales) to its values: its GEMM's to read
 RECURRENCE = "recurrence"  # a scan over each sequence's tokens in order, carrying a state per sequence
-CATEGORIES = (ELEMENTWISE, ROW_REDUCTION, VIEW, GEMM, GATHER, ATTENTION, CACHE_WRITE, DEQUANTIZE, RECURRENCE)
+COLLECTIVE = "collective"  # data exchanged between the ranks of a sharded graph (NCCL's, never a kernel of ours)
+CATEGORIES = (ELEMENTWISE, ROW_REDUCTION, VIEW, GEMM, GATHER, ATTENTION, CACHE_WRITE, DEQUANTIZE, RECURRENCE,
+              COLLECTIVE)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from pegainfer.ir.graph import Graph
 from pegainfer.ir.printer import format_graph
 from pegainfer.ir.verify import verify
 
-PHASES = ("cleanup", "weight_transforms", "fusion", "kernel_formation", "memory_planning")
+PHASES = ("cleanup", "sharding", "weight_transforms", "fusion", "kernel_formation", "memory_planning")
 
 
 @dataclass

@@ -10,6 +10,7 @@ from pegainfer.passes.generic import fuse_elementwise_chains
 from pegainfer.passes.kernels import form_kernels
 from pegainfer.passes.manager import Pass, PassRecord, run_passes
 from pegainfer.passes.memory import plan_memory
+from pegainfer.passes.shard import tensor_parallel
 from pegainfer.passes.weights import merge_sibling_linears
 
 DEFAULT_PASSES = [
@@ -28,6 +29,20 @@ DEFAULT_PASSES = [
     Pass("form_kernels", "kernel_formation", form_kernels),
     Pass("plan_memory", "memory_planning", plan_memory),
 ]
+
+
+def sharded_passes(world: int, rank: int) -> list[Pass]:
+    """The default pipeline for one rank of `world` (tensor parallelism), sharding after clean-up."""
+    if world == 1:
+        return DEFAULT_PASSES
+    cleanup = [p for p in DEFAULT_PASSES if p.phase == "cleanup"]
+    return [*cleanup, tensor_parallel(world, rank), *DEFAULT_PASSES[len(cleanup):]]
+
+
+def shard_graph(graph: Graph, world: int, rank: int) -> Graph:
+    """One rank's graph before the weight transforms: clean-up and sharding (the default pipeline does the rest)."""
+    passes = sharded_passes(world, rank)
+    return run_passes(graph, passes[: [p.phase for p in passes].index("sharding") + 1])[0]
 
 
 def lower(graph: Graph, passes: list[Pass] | None = None) -> tuple[Graph, list[PassRecord]]:

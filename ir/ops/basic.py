@@ -7,16 +7,25 @@ from pegainfer.ir.dtypes import FP32, INT32, dtype_from_name
 from pegainfer.ir.types import Dim, TensorType, same_elements
 
 
-def _infer_embedding(ids: TensorType, table: TensorType, *, scale: float = 1.0) -> TensorType:
+def _infer_embedding(ids: TensorType, table: TensorType, *, scale: float = 1.0,
+                     first_id: int | None = None) -> TensorType:
     expect(not ids.dtype.is_float, f"embedding: ids must be integers, found {ids}")
     expect(table.rank == 2, f"embedding: table must be [vocab, hidden], found {table}")
     expect(scale > 0, f"embedding: scale must be positive, found {scale}")
+    expect(first_id is None or (isinstance(first_id, int) and first_id >= 0),
+           f"embedding: first_id must be a non-negative int or absent, found {first_id!r}")
     return TensorType(table.dtype, (*ids.shape, table.shape[1]))
 
 
-def _embedding(ids: np.ndarray, table: np.ndarray, *, scale: float = 1.0) -> np.ndarray:
-    """Rows of the table, times `scale` (some models scale their embeddings by sqrt(hidden))."""
-    rows = table[ids]
+def _embedding(ids: np.ndarray, table: np.ndarray, *, scale: float = 1.0, first_id: int | None = None) -> np.ndarray:
+    """Rows of the table, times `scale` (some models scale their embeddings by sqrt(hidden)). With `first_id`
+    the table is one rank's part of the vocabulary, ids first_id .. first_id + rows - 1: other ids give zeros."""
+    if first_id is None:
+        rows = table[ids]
+    else:
+        local = np.asarray(ids) - first_id
+        held = (local >= 0) & (local < len(table))
+        rows = np.where(held[..., None], table[np.where(held, local, 0)], np.float32(0))
     return rows if scale == 1.0 else rows * np.float32(scale)
 
 
