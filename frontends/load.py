@@ -21,6 +21,7 @@ from pegainfer.frontends.text_stack import text_stack_config, text_stack_tensors
 from pegainfer.ir import Graph
 from pegainfer.ir.dtypes import dtype_from_name
 from pegainfer.passes.pipeline import shard_graph
+from pegainfer.passes.shard import Parallelism
 
 # --dtype's choices: auto is the checkpoint's own (see serving_dtype); the others cast the weights on load.
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
@@ -76,11 +77,11 @@ def resolve_config_path(model: str) -> Path:
 
 
 def load_spec(config_path: Path, *, dtype: str = "auto", device: str = "cpu", quantization: str | None = None,
-              kv_cache_dtype: str = "auto", tensor_parallel: tuple[int, int] = (1, 0)) -> ModelSpec:
+              kv_cache_dtype: str = "auto", parallel: Parallelism = Parallelism()) -> ModelSpec:
     """config.json and its DAG file's graph, stored in `dtype` (DTYPE_CHOICES) as the model runs on `device`;
     FP8 projections where the checkpoint's quantization_config, or `quantization` (frontends/quantization.py),
-    says so; the KV cache in `kv_cache_dtype` (frontends/kv_cache.py); with `tensor_parallel` (world, rank) the
-    graph of that rank (passes/shard.py)."""
+    says so; the KV cache in `kv_cache_dtype` (frontends/kv_cache.py); with `parallel` the graph of one rank
+    (passes/shard.py)."""
     raw = read_config(config_path)
     source = str(config_path)
     architecture = architecture_of(raw, source)
@@ -101,10 +102,9 @@ def load_spec(config_path: Path, *, dtype: str = "auto", device: str = "cpu", qu
     if fp8 is not None:
         graph = quantize_graph(graph, fp8, dtype_from_name(config.torch_dtype))
     graph = apply_kv_cache_dtype(graph, kv_cache_dtype)
-    world, rank = tensor_parallel
-    if world > 1:
+    if parallel.sharded:
         try:
-            graph = shard_graph(graph, world, rank)
+            graph = shard_graph(graph, parallel)
         except GraphError as error:
             raise ConfigError(f"{source}: {error}") from None
     return ModelSpec(config_path, raw, architecture, dag, config, graph, override)
@@ -132,20 +132,20 @@ def serving_dtype(requested: str, checkpoint: str, device: str, float16_unsuppor
 
 def load_model(folder: Path, *, lazy: bool = False, dtype: str = "auto", device: str = "cpu",
                quantization: str | None = None, kv_cache_dtype: str = "auto",
-               tensor_parallel: tuple[int, int] = (1, 0)) -> LoadedModel:
+               parallel: Parallelism = Parallelism()) -> LoadedModel:
     """A checkpoint folder: config.json, the DAG file it names, and every weight the graph reads, checked and cast
     to the graph's dtype (see load_spec), FP8 projections quantized here with `quantization`, params the checkpoint
     may lack (an FP8 cache's scales) filled with their defaults. `lazy` reads each weight from disk only when it is
-    used (the GPU uploader's way). With `tensor_parallel` (world, rank), that rank's graph and only its slices of
-    the sharded tensors."""
+    used (the GPU uploader's way). With `parallel`, one rank's graph and only its slices of the sharded
+    tensors."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ConfigError(f"{folder}: not a checkpoint folder")
-    if quantization and tensor_parallel[0] > 1:
+    if quantization and parallel.sharded:
         raise ConfigError(f"--quantization {quantization} with tensor parallelism is not implemented: quantize "
                           f"the checkpoint first, or serve it on one GPU")
     spec = load_spec(folder / "config.json", dtype=dtype, device=device, quantization=quantization,
-                     kv_cache_dtype=kv_cache_dtype, tensor_parallel=tensor_parallel)
+                     kv_cache_dtype=kv_cache_dtype, parallel=parallel)
     shards = spec.graph.checkpoint_shards()
     expected = stored_params(spec.graph) if quantization else spec.graph.checkpoint_params()
     tensors = scan_checkpoint(folder)

@@ -10,7 +10,7 @@ from pegainfer.passes.generic import fuse_elementwise_chains
 from pegainfer.passes.kernels import form_kernels
 from pegainfer.passes.manager import Pass, PassRecord, run_passes
 from pegainfer.passes.memory import plan_memory
-from pegainfer.passes.shard import tensor_parallel
+from pegainfer.passes.shard import Parallelism, tensor_parallel
 from pegainfer.passes.weights import merge_sibling_linears
 
 DEFAULT_PASSES = [
@@ -31,17 +31,17 @@ DEFAULT_PASSES = [
 ]
 
 
-def sharded_passes(world: int, rank: int) -> list[Pass]:
-    """The default pipeline for one rank of `world` (tensor parallelism), sharding after clean-up."""
-    if world == 1:
+def sharded_passes(parallel: Parallelism) -> list[Pass]:
+    """The default pipeline for one rank (tensor parallelism), sharding after clean-up."""
+    if not parallel.sharded:
         return DEFAULT_PASSES
     cleanup = [p for p in DEFAULT_PASSES if p.phase == "cleanup"]
-    return [*cleanup, tensor_parallel(world, rank), *DEFAULT_PASSES[len(cleanup):]]
+    return [*cleanup, tensor_parallel(parallel), *DEFAULT_PASSES[len(cleanup):]]
 
 
-def shard_graph(graph: Graph, world: int, rank: int) -> Graph:
+def shard_graph(graph: Graph, parallel: Parallelism) -> Graph:
     """One rank's graph before the weight transforms: clean-up and sharding (the default pipeline does the rest)."""
-    passes = sharded_passes(world, rank)
+    passes = sharded_passes(parallel)
     return run_passes(graph, passes[: [p.phase for p in passes].index("sharding") + 1])[0]
 
 

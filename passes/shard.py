@@ -18,6 +18,22 @@ from pegainfer.passes.shard_regions import column_parallel_regions, splits_along
 
 
 @dataclass(frozen=True)
+class Parallelism:
+    """Where one rank's graph runs: rank `rank` of `world`, experts split across the ranks whole
+    (`expert_parallel`, vLLM's --enable-expert-parallel) or each split inside."""
+    world: int = 1
+    rank: int = 0
+    expert_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        assert self.world >= 1 and 0 <= self.rank < self.world, f"rank {self.rank} of {self.world}"
+
+    @property
+    def sharded(self) -> bool:
+        return self.world > 1
+
+
+@dataclass(frozen=True)
 class Split:
     """A value of which this rank holds [start, stop) of `full` along `dim`."""
     dim: int
@@ -30,9 +46,10 @@ class Split:
         return self.stop - self.start < self.full
 
 
-def tensor_parallel(world: int, rank: int) -> Pass:
-    """The sharding pass for `rank` of `world` ranks."""
-    assert world > 1 and 0 <= rank < world, f"rank {rank} of {world}"
+def tensor_parallel(parallel: Parallelism) -> Pass:
+    """The sharding pass for one rank."""
+    assert parallel.sharded, f"sharding for one rank: {parallel}"
+    world, rank = parallel.world, parallel.rank
 
     def shard_tensor_parallel(graph: Graph, log: PassLog) -> Graph:
         """Splits the graph for one rank (tensor parallelism): heads and MLP rows, all-reduces after the

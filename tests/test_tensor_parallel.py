@@ -21,6 +21,7 @@ from pegainfer.ir.interpreter import run_graph
 from pegainfer.ir.ranks import run_ranks
 from pegainfer.ir.step import SLOT_POOL, has_recurrent_state
 from pegainfer.passes.pipeline import lower
+from pegainfer.passes.shard import Parallelism
 from pegainfer.runtime.batch import Chunk, Sequence, commit_step, pack_step
 from pegainfer.runtime.kv_blocks import BlockAllocator
 
@@ -69,7 +70,7 @@ def rank_weights(model: LoadedModel, graph: Graph) -> dict[str, np.ndarray]:
 
 def run_sharded(folder, world: int, steps, lowered: bool = False) -> list[list[np.ndarray]]:
     """Each step's logits from every rank."""
-    models = [load_model(folder, tensor_parallel=(world, rank)) for rank in range(world)]
+    models = [load_model(folder, parallel=Parallelism(world, rank)) for rank in range(world)]
     graphs = [lower(m.spec.graph)[0] if lowered else m.spec.graph for m in models]
     weights = [rank_weights(m, g) for m, g in zip(models, graphs)]
     states = [fresh_states(g) for g in graphs]
@@ -113,7 +114,7 @@ def test_lowered_rank_graphs_give_the_unsharded_logits(checkpoint_factory, name)
                                                  ("biased_untied", 2, "k_proj")])
 def test_heads_the_ranks_cannot_split_are_refused_naming_the_tensor(checkpoint_factory, name, world, tensor):
     with pytest.raises(ConfigError, match=rf"{tensor}\.weight has \d+ heads .* {world} parts") as error:
-        load_model(make(checkpoint_factory, name), tensor_parallel=(world, 0))
+        load_model(make(checkpoint_factory, name), parallel=Parallelism(world, 0))
     assert "\n" not in str(error.value)
 
 
@@ -133,7 +134,7 @@ def test_each_rank_reads_only_its_slices(checkpoint_factory, monkeypatch, name):
     world, spans = 2, []
     for rank in range(world):
         read.clear()
-        model = load_model(folder, tensor_parallel=(world, rank))
+        model = load_model(folder, parallel=Parallelism(world, rank))
         shards = model.spec.graph.checkpoint_shards()
         wanted = sum((s.stop - s.start) * prod(s.full.shape) // s.full.shape[s.axis] * s.full.dtype.itemsize
                      for s in shards.values())  # the checkpoint is stored in the graph's float32
@@ -152,4 +153,4 @@ def test_a_checkpoint_tensor_of_another_shape_is_refused_naming_it(checkpoint_fa
     tensors[name] = tensors[name][:-1]
     save_file(tensors, folder / "model.safetensors")
     with pytest.raises(CheckpointError, match=rf"'{name}' has shape \[127, 64\], expected \[128, 64\]"):
-        load_model(folder, tensor_parallel=(2, 1))
+        load_model(folder, parallel=Parallelism(2, 1))
