@@ -1,8 +1,12 @@
 """The ranks of a sharded graph run as threads of one process, so that sharding is proven on the CPU: each rank
-runs its own graph through the reference interpreter, and a collective op is a rendezvous of all of them."""
+runs its own graph through the reference interpreter, and a collective op is a rendezvous of all of them. Ranks
+in processes of their own (runtime/rank_links.py) bind a group of the same shape to the thread that runs their
+graph."""
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Protocol
 
 import numpy as np
 
@@ -14,8 +18,15 @@ RENDEZVOUS_TIMEOUT_S = 600.0  # a rank that never arrives (a graph with fewer co
 _local = threading.local()
 
 
+class Exchange(Protocol):
+    """What a collective needs of its ranks: each rank leaves its array and takes every rank's, in rank order."""
+    world: int
+
+    def exchange(self, rank: int, array: np.ndarray) -> list[np.ndarray]: ...
+
+
 class RankGroup:
-    """`world` ranks exchanging arrays: each leaves its own and takes every rank's, in rank order."""
+    """`world` ranks as threads exchanging arrays: each leaves its own and takes every rank's, in rank order."""
 
     def __init__(self, world: int) -> None:
         self.world = world
@@ -39,7 +50,17 @@ class RankGroup:
             raise GraphError("a collective's rendezvous broke: another rank failed or never arrived") from None
 
 
-def current_rank(op: str, world: int) -> tuple[RankGroup, int]:
+@contextmanager
+def bound_rank(group: Exchange, rank: int) -> Iterator[None]:
+    """The calling thread runs graphs as `rank` of `group` while inside."""
+    _local.group, _local.rank = group, rank
+    try:
+        yield
+    finally:
+        _local.group = _local.rank = None
+
+
+def current_rank(op: str, world: int) -> tuple[Exchange, int]:
     """The group and rank of the thread running a collective; an error outside run_ranks or in a group of
     another size."""
     group, rank = getattr(_local, "group", None), getattr(_local, "rank", None)
@@ -60,9 +81,9 @@ def run_ranks(graphs: Sequence[Graph], inputs: Mapping[str, np.ndarray], weights
     errors: list[BaseException | None] = [None] * world
 
     def run(rank: int) -> None:
-        _local.group, _local.rank = group, rank
         try:
-            results[rank] = run_graph(graphs[rank], inputs, weights[rank], states[rank])
+            with bound_rank(group, rank):
+                results[rank] = run_graph(graphs[rank], inputs, weights[rank], states[rank])
         except BaseException as error:  # noqa: BLE001  reported below, after every thread has stopped
             errors[rank] = error
             group.abort()

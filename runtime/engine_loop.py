@@ -72,6 +72,7 @@ class EngineLoop:
         self._sinks: dict[str, Sink] = {}
         self._held: list[TokenOutput] = []  # the last step's tokens, handed over when the next step is launched
         self._stopping = False
+        self._failure: BaseException | None = None  # fail()'s, raised in the engine thread
         self._thread = threading.Thread(target=self._run, name="pegainfer-engine", daemon=True)
 
     def start(self) -> "EngineLoop":
@@ -102,18 +103,27 @@ class EngineLoop:
             self._inbox.append(("abort", request_id))
             self._wake.notify()
 
+    def fail(self, error: BaseException) -> None:
+        """Stops the loop with `error`, from any thread (a worker rank that died between steps): the requests in
+        flight get it, as if a step had raised it."""
+        with self._wake:
+            self._failure = error
+            self._wake.notify()
+
     def _run(self) -> None:
         try:
             if self._thread_init is not None:
                 self._thread_init()
             while True:
                 with self._wake:
-                    idle = not (self._inbox or self._stopping or self.scheduler.has_work())
+                    idle = not (self._inbox or self._stopping or self._failure or self.scheduler.has_work())
                 if idle:
                     self._hand_over_held()  # no step will launch soon: the last step's tokens go now
                 with self._wake:
-                    while not (self._inbox or self._stopping or self.scheduler.has_work()):
+                    while not (self._inbox or self._stopping or self._failure or self.scheduler.has_work()):
                         self._wake.wait()
+                    if self._failure is not None:
+                        raise self._failure
                     if self._stopping:
                         return
                     inbox, self._inbox = self._inbox, []

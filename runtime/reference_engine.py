@@ -47,7 +47,7 @@ class ReferenceEngine:
     def step(self, chunks: list[Chunk], *, all_logits: bool = False) -> np.ndarray:
         """Runs one packed step and returns float32 logits, one row per chunk (or per token with all_logits)."""
         inputs = pack_step(chunks, self.allocator, all_logits=all_logits)
-        logits = run_graph(self.graph, inputs, self.weights, self.states)[0]  # a lowered graph adds sampler outputs
+        logits = self.execute(inputs)[0]  # a lowered graph adds sampler outputs
         commit_step(chunks)
         return logits.astype(np.float32)
 
@@ -63,13 +63,17 @@ class ReferenceEngine:
         inputs = pack_step(chunks, self.allocator) | sampling | mask_inputs(len(chunks), masks)
         if launched is not None:
             launched()
-        outputs = dict(zip(self.graph.outputs, run_graph(self.graph, inputs, self.weights, self.states)))
+        outputs = dict(zip(self.graph.outputs, self.execute(inputs)))
         commit_step(chunks)
         logits = outputs[self.graph.outputs[0]].astype(np.float32)
         names = sampler_outputs(self.graph)  # a lowered graph samples itself (under the masks)
         tail = {role: outputs[name] for role, name in names.items()} if names else \
             tail_reference(masked_logits(logits, masks), sampling, TAIL_TOP_K)
         return finish(tail, sampling, params, lambda row: logits[row], constraints, masks)
+
+    def execute(self, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """The graph's outputs for one packed step, its KV and recurrent states updated in place."""
+        return run_graph(self.graph, inputs, self.weights, self.states)
 
     def copy_state(self, src: int, dst: int) -> None:
         for name in self.pooled:

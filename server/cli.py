@@ -33,6 +33,7 @@ QUANTIZATION_CHOICES = ("fp8",)
 QUANTIZATION_HELP = ("fp8: the projections stored and read as float8 e4m3, a scale per output channel computed at "
                      "load (the embedding and LM head as stored; sm_89 or newer on cuda). Default: none, or the "
                      "checkpoint's own quantization_config")
+EXECUTOR_BACKENDS = ("mp", "ray")  # runtime/rank_workers.py's BACKENDS, spelled out as DTYPE_CHOICES is
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # frontends/kv_cache.py's, spelled out as DTYPE_CHOICES is
 KV_CACHE_DTYPE_HELP = ("auto (default): the KV cache in the model's dtype; fp8 (or fp8_e4m3): float8 e4m3, half the "
                        "bytes, with a scale per layer for keys and values (the checkpoint's k_scale / v_scale, else "
@@ -45,6 +46,19 @@ DTYPE_HELP = ("weights and activations: auto (default) is config.json's torch_dt
 def add_quantization_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default=None, help=QUANTIZATION_HELP)
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=KV_CACHE_DTYPE_HELP)
+
+
+def add_parallel_args(p: argparse.ArgumentParser, executor: bool = True) -> None:
+    """vLLM's flags for a model sharded over several devices (passes/shard.py)."""
+    p.add_argument("--tensor-parallel-size", "-tp", type=argtypes.positive_int, default=1,
+                   help="ranks the model is sharded over, one process (and GPU) each (default 1)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="with --tensor-parallel-size: a MoE model's experts split whole across the ranks instead of "
+                        "each expert split inside")
+    if executor:
+        p.add_argument("--distributed-executor-backend", choices=EXECUTOR_BACKENDS, default="mp",
+                       help="how the ranks past the first start: mp, processes of this machine (default); ray, "
+                            "actors placed across the Ray cluster (`ray start`; RAY_ADDRESS, else a local one)")
 
 
 def add_serve(commands) -> None:
@@ -83,6 +97,7 @@ def add_serve(commands) -> None:
                         "Default: cuda if present, else cpu")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP)
     add_quantization_args(p)
+    add_parallel_args(p)
     p.add_argument("--cache-dir", type=Path, default=None,
                    help="cubin cache (see pegainfer compile); kernels missing there are compiled at start when "
                         "the compile extra is installed")
@@ -167,6 +182,8 @@ def run_serve(args: argparse.Namespace) -> int:
         listener.close()
         if loop is not None:
             loop.stop()
+            if hasattr(loop.scheduler.engine, "shutdown"):  # a sharded engine's worker ranks
+                loop.scheduler.engine.shutdown()
         if trace is not None:
             trace.close()
     return 0
@@ -178,13 +195,15 @@ def start_serving(args: argparse.Namespace, trace: TextIO | None, listener: sock
     the ready line once the HTTP server listens)."""
     from pegainfer.frontends.hub import resolve_checkpoint
     from pegainfer.frontends.load import load_model
+    from pegainfer.passes.shard import Parallelism
     from pegainfer.runtime.device import choose_device
 
     phases = {"imports": process_age()}
     device, reason = choose_device(args.device)
     checkpoint = resolve_checkpoint(args.model_path)
-    model = load_model(checkpoint.folder, lazy=device == "cuda", dtype=args.dtype, device=device,
-                       quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+    parallel = Parallelism(args.tensor_parallel_size, 0, args.enable_expert_parallel)
+    model = load_model(checkpoint.folder, lazy=device == "cuda" or parallel.sharded, dtype=args.dtype, device=device,
+                       quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, parallel=parallel)
     max_model_len, explicit = _max_model_len(model.spec.raw_config, args.max_model_len)
     if args.kv_cache_tokens is not None:  # the pool's size is known: refuse before the slow part
         fit_model_len(max_model_len, explicit, -(-args.kv_cache_tokens // KV_BLOCK_SIZE) * KV_BLOCK_SIZE)
@@ -209,6 +228,11 @@ def start_serving(args: argparse.Namespace, trace: TextIO | None, listener: sock
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     scheduler = Scheduler(engine, tokenizer.eos_token_ids, config)
     loop = EngineLoop(scheduler, engine_thread_init(engine), trace).start()
+    ranks_note = ""
+    if hasattr(engine, "watch"):  # a sharded engine: a worker rank's death fails the loop even between steps
+        engine.watch(loop.fail)
+        ranks_note = (f"; {engine.world} ranks{' (experts split whole)' if args.enable_expert_parallel else ''} over "
+                      f"{args.distributed_executor_backend}, worker pids {' '.join(map(str, engine.ranks.pids()))}")
     name = args.served_model_name or checkpoint.name
     cache_info = {"cache_dtype": args.kv_cache_dtype}
     if device == "cuda" and args.kv_cache_tokens is None:
@@ -225,7 +249,7 @@ def start_serving(args: argparse.Namespace, trace: TextIO | None, listener: sock
         phases["http"] = ctx.metrics.startup_seconds - sum(phases.values())
         cache_dtype = " in fp8" if args.kv_cache_dtype != "auto" else ""
         return (f"pegainfer: serving {name} on http://{_address(listener)} (device {device}: {reason}; dtype "
-                f"{model.spec.config.torch_dtype}; {allocator.num_blocks} KV blocks of {allocator.block_size} "
+                f"{model.spec.config.torch_dtype}{ranks_note}; {allocator.num_blocks} KV blocks of {allocator.block_size} "
                 f"tokens{cache_dtype}; max_model_len {max_model_len}{clamp_note}; prefix cache "
                 f"{scheduler.prefix_cache_status()}); ready {ctx.metrics.startup_seconds:.2f} s after start "
                 f"({', '.join(f'{k} {v:.2f} s' for k, v in phases.items())})")
@@ -308,6 +332,8 @@ def open_trace(path: Path | None) -> TextIO | None:
 
 def build_engine(model: "LoadedModel", device: str, args: argparse.Namespace, max_model_len: int, step_tokens: int):
     """The reference engine on the CPU; on the GPU, the compiled kernels (compiled first if missing)."""
+    if args.tensor_parallel_size > 1:
+        return build_sharded_engine(model, device, args, max_model_len)
     if device == "cpu":
         from pegainfer.runtime.reference_engine import ReferenceEngine
 
@@ -321,6 +347,21 @@ def build_engine(model: "LoadedModel", device: str, args: argparse.Namespace, ma
                             kv_tokens=args.kv_cache_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
                             block_size=KV_BLOCK_SIZE, state_snapshots=state_snapshots(args))
     return gpu_engine(model, options, args.cache_dir)  # without --kv-cache-tokens: the KV cache fills the utilization
+
+
+def build_sharded_engine(model: "LoadedModel", device: str, args: argparse.Namespace, max_model_len: int):
+    """Rank 0 of a model sharded over --tensor-parallel-size processes, the others started by the executor backend."""
+    from pegainfer.runtime.rank_workers import RankSpec
+    from pegainfer.runtime.sharded_engine import start_sharded_engine
+
+    if device != "cpu":
+        raise PegainferError("--tensor-parallel-size on cuda is not served yet (the rank graphs compile with "
+                             "`pegainfer compile --tensor-parallel-size`); serve a sharded model with --device cpu")
+    spec = RankSpec(str(model.folder), args.tensor_parallel_size, args.enable_expert_parallel, args.dtype, device,
+                    args.quantization, args.kv_cache_dtype,
+                    args.kv_cache_tokens or min(CPU_KV_TOKENS, args.max_num_seqs * max_model_len), KV_BLOCK_SIZE,
+                    args.max_num_seqs, state_snapshots(args))
+    return start_sharded_engine(spec, args.distributed_executor_backend, model)
 
 
 def state_snapshots(args: argparse.Namespace) -> int:
