@@ -10,7 +10,7 @@ from pegainfer import __version__
 from pegainfer.errors import PegainferError
 from pegainfer.argtypes import override, positive_float, seed, token_ids
 from pegainfer.cli_kernels import CACHE_HELP, add_kernel_commands
-from pegainfer.server.cli import DTYPE_CHOICES, DTYPE_HELP, add_quantization_args, add_serve
+from pegainfer.server.cli import DTYPE_CHOICES, DTYPE_HELP, add_parallel_args, add_quantization_args, add_serve
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,6 +56,7 @@ def _add_generate(commands) -> None:
     p.add_argument("--cache-dir", type=Path, default=None, help=CACHE_HELP + "; for cuda, kernels missing there "
                    "are compiled at start when the compile extra is installed")
     add_quantization_args(p)
+    add_parallel_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run_generate)
 
@@ -84,6 +85,7 @@ def _add_make_checkpoint(commands) -> None:
 
 def run_generate(args: argparse.Namespace) -> int:
     from pegainfer.runtime.offline import generate_one
+    from pegainfer.runtime.rank_workers import Ranks
     from pegainfer.runtime.sampler import SamplingParams
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
@@ -92,7 +94,9 @@ def run_generate(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     result = generate_one(args.model_path, params, prompt=args.prompt, prompt_ids=args.prompt_ids,
                           device=args.device, dtype=args.dtype, cache_dir=args.cache_dir,
-                          quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+                          quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                          parallel=Ranks(args.tensor_parallel_size, args.enable_expert_parallel,
+                                         args.distributed_executor_backend))
     print(f"pegainfer: device {result['device']} ({result['device_reason']}); dtype {result['dtype']}",
           file=sys.stderr)
     if args.json:

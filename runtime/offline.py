@@ -6,27 +6,32 @@ from typing import Any
 from pegainfer.errors import RequestError
 from pegainfer.frontends.hub import resolve_checkpoint
 from pegainfer.frontends.load import LoadedModel, load_model
+from pegainfer.passes.shard import Parallelism
 from pegainfer.runtime.detokenize import decode_completion
 from pegainfer.runtime.device import choose_device
 from pegainfer.runtime.generate import Request, generate
+from pegainfer.runtime.rank_workers import Ranks, RankSpec
 from pegainfer.runtime.reference_engine import ReferenceEngine
 from pegainfer.runtime.sampler import SamplingParams
+from pegainfer.runtime.sharded_engine import start_sharded_engine
 from pegainfer.runtime.tokenizer import check_prompt_ids, eos_token_ids, load_tokenizer
 
 
 def generate_one(model_path: Path | str, params: SamplingParams, *, prompt: str | None = None,
                  prompt_ids: list[int] | None = None, device: str | None = None, dtype: str = "auto",
                  cache_dir: Path | None = None, quantization: str | None = None,
-                 kv_cache_dtype: str = "auto") -> dict[str, Any]:
+                 kv_cache_dtype: str = "auto", parallel: Ranks = Ranks()) -> dict[str, Any]:
     """Returns {device, device_reason, dtype, prompt_token_ids, token_ids, text, finish_reason, logprobs}.
     `model_path`: a checkpoint folder or a Hugging Face id; `dtype`: load_spec's; `cache_dir`: the cubin cache
-    for cuda (cache_root's rule), where missing kernels are compiled when a compiler is installed."""
+    for cuda (cache_root's rule), where missing kernels are compiled when a compiler is installed; `parallel`: the
+    model sharded over that many processes (runtime/sharded_engine.py)."""
     assert (prompt is None) != (prompt_ids is None), "give exactly one of prompt and prompt_ids"
     params.validate()
     device, reason = choose_device(device)
     folder = resolve_checkpoint(model_path).folder
-    model = load_model(folder, lazy=device == "cuda", dtype=dtype, device=device, quantization=quantization,
-                       kv_cache_dtype=kv_cache_dtype)
+    sharding = Parallelism(parallel.size, 0, parallel.expert_parallel)
+    model = load_model(folder, lazy=device == "cuda" or sharding.sharded, dtype=dtype, device=device,
+                       quantization=quantization, kv_cache_dtype=kv_cache_dtype, parallel=sharding)
     tokenizer = load_tokenizer(folder) if prompt is not None or (folder / "tokenizer.json").is_file() else None
     ids = tokenizer.encode(prompt) if prompt is not None else list(prompt_ids)
     check_prompt_ids(ids, model.spec.config.vocab_size)
@@ -35,9 +40,16 @@ def generate_one(model_path: Path | str, params: SamplingParams, *, prompt: str 
         raise RequestError(f"the prompt has {len(ids)} tokens; this model takes at most {max_model_len - 1} "
                            f"(max_position_embeddings {max_model_len})")
     reach = len(ids) + params.max_tokens  # the most tokens the sequence can hold: what the KV pool is sized for
-    engine = _engine(model, device, min(reach, max_model_len or reach), cache_dir)
+    tokens = min(reach, max_model_len or reach)
+    engine = _engine(model, device, tokens, cache_dir) if not sharding.sharded else \
+        start_sharded_engine(RankSpec(str(folder), parallel.size, parallel.expert_parallel, dtype, device, quantization,
+                                      kv_cache_dtype, tokens, max_seqs=1), parallel.backend, model)
     eos = tokenizer.eos_token_ids if tokenizer else eos_token_ids(folder)
-    (completion,) = generate(engine, [Request(ids, params)], eos, max_model_len=max_model_len)
+    try:
+        (completion,) = generate(engine, [Request(ids, params)], eos, max_model_len=max_model_len)
+    finally:
+        if sharding.sharded:
+            engine.shutdown()
     return {
         "device": device,
         "device_reason": reason,

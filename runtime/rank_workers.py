@@ -22,6 +22,15 @@ START_TIMEOUT_S = 600.0  # loading a rank's slices of a large checkpoint
 
 
 @dataclass(frozen=True)
+class Ranks:
+    """How a command asked its model to be sharded: --tensor-parallel-size, --enable-expert-parallel and
+    --distributed-executor-backend."""
+    size: int = 1
+    expert_parallel: bool = False
+    backend: str = "mp"
+
+
+@dataclass(frozen=True)
 class RankSpec:
     """What every rank builds its part of the engine from: the checkpoint, how it is loaded, the layout and the
     engine's sizes (the same on every rank, so that their KV pools and state rows match the driver's tables)."""
@@ -46,9 +55,6 @@ def load_rank_engine(spec: RankSpec, rank: int):
     from pegainfer.runtime.reference_engine import ReferenceEngine
     from pegainfer.runtime.sharded_engine import load_rank_model
 
-    if spec.device != "cpu":
-        raise PegainferError("tensor parallelism on cuda is not served yet: the GPU engine's NCCL path is not "
-                             "wired into the multi-process executor; use --device cpu")
     return ReferenceEngine(load_rank_model(spec, rank), max_tokens=spec.kv_tokens, block_size=spec.block_size, max_seqs=spec.max_seqs,
                            state_snapshots=spec.state_snapshots)
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pegainfer.errors import PegainferError
 from pegainfer.frontends.load import LoadedModel, load_model
 from pegainfer.ir.ranks import bound_rank
 from pegainfer.runtime.rank_workers import RankProcesses, RankSpec, start_ranks
@@ -58,6 +59,9 @@ def load_rank_model(spec: RankSpec, rank: int, lazy: bool = False) -> LoadedMode
 def start_sharded_engine(spec: RankSpec, backend: str = "mp", model: LoadedModel | None = None) -> ShardedEngine:
     """The workers load their parts while rank 0 reads its own (`model`, loaded here if not given); all are stopped
     if any fails."""
+    if spec.device != "cpu":
+        raise PegainferError("--tensor-parallel-size on cuda is not served yet (the rank graphs compile with "
+                             "`pegainfer compile --tensor-parallel-size`): run a sharded model with --device cpu")
     ranks = start_ranks(spec, backend)
     try:
         engine = ShardedEngine(spec, ranks, model or load_rank_model(spec, 0))

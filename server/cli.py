@@ -354,9 +354,6 @@ def build_sharded_engine(model: "LoadedModel", device: str, args: argparse.Names
     from pegainfer.runtime.rank_workers import RankSpec
     from pegainfer.runtime.sharded_engine import start_sharded_engine
 
-    if device != "cpu":
-        raise PegainferError("--tensor-parallel-size on cuda is not served yet (the rank graphs compile with "
-                             "`pegainfer compile --tensor-parallel-size`); serve a sharded model with --device cpu")
     spec = RankSpec(str(model.folder), args.tensor_parallel_size, args.enable_expert_parallel, args.dtype, device,
                     args.quantization, args.kv_cache_dtype,
                     args.kv_cache_tokens or min(CPU_KV_TOKENS, args.max_num_seqs * max_model_len), KV_BLOCK_SIZE,

@@ -2,9 +2,12 @@
 a local Ray cluster give the greedy tokens of one process; a worker killed mid-run fails the engine and its
 requests within seconds (health 503), and `pegainfer serve --tensor-parallel-size 2` does all of this over HTTP."""
 
+import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 
 import httpx
@@ -134,3 +137,13 @@ def test_serve_with_two_ranks_answers_as_one_and_a_killed_worker_turns_health_to
     finally:
         server.process.terminate()
         server.process.wait(30)
+
+
+def test_generate_on_the_command_line_with_two_ranks_prints_what_one_process_does(tiny_checkpoint):
+    command = [sys.executable, "-m", "pegainfer.cli", "generate", "--model-path", str(tiny_checkpoint), "--device",
+               "cpu", "--prompt-ids", "5,6,7,8", "--max-tokens", "10", "--ignore-eos", "--json"]
+    outputs = [subprocess.run(command + extra, capture_output=True, text=True, timeout=120)
+               for extra in ([], ["--tensor-parallel-size", "2"])]
+    assert all(out.returncode == 0 for out in outputs), outputs[1].stderr
+    one, two = (json.loads(out.stdout) for out in outputs)
+    assert two["token_ids"] == one["token_ids"] and len(one["token_ids"]) == 10
