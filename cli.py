@@ -10,7 +10,8 @@ from pegainfer import __version__
 from pegainfer.errors import PegainferError
 from pegainfer.argtypes import override, positive_float, seed, token_ids
 from pegainfer.cli_kernels import CACHE_HELP, add_kernel_commands
-from pegainfer.server.cli import DTYPE_CHOICES, DTYPE_HELP, add_parallel_args, add_quantization_args, add_serve
+from pegainfer.server.cli import (DTYPE_CHOICES, DTYPE_HELP, add_parallel_args, add_quantization_args, add_serve,
+                                  add_speculative_arg)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,6 +58,7 @@ def _add_generate(commands) -> None:
                    "are compiled at start when the compile extra is installed")
     add_quantization_args(p)
     add_parallel_args(p)
+    add_speculative_arg(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run_generate)
 
@@ -96,7 +98,8 @@ def run_generate(args: argparse.Namespace) -> int:
                           device=args.device, dtype=args.dtype, cache_dir=args.cache_dir,
                           quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                           parallel=Ranks(args.tensor_parallel_size, args.enable_expert_parallel,
-                                         args.distributed_executor_backend))
+                                         args.distributed_executor_backend),
+                          speculative=args.speculative_config)
     print(f"pegainfer: device {result['device']} ({result['device_reason']}); dtype {result['dtype']}",
           file=sys.stderr)
     if args.json:

@@ -22,9 +22,12 @@ class Sequence:
 
 @dataclass(frozen=True)
 class Chunk:
-    """The next `num_tokens` uncached tokens of `seq`, processed in one step (a prompt piece or one decode token)."""
+    """The next `num_tokens` uncached tokens of `seq`, processed in one step (a prompt piece or one decode token);
+    the step draws a token at each of the last `draws` of them (more than one: a speculative step's drafts are
+    verified, runtime/speculative.py)."""
     seq: Sequence
     num_tokens: int
+    draws: int = 1
 
 
 def pack_step(chunks: list[Chunk], allocator: BlockAllocator, *, all_logits: bool = False) -> dict[str, np.ndarray]:
@@ -51,7 +54,7 @@ def pack_step(chunks: list[Chunk], allocator: BlockAllocator, *, all_logits: boo
             ids += seq.token_ids[start:end]
             positions += range(start, end)
             slots += [blocks[p // size] * size + p % size for p in range(start, end)]
-        logits_rows += range(row, row + count) if all_logits else [row + count - 1]
+        logits_rows += range(row if all_logits else row + count - chunk.draws, row + count)
     lists = [chunk.seq.table.blocks for chunk in chunks]
     lengths = np.array([len(blocks) for blocks in lists], dtype=np.int64)
     tables = np.zeros((len(chunks), int(lengths.max())), dtype=np.int32)

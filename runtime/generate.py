@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pegainfer.runtime.requests import EngineRequest
 from pegainfer.runtime.sampler import SamplingParams
 from pegainfer.runtime.scheduler import Engine, Scheduler, SchedulerConfig
+from pegainfer.runtime.speculative import Speculator
 
 
 @dataclass(frozen=True)
@@ -32,12 +33,12 @@ def offline_config(requests: list[Request], max_model_len: int | None = None) ->
 
 
 def generate(engine: Engine, requests: list[Request], eos_ids: Collection[int],
-             max_model_len: int | None = None) -> list[Completion]:
+             max_model_len: int | None = None, speculator: Speculator | None = None) -> list[Completion]:
     """One completion per request, in order. Raises RequestError for a request the scheduler refuses (bad
     parameters, a prompt past `max_model_len`, a sequence the KV pool can never hold)."""
     if not requests:
         return []
-    scheduler = Scheduler(engine, frozenset(eos_ids), offline_config(requests, max_model_len))
+    scheduler = Scheduler(engine, frozenset(eos_ids), offline_config(requests, max_model_len), speculator)
     for index, request in enumerate(requests):
         scheduler.add(EngineRequest(str(index), list(request.prompt_ids), request.params))
     outs = [Completion(logprobs=[] if r.params.logprobs is not None else None) for r in requests]

@@ -11,22 +11,27 @@ from pegainfer.runtime.detokenize import decode_completion
 from pegainfer.runtime.device import choose_device
 from pegainfer.runtime.generate import Request, generate
 from pegainfer.runtime.rank_workers import Ranks, RankSpec
+from pegainfer.runtime.proposers import make_speculator
 from pegainfer.runtime.reference_engine import ReferenceEngine
 from pegainfer.runtime.sampler import SamplingParams
 from pegainfer.runtime.sharded_engine import start_sharded_engine
+from pegainfer.runtime.speculative import parse_speculative_config
 from pegainfer.runtime.tokenizer import check_prompt_ids, eos_token_ids, load_tokenizer
 
 
 def generate_one(model_path: Path | str, params: SamplingParams, *, prompt: str | None = None,
                  prompt_ids: list[int] | None = None, device: str | None = None, dtype: str = "auto",
                  cache_dir: Path | None = None, quantization: str | None = None,
-                 kv_cache_dtype: str = "auto", parallel: Ranks = Ranks()) -> dict[str, Any]:
+                 kv_cache_dtype: str = "auto", parallel: Ranks = Ranks(),
+                 speculative: str | None = None) -> dict[str, Any]:
     """Returns {device, device_reason, dtype, prompt_token_ids, token_ids, text, finish_reason, logprobs}.
     `model_path`: a checkpoint folder or a Hugging Face id; `dtype`: load_spec's; `cache_dir`: the cubin cache
     for cuda (cache_root's rule), where missing kernels are compiled when a compiler is installed; `parallel`: the
-    model sharded over that many processes (runtime/sharded_engine.py)."""
+    model sharded over that many processes (runtime/sharded_engine.py); `speculative`: a --speculative-config
+    JSON."""
     assert (prompt is None) != (prompt_ids is None), "give exactly one of prompt and prompt_ids"
     params.validate()
+    config = parse_speculative_config(speculative) if speculative else None
     device, reason = choose_device(device)
     folder = resolve_checkpoint(model_path).folder
     sharding = Parallelism(parallel.size, 0, parallel.expert_parallel)
@@ -45,8 +50,10 @@ def generate_one(model_path: Path | str, params: SamplingParams, *, prompt: str 
         start_sharded_engine(RankSpec(str(folder), parallel.size, parallel.expert_parallel, dtype, device, quantization,
                                       kv_cache_dtype, tokens, max_seqs=1), parallel.backend, model)
     eos = tokenizer.eos_token_ids if tokenizer else eos_token_ids(folder)
+    speculator = config and make_speculator(config, model, device, tokens, 1, dtype)
     try:
-        (completion,) = generate(engine, [Request(ids, params)], eos, max_model_len=max_model_len)
+        (completion,) = generate(engine, [Request(ids, params)], eos, max_model_len=max_model_len,
+                                 speculator=speculator)
     finally:
         if sharding.sharded:
             engine.shutdown()

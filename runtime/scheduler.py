@@ -40,6 +40,7 @@ from pegainfer.runtime.prefix_cache import ROOT, PrefixCache, chain_hashes
 from pegainfer.runtime.prompt_logprobs import draw_first, position_logprobs
 from pegainfer.runtime.requests import EngineRequest, TokenOutput
 from pegainfer.runtime.sampler import SamplingParams
+from pegainfer.runtime.speculative import DraftRequest, Speculator, accepted_count
 from pegainfer.runtime.state_snapshots import StateSnapshots, chunk_to_boundary
 from pegainfer.runtime.step_stats import SchedulerStats, StepRecord
 from pegainfer.runtime.waiting import WaitingQueue
@@ -86,6 +87,7 @@ class _State:
     admitted: bool = False
     first_scheduled: float = 0.0
     prompt_steps: list[dict[int, float]] | None = None  # prompt logprobs so far, where the request asks
+    drafts: list[int] = field(default_factory=list)  # the tokens this step verifies, appended to seq.token_ids
 
     @property
     def scoring(self) -> bool:
@@ -99,7 +101,10 @@ class _State:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, eos_ids: frozenset[int], config: SchedulerConfig = SchedulerConfig()) -> None:
+    def __init__(self, engine: Engine, eos_ids: frozenset[int], config: SchedulerConfig = SchedulerConfig(),
+                 speculator: Speculator | None = None) -> None:
+        """`speculator`: drafts verified in the steps (runtime/speculative.py), for a model without recurrent
+        layers."""
         assert config.max_num_seqs >= 1 and config.max_model_len >= 2, config
         if config.max_num_batched_tokens < config.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be at least max_num_seqs "
@@ -110,6 +115,10 @@ class Scheduler:
         if slots and config.max_num_seqs > slots:
             raise ValueError(f"max_num_seqs ({config.max_num_seqs}) must be at most the engine's state slots "
                              f"({slots}): every running sequence of a model with recurrent layers holds one")
+        if speculator is not None and slots:
+            raise ValueError("speculative decoding of a model with recurrent layers is not implemented yet: their "
+                             "state would have to roll back past rejected drafts")
+        self.speculator = speculator
         self.block_size = self.allocator.block_size
         rows = self.allocator.snapshot_rows if config.prefix_cache and slots else range(0)
         self.snapshots = StateSnapshots(rows) if rows else None
@@ -198,13 +207,16 @@ class Scheduler:
                                         len(scored))
             return scored
         states = [self._by_seq[c.seq.seq_id] for c in chunks]
-        prefill = sum(c.num_tokens for c, st in zip(chunks, states) if not (c.num_tokens == 1 and st.num_generated))
+        prefill = sum(c.num_tokens for c, st in zip(chunks, states) if not (c.num_tokens == c.draws and st.num_generated))
         self.stats.prefill_tokens += prefill
         start = time.monotonic()
         # a constraint sees only draws that become tokens: not those of prompt chunks short of the prompt's end
+        # (a speculating sequence has none); a verifying chunk draws at each of its tokens
         constraints = [st.request.constraint if c.seq.num_cached + c.num_tokens >= len(c.seq.token_ids) else None
-                       for c, st in zip(chunks, states)]
-        result = self.engine.sample(chunks, [st.request.params for st in states], [st.num_generated for st in states],
+                       for c, st in zip(chunks, states) for _ in range(c.draws)]
+        params = [st.request.params for c, st in zip(chunks, states) for _ in range(c.draws)]
+        token_index = [st.num_generated + j for c, st in zip(chunks, states) for j in range(c.draws)]
+        result = self.engine.sample(chunks, params, token_index,
                                     constraints if any(c is not None for c in constraints) else None, launched)
         seconds = time.monotonic() - start
         tokens = sum(c.num_tokens for c in chunks)
@@ -239,20 +251,24 @@ class Scheduler:
         scheduled: set[int] = set()
         preempted = False
         running, preemptions = list(self.running), self.stats.preemptions
+        drafts = self._propose(running)
+        decodes = sum(len(st.seq.token_ids) - st.seq.num_cached == 1 for st in running) if drafts else 0
         for decoding in (True, False):
             for state in running:
                 uncached = len(state.seq.token_ids) - state.seq.num_cached
-                if (uncached == 1) != decoding or budget == 0:
+                if (uncached == 1) != decoding or budget == 0 or state.drafts:  # drafts: scheduled to decode
                     continue
                 if self.stats.preemptions != preemptions and state not in self.running:
                     continue  # preempted earlier in this step (a membership test only then: it is linear)
                 count = self._chunk(state, min(uncached, budget, self.config.max_num_seqs if state.scoring else budget))
+                decodes -= decoding
                 if not self._room_for(state, count, scheduled):
                     preempted = True
                     continue
-                chunks.append(Chunk(state.seq, count))
+                draft = self._fit(state, drafts.get(state.seq.seq_id, []), budget - count - decodes)
+                chunks.append(Chunk(state.seq, count + len(draft), draws=1 + len(draft)))
                 scheduled.add(state.seq.seq_id)
-                budget -= count
+                budget -= count + len(draft)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
             state = self.waiting.peek()
             count = self._admit(state, min(budget, self.config.max_num_seqs) if state.scoring else budget)
@@ -308,6 +324,33 @@ class Scheduler:
         """A prompt chunk of a model with state snapshots ends on a block boundary where it crosses one."""
         return chunk_to_boundary(state.seq.num_cached, count, self.block_size) if self.snapshots else count
 
+    def _propose(self, running: list[_State]) -> dict[int, list[int]]:
+        """Drafts for the decoding sequences that may speculate: those without a constraint (a grammar or
+        penalties would see tokens that are not yet the sequence's), each up to K and to what its limits leave."""
+        spec = self.speculator
+        if spec is None or (spec.config.disable_by_batch_size or len(running)) < len(running):
+            return {}
+        wanted = []
+        for state in running:
+            seq, params = state.seq, state.request.params
+            room = min(spec.config.num_speculative_tokens, params.max_tokens - state.num_generated - 1,
+                       self.config.max_model_len - len(seq.token_ids) - 1)
+            if len(seq.token_ids) - seq.num_cached == 1 and room > 0 and state.request.constraint is None:
+                wanted.append(DraftRequest(seq.seq_id, seq.token_ids, room))
+        found = spec.proposer.propose(wanted) if wanted else []
+        return {request.seq_id: draft for request, draft in zip(wanted, found) if draft}
+
+    def _fit(self, state: _State, draft: list[int], room: int) -> list[int]:
+        """The drafts a decoding sequence verifies this step, appended to its tokens: as many as the budget leaves
+        beside one token for each decode still to come, and their blocks without preempting anyone."""
+        draft = draft[:max(room, 0)]
+        extra = self._blocks_needed(state.seq, 1 + len(draft)) - self._blocks_needed(state.seq, 1)
+        if not draft or not self._reserve(extra):
+            return []
+        state.drafts = draft
+        state.seq.token_ids += draft
+        return draft
+
     def _blocks_needed(self, seq: Sequence, count: int) -> int:
         return max(self.allocator.blocks_for(seq.num_cached + count) - len(seq.table.blocks), 0)
 
@@ -337,6 +380,8 @@ class Scheduler:
             state.seq.table.blocks = self.cache.release(state.seq.table.blocks)
         self.engine.release(state.seq)
         state.block_hashes = []
+        if self.speculator is not None:
+            self.speculator.proposer.release(state.seq.seq_id)
 
     def _forget(self, state: _State) -> None:
         del self._states[state.request.request_id], self._by_seq[state.seq.seq_id]
@@ -344,16 +389,38 @@ class Scheduler:
     # --- after the step --------------------------------------------------------------------------------------
 
     def _process(self, chunks: list[Chunk], result: SampleResult) -> list[TokenOutput]:
-        outputs, now = [], time.monotonic()
-        for row, chunk in enumerate(chunks):
+        outputs, now, row = [], time.monotonic(), 0
+        for chunk in chunks:
             state = self._by_seq[chunk.seq.seq_id]
+            tokens, logprobs = result.tokens[row:row + chunk.draws], result.logprobs[row:row + chunk.draws]
+            row += chunk.draws
+            if state.drafts:
+                kept = self._settle(state, tokens)
+                tokens, logprobs = tokens[:kept], logprobs[:kept]
             if self._has_new_full_blocks(state):
                 self._cache_full_blocks(state)
                 self._snapshot(state)
             if state.seq.num_cached < len(state.seq.token_ids):
                 continue  # a prompt chunk short of the prompt's end: its draw is not a next token
-            outputs.append(self._append(state, result.tokens[row], result.logprobs[row], now))
+            for token, token_logprobs in zip(tokens, logprobs):
+                outputs.append(self._append(state, token, token_logprobs, now))
+                if outputs[-1].finish_reason is not None:
+                    break
         return outputs
+
+    def _settle(self, state: _State, draws: list[int]) -> int:
+        """Keeps the drafts the target's draws agree with: the rest leave the sequence's tokens and its cache
+        (their KV slots are past num_cached, to be overwritten). Returns how many draws become tokens."""
+        drafts, seq, stats = state.drafts, state.seq, self.stats
+        kept = accepted_count(drafts, draws)
+        del seq.token_ids[len(seq.token_ids) - len(drafts):]
+        seq.num_cached -= len(drafts) - kept
+        state.drafts = []
+        stats.spec_drafts += 1
+        stats.spec_draft_tokens += len(drafts)
+        stats.spec_accepted_tokens += kept
+        stats.spec_accepted_by_position.update(range(kept))
+        return kept + 1
 
     def _has_new_full_blocks(self, state: _State) -> bool:
         return self.cache is not None and state.seq.num_cached // self.block_size > len(state.block_hashes)

@@ -13,6 +13,10 @@ class SchedulerStats:
     preemptions: int = 0
     steps: int = 0
     step_tokens: Counter[int] = field(default_factory=Counter)  # engine steps by tokens run; /metrics buckets them
+    spec_drafts: int = 0  # speculative verifications: a sequence's drafts checked in a step
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_by_position: Counter[int] = field(default_factory=Counter)  # drafts kept at position 0, 1, ...
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,14 @@ def add_quantization_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=KV_CACHE_DTYPE_HELP)
 
 
+def add_speculative_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, as vLLM spells it: {"method": "ngram" or "draft_model", '
+                        '"num_speculative_tokens": K, "model": DRAFT_FOLDER (draft_model), "prompt_lookup_min", '
+                        '"prompt_lookup_max" (ngram), "disable_by_batch_size"}; greedy and seeded output is the '
+                        'same as without it')
+
+
 def add_parallel_args(p: argparse.ArgumentParser, executor: bool = True) -> None:
     """vLLM's flags for a model sharded over several devices (passes/shard.py)."""
     p.add_argument("--tensor-parallel-size", "-tp", type=argtypes.positive_int, default=1,
@@ -98,6 +106,7 @@ def add_serve(commands) -> None:
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP)
     add_quantization_args(p)
     add_parallel_args(p)
+    add_speculative_arg(p)
     p.add_argument("--cache-dir", type=Path, default=None,
                    help="cubin cache (see pegainfer compile); kernels missing there are compiled at start when "
                         "the compile extra is installed")
@@ -197,8 +206,10 @@ def start_serving(args: argparse.Namespace, trace: TextIO | None, listener: sock
     from pegainfer.frontends.load import load_model
     from pegainfer.passes.shard import Parallelism
     from pegainfer.runtime.device import choose_device
+    from pegainfer.runtime.speculative import parse_speculative_config
 
     phases = {"imports": process_age()}
+    speculative = parse_speculative_config(args.speculative_config) if args.speculative_config else None
     device, reason = choose_device(args.device)
     checkpoint = resolve_checkpoint(args.model_path)
     parallel = Parallelism(args.tensor_parallel_size, 0, args.enable_expert_parallel)
@@ -226,7 +237,13 @@ def start_serving(args: argparse.Namespace, trace: TextIO | None, listener: sock
     # The engine thread waits on the GPU without the GIL once a step; under load the event loop holds it then, and
     # hands it back only at the switch interval (5 ms by default, which would add up to that to every step)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    scheduler = Scheduler(engine, tokenizer.eos_token_ids, config)
+    speculator = None
+    if speculative is not None:
+        from pegainfer.runtime.proposers import make_speculator
+
+        speculator = make_speculator(speculative, model, device, allocator.num_blocks * allocator.block_size,
+                                     args.max_num_seqs, args.dtype)
+    scheduler = Scheduler(engine, tokenizer.eos_token_ids, config, speculator)
     loop = EngineLoop(scheduler, engine_thread_init(engine), trace).start()
     ranks_note = ""
     if hasattr(engine, "watch"):  # a sharded engine: a worker rank's death fails the loop even between steps
@@ -244,6 +261,9 @@ def start_serving(args: argparse.Namespace, trace: TextIO | None, listener: sock
                         args.enable_auto_tool_choice, args.reasoning_parser,
                         sampling_defaults(checkpoint.folder) if args.generation_config == "auto" else {})
 
+    spec_note = "" if speculative is None else \
+        f"; speculative decoding: {speculative.method}, {speculative.num_speculative_tokens} tokens"
+
     def ready_line() -> str:
         ctx.metrics.startup_seconds = process_age()
         phases["http"] = ctx.metrics.startup_seconds - sum(phases.values())
@@ -251,7 +271,7 @@ def start_serving(args: argparse.Namespace, trace: TextIO | None, listener: sock
         return (f"pegainfer: serving {name} on http://{_address(listener)} (device {device}: {reason}; dtype "
                 f"{model.spec.config.torch_dtype}{ranks_note}; {allocator.num_blocks} KV blocks of {allocator.block_size} "
                 f"tokens{cache_dtype}; max_model_len {max_model_len}{clamp_note}; prefix cache "
-                f"{scheduler.prefix_cache_status()}); ready {ctx.metrics.startup_seconds:.2f} s after start "
+                f"{scheduler.prefix_cache_status()}{spec_note}); ready {ctx.metrics.startup_seconds:.2f} s after start "
                 f"({', '.join(f'{k} {v:.2f} s' for k, v in phases.items())})")
     return loop, ctx, ready_line
 

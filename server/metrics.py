@@ -132,6 +132,8 @@ class Metrics:
                   "# TYPE vllm:request_success_total counter"]
         lines += [f'vllm:request_success_total{{{self.labels},finished_reason="{reason}"}} {count}'
                   for reason, count in self.finished.items()]
+        if scheduler.speculator is not None:
+            lines += spec_decode_lines(stats, self.labels, scheduler.speculator.config.num_speculative_tokens)
         lines += ["# HELP vllm:cache_config_info Information of the KV cache's configuration.",
                   "# TYPE vllm:cache_config_info gauge", f"vllm:cache_config_info{{{self.cache_labels(scheduler)}}} 1"]
         for name, histogram, help_text in (
@@ -155,6 +157,24 @@ class Metrics:
         info = {**self.cache_info, "block_size": allocator.block_size, "num_gpu_blocks": allocator.num_blocks,
                 "enable_prefix_caching": scheduler.cache is not None}
         return ",".join(f'{name}="{escape(str(value))}"' for name, value in sorted(info.items()))
+
+
+def spec_decode_lines(stats, labels: str, positions: int) -> list[str]:
+    """Speculative decoding's counters as vLLM names them: drafts verified (a sequence's in a step), draft tokens
+    proposed and accepted, and accepted by draft position."""
+    lines = []
+    for name, help_text, value in (
+            ("vllm:spec_decode_num_drafts", "Drafts verified: a sequence's draft tokens checked in a step.",
+             stats.spec_drafts),
+            ("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", stats.spec_draft_tokens),
+            ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", stats.spec_accepted_tokens)):
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name}{{{labels}}} {value}"]
+    name = "vllm:spec_decode_num_accepted_tokens_per_pos"
+    lines += [f"# HELP {name} Draft tokens accepted, by their position in the draft.", f"# TYPE {name} counter"]
+    by_position = dict(stats.spec_accepted_by_position)
+    lines += [f'{name}{{{labels},position="{position}"}} {by_position.get(position, 0)}'
+              for position in range(positions)]
+    return lines
 
 
 def step_histogram(scheduler: Scheduler) -> Histogram:
