@@ -3,7 +3,9 @@ groups of experts), and applying the chosen experts' gated MLPs.
 
 Expert weights are stacked along rows, expert e's block after expert e-1's (a derived param the loader stacks from
 the checkpoint's per-expert tensors): gate_up is [experts * 2I, H], expert e's rows 2Ie .. 2Ie + I its gate
-projection and the next I its up projection; down is [experts * H, I]. FP8 experts (an FP8 checkpoint's) are float8
+projection and the next I its up projection; down is [experts * H, I]. Under expert parallelism a rank holds only
+some of the experts the router picks among: E' local ones from `first_expert` on, whose weights are [E' * 2I, H]
+and [E' * H, I]; pairs routed to other experts contribute nothing (another rank's sum has them). FP8 experts (an FP8 checkpoint's) are float8
 e4m3 with float32 scales stacked the same way: each of the 2E projections of gate_up (and E of down) keeps its own
 blocks of `block` rows x columns, cut short at its edges, as the checkpoint stores them.
 """
@@ -72,7 +74,8 @@ def _route(logits: np.ndarray, *bias: np.ndarray, k: int, normalize: bool, scori
 
 
 def _infer_experts(x: TensorType, weights: TensorType, ids: TensorType, gate_up: TensorType, down: TensorType,
-                   *scales: TensorType, experts: int, act: str, block: list[int] | None = None) -> TensorType:
+                   *scales: TensorType, experts: int, act: str, block: list[int] | None = None,
+                   first_expert: int = 0) -> TensorType:
     expect(x.rank == 2 and x.dtype.is_float, f"moe_experts: input must be float [tokens, hidden], found {x}")
     expect(weights.rank == 2 and weights.shape[0] == x.shape[0] and weights.dtype.is_float
            and ids.shape == weights.shape and not ids.dtype.is_float,
@@ -80,11 +83,13 @@ def _infer_experts(x: TensorType, weights: TensorType, ids: TensorType, gate_up:
            f"and {ids}")
     expect(act in ACTIVATIONS, f"moe_experts: act must be one of {sorted(ACTIVATIONS)}, found {act!r}")
     hidden = x.shape[1]
-    expect(gate_up.rank == 2 and gate_up.shape[1] == hidden and gate_up.shape[0] % (2 * experts) == 0,
-           f"moe_experts: gate_up must be [{experts} * 2I, {hidden}], found {gate_up}")
-    inter = gate_up.shape[0] // (2 * experts)
-    expect(down.shape == (experts * hidden, inter), f"moe_experts: down must be [{experts * hidden}, {inter}], "
-                                                    f"found {down}")
+    local = held_experts(down, hidden)
+    expect(isinstance(first_expert, int) and local and 0 <= first_expert <= experts - local,
+           f"moe_experts: down must hold whole experts [E' * {hidden}, I], E' of the {experts} routed from "
+           f"first_expert {first_expert!r} on; found {down}")
+    inter = down.shape[1]
+    expect(gate_up.shape == (local * 2 * inter, hidden),
+           f"moe_experts: gate_up must be [{local} * 2 * {inter}, {hidden}], found {gate_up}")
     fp8 = gate_up.dtype.name.startswith("f8")
     expect(fp8 == down.dtype.name.startswith("f8") == bool(scales) == (block is not None),
            f"moe_experts: FP8 experts take both weights in FP8, their two scales and a block; found {gate_up}, "
@@ -92,13 +97,20 @@ def _infer_experts(x: TensorType, weights: TensorType, ids: TensorType, gate_up:
     if fp8:
         expect(len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block),
                f"moe_experts: block must be two positive sizes, found {block}")
-        for name, scale, projections, shape in (("gate_up", scales[0], 2 * experts, (inter, hidden)),
-                                                ("down", scales[1], experts, (hidden, inter))):
+        for name, scale, projections, shape in (("gate_up", scales[0], 2 * local, (inter, hidden)),
+                                                ("down", scales[1], local, (hidden, inter))):
             rows, cols = scale_shape(shape, tuple(block))
             wanted = TensorType(FP32, (projections * rows, cols))
             expect(scale == wanted, f"moe_experts: {name}'s scales must be {wanted} ({projections} projections of "
                                     f"{list(shape)} in blocks of {block}), found {scale}")
     return x
+
+
+def held_experts(down: TensorType, hidden: int) -> int:
+    """The experts a node's stacked down weight holds (all of them, or a rank's under expert parallelism); 0 when
+    it holds no whole number of them."""
+    rows = down.shape[0] if down.rank == 2 else 0
+    return rows // hidden if isinstance(rows, int) and rows % hidden == 0 else 0
 
 
 def stacked_dequantize(q: np.ndarray, scale: np.ndarray, projections: int, block: list[int]) -> np.ndarray:
@@ -110,20 +122,25 @@ def stacked_dequantize(q: np.ndarray, scale: np.ndarray, projections: int, block
 
 
 def _experts(x: np.ndarray, weights: np.ndarray, ids: np.ndarray, gate_up: np.ndarray, down: np.ndarray,
-             *scales: np.ndarray, experts: int, act: str, block: list[int] | None = None) -> np.ndarray:
-    """sum over the k chosen experts e of weight * down_e(act(gate_e x) * up_e x), per token."""
-    if scales:  # dequantized to the activations' dtype, as a dequantize op rounds them
-        gate_up = stacked_dequantize(gate_up, scales[0], 2 * experts, block).astype(x.dtype)
-        down = stacked_dequantize(down, scales[1], experts, block).astype(x.dtype)
+             *scales: np.ndarray, experts: int, act: str, block: list[int] | None = None,
+             first_expert: int = 0) -> np.ndarray:
+    """sum over the k chosen experts e of weight * down_e(act(gate_e x) * up_e x), per token; of the experts held
+    (first_expert onwards) only."""
     hidden = x.shape[1]
-    inter = gate_up.shape[0] // (2 * experts)
-    gate_up, down = gate_up.reshape(experts, 2 * inter, hidden), down.reshape(experts, hidden, inter)
+    local = down.shape[0] // hidden
+    if scales:  # dequantized to the activations' dtype, as a dequantize op rounds them
+        gate_up = stacked_dequantize(gate_up, scales[0], 2 * local, block).astype(x.dtype)
+        down = stacked_dequantize(down, scales[1], local, block).astype(x.dtype)
+    inter = down.shape[1]
+    gate_up, down = gate_up.reshape(local, 2 * inter, hidden), down.reshape(local, hidden, inter)
     out = np.zeros_like(x, dtype=np.float32)
     for expert in np.unique(ids):
+        if not first_expert <= expert < first_expert + local:
+            continue  # another rank's expert
         rows, slots = np.nonzero(ids == expert)  # a token picks an expert at most once: rows are distinct
-        projected = x[rows] @ gate_up[expert].T
+        projected = x[rows] @ gate_up[expert - first_expert].T
         activated = ACTIVATIONS[act](projected[:, :inter]) * projected[:, inter:]
-        out[rows] += weights[rows, slots, None] * (activated @ down[expert].T)
+        out[rows] += weights[rows, slots, None] * (activated @ down[expert - first_expert].T)
     return out
 
 

@@ -4,7 +4,8 @@ the K best, weighted by their scores (renormalised when NORMALIZE, times SCALE).
 [groups, experts a group] tile (one group when ungrouped), so no count needs to be a power of two. Experts, the
 per-expert GEMV path: one program per (token, choice, column tile) applies the chosen expert's gate/up projection
 and activation into a float32 scratch row, then one program per (token, column tile) sums the K down projections,
-each times its routing weight. Every token reads its experts' weights itself: right for decode, where a step's
+each times its routing weight. A node holding some of the routed experts only (expert parallelism: E from FIRST
+on) skips the pairs routed elsewhere: their loads masked off, their terms zero. Every token reads its experts' weights itself: right for decode, where a step's
 tokens seldom share an expert; prefill-shaped steps take moe_grouped.py's grouped GEMMs instead."""
 
 import triton
@@ -112,13 +113,22 @@ def expert_tile(w_ptr, scale_ptr, rows, offs_k, mask, like, COLS: tl.constexpr, 
 
 
 @triton.jit
+def _held(ids_ptr, index, FIRST: tl.constexpr, E: tl.constexpr):
+    """The local expert (int64) of the pair at ids_ptr[index], and whether this node holds it; a pair routed to
+    another rank's expert reads expert 0, masked off by the caller."""
+    expert = tl.load(ids_ptr + index).to(tl.int64) - FIRST
+    held = (expert >= 0) & (expert < E)
+    return tl.where(held, expert, 0), held
+
+
+@triton.jit
 def moe_gate_up_kernel(x_ptr, ids_ptr, w_ptr, scale_ptr, hidden_ptr, stride_x, stride_ids, stride_hidden,
                        H: tl.constexpr, INTER: tl.constexpr, K: tl.constexpr, ACT: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr, BR: tl.constexpr,
-                       BC: tl.constexpr):
-    """hidden[token, j*INTER + n] = act(gate_e x) * (up_e x) for the token's j-th expert e."""
+                       BC: tl.constexpr, FIRST: tl.constexpr, E: tl.constexpr):
+    """hidden[token, j*INTER + n] = act(gate_e x) * (up_e x) for the token's j-th expert e; 0 where e is not held."""
     token, choice = tl.program_id(0) // K, tl.program_id(0) % K
-    expert = tl.load(ids_ptr + token * stride_ids + choice).to(tl.int64)
+    expert, held = _held(ids_ptr, token * stride_ids + choice, FIRST, E)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < INTER
     gate_rows = expert * (2 * INTER) + offs_n
@@ -127,8 +137,8 @@ def moe_gate_up_kernel(x_ptr, ids_ptr, w_ptr, scale_ptr, hidden_ptr, stride_x, s
     for k0 in range(0, H, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < H
-        a = tl.load(x_ptr + token * stride_x + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        w_mask = mask_n[:, None] & mask_k[None, :]
+        a = tl.load(x_ptr + token * stride_x + offs_k, mask=mask_k & held, other=0.0).to(tl.float32)
+        w_mask = (mask_n & held)[:, None] & mask_k[None, :]
         gate = expert_tile(w_ptr, scale_ptr, gate_rows, offs_k, w_mask, a, H, INTER, FP8, BR, BC)
         up = expert_tile(w_ptr, scale_ptr, gate_rows + INTER, offs_k, w_mask, a, H, INTER, FP8, BR, BC)
         gate3 += gate * a[None, :]
@@ -141,20 +151,20 @@ def moe_gate_up_kernel(x_ptr, ids_ptr, w_ptr, scale_ptr, hidden_ptr, stride_x, s
 def moe_down_kernel(hidden_ptr, weights_ptr, ids_ptr, w_ptr, scale_ptr, out_ptr, stride_hidden, stride_weights,
                     stride_ids, stride_out, H: tl.constexpr, INTER: tl.constexpr, K: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr, BR: tl.constexpr,
-                    BC: tl.constexpr):
-    """out[token] = sum over its K choices of weight * down_e(hidden[token, choice])."""
+                    BC: tl.constexpr, FIRST: tl.constexpr, E: tl.constexpr):
+    """out[token] = sum over its K choices of weight * down_e(hidden[token, choice]), of the held experts e."""
     token = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < H
     out = tl.zeros([BLOCK_N], tl.float32)
     for choice in tl.static_range(K):
-        expert = tl.load(ids_ptr + token * stride_ids + choice).to(tl.int64)
-        weight = tl.load(weights_ptr + token * stride_weights + choice).to(tl.float32)
+        expert, held = _held(ids_ptr, token * stride_ids + choice, FIRST, E)
+        weight = tl.load(weights_ptr + token * stride_weights + choice, mask=held, other=0.0).to(tl.float32)
         rows = expert * H + offs_n
         acc3 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         for k0 in range(0, INTER, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < INTER
+            mask_k = (offs_k < INTER) & held
             h = tl.load(hidden_ptr + token * stride_hidden + choice * INTER + offs_k, mask=mask_k, other=0.0)
             w = expert_tile(w_ptr, scale_ptr, rows, offs_k, mask_n[:, None] & mask_k[None, :], h, INTER, H, FP8,
                             BR, BC)

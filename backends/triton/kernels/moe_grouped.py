@@ -4,30 +4,36 @@ a pair. Four launches, all experts in each: moe_sort_kernel lays out, per expert
 BLOCK_M (-1 pads; an expert with none gets no tile) and a table of the tiles' experts; moe_grouped_gate_up_kernel
 and moe_grouped_down_kernel run over those tiles (a program takes every num_programs-th one: the tile count is known
 only on the device), writing each pair's row of a float32 scratch; moe_sum_kernel adds each token's K rows in
-choice order, so the output never depends on how the pairs were scheduled (no atomics)."""
+choice order, so the output never depends on how the pairs were scheduled (no atomics). A node holding some of the
+routed experts only (expert parallelism: E from FIRST on) places only their pairs, and the sum skips the others."""
 
 # include: moe.py
 # include: dot.py
 
 
 @triton.jit
-def _expert_ids(ids_ptr, stride_ids, offs, pairs, K: tl.constexpr):
-    """The expert of each pair index (token * K + choice) below `pairs`; 0 past it, masked by the caller."""
-    return tl.load(ids_ptr + (offs // K) * stride_ids + offs % K, mask=offs < pairs, other=0)
+def _local_ids(ids_ptr, stride_ids, offs, pairs, K: tl.constexpr, FIRST: tl.constexpr, E: tl.constexpr):
+    """The local expert (from FIRST) of each pair index (token * K + choice), and whether it is a pair below `pairs`
+    routed to one of the E experts held; 0 where not."""
+    local = tl.load(ids_ptr + (offs // K) * stride_ids + offs % K, mask=offs < pairs, other=0) - FIRST
+    held = (offs < pairs) & (local >= 0) & (local < E)
+    return tl.where(held, local, 0), held
 
 
 @triton.jit
 def moe_sort_kernel(ids_ptr, pairs_ptr, tiles_ptr, M, stride_ids, K: tl.constexpr, BLOCK_E: tl.constexpr,
-                    EXPERTS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr):
-    """Every program counts all experts' pairs (for the offsets), then places the pairs of its own EXPERTS experts:
-    expert e's n_e pairs, in pair order, from BLOCK_M x (its first tile), -1 to the end of its last tile.
-    tiles_ptr[0] is the number of tiles, tiles_ptr[1 + t] tile t's expert."""
+                    EXPERTS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr,
+                    FIRST: tl.constexpr, E: tl.constexpr):
+    """Every program counts all held experts' pairs (for the offsets), then places the pairs of its own EXPERTS
+    experts: expert e's n_e pairs, in pair order, from BLOCK_M x (its first tile), -1 to the end of its last tile.
+    tiles_ptr[0] is the number of tiles, tiles_ptr[1 + t] tile t's (local) expert."""
     pairs = M * K
     every = tl.arange(0, BLOCK_E)
     counts = tl.zeros([BLOCK_E], tl.int32)
     for p0 in range(0, pairs, BLOCK_P):
         offs = p0 + tl.arange(0, BLOCK_P)
-        counts += tl.histogram(_expert_ids(ids_ptr, stride_ids, offs, pairs, K), BLOCK_E, mask=offs < pairs)
+        local, held = _local_ids(ids_ptr, stride_ids, offs, pairs, K, FIRST, E)
+        counts += tl.histogram(local, BLOCK_E, mask=held)
     tiles = (counts + BLOCK_M - 1) // BLOCK_M
     starts = tl.cumsum(tiles, axis=0) - tiles
     if tl.program_id(0) == 0:
@@ -47,8 +53,8 @@ def moe_sort_kernel(ids_ptr, pairs_ptr, tiles_ptr, M, stride_ids, K: tl.constexp
     placed = own_start * BLOCK_M  # where each own expert's next pair goes
     for p0 in range(0, pairs, BLOCK_P):
         offs = p0 + tl.arange(0, BLOCK_P)
-        experts = _expert_ids(ids_ptr, stride_ids, offs, pairs, K)
-        hit = ((experts[:, None] == own[None, :]) & (offs < pairs)[:, None]).to(tl.int32)
+        local, held = _local_ids(ids_ptr, stride_ids, offs, pairs, K, FIRST, E)
+        hit = ((local[:, None] == own[None, :]) & held[:, None]).to(tl.int32)
         slot = tl.sum(hit * (tl.cumsum(hit, axis=0) - 1 + placed[None, :]), axis=1)
         tl.store(pairs_ptr + slot, offs, mask=tl.sum(hit, axis=1) > 0)
         placed += tl.sum(hit, axis=0)
@@ -118,13 +124,19 @@ def moe_grouped_down_kernel(hidden_ptr, weights_ptr, w_ptr, scale_ptr, pairs_ptr
 
 
 @triton.jit
-def moe_sum_kernel(partial_ptr, out_ptr, stride_partial, stride_out, H: tl.constexpr, K: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
-    """out[token] = the sum of its K rows of partial, in choice order."""
+def moe_sum_kernel(partial_ptr, ids_ptr, out_ptr, stride_partial, stride_ids, stride_out, H: tl.constexpr,
+                   K: tl.constexpr, BLOCK_N: tl.constexpr, PARTIAL: tl.constexpr, FIRST: tl.constexpr,
+                   E: tl.constexpr):
+    """out[token] = the sum of its K rows of partial, in choice order; with PARTIAL (some experts held) of the rows
+    of held experts only, the others never written."""
     token = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < H
     out = tl.zeros([BLOCK_N], tl.float32)
     for choice in tl.static_range(K):
-        out += tl.load(partial_ptr + token * stride_partial + choice * H + offs_n, mask=mask_n, other=0.0)
+        mask = mask_n
+        if PARTIAL:
+            expert = tl.load(ids_ptr + token * stride_ids + choice) - FIRST
+            mask = mask_n & (expert >= 0) & (expert < E)
+        out += tl.load(partial_ptr + token * stride_partial + choice * H + offs_n, mask=mask, other=0.0)
     tl.store(out_ptr + token * stride_out + offs_n, out.to(out_ptr.dtype.element_ty), mask=mask_n)
