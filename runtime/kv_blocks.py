@@ -13,10 +13,11 @@ class BlockAllocator:
     """A free list of block ids 0 .. num_blocks-1."""
 
     def __init__(self, num_blocks: int, block_size: int, reserved: int = 0, state_slots: int = 0,
-                 snapshot_slots: int = 0) -> None:
+                 snapshot_slots: int = 0, spare_slots: int = 0) -> None:
         """Blocks 0 .. reserved-1 are never handed out (the GPU engine's padding block), nor, of `state_slots`
         slots (0: a model without recurrent state), slots 0 .. reserved-1. Rows state_slots .. state_slots +
-        snapshot_slots - 1 of the state pools hold snapshots, never a running sequence."""
+        snapshot_slots - 1 of the state pools hold snapshots, never a running sequence; the `spare_slots` rows
+        after them hold a speculating sequence's state from before its drafts, to roll back to."""
         assert num_blocks > reserved >= 0 and block_size > 0, f"bad pool: {num_blocks} blocks of {block_size}"
         assert state_slots == 0 or state_slots > reserved, f"bad pool: {state_slots} state slots"
         self.num_blocks = num_blocks - reserved
@@ -25,11 +26,13 @@ class BlockAllocator:
         self.state_slots = max(state_slots - reserved, 0)  # the slots sequences may hold
         self._free_slots = list(range(state_slots - 1, reserved - 1, -1))
         self.snapshot_rows = range(state_slots, state_slots + snapshot_slots) if state_slots else range(0)
+        self.spare_rows = range(self.snapshot_rows.stop, self.snapshot_rows.stop + spare_slots) if state_slots \
+            else range(0)
 
     @property
     def state_rows(self) -> int:
-        """Rows of each recurrent state pool the engine allocates: sequences', reserved and snapshots'."""
-        return self.snapshot_rows.stop
+        """Rows of each recurrent state pool the engine allocates: sequences', reserved, snapshots' and spares'."""
+        return self.spare_rows.stop if self.state_slots else 0
 
     @property
     def num_free_slots(self) -> int:

@@ -46,9 +46,10 @@ def generate_one(model_path: Path | str, params: SamplingParams, *, prompt: str 
                            f"(max_position_embeddings {max_model_len})")
     reach = len(ids) + params.max_tokens  # the most tokens the sequence can hold: what the KV pool is sized for
     tokens = min(reach, max_model_len or reach)
-    engine = _engine(model, device, tokens, cache_dir) if not sharding.sharded else \
+    spares = int(config is not None)  # a speculating sequence's recurrent state to roll back to
+    engine = _engine(model, device, tokens, cache_dir, spares) if not sharding.sharded else \
         start_sharded_engine(RankSpec(str(folder), parallel.size, parallel.expert_parallel, dtype, device, quantization,
-                                      kv_cache_dtype, tokens, max_seqs=1), parallel.backend, model)
+                                      kv_cache_dtype, tokens, max_seqs=1, spare_states=spares), parallel.backend, model)
     eos = tokenizer.eos_token_ids if tokenizer else eos_token_ids(folder)
     speculator = config and make_speculator(config, model, device, tokens, 1, dtype)
     try:
@@ -70,9 +71,9 @@ def generate_one(model_path: Path | str, params: SamplingParams, *, prompt: str 
     }
 
 
-def _engine(model: LoadedModel, device: str, tokens: int, cache_dir: Path | None):
+def _engine(model: LoadedModel, device: str, tokens: int, cache_dir: Path | None, spares: int):
     if device == "cpu":
-        return ReferenceEngine(model, max_tokens=tokens)
+        return ReferenceEngine(model, max_tokens=tokens, max_seqs=1, spare_states=spares)
     from pegainfer.runtime.gpu.engine import EngineOptions
     from pegainfer.runtime.gpu.start import gpu_engine
 

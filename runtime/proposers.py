@@ -72,9 +72,6 @@ def make_speculator(config: SpeculativeConfig, target: LoadedModel, device: str,
     if device != "cpu":
         raise ConfigError("--speculative-config on cuda is not wired into the GPU engine yet: speculate with "
                           "--device cpu")
-    if has_recurrent_state(target.spec.graph):
-        raise ConfigError("--speculative-config: speculative decoding of a model with recurrent layers is not "
-                          "implemented yet (their state would have to roll back past rejected drafts)")
     if config.method == "ngram":
         return Speculator(config, NgramProposer(config))
     draft = load_model(resolve_checkpoint(config.model).folder, dtype=dtype, device=device)

@@ -45,6 +45,7 @@ class RankSpec:
     block_size: int = 16
     max_seqs: int = 256
     state_snapshots: int | None = None
+    spare_states: int = 0
 
     def parallel(self, rank: int) -> Parallelism:
         return Parallelism(self.world, rank, self.expert_parallel)
@@ -55,8 +56,9 @@ def load_rank_engine(spec: RankSpec, rank: int):
     from pegainfer.runtime.reference_engine import ReferenceEngine
     from pegainfer.runtime.sharded_engine import load_rank_model
 
-    return ReferenceEngine(load_rank_model(spec, rank), max_tokens=spec.kv_tokens, block_size=spec.block_size, max_seqs=spec.max_seqs,
-                           state_snapshots=spec.state_snapshots)
+    return ReferenceEngine(load_rank_model(spec, rank), max_tokens=spec.kv_tokens, block_size=spec.block_size,
+                           max_seqs=spec.max_seqs, state_snapshots=spec.state_snapshots,
+                           spare_states=spec.spare_states)
 
 
 def serve_rank(spec: RankSpec, rank: int, address: tuple[str, int], authkey: bytes) -> None:

@@ -25,17 +25,18 @@ DEFAULT_BLOCK_SIZE = 16
 class ReferenceEngine:
     def __init__(self, model: LoadedModel, *, max_tokens: int = 8192, block_size: int = DEFAULT_BLOCK_SIZE,
                  graph: Graph | None = None, max_seqs: int = SchedulerConfig.max_num_seqs,
-                 state_snapshots: int | None = None) -> None:
+                 state_snapshots: int | None = None, spare_states: int = 0) -> None:
         """Sizes the KV pool to hold `max_tokens` tokens over all sequences, and for a model with recurrent layers
         the state pools to hold `max_seqs` sequences and `state_snapshots` snapshots for the prefix cache (None:
-        as many as sequences). `graph` (the model's own graph by default) may be a lowered one: its derived
-        weights are made from the checkpoint's."""
+        as many as sequences) and `spare_states` rows to roll speculating sequences back to. `graph` (the model's
+        own graph by default) may be a lowered one: its derived weights are made from the checkpoint's."""
         self.model = model
         self.graph = graph or model.spec.graph
         self.weights = derive_weights(self.graph.derivations(), model.weights)
         slots = max_seqs if has_recurrent_state(self.graph) else 0
         self.allocator = BlockAllocator(-(-max_tokens // block_size), block_size, state_slots=slots,
-                                        snapshot_slots=max_seqs if state_snapshots is None else state_snapshots)
+                                        snapshot_slots=max_seqs if state_snapshots is None else state_snapshots,
+                                        spare_slots=spare_states)
         sizes = {"num_blocks": self.allocator.num_blocks, "block_size": block_size,
                  SLOT_POOL: self.allocator.state_rows}
         self.rng = np.random.default_rng()  # seeds for requests that have none

@@ -88,6 +88,7 @@ class _State:
     first_scheduled: float = 0.0
     prompt_steps: list[dict[int, float]] | None = None  # prompt logprobs so far, where the request asks
     drafts: list[int] = field(default_factory=list)  # the tokens this step verifies, appended to seq.token_ids
+    spare: int = -1  # the state row holding its recurrent state from before the drafts (-1: none)
 
     @property
     def scoring(self) -> bool:
@@ -115,10 +116,12 @@ class Scheduler:
         if slots and config.max_num_seqs > slots:
             raise ValueError(f"max_num_seqs ({config.max_num_seqs}) must be at most the engine's state slots "
                              f"({slots}): every running sequence of a model with recurrent layers holds one")
-        if speculator is not None and slots:
-            raise ValueError("speculative decoding of a model with recurrent layers is not implemented yet: their "
-                             "state would have to roll back past rejected drafts")
+        if speculator is not None and slots and len(self.allocator.spare_rows) < config.max_num_seqs:
+            raise ValueError(f"speculative decoding of a model with recurrent layers needs a spare state row for "
+                             f"each of max_num_seqs ({config.max_num_seqs}) sequences, to roll back past rejected "
+                             f"drafts; the engine has {len(self.allocator.spare_rows)}")
         self.speculator = speculator
+        self._spares = list(self.allocator.spare_rows)  # free spare state rows
         self.block_size = self.allocator.block_size
         rows = self.allocator.snapshot_rows if config.prefix_cache and slots else range(0)
         self.snapshots = StateSnapshots(rows) if rows else None
@@ -349,6 +352,9 @@ class Scheduler:
             return []
         state.drafts = draft
         state.seq.token_ids += draft
+        if self.allocator.state_slots:  # the recurrent state as of now, should a draft be rejected
+            state.spare = self._spares.pop()
+            self.engine.copy_state(state.seq.table.state_slot, state.spare)
         return draft
 
     def _blocks_needed(self, seq: Sequence, count: int) -> int:
@@ -394,13 +400,14 @@ class Scheduler:
             state = self._by_seq[chunk.seq.seq_id]
             tokens, logprobs = result.tokens[row:row + chunk.draws], result.logprobs[row:row + chunk.draws]
             row += chunk.draws
-            if state.drafts:
+            verified = bool(state.drafts)
+            if verified:
                 kept = self._settle(state, tokens)
                 tokens, logprobs = tokens[:kept], logprobs[:kept]
             if self._has_new_full_blocks(state):
                 self._cache_full_blocks(state)
                 self._snapshot(state)
-            if state.seq.num_cached < len(state.seq.token_ids):
+            if state.seq.num_cached < len(state.seq.token_ids) and not verified:
                 continue  # a prompt chunk short of the prompt's end: its draw is not a next token
             for token, token_logprobs in zip(tokens, logprobs):
                 outputs.append(self._append(state, token, token_logprobs, now))
@@ -410,11 +417,19 @@ class Scheduler:
 
     def _settle(self, state: _State, draws: list[int]) -> int:
         """Keeps the drafts the target's draws agree with: the rest leave the sequence's tokens and its cache
-        (their KV slots are past num_cached, to be overwritten). Returns how many draws become tokens."""
+        (their KV slots are past num_cached, to be overwritten). A recurrent state that took in a rejected draft
+        goes back to its row from before the step, and the kept tokens are run again in the next step. Returns
+        how many draws become tokens."""
         drafts, seq, stats = state.drafts, state.seq, self.stats
         kept = accepted_count(drafts, draws)
         del seq.token_ids[len(seq.token_ids) - len(drafts):]
         seq.num_cached -= len(drafts) - kept
+        if state.spare >= 0:
+            if kept < len(drafts):
+                self.engine.copy_state(state.spare, seq.table.state_slot)
+                seq.num_cached -= kept + 1
+            self._spares.append(state.spare)
+            state.spare = -1
         state.drafts = []
         stats.spec_drafts += 1
         stats.spec_draft_tokens += len(drafts)

@@ -18,7 +18,7 @@ class ShardedEngine(ReferenceEngine):
     def __init__(self, spec: RankSpec, ranks: RankProcesses, model: LoadedModel) -> None:
         """`model`: rank 0's (load_rank_model)."""
         super().__init__(model, max_tokens=spec.kv_tokens, block_size=spec.block_size, max_seqs=spec.max_seqs,
-                         state_snapshots=spec.state_snapshots)
+                         state_snapshots=spec.state_snapshots, spare_states=spec.spare_states)
         self.spec, self.ranks = spec, ranks
 
     @property

@@ -359,7 +359,7 @@ def build_engine(model: "LoadedModel", device: str, args: argparse.Namespace, ma
 
         tokens = args.kv_cache_tokens or min(CPU_KV_TOKENS, args.max_num_seqs * max_model_len)
         return ReferenceEngine(model, max_tokens=tokens, block_size=KV_BLOCK_SIZE, max_seqs=args.max_num_seqs,
-                               state_snapshots=state_snapshots(args))
+                               state_snapshots=state_snapshots(args), spare_states=spare_states(args))
     from pegainfer.runtime.gpu.engine import EngineOptions
     from pegainfer.runtime.gpu.start import gpu_engine
 
@@ -377,8 +377,13 @@ def build_sharded_engine(model: "LoadedModel", device: str, args: argparse.Names
     spec = RankSpec(str(model.folder), args.tensor_parallel_size, args.enable_expert_parallel, args.dtype, device,
                     args.quantization, args.kv_cache_dtype,
                     args.kv_cache_tokens or min(CPU_KV_TOKENS, args.max_num_seqs * max_model_len), KV_BLOCK_SIZE,
-                    args.max_num_seqs, state_snapshots(args))
+                    args.max_num_seqs, state_snapshots(args), spare_states(args))
     return start_sharded_engine(spec, args.distributed_executor_backend, model)
+
+
+def spare_states(args: argparse.Namespace) -> int:
+    """Rows of recurrent state a speculating sequence rolls back to: one a sequence when speculating."""
+    return args.max_num_seqs if args.speculative_config else 0
 
 
 def state_snapshots(args: argparse.Namespace) -> int:

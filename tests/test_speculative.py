@@ -196,14 +196,22 @@ def test_bad_configurations_are_refused_in_one_line(text, message):
     assert "\n" not in str(error.value)
 
 
-def test_a_draft_of_another_vocabulary_or_a_recurrent_target_is_refused(model, checkpoint_factory):
+def test_a_draft_of_another_vocabulary_or_with_recurrent_layers_is_refused(model, checkpoint_factory):
     other = str(checkpoint_factory("odd_single_kv"))  # vocabulary 389
     config = parse_speculative_config({"method": "draft_model", "num_speculative_tokens": 2, "model": other})
     with pytest.raises(ConfigError, match="vocabulary of 389 tokens, the target 512"):
         make_speculator(config, model, "cpu", 1024, 4)
-    hybrid = load_model(checkpoint_factory("qwen3_5_hybrid"))
+    hybrid = str(checkpoint_factory("qwen3_5_hybrid"))
+    config = parse_speculative_config({"method": "draft_model", "num_speculative_tokens": 2, "model": hybrid})
     with pytest.raises(ConfigError, match="recurrent layers"):
-        make_speculator(NGRAM, hybrid, "cpu", 1024, 4)
+        make_speculator(config, load_model(hybrid), "cpu", 1024, 4)
+
+
+def test_a_recurrent_target_needs_a_spare_state_row_a_sequence(checkpoint_factory):
+    hybrid = load_model(checkpoint_factory("qwen3_5_hybrid"))
+    with pytest.raises(ValueError, match="spare state row for each of max_num_seqs \\(4\\).* the engine has 2"):
+        Scheduler(ReferenceEngine(hybrid, max_tokens=256, max_seqs=4, spare_states=2), frozenset(),
+                  SchedulerConfig(max_num_seqs=4), make_speculator(NGRAM, hybrid, "cpu", 256, 4))
 
 
 def test_serve_speculates_with_ngram_and_counts_it_in_metrics(tiny_checkpoint, tmp_path):
@@ -232,3 +240,52 @@ def test_serve_refuses_a_bad_speculative_config_at_start(tiny_checkpoint):
     done = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert done.returncode != 0
     assert done.stderr.strip().splitlines()[-1].startswith("pegainfer: error: --speculative-config: num_speculative")
+
+
+class OracleDrafts:
+    """Drafts that are the known output up to a random point and wrong from there: every acceptance length, from
+    none to all, is exercised."""
+
+    def __init__(self, expected: dict[int, list[int]], vocab: int, seed: int = 0) -> None:
+        self.expected, self.vocab, self.rng = expected, vocab, np.random.default_rng(seed)
+
+    def propose(self, requests):
+        drafts = []
+        for r in requests:
+            known = self.expected[r.seq_id]
+            truth = known[len(r.tokens):len(r.tokens) + r.k]
+            wrong = int(self.rng.integers(0, len(truth) + 1))
+            drafts.append(truth[:wrong] + [(t + 1) % self.vocab for t in truth[wrong:wrong + 1]] + truth[wrong + 1:])
+        return drafts
+
+    def release(self, seq_id: int) -> None:
+        pass
+
+
+@pytest.mark.parametrize("name", ["tiny_tied", "qwen3_5_hybrid"])
+def test_partly_accepted_drafts_roll_back_the_cache_and_the_recurrent_state(checkpoint_factory, name):
+    """Every acceptance length, on attention only and on a hybrid model whose recurrent state must go back to
+    before the drafts: the tokens (greedy and seeded) are those of decoding without drafts."""
+    target = load_model(checkpoint_factory(name))
+    work = workload()
+    recurrent = name.startswith("qwen3_5")
+
+    def serve(speculator):
+        scheduler = Scheduler(ReferenceEngine(target, max_tokens=4096, block_size=4, max_seqs=8,
+                                              spare_states=8 if recurrent else 0), frozenset(),
+                              SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256),
+                              speculator)
+        for i, (prompt, params) in enumerate(work):
+            scheduler.add(EngineRequest(str(i), list(prompt), params))
+        out: dict[str, list[int]] = {str(i): [] for i in range(len(work))}
+        while scheduler.has_work():
+            for token in scheduler.step():
+                out[token.request_id].append(token.token_id)
+        return out, scheduler.stats
+    expected, _ = serve(None)
+    full = {i: list(prompt) + expected[str(i)] for i, (prompt, _) in enumerate(work)}
+    config = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 4})
+    found, stats = serve(Speculator(config, OracleDrafts(full, target.spec.config.vocab_size)))
+    assert found == expected
+    assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
+    assert len(stats.spec_accepted_by_position) == 4  # some drafts kept whole, others cut at each position
