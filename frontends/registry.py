@@ -46,3 +46,15 @@ def dag_module_for(architecture: str, source: str) -> ModuleType:
         raise ConfigError(f"{source}: architecture {architecture!r} is not supported; "
                           f"supported: {', '.join(sorted(modules))}")
     return modules[architecture]
+
+
+@cache
+def drafter_modules() -> dict[str, ModuleType]:
+    """architecture name -> DAG module of a draft head (DRAFTER_ARCHITECTURES, build_graphs, Config,
+    check_config): heads that speculative decoding runs beside a target, never served alone."""
+    found: dict[str, ModuleType] = {}
+    for info in pkgutil.iter_modules(pegainfer.models.__path__):
+        module = importlib.import_module(f"pegainfer.models.{info.name}")
+        for arch in getattr(module, "DRAFTER_ARCHITECTURES", ()):
+            found[arch] = module
+    return found

@@ -80,6 +80,7 @@ class AttentionSpec:
     norm_offset: float = 0.0  # 1.0 for norms that scale by 1 + weight
     rotary_dim: int = 0  # the leading dims of each head RoPE rotates (partial rotary); 0: all
     output_gate: bool = False  # q_proj also gives a gate per head, after its q: output * sigmoid(gate)
+    input_width: int = 0  # the projections' input width where it is not `hidden` (a drafter's 2 x hidden)
 
 
 def self_attention(b: GraphBuilder, x: Value, attention: AttentionInputs, prefix: str, cache: str,
@@ -89,7 +90,7 @@ def self_attention(b: GraphBuilder, x: Value, attention: AttentionInputs, prefix
     weight = weights(b, prefix, x.dtype)
 
     def project(name: str, heads: int) -> Value:
-        w = weight(f"{name}.weight", heads * spec.head_dim, spec.hidden)  # declared before its bias, as stored
+        w = weight(f"{name}.weight", heads * spec.head_dim, spec.input_width or spec.hidden)  # before its bias
         bias = [weight(f"{name}.bias", heads * spec.head_dim)] if spec.qkv_bias else []
         flat = b.linear(x, w, *bias, name=name)
         return b.reshape(flat, shape=("tokens", heads, spec.head_dim), name=f"{name}_heads")

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 from pegainfer.runtime.requests import EngineRequest
 from pegainfer.runtime.sampler import SamplingParams
-from pegainfer.runtime.scheduler import Engine, Scheduler, SchedulerConfig
+from pegainfer.runtime.engine_api import Engine
+from pegainfer.runtime.scheduler import Scheduler, SchedulerConfig
 from pegainfer.runtime.speculative import Speculator
 
 

@@ -51,7 +51,7 @@ def generate_one(model_path: Path | str, params: SamplingParams, *, prompt: str 
         start_sharded_engine(RankSpec(str(folder), parallel.size, parallel.expert_parallel, dtype, device, quantization,
                                       kv_cache_dtype, tokens, max_seqs=1, spare_states=spares), parallel.backend, model)
     eos = tokenizer.eos_token_ids if tokenizer else eos_token_ids(folder)
-    speculator = config and make_speculator(config, model, device, tokens, 1, dtype)
+    speculator = config and make_speculator(config, model, device, tokens, 1, dtype, engine)
     try:
         (completion,) = generate(engine, [Request(ids, params)], eos, max_model_len=max_model_len,
                                  speculator=speculator)

@@ -7,10 +7,13 @@ from collections.abc import Sequence as Seq
 import numpy as np
 
 from pegainfer.errors import ConfigError
+from pegainfer.frontends.drafter_load import load_draft_head
+from pegainfer.frontends.features import with_layer_inputs
 from pegainfer.frontends.hub import resolve_checkpoint
 from pegainfer.frontends.load import LoadedModel, load_model
 from pegainfer.ir.step import has_recurrent_state
 from pegainfer.runtime.batch import Chunk, Sequence
+from pegainfer.runtime.drafters import FeatureDrafter
 from pegainfer.runtime.reference_engine import ReferenceEngine
 from pegainfer.runtime.speculative import DraftRequest, SpeculativeConfig, Speculator, ngram_drafts
 
@@ -67,13 +70,22 @@ class DraftModelProposer:
 
 
 def make_speculator(config: SpeculativeConfig, target: LoadedModel, device: str, kv_tokens: int,
-                    max_seqs: int, dtype: str = "auto") -> Speculator:
-    """The proposer a config names, its draft model loaded beside the target (same vocabulary, else one line)."""
+                    max_seqs: int, dtype: str = "auto", engine: ReferenceEngine | None = None) -> Speculator:
+    """The proposer a config names, its draft model loaded beside the target (same vocabulary, else one line); a
+    head that reads the target's hidden states has `engine` (the target's) give them from now on."""
     if device != "cpu":
         raise ConfigError("--speculative-config on cuda is not wired into the GPU engine yet: speculate with "
                           "--device cpu")
     if config.method == "ngram":
         return Speculator(config, NgramProposer(config))
+    draft_tokens = kv_tokens + max_seqs * config.num_speculative_tokens
+    if config.method == "eagle3":
+        head = load_draft_head(resolve_checkpoint(config.model).folder, target)
+        if engine is not None:
+            engine.graph = with_layer_inputs(engine.graph, head.target_layers)
+        to_target = (lambda ids: ids) if head.to_target is None else head.to_target.__getitem__
+        return Speculator(config, FeatureDrafter(head.first, head.next, head.weights, draft_tokens,
+                                                 to_target=to_target))
     draft = load_model(resolve_checkpoint(config.model).folder, dtype=dtype, device=device)
     vocab, theirs = target.spec.config.vocab_size, draft.spec.config.vocab_size
     if vocab != theirs:
@@ -82,5 +94,4 @@ def make_speculator(config: SpeculativeConfig, target: LoadedModel, device: str,
     if has_recurrent_state(draft.spec.graph):
         raise ConfigError(f"--speculative-config: the draft model {config.model} has recurrent layers, which a "
                           f"draft cannot roll back yet")
-    engine = ReferenceEngine(draft, max_tokens=kv_tokens + max_seqs * config.num_speculative_tokens)
-    return Speculator(config, DraftModelProposer(engine))
+    return Speculator(config, DraftModelProposer(ReferenceEngine(draft, max_tokens=draft_tokens)))

@@ -6,6 +6,7 @@ from collections.abc import Callable
 import numpy as np
 
 from pegainfer.frontends.checkpoint import derive_weights
+from pegainfer.frontends.features import FEATURES
 from pegainfer.frontends.load import LoadedModel
 from pegainfer.ir.graph import Graph
 from pegainfer.ir.interpreter import run_graph
@@ -70,7 +71,9 @@ class ReferenceEngine:
         names = sampler_outputs(self.graph)  # a lowered graph samples itself (under the masks)
         tail = {role: outputs[name] for role, name in names.items()} if names else \
             tail_reference(masked_logits(logits, masks), sampling, TAIL_TOP_K)
-        return finish(tail, sampling, params, lambda row: logits[row], constraints, masks)
+        result = finish(tail, sampling, params, lambda row: logits[row], constraints, masks)
+        result.features = outputs.get(FEATURES)
+        return result
 
     def execute(self, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
         """The graph's outputs for one packed step, its KV and recurrent states updated in place."""

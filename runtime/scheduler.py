@@ -27,39 +27,23 @@ cached block boundary (runtime/state_snapshots.py), and its prompt chunks end on
 import itertools
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Protocol
+from typing import Callable
 
 import numpy as np
 
 from pegainfer.errors import RequestError
 from pegainfer.runtime.batch import Chunk, Sequence
-from pegainfer.runtime.constraint import TokenConstraint
+from pegainfer.runtime.block_records import record_blocks
 from pegainfer.runtime.device_sampling import SampleResult
-from pegainfer.runtime.kv_blocks import BlockAllocator
-from pegainfer.runtime.prefix_cache import ROOT, PrefixCache, chain_hashes
+from pegainfer.runtime.engine_api import Engine
+from pegainfer.runtime.prefix_cache import PrefixCache
 from pegainfer.runtime.prompt_logprobs import draw_first, position_logprobs
 from pegainfer.runtime.requests import EngineRequest, TokenOutput
-from pegainfer.runtime.sampler import SamplingParams
-from pegainfer.runtime.speculative import DraftRequest, Speculator, accepted_count
+from pegainfer.runtime.spec_steps import SpecSteps
+from pegainfer.runtime.speculative import Speculator
 from pegainfer.runtime.state_snapshots import StateSnapshots, chunk_to_boundary
 from pegainfer.runtime.step_stats import SchedulerStats, StepRecord
 from pegainfer.runtime.waiting import WaitingQueue
-
-
-class Engine(Protocol):
-    """What both engines (reference_engine.ReferenceEngine, gpu.engine.GpuEngine) offer the scheduler."""
-    allocator: BlockAllocator
-
-    def sample(self, chunks: list[Chunk], params: list[SamplingParams], token_index: list[int],
-               constraints: list[TokenConstraint | None] | None = None,
-               launched: Callable[[], None] | None = None) -> SampleResult: ...
-
-    def release(self, seq: Sequence) -> None: ...
-
-    def step(self, chunks: list[Chunk], *, all_logits: bool = False) -> np.ndarray: ...
-
-    def copy_state(self, src: int, dst: int) -> None:
-        """Copies row `src` of every recurrent state pool to row `dst`, in order with the steps."""
 
 
 # Why a model with recurrent layers may run without the prefix cache: a hit needs each layer's state as it was after
@@ -116,12 +100,9 @@ class Scheduler:
         if slots and config.max_num_seqs > slots:
             raise ValueError(f"max_num_seqs ({config.max_num_seqs}) must be at most the engine's state slots "
                              f"({slots}): every running sequence of a model with recurrent layers holds one")
-        if speculator is not None and slots and len(self.allocator.spare_rows) < config.max_num_seqs:
-            raise ValueError(f"speculative decoding of a model with recurrent layers needs a spare state row for "
-                             f"each of max_num_seqs ({config.max_num_seqs}) sequences, to roll back past rejected "
-                             f"drafts; the engine has {len(self.allocator.spare_rows)}")
         self.speculator = speculator
-        self._spares = list(self.allocator.spare_rows)  # free spare state rows
+        self.stats = SchedulerStats()
+        self.spec = speculator and SpecSteps(speculator, engine, bool(slots), config, self.stats)
         self.block_size = self.allocator.block_size
         rows = self.allocator.snapshot_rows if config.prefix_cache and slots else range(0)
         self.snapshots = StateSnapshots(rows) if rows else None
@@ -129,7 +110,6 @@ class Scheduler:
         self.cache = PrefixCache(self.allocator, on_evict) if config.prefix_cache and (rows or not slots) else None
         self.waiting = WaitingQueue()
         self.running: list[_State] = []
-        self.stats = SchedulerStats()
         self._rng = np.random.default_rng()  # seeds of first tokens drawn here for seedless requests
         self._states: dict[str, _State] = {}
         self._by_seq: dict[int, _State] = {}
@@ -239,9 +219,7 @@ class Scheduler:
         state.prompt_steps = (state.prompt_steps or [])[:start] + position_logprobs(  # a recompute rewrites
             rows, prompt, start, len(prompt), state.request.params.prompt_logprobs)
         self.stats.prefill_tokens += chunk.num_tokens
-        if self._has_new_full_blocks(state):
-            self._cache_full_blocks(state)
-            self._snapshot(state)
+        record_blocks(state, self.cache, self.snapshots, self.engine)
         if chunk.seq.num_cached < len(chunk.seq.token_ids):
             return None
         token, logprobs = draw_first(rows[chunk.num_tokens - 1], state.request.params, 0, state.request.constraint,
@@ -254,7 +232,7 @@ class Scheduler:
         scheduled: set[int] = set()
         preempted = False
         running, preemptions = list(self.running), self.stats.preemptions
-        drafts = self._propose(running)
+        drafts = self.spec.propose(running) if self.spec else {}
         decodes = sum(len(st.seq.token_ids) - st.seq.num_cached == 1 for st in running) if drafts else 0
         for decoding in (True, False):
             for state in running:
@@ -268,7 +246,8 @@ class Scheduler:
                 if not self._room_for(state, count, scheduled):
                     preempted = True
                     continue
-                draft = self._fit(state, drafts.get(state.seq.seq_id, []), budget - count - decodes)
+                draft = self.spec.fit(state, drafts[state.seq.seq_id], budget - count - decodes,
+                                      self._reserve_drafts(state)) if state.seq.seq_id in drafts else []
                 chunks.append(Chunk(state.seq, count + len(draft), draws=1 + len(draft)))
                 scheduled.add(state.seq.seq_id)
                 budget -= count + len(draft)
@@ -327,35 +306,10 @@ class Scheduler:
         """A prompt chunk of a model with state snapshots ends on a block boundary where it crosses one."""
         return chunk_to_boundary(state.seq.num_cached, count, self.block_size) if self.snapshots else count
 
-    def _propose(self, running: list[_State]) -> dict[int, list[int]]:
-        """Drafts for the decoding sequences that may speculate: those without a constraint (a grammar or
-        penalties would see tokens that are not yet the sequence's), each up to K and to what its limits leave."""
-        spec = self.speculator
-        if spec is None or (spec.config.disable_by_batch_size or len(running)) < len(running):
-            return {}
-        wanted = []
-        for state in running:
-            seq, params = state.seq, state.request.params
-            room = min(spec.config.num_speculative_tokens, params.max_tokens - state.num_generated - 1,
-                       self.config.max_model_len - len(seq.token_ids) - 1)
-            if len(seq.token_ids) - seq.num_cached == 1 and room > 0 and state.request.constraint is None:
-                wanted.append(DraftRequest(seq.seq_id, seq.token_ids, room))
-        found = spec.proposer.propose(wanted) if wanted else []
-        return {request.seq_id: draft for request, draft in zip(wanted, found) if draft}
-
-    def _fit(self, state: _State, draft: list[int], room: int) -> list[int]:
-        """The drafts a decoding sequence verifies this step, appended to its tokens: as many as the budget leaves
-        beside one token for each decode still to come, and their blocks without preempting anyone."""
-        draft = draft[:max(room, 0)]
-        extra = self._blocks_needed(state.seq, 1 + len(draft)) - self._blocks_needed(state.seq, 1)
-        if not draft or not self._reserve(extra):
-            return []
-        state.drafts = draft
-        state.seq.token_ids += draft
-        if self.allocator.state_slots:  # the recurrent state as of now, should a draft be rejected
-            state.spare = self._spares.pop()
-            self.engine.copy_state(state.seq.table.state_slot, state.spare)
-        return draft
+    def _reserve_drafts(self, state: _State) -> Callable[[int], bool]:
+        """Whether the blocks of `count` drafts after the state's decode token can be had without preempting."""
+        seq = state.seq
+        return lambda count: self._reserve(self._blocks_needed(seq, 1 + count) - self._blocks_needed(seq, 1))
 
     def _blocks_needed(self, seq: Sequence, count: int) -> int:
         return max(self.allocator.blocks_for(seq.num_cached + count) - len(seq.table.blocks), 0)
@@ -386,8 +340,8 @@ class Scheduler:
             state.seq.table.blocks = self.cache.release(state.seq.table.blocks)
         self.engine.release(state.seq)
         state.block_hashes = []
-        if self.speculator is not None:
-            self.speculator.proposer.release(state.seq.seq_id)
+        if self.spec:
+            self.spec.release(state.seq.seq_id)
 
     def _forget(self, state: _State) -> None:
         del self._states[state.request.request_id], self._by_seq[state.seq.seq_id]
@@ -395,18 +349,21 @@ class Scheduler:
     # --- after the step --------------------------------------------------------------------------------------
 
     def _process(self, chunks: list[Chunk], result: SampleResult) -> list[TokenOutput]:
-        outputs, now, row = [], time.monotonic(), 0
+        outputs, now, row, first_token = [], time.monotonic(), 0, 0
         for chunk in chunks:
             state = self._by_seq[chunk.seq.seq_id]
             tokens, logprobs = result.tokens[row:row + chunk.draws], result.logprobs[row:row + chunk.draws]
             row += chunk.draws
+            start = state.seq.num_cached - chunk.num_tokens  # the chunk's first position
             verified = bool(state.drafts)
             if verified:
-                kept = self._settle(state, tokens)
+                kept = self.spec.settle(state, tokens)
                 tokens, logprobs = tokens[:kept], logprobs[:kept]
-            if self._has_new_full_blocks(state):
-                self._cache_full_blocks(state)
-                self._snapshot(state)
+            if result.features is not None:  # a drafter reads the target's features of the positions kept
+                rows = result.features[first_token:first_token + state.seq.num_cached - start]
+                self.spec.observe(state.seq.seq_id, start, rows)
+            first_token += chunk.num_tokens
+            record_blocks(state, self.cache, self.snapshots, self.engine)
             if state.seq.num_cached < len(state.seq.token_ids) and not verified:
                 continue  # a prompt chunk short of the prompt's end: its draw is not a next token
             for token, token_logprobs in zip(tokens, logprobs):
@@ -414,53 +371,6 @@ class Scheduler:
                 if outputs[-1].finish_reason is not None:
                     break
         return outputs
-
-    def _settle(self, state: _State, draws: list[int]) -> int:
-        """Keeps the drafts the target's draws agree with: the rest leave the sequence's tokens and its cache
-        (their KV slots are past num_cached, to be overwritten). A recurrent state that took in a rejected draft
-        goes back to its row from before the step, and the kept tokens are run again in the next step. Returns
-        how many draws become tokens."""
-        drafts, seq, stats = state.drafts, state.seq, self.stats
-        kept = accepted_count(drafts, draws)
-        del seq.token_ids[len(seq.token_ids) - len(drafts):]
-        seq.num_cached -= len(drafts) - kept
-        if state.spare >= 0:
-            if kept < len(drafts):
-                self.engine.copy_state(state.spare, seq.table.state_slot)
-                seq.num_cached -= kept + 1
-            self._spares.append(state.spare)
-            state.spare = -1
-        state.drafts = []
-        stats.spec_drafts += 1
-        stats.spec_draft_tokens += len(drafts)
-        stats.spec_accepted_tokens += kept
-        stats.spec_accepted_by_position.update(range(kept))
-        return kept + 1
-
-    def _has_new_full_blocks(self, state: _State) -> bool:
-        return self.cache is not None and state.seq.num_cached // self.block_size > len(state.block_hashes)
-
-    def _cache_full_blocks(self, state: _State) -> None:
-        """Inserts the sequence's blocks filled since the last step into the prefix cache."""
-        seq, known = state.seq, len(state.block_hashes)
-        full = seq.num_cached // self.block_size
-        parent = state.block_hashes[-1] if known else ROOT
-        new = chain_hashes(seq.token_ids, self.block_size, parent, known, full)
-        for block, block_hash in zip(seq.table.blocks[known:full], new):
-            self.cache.insert(block, block_hash)
-        state.block_hashes += new
-
-    def _snapshot(self, state: _State) -> None:
-        """Copies the state of a sequence whose step ended on the boundary of its newest cached block; past the
-        prompt only the latest such boundary of each sequence is kept (a decode makes one a block)."""
-        seq, snapshots, block_hash = state.seq, self.snapshots, state.block_hashes[-1]
-        if snapshots is None or seq.num_cached != len(state.block_hashes) * self.block_size or block_hash in snapshots:
-            return
-        if seq.num_cached > len(state.request.prompt_ids):
-            if state.generated_snapshot is not None:
-                snapshots.drop(state.generated_snapshot)
-            state.generated_snapshot = block_hash
-        self.engine.copy_state(seq.table.state_slot, snapshots.take(block_hash))
 
     def _append(self, state: _State, token: int, logprobs: dict[int, float] | None, now: float) -> TokenOutput:
         params, seq = state.request.params, state.seq

@@ -18,7 +18,8 @@ from numpy.lib.stride_tricks import sliding_window_view
 from pegainfer.errors import ConfigError
 
 METHODS = ("ngram", "draft_model", "eagle3", "mtp")
-NOT_YET = {"eagle3": "EAGLE-3 heads", "mtp": "MTP heads"}
+NOT_YET = {"mtp": "MTP heads"}
+WITH_MODEL = ("draft_model", "eagle3")  # methods whose "model" is a checkpoint of their own
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -27,7 +28,7 @@ class SpeculativeConfig:
     """vLLM's --speculative-config, the keys pegainfer reads."""
     method: str
     num_speculative_tokens: int
-    model: str | None = None  # the draft model's checkpoint (draft_model)
+    model: str | None = None  # the draft model's or head's checkpoint (draft_model, eagle3)
     prompt_lookup_min: int = 1  # n-gram: the shortest suffix looked up
     prompt_lookup_max: int = 4  # n-gram: the longest
     disable_by_batch_size: int | None = None  # no drafts in a step with more running sequences than this
@@ -50,16 +51,16 @@ def parse_speculative_config(text: str | dict) -> SpeculativeConfig:
         raise ConfigError(f"--speculative-config: method must be one of {', '.join(METHODS)}, found {method!r}")
     if method in NOT_YET:
         raise ConfigError(f"--speculative-config: method {method!r} ({NOT_YET[method]}) is not implemented yet; "
-                          f"use ngram or draft_model")
+                          f"use ngram, draft_model or eagle3")
     k = raw.get("num_speculative_tokens")
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
         raise ConfigError(f"--speculative-config: num_speculative_tokens must be an integer in "
                           f"1..{MAX_SPECULATIVE_TOKENS}, found {k!r}")
     config = SpeculativeConfig(**raw)
-    if method == "draft_model" and not config.model:
-        raise ConfigError("--speculative-config: method draft_model needs \"model\", the draft's checkpoint folder")
-    if method != "draft_model" and config.model:
-        raise ConfigError(f"--speculative-config: \"model\" is for draft_model, not {method}")
+    if method in WITH_MODEL and not config.model:
+        raise ConfigError(f"--speculative-config: method {method} needs \"model\", the draft's checkpoint folder")
+    if method not in WITH_MODEL and config.model:
+        raise ConfigError(f"--speculative-config: \"model\" is for {' and '.join(WITH_MODEL)}, not {method}")
     lookup = (config.prompt_lookup_min, config.prompt_lookup_max)
     if not all(isinstance(n, int) and not isinstance(n, bool) for n in lookup) or not 1 <= lookup[0] <= lookup[1]:
         raise ConfigError(f"--speculative-config: need 1 <= prompt_lookup_min <= prompt_lookup_max, found "

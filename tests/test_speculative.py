@@ -186,7 +186,8 @@ def test_ngram_lookup_and_acceptance_count():
     ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 2}',
      "prompt_lookup_min <= prompt_lookup_max"),
     ('{"method": "draft_model", "num_speculative_tokens": 2}', "needs \"model\""),
-    ('{"method": "eagle3", "num_speculative_tokens": 2}', "not implemented yet"),
+    ('{"method": "eagle3", "num_speculative_tokens": 2}', "method eagle3 needs \"model\""),
+    ('{"method": "mtp", "num_speculative_tokens": 2}', "not implemented yet"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "typo": 1}', "unknown key 'typo'"),
     ('{"method": "ngram", ', "not JSON"),
 ])

@@ -132,6 +132,20 @@ def _split(x: np.ndarray, *, sizes: tuple[int, ...]) -> tuple[np.ndarray, ...]:
     return tuple(np.split(x, np.cumsum(sizes)[:-1], axis=-1))
 
 
+def _infer_concat(*xs: TensorType) -> TensorType:
+    expect(len(xs) >= 2, f"concat: joins at least two values, found {len(xs)}")
+    first = xs[0]
+    expect(all(x.dtype == first.dtype and x.shape[:-1] == first.shape[:-1] and isinstance(x.shape[-1], int)
+               for x in xs), f"concat: values must share a dtype and every dim but a fixed last one, found "
+                             f"{[str(x) for x in xs]}")
+    return first.with_shape((*first.shape[:-1], sum(x.shape[-1] for x in xs)))
+
+
+def _concat(*xs: np.ndarray) -> np.ndarray:
+    """The values side by side along the last dim (a drafter's embedding beside the target's hidden state)."""
+    return np.concatenate(xs, axis=-1)
+
+
 def _zeros_like(x: np.ndarray) -> np.ndarray:
     return np.zeros_like(x)
 
@@ -170,6 +184,7 @@ register_op("decay_gate", _infer_decay_gate, _decay_gate, ELEMENTWISE)
 register_op("zeros_like", _infer_float, _zeros_like, ELEMENTWISE)
 register_op("reshape", _infer_reshape, _reshape, VIEW)
 register_op("split", _infer_split, _split, VIEW)
+register_op("concat", _infer_concat, _concat, GATHER)
 register_op("gather_rows", _infer_gather_rows, _gather_rows, GATHER)
 register_op("top_k", _infer_top_k, _top_k, ROW_REDUCTION)
 register_op("logsumexp", _infer_logsumexp, _logsumexp, ROW_REDUCTION)

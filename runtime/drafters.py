@@ -1,0 +1,107 @@
+"""Drafters that read the target's hidden states (EAGLE-3 heads, MTP heads): the target step gives a row of
+features for every token it runs (frontends/features.py), which the scheduler hands over for the positions it
+keeps; the head runs on an engine of its own with its own KV cache, one position behind the target: at position p
+it reads the token at p + 1 and the target's features at p, and gives a draft for p + 2. Further drafts read the
+head's own output in place of the target's features, so its cache past the target's positions is rewritten at the
+next proposal."""
+
+from collections.abc import Callable, Mapping
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pegainfer.ir.graph import Graph
+from pegainfer.ir.interpreter import run_graph
+from pegainfer.runtime.batch import Chunk, Sequence, commit_step, pack_step
+from pegainfer.runtime.kv_blocks import BlockAllocator, OutOfBlocks
+from pegainfer.runtime.speculative import DraftRequest
+
+FEATURES_INPUT = "features"
+
+
+@dataclass
+class _Draft:
+    seq: Sequence
+    features: list[np.ndarray] = field(default_factory=list)  # the target's, by position
+    valid: int = 0  # positions of the head's cache computed from the target's features
+
+
+class FeatureDrafter:
+    """`first` reads the target's features, `next` (the same weights and cache) the head's own output; both give
+    draft logits at the sampled rows and every token's output. `to_target` maps draft-vocabulary ids to the
+    target's (EAGLE-3's d2t)."""
+
+    def __init__(self, first: Graph, next_graph: Graph, weights: Mapping[str, np.ndarray], kv_tokens: int,
+                 block_size: int = 16, to_target: Callable[[np.ndarray], np.ndarray] = lambda ids: ids) -> None:
+        self.first, self.next, self.weights, self.to_target = first, next_graph, weights, to_target
+        self.allocator = BlockAllocator(-(-kv_tokens // block_size), block_size)
+        sizes = {"num_blocks": self.allocator.num_blocks, "block_size": block_size}
+        self.states = {name: np.zeros(t.concrete(sizes), t.dtype.np_dtype)
+                       for name, t in first.expanded_states().items()}
+        self.drafts: dict[int, _Draft] = {}
+
+    def observe(self, seq_id: int, start: int, rows: np.ndarray) -> None:
+        """The target's features at positions start .. start + len(rows) - 1 (those after them are stale).
+        Positions the target never ran (a prefix-cache hit, a scored prompt) read zeros: the head's drafts over
+        them are worse, never wrong, as the target verifies every one."""
+        draft = self.drafts.setdefault(seq_id, _Draft(Sequence(seq_id, [])))
+        if start > len(draft.features):
+            draft.features.extend(np.zeros((start - len(draft.features), rows.shape[1]), rows.dtype))
+        del draft.features[start:]
+        draft.features.extend(rows)
+        draft.valid = min(draft.valid, start)
+
+    def propose(self, requests: Seq[DraftRequest]) -> list[list[int]]:
+        proposed: list[list[int]] = [[] for _ in requests]
+        ready = [i for i, r in enumerate(requests) if r.k > 0 and r.seq_id in self.drafts
+                 and len(self.drafts[r.seq_id].features) >= len(r.tokens) - 1]
+        try:
+            chunks, features = self._catch_up([requests[i] for i in ready])
+            if not chunks:
+                return proposed
+            tokens, own = self._run(self.first, chunks, features)
+            active = ready
+            while True:
+                for i, token in zip(active, tokens):
+                    proposed[i].append(int(token))
+                still = [j for j, i in enumerate(active) if len(proposed[i]) < requests[i].k]
+                if not still:
+                    break
+                active = [active[j] for j in still]
+                chunks = [self._extend(self.drafts[requests[i].seq_id].seq, proposed[i][-1]) for i in active]
+                tokens, own = self._run(self.next, chunks, own[still])
+        except OutOfBlocks:  # the head's cache is full: no drafts this step
+            return [[] for _ in requests]
+        return proposed
+
+    def release(self, seq_id: int) -> None:
+        draft = self.drafts.pop(seq_id, None)
+        if draft is not None:
+            self.allocator.release(draft.seq.table)
+
+    def _catch_up(self, requests: list[DraftRequest]) -> tuple[list[Chunk], np.ndarray]:
+        """Each sequence's positions from its first not computed from the target's features to its newest one
+        with them (the target's last token but one), as chunks of the head's sequence (tokens shifted by one)."""
+        chunks, features = [], []
+        for request in requests:
+            draft = self.drafts[request.seq_id]
+            end = len(request.tokens) - 1
+            draft.seq.token_ids = list(request.tokens[1:])
+            start = draft.seq.num_cached = min(draft.seq.num_cached, draft.valid, end - 1)
+            chunks.append(Chunk(draft.seq, end - start))
+            features += draft.features[start:end]
+            draft.valid = end
+        return chunks, np.stack(features) if features else np.zeros((0, 0), np.float32)
+
+    def _extend(self, seq: Sequence, token: int) -> Chunk:
+        seq.token_ids.append(token)
+        return Chunk(seq, 1)
+
+    def _run(self, graph: Graph, chunks: list[Chunk], features: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(each chunk's draft token, the head's output at each chunk's last position)."""
+        inputs = pack_step(chunks, self.allocator) | {FEATURES_INPUT: features}
+        logits, out = run_graph(graph, inputs, self.weights, self.states)
+        commit_step(chunks)
+        last = np.cumsum([c.num_tokens for c in chunks]) - 1
+        return self.to_target(np.argmax(logits, axis=-1)), out[last]

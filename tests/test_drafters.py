@@ -1,0 +1,181 @@
+"""Drafters that read the target's hidden states: the target's features (the residual stream entering chosen layers,
+the final norm of every token) against transformers' hidden states; an EAGLE-3 head's graph against a torch
+reference of the published architecture; speculation with it gives the tokens of decoding without it (greedy and
+seeded, attention-only and hybrid targets, prefix-cache hits), its drafts mapped through d2t; bad heads refused in
+one line."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from pegainfer.errors import CheckpointError, ConfigError
+from pegainfer.fixtures.draft_heads import make_eagle3_head
+from pegainfer.frontends.drafter_load import load_draft_head
+from pegainfer.frontends.features import FEATURES, with_final_hidden, with_layer_inputs
+from pegainfer.frontends.load import load_model
+from pegainfer.ir.interpreter import run_graph
+from pegainfer.runtime.batch import Chunk, Sequence, pack_step
+from pegainfer.runtime.kv_blocks import BlockAllocator
+from pegainfer.runtime.proposers import make_speculator
+from pegainfer.runtime.reference_engine import ReferenceEngine
+from pegainfer.runtime.requests import EngineRequest
+from pegainfer.runtime.sampler import SamplingParams
+from pegainfer.runtime.scheduler import Scheduler, SchedulerConfig
+from pegainfer.runtime.speculative import parse_speculative_config
+
+PROMPT = [5, 17, 99, 3, 250, 11, 7, 42, 9]
+
+
+def run_once(graph, weights, ids: list[int], extra: dict | None = None) -> dict[str, np.ndarray]:
+    """Every output of one prefill of `ids`, logits at every token."""
+    allocator = BlockAllocator(32, 4)
+    inputs = pack_step([Chunk(Sequence(0, ids), len(ids))], allocator, all_logits=True) | (extra or {})
+    states = {n: np.zeros(t.concrete({"num_blocks": 32, "block_size": 4}), t.dtype.np_dtype)
+              for n, t in graph.expanded_states().items()}
+    return dict(zip(graph.outputs, run_graph(graph, inputs, weights, states)))
+
+
+def hf_hidden_states(folder, ids: list[int]) -> list[np.ndarray]:
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), output_hidden_states=True)
+    return [h[0].numpy() for h in out.hidden_states]
+
+
+def test_the_target_features_are_transformers_hidden_states(checkpoint_factory):
+    folder = checkpoint_factory("llama3_scaled")  # 2 layers
+    model = load_model(folder)
+    hidden = hf_hidden_states(folder, PROMPT)
+    logits = run_once(model.spec.graph, model.weights, PROMPT)[model.spec.graph.outputs[0]]
+    for graph, expected in ((with_layer_inputs(model.spec.graph, [0, 1, 1]), np.concatenate(hidden[:2] + [hidden[1]],
+                                                                                                -1)),
+                            (with_final_hidden(model.spec.graph), hidden[-1])):
+        outputs = run_once(graph, model.weights, PROMPT)
+        np.testing.assert_allclose(outputs[FEATURES], expected, rtol=1e-4, atol=1e-4)
+        np.testing.assert_array_equal(outputs[graph.outputs[0]], logits)  # the cut changes nothing else
+
+
+def test_a_layer_inside_a_body_of_several_is_refused(checkpoint_factory):
+    model = load_model(checkpoint_factory("gemma3_pattern_tail"))
+    with pytest.raises(ConfigError, match="decoder layer 4 is inside a body of 2 layers"):
+        with_layer_inputs(model.spec.graph, [4])
+
+
+def eagle3_reference(weights: dict[str, np.ndarray], config: dict, ids: list[int], aux: np.ndarray) -> np.ndarray:
+    """The published EAGLE-3 head in torch, float32: logits over the draft vocabulary at every position."""
+    w = {name: torch.from_numpy(np.asarray(value, np.float32)) for name, value in weights.items()}
+    heads, kv_heads, dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+
+    def rms(x, name):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + config["rms_norm_eps"]) * w[name]
+    hidden = torch.from_numpy(aux) @ w["fc.weight"].T
+    embeds = w["model.embed_tokens.weight"][torch.tensor(ids)]
+    x = torch.cat([rms(embeds, "midlayer.input_layernorm.weight"), rms(hidden, "midlayer.hidden_norm.weight")], -1)
+    tokens = len(ids)
+    q = (x @ w["midlayer.self_attn.q_proj.weight"].T).view(tokens, heads, dim).transpose(0, 1)[None]
+    k = (x @ w["midlayer.self_attn.k_proj.weight"].T).view(tokens, kv_heads, dim).transpose(0, 1)[None]
+    v = (x @ w["midlayer.self_attn.v_proj.weight"].T).view(tokens, kv_heads, dim).transpose(0, 1)[None]
+    inv = 1.0 / (config["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    angles = torch.outer(torch.arange(tokens, dtype=torch.float32), inv)
+    cos, sin = torch.cat([angles, angles], -1).cos()[None], torch.cat([angles, angles], -1).sin()[None]
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
+    attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=dim ** -0.5)
+    residual = hidden + attended[0].transpose(0, 1).reshape(tokens, heads * dim) @ w["midlayer.self_attn.o_proj.weight"].T
+    normed = rms(residual, "midlayer.post_attention_layernorm.weight")
+    mlp = (torch.nn.functional.silu(normed @ w["midlayer.mlp.gate_proj.weight"].T)
+           * (normed @ w["midlayer.mlp.up_proj.weight"].T)) @ w["midlayer.mlp.down_proj.weight"].T
+    return (rms(residual + mlp, "norm.weight") @ w["lm_head.weight"].T).numpy()
+
+
+def test_the_eagle3_head_matches_a_torch_reference_of_the_published_layer(checkpoint_factory, tmp_path):
+    folder = checkpoint_factory("tiny_tied")
+    head_folder = make_eagle3_head(folder, tmp_path / "head", layers=[0, 1, 1], draft_vocab=200)
+    head = load_draft_head(head_folder, load_model(folder))
+    hidden = hf_hidden_states(folder, PROMPT)
+    aux = np.concatenate([hidden[0], hidden[1], hidden[1]], -1)
+    # the head at position p reads the token at p + 1 and the target's features at p
+    logits = run_once(head.first, head.weights, PROMPT[1:], {"features": aux[:-1]})[head.first.outputs[0]]
+    expected = eagle3_reference(head.weights, json.loads((head_folder / "config.json").read_text()), PROMPT[1:],
+                                aux[:-1])
+    np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-3 * np.abs(expected).max())
+    assert head.target_layers == [0, 1, 1] and list(head.to_target[:3]) == [0, 2, 4]
+
+
+def serve(model, work, config=None, head=None, spare: int = 0, prefix_cache: bool = False):
+    engine = ReferenceEngine(model, max_tokens=2048, block_size=4, max_seqs=8, spare_states=spare)
+    speculator = None
+    if config is not None:
+        speculator = make_speculator(parse_speculative_config({**config, "model": str(head)}), model, "cpu", 2048, 8,
+                                     engine=engine)
+    scheduler = Scheduler(engine, frozenset(), SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64,
+                                                               max_model_len=256, prefix_cache=prefix_cache),
+                          speculator)
+    proposed: list[int] = []
+    if speculator is not None:  # record every draft
+        propose = speculator.proposer.propose
+        speculator.proposer.propose = lambda requests: [proposed.extend(d) or d for d in propose(requests)]
+    for i, (prompt, params) in enumerate(work):
+        scheduler.add(EngineRequest(str(i), list(prompt), params))
+    out: dict[str, list[int]] = {str(i): [] for i in range(len(work))}
+    while scheduler.has_work():
+        for token in scheduler.step():
+            out[token.request_id].append(token.token_id)
+    return out, scheduler.stats, proposed
+
+
+def workload() -> list:
+    rng = np.random.default_rng(3)
+    shared = rng.integers(0, 500, 20).tolist()  # a prefix every request shares: prefix-cache hits
+    return [(shared + rng.integers(0, 500, int(rng.integers(2, 12))).tolist(),
+             SamplingParams(temperature=float(i % 2), seed=i, max_tokens=14, ignore_eos=True)) for i in range(5)]
+
+
+@pytest.mark.parametrize("name, layers", [("tiny_tied", [0, 1, 1]), ("qwen3_5_hybrid", [0, 2, 3])])
+@pytest.mark.parametrize("prefix_cache", [False, True])
+def test_eagle3_speculation_gives_the_tokens_of_decoding_without_it(checkpoint_factory, tmp_path, name, layers,
+                                                                    prefix_cache):
+    folder = checkpoint_factory(name)
+    model = load_model(folder)
+    head = make_eagle3_head(folder, tmp_path / "head", layers=layers, draft_vocab=100)
+    expected, _, _ = serve(model, workload(), prefix_cache=prefix_cache)
+    found, stats, proposed = serve(model, workload(), {"method": "eagle3", "num_speculative_tokens": 3}, head,
+                                   spare=8, prefix_cache=prefix_cache)
+    assert found == expected
+    assert stats.spec_draft_tokens > 0 and proposed and all(t % 2 == 0 and t < 200 for t in proposed)  # via d2t
+
+
+@pytest.mark.parametrize("edit, error, message", [
+    (lambda c, d: c | {"vocab_size": 300}, ConfigError, "vocabulary has 300 tokens, the target's 512"),
+    (lambda c, d: c | {"target_hidden_size": 32}, ConfigError, "reads hidden states of 32, the target's are 64"),
+    (lambda c, d: c | {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 9]}}, ConfigError,
+     r"three target layers within 0..1, found \[0, 1, 9\]"),
+    (lambda c, d: c | {"architectures": ["MedusaModel"]}, ConfigError, "'MedusaModel' is not a draft head"),
+    (lambda c, d: (d / "model.safetensors").unlink() or c, CheckpointError, "safetensors"),
+])
+def test_bad_heads_are_refused_in_one_line(checkpoint_factory, tmp_path, edit, error, message):
+    folder = checkpoint_factory("tiny_tied")
+    head = make_eagle3_head(folder, tmp_path / "head", layers=[0, 1, 1], draft_vocab=100)
+    config = json.loads((head / "config.json").read_text())
+    (head / "config.json").write_text(json.dumps(edit(config, head)))
+    with pytest.raises(error, match=message) as caught:
+        load_draft_head(head, load_model(folder))
+    assert "\n" not in str(caught.value)
+
+
+def test_a_head_without_its_vocabulary_map_is_refused(checkpoint_factory, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    folder = checkpoint_factory("tiny_tied")
+    head = make_eagle3_head(folder, tmp_path / "head", layers=[0, 1, 1], draft_vocab=100)
+    tensors = load_file(head / "model.safetensors")
+    del tensors["d2t"]
+    save_file(tensors, str(head / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"needs 'd2t' \[100\], found None"):
+        load_draft_head(head, load_model(folder))
+    shutil.rmtree(head)
