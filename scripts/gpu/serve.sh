@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
 # On the GPU machine (device tool, carry [".gpu"]), after scripts/gpu/prepare.sh and scripts/gpu/serve_wheels.sh
 # here. `bash scripts/gpu/serve.sh pegainfer`: a greedy completion through `pegainfer serve --device cuda` equal to
-# `pegainfer generate --device cuda` on the small checkpoint; start-up to HTTP ready (second start: warm cubins and
-# page cache) and idle resident memory of a full-size random Qwen3-4B, from the server's own /metrics; then
-# `pegainfer bench serve` at each concurrency of $CONC (its own prompts: seed = concurrency, so no level hits the
-# prefix cache that an earlier one filled), with the server's step trace (--trace-steps) summarised per
-# concurrency; $SERVE_FLAGS go to that server; $SGLANG_CONC: the same load from SGLang's client too (its
-# bench_serving.py, from serve_wheels.sh's wheel). `bash scripts/gpu/serve.sh hf`: the same request stream against
-# `transformers serve --continuous-batching`, each concurrency cut off after $HF_LIMIT seconds. The checkpoint's
-# tokenizer has one word per id, so every token streams as text and TTFT is the first token's. Reports and logs go to
-# /tmp/serve_<target> and, as one tarball, to $OUT/serve_<target>.tgz (the device tool brings back 8 files at
-# most); the tables print last.
+# `pegainfer generate --device cuda` on the small checkpoint (where .gpu/small was carried; SMALL=0 skips it);
+# start-up to HTTP ready (second start: warm cubins and page cache) and idle resident memory of a full-size random
+# model, from the server's own /metrics; then `pegainfer bench serve` at each concurrency of $CONC (its own prompts:
+# seed = concurrency, so no level hits the prefix cache that an earlier one filled), with the server's step trace
+# (--trace-steps) summarised per concurrency; $SERVE_FLAGS go to that server; $SGLANG_CONC: the same load from
+# SGLang's client too (its bench_serving.py, from serve_wheels.sh's wheel). `bash scripts/gpu/serve.sh hf`: the same
+# request stream against `transformers serve --continuous-batching`, each concurrency cut off after $HF_LIMIT seconds.
+# The model: MODEL_CONFIG, an embedded config (default qwen3-4b; qwen3.5-4b, deepseek-v2-lite, ... compiled here
+# first: `pegainfer compile NAME --sm 90`), written there as /tmp/NAME-random by scripts/gpu/random_checkpoint.py
+# (bench's random weights, seconds; MAKER=hf: `make-checkpoint`, transformers' init with logits spread 2, as every
+# sweep before 2026-12-06 was run, Qwen3 configs only, 77 s for 4B). The checkpoint's tokenizer has one word per id,
+# so every token streams as text and TTFT is the first token's. LABEL (default the config's name) names the reports
+# and logs, under /tmp/serve_<LABEL> and, as one tarball, $OUT/serve_<LABEL>.tgz (the device tool brings back 8
+# files at most); the tables print last.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 TARGET=${1:-pegainfer}
@@ -18,9 +22,11 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
     .gpu/wheels/*.whl || exit 1
 . scripts/gpu/env.sh
 export PYTHONPATH=$PYTHONPATH:/tmp/site  # the serving packages the image lacks, installed above
-keep_work "/tmp/serve_$TARGET" "serve_$TARGET.tgz"
+MODEL_CONFIG=${MODEL_CONFIG:-qwen3-4b}; LABEL=${LABEL:-$MODEL_CONFIG}
+[ "$TARGET" = pegainfer ] || LABEL=$TARGET
+keep_work "/tmp/serve_$LABEL" "serve_$LABEL.tgz"
 CONC=${CONC:-"1 8 32 64 128"}; INPUT_LEN=${INPUT_LEN:-1024}; OUTPUT_LEN=${OUTPUT_LEN:-128}
-MODEL=/tmp/qwen3-4b-random
+MODEL=/tmp/$MODEL_CONFIG-random
 ready() {  # waits for $1/health, up to 10 minutes
     python3 - "$1" <<'PY'
 import sys, time, httpx
@@ -86,9 +92,11 @@ for line in open(sys.argv[1]):
           f"{r['mean_ttft_ms']:8.0f} {r['mean_tpot_ms']:8.2f} {r['median_tpot_ms']:8.2f}")
 PY
 }
-if [ ! -d "$MODEL" ]; then
-    SHAPE=$(python3 -c "import json; c = json.load(open('models/configs/qwen3-4b.json')); print(' '.join(f'--set {k}={json.dumps(c[k])}' for k in ('hidden_size', 'intermediate_size', 'num_hidden_layers', 'num_attention_heads', 'num_key_value_heads', 'head_dim', 'vocab_size', 'tie_word_embeddings', 'rope_theta', 'max_position_embeddings')))")
+if [ ! -f "$MODEL/config.json" ] && [ "${MAKER:-fast}" = hf ]; then
+    SHAPE=$(python3 -c "import json; c = json.load(open('models/configs/$MODEL_CONFIG.json')); print(' '.join(f'--set {k}={json.dumps(c[k])}' for k in ('hidden_size', 'intermediate_size', 'num_hidden_layers', 'num_attention_heads', 'num_key_value_heads', 'head_dim', 'vocab_size', 'tie_word_embeddings', 'rope_theta', 'max_position_embeddings')))")
     pg make-checkpoint "$MODEL" --dtype bfloat16 --logit-std 2 --tokenizer words $SHAPE
+elif [ ! -f "$MODEL/config.json" ]; then
+    python3 scripts/gpu/random_checkpoint.py "$MODEL_CONFIG" "$MODEL" 2>&1 | tee "$WORK/checkpoint.txt"
 fi
 if [ "$TARGET" = hf ]; then
     transformers serve "$MODEL" --continuous-batching --device cuda:0 --dtype bfloat16 --host 127.0.0.1 \
@@ -99,6 +107,7 @@ if [ "$TARGET" = hf ]; then
     kill $pid; wait $pid
     exit 0
 fi
+if [ "${SMALL:-1}" != 0 ] && [ -d .gpu/small ]; then
 echo "== greedy through the server against generate, small checkpoint"
 pg generate --model-path .gpu/small --prompt "The inference server" --max-tokens 12 --ignore-eos --device cuda --json \
     | tee "$WORK/serve_generate.json"
@@ -116,20 +125,21 @@ print(json.dumps({"server_text": result["choices"][0]["text"], "generate_text": 
                   "equal": result["choices"][0]["text"] == expected["text"], "usage": result["usage"]}))
 PY
 kill $pid; wait $pid
+fi
 STARTS=${STARTS:-first second}
 for start in $STARTS; do
-    echo "== Qwen3-4B shape: $start start"
-    python3 -m pegainfer.cli serve --model-path "$MODEL" --device cuda --port 8000 --served-model-name qwen3-4b \
-        --max-num-seqs "${MAX_NUM_SEQS:-256}" ${SERVE_FLAGS:-} --trace-steps "$WORK/trace.jsonl" >"$WORK/serve_4b_$start.log" 2>&1 &
+    echo "== $LABEL ($MODEL_CONFIG shape${SERVE_FLAGS:+, $SERVE_FLAGS}): $start start"
+    python3 -m pegainfer.cli serve --model-path "$MODEL" --device cuda --port 8000 --served-model-name "$MODEL_CONFIG" \
+        --max-num-seqs "${MAX_NUM_SEQS:-256}" ${SERVE_FLAGS:-} --trace-steps "$WORK/trace.jsonl" >"$WORK/serve_$start.log" 2>&1 &
     pid=$!
-    ready http://127.0.0.1:8000 || { tail -30 "$WORK/serve_4b_$start.log"; exit 1; }
+    ready http://127.0.0.1:8000 || { tail -30 "$WORK/serve_$start.log"; exit 1; }
     sleep 2
     echo "startup_seconds $(metric http://127.0.0.1:8000 pegainfer:startup_seconds)" \
          "resident_bytes_idle $(metric http://127.0.0.1:8000 process_resident_memory_bytes)" \
          "kv_blocks $(metric http://127.0.0.1:8000 pegainfer:kv_blocks_total)" | tee -a "$WORK/serve_startup.txt"
     [ "$start" = "${STARTS##* }" ] || { kill $pid; wait $pid; }
 done
-sweep http://127.0.0.1:8000 qwen3-4b serve "${SERVE_LIMIT:-240}"
-[ -z "${SGLANG_CONC:-}" ] || sglang_sweep http://127.0.0.1:8000 qwen3-4b
+sweep http://127.0.0.1:8000 "$MODEL_CONFIG" serve "${SERVE_LIMIT:-240}"
+[ -z "${SGLANG_CONC:-}" ] || sglang_sweep http://127.0.0.1:8000 "$MODEL_CONFIG"
 curl -s http://127.0.0.1:8000/metrics >"$WORK/serve_metrics.txt" 2>/dev/null || true
 kill $pid; wait $pid
