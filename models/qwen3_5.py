@@ -14,7 +14,7 @@ from pegainfer.ir.step import AttentionInputs, declare_step_inputs
 from pegainfer.models.blocks import (AttentionSpec, gated_mlp, glu_activation, lm_head, require_grouped_heads,
                                      self_attention)
 from pegainfer.models.delta_net import DeltaNetSpec, check_delta_net, gated_delta_net
-from pegainfer.models.qwen3_5_mtp import head_params
+from pegainfer.models.qwen3_5_mtp import head_graph, head_params
 
 ARCHITECTURES = ("Qwen3_5ForCausalLM",)
 MODEL_TYPE = "qwen3_5_text"
@@ -149,6 +149,13 @@ def _layer(config: Config, mlp: MlpBlock, root: str = "model.layers"):
 def mtp_params(config: Config) -> dict[str, TensorType]:
     """The tensors of the checkpoint's MTP head (models/qwen3_5_mtp.py), by name."""
     return head_params(config, _layer(config, _dense_mlp(config), root="mtp.layers"))
+
+
+def mtp_graph(config: Config, mlp: MlpBlock | None = None) -> Graph:
+    """The MTP head as a drafter over this model's features, its embedding and LM head the model's."""
+    layer = _layer(config, mlp or _dense_mlp(config), root="mtp.layers")
+    embed = "model.embed_tokens.weight"
+    return head_graph(config, layer, embed, embed if config.tie_word_embeddings else "lm_head.weight")
 
 
 TINY_CONFIG = {

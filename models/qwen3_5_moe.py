@@ -44,6 +44,10 @@ def mtp_params(config: Config) -> dict[str, TensorType]:
     return head_params(config, qwen3_5._layer(config, _sparse_block(config), root="mtp.layers"))
 
 
+def mtp_graph(config: Config) -> Graph:
+    return qwen3_5.mtp_graph(config, _sparse_block(config))
+
+
 def _sparse_block(config: Config):
     act = glu_activation(config.hidden_act)
 

@@ -7,7 +7,7 @@ at load (frontends/load.py) and kept, read lazily, for a speculative-decoding pr
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from pegainfer.ir import GraphBuilder, TensorType, dtype_from_name
+from pegainfer.ir import Graph, GraphBuilder, TensorType, dtype_from_name
 from pegainfer.ir.layers import LayerSlot
 from pegainfer.ir.step import declare_step_inputs
 
@@ -15,19 +15,33 @@ if TYPE_CHECKING:  # qwen3_5 imports this module
     from pegainfer.models.qwen3_5 import Config
 
 FULL = "full_attention"
-NORMS = ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")
+NORM_OFFSET = 1.0  # the head's norms scale by 1 + weight, as the model's
+
+
+def head_graph(config: "Config", layer: Callable, embedding: str, head: str) -> Graph:
+    """The head run as a drafter (runtime/drafters.py): the next token (its embedding the model's `embedding`) and
+    the model's features, each normed, through fc, `layer` (the DAG file's full-attention layer under
+    `mtp.layers`) once per MTP layer and the final norm; the model's LM head (`head`) gives the logits at the
+    sampled rows. Outputs: those logits, and every token's normed output (what a further draft reads)."""
+    dtype, hidden = dtype_from_name(config.torch_dtype), config.hidden_size
+    b = GraphBuilder("qwen3_5_mtp")
+    input_ids, attention, logits_indices = declare_step_inputs(b)
+    features = b.input("features", dtype, ("tokens", hidden))
+
+    def norm(x, name: str):
+        weight = b.param(f"mtp.{name}.weight", dtype, (hidden,))
+        return b.rms_norm(x, weight, eps=config.rms_norm_eps, offset=NORM_OFFSET, name=name)
+    embeds = b.embedding(input_ids, b.param(embedding, dtype, (config.vocab_size, hidden)), name="embed")
+    both = b.concat(norm(embeds, "pre_fc_norm_embedding"), norm(features, "pre_fc_norm_hidden"), name="both")
+    x = b.linear(both, b.param("mtp.fc.weight", dtype, (hidden, 2 * hidden)), name="fc")
+    for index in range(config.mtp_num_hidden_layers):
+        x = layer(b, x, attention, LayerSlot(FULL, str(index)))
+    out = norm(x, "norm")
+    rows = b.gather_rows(out, logits_indices, name="sampled_rows")
+    return b.finish(b.linear(rows, b.param(head, dtype, (config.vocab_size, hidden)), name="logits"), out)
 
 
 def head_params(config: "Config", layer: Callable) -> dict[str, TensorType]:
-    """The head's checkpoint tensors by name: `layer` (the DAG file's full-attention layer under `mtp.layers`)
-    traced once per MTP layer, plus fc and the three norms."""
-    dtype, hidden = dtype_from_name(config.torch_dtype), config.hidden_size
-    b = GraphBuilder("qwen3_5_mtp")
-    _, attention, _ = declare_step_inputs(b, recurrent=True)
-    x = b.input("hidden_states", dtype, ("tokens", hidden))
-    for index in range(config.mtp_num_hidden_layers):
-        x = layer(b, x, attention, LayerSlot(FULL, str(index)))
-    params = b.graph.checkpoint_params()
-    params["mtp.fc.weight"] = TensorType(dtype, (hidden, 2 * hidden))
-    params |= {f"mtp.{norm}.weight": TensorType(dtype, (hidden,)) for norm in NORMS}
-    return params
+    """The head's own checkpoint tensors by name (the embedding and LM head are the model's)."""
+    graph = head_graph(config, layer, "model.embed_tokens.weight", "lm_head.weight")
+    return {name: t for name, t in graph.checkpoint_params().items() if name.startswith("mtp.")}

@@ -8,7 +8,8 @@ import numpy as np
 
 from pegainfer.errors import ConfigError
 from pegainfer.frontends.drafter_load import load_draft_head
-from pegainfer.frontends.features import with_layer_inputs
+from pegainfer.frontends.checkpoint import derive_weights
+from pegainfer.frontends.features import with_final_hidden, with_layer_inputs
 from pegainfer.frontends.hub import resolve_checkpoint
 from pegainfer.frontends.load import LoadedModel, load_model
 from pegainfer.ir.step import has_recurrent_state
@@ -86,6 +87,8 @@ def make_speculator(config: SpeculativeConfig, target: LoadedModel, device: str,
         to_target = (lambda ids: ids) if head.to_target is None else head.to_target.__getitem__
         return Speculator(config, FeatureDrafter(head.first, head.next, head.weights, draft_tokens,
                                                  to_target=to_target))
+    if config.method == "mtp":
+        return Speculator(config, mtp_drafter(target, draft_tokens, engine))
     draft = load_model(resolve_checkpoint(config.model).folder, dtype=dtype, device=device)
     vocab, theirs = target.spec.config.vocab_size, draft.spec.config.vocab_size
     if vocab != theirs:
@@ -95,3 +98,19 @@ def make_speculator(config: SpeculativeConfig, target: LoadedModel, device: str,
         raise ConfigError(f"--speculative-config: the draft model {config.model} has recurrent layers, which a "
                           f"draft cannot roll back yet")
     return Speculator(config, DraftModelProposer(ReferenceEngine(draft, max_tokens=draft_tokens)))
+
+
+def mtp_drafter(target: LoadedModel, kv_tokens: int, engine: ReferenceEngine | None) -> FeatureDrafter:
+    """The checkpoint's own multi-token-prediction head as a drafter over the model's final hidden states."""
+    graph_of = getattr(target.spec.dag, "mtp_graph", None)
+    if graph_of is None or target.mtp is None:
+        why = "its DAG file runs none" if graph_of is None else "its checkpoint has none (no mtp.* tensors, or " \
+                                                             "mtp_num_hidden_layers 0)"
+        raise ConfigError(f"--speculative-config: method mtp needs the model's MTP head; {target.spec.architecture} "
+                          f"at {target.folder}: {why}")
+    head = graph_of(target.spec.config)
+    weights = {name: target.weights[name] for name in head.checkpoint_params() if name in target.spec.graph.params}
+    weights = derive_weights(head.derivations(), {**target.mtp, **weights})
+    if engine is not None:
+        engine.graph = with_final_hidden(engine.graph)
+    return FeatureDrafter(head, head, weights, kv_tokens)

@@ -18,7 +18,6 @@ from numpy.lib.stride_tricks import sliding_window_view
 from pegainfer.errors import ConfigError
 
 METHODS = ("ngram", "draft_model", "eagle3", "mtp")
-NOT_YET = {"mtp": "MTP heads"}
 WITH_MODEL = ("draft_model", "eagle3")  # methods whose "model" is a checkpoint of their own
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -49,9 +48,6 @@ def parse_speculative_config(text: str | dict) -> SpeculativeConfig:
     method = raw.get("method")
     if method not in METHODS:
         raise ConfigError(f"--speculative-config: method must be one of {', '.join(METHODS)}, found {method!r}")
-    if method in NOT_YET:
-        raise ConfigError(f"--speculative-config: method {method!r} ({NOT_YET[method]}) is not implemented yet; "
-                          f"use ngram, draft_model or eagle3")
     k = raw.get("num_speculative_tokens")
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
         raise ConfigError(f"--speculative-config: num_speculative_tokens must be an integer in "

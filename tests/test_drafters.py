@@ -19,6 +19,7 @@ from pegainfer.frontends.drafter_load import load_draft_head
 from pegainfer.frontends.features import FEATURES, with_final_hidden, with_layer_inputs
 from pegainfer.frontends.load import load_model
 from pegainfer.ir.interpreter import run_graph
+from pegainfer.ir.step import SLOT_POOL, has_recurrent_state
 from pegainfer.runtime.batch import Chunk, Sequence, pack_step
 from pegainfer.runtime.kv_blocks import BlockAllocator
 from pegainfer.runtime.proposers import make_speculator
@@ -33,10 +34,10 @@ PROMPT = [5, 17, 99, 3, 250, 11, 7, 42, 9]
 
 def run_once(graph, weights, ids: list[int], extra: dict | None = None) -> dict[str, np.ndarray]:
     """Every output of one prefill of `ids`, logits at every token."""
-    allocator = BlockAllocator(32, 4)
+    allocator = BlockAllocator(32, 4, state_slots=2 if has_recurrent_state(graph) else 0)
     inputs = pack_step([Chunk(Sequence(0, ids), len(ids))], allocator, all_logits=True) | (extra or {})
-    states = {n: np.zeros(t.concrete({"num_blocks": 32, "block_size": 4}), t.dtype.np_dtype)
-              for n, t in graph.expanded_states().items()}
+    sizes = {"num_blocks": 32, "block_size": 4, SLOT_POOL: allocator.state_rows}
+    states = {n: np.zeros(t.concrete(sizes), t.dtype.np_dtype) for n, t in graph.expanded_states().items()}
     return dict(zip(graph.outputs, run_graph(graph, inputs, weights, states)))
 
 
@@ -111,8 +112,8 @@ def serve(model, work, config=None, head=None, spare: int = 0, prefix_cache: boo
     engine = ReferenceEngine(model, max_tokens=2048, block_size=4, max_seqs=8, spare_states=spare)
     speculator = None
     if config is not None:
-        speculator = make_speculator(parse_speculative_config({**config, "model": str(head)}), model, "cpu", 2048, 8,
-                                     engine=engine)
+        given = config | ({"model": str(head)} if head is not None else {})
+        speculator = make_speculator(parse_speculative_config(given), model, "cpu", 2048, 8, engine=engine)
     scheduler = Scheduler(engine, frozenset(), SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64,
                                                                max_model_len=256, prefix_cache=prefix_cache),
                           speculator)
@@ -179,3 +180,73 @@ def test_a_head_without_its_vocabulary_map_is_refused(checkpoint_factory, tmp_pa
     with pytest.raises(CheckpointError, match=r"needs 'd2t' \[100\], found None"):
         load_draft_head(head, load_model(folder))
     shutil.rmtree(head)
+
+
+@pytest.fixture(scope="module")
+def mtp_checkpoint(tmp_path_factory):
+    """A small Qwen3.5 checkpoint whose safetensors also hold a random one-layer MTP head (mtp.*)."""
+    from safetensors.numpy import load_file, save_file
+
+    from pegainfer.fixtures.checkpoint import make_checkpoint
+    from pegainfer.frontends.load import load_spec
+
+    folder = make_checkpoint(tmp_path_factory.mktemp("mtp"), "Qwen3_5ForCausalLM",
+                             {"mtp_num_hidden_layers": 1, "tie_word_embeddings": False})
+    spec = load_spec(folder / "config.json")
+    rng = np.random.default_rng(0)
+    head = {name: (rng.standard_normal(t.shape) * (0.05 if name.endswith("norm.weight") else 0.3)).astype(np.float32)
+            for name, t in spec.dag.mtp_params(spec.config).items()}
+    save_file(load_file(folder / "model.safetensors") | head, str(folder / "model.safetensors"))
+    return folder
+
+
+def mtp_reference(model, ids: list[int], features: np.ndarray) -> np.ndarray:
+    """The head in torch: transformers' own decoder layer (full attention) between the published fc and norms."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen
+
+    config = transformers.AutoConfig.from_pretrained(model.folder)
+    text = getattr(config, "text_config", config)
+    text.layer_types = ["full_attention"] * len(text.layer_types)
+    text._attn_implementation = "eager"
+    w = {name: torch.from_numpy(np.asarray(value, np.float32)) for name, value in {**model.mtp,
+                                                                                 **model.weights}.items()}
+
+    def norm(x, name):  # 1 + weight, as every norm of the model
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + text.rms_norm_eps) * (1 + w[f"mtp.{name}.weight"])
+    layer = qwen.Qwen3_5DecoderLayer(text, 0).eval()
+    layer.load_state_dict({k[len("mtp.layers.0."):]: v for k, v in w.items() if k.startswith("mtp.layers.0.")})
+    embeds = w["model.embed_tokens.weight"][torch.tensor(ids)]
+    x = torch.cat([norm(embeds, "pre_fc_norm_embedding"), norm(torch.from_numpy(features), "pre_fc_norm_hidden")],
+                  -1) @ w["mtp.fc.weight"].T
+    positions = torch.arange(len(ids))[None]
+    rotary = qwen.Qwen3_5TextRotaryEmbedding(text)
+    mask = torch.full((len(ids), len(ids)), float("-inf")).triu(1)[None, None]
+    with torch.no_grad():
+        x = layer(x[None], rotary(x[None], positions), attention_mask=mask, position_ids=positions)[0]
+    return (norm(x, "norm") @ w["lm_head.weight"].T).numpy()
+
+
+def test_the_mtp_head_matches_transformers_layer_between_its_norms(mtp_checkpoint):
+    from pegainfer.frontends.checkpoint import derive_weights
+
+    model = load_model(mtp_checkpoint)
+    head = model.spec.dag.mtp_graph(model.spec.config)
+    weights = derive_weights(head.derivations(), {**model.mtp, **model.weights})
+    target = with_final_hidden(model.spec.graph)
+    features = run_once(target, derive_weights(target.derivations(), model.weights), PROMPT)[FEATURES]
+    logits = run_once(head, weights, PROMPT[1:], {"features": features[:-1]})[head.outputs[0]]
+    expected = mtp_reference(model, PROMPT[1:], features[:-1])
+    np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-3 * np.abs(expected).max())
+
+
+def test_mtp_speculation_gives_the_tokens_of_decoding_without_it(mtp_checkpoint):
+    model = load_model(mtp_checkpoint)
+    expected, _, _ = serve(model, workload())
+    found, stats, proposed = serve(model, workload(), {"method": "mtp", "num_speculative_tokens": 2}, None, spare=8)
+    assert found == expected and stats.spec_draft_tokens > 0 and proposed
+
+
+def test_mtp_without_a_head_is_refused(checkpoint_factory):
+    model = load_model(checkpoint_factory("qwen3_5_hybrid"))
+    with pytest.raises(ConfigError, match="needs the model's MTP head.*its checkpoint has none"):
+        make_speculator(parse_speculative_config({"method": "mtp", "num_speculative_tokens": 1}), model, "cpu", 64, 1)

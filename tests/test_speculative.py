@@ -187,7 +187,7 @@ def test_ngram_lookup_and_acceptance_count():
      "prompt_lookup_min <= prompt_lookup_max"),
     ('{"method": "draft_model", "num_speculative_tokens": 2}', "needs \"model\""),
     ('{"method": "eagle3", "num_speculative_tokens": 2}', "method eagle3 needs \"model\""),
-    ('{"method": "mtp", "num_speculative_tokens": 2}', "not implemented yet"),
+    ('{"method": "mtp", "num_speculative_tokens": 2, "model": "x"}', "\"model\" is for draft_model and eagle3"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "typo": 1}', "unknown key 'typo'"),
     ('{"method": "ngram", ', "not JSON"),
 ])
