@@ -149,7 +149,7 @@ def load_model(folder: Path, *, lazy: bool = False, dtype: str = "auto", device:
     shards = spec.graph.checkpoint_shards()
     expected = stored_params(spec.graph) if quantization else spec.graph.checkpoint_params()
     tensors = scan_checkpoint(folder)
-    mtp = mtp_head(spec, {name: t for name, t in tensors.items() if name.startswith("mtp.")}, folder)
+    mtp = mtp_head(spec, tensors, folder, quantized=bool(quantization or "quantization_config" in spec.raw_config))
     if spec.text_stack:
         tensors = text_stack_tensors(tensors)
     if getattr(spec.dag, "FUSED_EXPERTS", False):
@@ -167,18 +167,22 @@ def load_model(folder: Path, *, lazy: bool = False, dtype: str = "auto", device:
     return LoadedModel(spec, folder, weights, mtp)
 
 
-def mtp_head(spec: ModelSpec, tensors: dict[str, TensorInfo], folder: Path) -> LazyWeights | None:
-    """The multi-token-prediction head a checkpoint carries (its DAG file's `mtp_params`), every tensor checked for
-    name and shape; None where the checkpoint or the config has none."""
+def mtp_head(spec: ModelSpec, tensors: dict[str, TensorInfo], folder: Path, quantized: bool) -> LazyWeights | None:
+    """The multi-token-prediction head a checkpoint carries (its DAG file's `mtp_params`, under `mtp_prefix`),
+    every tensor checked for name and shape; None where the checkpoint or the config has none, or the checkpoint
+    is quantized (an FP8 head is not run)."""
     layout = getattr(spec.dag, "mtp_params", None)
-    if not tensors or layout is None or not getattr(spec.config, "mtp_num_hidden_layers", 0):
+    expected = layout(spec.config) if layout is not None and not quantized else {}
+    prefix = spec.dag.mtp_prefix(spec.config) if hasattr(spec.dag, "mtp_prefix") else "mtp."
+    tensors = {name: t for name, t in tensors.items() if name.startswith(prefix)}
+    if not tensors or not expected:
         return None
     if getattr(spec.dag, "FUSED_EXPERTS", False):
         tensors = split_fused_experts(tensors)
-    expected = layout(spec.config)
     unexpected = sorted(set(tensors) - set(expected))
     if unexpected:
-        raise CheckpointError(f"{folder}: tensor {unexpected[0]!r} is not part of the MTP head of "
-                              f"mtp_num_hidden_layers {spec.config.mtp_num_hidden_layers}")
+        key = spec.dag.MTP_LAYERS_KEY
+        raise CheckpointError(f"{folder}: tensor {unexpected[0]!r} is not part of the MTP head of {key} "
+                              f"{getattr(spec.config, key)}")
     check_weights(expected, tensors, folder)
     return LazyWeights(expected, tensors)

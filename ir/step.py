@@ -25,6 +25,7 @@ BLOCK_TABLES = "block_tables"
 # Layers with a recurrent state (linear attention) keep one fixed-size row per running sequence in pools of
 # SLOT_POOL rows; STATE_SLOTS [batch] says which row each sequence of the step owns (runtime/kv_blocks.py).
 STATE_SLOTS, SLOT_POOL = "state_slots", "num_state_slots"
+EMBED_GATE = "embed_gate"  # a drafter head's input: 1.0 a token, 0.0 at position 0 (whose embedding it drops)
 
 
 @dataclass(frozen=True)

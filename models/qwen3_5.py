@@ -20,6 +20,7 @@ ARCHITECTURES = ("Qwen3_5ForCausalLM",)
 MODEL_TYPE = "qwen3_5_text"
 WRAPPERS = {"Qwen3_5ForConditionalGeneration": "qwen3_5"}  # multimodal checkpoints served by their text stack
 LINEAR, FULL = "linear_attention", "full_attention"
+MTP_LAYERS_KEY = "mtp_num_hidden_layers"  # config.json's count of the MTP head's layers
 NORM_OFFSET = 1.0  # Qwen3.5's RMSNorms scale by 1 + weight (the output gate's norm excepted)
 
 
@@ -147,7 +148,9 @@ def _layer(config: Config, mlp: MlpBlock, root: str = "model.layers"):
 
 
 def mtp_params(config: Config) -> dict[str, TensorType]:
-    """The tensors of the checkpoint's MTP head (models/qwen3_5_mtp.py), by name."""
+    """The tensors of the checkpoint's MTP head (models/qwen3_5_mtp.py), by name; none without MTP layers."""
+    if not config.mtp_num_hidden_layers:
+        return {}
     return head_params(config, _layer(config, _dense_mlp(config), root="mtp.layers"))
 
 

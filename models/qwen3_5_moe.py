@@ -13,6 +13,7 @@ from pegainfer.models import qwen3_5
 from pegainfer.models.blocks import gated_mlp, glu_activation, routed_experts
 from pegainfer.models.qwen3_5_mtp import head_params
 
+MTP_LAYERS_KEY = qwen3_5.MTP_LAYERS_KEY
 ARCHITECTURES = ("Qwen3_5MoeForCausalLM",)
 MODEL_TYPE = "qwen3_5_moe_text"
 WRAPPERS = {"Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe"}  # multimodal checkpoints served by their text stack
@@ -40,7 +41,10 @@ def build_graph(config: Config) -> Graph:
 
 
 def mtp_params(config: Config) -> dict[str, TensorType]:
-    """The tensors of the checkpoint's MTP head, its layer's MLP the sparse block (per-expert or fused)."""
+    """The tensors of the checkpoint's MTP head, its layer's MLP the sparse block (per-expert or fused); none
+    without MTP layers."""
+    if not config.mtp_num_hidden_layers:
+        return {}
     return head_params(config, qwen3_5._layer(config, _sparse_block(config), root="mtp.layers"))
 
 

@@ -13,6 +13,7 @@ import numpy as np
 
 from pegainfer.ir.graph import Graph
 from pegainfer.ir.interpreter import run_graph
+from pegainfer.ir.step import EMBED_GATE
 from pegainfer.runtime.batch import Chunk, Sequence, commit_step, pack_step
 from pegainfer.runtime.kv_blocks import BlockAllocator, OutOfBlocks
 from pegainfer.runtime.speculative import DraftRequest
@@ -101,6 +102,8 @@ class FeatureDrafter:
     def _run(self, graph: Graph, chunks: list[Chunk], features: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(each chunk's draft token, the head's output at each chunk's last position)."""
         inputs = pack_step(chunks, self.allocator) | {FEATURES_INPUT: features}
+        if EMBED_GATE in graph.inputs:
+            inputs[EMBED_GATE] = (inputs["positions"] != 0).astype(np.float32)[:, None]
         logits, out = run_graph(graph, inputs, self.weights, self.states)
         commit_step(chunks)
         last = np.cumsum([c.num_tokens for c in chunks]) - 1

@@ -250,3 +250,70 @@ def test_mtp_without_a_head_is_refused(checkpoint_factory):
     model = load_model(checkpoint_factory("qwen3_5_hybrid"))
     with pytest.raises(ConfigError, match="needs the model's MTP head.*its checkpoint has none"):
         make_speculator(parse_speculative_config({"method": "mtp", "num_speculative_tokens": 1}), model, "cpu", 64, 1)
+
+
+@pytest.fixture(scope="module")
+def deepseek_mtp(checkpoint_factory, tmp_path_factory):
+    """The small DeepSeek-V3 checkpoint with a random MTP layer (model.layers.<L>.*) beside its layers."""
+    from safetensors.numpy import load_file, save_file
+
+    folder = tmp_path_factory.mktemp("dsv3_mtp")
+    shutil.copytree(checkpoint_factory("deepseek_v3_grouped"), folder, dirs_exist_ok=True)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"num_nextn_predict_layers": 1}))
+    spec = load_model(folder).spec
+    rng = np.random.default_rng(1)
+    head = {name: (rng.standard_normal(t.shape) * (0.05 if "norm" in name or "bias" in name else 0.3)
+                   ).astype(np.float32) + (1.0 if name.endswith("norm.weight") else 0.0)
+            for name, t in spec.dag.mtp_params(spec.config).items()}
+    save_file(load_file(folder / "model.safetensors") | head, str(folder / "model.safetensors"))
+    return folder
+
+
+def deepseek_mtp_reference(model, ids: list[int], features: np.ndarray) -> np.ndarray:
+    """The MTP layer in torch around transformers' own decoder layer at its index."""
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as deepseek
+
+    config = transformers.AutoConfig.from_pretrained(model.folder)
+    config._attn_implementation = "eager"
+    index = config.num_hidden_layers
+    prefix = f"model.layers.{index}."
+    w = {name: torch.from_numpy(np.asarray(value, np.float32)) for name, value in model.mtp.items()}
+
+    def norm(x, name):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps) * w[f"{prefix}{name}.weight"]
+    layer = deepseek.DeepseekV3DecoderLayer(config, index).eval()
+    state = {k[len(prefix):]: v for k, v in w.items() if k.startswith(prefix) and ".experts." not in k and
+             k[len(prefix):].startswith(("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"))}
+    experts = range(config.n_routed_experts)  # transformers keeps the experts fused
+    state["mlp.experts.gate_up_proj"] = torch.stack([torch.cat([w[f"{prefix}mlp.experts.{e}.gate_proj.weight"],
+                                                                w[f"{prefix}mlp.experts.{e}.up_proj.weight"]])
+                                                     for e in experts])
+    state["mlp.experts.down_proj"] = torch.stack([w[f"{prefix}mlp.experts.{e}.down_proj.weight"] for e in experts])
+    layer.load_state_dict(state)
+    embeds = w[f"{prefix}embed_tokens.weight"][torch.tensor(ids)]
+    embeds[0] = 0  # the head drops the embedding at position 0
+    x = torch.cat([norm(embeds, "enorm"), norm(torch.from_numpy(features), "hnorm")], -1) @ w[f"{prefix}eh_proj.weight"].T
+    positions = torch.arange(len(ids))[None]
+    mask = torch.full((len(ids), len(ids)), float("-inf")).triu(1)[None, None]
+    with torch.no_grad():
+        x = layer(x[None], attention_mask=mask, position_ids=positions,
+                  position_embeddings=deepseek.DeepseekV3RotaryEmbedding(config)(x[None], positions))[0]
+    return (norm(x, "shared_head.norm") @ w[f"{prefix}shared_head.head.weight"].T).numpy()
+
+
+def test_the_deepseek_mtp_layer_matches_transformers_layer_and_speculates_exactly(deepseek_mtp):
+    from pegainfer.frontends.checkpoint import derive_weights
+
+    model = load_model(deepseek_mtp)
+    head = model.spec.dag.mtp_graph(model.spec.config)
+    weights = derive_weights(head.derivations(), dict(model.mtp))
+    target = with_final_hidden(model.spec.graph)
+    features = run_once(target, derive_weights(target.derivations(), model.weights), PROMPT)[FEATURES]
+    gate = {"features": features[:-1], "embed_gate": (np.arange(len(PROMPT) - 1) != 0).astype(np.float32)[:, None]}
+    logits = run_once(head, weights, PROMPT[1:], gate)[head.outputs[0]]
+    expected = deepseek_mtp_reference(model, PROMPT[1:], features[:-1])
+    np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-3 * np.abs(expected).max())
+    baseline, _, _ = serve(model, workload())
+    found, stats, _ = serve(model, workload(), {"method": "mtp", "num_speculative_tokens": 2}, None)
+    assert found == baseline and stats.spec_draft_tokens > 0
