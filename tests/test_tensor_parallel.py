@@ -1,11 +1,12 @@
 """Tensor parallelism proven on the CPU: every rank's graph (passes/shard.py) loaded with only its slices of the
 checkpoint, all ranks run together by the rank-aware interpreter (ir/ranks.py), against the unsharded graph:
 the same logits (float32, relative error under 1e-5) for a packed prefill and a step of decode tokens beside a
-prompt chunk."""
+prompt chunk. And that every attention (paged, gated, latent, Gated DeltaNet) and MLP really is split: no rank
+computes any of their projections whole."""
 
-from math import prod
-
+import re
 import shutil
+from math import prod
 
 import numpy as np
 import pytest
@@ -33,8 +34,9 @@ TP_CONFIGS = {
     "tp_one_kv_head_odd_vocab": ("Qwen3ForCausalLM", {"vocab_size": 389, "num_attention_heads": 4,
                                                       "num_key_value_heads": 1, "tie_word_embeddings": False}),
 }
-# Golden configurations whose heads 2 and 4 ranks cannot split (3 or 6 query heads): refused, tested below
-UNDIVIDED = {"odd_single_kv", "biased_untied", "llama_tied_mlp_bias"}
+# Golden configurations whose heads 2 and 4 ranks cannot split (3 or 6 query heads, 3 DeltaNet value heads):
+# refused, tested below
+UNDIVIDED = {"odd_single_kv", "biased_untied", "llama_tied_mlp_bias", "qwen3_5_odd_heads"}
 CASES = [name for name in GOLDEN_CONFIGS if name not in UNDIVIDED] + list(TP_CONFIGS)
 
 
@@ -68,9 +70,10 @@ def rank_weights(model: LoadedModel, graph: Graph) -> dict[str, np.ndarray]:
     return derive_weights(graph.derivations(), model.weights)
 
 
-def run_sharded(folder, world: int, steps, lowered: bool = False) -> list[list[np.ndarray]]:
+def run_sharded(folder, world: int, steps, lowered: bool = False,
+                expert_parallel: bool = False) -> list[list[np.ndarray]]:
     """Each step's logits from every rank."""
-    models = [load_model(folder, parallel=Parallelism(world, rank)) for rank in range(world)]
+    models = [load_model(folder, parallel=Parallelism(world, rank, expert_parallel)) for rank in range(world)]
     graphs = [lower(m.spec.graph)[0] if lowered else m.spec.graph for m in models]
     weights = [rank_weights(m, g) for m, g in zip(models, graphs)]
     states = [fresh_states(g) for g in graphs]
@@ -81,47 +84,85 @@ def relative_error(ours: np.ndarray, reference: np.ndarray) -> float:
     return float(np.abs(ours - reference).max() / np.abs(reference).max())
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_sharded_ranks_give_the_unsharded_logits(checkpoint_factory, name):
-    folder = make(checkpoint_factory, name)
+def unsharded_logits(folder) -> tuple[list[dict[str, np.ndarray]], list[np.ndarray]]:
+    """The workload's steps and each step's logits from the whole graph."""
     whole = load_model(folder)
     graph = whole.spec.graph
     steps = workload(graph.value_types()[graph.outputs[0]].shape[-1], has_recurrent_state(graph))
     states = fresh_states(graph)
-    expected = [run_graph(graph, inputs, rank_weights(whole, graph), states)[0] for inputs in steps]
-    for world in (2, 4):
-        for step, (ranks, reference) in enumerate(zip(run_sharded(folder, world, steps), expected)):
+    return steps, [run_graph(graph, inputs, rank_weights(whole, graph), states)[0] for inputs in steps]
+
+
+def check_sharded(name: str, folder, worlds: tuple[int, ...], expert_parallel: bool = False) -> None:
+    """Every rank's logits at every step equal the whole graph's, at each world size."""
+    steps, expected = unsharded_logits(folder)
+    for world in worlds:
+        for step, (ranks, reference) in enumerate(zip(run_sharded(folder, world, steps,
+                                                                  expert_parallel=expert_parallel), expected)):
             for rank, logits in enumerate(ranks):
                 assert logits.shape == reference.shape
                 error = relative_error(logits, reference)
-                assert error < TOLERANCE, f"{name}: TP {world}, rank {rank}, step {step}: relative error {error:.2e}"
+                assert error < TOLERANCE, f"{name}: {world} ranks, rank {rank}, step {step}: relative error {error:.2e}"
 
 
-@pytest.mark.parametrize("name", ["tiny_tied", "qwen3_moe_topk", "deepseek_v3_grouped"])
+@pytest.mark.parametrize("name", CASES)
+def test_sharded_ranks_give_the_unsharded_logits(checkpoint_factory, name):
+    check_sharded(name, make(checkpoint_factory, name), (2, 4))
+
+
+@pytest.mark.parametrize("name", ["tiny_tied", "qwen3_moe_topk", "deepseek_v3_grouped", "qwen3_5_moe"])
 def test_lowered_rank_graphs_give_the_unsharded_logits(checkpoint_factory, name):
-    """The passes after sharding (weight merges, fusion, kernel formation) keep every rank's graph exact."""
+    """The passes after sharding (weight merges, latent attention absorbed over a rank's kv_b rows, fusion, kernel
+    formation) keep every rank's graph exact."""
     folder = make(checkpoint_factory, name)
-    whole = load_model(folder)
-    graph = whole.spec.graph
-    steps = workload(graph.value_types()[graph.outputs[0]].shape[-1], False)
-    states = fresh_states(graph)
-    expected = [run_graph(graph, inputs, rank_weights(whole, graph), states)[0] for inputs in steps]
+    steps, expected = unsharded_logits(folder)
     for ranks, reference in zip(run_sharded(folder, 2, steps, lowered=True), expected):
         assert max(relative_error(logits, reference) for logits in ranks) < TOLERANCE
 
 
+def replicated_linears(graph: Graph) -> set[str]:
+    """The linears of a rank's graph whose weight no rank slices (by their builder names: `router` for `router.1`):
+    every rank computes them whole."""
+    whole = set()
+    for g in graph.all_graphs():
+        for node in g.nodes:
+            derivation = g.derived.get(node.inputs[1]) if node.op == "linear" else None
+            sources = derivation.sources if derivation else node.inputs[1:2]
+            if node.op == "linear" and not any(s in g.shards for s in sources):
+                whole.add(re.sub(r"\.\d+$", "", node.name))
+    return whole
+
+
+# The linears every rank computes whole by design: a router (its top-k reads every expert's score), the latent
+# attention's low-rank projections (their outputs normed over the whole row, and the latent shared by every
+# head), Qwen3.5-MoE's one-column shared-expert gate
+WHOLE_BY_DESIGN = {"router", "q_a_proj", "kv_a_proj_with_mqa", "shared_gate"}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_attention_and_mlp_are_split_on_every_architecture(checkpoint_factory, name):
+    """No projection of an attention (paged, latent, gated or DeltaNet) or of an MLP is left whole on a rank:
+    what would regress silently into replication (correct, wasteful) shows here."""
+    folder = make(checkpoint_factory, name)
+    for parallel in (Parallelism(2, 1), Parallelism(2, 1, expert_parallel=True)):
+        graph = load_model(folder, parallel=parallel).spec.graph
+        assert replicated_linears(graph) <= WHOLE_BY_DESIGN, f"{name}: {parallel}"
+
+
 @pytest.mark.parametrize("name, world, tensor", [("odd_single_kv", 2, "q_proj"), ("biased_untied", 4, "q_proj"),
-                                                 ("biased_untied", 2, "k_proj")])
+                                                 ("biased_untied", 2, "k_proj"),
+                                                 ("qwen3_5_odd_heads", 2, "in_proj_qkv")])
 def test_heads_the_ranks_cannot_split_are_refused_naming_the_tensor(checkpoint_factory, name, world, tensor):
     with pytest.raises(ConfigError, match=rf"{tensor}\.weight has \d+ heads .* {world} parts") as error:
         load_model(make(checkpoint_factory, name), parallel=Parallelism(world, 0))
     assert "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize("name", ["tiny_tied", "tp_one_kv_head_odd_vocab"])
+@pytest.mark.parametrize("name", ["tiny_tied", "tp_one_kv_head_odd_vocab", "deepseek_v2_greedy", "qwen3_5_hybrid"])
 def test_each_rank_reads_only_its_slices(checkpoint_factory, monkeypatch, name):
-    """The bytes read for sharded tensors are each rank's own slices; where every head is split (not the one KV
-    head two ranks share), the ranks' slices together are each tensor once."""
+    """The bytes read for sharded tensors are each rank's own slices (for a tensor whose rows a rank takes from
+    several blocks, DeltaNet's in_proj_qkv, the rows they span); where every head is split (not the one KV head two
+    ranks share), the ranks' slices together are each tensor once."""
     folder = make(checkpoint_factory, name)
     read = []
     real = shards_module.os.preadv
