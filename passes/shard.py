@@ -7,6 +7,7 @@ its query heads read; latent attention and Gated DeltaNet split by heads (passes
 split inside, or whole across the ranks with expert parallelism (passes/shard_experts.py). Every rank's weights
 are slices of the checkpoint's tensors, recorded in `Graph.shards` for the loader."""
 
+from collections import Counter
 from dataclasses import dataclass
 from math import prod
 
@@ -82,7 +83,7 @@ class Sharder:
     def run(self) -> None:
         for node in self.g.nodes:
             self._visit(node)
-        self.g.nodes = self.nodes
+        self.g.nodes = self._merged_sums()
         split = [v for v in self.g.outputs if v in self.layout]
         if split:
             raise GraphError(f"tensor parallelism: {self.g.name} returns %{split[0]}, which is split across ranks")
@@ -93,6 +94,25 @@ class Sharder:
         sources = {s for d in self.g.derived.values() for s in d.sources}
         for name in [s for s in self.g.shards if s not in self.g.params and s not in sources]:
             self.g.shards.pop(name)
+
+    def _merged_sums(self) -> list[Node]:
+        """The nodes with add(all_reduce(a), all_reduce(b)) as all_reduce(add(a, b)): one collective where a MoE
+        block's routed and shared experts had one each."""
+        producers = {out: node for node in self.nodes for out in node.outputs}
+        reads = Counter([*(v for node in self.nodes for v in node.inputs), *self.g.outputs])
+        merged: list[Node] = []
+        dropped: set[int] = set()
+        for node in self.nodes:
+            sums = [producers.get(v) for v in node.inputs]
+            if node.op != "add" or not all(s is not None and s.op == "all_reduce" and reads[s.outputs[0]] == 1
+                                           for s in sums):
+                merged.append(node)
+                continue
+            partial = fresh_name(self.g, node.outputs[0] + ".partial")
+            merged += [Node("add", tuple(s.inputs[0] for s in sums), (partial,), node.output_types, node.attrs),
+                       Node("all_reduce", (partial,), node.outputs, node.output_types, dict(sums[0].attrs))]
+            dropped.update(id(s) for s in sums)
+        return [node for node in merged if id(node) not in dropped]
 
     def _visit(self, node: Node) -> None:
         splits = [self.layout.get(v) for v in node.inputs]

@@ -14,7 +14,7 @@ import pytest
 from golden_configs import GOLDEN_CONFIGS
 from pegainfer.errors import ConfigError
 from pegainfer.frontends import checkpoint as checkpoint_module
-from pegainfer.frontends.load import load_model
+from pegainfer.frontends.load import load_model, load_spec
 from pegainfer.passes.shard import Parallelism
 from test_tensor_parallel import TOLERANCE, check_sharded, make, relative_error, run_sharded, unsharded_logits
 
@@ -34,6 +34,14 @@ def test_lowered_expert_parallel_ranks_give_the_unsharded_logits(checkpoint_fact
     steps, expected = unsharded_logits(folder)
     for ranks, reference in zip(run_sharded(folder, 2, steps, lowered=True, expert_parallel=True), expected):
         assert max(relative_error(logits, reference) for logits in ranks) < TOLERANCE
+
+
+def test_a_moe_block_sums_its_routed_and_shared_experts_in_one_all_reduce(checkpoint_factory):
+    spec = load_spec(make(checkpoint_factory, "deepseek_v2_grouped_yarn") / "config.json",
+                     parallel=Parallelism(2, 0, expert_parallel=True))
+    (sparse,) = [g for g in spec.graph.subgraphs.values() if any(n.op == "moe_experts" for n in g.nodes)]
+    reduced = [n.outputs[0] for n in sparse.nodes if n.op == "all_reduce"]
+    assert reduced == ["o_proj", "moe_out"]
 
 
 def read_tensors(monkeypatch) -> dict[str, int]:
