@@ -25,6 +25,7 @@ BLOCK_TABLES = "block_tables"
 # Layers with a recurrent state (linear attention) keep one fixed-size row per running sequence in pools of
 # SLOT_POOL rows; STATE_SLOTS [batch] says which row each sequence of the step owns (runtime/kv_blocks.py).
 STATE_SLOTS, SLOT_POOL = "state_slots", "num_state_slots"
+LORA_SLOTS = "lora_slots"  # [tokens]: each token's adapter slot of the LoRA tables (-1: the base model)
 EMBED_GATE = "embed_gate"  # a drafter head's input: 1.0 a token, 0.0 at position 0 (whose embedding it drops)
 
 
@@ -125,8 +126,9 @@ def penalty_input_types(rows: str) -> dict[str, TensorType]:
 
 
 # Every input the runtime uploads for a step, in one copy before the step's first kernel.
-STEP_INPUTS = (*TOKEN_INPUTS, *SEQUENCE_INPUTS, BLOCK_TABLES, STATE_SLOTS, LOGITS_INDICES, *SAMPLING_INPUTS,
-               TOKEN_BITMASK, TOKEN_MASK_INDEX, PENALTY_START, PENALTY_COUNT, PENALTY_IDS, PENALTY_TERMS)
+STEP_INPUTS = (*TOKEN_INPUTS, *SEQUENCE_INPUTS, BLOCK_TABLES, STATE_SLOTS, LORA_SLOTS, LOGITS_INDICES,
+               *SAMPLING_INPUTS, TOKEN_BITMASK, TOKEN_MASK_INDEX, PENALTY_START, PENALTY_COUNT, PENALTY_IDS,
+               PENALTY_TERMS)
 
 
 def uploaded(graph: Graph, value: str) -> bool:

@@ -6,7 +6,7 @@ from itertools import chain
 
 import numpy as np
 
-from pegainfer.ir.step import STATE_SLOTS, TOKEN_BITMASK, TOKEN_MASK_INDEX
+from pegainfer.ir.step import LORA_SLOTS, STATE_SLOTS, TOKEN_BITMASK, TOKEN_MASK_INDEX
 from pegainfer.runtime.device_sampling import greedy_inputs, no_penalties
 from pegainfer.runtime.kv_blocks import BlockAllocator, BlockTable
 
@@ -18,6 +18,7 @@ class Sequence:
     token_ids: list[int]
     num_cached: int = 0
     table: BlockTable = field(default_factory=BlockTable)
+    lora_slot: int = -1  # its adapter's slot of the LoRA tables (-1: the base model)
 
 
 @dataclass(frozen=True)
@@ -30,9 +31,11 @@ class Chunk:
     draws: int = 1
 
 
-def pack_step(chunks: list[Chunk], allocator: BlockAllocator, *, all_logits: bool = False) -> dict[str, np.ndarray]:
+def pack_step(chunks: list[Chunk], allocator: BlockAllocator, *, all_logits: bool = False,
+              lora: bool = False) -> dict[str, np.ndarray]:
     """Allocates KV blocks (and state slots) for the chunks and returns the step's inputs. Logits rows are each
-    chunk's last token, or every token with `all_logits` (for scoring a prompt)."""
+    chunk's last token, or every token with `all_logits` (for scoring a prompt); `lora`: with each token's adapter
+    slot (a graph with LoRA tables)."""
     assert chunks, "a step needs at least one chunk"
     ids, positions, slots, starts, logits_rows = [], [], [], [], []
     size = allocator.block_size
@@ -74,6 +77,8 @@ def pack_step(chunks: list[Chunk], allocator: BlockAllocator, *, all_logits: boo
         **no_penalties(len(logits_rows)),
         **({STATE_SLOTS: np.array([c.seq.table.state_slot for c in chunks], dtype=np.int32)}
            if allocator.state_slots else {}),
+        **({LORA_SLOTS: np.repeat(np.array([c.seq.lora_slot for c in chunks], np.int32),
+                                  [c.num_tokens for c in chunks])} if lora else {}),
     }
 
 

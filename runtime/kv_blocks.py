@@ -4,6 +4,22 @@ rows kept for the prefix cache's state snapshots (runtime/state_snapshots.py).""
 
 from dataclasses import dataclass, field
 
+from pegainfer.errors import RequestError
+
+
+def check_fits(allocator: "BlockAllocator", prompt_len: int, max_tokens: int, max_model_len: int) -> None:
+    """Refuses a request that could never run, whatever else is running; the numbers say why."""
+    if prompt_len >= max_model_len:
+        raise RequestError(f"the prompt has {prompt_len} tokens; the maximum context length is {max_model_len} "
+                           f"tokens, so a prompt may have at most {max_model_len - 1}")
+    total = min(prompt_len + max_tokens, max_model_len)
+    blocks = allocator.blocks_for(total)
+    if blocks > allocator.num_blocks:
+        raise RequestError(
+            f"the request needs {blocks} KV blocks ({prompt_len} prompt + {total - prompt_len} generated tokens, "
+            f"{allocator.block_size} tokens a block) and the KV cache holds {allocator.num_blocks} blocks in all: "
+            f"it can never fit")
+
 
 class OutOfBlocks(Exception):
     """The pool cannot hold what was asked; the scheduler decides whether to wait, preempt or reject."""

@@ -18,6 +18,11 @@ from pegainfer.runtime.kv_blocks import BlockAllocator, BlockTable
 ROOT = b""  # the hash before a sequence's first block
 
 
+def root_for(adapter: str | None) -> bytes:
+    """The hash before a sequence's first block: the base model's, or a LoRA adapter's own (its KV differs)."""
+    return ROOT if adapter is None else hashlib.sha256(b"lora\0" + adapter.encode()).digest()
+
+
 def chain_hashes(token_ids: Seq[int], block_size: int, parent: bytes = ROOT, start_block: int = 0,
                  end_block: int | None = None) -> list[bytes]:
     """The hashes of full blocks start_block .. end_block-1, each over its tokens and its parent's hash. sha256, not
@@ -52,10 +57,10 @@ class PrefixCache:
     def num_cached(self) -> int:
         return len(self._hash_of)
 
-    def lookup(self, token_ids: Seq[int], max_blocks: int) -> tuple[list[int], list[bytes]]:
-        """The longest run of cached blocks that starts the sequence, at most `max_blocks`: (blocks, hashes).
-        Takes nothing: `acquire` does, once the caller has decided to use them."""
-        blocks, hashes, parent = [], [], ROOT
+    def lookup(self, token_ids: Seq[int], max_blocks: int, root: bytes = ROOT) -> tuple[list[int], list[bytes]]:
+        """The longest run of cached blocks that starts the sequence (its chain from `root`), at most
+        `max_blocks`: (blocks, hashes). Takes nothing: `acquire` does, once the caller has decided to use them."""
+        blocks, hashes, parent = [], [], root
         for block in range(min(max_blocks, len(token_ids) // self.block_size)):
             (parent,) = chain_hashes(token_ids, self.block_size, parent, block, block + 1)
             found = self._block_of.get(parent)

@@ -10,7 +10,7 @@ from pegainfer.frontends.features import FEATURES
 from pegainfer.frontends.load import LoadedModel
 from pegainfer.ir.graph import Graph
 from pegainfer.ir.interpreter import run_graph
-from pegainfer.ir.step import SLOT_POOL, has_recurrent_state, sampler_outputs
+from pegainfer.ir.step import LORA_SLOTS, SLOT_POOL, has_recurrent_state, sampler_outputs
 from pegainfer.passes.fusion import TAIL_TOP_K
 from pegainfer.runtime.batch import Chunk, Sequence, commit_step, pack_step, release_sequence
 from pegainfer.runtime.constraint import TokenConstraint
@@ -48,7 +48,7 @@ class ReferenceEngine:
 
     def step(self, chunks: list[Chunk], *, all_logits: bool = False) -> np.ndarray:
         """Runs one packed step and returns float32 logits, one row per chunk (or per token with all_logits)."""
-        inputs = pack_step(chunks, self.allocator, all_logits=all_logits)
+        inputs = pack_step(chunks, self.allocator, all_logits=all_logits, lora=self.lora)
         logits = self.execute(inputs)[0]  # a lowered graph adds sampler outputs
         commit_step(chunks)
         return logits.astype(np.float32)
@@ -62,7 +62,7 @@ class ReferenceEngine:
         are packed, before it runs (as the GPU engine calls it before waiting for the device)."""
         sampling = sampling_inputs(params, token_index, self.rng)
         masks = device_masks(constraints, self.vocab_size)
-        inputs = pack_step(chunks, self.allocator) | sampling | mask_inputs(len(chunks), masks)
+        inputs = pack_step(chunks, self.allocator, lora=self.lora) | sampling | mask_inputs(len(params), masks)
         if launched is not None:
             launched()
         outputs = dict(zip(self.graph.outputs, self.execute(inputs)))
@@ -78,6 +78,16 @@ class ReferenceEngine:
     def execute(self, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
         """The graph's outputs for one packed step, its KV and recurrent states updated in place."""
         return run_graph(self.graph, inputs, self.weights, self.states)
+
+    @property
+    def lora(self) -> bool:
+        """Whether the graph has LoRA tables (frontends/lora.py), whose slots each step's tokens name."""
+        return LORA_SLOTS in self.graph.inputs
+
+    def write_lora(self, slot: int, rows: dict[str, np.ndarray]) -> None:
+        """An adapter's rows (frontends/lora.adapter_rows) into one slot of every LoRA table."""
+        for name, row in rows.items():
+            self.states[name][slot] = row
 
     def copy_state(self, src: int, dst: int) -> None:
         for name in self.pooled:

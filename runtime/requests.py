@@ -16,6 +16,7 @@ class EngineRequest:
     arrival: float = field(default_factory=time.monotonic)
     group: str | None = None  # requests sharing admission fairness (an API request's choices); None: its own
     constraint: TokenConstraint | None = None  # what its tokens may be (a grammar); its own, never shared
+    lora: str | None = None  # the LoRA adapter it runs with (runtime/lora.py); None: the base model
 
 
 @dataclass(frozen=True)

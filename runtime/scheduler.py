@@ -36,7 +36,9 @@ from pegainfer.runtime.batch import Chunk, Sequence
 from pegainfer.runtime.block_records import record_blocks
 from pegainfer.runtime.device_sampling import SampleResult
 from pegainfer.runtime.engine_api import Engine
-from pegainfer.runtime.prefix_cache import PrefixCache
+from pegainfer.runtime.kv_blocks import check_fits
+from pegainfer.runtime.lora import LoraSlots
+from pegainfer.runtime.prefix_cache import PrefixCache, root_for
 from pegainfer.runtime.prompt_logprobs import draw_first, position_logprobs
 from pegainfer.runtime.requests import EngineRequest, TokenOutput
 from pegainfer.runtime.spec_steps import SpecSteps
@@ -87,9 +89,9 @@ class _State:
 
 class Scheduler:
     def __init__(self, engine: Engine, eos_ids: frozenset[int], config: SchedulerConfig = SchedulerConfig(),
-                 speculator: Speculator | None = None) -> None:
-        """`speculator`: drafts verified in the steps (runtime/speculative.py), for a model without recurrent
-        layers."""
+                 speculator: Speculator | None = None, lora: LoraSlots | None = None) -> None:
+        """`speculator`: drafts verified in the steps (runtime/speculative.py); `lora`: the adapters requests may
+        name, over the engine's LoRA tables (runtime/lora.py)."""
         assert config.max_num_seqs >= 1 and config.max_model_len >= 2, config
         if config.max_num_batched_tokens < config.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be at least max_num_seqs "
@@ -100,7 +102,7 @@ class Scheduler:
         if slots and config.max_num_seqs > slots:
             raise ValueError(f"max_num_seqs ({config.max_num_seqs}) must be at most the engine's state slots "
                              f"({slots}): every running sequence of a model with recurrent layers holds one")
-        self.speculator = speculator
+        self.speculator, self.lora = speculator, lora
         self.stats = SchedulerStats()
         self.spec = speculator and SpecSteps(speculator, engine, bool(slots), config, self.stats)
         self.block_size = self.allocator.block_size
@@ -121,20 +123,12 @@ class Scheduler:
 
     def check(self, prompt_len: int, max_tokens: int) -> None:
         """Refuses a request that could never run, whatever else is running; the numbers say why."""
-        limit = self.config.max_model_len
-        if prompt_len >= limit:
-            raise RequestError(f"the prompt has {prompt_len} tokens; the maximum context length is {limit} tokens, "
-                               f"so a prompt may have at most {limit - 1}")
-        total = min(prompt_len + max_tokens, limit)
-        blocks = self.allocator.blocks_for(total)
-        if blocks > self.allocator.num_blocks:
-            raise RequestError(
-                f"the request needs {blocks} KV blocks ({prompt_len} prompt + {total - prompt_len} generated tokens, "
-                f"{self.block_size} tokens a block) and the KV cache holds {self.allocator.num_blocks} blocks in "
-                f"all: it can never fit")
+        check_fits(self.allocator, prompt_len, max_tokens, self.config.max_model_len)
 
     def add(self, request: EngineRequest) -> None:
         assert request.request_id not in self._states, f"request id {request.request_id!r} is already in use"
+        if request.lora is not None and (self.lora is None or request.lora not in self.lora.adapters):
+            raise RequestError(f"the LoRA adapter {request.lora!r} is not loaded")
         request.params.validate()
         self.check(len(request.prompt_ids), request.params.max_tokens)
         seq = Sequence(next(self._seq_ids), list(request.prompt_ids))
@@ -281,12 +275,14 @@ class Scheduler:
         sequence fits now; returns the chunk's token count, or 0 to leave it waiting."""
         seq, tokens = state.seq, state.seq.token_ids
         cached_ok = self.cache is not None and not state.scoring  # a cached block has no logits to score
-        blocks, hashes = self.cache.lookup(tokens, (len(tokens) - 1) // self.block_size) if cached_ok else ([], [])
+        root = root_for(state.request.lora)  # a block's KV is its adapter's: hits never cross adapters
+        blocks, hashes = self.cache.lookup(tokens, (len(tokens) - 1) // self.block_size, root) if cached_ok \
+            else ([], [])
         if self.snapshots:  # a recurrent layer resumes only where its state was snapshotted
             blocks, hashes = blocks[:(hit := self.snapshots.deepest(hashes))], hashes[:hit]
         evictable = self.cache.num_evictable - self.cache.count_evictable(blocks) if self.cache else 0
         available = self.allocator.num_free - self._reserved + evictable
-        if self.allocator.blocks_for(len(tokens)) - len(blocks) > available:
+        if self.allocator.blocks_for(len(tokens)) - len(blocks) > available or not self._take_adapter(state):
             return 0
         cached = len(blocks) * self.block_size
         if self.cache:
@@ -301,6 +297,15 @@ class Scheduler:
         count = self._chunk(state, min(len(tokens) - cached, budget))
         assert self._reserve(self._blocks_needed(seq, count)), "admission checked that the sequence fits"
         return count
+
+    def _take_adapter(self, state: _State) -> bool:
+        """A slot of the LoRA tables holding the request's adapter (written there if needed); False while every
+        slot is held by sequences of other adapters."""
+        if state.request.lora is None:
+            return True
+        slot = self.lora.acquire(state.request.lora)
+        state.seq.lora_slot = -1 if slot is None else slot
+        return slot is not None
 
     def _chunk(self, state: _State, count: int) -> int:
         """A prompt chunk of a model with state snapshots ends on a block boundary where it crosses one."""
@@ -342,6 +347,9 @@ class Scheduler:
         state.block_hashes = []
         if self.spec:
             self.spec.release(state.seq.seq_id)
+        if state.seq.lora_slot >= 0:
+            self.lora.release(state.seq.lora_slot)
+            state.seq.lora_slot = -1
 
     def _forget(self, state: _State) -> None:
         del self._states[state.request.request_id], self._by_seq[state.seq.seq_id]

@@ -1,0 +1,33 @@
+"""LoRA: the low-rank update of a projection for the rows of several adapters at once (each request picks its
+own). Every loaded adapter holds a slot of the stacked tables: its A padded to the tables' rank with zero rows, its
+B with zero columns, so padding adds nothing, and its scale (alpha / rank, or alpha / sqrt(rank) for rsLoRA). A
+row takes scale[s] * B[s] (A[s] x) for its slot s; a row of slot -1 (the base model) takes nothing."""
+
+import numpy as np
+
+from pegainfer.ir.registry import GEMM, expect, register_op
+from pegainfer.ir.types import TensorType
+
+
+def _infer_lora(x: TensorType, a: TensorType, b: TensorType, scale: TensorType, slots: TensorType) -> TensorType:
+    expect(x.rank == 2 and x.dtype.is_float, f"lora: input must be float [tokens, in], found {x}")
+    expect(a.rank == 3 and a.shape[2] == x.shape[1], f"lora: A must be [slots, rank, {x.shape[1]}], found {a}")
+    expect(b.rank == 3 and b.shape[0] == a.shape[0] and b.shape[2] == a.shape[1],
+           f"lora: B must be [{a.shape[0]}, out, {a.shape[1]}], found {b}")
+    expect(scale.rank == 1 and scale.shape[0] == a.shape[0] and scale.dtype.is_float,
+           f"lora: scale must be float [{a.shape[0]}], found {scale}")
+    expect(slots.shape == (x.shape[0],) and not slots.dtype.is_float,
+           f"lora: slots must be integers [{x.shape[0]}], found {slots}")
+    return TensorType(x.dtype, (x.shape[0], b.shape[1]))
+
+
+def _lora(x: np.ndarray, a: np.ndarray, b: np.ndarray, scale: np.ndarray, slots: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, np.float32)
+    out = np.zeros((len(x), b.shape[1]), np.float32)
+    for slot in np.unique(slots[slots >= 0]):
+        rows = slots == slot
+        out[rows] = np.float32(scale[slot]) * ((x[rows] @ a[slot].astype(np.float32).T) @ b[slot].astype(np.float32).T)
+    return out
+
+
+register_op("lora", _infer_lora, _lora, GEMM)

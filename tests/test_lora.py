@@ -1,0 +1,178 @@
+"""LoRA adapters on the CPU engine: PEFT's own adapters (random, non-zero, ranks 8 and 64) on Qwen3 and Llama give
+PEFT's logits (float32, 1e-4) at a prefill and 16 decode steps and its greedy tokens; a batch mixing rows of three
+adapters and of none gives every row what it gives alone; a prefix-cache hit never crosses adapters; adapters
+swap through fewer slots than adapters; bad adapters are refused in one line."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import peft
+import pytest
+import torch
+import transformers
+
+from pegainfer.errors import CheckpointError, ConfigError
+from pegainfer.frontends.load import load_model
+from pegainfer.frontends.lora import LoraConfig, read_adapter, with_lora
+from pegainfer.runtime.lora import LoraSlots
+from pegainfer.runtime.reference_engine import ReferenceEngine
+from pegainfer.runtime.requests import EngineRequest
+from pegainfer.runtime.sampler import SamplingParams
+from pegainfer.runtime.scheduler import Scheduler, SchedulerConfig
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PROMPT = [5, 17, 99, 3, 250, 11, 7, 42]
+
+
+def make_adapter(base: Path, out: Path, rank: int, seed: int, targets=TARGETS, rslora: bool = False) -> Path:
+    """A PEFT adapter of `base` with random non-zero A and B (PEFT starts B at zero: nothing to test)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, use_rslora=rslora)
+    tuned = peft.get_peft_model(model, config)
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in tuned.named_parameters():
+        if "lora_" in name:
+            param.data = torch.randn(param.shape, generator=generator) * (0.3 / np.sqrt(param.shape[-1]))
+    tuned.save_pretrained(out)
+    return out
+
+
+def peft_model(base: Path, adapter: Path):
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    return peft.PeftModel.from_pretrained(model, adapter).eval()
+
+
+def greedy(model, prompt: list[int], steps: int) -> tuple[list[int], list[np.ndarray]]:
+    """Greedy tokens and each step's logprobs, every step recomputed from the whole sequence (no EOS rule)."""
+    tokens, logprobs = list(prompt), []
+    with torch.no_grad():
+        for _ in range(steps):
+            row = torch.log_softmax(model(torch.tensor([tokens])).logits[0, -1], -1).numpy()
+            logprobs.append(row)
+            tokens.append(int(np.argmax(row)))
+    return tokens[len(prompt):], logprobs
+
+
+def serving(model, adapters: dict[str, Path], config: LoraConfig = LoraConfig(3, 64), kv_tokens: int = 4096,
+            prefix_cache: bool = False, steps_logits: bool = False):
+    graph = with_lora(model.spec.graph, config)
+    engine = ReferenceEngine(model, max_tokens=kv_tokens, block_size=4, graph=graph, max_seqs=8)
+    slots = LoraSlots(graph, config, engine.write_lora)
+    for name, path in adapters.items():
+        slots.register(read_adapter(name, path, graph, config))
+    scheduler = Scheduler(engine, frozenset(), SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256,
+                                                               max_model_len=256, prefix_cache=prefix_cache),
+                          lora=slots)
+    return scheduler, engine
+
+
+def run(scheduler, work: list[tuple[list[int], str | None]], max_tokens: int = 16) -> dict[str, list]:
+    for i, (prompt, lora) in enumerate(work):
+        scheduler.add(EngineRequest(str(i), list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                                                                        logprobs=5), lora=lora))
+    out: dict[str, list] = {str(i): [] for i in range(len(work))}
+    while scheduler.has_work():
+        for token in scheduler.step():
+            out[token.request_id].append((token.token_id, token.logprobs))
+    return out
+
+
+@pytest.fixture(scope="module")
+def adapters(checkpoint_factory, tmp_path_factory):
+    made = {}
+    for name in ("tiny_tied", "llama3_scaled"):
+        base = checkpoint_factory(name)
+        for rank in (8, 64):
+            made[(name, rank)] = make_adapter(base, tmp_path_factory.mktemp(f"{name}_{rank}"), rank, seed=rank)
+    return made
+
+
+@pytest.mark.parametrize("name", ["tiny_tied", "llama3_scaled"])
+@pytest.mark.parametrize("rank", [8, 64])
+def test_adapters_give_peft_logits_and_greedy_tokens(checkpoint_factory, adapters, name, rank):
+    base = checkpoint_factory(name)
+    reference = peft_model(base, adapters[(name, rank)])
+    expected_tokens, expected = greedy(reference, PROMPT, 16)
+    scheduler, _ = serving(load_model(base), {"a": adapters[(name, rank)]})
+    (found,) = run(scheduler, [(PROMPT, "a")]).values()
+    assert [t for t, _ in found] == expected_tokens
+    for (_, logprobs), reference_row in zip(found, expected):
+        ids = list(logprobs)
+        np.testing.assert_allclose([logprobs[i] for i in ids], reference_row[ids], rtol=1e-4, atol=1e-4)
+    with torch.no_grad():  # the adapter changes the model: its logits are not the base's
+        plain = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        assert not np.allclose(plain(torch.tensor([PROMPT])).logits[0, -1].numpy(),
+                               reference(torch.tensor([PROMPT])).logits[0, -1].numpy(), atol=1e-2)
+
+
+def test_a_batch_of_three_adapters_and_the_base_gives_every_row_what_it_gives_alone(checkpoint_factory,
+                                                                                    tmp_path):
+    base = checkpoint_factory("tiny_tied")
+    made = {name: make_adapter(base, tmp_path / name, rank, seed, targets)
+            for name, rank, seed, targets in (("a", 8, 1, TARGETS), ("b", 16, 2, ["q_proj", "v_proj"]),
+                                              ("c", 4, 3, ["down_proj", "o_proj"]))}
+    model = load_model(base)
+    rng = np.random.default_rng(0)
+    work = [(rng.integers(0, 500, int(rng.integers(3, 20))).tolist(), [None, "a", "b", "c"][i % 4])
+            for i in range(8)]
+    scheduler, _ = serving(model, made)
+    together = run(scheduler, work)
+    for i, item in enumerate(work):
+        alone, _ = serving(model, made)
+        (tokens,) = run(alone, [item]).values()
+        assert [t for t, _ in together[str(i)]] == [t for t, _ in tokens]
+        for (_, mine), (_, theirs) in zip(together[str(i)], tokens):
+            np.testing.assert_allclose(list(mine.values()), list(theirs.values()), rtol=1e-5, atol=1e-5)
+
+
+def test_adapters_swap_through_fewer_slots_and_prefix_hits_stay_within_an_adapter(checkpoint_factory, tmp_path):
+    base = checkpoint_factory("tiny_tied")
+    made = {name: make_adapter(base, tmp_path / name, 8, seed) for seed, name in enumerate("abc")}
+    model = load_model(base)
+    shared = list(range(100, 140))  # ten full blocks every request starts with
+    work = [(shared + [7 + i], name) for i, name in enumerate(["a", None, "b", "c", "a", None])]
+    scheduler, _ = serving(model, made, LoraConfig(max_loras=1, max_rank=8), prefix_cache=True)
+    found = run(scheduler, work, max_tokens=6)
+    assert scheduler.lora.loads >= 3  # one slot: every other adapter written over the last
+    for i, item in enumerate(work):  # a cold run of each alone, no prefix cache
+        cold, _ = serving(model, made, LoraConfig(max_loras=1, max_rank=8))
+        (tokens,) = run(cold, [item], max_tokens=6).values()
+        assert [t for t, _ in found[str(i)]] == [t for t, _ in tokens], f"request {i} ({item[1]})"
+    # requests 4 and 5 repeat the adapters of 0 and 1: their prefix is found; the other adapters' never is
+    assert scheduler.cache.hits == 2 * 40
+
+
+def test_rslora_scaling_matches_peft(checkpoint_factory, tmp_path):
+    base = checkpoint_factory("tiny_tied")
+    adapter = make_adapter(base, tmp_path / "rs", 16, 5, rslora=True)
+    expected_tokens, expected = greedy(peft_model(base, adapter), PROMPT, 4)
+    scheduler, _ = serving(load_model(base), {"rs": adapter})
+    (found,) = run(scheduler, [(PROMPT, "rs")], max_tokens=4).values()
+    assert [t for t, _ in found] == expected_tokens
+    for (_, logprobs), row in zip(found, expected):
+        np.testing.assert_allclose(list(logprobs.values()), row[list(logprobs)], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("edit, error, message", [
+    (lambda c, t: (c | {"r": 32}, t), ConfigError, "rank 32 exceeds --max-lora-rank 16"),
+    (lambda c, t: (c | {"use_dora": True}, t), ConfigError, "no DoRA"),
+    (lambda c, t: (c | {"bias": "all"}, t), ConfigError, 'bias "none"'),
+    (lambda c, t: (c, {k.replace("layers.0.self_attn.q_proj", "layers.9.self_attn.q_proj"): v for k, v in t.items()}),
+     ConfigError, "targets model.layers.9.self_attn.q_proj, which this model has no LoRA table for"),
+    (lambda c, t: (c, {k: (v[:, :-1] if "q_proj.lora_A" in k else v) for k, v in t.items()}), CheckpointError,
+     r"model.layers.0.self_attn.q_proj needs lora_A \[8, 64\]"),
+])
+def test_bad_adapters_are_refused_in_one_line(checkpoint_factory, tmp_path, edit, error, message):
+    from safetensors.numpy import load_file, save_file
+
+    base = checkpoint_factory("tiny_tied")
+    folder = make_adapter(base, tmp_path / "bad", 8, 0)
+    config, tensors = edit(json.loads((folder / "adapter_config.json").read_text()),
+                           load_file(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    graph = with_lora(load_model(base).spec.graph, LoraConfig(2, 16))
+    with pytest.raises(error, match=message) as caught:
+        read_adapter("bad", folder, graph, LoraConfig(2, 16))
+    assert "\n" not in str(caught.value)
