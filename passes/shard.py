@@ -87,7 +87,7 @@ class Sharder:
         split = [v for v in self.g.outputs if v in self.layout]
         if split:
             raise GraphError(f"tensor parallelism: {self.g.name} returns %{split[0]}, which is split across ranks")
-        read = {v for node in self.nodes for v in node.inputs}
+        read = {v for node in self.g.nodes for v in node.inputs}
         for name in [p for p in self.g.params if p not in read]:  # a row-parallel bias only rank 0 adds
             self.g.params.pop(name)
             self.g.derived.pop(name, None)
@@ -96,22 +96,42 @@ class Sharder:
             self.g.shards.pop(name)
 
     def _merged_sums(self) -> list[Node]:
-        """The nodes with add(all_reduce(a), all_reduce(b)) as all_reduce(add(a, b)): one collective where a MoE
+        """The nodes with add(all_reduce(a), all_reduce(b)) as all_reduce(add(a, b)), an all-reduce scaled by whole
+        rows (a gated shared expert's) taken as the all-reduce of the scaled part: one collective where a MoE
         block's routed and shared experts had one each."""
         producers = {out: node for node in self.nodes for out in node.outputs}
         reads = Counter([*(v for node in self.nodes for v in node.inputs), *self.g.outputs])
+
+        def reduced(value: str) -> Node | None:
+            node = producers.get(value)
+            return node if node is not None and node.op == "all_reduce" and reads[value] == 1 else None
+
+        def partial(value: str) -> tuple[list[Node], list[Node]] | None:
+            """(nodes dropped, nodes giving this rank's part of value) for a summed value, else None."""
+            node = producers.get(value)
+            if reduced(value):
+                return [node], []
+            if node is None or node.op != "scale_rows" or reads[value] != 1 or not reduced(node.inputs[0]) or \
+                    node.inputs[1] in self.layout:
+                return None
+            part = self.fresh(value + ".partial")
+            rows = producers[node.inputs[0]].inputs[0]
+            return [producers[node.inputs[0]], node], [Node("scale_rows", (rows, node.inputs[1]), (part,),
+                                                           node.output_types, node.attrs)]
+
         merged: list[Node] = []
         dropped: set[int] = set()
         for node in self.nodes:
-            sums = [producers.get(v) for v in node.inputs]
-            if node.op != "add" or not all(s is not None and s.op == "all_reduce" and reads[s.outputs[0]] == 1
-                                           for s in sums):
+            parts = [partial(v) for v in node.inputs] if node.op == "add" else [None]
+            if not all(parts):
                 merged.append(node)
                 continue
-            partial = fresh_name(self.g, node.outputs[0] + ".partial")
-            merged += [Node("add", tuple(s.inputs[0] for s in sums), (partial,), node.output_types, node.attrs),
-                       Node("all_reduce", (partial,), node.outputs, node.output_types, dict(sums[0].attrs))]
-            dropped.update(id(s) for s in sums)
+            summed = tuple(made[-1].outputs[0] if made else gone[0].inputs[0] for gone, made in parts)
+            total = self.fresh(node.outputs[0] + ".partial")
+            merged += [*(n for _, made in parts for n in made),
+                       Node("add", summed, (total,), node.output_types, node.attrs),
+                       Node("all_reduce", (total,), node.outputs, node.output_types, {"world": self.world})]
+            dropped.update(id(n) for gone, _ in parts for n in gone)
         return [node for node in merged if id(node) not in dropped]
 
     def _visit(self, node: Node) -> None:
@@ -158,9 +178,17 @@ class Sharder:
     def reduced(self, node: Node, inputs: tuple[str, ...], attrs: dict | None = None,
                 op: str = "all_reduce", **collective: int) -> None:
         """`node` over this rank's inputs into a fresh value, then a collective into node's output."""
-        partial = fresh_name(self.g, node.outputs[0] + (".partial" if op == "all_reduce" else ".shard"))
+        partial = self.fresh(node.outputs[0] + (".partial" if op == "all_reduce" else ".shard"))
         self.emit(node, inputs, attrs, outputs=(partial,))
         self.emit(Node(op, (), (node.outputs[0],), ()), (partial,), {"world": self.world, **collective})
+
+    def fresh(self, hint: str) -> str:
+        """A name that no value of the graph, before or after this rank's rewrite so far, has."""
+        taken = {out for node in self.nodes for out in node.outputs}
+        name, suffix = fresh_name(self.g, hint), 1
+        while name in taken:
+            name, suffix = fresh_name(self.g, f"{hint}.{suffix}"), suffix + 1
+        return name
 
     def resize_state(self, name: str, dim: int, size: int) -> None:
         """A state tensor (a cache, a recurrent state) holding `size` of its `dim` on this rank."""
@@ -193,10 +221,10 @@ class Sharder:
         if padded == vocab:
             return self.reduced(node, node.inputs, op="all_gather", axis=-1)
         logits = node.outputs[0]
-        gathered = fresh_name(self.g, logits + ".padded")
+        gathered = self.fresh(logits + ".padded")
         self.reduced(Node(node.op, node.inputs, (gathered,), node.output_types, node.attrs), node.inputs,
                      op="all_gather", axis=-1)
-        padding = fresh_name(self.g, logits + ".padding")
+        padding = self.fresh(logits + ".padding")
         self.emit(Node("split", (), (logits, padding), ()), (gathered,), {"sizes": (vocab, padded - vocab)})
 
     def _column_parallel(self, node: Node) -> None:

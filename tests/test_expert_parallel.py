@@ -36,12 +36,16 @@ def test_lowered_expert_parallel_ranks_give_the_unsharded_logits(checkpoint_fact
         assert max(relative_error(logits, reference) for logits in ranks) < TOLERANCE
 
 
-def test_a_moe_block_sums_its_routed_and_shared_experts_in_one_all_reduce(checkpoint_factory):
-    spec = load_spec(make(checkpoint_factory, "deepseek_v2_grouped_yarn") / "config.json",
-                     parallel=Parallelism(2, 0, expert_parallel=True))
-    (sparse,) = [g for g in spec.graph.subgraphs.values() if any(n.op == "moe_experts" for n in g.nodes)]
-    reduced = [n.outputs[0] for n in sparse.nodes if n.op == "all_reduce"]
-    assert reduced == ["o_proj", "moe_out"]
+@pytest.mark.parametrize("name", ["deepseek_v2_grouped_yarn", "qwen3_5_moe"])
+def test_a_moe_block_sums_its_routed_and_shared_experts_in_one_all_reduce(checkpoint_factory, name):
+    """Each sparse layer reduces twice: its mixer's output projection, then its routed and (gated) shared experts
+    together."""
+    spec = load_spec(make(checkpoint_factory, name) / "config.json", parallel=Parallelism(2, 0, expert_parallel=True))
+    sparse = [g for g in spec.graph.subgraphs.values() if any(n.op == "moe_experts" for n in g.nodes)]
+    assert sparse
+    for body in sparse:
+        reduced = [n.outputs[0] for n in body.nodes if n.op == "all_reduce"]
+        assert reduced[0] in ("o_proj", "out_proj") and reduced[1:] == ["moe_out"], body.name
 
 
 def read_tensors(monkeypatch) -> dict[str, int]:
