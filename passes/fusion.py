@@ -3,7 +3,7 @@ names, so any architecture built from these ops gets them."""
 
 from pegainfer.ir.graph import KERNEL, REPEAT, Graph, Node
 from pegainfer.ir.kernel import inner_nodes, kernel_kind
-from pegainfer.ir.registry import ELEMENTWISE, GATHER, ROW_REDUCTION, get_op
+from pegainfer.ir.registry import COLLECTIVE, ELEMENTWISE, GATHER, ROW_REDUCTION, get_op
 from pegainfer.ir.step import SAMPLER_OUTPUTS, SAMPLING_INPUTS, mask_input_types, penalty_input_types
 from pegainfer.ir.types import TensorType
 from pegainfer.passes.manager import PassLog
@@ -114,10 +114,12 @@ def plan_sampler_tail(graph: Graph, log: PassLog) -> Graph:
     """Plans the final norm, the LM head and the sampler as one tail: each row's grammar mask (a step input, -1 for
     none), then its penalties (sparse step inputs, none by default), top-k candidates of the penalised logits and
     logsumexp of the masked ones (logprobs), and one token per row drawn on the device (ir/ops/sampling.py) from
-    the per-row sampling inputs it adds."""
+    the per-row sampling inputs it adds. In a sharded graph, whose logits are gathered from the ranks' parts of the
+    vocabulary, the tail is a kernel of its own after the gather (`sampler_tail`)."""
     logits = graph.outputs[0]
     head = graph.producers().get(logits)
-    if head is None or head.op != "linear":
+    gathered = _gathered(graph, head)
+    if head is None or (head.op != "linear" and gathered is None):
         log.note(f"{graph.name}: left alone: the first output is not produced by a linear")
         return graph
     taken = [name for name in SAMPLING_INPUTS if name in graph.value_types()]
@@ -147,12 +149,36 @@ def plan_sampler_tail(graph: Graph, log: PassLog) -> Graph:
                   get_op("sample").infer(penalized_type, *inputs.values(), logits_type, **attrs), attrs)
     graph.nodes += [mask, penalize, top_k, lse, sample]
     graph.outputs += names
+    if gathered:
+        _fuse_head_part(graph, gathered, log)
+        _fuse_or_note(graph, [mask, penalize, top_k, lse, sample], "sampler_tail", log, name="sampler")
+        return graph
     readers = consumers(graph)
     prologue = _row_chain(graph, head.inputs[0], readers, graph.producers(),
                           categories=(ELEMENTWISE, ROW_REDUCTION, GATHER))
     _fuse_or_note(graph, [*prologue, head, mask, penalize, top_k, lse, sample], "lm_head_tail", log,
                   name="lm_head")
     return graph
+
+
+def _gathered(graph: Graph, node: Node | None) -> Node | None:
+    """The linear (the LM head's part on this rank) whose output `node` gathers from the ranks: `node` a
+    collective, or a view of one's output (the split that drops a vocabulary's padding); else None."""
+    producers = graph.producers()
+    while node is not None and node.op == "split":
+        node = producers.get(node.inputs[0])
+    if node is None or node.op in (KERNEL, REPEAT) or get_op(node.op).category != COLLECTIVE:
+        return None
+    head = producers.get(node.inputs[0])
+    return head if head is not None and head.op == "linear" else None
+
+
+def _fuse_head_part(graph: Graph, head: Node, log: PassLog) -> None:
+    """A sharded LM head with its prologue (the rows gathered, the final norm): the kernel before the gather."""
+    prologue = _row_chain(graph, head.inputs[0], consumers(graph), graph.producers(),
+                          categories=(ELEMENTWISE, ROW_REDUCTION, GATHER))
+    members = [*prologue, head]
+    _fuse_or_note(graph, members, "_".join(n.op for n in members), log, name="lm_head")
 
 
 def fuse_norm_prologue(graph: Graph, log: PassLog) -> Graph:

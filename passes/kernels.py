@@ -4,18 +4,27 @@ from dataclasses import dataclass
 
 from pegainfer.ir.graph import KERNEL, REPEAT, Graph, Node
 from pegainfer.ir.kernel import fused_ops, is_view
+from pegainfer.ir.registry import COLLECTIVE, get_op
 from pegainfer.ir.types import TensorType
 from pegainfer.passes.manager import PassLog
 from pegainfer.passes.rewrite import kernel_attrs
 
 
+def is_collective(node: Node) -> bool:
+    """A collective op (all_reduce, all_gather, ...): NCCL runs it between the kernels, it is never one."""
+    return node.op not in (KERNEL, REPEAT) and get_op(node.op).category == COLLECTIVE
+
+
 def form_kernels(graph: Graph, log: PassLog) -> Graph:
-    """Makes every op left unfused a kernel of its own (views stay views: they move no data)."""
+    """Makes every op left unfused a kernel of its own (views stay views: they move no data; collectives stay
+    nodes, which NCCL runs between the kernels)."""
     for g in graph.all_graphs():
         nodes = []
         for node in g.nodes:
-            if node.op in (KERNEL, REPEAT) or is_view(node):
+            if node.op in (KERNEL, REPEAT) or is_view(node) or is_collective(node):
                 nodes.append(node)
+                if is_collective(node):
+                    log.note(f"{g.name}: %{node.name} ({node.op}) stays a collective node, run by NCCL")
                 continue
             nodes.append(Node(KERNEL, node.inputs, node.outputs, node.output_types,
                               kernel_attrs(g, node.op, [node], list(node.outputs), replaced=[node])))
@@ -60,6 +69,37 @@ def _info(graph: Graph, node: Node, launches: int) -> KernelInfo:
                       launches)
 
 
+@dataclass(frozen=True)
+class CollectiveInfo:
+    graph: str
+    name: str
+    op: str
+    input: TensorType
+    output: TensorType
+    launches: int  # per step, like KernelInfo's
+
+    def describe(self) -> str:
+        """What it reads (this rank's part) and writes (every rank's combined)."""
+        return f"{self.op}({self.input}) -> {self.output}"
+
+
+def list_collectives(graph: Graph) -> list[CollectiveInfo]:
+    """Every collective node of a lowered graph in step order, bodies where their repeat runs."""
+    found: list[CollectiveInfo] = []
+    for node in graph.nodes:
+        if node.op == REPEAT:
+            body = graph.subgraphs[node.attrs["body"]]
+            found += [_collective(body, n, node.attrs["count"]) for n in body.nodes if is_collective(n)]
+        elif is_collective(node):
+            found.append(_collective(graph, node, 1))
+    return found
+
+
+def _collective(graph: Graph, node: Node, launches: int) -> CollectiveInfo:
+    return CollectiveInfo(graph.name, node.name, node.op, graph.value_types()[node.inputs[0]], node.output_types[0],
+                          launches)
+
+
 def kernels_per_layer(graph: Graph) -> dict[str, float]:
     """body name -> kernels it launches per decoder layer (a body may hold several layers: ir/layers.py)."""
     layers = {n.attrs["body"]: n.attrs.get("layers", 1) for n in graph.nodes if n.op == REPEAT}
@@ -85,4 +125,10 @@ def format_kernels(graph: Graph) -> str:
         writes = ", ".join(f"{name}:{t}" for name, t in k.outputs)
         lines.append(f"{index:>3}  {k.graph:<14} {k.name:<{width}} {k.kind:<30} {k.launches:>3}  "
                      f"{'+'.join(k.ops)} ({reads}) -> {writes}")
+    collectives = list_collectives(graph)
+    if collectives:
+        lines.append(f"Collectives between the kernels (NCCL's, not kernels): "
+                     f"{sum(c.launches for c in collectives)} per step")
+        lines += [f"{index:>3}  {c.graph:<14} {c.name:<{width}} {c.op:<30} {c.launches:>3}  {c.describe()}"
+                  for index, c in enumerate(collectives, start=1)]
     return "\n".join(lines) + "\n"

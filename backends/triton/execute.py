@@ -1,7 +1,11 @@
 """Runs a kernel DAG with its planned Triton launches under Triton's CPU interpreter (torch tensors on the CPU).
 It walks the graph exactly as the GPU runtime will: views are views, kernels are launches of the planned
-variant with arguments packed by the parameter ABI. Only the tests run it: it is how every generated Triton
-kernel is checked against the reference interpreter with no GPU (DESIGN.md, correctness layer 3)."""
+variant with arguments packed by the parameter ABI; a collective node (a rank's graph of a sharded model) runs its
+reference, the ranks as threads (ir/ranks.py), one launch interpreted at a time. Only the tests run it: it is how
+every generated Triton kernel is checked against the reference interpreter with no GPU (DESIGN.md, correctness
+layer 3)."""
+
+import threading
 
 import ml_dtypes
 import numpy as np
@@ -10,14 +14,17 @@ import torch
 from pegainfer.backends.spec import KernelSpec, LaunchSpec, Param, ParamKind, pick_variant
 from pegainfer.backends.triton.loader import load_kernel_module, triton_interpret
 from pegainfer.ir.graph import KERNEL, REPEAT, Graph, Node, instantiate
+from pegainfer.ir.interpreter import execute
 from pegainfer.ir.kernel import in_place_outputs
 from pegainfer.ir.step import launch_sizes
 from pegainfer.ir.types import TensorType
+from pegainfer.passes.kernels import is_collective
 
 _TORCH = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32, "i32": torch.int32,
           "i64": torch.int64}
 
 
+_INTERPRETER = threading.Lock()  # the interpreter's state is global: ranks as threads launch one at a time
 _FP8 = {np.dtype(ml_dtypes.float8_e4m3fn): torch.float8_e4m3fn, np.dtype(ml_dtypes.float8_e5m2): torch.float8_e5m2}
 
 
@@ -84,6 +91,9 @@ class InterpretedExecutor:
                 env.update(zip(node.outputs, carried))
             elif node.op == KERNEL:
                 env.update(launch_kernel(self.specs[(graph.name, node.name)], node, env, sizes))
+            elif is_collective(node):  # the ranks meet in its reference
+                (result,) = execute(node, [to_numpy(env[node.inputs[0]])])
+                env[node.outputs[0]] = to_torch(np.asarray(result))
             else:
                 env.update(zip(node.outputs, _view(node, env[node.inputs[0]])))
         return [env[name] for name in graph.outputs]
@@ -112,6 +122,11 @@ def launch_kernel(spec: KernelSpec, node: Node, env: dict[str, torch.Tensor], si
 
 
 def _run_launch(launch: LaunchSpec, env: dict[str, torch.Tensor], sizes: dict[str, int]) -> None:
+    with _INTERPRETER:
+        _interpret(launch, env, sizes)
+
+
+def _interpret(launch: LaunchSpec, env: dict[str, torch.Tensor], sizes: dict[str, int]) -> None:
     module = load_kernel_module(launch.source, launch.module, interpret=True)
     args = {param.name: _argument(param, env, sizes) for param in launch.params}
     grid = tuple(dim.size(sizes) for dim in launch.grid)

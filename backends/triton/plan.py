@@ -27,6 +27,7 @@ NORMED = "gemm.normed_rows"
 # programs, every one would first read all its rows twice over
 NORMED_ALL = "gemm.normed_all"
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension (the GEMMs' column tiles)
+SAMPLER_OPS = ["mask_tokens", "penalize_tokens", "top_k", "logsumexp", "sample"]  # a tail after gathered logits
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,8 @@ def plan_kernel(graph: Graph, node: Node, options: PlanOptions) -> KernelSpec:
         return latent.plan_head_linear(graph, node) if ops == ["head_linear"] else latent.plan_rope(graph, node)
     if "linear" in ops:
         return _plan_gemm(graph, node)
+    if ops == SAMPLER_OPS:
+        return _plan_sampler(graph, node)
     if ops == ["embedding"]:
         return _plan_embedding(graph, node)
     if rowwise.supports(node.attrs["nodes"]):
@@ -321,6 +324,18 @@ def _plan_tail_reduction(types: dict[str, TensorType], roles: dict, layout: dict
                    (GridDim((rows_symbol,)),), num_warps=8)], scratch
 
 
+def _plan_sampler(graph: Graph, node: Node) -> KernelSpec:
+    """The sampler tail over logits another node wrote (a sharded graph's, gathered from the ranks): the LM head
+    tail's three launches without its GEMM."""
+    inner = list(node.attrs["nodes"])
+    types = graph.value_types() | {o: t for n in inner for o, t in zip(n.outputs, n.output_types)}
+    roles = dict(zip(("mask", "penalize", "top_k", "lse", "sample"), inner), out=inner[0].inputs[0])
+    launches, scratch = _plan_tail_reduction(types, roles, static_layout(graph))
+    spec = kernel_spec(graph, node, types[roles["out"]].shape[0], [VariantSpec("default", None, launches)])
+    spec.scratch = {name: (t.dtype.name, t.shape) for name, t in scratch.items()}
+    return spec
+
+
 def _plan_embedding(graph: Graph, node: Node) -> KernelSpec:
     (embedding,) = node.attrs["nodes"]
     types = graph.value_types() | {embedding.outputs[0]: embedding.output_types[0]}
@@ -332,8 +347,10 @@ def _plan_embedding(graph: Graph, node: Node) -> KernelSpec:
         p.tensor(name, value)
     p.stride("stride_out", embedding.outputs[0])
     row_symbol = types[ids].shape[0]
+    first_id = embedding.attrs.get("first_id")  # a rank's part of the vocabulary: ids outside it give zeros
     lookup = launch("embedding.py", "embedding_kernel", p,
-                    dict(HIDDEN=hidden, BLOCK=block, SCALE=float(embedding.attrs.get("scale", 1.0))),
+                    dict(HIDDEN=hidden, BLOCK=block, SCALE=float(embedding.attrs.get("scale", 1.0)),
+                         FIRST_ID=-1 if first_id is None else first_id, ROWS=types[table].shape[0]),
                     (GridDim((row_symbol,)), GridDim((hidden,), block)))
     return kernel_spec(graph, node, row_symbol, [VariantSpec("default", None, [lookup])])
 
