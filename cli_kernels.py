@@ -42,6 +42,9 @@ def add_inspect(commands) -> None:
                    help="for graph and dag: text, Graphviz source, or SVG (needs Graphviz's dot on the PATH)")
     p.add_argument("--json", action="store_true", help="for kernels without --sm: one JSON object")
     add_quantization_args(p)
+    add_parallel_args(p)
+    p.add_argument("--rank", type=non_negative_int, default=None,
+                   help="with --tensor-parallel-size: the rank whose graph to show (default 0)")
     p.set_defaults(run=run_inspect, parser=p)
 
 
@@ -57,13 +60,48 @@ def add_compile(commands) -> None:
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP.replace("on cuda", "(the "
                    "kernels are for GPUs)"))
     add_quantization_args(p)
-    p.add_argument("--dump-after", metavar="PASS", help="write the graph after PASS (or after each: all)")
+    add_parallel_args(p)
+    p.add_argument("--dump-after", metavar="PASS", help="write the graph after PASS (or after each: all); with "
+                   "--tensor-parallel-size, rank 0's")
     p.add_argument("--dump-dir", type=Path, default=Path("pegainfer-dumps"),
                    help="where --dump-after writes (default ./pegainfer-dumps)")
     p.set_defaults(run=run_compile, parser=p)
 
 
 COMPILED_SHOWS = ("source", "ptx", "sass", "resources")
+
+
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
+                   help="the model sharded over this many ranks (passes/shard.py): one graph and manifest a rank")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="with --tensor-parallel-size: a MoE model's experts split whole across the ranks")
+
+
+def _parallel(args: argparse.Namespace, rank: int):
+    """Rank `rank`'s Parallelism under the flags (each checked: it applies with a size above 1)."""
+    from pegainfer.passes.shard import Parallelism
+
+    world, chosen = args.tensor_parallel_size, getattr(args, "rank", None)
+    if world == 1 and (args.enable_expert_parallel or chosen is not None):
+        args.parser.error(f"{'--rank' if chosen is not None else '--enable-expert-parallel'} applies with "
+                          f"--tensor-parallel-size above 1")
+    if chosen is not None and chosen >= world:
+        args.parser.error(f"--rank {chosen}: expected a rank below --tensor-parallel-size {world}")
+    return Parallelism(world, rank, args.enable_expert_parallel)
+
+
+def _records(args: argparse.Namespace, parallel, **load) -> list:
+    """A rank's pass records from the declared graph on, sharding among them (--show passes, --dump-after)."""
+    from pegainfer.frontends.load import load_spec, resolve_config_path
+    from pegainfer.passes.manager import run_passes
+    from pegainfer.passes.pipeline import sharded_passes
+
+    declared = load_spec(resolve_config_path(args.model), quantization=args.quantization,
+                         kv_cache_dtype=args.kv_cache_dtype, **load)
+    return run_passes(declared.graph, sharded_passes(parallel))[1]
+
+
 def add_bench(commands) -> None:
     p = commands.add_parser("bench", help="time decode steps or a prefill on the GPU, against the floor; or load a "
                             "running server (serve)")
@@ -106,8 +144,10 @@ def run_inspect(args: argparse.Namespace) -> int:
     from pegainfer.passes.pipeline import lower
 
     _check_inspect_flags(args)
-    spec = load_spec(resolve_config_path(args.model), device="cuda" if args.sm is not None else "cpu",
-                     quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+    parallel = _parallel(args, args.rank or 0)
+    device = "cuda" if args.sm is not None else "cpu"
+    spec = load_spec(resolve_config_path(args.model), device=device, quantization=args.quantization,
+                     kv_cache_dtype=args.kv_cache_dtype, parallel=parallel)
     if args.sm is not None:
         return _inspect_compiled(spec, args)
     if args.show == "graph":
@@ -115,6 +155,7 @@ def run_inspect(args: argparse.Namespace) -> int:
         return 0
     lowered, records = lower(spec.graph)
     if args.show == "passes":
+        records = _records(args, parallel, device=device) if parallel.sharded else records
         print("\n".join(record.dump() for record in records), end="")
     elif args.show == "dag":
         print(_drawing(lowered, args.format), end="")
@@ -234,23 +275,25 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def run_compile(args: argparse.Namespace) -> int:
     from pegainfer.frontends.load import load_spec, resolve_config_path
-    from pegainfer.passes.pipeline import lower
 
     if args.dump_dir != args.parser.get_default("dump_dir") and not args.dump_after:
         args.parser.error("--dump-dir applies with --dump-after: the graphs to write there")
     build = _import_build()
+    parallel = [_parallel(args, rank) for rank in range(args.tensor_parallel_size)]
     with _usage_errors(args):
         sms = build.parse_sms(args.sm) if args.sm else None
         backends = build.parse_backends(args.backends) if args.backends else None
-        _check_pass_name(args.dump_after)
-    spec = load_spec(resolve_config_path(args.model), dtype=args.dtype, device="cuda",
-                     quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
-    sms = sms or _visible_sm()
+        _check_pass_name(args.dump_after, parallel[0])
+    specs = [load_spec(resolve_config_path(args.model), dtype=args.dtype, device="cuda",
+                       quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, parallel=p)
+             for p in parallel]
+    spec, sms = specs[0], sms or _visible_sm()
     if args.dump_after:
-        written = _write_dumps(lower(spec.graph)[1], args.dump_dir, args.dump_after)
+        written = _write_dumps(_records(args, parallel[0], dtype=args.dtype, device="cuda"), args.dump_dir,
+                               args.dump_after)
         print(f"pegainfer: wrote {len(written)} dumps to {args.dump_dir}", file=sys.stderr)
     _writable_cache(args.cache_dir)
-    report = build.build_model(spec, sms, jobs=args.jobs, cache_dir=args.cache_dir, backends=backends)
+    report = build.build_models(specs, sms, jobs=args.jobs, cache_dir=args.cache_dir, backends=backends)
     print(f"pegainfer: {spec.architecture} ({spec.config_path}): {report.summary()}", file=sys.stderr)
     for path in report.manifests:
         print(f"pegainfer: manifest {path}", file=sys.stderr)
@@ -295,10 +338,10 @@ def _visible_sm() -> list[int]:
     return [sm]
 
 
-def _check_pass_name(name: str | None) -> None:
-    from pegainfer.passes.pipeline import DEFAULT_PASSES
+def _check_pass_name(name: str | None, parallel) -> None:
+    from pegainfer.passes.pipeline import sharded_passes
 
-    names = [p.name for p in DEFAULT_PASSES]
+    names = [p.name for p in sharded_passes(parallel)]
     if name is not None and name != "all" and name not in names:
         raise PegainferError(f"--dump-after {name}: no such pass; passes: all, {', '.join(names)}")
 

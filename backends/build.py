@@ -1,7 +1,8 @@
 """`pegainfer compile`: lower a model, plan every kernel's candidates (Triton for every kernel; TileLang and CuTe
 DSL where they are installed and have one), compile each launch for each SM it supports in parallel processes
 (or take it from the cache), choose one variant per slot (tuning data, else the SM's default: select.py), and
-write one manifest per SM that the runtime reads without any compiler."""
+write one manifest per SM that the runtime reads without any compiler; for a sharded model one per rank and SM,
+the ranks compiled together (a launch they share is one cubin)."""
 
 import multiprocessing
 import os
@@ -44,13 +45,16 @@ class BuildReport:
     manifests: list[Path] = field(default_factory=list)
     backends: dict[str, str] = field(default_factory=dict)  # used backend -> version
     skipped: dict[str, str] = field(default_factory=dict)  # backend left out -> why
+    ranks: int = 1  # the ranks of a sharded model built together (kernels and launches are a rank's)
 
     def summary(self) -> str:
         skipped = "".join(f"; {name} left out: {why}" for name, why in self.skipped.items())
-        return (f"{self.kernels} kernels, {self.launches} launches per SM over their candidates, "
+        per = " a rank" if self.ranks > 1 else ""
+        ranks = f"; {len(self.manifests)} rank manifests ({self.ranks} ranks)" if self.ranks > 1 else ""
+        return (f"{self.kernels} kernels{per}, {self.launches} launches per SM over their candidates, "
                 f"{self.built + self.hits} distinct cubins for sm_{', sm_'.join(map(str, self.sms))}: "
                 f"{self.built} compiled, {self.hits} cache hits, in {self.seconds:.1f} s "
-                f"({', '.join(self.backends)}){skipped}; cache {self.cache}")
+                f"({', '.join(self.backends)}){skipped}{ranks}; cache {self.cache}")
 
 
 @dataclass
@@ -124,45 +128,60 @@ def plan_model(spec: ModelSpec, options: PlanOptions, backends: tuple[str, ...] 
 def build_model(spec: ModelSpec, sms: list[int], *, jobs: int = 1, cache_dir: Path | None = None,
                 options: PlanOptions = PlanOptions(), quiet: bool = False,
                 backends: list[str] | None = None) -> BuildReport:
+    return build_models([spec], sms, jobs=jobs, cache_dir=cache_dir, options=options, quiet=quiet, backends=backends)
+
+
+def build_models(specs: list[ModelSpec], sms: list[int], *, jobs: int = 1, cache_dir: Path | None = None,
+                 options: PlanOptions = PlanOptions(), quiet: bool = False,
+                 backends: list[str] | None = None) -> BuildReport:
+    """Compiles the models together (the ranks of a sharded model: each launch the cache lacks once, whichever
+    ranks share it) and writes a manifest per model and SM, in order: the report's `manifests`."""
     started = time.perf_counter()
-    refuse_fp8_below(spec.graph, sms)
+    for spec in specs:
+        refuse_fp8_below(spec.graph, sms)
     versions, skipped = available_backends(backends)
-    lowered, kernels = plan_model(spec, options, tuple(versions))
+    planned = [plan_model(spec, options, tuple(versions)) for spec in specs]
     root = cache_root(cache_dir)
     # Triton keeps a cache of its own; keep it inside ours, so that clearing ours means compiling from scratch.
     os.environ["TRITON_CACHE_DIR"] = str(root / ".triton")
-    compiled, todo = _look_up(lowered, kernels, sms, root, versions)
+    compiled, todo = Compiled(), {}
+    for lowered, kernels in planned:
+        _look_up(lowered, kernels, sms, root, versions, compiled, todo)
+    kernels = planned[0][1]
     launches = sum(len(v.launches) for k in kernels for v in _supported(k, sms[0]))
-    report = BuildReport(sms, len(kernels), launches, cache=root, backends=versions, skipped=skipped)
+    report = BuildReport(sms, len(kernels), launches, cache=root, backends=versions, skipped=skipped,
+                         ranks=len(specs))
     report.hits = len(compiled.entries)
     progress = None if quiet or not todo else Progress("compiling", len(todo))
     for (sm, key), native in compile_many(todo, jobs, progress):
         files, meta = _entry_files_and_meta(native, todo[(sm, key)])
         compiled.entries[(sm, key)] = write_entry(sm_folder(root, sm), key, native.cubin, files, meta)
     report.built = len(todo)
-    for sm in sms:
-        report.manifests.append(_write_manifest(spec, sm, root, kernels, compiled, versions, options, lowered))
+    for spec, (lowered, kernels) in zip(specs, planned):
+        for sm in sms:
+            report.manifests.append(_write_manifest(spec, sm, root, kernels, compiled, versions, options, lowered))
     report.seconds = time.perf_counter() - started
     return report
 
 
-def _look_up(lowered: Graph, kernels: list[KernelSpec], sms: list[int], root: Path, versions: dict[str, str]
-             ) -> tuple[Compiled, dict[tuple[int, str], LaunchSpec]]:
-    """Every launch's cache key per SM, the entries the cache holds, and the launches left to compile."""
+def _look_up(lowered: Graph, kernels: list[KernelSpec], sms: list[int], root: Path, versions: dict[str, str],
+             compiled: Compiled, todo: dict[tuple[int, str], LaunchSpec]) -> None:
+    """Records every launch's cache key per SM and the entries the cache holds in `compiled`, and the launches left
+    to compile in `todo` (once per key)."""
     ir_text = {(g.name, n.name): _kernel_ir(n) for g in lowered.all_graphs() for n in g.nodes if n.op == KERNEL}
-    compiled, todo = Compiled(), {}
     for sm in sms:
         for kernel in kernels:
             for launch in (launch for variant in _supported(kernel, sm) for launch in variant.launches):
                 key = launch_key(ir_text[(kernel.graph, kernel.node)], launch, sm, launch.backend,
                                  versions[launch.backend])
                 compiled.keys[(sm, id(launch))] = key
+                if (sm, key) in compiled.entries or (sm, key) in todo:
+                    continue
                 cached = read_entry(sm_folder(root, sm), key)
                 if cached is not None:
                     compiled.entries[(sm, key)] = cached
-                elif (sm, key) not in compiled.entries:
+                else:
                     todo[(sm, key)] = launch
-    return compiled, todo
 
 
 def _supported(kernel: KernelSpec, sm: int) -> list[VariantSpec]:

@@ -34,16 +34,37 @@ def sm_folder(root: Path, sm: int) -> Path:
 
 
 def model_id(spec: Any) -> str:
-    """Names a model by its parsed config, so the same model saved by another transformers version matches, and by
-    its FP8 weights and KV cache where it has them (which, and their scale blocks: the kernels differ)."""
+    """Names a model by its parsed config, so the same model saved by another transformers version matches, by
+    its FP8 weights and KV cache where it has them (which, and their scale blocks: the kernels differ), and for one
+    rank of a sharded model by that rank's slices of the checkpoint, named `-tp<world>-rank<rank>` (a manifest of
+    one layout never loads for another)."""
     named: dict = asdict(spec.config)
     fp8 = sorted({(n.inputs[1], *n.attrs["block"]) for g in spec.graph.all_graphs() for n in g.nodes
                   if n.op == "dequantize"})
     fp8_kv = has_fp8_cache(spec.graph)
-    if fp8 or fp8_kv:
-        named = {"config": named, "fp8": fp8, **({"kv_cache": "fp8"} if fp8_kv else {})}
+    shards = sorted((name, s.axis, s.start, s.stop, s.pad) for name, s in spec.graph.checkpoint_shards().items())
+    if fp8 or fp8_kv or shards:
+        named = {"config": named, "fp8": fp8, **({"kv_cache": "fp8"} if fp8_kv else {}),
+                 **({"shards": shards} if shards else {})}
     digest = hashlib.sha256(json.dumps(named, sort_keys=True).encode()).hexdigest()[:12]
-    return f"{spec.architecture}-{digest}"
+    layout = parallel_layout(spec.graph)
+    suffix = "" if layout is None else f"-tp{layout[0]}" + (f"-rank{layout[1]}" if layout[1] is not None else "")
+    return f"{spec.architecture}-{digest}{suffix}"
+
+
+def parallel_layout(graph: Any) -> tuple[int, int | None] | None:
+    """(world, rank) of one rank's graph (passes/shard.py), None for a graph on one device: the world from its
+    collectives, the rank from a checkpoint tensor split into `world` equal parts (rank r holds the r-th); rank
+    None where no tensor is (the slices' digest in model_id tells ranks apart anyway)."""
+    worlds = {n.attrs["world"] for g in graph.all_graphs() for n in g.nodes if "world" in n.attrs}
+    if not worlds:
+        return None
+    world = max(worlds)
+    for _, shard in sorted(graph.checkpoint_shards().items()):
+        size = shard.stop - shard.start
+        if size and not shard.pad and size * world == shard.full.shape[shard.axis] and shard.start % size == 0:
+            return world, shard.start // size
+    return world, None
 
 
 def manifest_path(root: Path, sm: int, spec: Any) -> Path:
