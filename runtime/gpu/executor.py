@@ -17,8 +17,10 @@ from pegainfer.ir.graph import KERNEL, REPEAT, Graph, instantiate
 from pegainfer.ir.kernel import in_place_outputs
 from pegainfer.ir.step import SLOT_POOL, launch_sizes, mask_words
 from pegainfer.ir.types import TensorType
+from pegainfer.passes.kernels import is_collective
 from pegainfer.runtime.cuda import driver
 from pegainfer.runtime.gpu.abi import DeviceTensor
+from pegainfer.runtime.gpu.collectives import Collectives, Communicator, check_collectives
 from pegainfer.runtime.gpu.launch import launch_kernel, load_function, programmatic
 from pegainfer.runtime.gpu.memory import ALIGN, Arena, aligned
 from pegainfer.runtime.gpu.planes import DeferredSums
@@ -27,7 +29,7 @@ from pegainfer.runtime.gpu.upload import params_bytes, upload_weights
 # Programmatic dependent launch (kernels compiled for sm_90 and later) for steps of at most this many tokens: the
 # decode tiles were chosen launched so (docs/BENCHMARKS.md); larger steps launch every kernel plainly.
 PDL_MAX_TOKENS = 16
-TAIL_KIND = "lm_head_tail"  # the kernel that draws the tokens (passes/fusion.py's plan_sampler_tail)
+TAIL_KINDS = ("lm_head_tail", "sampler_tail")  # the kernel that draws the tokens (fusion.py's plan_sampler_tail)
 PENALTY_ENTRIES = 65536  # a step's penalty entries on the device: 1 MB of ids and terms
 
 
@@ -51,9 +53,11 @@ class Limits:
 
 class GpuExecutor:
     def __init__(self, ctx: driver.Context, graph: Graph, manifest_path: Path, weights: Mapping[str, np.ndarray],
-                 limits: Limits) -> None:
+                 limits: Limits, communicator: Communicator | None = None) -> None:
         """`weights` holds the checkpoint's tensors (read lazily is best); derived params are assembled on the
-        device from their sources, one host tensor at a time."""
+        device from their sources, one host tensor at a time. A rank's graph of a sharded model runs its
+        collective nodes through `communicator` (runtime/gpu/nccl.py)."""
+        check_collectives(graph, communicator)
         logits = graph.value_types()[graph.outputs[0]]
         self.ctx, self.graph, self.limits = ctx, graph, replace(limits, mask_words=mask_words(logits.shape[-1]))
         manifest = load(manifest_path)
@@ -74,6 +78,7 @@ class GpuExecutor:
         self.weights = upload_weights(graph, weights, ctx.stream, arena)
         sizes = self.limits.sizes()
         self.buffers, self.scratch, self.planes = self._allocate_activations(sizes)
+        self.collectives = Collectives(graph, communicator, sizes, ctx.stream)
         self.sums = DeferredSums()
         for tensors in self.scratch.values():  # split GEMMs count on zeroed partial sums and tickets
             for t in tensors.values():
@@ -238,7 +243,7 @@ class GpuExecutor:
                     carried = self._run(body, body_env, sizes, index)
                 env.update(zip(node.outputs, carried))
             elif node.op == KERNEL:
-                if node.attrs["kind"] == TAIL_KIND and self._before_tail is not None:
+                if node.attrs["kind"] in TAIL_KINDS and self._before_tail is not None:
                     self._before_tail()
                 key = (g.name, node.name)
                 in_place = self.in_place[key]
@@ -246,6 +251,8 @@ class GpuExecutor:
                     env[out] = env[in_place[out]] if out in in_place else self._buffer(g, out, types[out], sizes, layer)
                 self.sums.written([env[out] for out in node.outputs if out not in in_place])
                 self._launch(key, env | self._scratch(g.name, node.name, layer), sizes)
+            elif is_collective(node):
+                self._collective(g, node, env, sizes, layer)
             elif node.op == "reshape":
                 source = env[node.inputs[0]]
                 env[node.outputs[0]] = source.reshape(types[node.outputs[0]].concrete(sizes))
@@ -257,6 +264,23 @@ class GpuExecutor:
             else:
                 raise AssertionError(f"node %{node.name} ({node.op}) is neither a kernel nor a view")
         return [env[name] for name in g.outputs]
+
+    def _collective(self, g: Graph, node, env: dict[str, DeviceTensor], sizes: dict[str, int],
+                    layer: int | None) -> None:
+        """NCCL's call for the node, on the stream after every launch so far; a deferred sum of its input (a split
+        GEMM's planes) run first."""
+        source = env[node.inputs[0]]
+        out = env[node.outputs[0]] = self._buffer(g, node.outputs[0], node.output_types[0], sizes, layer)
+        for run in self.sums.before_reading([source]):
+            self._run_launch(*run)
+        self.sums.written([out])
+        if self.profile is not None:
+            events = (driver.Event(), driver.Event())
+            events[0].record(self.ctx.stream)
+        self.collectives.run(g.name, node, source, out)
+        if self.profile is not None:
+            events[1].record(self.ctx.stream)
+            self.profile.append((f"{node.op}/nccl", *events))
 
     def _buffer(self, g: Graph, value: str, type_: TensorType, sizes: dict[str, int],
                 layer: int | None) -> DeviceTensor:
@@ -312,13 +336,18 @@ class GpuExecutor:
         return read
 
     def fetch(self, tensor: DeviceTensor) -> np.ndarray:
-        host = np.empty(tensor.shape, dtype=tensor.dtype.np_dtype)
-        assert tensor.row_stride == prod(tensor.shape[1:]), "fetch reads contiguous tensors"
+        """A tensor's values; a view of rows narrower than their stride (the logits a split cut from the gathered
+        vocabulary's padding) read row span by row span and cut."""
+        rows, width = (tensor.shape[0], prod(tensor.shape[1:])) if tensor.shape else (1, 1)
+        span = (rows - 1) * tensor.row_stride + width if rows else 0
+        host = np.empty(span, dtype=tensor.dtype.np_dtype)
         # the step first, without the GIL: a copy into pageable memory waits for the stream holding it
         self.ctx.synchronize()
         driver.copy_to_host(host, tensor.ptr, self.ctx.stream)
         self.ctx.synchronize()
-        return host
+        itemsize = host.itemsize
+        rows_view = np.lib.stride_tricks.as_strided(host, (rows, width), (tensor.row_stride * itemsize, itemsize))
+        return rows_view.reshape(tensor.shape).copy()
 
 
 def _own_planes(kernel: Kernel) -> set[str]:

@@ -2,7 +2,8 @@
 such an output through a PLANES parameter gets the planes and adds them itself (the norm launch after o_proj and
 down); any other launch reading its memory gets it summed first (the deferred `sum_planes` launch runs then). A
 pending output whose memory a kernel writes is dead (the memory plan reuses only dead buffers) and is dropped;
-planes a GEMM is about to overwrite get their pending sum run before it. Pure Python, tested on the CPU; the
+planes a GEMM is about to overwrite get their pending sum run before it; a collective's input is summed before
+NCCL reads it. Pure Python, tested on the CPU; the
 executor runs what `schedule` and `flush` return, in order."""
 
 from collections.abc import Sequence
@@ -117,6 +118,13 @@ class DeferredSums:
                 run += [p for p in self.pending if overlaps(p.output, env[param.value]) and p not in run]
         self._drop(run)
         return bound, run
+
+    def before_reading(self, tensors: list[DeviceTensor]) -> list[Run]:
+        """Something other than a launch (an NCCL collective) reads these: the pending sums of their memory, to
+        run first."""
+        runs = [p for p in self.pending if any(overlaps(p.output, t) for t in tensors)]
+        self._drop(runs)
+        return [p.run() for p in runs]
 
     def written(self, tensors: list[DeviceTensor]) -> None:
         """A kernel writes these: pending outputs in their memory are dead."""
