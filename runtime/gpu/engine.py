@@ -1,5 +1,7 @@
 """The GPU engine: the same step interface as the reference engine (chunks in, logits out), on the GPU, with
-decode steps replayed from CUDA graphs captured per batch bucket."""
+decode steps replayed from CUDA graphs captured per batch bucket. For a sharded model one engine runs each rank
+(runtime/gpu/nccl.py joins them): the driver's engine tells `on_step` each step it is about to launch, and every
+other rank's engine `execute`s that same step, so that all issue the same NCCL calls in the same order."""
 
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,8 +19,10 @@ from pegainfer.runtime.constraint import TokenConstraint
 from pegainfer.runtime.device_sampling import (SampleResult, device_masks, finish, greedy_inputs, mask_inputs,
                                                penalty_inputs, sampling_inputs, wants_top_logprobs)
 from pegainfer.runtime.cuda import driver
+from pegainfer.runtime.gpu.collectives import Communicator
 from pegainfer.runtime.gpu.executor import PDL_MAX_TOKENS, GpuExecutor, Limits
 from pegainfer.runtime.gpu.memory import kv_blocks_for_memory
+from pegainfer.runtime.gpu.nccl import NcclCommunicator, Rendezvous
 from pegainfer.runtime.kv_blocks import BlockAllocator
 from pegainfer.runtime.sampler import SamplingParams
 
@@ -46,22 +50,41 @@ class EngineOptions:
     cuda_graphs: bool = True
     pdl_max_tokens: int = PDL_MAX_TOKENS  # programmatic dependent launch for steps of at most this many tokens
     state_snapshots: int | None = None  # recurrent state rows kept for the prefix cache; None: max_batch
+    device: int = 0  # the CUDA device's ordinal (a rank's GPU)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """How a step is launched, which every rank of a sharded model must repeat: eagerly (bucket None) or as the
+    CUDA graph of a decode bucket (the step padded to it), its sampler tail captured apart (`split`) or not."""
+    bucket: int | None
+    split: bool = False
+
+
+StepHook = Callable[[dict[str, np.ndarray], StepPlan], None]  # a step's packed inputs and plan, before its launch
 
 
 class GpuEngine:
-    def __init__(self, model: LoadedModel, manifest: Path, options: EngineOptions = EngineOptions()) -> None:
-        self.model, self.options = model, options
-        self.ctx = driver.Context.create()
+    def __init__(self, model: LoadedModel, manifest: Path, options: EngineOptions = EngineOptions(),
+                 communicator: Communicator | Rendezvous | None = None, on_step: StepHook | None = None) -> None:
+        """One rank of a sharded model takes a communicator, or the Rendezvous to make one (with this engine's
+        context current, before the KV cache takes the memory left); `on_step` hears of every step first."""
+        self.model, self.options, self.on_step = model, options, on_step
+        self.ctx = driver.Context.create(options.device)
+        if isinstance(communicator, Rendezvous):
+            communicator = NcclCommunicator(communicator, self.ctx.stream)
+        self.communicator = communicator
         lowered, _ = lower(model.spec.graph)
         limits = Limits(options.max_tokens, options.max_batch, -(-options.max_model_len // options.block_size),
                         0, options.block_size)
-        self.executor = GpuExecutor(self.ctx, lowered, manifest, model.weights, limits)
+        self.executor = GpuExecutor(self.ctx, lowered, manifest, model.weights, limits, communicator)
         slots = options.max_batch + PADDING_SLOT + 1 if has_recurrent_state(lowered) else 0  # one per sequence
         snapshots = options.max_batch if options.state_snapshots is None else options.state_snapshots
         if slots:
             self.executor.allocate_state_pools(slots + snapshots)
         num_blocks = self._kv_blocks()
         self.executor.allocate_kv(num_blocks)
+        self._slots = (slots, snapshots)
         self.allocator = BlockAllocator(num_blocks, options.block_size, reserved=PADDING_BLOCK + 1,
                                         state_slots=slots, snapshot_slots=snapshots)
         self.executor.pdl_max_tokens = options.pdl_max_tokens
@@ -79,6 +102,20 @@ class GpuEngine:
             return -(-options.kv_tokens // options.block_size) + PADDING_BLOCK + 1
         free, total = driver.device_memory()
         return kv_blocks_for_memory(options.gpu_memory_utilization, self.executor.kv_bytes_per_block(), free, total)
+
+    @property
+    def kv_blocks(self) -> int:
+        """The KV pool's blocks, the padding block included (what limit_kv_blocks takes)."""
+        return self.executor.limits.num_blocks
+
+    def limit_kv_blocks(self, num_blocks: int) -> None:
+        """Hands out only the first `num_blocks` blocks (a sharded model's ranks agree on the fewest any of them
+        holds, so a block table is valid on all); before the first step."""
+        if not PADDING_BLOCK + 1 < num_blocks <= self.kv_blocks:
+            raise PegainferError(f"limit_kv_blocks({num_blocks}): expected 2 .. {self.kv_blocks} blocks (this "
+                                 f"engine's pool, the padding block included)")
+        self.allocator = BlockAllocator(num_blocks, self.options.block_size, reserved=PADDING_BLOCK + 1,
+                                        state_slots=self._slots[0], snapshot_slots=self._slots[1])
 
     def step(self, chunks: list[Chunk], *, all_logits: bool = False) -> np.ndarray:
         """Runs one step and returns float32 logits, one row per chunk (or per token with all_logits)."""
@@ -129,14 +166,27 @@ class GpuEngine:
             {TOKEN_BITMASK: self.no_masks}
         if decode:
             step = pad_decode_step(step, bucket_for(len(chunks), self.buckets))
+        plan = StepPlan(len(step["query_lens"]) if decode else None, fill_late is not None)
         rows = len(step["logits_indices"])
         before_tail = None if fill_late is None else (lambda: self.executor.upload_inputs(fill_late(rows)))
-        if decode:
-            outputs = self._replay(step, before_tail)
-        else:
-            outputs = self.executor.run(self.executor.upload_step(step), before_tail)
+        if self.on_step is not None:
+            self.on_step(step, plan)
+        outputs = self._launch(step, plan, before_tail)
         commit_step(chunks)
         return outputs
+
+    def execute(self, step: dict[str, np.ndarray], plan: StepPlan) -> dict:
+        """Runs the step another rank's engine packed and planned (its on_step's arguments) exactly as that one
+        does: the same graph or eager launches, so the same NCCL calls in the same order; nothing is drawn or
+        downloaded (the driver's rank does that). Waits for this rank's previous step first, whose upload the
+        staging memory still holds."""
+        self.ctx.synchronize()
+        return self._launch(step, plan, (lambda: None) if plan.split else None)
+
+    def _launch(self, step: dict[str, np.ndarray], plan: StepPlan, before_tail: Callable[[], None] | None) -> dict:
+        if plan.bucket is not None:
+            return self._replay(step, before_tail)
+        return self.executor.run(self.executor.upload_step(step), before_tail)
 
     def _replay(self, step: dict[str, np.ndarray], before_tail: Callable[[], None] | None) -> dict:
         """The bucket's captured graph; with `before_tail`, its layers and its sampler tail captured apart, so that

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from pegainfer.backends.cache import cache_root, manifest_path, read_manifest
+from pegainfer.backends.cache import cache_root, manifest_path, parallel_layout, read_manifest
 from pegainfer.errors import PegainferError
 from pegainfer.frontends.load import LoadedModel, ModelSpec
 from pegainfer.frontends.quantization import refuse_fp8_below
@@ -18,13 +18,16 @@ COMPILE_HINT = "or install the compile extra (pip install -e '.[compile]') and i
 
 
 def gpu_engine(model: LoadedModel, options: "engine.EngineOptions", cache_dir: Path | None = None, *,
-               compile_missing: bool = True) -> "engine.GpuEngine":
-    """The engine on the visible GPU, its kernels from `cache_dir` (cache_root's rule), compiled if missing."""
+               compile_missing: bool = True, communicator=None,
+               on_step: "engine.StepHook | None" = None) -> "engine.GpuEngine":
+    """The engine on the visible GPU, its kernels from `cache_dir` (cache_root's rule), compiled if missing; one
+    rank of a sharded model's with `communicator` (a Communicator, or the nccl.Rendezvous to make one)."""
     sm = device.visible_sm()
     if sm is None:
         raise PegainferError("the GPU engine needs a visible CUDA device (and cuda-bindings: pip install -e '.[cuda]')")
     manifest = ensure_manifest(model.spec, sm, cache_dir, label=str(model.folder), compile_missing=compile_missing)
-    return engine.GpuEngine(model, manifest, options)
+    rank = {"communicator": communicator, "on_step": on_step} if communicator or on_step else {}
+    return engine.GpuEngine(model, manifest, options, **rank)
 
 
 def ensure_manifest(spec: ModelSpec, sm: int, cache_dir: Path | None = None, *, label: str,
@@ -37,7 +40,9 @@ def ensure_manifest(spec: ModelSpec, sm: int, cache_dir: Path | None = None, *, 
     path = manifest_path(cache_root(cache_dir), sm, spec)
     if read_manifest(path) is not None:  # a corrupt one is rewritten, as `pegainfer compile` would
         return path
-    command = f"{label} --sm {sm}" + (f" --dtype {spec.dtype_override}" if spec.dtype_override else "")
+    layout = parallel_layout(spec.graph)
+    command = f"{label} --sm {sm}" + (f" --dtype {spec.dtype_override}" if spec.dtype_override else "") + \
+        (f" --tensor-parallel-size {layout[0]}" if layout else "")
     build = find_compiler() if compile_missing else None
     if build is None:
         raise engine.missing_manifest(path, command, hint=COMPILE_HINT if compile_missing else "")
