@@ -10,8 +10,8 @@ from pegainfer import __version__
 from pegainfer.errors import PegainferError
 from pegainfer.argtypes import override, positive_float, seed, token_ids
 from pegainfer.cli_kernels import CACHE_HELP, add_kernel_commands
-from pegainfer.server.cli import (DTYPE_CHOICES, DTYPE_HELP, add_parallel_args, add_quantization_args, add_serve,
-                                  add_speculative_arg)
+from pegainfer.server.cli import DTYPE_CHOICES, DTYPE_HELP, add_quantization_args, add_serve
+from pegainfer.server.engines import add_parallel_args, add_speculative_arg
 
 
 def main(argv: list[str] | None = None) -> int:

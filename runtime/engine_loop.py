@@ -11,6 +11,7 @@ import json
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TextIO
 
@@ -103,6 +104,17 @@ class EngineLoop:
             self._inbox.append(("abort", request_id))
             self._wake.notify()
 
+    def call(self, fn: Callable[[], object]) -> Future:
+        """Runs `fn` in the engine thread between steps (what changes the scheduler's or engine's state from
+        outside: loading a LoRA adapter); its result or exception comes back through the future."""
+        future: Future = Future()
+        with self._wake:
+            if self.error is not None:
+                raise self._dead()
+            self._inbox.append(("call", fn, future))
+            self._wake.notify()
+        return future
+
     def fail(self, error: BaseException) -> None:
         """Stops the loop with `error`, from any thread (a worker rank that died between steps): the requests in
         flight get it, as if a step had raised it."""
@@ -139,6 +151,9 @@ class EngineLoop:
             with self._wake:
                 self.error = error
                 pending = [item[2] for item in self._inbox if item[0] == "add"]
+                for item in self._inbox:
+                    if item[0] == "call":
+                        item[2].set_exception(self._dead())
                 self._inbox = []
             dead = self._dead()
             hand_over([(sink, dead) for sink in [*self._sinks.values(), *pending]])
@@ -177,6 +192,13 @@ class EngineLoop:
         self._trace.flush()
 
     def _apply(self, item: tuple) -> None:
+        if item[0] == "call":
+            _, fn, future = item
+            try:
+                future.set_result(fn())
+            except Exception as error:  # noqa: BLE001  the caller's to handle
+                future.set_exception(error)
+            return
         if item[0] == "abort":
             self.scheduler.abort(item[1])
             self._sinks.pop(item[1], None)

@@ -157,6 +157,10 @@ class Scheduler:
             return f"on (recurrent state kept at up to {snapshots.capacity} block boundaries)" if snapshots else "on"
         return f"off ({NO_PREFIX_CACHE_FOR_RECURRENT})" if self.config.prefix_cache else "off"
 
+    def lora_in_use(self, name: str) -> bool:
+        """Whether a running or waiting request runs with LoRA adapter `name`."""
+        return any(state.request.lora == name for state in (*self.running, *self.waiting))
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -299,11 +303,8 @@ class Scheduler:
         return count
 
     def _take_adapter(self, state: _State) -> bool:
-        """A slot of the LoRA tables holding the request's adapter (written there if needed); False while every
-        slot is held by sequences of other adapters."""
-        if state.request.lora is None:
-            return True
-        slot = self.lora.acquire(state.request.lora)
+        """A LoRA table slot holding the request's adapter; False while other adapters' sequences hold them all."""
+        slot = self.lora.acquire(state.request.lora) if state.request.lora is not None else -1
         state.seq.lora_slot = -1 if slot is None else slot
         return slot is not None
 

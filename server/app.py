@@ -30,6 +30,7 @@ from pegainfer.server.generation import Choice, Delta, run_choice
 from pegainfer.server.guard import Guard
 from pegainfer.server.metrics import Metrics
 from pegainfer.server.openapi import openapi_document
+from pegainfer.server.lora_routes import LoraService, add_lora_routes
 from pegainfer.server.prepare import Prepared, check_ids, check_model, prepare_chat, prepare_completion, render_chat
 from pegainfer.server.prompts import PromptEncoder
 from pegainfer.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, \
@@ -56,6 +57,8 @@ class ServerContext:
     auto_tool_choice: bool = False  # --enable-auto-tool-choice
     reasoning_parser: str | None = None  # --reasoning-parser
     sampling_defaults: dict[str, float] = field(default_factory=dict)  # generation_config.json's (--generation-config)
+    lora: "LoraService | None" = None  # --enable-lora: the adapters, loaded and unloaded at run time
+    lora_paths: dict[str, str] = field(default_factory=dict)  # adapter name -> its folder, as loaded
     encoder: PromptEncoder = field(init=False)
     grammars: Grammars = field(init=False)
 
@@ -79,6 +82,7 @@ def build_app(ctx: ServerContext) -> Guard:
     app.state.ctx = ctx
     add_info_routes(app, ctx)
     add_generation_routes(app, ctx)
+    add_lora_routes(app, ctx)
     app.openapi = lambda: openapi_document(app, secured=ctx.api_key is not None)
     return Guard(app, ctx)
 
@@ -103,13 +107,12 @@ def add_info_routes(app: FastAPI, ctx: ServerContext) -> None:
 
     @app.get("/v1/models", response_model=schema.ModelList, responses=schema.error_responses(401))
     async def models() -> dict:
-        return {"object": "list", "data": [model_card(ctx)]}
+        return {"object": "list", "data": [model_card(ctx), *(model_card(ctx, name) for name in ctx.lora_paths)]}
 
     @app.get("/v1/models/{model_id:path}", response_model=schema.ModelCard,
              responses=schema.error_responses(401, 404))
     async def model(model_id: str) -> dict:
-        check_model(ctx, model_id)
-        return model_card(ctx)
+        return model_card(ctx, check_model(ctx, model_id))
 
     @app.post("/tokenize", response_model=schema.Tokenized, responses=schema.error_responses(400, 401, 404, 413, 415))
     async def tokenize(body: TokenizeRequest) -> dict:
@@ -154,9 +157,11 @@ def add_generation_routes(app: FastAPI, ctx: ServerContext) -> None:
         return await respond(ctx, request, body, prepared, chat=True, echo=[""], top=top)
 
 
-def model_card(ctx: ServerContext) -> dict:
-    return {"id": ctx.model_name, "object": "model", "created": 0, "owned_by": "pegainfer", "root": ctx.model_root,
-            "max_model_len": ctx.max_model_len}
+def model_card(ctx: ServerContext, lora: str | None = None) -> dict:
+    """The base model's card, or a LoRA adapter's (its folder the root, the base its parent, as vLLM lists them)."""
+    card = {"id": lora or ctx.model_name, "object": "model", "created": 0, "owned_by": "pegainfer",
+            "root": ctx.lora_paths[lora] if lora else ctx.model_root, "max_model_len": ctx.max_model_len}
+    return card | ({"parent": ctx.model_name} if lora else {})
 
 
 # --- running it ----------------------------------------------------------------------------------------------------
@@ -170,7 +175,7 @@ async def merged(ctx: ServerContext, prepared: Prepared, prefix: str, choices: l
         prompt = prepared.prompts[index // n]
         constraint = prepared.constraint(prompt) if prepared.constraint is not None else None
         request = EngineRequest(f"{prefix}-{index}", prompt, prepared.params[index],
-                                prepared.stop_token_ids, group=prefix, constraint=constraint)
+                                prepared.stop_token_ids, group=prefix, constraint=constraint, lora=prepared.lora)
         try:
             async for delta in run_choice(ctx.engine, request, ctx.tokenizer, prepared.stops, index, ctx.metrics,
                                           choices[index]):
@@ -216,7 +221,7 @@ async def respond(ctx: ServerContext, request: Request, body: _Sampling, prepare
     if prepared.score_only:  # max_tokens 0: the prompt's logprobs alone
         for choice in choices:
             choice.text, choice.token_ids, choice.logprobs, choice.finish_reason = "", [], [], "length"
-    base = fmt.envelope(request_id, "chat.completion" if chat else "text_completion", ctx.model_name)
+    base = fmt.envelope(request_id, "chat.completion" if chat else "text_completion", prepared.lora or ctx.model_name)
     if chat:
         body_choices = [fmt.chat_choice(ctx.tokenizer, c, top, prepared.output) for c in choices]
         base |= fmt.prompt_logprobs_field(ctx.tokenizer, choices[0], prepared.prompts[0], body.prompt_logprobs)
@@ -250,7 +255,8 @@ def _raise_engine_errors(error: BaseException | None) -> None:
 async def stream_events(ctx: ServerContext, prepared: Prepared, request_id: str, choices: list[Choice], chat: bool,
                         echo: list[str], top: int | None, n: int, include_usage: bool,
                         prompt_tokens: int) -> AsyncIterator[str]:
-    base = fmt.envelope(request_id, "chat.completion.chunk" if chat else "text_completion", ctx.model_name)
+    base = fmt.envelope(request_id, "chat.completion.chunk" if chat else "text_completion",
+                        prepared.lora or ctx.model_name)
     if include_usage:
         base["usage"] = None
     if chat:

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Callable, TextIO
 
 from pegainfer import argtypes
 from pegainfer.errors import PegainferError
-from pegainfer.server.engines import CPU_KV_TOKENS, KV_BLOCK_SIZE, build_engine, engine_thread_init
+from pegainfer.server.engines import (CPU_KV_TOKENS, KV_BLOCK_SIZE, add_lora_args, add_parallel_args,
+                                      add_speculative_arg, build_engine, engine_thread_init, lora_config)
 
 if TYPE_CHECKING:  # the serving stack is imported inside the functions: `pegainfer --help` stays fast
     from pegainfer.frontends.load import LoadedModel
@@ -32,7 +33,6 @@ QUANTIZATION_CHOICES = ("fp8",)
 QUANTIZATION_HELP = ("fp8: the projections stored and read as float8 e4m3, a scale per output channel computed at "
                      "load (the embedding and LM head as stored; sm_89 or newer on cuda). Default: none, or the "
                      "checkpoint's own quantization_config")
-EXECUTOR_BACKENDS = ("mp", "ray")  # runtime/rank_workers.py's BACKENDS, spelled out as DTYPE_CHOICES is
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # frontends/kv_cache.py's, spelled out as DTYPE_CHOICES is
 KV_CACHE_DTYPE_HELP = ("auto (default): the KV cache in the model's dtype; fp8 (or fp8_e4m3): float8 e4m3, half the "
                        "bytes, with a scale per layer for keys and values (the checkpoint's k_scale / v_scale, else "
@@ -45,27 +45,6 @@ DTYPE_HELP = ("weights and activations: auto (default) is config.json's torch_dt
 def add_quantization_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default=None, help=QUANTIZATION_HELP)
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=KV_CACHE_DTYPE_HELP)
-
-
-def add_speculative_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help='speculative decoding, as vLLM spells it: {"method": "ngram" or "draft_model", '
-                        '"num_speculative_tokens": K, "model": DRAFT_FOLDER (draft_model), "prompt_lookup_min", '
-                        '"prompt_lookup_max" (ngram), "disable_by_batch_size"}; greedy and seeded output is the '
-                        'same as without it')
-
-
-def add_parallel_args(p: argparse.ArgumentParser, executor: bool = True) -> None:
-    """vLLM's flags for a model sharded over several devices (passes/shard.py)."""
-    p.add_argument("--tensor-parallel-size", "-tp", type=argtypes.positive_int, default=1,
-                   help="ranks the model is sharded over, one process (and GPU) each (default 1)")
-    p.add_argument("--enable-expert-parallel", action="store_true",
-                   help="with --tensor-parallel-size: a MoE model's experts split whole across the ranks instead of "
-                        "each expert split inside")
-    if executor:
-        p.add_argument("--distributed-executor-backend", choices=EXECUTOR_BACKENDS, default="mp",
-                       help="how the ranks past the first start: mp, processes of this machine (default); ray, "
-                            "actors placed across the Ray cluster (`ray start`; RAY_ADDRESS, else a local one)")
 
 
 def add_serve(commands) -> None:
@@ -106,6 +85,7 @@ def add_serve(commands) -> None:
     add_quantization_args(p)
     add_parallel_args(p)
     add_speculative_arg(p)
+    add_lora_args(p)
     p.add_argument("--cache-dir", type=Path, default=None,
                    help="cubin cache (see pegainfer compile); kernels missing there are compiled at start when "
                         "the compile extra is installed")
@@ -242,7 +222,8 @@ def start_serving(args: argparse.Namespace, trace: TextIO | None, listener: sock
 
         speculator = make_speculator(speculative, model, device, allocator.num_blocks * allocator.block_size,
                                      args.max_num_seqs, args.dtype, engine)
-    scheduler = Scheduler(engine, tokenizer.eos_token_ids, config, speculator)
+    lora_slots, lora, lora_paths = serve_adapters(args, engine)
+    scheduler = Scheduler(engine, tokenizer.eos_token_ids, config, speculator, lora_slots)
     loop = EngineLoop(scheduler, engine_thread_init(engine), trace).start()
     ranks_note = ""
     if hasattr(engine, "watch"):  # a sharded engine: a worker rank's death fails the loop even between steps
@@ -258,10 +239,13 @@ def start_serving(args: argparse.Namespace, trace: TextIO | None, listener: sock
                         max_model_len, model.spec.config.vocab_size, metrics, args.api_key,
                         args.max_request_bytes, args.max_seqs_per_request, args.tool_call_parser,
                         args.enable_auto_tool_choice, args.reasoning_parser,
-                        sampling_defaults(checkpoint.folder) if args.generation_config == "auto" else {})
+                        sampling_defaults(checkpoint.folder) if args.generation_config == "auto" else {},
+                        lora, lora_paths)
 
     spec_note = "" if speculative is None else \
         f"; speculative decoding: {speculative.method}, {speculative.num_speculative_tokens} tokens"
+    if lora is not None:
+        spec_note += f"; LoRA adapters {', '.join(lora_paths) or '(none yet)'} in {args.max_loras} slots"
 
     def ready_line() -> str:
         ctx.metrics.startup_seconds = process_age()
@@ -273,6 +257,22 @@ def start_serving(args: argparse.Namespace, trace: TextIO | None, listener: sock
                 f"{scheduler.prefix_cache_status()}{spec_note}); ready {ctx.metrics.startup_seconds:.2f} s after start "
                 f"({', '.join(f'{k} {v:.2f} s' for k, v in phases.items())})")
     return loop, ctx, ready_line
+
+
+def serve_adapters(args: argparse.Namespace, engine) -> tuple:
+    """--enable-lora's slots over the engine's tables with --lora-modules registered, the routes' service, and
+    name -> folder of those served; (None, None, {}) without it."""
+    config = lora_config(args)
+    if config is None:
+        return None, None, {}
+    from pegainfer.frontends.lora import read_adapter
+    from pegainfer.runtime.lora import LoraSlots
+    from pegainfer.server.lora_routes import LoraService
+
+    slots = LoraSlots(engine.graph, config, engine.write_lora)
+    for name, path in args.lora_modules:
+        slots.register(read_adapter(name, path, engine.graph, config))
+    return slots, LoraService(engine.graph, config), {name: str(path) for name, path in args.lora_modules}
 
 
 def serve_http(ctx: "ServerContext", listener: socket.socket, log_level: str, ready_line: Callable[[], str]) -> None:

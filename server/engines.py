@@ -2,25 +2,91 @@
 the CPU, the compiled kernels on the GPU, or rank 0 of a model sharded over processes."""
 
 import argparse
+from pathlib import Path
 from typing import TYPE_CHECKING
+
+from pegainfer import argtypes
+from pegainfer.errors import PegainferError
 
 if TYPE_CHECKING:
     from pegainfer.frontends.load import LoadedModel
+    from pegainfer.frontends.lora import LoraConfig
 
+EXECUTOR_BACKENDS = ("mp", "ray")  # runtime/rank_workers.py's BACKENDS, spelled out as DTYPE_CHOICES is
 CPU_KV_TOKENS = 65536  # the reference engine's default pool: NumPy arrays, sized for trying the API
 KV_BLOCK_SIZE = 16  # tokens a KV block holds, on either engine
 
 
+def add_speculative_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, as vLLM spells it: {"method": "ngram" or "draft_model", '
+                        '"num_speculative_tokens": K, "model": DRAFT_FOLDER (draft_model), "prompt_lookup_min", '
+                        '"prompt_lookup_max" (ngram), "disable_by_batch_size"}; greedy and seeded output is the '
+                        'same as without it')
+
+
+def add_parallel_args(p: argparse.ArgumentParser, executor: bool = True) -> None:
+    """vLLM's flags for a model sharded over several devices (passes/shard.py)."""
+    p.add_argument("--tensor-parallel-size", "-tp", type=argtypes.positive_int, default=1,
+                   help="ranks the model is sharded over, one process (and GPU) each (default 1)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="with --tensor-parallel-size: a MoE model's experts split whole across the ranks instead of "
+                        "each expert split inside")
+    if executor:
+        p.add_argument("--distributed-executor-backend", choices=EXECUTOR_BACKENDS, default="mp",
+                       help="how the ranks past the first start: mp, processes of this machine (default); ray, "
+                            "actors placed across the Ray cluster (`ray start`; RAY_ADDRESS, else a local one)")
+
+
+def add_lora_args(p: argparse.ArgumentParser) -> None:
+    """vLLM's LoRA flags."""
+    p.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters beside the base model: a request's model names one (its rows run with "
+                        "it, batched with others'); POST /v1/load_lora_adapter and /v1/unload_lora_adapter at run "
+                        "time")
+    p.add_argument("--lora-modules", nargs="+", type=lora_module, default=[], metavar="NAME=PATH",
+                   help="PEFT adapter folders served at start, each under its name (needs --enable-lora)")
+    p.add_argument("--max-loras", type=argtypes.positive_int, default=1,
+                   help="adapters held in the engine's tables at once; more are swapped in as requests need them "
+                        "(default 1)")
+    p.add_argument("--max-lora-rank", type=argtypes.positive_int, default=16,
+                   help="the highest adapter rank served; higher ones are refused (default 16)")
+
+
+def lora_module(text: str) -> tuple[str, Path]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, found {text!r}")
+    return name, Path(path)
+
+
+def lora_config(args: argparse.Namespace) -> "LoraConfig | None":
+    """The LoRA tables' sizes where --enable-lora asks for them; --lora-modules without it refused."""
+    if args.lora_modules and not args.enable_lora:
+        raise PegainferError("--lora-modules needs --enable-lora")
+    if not args.enable_lora:
+        return None
+    from pegainfer.frontends.lora import LoraConfig
+
+    return LoraConfig(args.max_loras, args.max_lora_rank)
+
+
 def build_engine(model: "LoadedModel", device: str, args: argparse.Namespace, max_model_len: int, step_tokens: int):
     """The reference engine on the CPU; on the GPU, the compiled kernels (compiled first if missing)."""
+    lora = lora_config(args)
+    if lora is not None and (device != "cpu" or args.tensor_parallel_size > 1):
+        raise PegainferError("--enable-lora runs on the CPU engine of one rank for now: the GPU's LoRA kernels and "
+                             "sharded adapter tables are not wired yet (use --device cpu, --tensor-parallel-size 1)")
     if args.tensor_parallel_size > 1:
         return build_sharded_engine(model, device, args, max_model_len)
     if device == "cpu":
+        from pegainfer.frontends.lora import with_lora
         from pegainfer.runtime.reference_engine import ReferenceEngine
 
         tokens = args.kv_cache_tokens or min(CPU_KV_TOKENS, args.max_num_seqs * max_model_len)
         return ReferenceEngine(model, max_tokens=tokens, block_size=KV_BLOCK_SIZE, max_seqs=args.max_num_seqs,
-                               state_snapshots=state_snapshots(args), spare_states=spare_states(args))
+                               state_snapshots=state_snapshots(args), spare_states=spare_states(args),
+                               graph=with_lora(model.spec.graph, lora) if lora else None)
     from pegainfer.runtime.gpu.engine import EngineOptions
     from pegainfer.runtime.gpu.start import gpu_engine
 

@@ -33,14 +33,19 @@ class Prepared:
     constraint: Callable[[list[int]], TokenConstraint] | None = None
     output: ChatOutput = ChatOutput()  # how a chat choice's text becomes its message
     score_only: bool = False  # max_tokens 0 with echo: the one token drawn is not answered
+    lora: str | None = None  # the LoRA adapter the request's model names
 
 
 # --- preparing a request -----------------------------------------------------------------------------------------
 
-def check_model(ctx: "ServerContext", model: str | None) -> None:
-    if model is not None and model != ctx.model_name:
-        raise ApiError(404, f"The model `{model}` does not exist; this server serves `{ctx.model_name}`",
-                       "model", "model_not_found")
+def check_model(ctx: "ServerContext", model: str | None) -> str | None:
+    """The LoRA adapter a request's `model` names (None: the base model); 404 for a name the server lacks."""
+    if model is None or model == ctx.model_name:
+        return None
+    if model in ctx.lora_paths:
+        return model
+    raise ApiError(404, f"The model `{model}` does not exist; this server serves `{ctx.model_name}`"
+                        f"{''.join(f', `{name}`' for name in ctx.lora_paths)}", "model", "model_not_found")
 
 
 def check_ids(ctx: "ServerContext", ids: list[int], param: str) -> None:
@@ -50,8 +55,9 @@ def check_ids(ctx: "ServerContext", ids: list[int], param: str) -> None:
                        param)
 
 
-def check_common(ctx: "ServerContext", body: _Sampling, prompts: int) -> None:
-    check_model(ctx, body.model)
+def check_common(ctx: "ServerContext", body: _Sampling, prompts: int) -> str | None:
+    """The request's checks every route shares; returns the LoRA adapter its model names, if any."""
+    lora = check_model(ctx, body.model)
     name = unused_field_set(body)
     if name is not None:
         raise ApiError(400, f"{name} is not supported by pegainfer yet: leave it out (set to "
@@ -68,6 +74,7 @@ def check_common(ctx: "ServerContext", body: _Sampling, prompts: int) -> None:
                             f"this server takes at most {ctx.max_seqs_per_request} per request "
                             f"(--max-seqs-per-request): split it", "n" if body.n > 1 else "prompt")
     check_ids(ctx, body.stop_token_ids or [], "stop_token_ids")
+    return lora
 
 
 def resolve_max_tokens(ctx: "ServerContext", prompt_len: int, requested: int | None, param: str,
@@ -120,7 +127,7 @@ async def prepare_completion(ctx: "ServerContext", body: CompletionRequest) -> P
     prompt = body.prompt
     texts = [prompt] if isinstance(prompt, str) else prompt if isinstance(prompt[0], str) else None
     id_prompts = None if texts is not None else [prompt] if isinstance(prompt[0], int) else prompt
-    check_common(ctx, body, len(texts if texts is not None else id_prompts))
+    lora = check_common(ctx, body, len(texts if texts is not None else id_prompts))
     score_only = body.max_tokens == 0
     if score_only and (not body.echo or body.stream):
         raise ApiError(400, "max_tokens 0 scores the prompt: it needs echo, and is answered whole (no stream)",
@@ -141,7 +148,7 @@ async def prepare_completion(ctx: "ServerContext", body: CompletionRequest) -> P
         params += sampling_params(ctx, body, len(ids), 1 if score_only else body.max_tokens, "max_tokens", "prompt",
                                   body.logprobs)
     return Prepared(prompts, texts, params, body.stop, frozenset(body.stop_token_ids or []),
-                    await constraint_factory(ctx, body), score_only=score_only)
+                    await constraint_factory(ctx, body), score_only=score_only, lora=lora)
 
 
 def render_chat(ctx: "ServerContext", messages, add_generation_prompt: bool, kwargs: dict | None) -> str:
@@ -160,7 +167,7 @@ def render_chat(ctx: "ServerContext", messages, add_generation_prompt: bool, kwa
 
 
 async def prepare_chat(ctx: "ServerContext", body: ChatCompletionRequest) -> Prepared:
-    check_common(ctx, body, 1)
+    lora = check_common(ctx, body, 1)
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     choice = resolve_tool_choice(body.tools, body.tool_choice, body.parallel_tool_calls,
@@ -180,7 +187,8 @@ async def prepare_chat(ctx: "ServerContext", body: ChatCompletionRequest) -> Pre
     thinking = (body.chat_template_kwargs or {}).get("enable_thinking") is not False  # the template's default: on
     thinking = thinking and ctx.reasoning_parser is not None
     return Prepared([ids], [text], params, body.stop, frozenset(body.stop_token_ids or []),
-                    await constraint_factory(ctx, body, calls, ctx.reasoning_parser if thinking else None), output)
+                    await constraint_factory(ctx, body, calls, ctx.reasoning_parser if thinking else None), output,
+                    lora=lora)
 
 
 async def constraint_factory(ctx: "ServerContext", body: _Sampling, calls: GrammarSpec | None = None,

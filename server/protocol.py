@@ -168,6 +168,17 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
+class LoadLoraRequest(BaseModel):
+    """vLLM's POST /v1/load_lora_adapter."""
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoraRequest(BaseModel):
+    """vLLM's POST /v1/unload_lora_adapter."""
+    lora_name: str = Field(min_length=1)
+
+
 def _nothing(value: Any) -> bool:
     return value is None
 

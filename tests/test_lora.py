@@ -176,3 +176,57 @@ def test_bad_adapters_are_refused_in_one_line(checkpoint_factory, tmp_path, edit
     with pytest.raises(error, match=message) as caught:
         read_adapter("bad", folder, graph, LoraConfig(2, 16))
     assert "\n" not in str(caught.value)
+
+
+def test_serving_two_adapters_and_the_base_loading_and_unloading_at_run_time(checkpoint_factory, tmp_path):
+    import httpx
+    import openai
+
+    from live_server import NAME, start_server, stop_server
+
+    base = checkpoint_factory("tiny_tied")
+    first, second = make_adapter(base, tmp_path / "a", 8, 1), make_adapter(base, tmp_path / "b", 16, 2)
+    server = start_server(base, "--enable-lora", "--lora-modules", f"a={first}", "--max-loras", "2",
+                          "--max-lora-rank", "16", log=tmp_path / "serve.log")
+    try:
+        client = server.client()
+        cards = {card.id: card for card in client.models.list().data}
+        assert set(cards) == {NAME, "a"} and cards["a"].parent == NAME and cards["a"].root == str(first)
+        prompt = list(range(100, 140))  # ten full blocks of 4 tokens: prefix-cache hits to count
+
+        def complete(model: str) -> tuple[str, int]:
+            answer = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0,
+                                               extra_body={"ignore_eos": True})
+            return answer.choices[0].text, answer.usage.prompt_tokens_details.cached_tokens
+        plain, _ = complete(NAME)
+        tuned, crossed = complete("a")
+        again, hit = complete("a")
+        assert tuned != plain and again == tuned
+        assert crossed == 0 and hit > 0  # the base's blocks never serve the adapter; its own do
+        scheduler, _ = serving(load_model(base), {"a": first})
+        (offline,) = run(scheduler, [(prompt, "a")], max_tokens=8).values()
+        from pegainfer.runtime.detokenize import decode_completion
+        from pegainfer.runtime.tokenizer import load_tokenizer
+
+        assert tuned == decode_completion(load_tokenizer(base), prompt, [t for t, _ in offline])
+        with pytest.raises(openai.NotFoundError, match="`b` does not exist"):
+            complete("b")
+        loaded = server.post("/v1/load_lora_adapter", {"lora_name": "b", "lora_path": str(second)})
+        assert loaded.status_code == 200 and "added successfully" in loaded.text
+        assert complete("b")[0] not in (plain, tuned)
+        assert server.post("/v1/load_lora_adapter", {"lora_name": "b", "lora_path": str(second)}).status_code == 400
+        bad = server.post("/v1/load_lora_adapter", {"lora_name": "c", "lora_path": str(tmp_path / "none")})
+        assert bad.status_code == 400 and "no adapter_config.json" in bad.json()["error"]["message"]
+        with httpx.stream("POST", server.url + "/v1/completions", headers={"Authorization": "Bearer test-key"},
+                          timeout=60, json={"model": "b", "prompt": prompt, "max_tokens": 300, "stream": True,
+                                            "ignore_eos": True}) as stream:
+            lines = stream.iter_lines()  # held: a closed iterator would close the stream, aborting the request
+            next(line for line in lines if line.startswith("data: {"))
+            busy = server.post("/v1/unload_lora_adapter", {"lora_name": "b"})
+        assert busy.status_code == 400 and "in use" in busy.json()["error"]["message"]
+        unloaded = server.post("/v1/unload_lora_adapter", {"lora_name": "b"})
+        assert unloaded.status_code == 200 and "removed successfully" in unloaded.text
+        assert {card.id for card in client.models.list().data} == {NAME, "a"}
+        assert server.post("/v1/unload_lora_adapter", {"lora_name": "b"}).status_code == 404
+    finally:
+        stop_server(server)

@@ -33,7 +33,7 @@ def test_the_document_lists_every_route(api):
     assert set(operations(api)) == {
         "GET /health", "GET /metrics", "GET /version", "GET /v1/models", "GET /v1/models/{model_id}",
         "POST /tokenize", "POST /detokenize", "GET /tokenizer_info", "POST /v1/completions",
-        "POST /v1/chat/completions"}
+        "POST /v1/chat/completions", "POST /v1/load_lora_adapter", "POST /v1/unload_lora_adapter"}
 
 
 @pytest.mark.slow
