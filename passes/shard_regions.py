@@ -95,11 +95,13 @@ def is_checkpoint_weight(g: Graph, name: str, derived_rows: bool = False) -> boo
 
 def _blocker(g: Graph, region: Region, readers: dict[str, list[Node]], producers: dict[str, Node],
              types: dict[str, TensorType]) -> str:
+    """Why the region stays replicated ("" when it splits): a weight the ranks cannot slice, a value it takes
+    from or gives to an op with no split form, or one the step returns."""
     entries = {id(n) for n in region.entries}
     for node in region.entries:
         weights = [w for w in node.inputs[1:] if not is_checkpoint_weight(g, w, derived_rows=True)]
         if weights:
-            return f"%{node.name}'s weight %{weights[0]} is made in the step (an FP8 weight's dequantize)"
+            return f"%{node.name}'s weight %{weights[0]} is no checkpoint tensor to slice (an FP8 weight's dequantize)"
     for value in sorted(region.values):
         if value in g.outputs:
             return f"%{value} is an output of {g.name}"
