@@ -230,3 +230,89 @@ def test_serving_two_adapters_and_the_base_loading_and_unloading_at_run_time(che
         assert server.post("/v1/unload_lora_adapter", {"lora_name": "b"}).status_code == 404
     finally:
         stop_server(server)
+
+
+def lora_graph(rows_in: int, rows_out: int, slots: int, rank: int, dtype):
+    from pegainfer.ir import GraphBuilder
+    from pegainfer.ir.dtypes import FP32, INT32
+
+    b = GraphBuilder("lora")
+    x = b.input("x", dtype, ("tokens", rows_in))
+    lora_slots = b.input("lora_slots", INT32, ("tokens",))
+    a = b.state("a", dtype, (slots, rank, rows_in))
+    table_b = b.state("b", dtype, (slots, rows_out, rank))
+    scale = b.state("scale", FP32, (slots,))
+    return b.finish(b.lora(x, a, table_b, scale, lora_slots, name="update"))
+
+
+@pytest.mark.parametrize("dtype_name", ["f32", "bf16"])
+@pytest.mark.parametrize("rows_in, rows_out, rank", [(64, 96, 8), (200, 130, 64), (48, 20, 5)])
+def test_the_lora_kernels_match_the_reference_with_rows_spread_unevenly(dtype_name, rows_in, rows_out, rank):
+    from pegainfer.backends.planning import PlanOptions
+    from pegainfer.backends.triton.execute import launch_kernel, to_numpy, to_torch
+    from pegainfer.backends.triton.plan import plan_kernel
+    from pegainfer.ir import dtype_from_name
+    from pegainfer.ir.graph import KERNEL
+    from pegainfer.ir.ops.lora import _lora
+    from pegainfer.passes.pipeline import lower
+
+    dtype = dtype_from_name(dtype_name)
+    rng = np.random.default_rng(rank)
+    slots = np.array([2, 2, 2, 2, 2, -1, 0, 2, -1, 3, 2, 2, 0], np.int32)  # slot 1 has no rows; 2 most of them
+    arrays = dict(x=rng.standard_normal((len(slots), rows_in)), a=rng.standard_normal((4, rank, rows_in)) * 0.2,
+                  b=rng.standard_normal((4, rows_out, rank)) * 0.2)
+    arrays = {name: a.astype(dtype.np_dtype) for name, a in arrays.items()}
+    scale = np.array([0.5, 2.0, 1.5, 0.25], np.float32)
+    want = _lora(arrays["x"], arrays["a"], arrays["b"], scale, slots)
+    lowered, _ = lower(lora_graph(rows_in, rows_out, 4, rank, dtype))
+    (node,) = [n for n in lowered.nodes if n.op == KERNEL]
+    env = {name: to_torch(a) for name, a in arrays.items()} | {"scale": to_torch(scale),
+                                                               "lora_slots": to_torch(slots)}
+    got = to_numpy(launch_kernel(plan_kernel(lowered, node, PlanOptions()), node, env,
+                                 {"tokens": len(slots)})[node.outputs[0]]).astype(np.float32)
+    bound = 1e-5 if dtype_name == "f32" else 2e-2
+    assert np.abs(got - want).max() <= bound * np.abs(want).max()
+    assert not got[slots == -1].any()  # the base model's rows: untouched
+
+
+def test_a_lowered_lora_model_runs_its_generated_kernels_as_the_reference_and_compiles_for_sm_90(
+        checkpoint_factory, tmp_path):
+    """Tiny Qwen3 with two adapters' tables: a packed step of rows of both adapters and the base through the
+    Triton kernels under the interpreter equals the reference interpreter; the LoRA launches compile for sm_90."""
+    from pegainfer.backends.build import compile_many
+    from pegainfer.backends.planning import PlanOptions
+    from pegainfer.backends.triton.execute import InterpretedExecutor, to_torch
+    from pegainfer.backends.triton.plan import plan_kernel
+    from pegainfer.frontends.checkpoint import derive_weights
+    from pegainfer.frontends.lora import adapter_rows
+    from pegainfer.ir.graph import KERNEL
+    from pegainfer.ir.interpreter import run_graph
+    from pegainfer.passes.pipeline import lower
+    from pegainfer.runtime.batch import Chunk, Sequence, pack_step
+    from pegainfer.runtime.kv_blocks import BlockAllocator
+
+    base = checkpoint_factory("tiny_tied")
+    model = load_model(base)
+    config = LoraConfig(2, 16)
+    graph = with_lora(model.spec.graph, config)
+    lowered, _ = lower(graph)
+    assert any(n.op == KERNEL and n.attrs["kind"] == "lora" for g in lowered.all_graphs() for n in g.nodes)
+    sizes = {"num_blocks": 16, "block_size": 4}
+    states = {n: np.zeros(t.concrete(sizes), t.dtype.np_dtype) for n, t in lowered.expanded_states().items()}
+    for slot, (name, seed) in enumerate((("a", 1), ("b", 2))):
+        adapter = read_adapter(name, make_adapter(base, tmp_path / name, 8 * (slot + 1), seed), graph, config)
+        for table, row in adapter_rows(adapter, graph).items():
+            states[table][slot] = row
+    seqs = [Sequence(i, list(range(10 * i + 3, 10 * i + 3 + n)), lora_slot=slot)
+            for i, (n, slot) in enumerate(((5, 0), (3, -1), (6, 1)))]
+    inputs = pack_step([Chunk(s, len(s.token_ids)) for s in seqs], BlockAllocator(16, 4), lora=True)
+    weights = derive_weights(lowered.derivations(), model.weights)
+    expected = run_graph(lowered, inputs, weights, {n: s.copy() for n, s in states.items()})[0]
+    specs = {(g.name, n.name): plan_kernel(g, n, PlanOptions(block_size=4)) for g in lowered.all_graphs()
+             for n in g.nodes if n.op == KERNEL}
+    got = InterpretedExecutor(lowered, specs).run(inputs, weights, {n: to_torch(s) for n, s in states.items()})[0]
+    assert np.abs(got - expected).max() < 1e-5 * np.abs(expected).max()
+    todo = {(90, (spec.node, launch.function)): launch for spec in specs.values() if spec.kind == "lora"
+            for variant in spec.variants for launch in variant.launches}
+    compiled = dict(compile_many(todo, jobs=2, progress=None))
+    assert compiled.keys() == todo.keys() and all(result.cubin for result in compiled.values())
