@@ -4,10 +4,10 @@ groups of experts), and applying the chosen experts' gated MLPs.
 Expert weights are stacked along rows, expert e's block after expert e-1's (a derived param the loader stacks from
 the checkpoint's per-expert tensors): gate_up is [experts * 2I, H], expert e's rows 2Ie .. 2Ie + I its gate
 projection and the next I its up projection; down is [experts * H, I]. Under expert parallelism a rank holds only
-some of the experts the router picks among: E' local ones from `first_expert` on, whose weights are [E' * 2I, H]
-and [E' * H, I]; pairs routed to other experts contribute nothing (another rank's sum has them). FP8 experts (an FP8 checkpoint's) are float8
-e4m3 with float32 scales stacked the same way: each of the 2E projections of gate_up (and E of down) keeps its own
-blocks of `block` rows x columns, cut short at its edges, as the checkpoint stores them.
+some of the experts the router picks among: E' local ones from `first_expert` on, whose weights are [E' * 2I, H] and
+[E' * H, I]; pairs routed to other experts contribute nothing (another rank's sum has them). FP8 experts (an FP8
+checkpoint's) are float8 e4m3 with float32 scales stacked the same way: each of the 2E projections of gate_up (and E
+of down) keeps its own blocks of `block` rows x columns, cut short at its edges, as the checkpoint stores them.
 """
 
 import numpy as np

@@ -1,12 +1,13 @@
 """Mixture of experts (layouts: ir/ops/moe.py). Routing: one program per token scores the experts (softmax, or each
 one's sigmoid), adds the optional bias to choose by, keeps the TOPK_GROUP best of G groups when grouped, and takes
-the K best, weighted by their scores (renormalised when NORMALIZE, times SCALE). The experts are held as a
-[groups, experts a group] tile (one group when ungrouped), so no count needs to be a power of two. Experts, the
-per-expert GEMV path: one program per (token, choice, column tile) applies the chosen expert's gate/up projection
-and activation into a float32 scratch row, then one program per (token, column tile) sums the K down projections,
-each times its routing weight. A node holding some of the routed experts only (expert parallelism: E from FIRST
-on) skips the pairs routed elsewhere: their loads masked off, their terms zero. Every token reads its experts' weights itself: right for decode, where a step's
-tokens seldom share an expert; prefill-shaped steps take moe_grouped.py's grouped GEMMs instead."""
+the K best, weighted by their scores (renormalised when NORMALIZE, times SCALE). The experts are held as a [groups,
+experts a group] tile (one group when ungrouped), so no count needs to be a power of two. Experts, the per-expert
+GEMV path: one program per (token, choice, column tile) applies the chosen expert's gate/up projection and
+activation into a float32 scratch row, then one program per (token, column tile) sums the K down projections, each
+times its routing weight. A node holding some of the routed experts only (expert parallelism: E from FIRST on) skips
+the pairs routed elsewhere: their loads masked off, their terms zero. Every token reads its experts' weights itself:
+right for decode, where a step's tokens seldom share an expert; prefill-shaped steps take moe_grouped.py's grouped
+GEMMs instead."""
 
 import triton
 import triton.language as tl
