@@ -49,7 +49,9 @@ def generate_one(model_path: Path | str, params: SamplingParams, *, prompt: str 
     spares = int(config is not None)  # a speculating sequence's recurrent state to roll back to
     engine = _engine(model, device, tokens, cache_dir, spares) if not sharding.sharded else \
         start_sharded_engine(RankSpec(str(folder), parallel.size, parallel.expert_parallel, dtype, device, quantization,
-                                      kv_cache_dtype, tokens, max_seqs=1, spare_states=spares), parallel.backend, model)
+                                      kv_cache_dtype, tokens, max_seqs=1, spare_states=spares,
+                                      gpu=_gpu_options(tokens) if device == "cuda" else None,
+                                      cache_dir=cache_dir and str(cache_dir)), parallel.backend, model)
     eos = tokenizer.eos_token_ids if tokenizer else eos_token_ids(folder)
     speculator = config and make_speculator(config, model, device, tokens, 1, dtype, engine)
     try:
@@ -74,8 +76,13 @@ def generate_one(model_path: Path | str, params: SamplingParams, *, prompt: str 
 def _engine(model: LoadedModel, device: str, tokens: int, cache_dir: Path | None, spares: int):
     if device == "cpu":
         return ReferenceEngine(model, max_tokens=tokens, max_seqs=1, spare_states=spares)
-    from pegainfer.runtime.gpu.engine import EngineOptions
     from pegainfer.runtime.gpu.start import gpu_engine
 
-    options = EngineOptions(max_tokens=max(tokens, 16), max_batch=8, max_model_len=tokens + 16, kv_tokens=tokens + 16)
-    return gpu_engine(model, options, cache_dir)
+    return gpu_engine(model, _gpu_options(tokens), cache_dir)
+
+
+def _gpu_options(tokens: int):
+    """The GPU engine's sizes for one sequence that reaches `tokens` tokens."""
+    from pegainfer.runtime.gpu.engine import EngineOptions
+
+    return EngineOptions(max_tokens=max(tokens, 16), max_batch=8, max_model_len=tokens + 16, kv_tokens=tokens + 16)

@@ -35,9 +35,9 @@ class DriverLinks:
         self._links: list[Connection] = []
         self._dead: Callable[[], str | None] = lambda: None
 
-    def accept(self, dead: Callable[[], str | None], timeout: float) -> None:
-        """Waits for every worker to connect and say it is ready (its model loaded); `dead` names a worker that
-        exited meanwhile, which fails the start at once rather than after `timeout` seconds."""
+    def accept(self, dead: Callable[[], str | None], timeout: float) -> list[Any]:
+        """Waits for every worker to connect and say it is ready (its model loaded), returning what each said;
+        `dead` names a worker that exited meanwhile, which fails the start at once rather than after `timeout`."""
         self._dead = dead
         links: dict[int, Connection] = {}
         deadline = time.monotonic() + timeout
@@ -60,8 +60,7 @@ class DriverLinks:
             links[rank] = link
         self._server.close()
         self._links = [links[rank] for rank in range(1, self.world)]
-        for rank in range(1, self.world):
-            self.receive(rank, READY)
+        return [self.receive(rank, READY) for rank in range(1, self.world)]
 
     def send_all(self, command: str, payload: Any = None) -> None:
         for rank, link in enumerate(self._links, start=1):

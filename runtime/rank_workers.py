@@ -10,7 +10,9 @@ import os
 import threading
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
 
 from pegainfer.errors import PegainferError
 from pegainfer.ir.ranks import bound_rank
@@ -46,15 +48,30 @@ class RankSpec:
     max_seqs: int = 256
     state_snapshots: int | None = None
     spare_states: int = 0
+    gpu: Any = None  # on cuda: the GPU engine's EngineOptions (the device is each rank's)
+    nccl_id: bytes | None = None  # on cuda: the NCCL unique id the driver made
+    cache_dir: str | None = None  # on cuda: the cubin cache holding every rank's manifest
+    backend: str = "mp"  # how the workers were started: a Ray actor sees only its own GPU (device 0)
 
     def parallel(self, rank: int) -> Parallelism:
         return Parallelism(self.world, rank, self.expert_parallel)
 
+    def gpu_device(self, rank: int) -> int:
+        return rank if self.backend == "mp" else 0
+
 
 def load_rank_engine(spec: RankSpec, rank: int):
-    """Rank `rank`'s engine: its graph and weights on the CPU engine."""
-    from pegainfer.runtime.reference_engine import ReferenceEngine
+    """Rank `rank`'s engine: its graph and weights on the CPU engine, or on its GPU joined to the others by NCCL."""
     from pegainfer.runtime.sharded_engine import load_rank_model
+
+    if spec.device == "cuda":
+        from pegainfer.runtime.gpu.nccl import Rendezvous
+        from pegainfer.runtime.gpu.start import gpu_engine
+
+        options = replace(spec.gpu, device=spec.gpu_device(rank))
+        return gpu_engine(load_rank_model(spec, rank, lazy=True), options, spec.cache_dir and Path(spec.cache_dir),
+                          communicator=Rendezvous(spec.nccl_id, spec.world, rank))
+    from pegainfer.runtime.reference_engine import ReferenceEngine
 
     return ReferenceEngine(load_rank_model(spec, rank), max_tokens=spec.kv_tokens, block_size=spec.block_size,
                            max_seqs=spec.max_seqs, state_snapshots=spec.state_snapshots,
@@ -66,14 +83,18 @@ def serve_rank(spec: RankSpec, rank: int, address: tuple[str, int], authkey: byt
     link = WorkerLink(address, authkey, rank, spec.world)
     try:
         engine = load_rank_engine(spec, rank)
-        link.send(READY)
+        link.send(READY, getattr(engine, "kv_blocks", None))  # a GPU rank's pool, which the driver may cut
         with bound_rank(link, rank):
             while True:
                 command, payload = link.receive()
-                if command == "execute":
+                if command == "execute":  # the CPU engine's packed inputs
                     engine.execute(payload)
+                elif command == "execute_plan":  # a GPU engine's step and its plan (eager or which graph)
+                    engine.execute(*payload)
                 elif command == "copy_state":
                     engine.copy_state(*payload)
+                elif command == "limit_kv_blocks":
+                    engine.limit_kv_blocks(payload)
                 elif command == "stop":
                     return
                 else:
@@ -101,14 +122,16 @@ class RankProcesses:
         self._stopping = False
         self.on_failure: Callable[[BaseException], None] | None = None
 
-    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
-        """Until every worker has loaded its part and connected; then their lives are watched."""
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> list:
+        """Until every worker has loaded its part and connected; then their lives are watched. Returns what each
+        said it was ready with (a GPU rank's KV blocks)."""
         try:
-            self.links.accept(self.dead, timeout)
+            ready = self.links.accept(self.dead, timeout)
         except BaseException:
             self.stop()
             raise
         threading.Thread(target=self._watch, name="pegainfer-rank-watch", daemon=True).start()
+        return ready
 
     def _watch(self) -> None:
         why = self._wait_any()

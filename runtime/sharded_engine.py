@@ -1,42 +1,39 @@
-"""The engine of a model sharded over processes, as the scheduler sees it: rank 0's engine, which sends each step's
-packed inputs (and each state copy) to the other ranks before running its own graph; the ranks' collectives meet
-over their links. Only rank 0 packs, samples and keeps the block tables: the workers follow its steps."""
+"""The engine of a model sharded over processes, as the scheduler sees it: rank 0's engine, which sends each step
+(and each state copy) to the other ranks before running its own. On the CPU engine a step is its packed inputs and
+the ranks' collectives meet over their links; on the GPU it is the packed inputs and the launch plan (eager, or a
+decode bucket's CUDA graph), every rank issuing the same NCCL calls. Only rank 0 packs, samples and keeps the block
+tables: the workers follow its steps."""
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
-from pegainfer.errors import PegainferError
 from pegainfer.frontends.load import LoadedModel, load_model
 from pegainfer.ir.ranks import bound_rank
 from pegainfer.runtime.rank_workers import RankProcesses, RankSpec, start_ranks
 from pegainfer.runtime.reference_engine import ReferenceEngine
 
 
-class ShardedEngine(ReferenceEngine):
-    def __init__(self, spec: RankSpec, ranks: RankProcesses, model: LoadedModel) -> None:
-        """`model`: rank 0's (load_rank_model)."""
-        super().__init__(model, max_tokens=spec.kv_tokens, block_size=spec.block_size, max_seqs=spec.max_seqs,
-                         state_snapshots=spec.state_snapshots, spare_states=spec.spare_states)
-        self.spec, self.ranks = spec, ranks
+class RankDriver:
+    """What rank 0's engine adds to itself, on either engine: the workers, told of every step and state copy."""
+    spec: RankSpec
+    ranks: RankProcesses
 
     @property
     def world(self) -> int:
         return self.spec.world
 
     def watch(self, on_failure: Callable[[BaseException], None]) -> None:
-        """`on_failure` hears of a worker's exit when it happens, also between steps."""
-        self.ranks.on_failure = on_failure
-
-    def execute(self, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
-        self._command("execute", inputs)
-        try:
-            with bound_rank(self.ranks.links, 0):
-                return super().execute(inputs)
-        except BaseException:
-            self.shutdown()  # the workers wait in a collective that will not complete: release them
-            raise
+        """`on_failure` hears of a worker's exit when it happens, also between steps; a GPU engine's NCCL
+        communicator is aborted first, so that a step waiting on the dead rank fails instead of hanging."""
+        def failed(error: BaseException) -> None:
+            abort = getattr(getattr(self, "communicator", None), "abort", None)
+            if abort is not None:
+                abort()
+            on_failure(error)
+        self.ranks.on_failure = failed
 
     def copy_state(self, src: int, dst: int) -> None:
         self._command("copy_state", (src, dst))
@@ -51,22 +48,59 @@ class ShardedEngine(ReferenceEngine):
         self.ranks.links.send_all(command, payload)
 
 
+class ShardedEngine(RankDriver, ReferenceEngine):
+    def __init__(self, spec: RankSpec, ranks: RankProcesses, model: LoadedModel) -> None:
+        """`model`: rank 0's (load_rank_model)."""
+        super().__init__(model, max_tokens=spec.kv_tokens, block_size=spec.block_size, max_seqs=spec.max_seqs,
+                         state_snapshots=spec.state_snapshots, spare_states=spec.spare_states)
+        self.spec, self.ranks = spec, ranks
+
+    def execute(self, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
+        self._command("execute", inputs)
+        try:
+            with bound_rank(self.ranks.links, 0):
+                return super().execute(inputs)
+        except BaseException:
+            self.shutdown()  # the workers wait in a collective that will not complete: release them
+            raise
+
+
 def load_rank_model(spec: RankSpec, rank: int, lazy: bool = False) -> LoadedModel:
     return load_model(Path(spec.folder), lazy=lazy, dtype=spec.dtype, device=spec.device,
                       quantization=spec.quantization, kv_cache_dtype=spec.kv_cache_dtype, parallel=spec.parallel(rank))
 
 
-def start_sharded_engine(spec: RankSpec, backend: str = "mp", model: LoadedModel | None = None) -> ShardedEngine:
+def start_sharded_engine(spec: RankSpec, backend: str = "mp", model: LoadedModel | None = None):
     """The workers load their parts while rank 0 reads its own (`model`, loaded here if not given); all are stopped
-    if any fails."""
-    if spec.device != "cpu":
-        raise PegainferError("--tensor-parallel-size on cuda is not served yet (the rank graphs compile with "
-                             "`pegainfer compile --tensor-parallel-size`): run a sharded model with --device cpu")
+    if any fails. On cuda the ranks' KV pools are cut to the smallest one's blocks, so every block table holds on
+    every rank."""
+    spec = replace(spec, backend=backend)
+    if spec.device == "cuda":
+        from pegainfer.runtime.gpu.nccl import make_unique_id
+
+        spec = replace(spec, nccl_id=make_unique_id())
     ranks = start_ranks(spec, backend)
     try:
-        engine = ShardedEngine(spec, ranks, model or load_rank_model(spec, 0))
-        ranks.wait_ready()
+        model = model or load_rank_model(spec, 0, lazy=spec.device == "cuda")
+        engine = ShardedEngine(spec, ranks, model) if spec.device == "cpu" else sharded_gpu_engine(spec, ranks, model)
+        pools = ranks.wait_ready()
+        if spec.device == "cuda":
+            fewest = min([engine.kv_blocks, *pools])
+            ranks.links.send_all("limit_kv_blocks", fewest)
+            engine.limit_kv_blocks(fewest)
     except BaseException:
         ranks.stop()
         raise
     return engine
+
+
+def sharded_gpu_engine(spec: RankSpec, ranks: RankProcesses, model: LoadedModel):
+    """Rank 0's GPU engine (runtime/gpu/sharded.py): its context current in this thread, NCCL joined as the
+    workers join."""
+    from pegainfer.runtime.device import visible_sm
+    from pegainfer.runtime.gpu.sharded import ShardedGpuEngine
+    from pegainfer.runtime.gpu.start import ensure_manifest
+
+    manifest = ensure_manifest(model.spec, visible_sm(), spec.cache_dir and Path(spec.cache_dir),
+                               label=str(model.folder))
+    return ShardedGpuEngine(spec, ranks, model, manifest)

@@ -78,7 +78,7 @@ def build_engine(model: "LoadedModel", device: str, args: argparse.Namespace, ma
         raise PegainferError("--enable-lora runs on the CPU engine of one rank for now: the GPU's LoRA kernels and "
                              "sharded adapter tables are not wired yet (use --device cpu, --tensor-parallel-size 1)")
     if args.tensor_parallel_size > 1:
-        return build_sharded_engine(model, device, args, max_model_len)
+        return build_sharded_engine(model, device, args, max_model_len, step_tokens)
     if device == "cpu":
         from pegainfer.frontends.lora import with_lora
         from pegainfer.runtime.reference_engine import ReferenceEngine
@@ -87,16 +87,23 @@ def build_engine(model: "LoadedModel", device: str, args: argparse.Namespace, ma
         return ReferenceEngine(model, max_tokens=tokens, block_size=KV_BLOCK_SIZE, max_seqs=args.max_num_seqs,
                                state_snapshots=state_snapshots(args), spare_states=spare_states(args),
                                graph=with_lora(model.spec.graph, lora) if lora else None)
-    from pegainfer.runtime.gpu.engine import EngineOptions
     from pegainfer.runtime.gpu.start import gpu_engine
 
-    options = EngineOptions(max_tokens=step_tokens, max_batch=args.max_num_seqs, max_model_len=max_model_len,
-                            kv_tokens=args.kv_cache_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
-                            block_size=KV_BLOCK_SIZE, state_snapshots=state_snapshots(args))
+    options = gpu_options(args, max_model_len, step_tokens)
     return gpu_engine(model, options, args.cache_dir)  # without --kv-cache-tokens: the KV cache fills the utilization
 
 
-def build_sharded_engine(model: "LoadedModel", device: str, args: argparse.Namespace, max_model_len: int):
+def gpu_options(args: argparse.Namespace, max_model_len: int, step_tokens: int):
+    """The GPU engine's options from serve's flags (a sharded model's every rank takes the same)."""
+    from pegainfer.runtime.gpu.engine import EngineOptions
+
+    return EngineOptions(max_tokens=step_tokens, max_batch=args.max_num_seqs, max_model_len=max_model_len,
+                         kv_tokens=args.kv_cache_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
+                         block_size=KV_BLOCK_SIZE, state_snapshots=state_snapshots(args))
+
+
+def build_sharded_engine(model: "LoadedModel", device: str, args: argparse.Namespace, max_model_len: int,
+                         step_tokens: int):
     """Rank 0 of a model sharded over --tensor-parallel-size processes, the others started by the executor backend."""
     from pegainfer.runtime.rank_workers import RankSpec
     from pegainfer.runtime.sharded_engine import start_sharded_engine
@@ -104,7 +111,9 @@ def build_sharded_engine(model: "LoadedModel", device: str, args: argparse.Names
     spec = RankSpec(str(model.folder), args.tensor_parallel_size, args.enable_expert_parallel, args.dtype, device,
                     args.quantization, args.kv_cache_dtype,
                     args.kv_cache_tokens or min(CPU_KV_TOKENS, args.max_num_seqs * max_model_len), KV_BLOCK_SIZE,
-                    args.max_num_seqs, state_snapshots(args), spare_states(args))
+                    args.max_num_seqs, state_snapshots(args), spare_states(args),
+                    gpu=gpu_options(args, max_model_len, step_tokens) if device == "cuda" else None,
+                    cache_dir=args.cache_dir and str(args.cache_dir))
     return start_sharded_engine(spec, args.distributed_executor_backend, model)
 
 

@@ -147,3 +147,39 @@ def test_generate_on_the_command_line_with_two_ranks_prints_what_one_process_doe
     assert all(out.returncode == 0 for out in outputs), outputs[1].stderr
     one, two = (json.loads(out.stdout) for out in outputs)
     assert two["token_ids"] == one["token_ids"] and len(one["token_ids"]) == 10
+
+
+def test_a_gpu_worker_repeats_the_drivers_steps_and_takes_the_fewest_blocks(monkeypatch):
+    """The GPU workers' side of the links, on a stand-in engine in a thread: it reports its pool when ready, then
+    executes each (step, plan) the driver sends, copies states and cuts its pool as told."""
+    import threading
+
+    from pegainfer.runtime import rank_workers
+    from pegainfer.runtime.rank_links import DriverLinks
+
+    done = []
+
+    class StandIn:
+        kv_blocks = 100
+
+        def execute(self, step, plan):
+            done.append(("execute", sorted(step), plan))
+
+        def copy_state(self, src, dst):
+            done.append(("copy_state", src, dst))
+
+        def limit_kv_blocks(self, blocks):
+            done.append(("limit", blocks))
+    monkeypatch.setattr(rank_workers, "load_rank_engine", lambda spec, rank: StandIn())
+    links = DriverLinks(2)
+    worker = threading.Thread(target=rank_workers.serve_rank,
+                              args=(RankSpec("unused", 2, device="cuda"), 1, links.address, links.authkey))
+    worker.start()
+    assert links.accept(lambda: None, 10) == [100]
+    links.send_all("execute_plan", ({"input_ids": np.zeros(3, np.int32)}, "bucket-4"))
+    links.send_all("copy_state", (3, 7))
+    links.send_all("limit_kv_blocks", 80)
+    links.send_all("stop")
+    worker.join(10)
+    links.close()
+    assert done == [("execute", ["input_ids"], "bucket-4"), ("copy_state", 3, 7), ("limit", 80)]

@@ -103,6 +103,13 @@ class NcclCommunicator:
         finally:
             driver.free(buffer)
 
+    def abort(self) -> None:
+        """Ends the communicator from any thread, its queued collectives failing rather than waiting forever for a
+        rank that is gone (a worker's death)."""
+        if self.handle is not None:
+            handle, self.handle = self.handle, None
+            _call("ncclCommAbort", self._lib.comm_abort, handle)
+
     def close(self) -> None:
         if self.handle is not None:
             _call("ncclCommDestroy", self._lib.comm_destroy, self.handle)

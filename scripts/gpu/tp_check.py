@@ -3,7 +3,7 @@ First each rank's communicator alone (an all-reduce and an all-gather of known v
 CUDA graph); then the engines: rank 0's GpuEngine hands every step to rank 1 (on_step -> execute over a pipe), and
 its logits of a small random Qwen3 (an odd vocabulary, so the gathered logits carry padding) are compared with the
 CPU reference and with one GPU's engine: a prefill, teacher-forced decode steps through CUDA graphs, the same
-eagerly, and tokens drawn on the device. Prints every number (also in $OUT/tp_results.json), then PASS or FAIL
+eagerly, and tokens drawn on the device; last `pegainfer generate` on two ranks against one. Prints every number (also in $OUT/tp_results.json), then PASS or FAIL
 for each check against BOUNDS.
 
 On this (CPU) machine, once:  .venv/bin/python scripts/gpu/tp_check.py prepare
@@ -184,6 +184,7 @@ def run(folder: Path, out: Path, deadline_s: float = 420.0) -> None:
         process.join(timeout=10)
         if process.exitcode is None:
             process.kill()
+    results |= check_generate(folder)
     (out / "tp_results.json").write_text(json.dumps(results, indent=1, default=str))
     print(json.dumps(results, indent=1, default=str))
     verdicts = {key: value for key, value in results.items() if key.endswith("_ok")}
@@ -192,6 +193,21 @@ def run(folder: Path, out: Path, deadline_s: float = 420.0) -> None:
     verdicts |= {key: value >= BOUNDS["argmax_agreement"] for key, value in results.items()
                  if key.endswith("argmax_agreement")}
     print("\n".join(f"{'PASS' if ok else 'FAIL'}  {key}" for key, ok in verdicts.items()))
+
+
+def check_generate(folder: Path) -> dict:
+    """The served path (runtime/sharded_engine.py, runtime/gpu/sharded.py): `pegainfer generate` on two ranks
+    against one, greedy; bf16 sums in another order may flip a near tie, so the first tokens are compared."""
+    command = [sys.executable, "-m", "pegainfer.cli", "generate", "--model-path", str(folder), "--device", "cuda",
+               "--prompt-ids", "1,2,3,4,5,6,7,8", "--max-tokens", "16", "--ignore-eos", "--json"]
+    found = {}
+    for tp in ("1", "2"):
+        done = subprocess.run([*command, "--tensor-parallel-size", tp], capture_output=True, text=True, timeout=240)
+        if done.returncode != 0:
+            return {f"generate_tp{tp}_error": done.stderr.strip().splitlines()[-1:]}
+        found[tp] = json.loads(done.stdout)["token_ids"]
+    agree = next((i for i, (a, b) in enumerate(zip(found["1"], found["2"])) if a != b), len(found["1"]))
+    return {"generate_tp1": found["1"], "generate_tp2": found["2"], "generate_first_8_ok": agree >= 8}
 
 
 def main() -> None:

@@ -1,0 +1,23 @@
+"""Rank 0's GPU engine of a model sharded over processes (runtime/sharded_engine.py): every step it is about to
+launch, its packed inputs and plan, goes first to the workers, whose engines `execute` it (GpuEngine.on_step)."""
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from pegainfer.frontends.load import LoadedModel
+from pegainfer.runtime.gpu.engine import GpuEngine, StepPlan
+from pegainfer.runtime.gpu.nccl import Rendezvous
+from pegainfer.runtime.rank_workers import RankProcesses, RankSpec
+from pegainfer.runtime.sharded_engine import RankDriver
+
+
+class ShardedGpuEngine(RankDriver, GpuEngine):
+    def __init__(self, spec: RankSpec, ranks: RankProcesses, model: LoadedModel, manifest: Path) -> None:
+        self.spec, self.ranks = spec, ranks
+        super().__init__(model, manifest, replace(spec.gpu, device=spec.gpu_device(0)),
+                         Rendezvous(spec.nccl_id, spec.world, 0), on_step=self._forward)
+
+    def _forward(self, step: dict[str, np.ndarray], plan: StepPlan) -> None:
+        self._command("execute_plan", (step, plan))
