@@ -37,8 +37,9 @@ def chain_hashes(token_ids: Seq[int], block_size: int, parent: bytes = ROOT, sta
 
 
 class PrefixCache:
-    def __init__(self, allocator: BlockAllocator, on_evict: Callable[[bytes], None] | None = None) -> None:
-        """`on_evict(hash)`: told of each block evicted (what is kept beside a block goes with it)."""
+    def __init__(self, allocator: BlockAllocator, on_evict: Callable[[bytes, int], None] | None = None) -> None:
+        """`on_evict(hash, block)`: told of each block evicted before it goes back to the allocator (what is kept
+        beside a block goes with it; a host tier copies it down)."""
         self.allocator, self.on_evict = allocator, on_evict
         self.block_size = allocator.block_size
         self._block_of: dict[bytes, int] = {}
@@ -113,7 +114,7 @@ class PrefixCache:
             block_hash = self._hash_of.pop(block)
             del self._block_of[block_hash], self._refs[block]
             if self.on_evict is not None:
-                self.on_evict(block_hash)
+                self.on_evict(block_hash, block)
             freed.append(block)
         count = len(freed)
         self.evictions += count

@@ -89,6 +89,26 @@ class ReferenceEngine:
         for name, row in rows.items():
             self.states[name][slot] = row
 
+    def kv_bytes_per_block(self) -> int:
+        return sum(a[0].nbytes for a in self._kv_pools().values())
+
+    def offload_block(self, device_block: int, host_block: int, host_blocks: int) -> None:
+        """A block of every layer's KV cache into a host pool (NumPy here too: the tier's logic, not its speed)."""
+        if not hasattr(self, "host_states"):
+            self.host_states = {name: np.zeros((host_blocks, *a.shape[1:]), a.dtype)
+                                for name, a in self._kv_pools().items()}
+        for name, pool in self._kv_pools().items():
+            self.host_states[name][host_block] = pool[device_block]
+
+    def restore_block(self, host_block: int, device_block: int) -> None:
+        for name, pool in self._kv_pools().items():
+            pool[device_block] = self.host_states[name][host_block]
+
+    def _kv_pools(self) -> dict[str, np.ndarray]:
+        """The paged caches: states whose first dim is the block pool's."""
+        return {name: self.states[name] for name, t in self.graph.expanded_states().items()
+                if t.shape[0] == "num_blocks"}
+
     def copy_state(self, src: int, dst: int) -> None:
         for name in self.pooled:
             self.states[name][dst] = self.states[name][src]

@@ -26,7 +26,7 @@ cached block boundary (runtime/state_snapshots.py), and its prompt chunks end on
 
 import itertools
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
@@ -36,10 +36,12 @@ from pegainfer.runtime.batch import Chunk, Sequence
 from pegainfer.runtime.block_records import record_blocks
 from pegainfer.runtime.device_sampling import SampleResult
 from pegainfer.runtime.engine_api import Engine
+from pegainfer.runtime.host_tier import HostTier
 from pegainfer.runtime.kv_blocks import check_fits
 from pegainfer.runtime.lora import LoraSlots
 from pegainfer.runtime.prefix_cache import PrefixCache, root_for
 from pegainfer.runtime.prompt_logprobs import draw_first, position_logprobs
+from pegainfer.runtime.request_state import RequestState
 from pegainfer.runtime.requests import EngineRequest, TokenOutput
 from pegainfer.runtime.spec_steps import SpecSteps
 from pegainfer.runtime.speculative import Speculator
@@ -62,36 +64,13 @@ class SchedulerConfig:
     prefix_cache: bool = True
 
 
-@dataclass(eq=False)  # compared by identity: `in self.running` ran a field-by-field __eq__ per running request
-class _State:
-    request: EngineRequest
-    seq: Sequence
-    block_hashes: list[bytes] = field(default_factory=list)  # of the sequence's full, computed blocks
-    num_generated: int = 0
-    num_cached_tokens: int = 0
-    generated_snapshot: bytes | None = None  # the boundary of its latest state snapshot past the prompt
-    admitted: bool = False
-    first_scheduled: float = 0.0
-    prompt_steps: list[dict[int, float]] | None = None  # prompt logprobs so far, where the request asks
-    drafts: list[int] = field(default_factory=list)  # the tokens this step verifies, appended to seq.token_ids
-    spare: int = -1  # the state row holding its recurrent state from before the drafts (-1: none)
-
-    @property
-    def scoring(self) -> bool:
-        """Whether its prompt chunks still run apart for their logprobs (runtime/prompt_logprobs.py)."""
-        return self.request.params.prompt_logprobs is not None and self.num_generated == 0
-
-    @property
-    def group(self) -> str | int:
-        """An ungrouped request is a group of its own, keyed by its sequence id (never equal to a str)."""
-        return self.request.group if self.request.group is not None else self.seq.seq_id
-
-
 class Scheduler:
     def __init__(self, engine: Engine, eos_ids: frozenset[int], config: SchedulerConfig = SchedulerConfig(),
-                 speculator: Speculator | None = None, lora: LoraSlots | None = None) -> None:
+                 speculator: Speculator | None = None, lora: LoraSlots | None = None,
+                 host: HostTier | None = None) -> None:
         """`speculator`: drafts verified in the steps (runtime/speculative.py); `lora`: the adapters requests may
-        name, over the engine's LoRA tables (runtime/lora.py)."""
+        name, over the engine's LoRA tables (runtime/lora.py); `host`: evicted cached blocks kept in host memory
+        (runtime/host_tier.py)."""
         assert config.max_num_seqs >= 1 and config.max_model_len >= 2, config
         if config.max_num_batched_tokens < config.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be at least max_num_seqs "
@@ -108,13 +87,16 @@ class Scheduler:
         self.block_size = self.allocator.block_size
         rows = self.allocator.snapshot_rows if config.prefix_cache and slots else range(0)
         self.snapshots = StateSnapshots(rows) if rows else None
-        on_evict = self.snapshots.drop if self.snapshots else None
+        if host is not None and (slots or not config.prefix_cache):
+            raise ValueError("a host KV tier keeps prefix-cache blocks of a model without recurrent layers")
+        self.host = host
+        on_evict = (lambda block_hash, _: self.snapshots.drop(block_hash)) if self.snapshots else host and host.keep
         self.cache = PrefixCache(self.allocator, on_evict) if config.prefix_cache and (rows or not slots) else None
         self.waiting = WaitingQueue()
-        self.running: list[_State] = []
+        self.running: list[RequestState] = []
         self._rng = np.random.default_rng()  # seeds of first tokens drawn here for seedless requests
-        self._states: dict[str, _State] = {}
-        self._by_seq: dict[int, _State] = {}
+        self._states: dict[str, RequestState] = {}
+        self._by_seq: dict[int, RequestState] = {}
         self._seq_ids = itertools.count()
         self._reserved = 0
         self.last_step: StepRecord | None = None
@@ -132,7 +114,7 @@ class Scheduler:
         request.params.validate()
         self.check(len(request.prompt_ids), request.params.max_tokens)
         seq = Sequence(next(self._seq_ids), list(request.prompt_ids))
-        state = _State(request, seq)
+        state = RequestState(request, seq)
         self._states[request.request_id] = state
         self._by_seq[seq.seq_id] = state
         self.waiting.append(state)
@@ -188,7 +170,8 @@ class Scheduler:
                                         len(scored))
             return scored
         states = [self._by_seq[c.seq.seq_id] for c in chunks]
-        prefill = sum(c.num_tokens for c, st in zip(chunks, states) if not (c.num_tokens == c.draws and st.num_generated))
+        prefill = sum(c.num_tokens for c, st in zip(chunks, states)  # decode and verifying chunks are not prefill
+                      if not (c.num_tokens == c.draws and st.num_generated))
         self.stats.prefill_tokens += prefill
         start = time.monotonic()
         # a constraint sees only draws that become tokens: not those of prompt chunks short of the prompt's end
@@ -261,7 +244,7 @@ class Scheduler:
             budget -= count
         return chunks
 
-    def _room_for(self, state: _State, count: int, scheduled: set[int]) -> bool:
+    def _room_for(self, state: RequestState, count: int, scheduled: set[int]) -> bool:
         """Reserves the blocks `count` more tokens of a running sequence need, preempting the newest running
         sequences not yet in this step while there are none; False when `state` itself had to go."""
         need = self._blocks_needed(state.seq, count)
@@ -274,23 +257,29 @@ class Scheduler:
                 return False
         return True
 
-    def _admit(self, state: _State, budget: int) -> int:
+    def _admit(self, state: RequestState, budget: int) -> int:
         """Takes the waiting request's prefix-cache hit and reserves its first chunk's blocks when its whole
         sequence fits now; returns the chunk's token count, or 0 to leave it waiting."""
         seq, tokens = state.seq, state.seq.token_ids
         cached_ok = self.cache is not None and not state.scoring  # a cached block has no logits to score
         root = root_for(state.request.lora)  # a block's KV is its adapter's: hits never cross adapters
-        blocks, hashes = self.cache.lookup(tokens, (len(tokens) - 1) // self.block_size, root) if cached_ok \
-            else ([], [])
+        limit = (len(tokens) - 1) // self.block_size  # a prompt token is left to compute, for the logits
+        blocks, hashes = self.cache.lookup(tokens, limit, root) if cached_ok else ([], [])
         if self.snapshots:  # a recurrent layer resumes only where its state was snapshotted
             blocks, hashes = blocks[:(hit := self.snapshots.deepest(hashes))], hashes[:hit]
+        restored = self.host.lookup(tokens, len(blocks), hashes[-1] if hashes else root, limit) \
+            if self.host is not None and cached_ok else []
         evictable = self.cache.num_evictable - self.cache.count_evictable(blocks) if self.cache else 0
         available = self.allocator.num_free - self._reserved + evictable
         if self.allocator.blocks_for(len(tokens)) - len(blocks) > available or not self._take_adapter(state):
             return 0
-        cached = len(blocks) * self.block_size
         if self.cache:
             self.cache.acquire(blocks)
+        if restored:
+            blocks = blocks + self.host.bring_back(restored, self.cache, self.allocator, self._reserved)
+            hashes = hashes + restored
+        cached = len(blocks) * self.block_size
+        if self.cache:
             self.cache.record_query(len(tokens), cached)
         seq.table.blocks, seq.num_cached, state.block_hashes = list(blocks), cached, list(hashes)
         if not state.admitted:
@@ -302,17 +291,17 @@ class Scheduler:
         assert self._reserve(self._blocks_needed(seq, count)), "admission checked that the sequence fits"
         return count
 
-    def _take_adapter(self, state: _State) -> bool:
+    def _take_adapter(self, state: RequestState) -> bool:
         """A LoRA table slot holding the request's adapter; False while other adapters' sequences hold them all."""
         slot = self.lora.acquire(state.request.lora) if state.request.lora is not None else -1
         state.seq.lora_slot = -1 if slot is None else slot
         return slot is not None
 
-    def _chunk(self, state: _State, count: int) -> int:
+    def _chunk(self, state: RequestState, count: int) -> int:
         """A prompt chunk of a model with state snapshots ends on a block boundary where it crosses one."""
         return chunk_to_boundary(state.seq.num_cached, count, self.block_size) if self.snapshots else count
 
-    def _reserve_drafts(self, state: _State) -> Callable[[int], bool]:
+    def _reserve_drafts(self, state: RequestState) -> Callable[[int], bool]:
         """Whether the blocks of `count` drafts after the state's decode token can be had without preempting."""
         seq = state.seq
         return lambda count: self._reserve(self._blocks_needed(seq, 1 + count) - self._blocks_needed(seq, 1))
@@ -330,17 +319,17 @@ class Scheduler:
         self._reserved += need
         return True
 
-    def _preempt(self, state: _State) -> None:
+    def _preempt(self, state: RequestState) -> None:
         self._stop(state)
         self._free(state)
         self.waiting.appendleft(state)
         self.stats.preemptions += 1
 
-    def _stop(self, state: _State) -> None:
+    def _stop(self, state: RequestState) -> None:
         self.running.remove(state)
         self.waiting.stopped(state)
 
-    def _free(self, state: _State) -> None:
+    def _free(self, state: RequestState) -> None:
         """Cached blocks lose a reference and stay cached; the sequence's own blocks go back to the pool."""
         if self.cache:
             state.seq.table.blocks = self.cache.release(state.seq.table.blocks)
@@ -352,7 +341,7 @@ class Scheduler:
             self.lora.release(state.seq.lora_slot)
             state.seq.lora_slot = -1
 
-    def _forget(self, state: _State) -> None:
+    def _forget(self, state: RequestState) -> None:
         del self._states[state.request.request_id], self._by_seq[state.seq.seq_id]
 
     # --- after the step --------------------------------------------------------------------------------------
@@ -381,7 +370,7 @@ class Scheduler:
                     break
         return outputs
 
-    def _append(self, state: _State, token: int, logprobs: dict[int, float] | None, now: float) -> TokenOutput:
+    def _append(self, state: RequestState, token: int, logprobs: dict[int, float] | None, now: float) -> TokenOutput:
         params, seq = state.request.params, state.seq
         seq.token_ids.append(token)
         state.num_generated += 1

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pegainfer.runtime.scheduler import _State
+    from pegainfer.runtime.request_state import RequestState
 
 
 class WaitingQueue:
@@ -18,8 +18,8 @@ class WaitingQueue:
     that group in O(log n); entries a change made outdated stay in it and are dropped when they reach the top."""
 
     def __init__(self) -> None:
-        self._resumed: deque[_State] = deque()
-        self._groups: dict[str | int, deque[_State]] = {}  # never-admitted requests by group, in arrival order
+        self._resumed: deque[RequestState] = deque()
+        self._groups: dict[str | int, deque[RequestState]] = {}  # never-admitted requests by group, in arrival order
         self._running: dict[str | int, int] = {}  # running sequences by group; absent: none
         self._heap: list[tuple[int, int, str | int]] = []
         self._size = 0
@@ -27,30 +27,30 @@ class WaitingQueue:
     def __len__(self) -> int:
         return self._size
 
-    def __iter__(self) -> Iterator[_State]:
+    def __iter__(self) -> Iterator[RequestState]:
         """Resumed ones first, then the rest in arrival order (for inspection: admission also weighs groups)."""
         yield from self._resumed
         yield from heapq.merge(*self._groups.values(), key=lambda state: state.seq.seq_id)
 
-    def __getitem__(self, index: int) -> _State:
+    def __getitem__(self, index: int) -> RequestState:
         for i, state in enumerate(self):
             if i == index:
                 return state
         raise IndexError(f"waiting index {index} is out of range: {self._size} requests are waiting")
 
-    def append(self, state: _State) -> None:
+    def append(self, state: RequestState) -> None:
         queue = self._groups.setdefault(state.group, deque())
         queue.append(state)
         self._size += 1
         if len(queue) == 1:
             self._push(state.group)
 
-    def appendleft(self, state: _State) -> None:
+    def appendleft(self, state: RequestState) -> None:
         """A preempted sequence: it resumes before any new request."""
         self._resumed.appendleft(state)
         self._size += 1
 
-    def peek(self) -> _State | None:
+    def peek(self) -> RequestState | None:
         """The request admission takes next, or None when none waits."""
         if self._resumed:
             return self._resumed[0]
@@ -62,7 +62,7 @@ class WaitingQueue:
             heapq.heappop(self._heap)
         return None
 
-    def popleft(self) -> _State:
+    def popleft(self) -> RequestState:
         """Takes the request `peek` names."""
         state = self.peek()
         assert state is not None, "popleft on an empty waiting queue"
@@ -75,7 +75,7 @@ class WaitingQueue:
         self._size -= 1
         return state
 
-    def remove(self, state: _State) -> None:
+    def remove(self, state: RequestState) -> None:
         if state.admitted:  # preempted: only admitted requests ever are
             self._resumed.remove(state)
         else:
@@ -83,12 +83,12 @@ class WaitingQueue:
             self._settle(state.group)
         self._size -= 1
 
-    def started(self, state: _State) -> None:
+    def started(self, state: RequestState) -> None:
         """`state` joined the running batch: its group's later requests weigh one more running sequence."""
         self._running[state.group] = self._running.get(state.group, 0) + 1
         self._push(state.group)
 
-    def stopped(self, state: _State) -> None:
+    def stopped(self, state: RequestState) -> None:
         group = state.group
         left = self._running[group] - 1
         if left:

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Callable, TextIO
 
 from pegainfer import argtypes
 from pegainfer.errors import PegainferError
-from pegainfer.server.engines import (CPU_KV_TOKENS, KV_BLOCK_SIZE, add_lora_args, add_parallel_args,
-                                      add_speculative_arg, build_engine, engine_thread_init, lora_config)
+from pegainfer.server.engines import (CPU_KV_TOKENS, KV_BLOCK_SIZE, add_lora_args, add_offload_arg, add_parallel_args,
+                                      add_speculative_arg, build_engine, engine_thread_init, host_tier, lora_config)
 
 if TYPE_CHECKING:  # the serving stack is imported inside the functions: `pegainfer --help` stays fast
     from pegainfer.frontends.load import LoadedModel
@@ -86,6 +86,7 @@ def add_serve(commands) -> None:
     add_parallel_args(p)
     add_speculative_arg(p)
     add_lora_args(p)
+    add_offload_arg(p)
     p.add_argument("--cache-dir", type=Path, default=None,
                    help="cubin cache (see pegainfer compile); kernels missing there are compiled at start when "
                         "the compile extra is installed")
@@ -223,7 +224,8 @@ def start_serving(args: argparse.Namespace, trace: TextIO | None, listener: sock
         speculator = make_speculator(speculative, model, device, allocator.num_blocks * allocator.block_size,
                                      args.max_num_seqs, args.dtype, engine)
     lora_slots, lora, lora_paths = serve_adapters(args, engine)
-    scheduler = Scheduler(engine, tokenizer.eos_token_ids, config, speculator, lora_slots)
+    host = host_tier(args, engine, device)
+    scheduler = Scheduler(engine, tokenizer.eos_token_ids, config, speculator, lora_slots, host)
     loop = EngineLoop(scheduler, engine_thread_init(engine), trace).start()
     ranks_note = ""
     if hasattr(engine, "watch"):  # a sharded engine: a worker rank's death fails the loop even between steps
@@ -246,6 +248,8 @@ def start_serving(args: argparse.Namespace, trace: TextIO | None, listener: sock
         f"; speculative decoding: {speculative.method}, {speculative.num_speculative_tokens} tokens"
     if lora is not None:
         spec_note += f"; LoRA adapters {', '.join(lora_paths) or '(none yet)'} in {args.max_loras} slots"
+    if host is not None:
+        spec_note += f"; host KV tier of {host.capacity} blocks"
 
     def ready_line() -> str:
         ctx.metrics.startup_seconds = process_age()

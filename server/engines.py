@@ -38,6 +38,27 @@ def add_parallel_args(p: argparse.ArgumentParser, executor: bool = True) -> None
                             "actors placed across the Ray cluster (`ray start`; RAY_ADDRESS, else a local one)")
 
 
+def add_offload_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-offload-gb", type=float, default=0.0, metavar="GIB",
+                   help="host memory for a second tier of the prefix cache: full cached blocks the KV pool evicts "
+                        "are kept there and copied back on a later hit instead of recomputed (default 0: none)")
+
+
+def host_tier(args: argparse.Namespace, engine, device: str):
+    """--kv-offload-gb's tier over the engine's KV pool, or None; refused where it cannot serve."""
+    if args.kv_offload_gb <= 0:
+        return None
+    if device != "cpu" or args.tensor_parallel_size > 1:
+        raise PegainferError("--kv-offload-gb runs on the CPU engine of one rank for now: the GPU's block copies to "
+                             "pinned host memory are not wired yet (use --device cpu)")
+    if not args.prefix_cache or engine.allocator.state_slots:
+        raise PegainferError("--kv-offload-gb keeps prefix-cache blocks: it needs the prefix cache, and a model "
+                             "without recurrent layers")
+    from pegainfer.runtime.host_tier import HostTier, host_capacity
+
+    return HostTier(engine, host_capacity(args.kv_offload_gb, engine.kv_bytes_per_block()), KV_BLOCK_SIZE)
+
+
 def add_lora_args(p: argparse.ArgumentParser) -> None:
     """vLLM's LoRA flags."""
     p.add_argument("--enable-lora", action="store_true",

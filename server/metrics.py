@@ -132,6 +132,8 @@ class Metrics:
                   "# TYPE vllm:request_success_total counter"]
         lines += [f'vllm:request_success_total{{{self.labels},finished_reason="{reason}"}} {count}'
                   for reason, count in self.finished.items()]
+        if scheduler.host is not None:
+            lines += host_tier_lines(scheduler.host, self.labels)
         if scheduler.speculator is not None:
             lines += spec_decode_lines(stats, self.labels, scheduler.speculator.config.num_speculative_tokens)
         lines += ["# HELP vllm:cache_config_info Information of the KV cache's configuration.",
@@ -157,6 +159,23 @@ class Metrics:
         info = {**self.cache_info, "block_size": allocator.block_size, "num_gpu_blocks": allocator.num_blocks,
                 "enable_prefix_caching": scheduler.cache is not None}
         return ",".join(f'{name}="{escape(str(value))}"' for name, value in sorted(info.items()))
+
+
+def host_tier_lines(host, labels: str) -> list[str]:
+    """The host KV tier (runtime/host_tier.py): its size and use, blocks copied down and back, tokens it served."""
+    lines = []
+    for name, kind, help_text, value in (
+            ("pegainfer:host_kv_blocks_total", "gauge", "Blocks of the host KV tier.", host.capacity),
+            ("pegainfer:host_kv_blocks_used", "gauge", "Host blocks holding an evicted cached block.", host.used),
+            ("pegainfer:host_kv_offloaded_blocks_total", "counter", "Cached blocks copied down to the host.",
+             host.offloaded),
+            ("pegainfer:host_kv_restored_blocks_total", "counter", "Host blocks copied back on a prefix hit.",
+             host.restored),
+            ("pegainfer:host_kv_hit_tokens_total", "counter", "Prompt tokens served from host blocks.", host.hits),
+            ("pegainfer:host_kv_restore_seconds_total", "counter", "Time copying host blocks back.",
+             round(host.restore_seconds, 6))):
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name}{{{labels}}} {value}"]
+    return lines
 
 
 def spec_decode_lines(stats, labels: str, positions: int) -> list[str]:

@@ -1,0 +1,114 @@
+"""A host-memory tier under the prefix cache (--kv-offload-gb): a full cached block the device pool evicts is
+copied into a pool of host blocks first, findable by the same hash chain; a later prefix hit past the device's
+cached blocks takes these, each copied back into a fresh device block before the sequence's first step, instead
+of recomputing them. Host blocks are reused least recently used first. The engines give the copies: the CPU
+engine's are NumPy copies between two pools of arrays."""
+
+import time
+from collections import OrderedDict
+from collections.abc import Sequence as Seq
+from typing import Protocol
+
+from pegainfer.errors import PegainferError
+from pegainfer.runtime.kv_blocks import BlockAllocator, BlockTable
+from pegainfer.runtime.prefix_cache import PrefixCache, chain_hashes
+
+GIB = 1 << 30
+
+
+class BlockCopies(Protocol):
+    """What an engine offers the tier: its KV bytes a block, and block copies between the device pool and a host
+    pool of `host_blocks` blocks it allocates on first use."""
+
+    def kv_bytes_per_block(self) -> int: ...
+
+    def offload_block(self, device_block: int, host_block: int, host_blocks: int) -> None: ...
+
+    def restore_block(self, host_block: int, device_block: int) -> None: ...
+
+
+class HostTier:
+    def __init__(self, engine: BlockCopies, capacity: int, block_size: int) -> None:
+        self.engine, self.capacity, self.block_size = engine, capacity, block_size
+        self._block_of: OrderedDict[bytes, int] = OrderedDict()  # hash -> host block, least recently used first
+        self._free = list(range(capacity - 1, -1, -1))
+        self.offloaded = 0  # blocks copied down
+        self.restored = 0  # blocks copied back
+        self.restore_seconds = 0.0
+        self.hits = 0  # prompt tokens found here past the device's own hits
+        self.pinned: set[bytes] = set()  # blocks about to be restored: never the ones a copy-down replaces
+
+    @property
+    def used(self) -> int:
+        return len(self._block_of)
+
+    def keep(self, block_hash: bytes, device_block: int) -> None:
+        """Copies down a cached block the device pool is about to reuse (before it is written again)."""
+        if block_hash in self._block_of:
+            self._block_of.move_to_end(block_hash)
+            return
+        if self._free:
+            host = self._free.pop()
+        else:
+            victim = next((h for h in self._block_of if h not in self.pinned), None)
+            if victim is None:
+                return  # every host block is about to be restored: this one is not kept
+            host = self._block_of.pop(victim)
+        self.engine.offload_block(device_block, host, self.capacity)
+        self._block_of[block_hash] = host
+        self.offloaded += 1
+
+    def lookup(self, token_ids: Seq[int], start_block: int, parent: bytes, max_blocks: int) -> list[bytes]:
+        """The hashes of the host blocks that continue a prefix hit from block `start_block` (whose parent hash is
+        `parent`), at most up to `max_blocks`."""
+        found = []
+        for block in range(start_block, min(max_blocks, len(token_ids) // self.block_size)):
+            (parent,) = chain_hashes(token_ids, self.block_size, parent, block, block + 1)
+            if parent not in self._block_of:
+                break
+            found.append(parent)
+        return found
+
+    def bring_back(self, hashes: list[bytes], cache: PrefixCache, allocator: BlockAllocator,
+                   reserved: int) -> list[int]:
+        """Fresh device blocks holding the host blocks of `hashes`, cached and held by the caller; the device
+        blocks evicted to make room (beyond `reserved`, already promised) copy down into other host blocks."""
+        self.pinned.update(hashes)
+        short = len(hashes) + reserved - allocator.num_free
+        if short > 0:
+            cache.evict(short)
+        table = BlockTable()
+        allocator.grow(table, len(hashes) * self.block_size)
+        for block_hash, block in zip(hashes, table.blocks):
+            self.restore(block_hash, block)
+            cache.insert(block, block_hash)
+        return table.blocks
+
+    def restore(self, block_hash: bytes, device_block: int) -> None:
+        """Copies a host block back into a device block the caller has just taken for it."""
+        started = time.perf_counter()
+        self._block_of.move_to_end(block_hash)
+        self.engine.restore_block(self._block_of[block_hash], device_block)
+        self.pinned.discard(block_hash)
+        self.restored += 1
+        self.hits += self.block_size
+        self.restore_seconds += time.perf_counter() - started
+
+
+def host_capacity(gib: float, bytes_per_block: int, available: int | None = None) -> int:
+    """Host blocks that --kv-offload-gb buys; refused where the host has not that much memory free."""
+    available = available_host_bytes() if available is None else available
+    wanted = int(gib * GIB)
+    if wanted > available:
+        raise PegainferError(f"--kv-offload-gb {gib:g} asks for {wanted / GIB:.1f} GiB of host memory; "
+                             f"{available / GIB:.1f} GiB is available")
+    return wanted // bytes_per_block
+
+
+def available_host_bytes() -> int:
+    """MemAvailable from /proc/meminfo (what can be had without swapping)."""
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise PegainferError("cannot read the host's available memory (/proc/meminfo has no MemAvailable)")

@@ -1,0 +1,130 @@
+"""The host KV tier on the CPU engine: a prefix the device pool had to evict is copied back from host blocks instead
+of recomputed, giving a cold run's tokens and logprobs; under pressure on both tiers with random aborts every output
+equals the request alone and every block of both tiers ends free or cached; a tier past the host's memory is
+refused with the numbers."""
+
+import numpy as np
+import pytest
+
+from pegainfer.errors import PegainferError
+from pegainfer.frontends.load import load_model
+from pegainfer.runtime.host_tier import GIB, HostTier, host_capacity
+from pegainfer.runtime.reference_engine import ReferenceEngine
+from pegainfer.runtime.requests import EngineRequest
+from pegainfer.runtime.sampler import SamplingParams
+from pegainfer.runtime.scheduler import Scheduler, SchedulerConfig
+
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def model(tiny_checkpoint):
+    return load_model(tiny_checkpoint)
+
+
+def make(model, device_tokens: int, host_blocks: int, max_seqs: int = 4):
+    engine = ReferenceEngine(model, max_tokens=device_tokens, block_size=BLOCK, max_seqs=max_seqs)
+    host = HostTier(engine, host_blocks, BLOCK) if host_blocks else None
+    config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=256, max_model_len=256)
+    return Scheduler(engine, frozenset(), config, host=host), host
+
+
+def finish(scheduler, requests: list[EngineRequest]) -> dict[str, list]:
+    for request in requests:
+        scheduler.add(request)
+    out: dict[str, list] = {r.request_id: [] for r in requests}
+    while scheduler.has_work():
+        for token in scheduler.step():
+            out[token.request_id].append((token.token_id, token.logprobs, token.num_cached_tokens))
+    return out
+
+
+def request(name: str, prompt: list[int], tokens: int = 6) -> EngineRequest:
+    return EngineRequest(name, prompt, SamplingParams(max_tokens=tokens, ignore_eos=True, logprobs=3))
+
+
+def test_an_evicted_prefix_comes_back_from_host_blocks_with_a_cold_runs_tokens(model):
+    rng = np.random.default_rng(0)
+    shared = rng.integers(0, 500, 64).tolist()  # 16 blocks: the device pool holds 20
+    first = request("first", shared + [1, 2, 3])
+    filler = request("filler", rng.integers(0, 500, 70).tolist())  # evicts the shared prefix from the device
+    second = request("second", shared + [7, 8])
+    scheduler, host = make(model, device_tokens=80, host_blocks=64)
+    finish(scheduler, [first])
+    finish(scheduler, [filler])
+    assert host.offloaded >= 16
+    found = finish(scheduler, [second])["second"]
+    assert found[0][2] == 64  # the whole prefix counted cached: only the tail computed
+    assert host.restored >= 12  # most of it from host blocks (the device may still hold its head)
+    cold, _ = make(model, device_tokens=4096, host_blocks=0)
+    expected = finish(cold, [request("second", shared + [7, 8])])["second"]
+    assert [t for t, _, _ in found] == [t for t, _, _ in expected]
+    for (_, mine, _), (_, theirs, _) in zip(found, expected):
+        np.testing.assert_allclose(list(mine.values()), list(theirs.values()), rtol=1e-4, atol=1e-4)  # chunking
+
+
+def test_both_tiers_under_pressure_with_aborts_give_every_request_its_own_output(model):
+    """40 requests over 3 random prefixes, some aborted after a step or two; a device pool of 24 blocks and a host
+    tier of 12, so blocks pass down, back up and out of both."""
+    rng = np.random.default_rng(1)
+    prefixes = [rng.integers(0, 500, int(n)).tolist() for n in (24, 36, 16)]
+    work = [request(f"r{i}", prefixes[i % 3] + rng.integers(0, 500, int(rng.integers(1, 9))).tolist(),
+                    int(rng.integers(2, 8))) for i in range(40)]
+    aborted = {f"r{i}" for i in rng.choice(40, 8, replace=False)}
+    scheduler, host = make(model, device_tokens=96, host_blocks=12, max_seqs=3)
+    for r in work:
+        scheduler.add(r)
+    out: dict[str, list[int]] = {r.request_id: [] for r in work}
+    steps = 0
+    while scheduler.has_work():
+        for token in scheduler.step():
+            out[token.request_id].append(token.token_id)
+        steps += 1
+        for name in [n for n in aborted if out[n]]:  # an aborted request goes after its first token
+            scheduler.abort(name)
+            aborted.discard(name)
+    assert host.restored > 0 and host.offloaded > host.capacity
+    for r in work:
+        cold, _ = make(model, device_tokens=4096, host_blocks=0)
+        (alone,) = finish(cold, [request(r.request_id, r.prompt_ids, r.params.max_tokens)]).values()
+        expected = [t for t, _, _ in alone]
+        assert out[r.request_id] == expected[:len(out[r.request_id])], r.request_id
+    cache, allocator = scheduler.cache, scheduler.allocator
+    assert allocator.num_free + cache.num_evictable == allocator.num_blocks  # device: every block free or cached
+    assert host.used <= host.capacity and not host.pinned  # host: every block cached, none left pinned
+
+
+def test_a_tier_past_the_hosts_memory_is_refused_with_the_numbers():
+    with pytest.raises(PegainferError, match=r"--kv-offload-gb 64 asks for 64.0 GiB of host memory; 8.0 GiB is "
+                                             r"available"):
+        host_capacity(64, 4096, available=8 * GIB)
+    assert host_capacity(1, 4096, available=8 * GIB) == GIB // 4096
+
+
+def test_serve_restores_a_prefix_from_the_host_tier_and_counts_it(tiny_checkpoint, tmp_path):
+    import subprocess
+    import sys
+
+    from live_server import NAME, start_server, stop_server
+
+    server = start_server(tiny_checkpoint, "--kv-cache-tokens", "512", "--kv-offload-gb", "0.01",
+                          log=tmp_path / "serve.log")
+    try:
+        rng = np.random.default_rng(2)
+        shared, filler = rng.integers(3, 500, 320).tolist(), rng.integers(3, 500, 400).tolist()  # 20, 25 blocks
+        client = server.client()
+        answers = [client.completions.create(model=NAME, prompt=prompt, max_tokens=4, temperature=0,
+                                             extra_body={"ignore_eos": True})
+                   for prompt in (shared + [1], filler, shared + [2])]
+        metrics = server.metrics()
+        assert metrics["pegainfer:host_kv_restored_blocks_total"] > 0
+        assert answers[2].usage.prompt_tokens_details.cached_tokens == 320
+        assert metrics["pegainfer:host_kv_hit_tokens_total"] >= 160  # the rest still on the device
+        assert "host KV tier of" in server.log.read_text()
+    finally:
+        stop_server(server)
+    refused = subprocess.run([sys.executable, "-m", "pegainfer.cli", "serve", "--model-path", str(tiny_checkpoint),
+                              "--device", "cpu", "--kv-offload-gb", "100000"], capture_output=True, text=True,
+                             timeout=60)
+    assert refused.returncode != 0
+    assert "--kv-offload-gb 100000 asks for 100000.0 GiB of host memory" in refused.stderr.strip().splitlines()[-1]
