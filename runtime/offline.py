@@ -47,10 +47,11 @@ def generate_one(model_path: Path | str, params: SamplingParams, *, prompt: str 
     reach = len(ids) + params.max_tokens  # the most tokens the sequence can hold: what the KV pool is sized for
     tokens = min(reach, max_model_len or reach)
     spares = int(config is not None)  # a speculating sequence's recurrent state to roll back to
-    engine = _engine(model, device, tokens, cache_dir, spares) if not sharding.sharded else \
+    drafts = config.num_speculative_tokens if config else 0
+    engine = _engine(model, device, tokens, cache_dir, spares, drafts) if not sharding.sharded else \
         start_sharded_engine(RankSpec(str(folder), parallel.size, parallel.expert_parallel, dtype, device, quantization,
                                       kv_cache_dtype, tokens, max_seqs=1, spare_states=spares,
-                                      gpu=_gpu_options(tokens) if device == "cuda" else None,
+                                      gpu=_gpu_options(tokens, spares, drafts) if device == "cuda" else None,
                                       cache_dir=cache_dir and str(cache_dir)), parallel.backend, model)
     eos = tokenizer.eos_token_ids if tokenizer else eos_token_ids(folder)
     speculator = config and make_speculator(config, model, device, tokens, 1, dtype, engine)
@@ -73,16 +74,17 @@ def generate_one(model_path: Path | str, params: SamplingParams, *, prompt: str 
     }
 
 
-def _engine(model: LoadedModel, device: str, tokens: int, cache_dir: Path | None, spares: int):
+def _engine(model: LoadedModel, device: str, tokens: int, cache_dir: Path | None, spares: int, drafts: int):
     if device == "cpu":
         return ReferenceEngine(model, max_tokens=tokens, max_seqs=1, spare_states=spares)
     from pegainfer.runtime.gpu.start import gpu_engine
 
-    return gpu_engine(model, _gpu_options(tokens), cache_dir)
+    return gpu_engine(model, _gpu_options(tokens, spares, drafts), cache_dir)
 
 
-def _gpu_options(tokens: int):
-    """The GPU engine's sizes for one sequence that reaches `tokens` tokens."""
+def _gpu_options(tokens: int, spares: int = 0, drafts: int = 0):
+    """The GPU engine's sizes for one sequence that reaches `tokens` tokens (and verifies `drafts` at a time)."""
     from pegainfer.runtime.gpu.engine import EngineOptions
 
-    return EngineOptions(max_tokens=max(tokens, 16), max_batch=8, max_model_len=tokens + 16, kv_tokens=tokens + 16)
+    return EngineOptions(max_tokens=max(tokens, 16), max_batch=8, max_model_len=tokens + 16, kv_tokens=tokens + 16,
+                         spare_states=spares, max_samples=8 * (drafts + 1))

@@ -74,11 +74,11 @@ def make_speculator(config: SpeculativeConfig, target: LoadedModel, device: str,
                     max_seqs: int, dtype: str = "auto", engine: ReferenceEngine | None = None) -> Speculator:
     """The proposer a config names, its draft model loaded beside the target (same vocabulary, else one line); a
     head that reads the target's hidden states has `engine` (the target's) give them from now on."""
-    if device != "cpu":
-        raise ConfigError("--speculative-config on cuda is not wired into the GPU engine yet: speculate with "
-                          "--device cpu")
     if config.method == "ngram":
         return Speculator(config, NgramProposer(config))
+    if device != "cpu":
+        raise ConfigError(f"--speculative-config: method {config.method} runs on the CPU engine for now (its "
+                          f"drafter's GPU engine is not wired yet); on cuda use ngram")
     draft_tokens = kv_tokens + max_seqs * config.num_speculative_tokens
     if config.method == "eagle3":
         head = load_draft_head(resolve_checkpoint(config.model).folder, target)

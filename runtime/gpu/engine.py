@@ -50,6 +50,8 @@ class EngineOptions:
     cuda_graphs: bool = True
     pdl_max_tokens: int = PDL_MAX_TOKENS  # programmatic dependent launch for steps of at most this many tokens
     state_snapshots: int | None = None  # recurrent state rows kept for the prefix cache; None: max_batch
+    spare_states: int = 0  # recurrent state rows speculating sequences roll back to (runtime/spec_steps.py)
+    max_samples: int = 0  # rows of logits a step draws at most, past one a sequence (speculation); 0: max_batch
     device: int = 0  # the CUDA device's ordinal (a rank's GPU)
 
 
@@ -76,17 +78,17 @@ class GpuEngine:
         self.communicator = communicator
         lowered, _ = lower(model.spec.graph)
         limits = Limits(options.max_tokens, options.max_batch, -(-options.max_model_len // options.block_size),
-                        0, options.block_size)
+                        0, options.block_size, max_samples=options.max_samples)
         self.executor = GpuExecutor(self.ctx, lowered, manifest, model.weights, limits, communicator)
         slots = options.max_batch + PADDING_SLOT + 1 if has_recurrent_state(lowered) else 0  # one per sequence
         snapshots = options.max_batch if options.state_snapshots is None else options.state_snapshots
         if slots:
-            self.executor.allocate_state_pools(slots + snapshots)
+            self.executor.allocate_state_pools(slots + snapshots + options.spare_states)
         num_blocks = self._kv_blocks()
         self.executor.allocate_kv(num_blocks)
         self._slots = (slots, snapshots)
         self.allocator = BlockAllocator(num_blocks, options.block_size, reserved=PADDING_BLOCK + 1,
-                                        state_slots=slots, snapshot_slots=snapshots)
+                                        state_slots=slots, snapshot_slots=snapshots, spare_slots=options.spare_states)
         self.executor.pdl_max_tokens = options.pdl_max_tokens
         self.buckets = decode_buckets(options.max_batch)
         self.graphs: dict[tuple[int, bool], tuple[tuple[driver.Graph, ...], dict]] = {}  # (bucket, split)
@@ -115,7 +117,8 @@ class GpuEngine:
             raise PegainferError(f"limit_kv_blocks({num_blocks}): expected 2 .. {self.kv_blocks} blocks (this "
                                  f"engine's pool, the padding block included)")
         self.allocator = BlockAllocator(num_blocks, self.options.block_size, reserved=PADDING_BLOCK + 1,
-                                        state_slots=self._slots[0], snapshot_slots=self._slots[1])
+                                        state_slots=self._slots[0], snapshot_slots=self._slots[1],
+                                        spare_slots=self.options.spare_states)
 
     def step(self, chunks: list[Chunk], *, all_logits: bool = False) -> np.ndarray:
         """Runs one step and returns float32 logits, one row per chunk (or per token with all_logits)."""
@@ -151,7 +154,7 @@ class GpuEngine:
             launched()
         fetched = download()
         logits = outputs[self.executor.graph.outputs[0]]
-        return finish({role: array[: len(chunks)] for role, array in zip(wanted, fetched)}, sampling, params,
+        return finish({role: array[: len(params)] for role, array in zip(wanted, fetched)}, sampling, params,
                       lambda row: self.executor.fetch(logits.row(row))[0].astype(np.float32), constraints, masks,
                       penalized)
 

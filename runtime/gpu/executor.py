@@ -43,9 +43,14 @@ class Limits:
     mask_words: int = 1  # words of a grammar bitmask row: the logits' width over 32 (the executor sets it)
     penalties: int = PENALTY_ENTRIES  # penalty entries of one step (rows past them are drawn on the host)
     state_slots: int = 0  # rows of each recurrent state pool (a model with recurrent layers)
+    max_samples: int = 0  # rows of logits one step draws, where more than a row a sequence (speculation); 0: batch
+
+    @property
+    def samples(self) -> int:
+        return self.max_samples or self.max_batch
 
     def sizes(self) -> dict[str, int]:
-        return {"tokens": self.max_tokens, "batch": self.max_batch, "samples": self.max_batch, "masks": self.max_batch,
+        return {"tokens": self.max_tokens, "batch": self.max_batch, "samples": self.samples, "masks": self.samples,
                 "mask_words": self.mask_words, "max_blocks": self.max_blocks_per_seq, "num_blocks": self.num_blocks,
                 "block_size": self.block_size, "max_query_len": self.max_tokens, "penalties": self.penalties,
                 SLOT_POOL: self.state_slots}
@@ -205,7 +210,7 @@ class GpuExecutor:
 
     def _check(self, sizes: dict[str, int]) -> None:
         for name, limit in (("tokens", self.limits.max_tokens), ("batch", self.limits.max_batch),
-                            ("samples", self.limits.max_batch)):
+                            ("samples", self.limits.samples)):
             if sizes[name] > limit:
                 raise PegainferError(f"a step of {sizes[name]} {name} exceeds this engine's {limit}")
 
