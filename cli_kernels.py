@@ -61,6 +61,10 @@ def add_compile(commands) -> None:
                    "kernels are for GPUs)"))
     add_quantization_args(p)
     add_parallel_args(p)
+    p.add_argument("--enable-lora", action="store_true", help="the kernels of the model with LoRA tables, as "
+                   "`serve --enable-lora` runs it (with --max-loras and --max-lora-rank)")
+    p.add_argument("--max-loras", type=positive_int, default=1, help="with --enable-lora (default 1)")
+    p.add_argument("--max-lora-rank", type=positive_int, default=16, help="with --enable-lora (default 16)")
     p.add_argument("--dump-after", metavar="PASS", help="write the graph after PASS (or after each: all); with "
                    "--tensor-parallel-size, rank 0's")
     p.add_argument("--dump-dir", type=Path, default=Path("pegainfer-dumps"),
@@ -287,6 +291,13 @@ def run_compile(args: argparse.Namespace) -> int:
     specs = [load_spec(resolve_config_path(args.model), dtype=args.dtype, device="cuda",
                        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, parallel=p)
              for p in parallel]
+    if args.enable_lora:
+        from dataclasses import replace
+
+        from pegainfer.frontends.lora import LoraConfig, with_lora
+
+        config = LoraConfig(args.max_loras, args.max_lora_rank)
+        specs = [replace(s, graph=with_lora(s.graph, config)) for s in specs]
     spec, sms = specs[0], sms or _visible_sm()
     if args.dump_after:
         written = _write_dumps(_records(args, parallel[0], dtype=args.dtype, device="cuda"), args.dump_dir,

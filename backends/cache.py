@@ -43,13 +43,24 @@ def model_id(spec: Any) -> str:
                   if n.op == "dequantize"})
     fp8_kv = has_fp8_cache(spec.graph)
     shards = sorted((name, s.axis, s.start, s.stop, s.pad) for name, s in spec.graph.checkpoint_shards().items())
-    if fp8 or fp8_kv or shards:
+    lora = lora_tables(spec.graph)
+    if fp8 or fp8_kv or shards or lora:
         named = {"config": named, "fp8": fp8, **({"kv_cache": "fp8"} if fp8_kv else {}),
-                 **({"shards": shards} if shards else {})}
+                 **({"shards": shards} if shards else {}), **({"lora": lora} if lora else {})}
     digest = hashlib.sha256(json.dumps(named, sort_keys=True).encode()).hexdigest()[:12]
     layout = parallel_layout(spec.graph)
     suffix = "" if layout is None else f"-tp{layout[0]}" + (f"-rank{layout[1]}" if layout[1] is not None else "")
+    suffix += f"-lora{lora[0]}x{lora[1]}" if lora else ""
     return f"{spec.architecture}-{digest}{suffix}"
+
+
+def lora_tables(graph: Any) -> tuple[int, int] | None:
+    """(slots, rank) of a graph's LoRA tables (frontends/lora.py), None without them."""
+    for g in graph.all_graphs():
+        for name, t in g.states.items():
+            if name.endswith(".lora_A"):
+                return t.shape[0], t.shape[1]
+    return None
 
 
 def parallel_layout(graph: Any) -> tuple[int, int | None] | None:

@@ -2,6 +2,7 @@
 the CPU, the compiled kernels on the GPU, or rank 0 of a model sharded over processes."""
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -95,9 +96,9 @@ def lora_config(args: argparse.Namespace) -> "LoraConfig | None":
 def build_engine(model: "LoadedModel", device: str, args: argparse.Namespace, max_model_len: int, step_tokens: int):
     """The reference engine on the CPU; on the GPU, the compiled kernels (compiled first if missing)."""
     lora = lora_config(args)
-    if lora is not None and (device != "cpu" or args.tensor_parallel_size > 1):
-        raise PegainferError("--enable-lora runs on the CPU engine of one rank for now: the GPU's LoRA kernels and "
-                             "sharded adapter tables are not wired yet (use --device cpu, --tensor-parallel-size 1)")
+    if lora is not None and args.tensor_parallel_size > 1:
+        raise PegainferError("--enable-lora with --tensor-parallel-size is not implemented yet: the adapters' "
+                             "tables are not sharded (serve LoRA on one rank)")
     if args.tensor_parallel_size > 1:
         return build_sharded_engine(model, device, args, max_model_len, step_tokens)
     if device == "cpu":
@@ -108,8 +109,11 @@ def build_engine(model: "LoadedModel", device: str, args: argparse.Namespace, ma
         return ReferenceEngine(model, max_tokens=tokens, block_size=KV_BLOCK_SIZE, max_seqs=args.max_num_seqs,
                                state_snapshots=state_snapshots(args), spare_states=spare_states(args),
                                graph=with_lora(model.spec.graph, lora) if lora else None)
+    from pegainfer.frontends.lora import with_lora
     from pegainfer.runtime.gpu.start import gpu_engine
 
+    if lora is not None:  # its own manifest: the kernels of the LoRA'd graph (backends/cache.py model_id)
+        model = replace(model, spec=replace(model.spec, graph=with_lora(model.spec.graph, lora)))
     options = gpu_options(args, max_model_len, step_tokens)
     return gpu_engine(model, options, args.cache_dir)  # without --kv-cache-tokens: the KV cache fills the utilization
 

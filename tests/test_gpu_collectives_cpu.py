@@ -283,6 +283,7 @@ def stand_in_engine(monkeypatch, events: list, on_step=None):
     engine.options, engine.buckets = EngineOptions(max_batch=8), decode_buckets(8)
     engine.allocator = BlockAllocator(num_blocks=32, block_size=16, reserved=1)
     engine._slots, engine.no_masks = (0, 0), np.zeros((1, 1), np.int32)
+    engine.model = SimpleNamespace(spec=SimpleNamespace(graph=SimpleNamespace(inputs={})))  # no LoRA tables
     return engine
 
 

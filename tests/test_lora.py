@@ -316,3 +316,21 @@ def test_a_lowered_lora_model_runs_its_generated_kernels_as_the_reference_and_co
             for variant in spec.variants for launch in variant.launches}
     compiled = dict(compile_many(todo, jobs=2, progress=None))
     assert compiled.keys() == todo.keys() and all(result.cubin for result in compiled.values())
+
+
+def test_a_lora_graph_has_its_own_manifest_and_its_padding_rows_take_no_adapter(checkpoint_factory):
+    from dataclasses import replace
+
+    from pegainfer.backends.cache import model_id
+    from pegainfer.frontends.load import load_spec
+    from pegainfer.ir.step import LORA_SLOTS
+    from pegainfer.runtime.batch import Chunk, Sequence, pack_step
+    from pegainfer.runtime.gpu.engine import pad_decode_step
+    from pegainfer.runtime.kv_blocks import BlockAllocator
+
+    spec = load_spec(checkpoint_factory("tiny_tied") / "config.json")
+    plain, tuned = model_id(spec), model_id(replace(spec, graph=with_lora(spec.graph, LoraConfig(4, 32))))
+    assert tuned.endswith("-lora4x32") and tuned.split("-")[1] != plain.split("-")[1]
+    seqs = [Sequence(i, [5, 6], lora_slot=slot) for i, slot in enumerate((2, -1, 0))]
+    step = pack_step([Chunk(s, 1) for s in seqs], BlockAllocator(8, 4), lora=True)
+    assert list(pad_decode_step(step, 8)[LORA_SLOTS]) == [2, -1, 0, -1, -1, -1, -1, -1]

@@ -11,8 +11,9 @@ import numpy as np
 
 from pegainfer.errors import PegainferError
 from pegainfer.frontends.load import LoadedModel
-from pegainfer.ir.step import (PENALTY_COUNT, PENALTY_IDS, PENALTY_START, PENALTY_TERMS, SAMPLING_INPUTS, STATE_SLOTS,
-                               TOKEN_BITMASK, TOKEN_MASK_INDEX, has_recurrent_state, mask_words, sampler_outputs)
+from pegainfer.ir.step import (LORA_SLOTS, PENALTY_COUNT, PENALTY_IDS, PENALTY_START, PENALTY_TERMS, SAMPLING_INPUTS,
+                               STATE_SLOTS, TOKEN_BITMASK, TOKEN_MASK_INDEX, has_recurrent_state, mask_words,
+                               sampler_outputs)
 from pegainfer.passes.pipeline import lower
 from pegainfer.runtime.batch import Chunk, Sequence, commit_step, pack_step, release_sequence
 from pegainfer.runtime.constraint import TokenConstraint
@@ -165,7 +166,7 @@ class GpuEngine:
         and penalties (device_masks, penalty_inputs), uploaded ahead of the sampler tail."""
         decode = self.options.cuda_graphs and not all_logits and all(c.num_tokens == 1 for c in chunks)
         # full-width bitmask rows even when none is used: a captured graph keeps the row stride it was captured with
-        step = pack_step(chunks, self.allocator, all_logits=all_logits) | (sampling or {}) | \
+        step = pack_step(chunks, self.allocator, all_logits=all_logits, lora=self.lora) | (sampling or {}) | \
             {TOKEN_BITMASK: self.no_masks}
         if decode:
             step = pad_decode_step(step, bucket_for(len(chunks), self.buckets))
@@ -230,6 +231,20 @@ class GpuEngine:
     def copy_state(self, src: int, dst: int) -> None:
         self.executor.copy_state_row(src, dst)
 
+    @property
+    def graph(self):
+        """The model's graph as declared (LoRA tables included, frontends/lora.py), before lowering."""
+        return self.model.spec.graph
+
+    @property
+    def lora(self) -> bool:
+        return LORA_SLOTS in self.model.spec.graph.inputs
+
+    def write_lora(self, slot: int, rows: dict[str, np.ndarray]) -> None:
+        """An adapter's rows (frontends/lora.adapter_rows) into one slot of every LoRA table, in stream order."""
+        for name, row in rows.items():
+            self.executor.write_row(name, slot, row)
+
     def release(self, seq: Sequence) -> None:
         release_sequence(self.allocator, seq)
 
@@ -263,6 +278,8 @@ def pad_decode_step(step: dict[str, np.ndarray], bucket: int) -> dict[str, np.nd
             PENALTY_IDS: step[PENALTY_IDS], PENALTY_TERMS: step[PENALTY_TERMS]} if PENALTY_COUNT in step else {}),
         **({STATE_SLOTS: np.concatenate([step[STATE_SLOTS], np.full(extra, PADDING_SLOT, np.int32)])}
            if STATE_SLOTS in step else {}),
+        **({LORA_SLOTS: np.concatenate([step[LORA_SLOTS], np.full(extra, -1, np.int32)])}  # no adapter
+           if LORA_SLOTS in step else {}),
     }
 
 

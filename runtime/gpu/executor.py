@@ -90,6 +90,7 @@ class GpuExecutor:
                 driver.memset(t.ptr, prod(t.shape) * t.dtype.itemsize, ctx.stream)
         self.states: dict[str, DeviceTensor] = {}  # the KV cache: allocate_kv, once the engine knows its size
         self.pools: dict[str, DeviceTensor] = {}  # recurrent state pools: allocate_state_pools
+        self.tables = self._allocate_tables()  # states of fixed shape the runtime fills (LoRA tables), zeroed
         self.profile: list[tuple[str, driver.Event, driver.Event]] | None = None  # set to a list to time launches
         self.pdl_max_tokens = PDL_MAX_TOKENS  # programmatic dependent launch up to this many tokens (0: never)
         self.inputs, self.staging, self.input_region = self._allocate_inputs(sizes)
@@ -98,6 +99,25 @@ class GpuExecutor:
     def kv_bytes_per_block(self) -> int:
         one = {"num_blocks": 1, "block_size": self.limits.block_size}
         return sum(aligned(_nbytes(t, one)) for t in self._states(pooled=False).values())
+
+    def _allocate_tables(self) -> dict[str, DeviceTensor]:
+        tables = {name: t for name, t in self.graph.expanded_states().items()
+                  if all(isinstance(d, int) for d in t.shape)}
+        if not tables:
+            return {}
+        arena = Arena(sum(aligned(_nbytes(t, {})) for t in tables.values()), "tables")
+        allocated = {name: DeviceTensor.contiguous(arena.take(_nbytes(t, {})), t.shape, t.dtype)
+                     for name, t in tables.items()}
+        driver.memset(arena.base, arena.size, self.ctx.stream)
+        return allocated
+
+    def write_row(self, name: str, row: int, array: np.ndarray) -> None:
+        """Row `row` (the first dim) of a table state, from the host, queued on the step's stream."""
+        table = self.tables[name]
+        data = np.ascontiguousarray(array, dtype=table.dtype.np_dtype)
+        size = prod(table.shape[1:]) * table.dtype.itemsize
+        assert data.nbytes == size, f"{name}: a row of {size} bytes, given {data.nbytes}"
+        driver.copy_to_device(table.ptr + row * size, data.view(np.uint8).reshape(-1), self.ctx.stream)
 
     def allocate_state_pools(self, slots: int) -> None:
         """The recurrent layers' state pools, `slots` rows each, zeroed: before the KV cache takes what is left."""
@@ -124,12 +144,13 @@ class GpuExecutor:
         sizes = self.limits.sizes()
         arena = Arena(self.kv_bytes_per_block() * num_blocks, "KV cache")
         self.states = {name: DeviceTensor.contiguous(arena.take(_nbytes(t, sizes)), t.concrete(sizes), t.dtype)
-                       for name, t in self._states(pooled=False).items()} | self.pools
+                       for name, t in self._states(pooled=False).items()} | self.pools | self.tables
         driver.memset(arena.base, arena.size, self.ctx.stream)
 
     def _states(self, pooled: bool) -> dict[str, TensorType]:
-        """The graph's paged states (KV caches), or its pools of per-sequence rows."""
-        return {name: t for name, t in self.graph.expanded_states().items() if (t.shape[0] == SLOT_POOL) == pooled}
+        """The graph's paged states (KV caches), or its pools of per-sequence rows (tables of fixed shape apart)."""
+        return {name: t for name, t in self.graph.expanded_states().items()
+                if (t.shape[0] == SLOT_POOL) == pooled and not all(isinstance(d, int) for d in t.shape)}
 
     def _load_functions(self, folder: Path) -> dict[str, tuple]:
         functions = {}
