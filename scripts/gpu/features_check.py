@@ -1,0 +1,160 @@
+"""LoRA adapters and n-gram speculation on the GPU engine, against the CPU engine doing the same, on a small random
+Qwen3 (bf16): rows of an adapter and of the base model batched in one engine (prefill, then decode through CUDA
+graphs), and greedy decoding with drafts verified in eager steps against decoding without them. Prints a table
+last; every number also goes to $OUT/features.json.
+
+On this (CPU) machine, once:  .venv/bin/python scripts/gpu/features_check.py prepare
+  (the checkpoint in .gpu/feat_small, a PEFT adapter in .gpu/feat_adapter, the base and LoRA manifests in
+  .gpu/cache_feat: all git-ignored)
+On the GPU machine, carrying [".gpu/feat_small", ".gpu/feat_adapter", ".gpu/cache_feat"]:
+  . scripts/gpu/env.sh && PEGAINFER_CACHE=$PWD/.gpu/cache_feat python3 scripts/gpu/features_check.py run
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+SMALL, ADAPTER, CACHE = Path(".gpu/feat_small"), Path(".gpu/feat_adapter"), Path(".gpu/cache_feat")
+SHAPE = {"hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 4, "num_attention_heads": 8,
+         "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1000}
+LORA = (2, 16)  # slots, rank
+
+
+def prepare(python: str) -> None:
+    def run(*args: str) -> None:
+        print("+", " ".join(args), flush=True)
+        subprocess.run(args, check=True)
+    sets = [f"--set={key}={value}" for key, value in SHAPE.items()]
+    run(python, "-m", "pegainfer.cli", "make-checkpoint", str(SMALL), "--dtype", "bfloat16", "--seed", "3", *sets)
+    make_adapter()
+    for extra in ([], ["--enable-lora", "--max-loras", str(LORA[0]), "--max-lora-rank", str(LORA[1])]):
+        run(python, "-m", "pegainfer.cli", "compile", str(SMALL), "--sm", "90", "--backends", "triton",
+            "--cache-dir", str(CACHE), *extra)
+
+
+def make_adapter() -> None:
+    """A PEFT adapter of rank 16 on every projection, A and B random (PEFT starts B at zero)."""
+    here = Path(__file__).parent.resolve()  # its kernels.py would shadow the package transformers imports
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
+    import peft
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(SMALL, dtype=torch.float32)
+    tuned = peft.get_peft_model(model, peft.LoraConfig(r=LORA[1], lora_alpha=2 * LORA[1], target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    generator = torch.Generator().manual_seed(7)
+    for name, param in tuned.named_parameters():
+        if "lora_" in name:
+            param.data = torch.randn(param.shape, generator=generator) * (0.3 / np.sqrt(param.shape[-1]))
+    tuned.save_pretrained(ADAPTER)
+
+
+def serve(engine, work: list, lora=None, speculator=None) -> tuple[dict, object]:
+    from pegainfer.runtime.requests import EngineRequest
+    from pegainfer.runtime.sampler import SamplingParams
+    from pegainfer.runtime.scheduler import Scheduler, SchedulerConfig
+
+    scheduler = Scheduler(engine, frozenset(), SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512,
+                                                               max_model_len=512, prefix_cache=False),
+                          speculator, lora)
+    for i, (prompt, adapter) in enumerate(work):
+        scheduler.add(EngineRequest(str(i), prompt, SamplingParams(max_tokens=24, ignore_eos=True, logprobs=3),
+                                    lora=adapter))
+    out: dict[str, list] = {str(i): [] for i in range(len(work))}
+    while scheduler.has_work():
+        for token in scheduler.step():
+            out[token.request_id].append((token.token_id, token.logprobs))
+    return out, scheduler.stats
+
+
+def compare(found: dict, expected: dict) -> dict:
+    """First disagreeing token of each request (its length where none), and the largest logprob gap before."""
+    first, gap = [], 0.0
+    for key, tokens in expected.items():
+        ours = found[key]
+        agree = next((i for i, (a, b) in enumerate(zip(ours, tokens)) if a[0] != b[0]), len(tokens))
+        first.append(agree)
+        for (_, mine), (_, theirs) in zip(ours[:agree], tokens[:agree]):
+            gap = max(gap, max(abs(mine[t] - theirs[t]) for t in mine.keys() & theirs.keys()))
+    return {"first_disagreement": first, "max_logprob_gap": round(gap, 4)}
+
+
+def check_lora(results: dict) -> None:
+    from pegainfer.frontends.load import load_model
+    from pegainfer.frontends.lora import LoraConfig, read_adapter, with_lora
+    from pegainfer.runtime.gpu.engine import EngineOptions
+    from pegainfer.runtime.gpu.start import gpu_engine
+    from pegainfer.runtime.lora import LoraSlots
+    from pegainfer.runtime.reference_engine import ReferenceEngine
+
+    model = load_model(SMALL, lazy=True, device="cuda")
+    config = LoraConfig(*LORA)
+    tuned = replace(model, spec=replace(model.spec, graph=with_lora(model.spec.graph, config)))
+    rng = np.random.default_rng(0)
+    shared = rng.integers(3, 900, 40).tolist()
+    work = [(shared, "a"), (rng.integers(3, 900, 17).tolist(), None), (rng.integers(3, 900, 29).tolist(), "a"),
+            (shared, None)]
+    engines = {"gpu": gpu_engine(tuned, EngineOptions(max_tokens=512, max_batch=8, max_model_len=512,
+                                                      kv_tokens=8192)),
+               "cpu": ReferenceEngine(replace(tuned, weights=load_model(SMALL).weights), max_tokens=8192,
+                                      graph=tuned.spec.graph)}
+    outputs = {}
+    for name, engine in engines.items():
+        slots = LoraSlots(engine.graph, config, engine.write_lora)
+        slots.register(read_adapter("a", ADAPTER, engine.graph, config))
+        outputs[name], _ = serve(engine, work, slots)
+    results["lora_gpu_vs_cpu"] = compare(outputs["gpu"], outputs["cpu"])
+    results["lora_changes_the_output_ok"] = outputs["gpu"]["0"] != outputs["gpu"]["3"]  # one prompt, with and without
+
+
+def check_speculation(results: dict) -> None:
+    from pegainfer.frontends.load import load_model
+    from pegainfer.runtime.gpu.engine import EngineOptions
+    from pegainfer.runtime.gpu.start import gpu_engine
+    from pegainfer.runtime.proposers import NgramProposer
+    from pegainfer.runtime.speculative import Speculator, parse_speculative_config
+
+    model = load_model(SMALL, lazy=True, device="cuda")
+    config = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 4})
+    rng = np.random.default_rng(1)
+    pattern = rng.integers(3, 900, 12).tolist()
+    work = [(pattern * 4, None), (rng.integers(3, 900, 30).tolist(), None), (pattern[:5] * 6, None)]
+    options = EngineOptions(max_tokens=512, max_batch=8, max_model_len=512, kv_tokens=8192, max_samples=8 * 5)
+    plain, _ = serve(gpu_engine(model, options), work)
+    drafted, stats = serve(gpu_engine(model, options), work, speculator=Speculator(config, NgramProposer(config)))
+    results["ngram_gpu_vs_plain_gpu"] = compare(drafted, plain)
+    results["ngram_drafts_accepted"] = f"{stats.spec_accepted_tokens} of {stats.spec_draft_tokens}"
+
+
+def run(out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict = {}
+    for name, check in (("lora", check_lora), ("speculation", check_speculation)):
+        try:
+            check(results)
+        except Exception as error:  # noqa: BLE001  one check's failure is a row of the table, not the end
+            results[f"{name}_error"] = f"{type(error).__name__}: {error}"
+    (out / "features.json").write_text(json.dumps(results, indent=1, default=str))
+    for key, value in results.items():
+        print(f"{key:32} {value}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=["prepare", "run"])
+    args = parser.parse_args()
+    if args.what == "prepare":
+        prepare(sys.executable)
+    else:
+        run(Path(os.environ.get("OUT", "/tmp/out")))
+
+
+if __name__ == "__main__":
+    main()
