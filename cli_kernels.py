@@ -13,6 +13,7 @@ from pegainfer.argtypes import int_list, non_negative_int, positive_int
 from pegainfer.errors import PegainferError
 from pegainfer.server.cli import (DTYPE_CHOICES, DTYPE_HELP, add_bench_serve_args, add_quantization_args,
                                   run_bench_serve)
+from pegainfer.server.engines import add_lora_args, add_parallel_args, lora_config
 
 MODEL_HELP = "checkpoint folder, config.json, or an embedded config such as qwen3-4b"
 CACHE_HELP = "cubin cache (default: $PEGAINFER_CACHE, aot_cache/ of a checkout, or ~/.cache/pegainfer)"
@@ -42,7 +43,7 @@ def add_inspect(commands) -> None:
                    help="for graph and dag: text, Graphviz source, or SVG (needs Graphviz's dot on the PATH)")
     p.add_argument("--json", action="store_true", help="for kernels without --sm: one JSON object")
     add_quantization_args(p)
-    add_parallel_args(p)
+    add_parallel_args(p, executor=False)
     p.add_argument("--rank", type=non_negative_int, default=None,
                    help="with --tensor-parallel-size: the rank whose graph to show (default 0)")
     p.set_defaults(run=run_inspect, parser=p)
@@ -60,11 +61,8 @@ def add_compile(commands) -> None:
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP.replace("on cuda", "(the "
                    "kernels are for GPUs)"))
     add_quantization_args(p)
-    add_parallel_args(p)
-    p.add_argument("--enable-lora", action="store_true", help="the kernels of the model with LoRA tables, as "
-                   "`serve --enable-lora` runs it (with --max-loras and --max-lora-rank)")
-    p.add_argument("--max-loras", type=positive_int, default=1, help="with --enable-lora (default 1)")
-    p.add_argument("--max-lora-rank", type=positive_int, default=16, help="with --enable-lora (default 16)")
+    add_parallel_args(p, executor=False)
+    add_lora_args(p, modules=False)  # the kernels of the model with LoRA tables, as serve --enable-lora runs it
     p.add_argument("--dump-after", metavar="PASS", help="write the graph after PASS (or after each: all); with "
                    "--tensor-parallel-size, rank 0's")
     p.add_argument("--dump-dir", type=Path, default=Path("pegainfer-dumps"),
@@ -73,13 +71,6 @@ def add_compile(commands) -> None:
 
 
 COMPILED_SHOWS = ("source", "ptx", "sass", "resources")
-
-
-def add_parallel_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
-                   help="the model sharded over this many ranks (passes/shard.py): one graph and manifest a rank")
-    p.add_argument("--enable-expert-parallel", action="store_true",
-                   help="with --tensor-parallel-size: a MoE model's experts split whole across the ranks")
 
 
 def _parallel(args: argparse.Namespace, rank: int):
@@ -291,13 +282,12 @@ def run_compile(args: argparse.Namespace) -> int:
     specs = [load_spec(resolve_config_path(args.model), dtype=args.dtype, device="cuda",
                        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, parallel=p)
              for p in parallel]
-    if args.enable_lora:
+    if (lora := lora_config(args)) is not None:
         from dataclasses import replace
 
-        from pegainfer.frontends.lora import LoraConfig, with_lora
+        from pegainfer.frontends.lora import with_lora
 
-        config = LoraConfig(args.max_loras, args.max_lora_rank)
-        specs = [replace(s, graph=with_lora(s.graph, config)) for s in specs]
+        specs = [replace(s, graph=with_lora(s.graph, lora)) for s in specs]
     spec, sms = specs[0], sms or _visible_sm()
     if args.dump_after:
         written = _write_dumps(_records(args, parallel[0], dtype=args.dtype, device="cuda"), args.dump_dir,

@@ -217,14 +217,8 @@ def start_serving(args: argparse.Namespace, trace: TextIO | None, listener: sock
     # The engine thread waits on the GPU without the GIL once a step; under load the event loop holds it then, and
     # hands it back only at the switch interval (5 ms by default, which would add up to that to every step)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    speculator = None
-    if speculative is not None:
-        from pegainfer.runtime.proposers import make_speculator
-
-        speculator = make_speculator(speculative, model, device, allocator.num_blocks * allocator.block_size,
-                                     args.max_num_seqs, args.dtype, engine)
-    lora_slots, lora, lora_paths = serve_adapters(args, engine)
-    host = host_tier(args, engine, device)
+    speculator, lora_slots, lora, lora_paths, host, spec_note = serving_features(args, speculative, model, device,
+                                                                                 engine)
     scheduler = Scheduler(engine, tokenizer.eos_token_ids, config, speculator, lora_slots, host)
     loop = EngineLoop(scheduler, engine_thread_init(engine), trace).start()
     ranks_note = ""
@@ -244,13 +238,6 @@ def start_serving(args: argparse.Namespace, trace: TextIO | None, listener: sock
                         sampling_defaults(checkpoint.folder) if args.generation_config == "auto" else {},
                         lora, lora_paths)
 
-    spec_note = "" if speculative is None else \
-        f"; speculative decoding: {speculative.method}, {speculative.num_speculative_tokens} tokens"
-    if lora is not None:
-        spec_note += f"; LoRA adapters {', '.join(lora_paths) or '(none yet)'} in {args.max_loras} slots"
-    if host is not None:
-        spec_note += f"; host KV tier of {host.capacity} blocks"
-
     def ready_line() -> str:
         ctx.metrics.startup_seconds = process_age()
         phases["http"] = ctx.metrics.startup_seconds - sum(phases.values())
@@ -261,6 +248,26 @@ def start_serving(args: argparse.Namespace, trace: TextIO | None, listener: sock
                 f"{scheduler.prefix_cache_status()}{spec_note}); ready {ctx.metrics.startup_seconds:.2f} s after start "
                 f"({', '.join(f'{k} {v:.2f} s' for k, v in phases.items())})")
     return loop, ctx, ready_line
+
+
+def serving_features(args: argparse.Namespace, speculative, model: "LoadedModel", device: str, engine) -> tuple:
+    """What runs beside the engine where the flags ask: the speculator, the LoRA slots with the routes' service and
+    the adapters served, the host KV tier, and their part of the ready line."""
+    speculator = None
+    if speculative is not None:
+        from pegainfer.runtime.proposers import make_speculator
+
+        speculator = make_speculator(speculative, model, device, engine.allocator.num_blocks * KV_BLOCK_SIZE,
+                                     args.max_num_seqs, args.dtype, engine)
+    lora_slots, lora, lora_paths = serve_adapters(args, engine)
+    host = host_tier(args, engine, device)
+    note = "" if speculative is None else \
+        f"; speculative decoding: {speculative.method}, {speculative.num_speculative_tokens} tokens"
+    if lora is not None:
+        note += f"; LoRA adapters {', '.join(lora_paths) or '(none yet)'} in {args.max_loras} slots"
+    if host is not None:
+        note += f"; host KV tier of {host.capacity} blocks"
+    return speculator, lora_slots, lora, lora_paths, host, note
 
 
 def serve_adapters(args: argparse.Namespace, engine) -> tuple:

@@ -60,14 +60,15 @@ def host_tier(args: argparse.Namespace, engine, device: str):
     return HostTier(engine, host_capacity(args.kv_offload_gb, engine.kv_bytes_per_block()), KV_BLOCK_SIZE)
 
 
-def add_lora_args(p: argparse.ArgumentParser) -> None:
-    """vLLM's LoRA flags."""
+def add_lora_args(p: argparse.ArgumentParser, modules: bool = True) -> None:
+    """vLLM's LoRA flags (`modules`: the adapters served at start, which compile has no use for)."""
     p.add_argument("--enable-lora", action="store_true",
                    help="serve LoRA adapters beside the base model: a request's model names one (its rows run with "
                         "it, batched with others'); POST /v1/load_lora_adapter and /v1/unload_lora_adapter at run "
                         "time")
-    p.add_argument("--lora-modules", nargs="+", type=lora_module, default=[], metavar="NAME=PATH",
-                   help="PEFT adapter folders served at start, each under its name (needs --enable-lora)")
+    if modules:
+        p.add_argument("--lora-modules", nargs="+", type=lora_module, default=[], metavar="NAME=PATH",
+                       help="PEFT adapter folders served at start, each under its name (needs --enable-lora)")
     p.add_argument("--max-loras", type=argtypes.positive_int, default=1,
                    help="adapters held in the engine's tables at once; more are swapped in as requests need them "
                         "(default 1)")
@@ -84,7 +85,7 @@ def lora_module(text: str) -> tuple[str, Path]:
 
 def lora_config(args: argparse.Namespace) -> "LoraConfig | None":
     """The LoRA tables' sizes where --enable-lora asks for them; --lora-modules without it refused."""
-    if args.lora_modules and not args.enable_lora:
+    if getattr(args, "lora_modules", None) and not args.enable_lora:
         raise PegainferError("--lora-modules needs --enable-lora")
     if not args.enable_lora:
         return None
