@@ -26,7 +26,8 @@ FINAL_OUT=${OUT:-/tmp/out}
 mkdir -p "$FINAL_OUT"
 export OUT=/tmp/sweeps_out  # serve.sh's tarballs and every log; back as one tarball (8 files come back at most)
 mkdir -p "$OUT"
-trap 'tar czf "$FINAL_OUT/sweeps.tgz" -C "$OUT" . 2>/dev/null; cp "$OUT/summary.txt" "$FINAL_OUT/" 2>/dev/null' EXIT
+save() { tar czf "$FINAL_OUT/sweeps.tgz" -C "$OUT" . 2>/dev/null; cp "$OUT/summary.txt" "$FINAL_OUT/" 2>/dev/null; }
+trap save EXIT  # and after each part: a call cut off at its limit still brings back the parts it finished
 . scripts/gpu/env.sh
 echo "tree: $(cat "$PEGAINFER_SRC/COMMIT" 2>/dev/null || echo working tree); cache: $PEGAINFER_CACHE" | tee "$OUT/summary.txt"
 BW=4.29e12
@@ -113,6 +114,7 @@ PY
         ;;
     *) echo "unknown part $part" ;;
     esac
+    save
 done
 echo "=== summary"
 cat "$OUT/summary.txt"
