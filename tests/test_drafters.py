@@ -13,6 +13,7 @@ import torch
 import transformers
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from drain import drain
 from pegainfer.errors import CheckpointError, ConfigError
 from pegainfer.fixtures.draft_heads import make_eagle3_head
 from pegainfer.frontends.drafter_load import load_draft_head
@@ -123,11 +124,8 @@ def serve(model, work, config=None, head=None, spare: int = 0, prefix_cache: boo
         speculator.proposer.propose = lambda requests: [proposed.extend(d) or d for d in propose(requests)]
     for i, (prompt, params) in enumerate(work):
         scheduler.add(EngineRequest(str(i), list(prompt), params))
-    out: dict[str, list[int]] = {str(i): [] for i in range(len(work))}
-    while scheduler.has_work():
-        for token in scheduler.step():
-            out[token.request_id].append(token.token_id)
-    return out, scheduler.stats, proposed
+    made = drain(scheduler)
+    return {str(i): [t.token_id for t in made[str(i)]] for i in range(len(work))}, scheduler.stats, proposed
 
 
 def workload() -> list:

@@ -6,6 +6,7 @@ refused with the numbers."""
 import numpy as np
 import pytest
 
+from drain import drain
 from pegainfer.errors import PegainferError
 from pegainfer.frontends.load import load_model
 from pegainfer.runtime.host_tier import GIB, HostTier, host_capacity
@@ -32,11 +33,9 @@ def make(model, device_tokens: int, host_blocks: int, max_seqs: int = 4):
 def finish(scheduler, requests: list[EngineRequest]) -> dict[str, list]:
     for request in requests:
         scheduler.add(request)
-    out: dict[str, list] = {r.request_id: [] for r in requests}
-    while scheduler.has_work():
-        for token in scheduler.step():
-            out[token.request_id].append((token.token_id, token.logprobs, token.num_cached_tokens))
-    return out
+    made = drain(scheduler)
+    return {r.request_id: [(t.token_id, t.logprobs, t.num_cached_tokens) for t in made[r.request_id]]
+            for r in requests}
 
 
 def request(name: str, prompt: list[int], tokens: int = 6) -> EngineRequest:

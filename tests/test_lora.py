@@ -12,6 +12,7 @@ import pytest
 import torch
 import transformers
 
+from drain import drain
 from pegainfer.errors import CheckpointError, ConfigError
 from pegainfer.frontends.load import load_model
 from pegainfer.frontends.lora import LoraConfig, read_adapter, with_lora
@@ -71,11 +72,8 @@ def run(scheduler, work: list[tuple[list[int], str | None]], max_tokens: int = 1
     for i, (prompt, lora) in enumerate(work):
         scheduler.add(EngineRequest(str(i), list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True,
                                                                         logprobs=5), lora=lora))
-    out: dict[str, list] = {str(i): [] for i in range(len(work))}
-    while scheduler.has_work():
-        for token in scheduler.step():
-            out[token.request_id].append((token.token_id, token.logprobs))
-    return out
+    made = drain(scheduler)
+    return {str(i): [(t.token_id, t.logprobs) for t in made[str(i)]] for i in range(len(work))}
 
 
 @pytest.fixture(scope="module")

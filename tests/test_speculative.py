@@ -13,6 +13,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from drain import drain
 from live_server import NAME, start_server, stop_server
 from pegainfer.errors import ConfigError
 from pegainfer.frontends.load import load_model
@@ -50,10 +51,8 @@ def run(model, work, speculator=None, kv_tokens: int = 4096, budget: int = 512) 
                                           prefix_cache=True), speculator)
     for i, (prompt, params) in enumerate(work):
         scheduler.add(EngineRequest(str(i), list(prompt), params))
-    out: dict[str, list] = {str(i): [] for i in range(len(work))}
-    while scheduler.has_work():
-        for token in scheduler.step():
-            out[token.request_id].append((token.token_id, token.logprobs))
+    made = drain(scheduler)
+    out = {str(i): [(t.token_id, t.logprobs) for t in made[str(i)]] for i in range(len(work))}
     assert scheduler.allocator.num_free + (scheduler.cache.num_evictable if scheduler.cache else 0) == \
         scheduler.allocator.num_blocks  # every block back
     return out, scheduler
@@ -157,10 +156,7 @@ def test_kept_tokens_follow_the_target_distribution_at_the_first_and_a_later_pos
                           Speculator(config, FixedDrafts([d1, int(np.argmax(p2))])))
     for seed in range(draws):
         scheduler.add(EngineRequest(str(seed), prompt, SamplingParams(temperature=1.0, seed=seed, max_tokens=4)))
-    outputs: dict[str, list[int]] = {}
-    while scheduler.has_work():
-        for token in scheduler.step():
-            outputs.setdefault(token.request_id, []).append(token.token_id)
+    outputs = {name: [t.token_id for t in made] for name, made in drain(scheduler).items()}
     first = [tokens[1] for tokens in outputs.values() if tokens[0] == t0]
     later = [tokens[2] for tokens in outputs.values() if tokens[:2] == [t0, d1]]
     assert scheduler.stats.spec_accepted_tokens > 0 and len(first) > 300 and len(later) > 100
@@ -278,11 +274,8 @@ def test_partly_accepted_drafts_roll_back_the_cache_and_the_recurrent_state(chec
                               speculator)
         for i, (prompt, params) in enumerate(work):
             scheduler.add(EngineRequest(str(i), list(prompt), params))
-        out: dict[str, list[int]] = {str(i): [] for i in range(len(work))}
-        while scheduler.has_work():
-            for token in scheduler.step():
-                out[token.request_id].append(token.token_id)
-        return out, scheduler.stats
+        made = drain(scheduler)
+        return {str(i): [t.token_id for t in made[str(i)]] for i in range(len(work))}, scheduler.stats
     expected, _ = serve(None)
     full = {i: list(prompt) + expected[str(i)] for i, (prompt, _) in enumerate(work)}
     config = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 4})
