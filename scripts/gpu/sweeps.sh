@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # On the GPU machine, after scripts/gpu/prepare_sweeps.sh here: issue 38's serving sweeps and decode rows of the
 # other model lines, FP8 and structured outputs, each PART in turn, run from .gpu/src (one commit's tree: env.sh's
-# PEGAINFER_SRC), with a short table last and everything under $OUT/sweeps.tgz. The two calls of 2026-12-06:
+# PEGAINFER_SRC), with a short table last and everything under $OUT/sweeps.tgz. The two calls planned on 2026-12-06
+# (docs/benchmarks/2026-12-06-model-lines-fp8-structured-sweeps.md; not run then: no machine could be started):
 #   carry [".gpu/src", ".gpu/wheels", ".gpu/cache_models"]:
-#       PEGAINFER_CACHE=$PWD/.gpu/cache_models bash scripts/gpu/sweeps.sh card decode:qwen3.5-4b \
-#           decode:deepseek-v2-lite serve:qwen3.5-4b:bf16:1,32,64 serve:deepseek-v2-lite:bf16:1,32,64
+#       PEGAINFER_CACHE=$PWD/.gpu/cache_models bash scripts/gpu/sweeps.sh card serve:qwen3.5-4b:bf16:1,32,64 \
+#           serve:deepseek-v2-lite:bf16:1,32,64 decode:qwen3.5-4b decode:deepseek-v2-lite
 #   carry [".gpu/src", ".gpu/wheels", ".gpu/xg", ".gpu/cache_qwen3_fp8"]:
 #       PEGAINFER_CACHE=$PWD/.gpu/cache_qwen3_fp8 bash scripts/gpu/sweeps.sh card structured \
 #           serve:qwen3-4b:bf16:1,64,128 serve:qwen3-4b:fp8:1,64,128 serve:qwen3-4b:fp8kv:1,64,128
