@@ -109,8 +109,8 @@ def test_the_eagle3_head_matches_a_torch_reference_of_the_published_layer(checkp
     assert head.target_layers == [0, 1, 1] and list(head.to_target[:3]) == [0, 2, 4]
 
 
-def serve(model, work, config=None, head=None, spare: int = 0, prefix_cache: bool = False):
-    engine = ReferenceEngine(model, max_tokens=2048, block_size=4, max_seqs=8, spare_states=spare)
+def serve(model, work, config=None, head=None, spare: int = 0, prefix_cache: bool = False, kv_tokens: int = 2048):
+    engine = ReferenceEngine(model, max_tokens=kv_tokens, block_size=4, max_seqs=8, spare_states=spare)
     speculator = None
     if config is not None:
         given = config | ({"model": str(head)} if head is not None else {})
@@ -147,6 +147,20 @@ def test_eagle3_speculation_gives_the_tokens_of_decoding_without_it(checkpoint_f
                                    spare=8, prefix_cache=prefix_cache)
     assert found == expected
     assert stats.spec_draft_tokens > 0 and proposed and all(t % 2 == 0 and t < 200 for t in proposed)  # via d2t
+
+
+@pytest.mark.parametrize("method", ["eagle3", "mtp"])
+def test_hidden_state_drafters_through_preemption_give_the_tokens_of_decoding_without_them(
+        checkpoint_factory, tmp_path, mtp_checkpoint, method):
+    """A pool of 40 blocks for five sequences of up to ~45 tokens: sequences are preempted and recomputed, their
+    drafters' state rebuilt from the target's features of the recomputed positions."""
+    folder = checkpoint_factory("tiny_tied") if method == "eagle3" else mtp_checkpoint
+    model = load_model(folder)
+    head = make_eagle3_head(folder, tmp_path / "head", layers=[0, 1, 1]) if method == "eagle3" else None
+    expected, _, _ = serve(model, workload(), kv_tokens=160)
+    found, stats, _ = serve(model, workload(), {"method": method, "num_speculative_tokens": 3}, head,
+                            spare=8, kv_tokens=160)
+    assert found == expected and stats.preemptions > 0 and stats.spec_draft_tokens > 0
 
 
 @pytest.mark.parametrize("edit, error, message", [
