@@ -55,11 +55,12 @@ def model_id(spec: Any) -> str:
 
 
 def lora_tables(graph: Any) -> tuple[int, int] | None:
-    """(slots, rank) of a graph's LoRA tables (frontends/lora.py), None without them."""
+    """(slots, rank) of a graph's LoRA tables (frontends/lora.py: a table stacks the rank of each projection its
+    name joins with +), None without them."""
     for g in graph.all_graphs():
         for name, t in g.states.items():
             if name.endswith(".lora_A"):
-                return t.shape[0], t.shape[1]
+                return t.shape[0], t.shape[1] // (name.rpartition(".")[0].rpartition(".")[2].count("+") + 1)
     return None
 
 

@@ -16,7 +16,6 @@ from safetensors.numpy import load_file
 from pegainfer.errors import CheckpointError, ConfigError
 from pegainfer.ir.dtypes import FP32, INT32
 from pegainfer.ir.graph import REPEAT, Graph, Node, instantiate
-from pegainfer.ir.registry import infer_types
 from pegainfer.ir.step import LORA_SLOTS
 from pegainfer.ir.types import TensorType
 
@@ -56,28 +55,51 @@ def with_lora(graph: Graph, config: LoraConfig) -> Graph:
 
 
 def _add_updates(g: Graph, config: LoraConfig) -> None:
-    nodes = []
+    """One `lora` node per group of target projections reading one input (Q/K/V, gate/up: one shrink of the
+    input for all, as their GEMMs merge), its output split into each projection's update and added to it."""
+    groups: dict[str, list[Node]] = {}
+    for node in g.nodes:
+        if _target_module(g, node) is not None:
+            groups.setdefault(node.inputs[0], []).append(node)
     types = g.value_types()
+    nodes = []
     for node in g.nodes:
         nodes.append(node)
-        module = _target_module(g, node)
-        if module is None:
+        group = groups.get(node.inputs[0]) if node.op == "linear" else None
+        if group is None or node not in group:
             continue
-        x, out_type = types[node.inputs[0]], node.output_types[0]
-        tables = [f"{module}.{table}" for table in TABLES]
-        g.states[tables[0]] = TensorType(x.dtype, (config.max_loras, config.max_rank, x.shape[1]))
-        g.states[tables[1]] = TensorType(x.dtype, (config.max_loras, out_type.shape[1], config.max_rank))
-        g.states[tables[2]] = TensorType(FP32, (config.max_loras,))
-        result, base, update = node.outputs[0], f"{node.outputs[0]}.base", f"{node.outputs[0]}.lora"
+        if node is group[0]:
+            nodes += _group_update(g, group, types, config)
+        result, base = node.outputs[0], f"{node.outputs[0]}.base"
         node.outputs = (base,)
-        lora = Node("lora", (node.inputs[0], *tables, LORA_SLOTS), (update,), (), {})
-        add = Node("add", (base, update), (result,), (), {})
-        for new in (lora, add):
-            new.output_types = infer_types(new.op, [({**types, **g.states, base: out_type})[v] for v in new.inputs],
-                                           new.attrs)
-            types[new.outputs[0]] = new.output_types[0]
-        nodes += [lora, add]
+        add = Node("add", (base, f"{result}.lora"), (result,), (node.output_types[0],), {})
+        types[base] = node.output_types[0]
+        nodes.append(add)
     g.nodes = nodes
+
+
+def _group_update(g: Graph, group: list[Node], types: dict[str, TensorType], config: LoraConfig) -> list[Node]:
+    """The group's tables (named `<parent>.<module>+<module>...`) and its lora node, split into updates."""
+    modules = [_target_module(g, node) for node in group]
+    parent = modules[0].rpartition(".")[0]
+    assert all(m.rpartition(".")[0] == parent for m in modules), f"one input, several parents: {modules}"
+    stem = f"{parent}.{'+'.join(m.rpartition('.')[2] for m in modules)}"
+    x, outs = types[group[0].inputs[0]], [node.output_types[0].shape[1] for node in group]
+    rank = config.max_rank * len(group)
+    tables = [f"{stem}.{table}" for table in TABLES]
+    g.states[tables[0]] = TensorType(x.dtype, (config.max_loras, rank, x.shape[1]))
+    g.states[tables[1]] = TensorType(x.dtype, (config.max_loras, sum(outs), rank))
+    g.states[tables[2]] = TensorType(FP32, (config.max_loras,))
+    update = f"{stem}.lora"
+    lora = Node("lora", (group[0].inputs[0], *tables, LORA_SLOTS), (update,),
+                (TensorType(x.dtype, (x.shape[0], sum(outs))),), {})
+    updates = tuple(f"{node.outputs[0]}.lora" for node in group)
+    if len(group) == 1:
+        lora.outputs = updates
+        return [lora]
+    split = Node("split", (update,), updates, tuple(TensorType(x.dtype, (x.shape[0], n)) for n in outs),
+                 {"sizes": tuple(outs)})
+    return [lora, split]
 
 
 def _target_module(g: Graph, node: Node) -> str | None:
@@ -88,15 +110,30 @@ def _target_module(g: Graph, node: Node) -> str | None:
     return prefix if suffix == "weight" and prefix.rpartition(".")[2] in TARGETS else None
 
 
-def lora_modules(graph: Graph) -> dict[str, tuple[int, int]]:
-    """Expanded module name -> (in, out) of every projection a graph with LoRA tables updates."""
-    modules = {}
+@dataclass(frozen=True)
+class TableGroup:
+    """One lora node's tables: the projections they stack (expanded module names, in order, with their outputs)."""
+    stem: str  # the tables' expanded name less `.lora_A`
+    modules: tuple[str, ...]
+    outs: tuple[int, ...]
+    size_in: int
+
+
+def lora_modules(graph: Graph) -> dict[str, TableGroup]:
+    """Every table group of a graph with LoRA tables, by its expanded stem."""
+    groups = {}
     for g, layer in graph.instances():
         for name, t in g.states.items():
-            if name.endswith(".lora_A"):
-                expanded = name[:-len(".lora_A")] if layer is None else instantiate(name[:-len(".lora_A")], layer)
-                modules[expanded] = (t.shape[2], g.states[name[:-1] + "B"].shape[1])
-    return modules
+            if not name.endswith(".lora_A"):
+                continue
+            stem = name[:-len(".lora_A")] if layer is None else instantiate(name[:-len(".lora_A")], layer)
+            parent, _, members = stem.rpartition(".")
+            modules = tuple(f"{parent}.{m}" for m in members.split("+"))
+            split = next((n for n in g.nodes if n.op == "split" and n.inputs[0] == name[:-len(".lora_A")] + ".lora"),
+                         None)
+            outs = tuple(split.attrs["sizes"]) if split else (g.states[name[:-1] + "B"].shape[1],)
+            groups[stem] = TableGroup(stem, modules, outs, t.shape[2])
+    return groups
 
 
 def read_adapter(name: str, path: Path, graph: Graph, config: LoraConfig) -> Adapter:
@@ -110,7 +147,8 @@ def read_adapter(name: str, path: Path, graph: Graph, config: LoraConfig) -> Ada
     if not file.is_file():
         raise CheckpointError(f"LoRA adapter {name} ({path}): no adapter_model.safetensors")
     tensors = load_file(file)
-    modules = lora_modules(graph)
+    modules = {module: (group.size_in, out) for group in lora_modules(graph).values()
+               for module, out in zip(group.modules, group.outs)}
     adapter = Adapter(name, path, rank, scale)
     for key in sorted(tensors):
         module, kind = _module_of(key, name, path)
@@ -156,16 +194,22 @@ def _module_of(key: str, name: str, path: Path) -> tuple[str, str]:
 
 
 def adapter_rows(adapter: Adapter | None, graph: Graph) -> dict[str, np.ndarray]:
-    """An adapter's rows of every table of `graph` (zeros for the modules it leaves alone; all zeros for None),
-    by expanded table name: what an engine writes into one slot."""
+    """An adapter's rows of every table of `graph`, by expanded table name: what an engine writes into one slot.
+    A group's A stacks its projections' A (each padded to the tables' rank), its B holds each projection's B on
+    the diagonal: its outputs' rows, its rank's columns; a projection the adapter leaves alone stays zero."""
     writes, states = {}, graph.expanded_states()
-    for module in lora_modules(graph):
-        a, b = adapter.modules.get(module, (None, None)) if adapter else (None, None)
-        rank = a.shape[0] if a is not None else 0
-        table_a = np.zeros(states[f"{module}.lora_A"].shape[1:], np.float32)
-        table_b = np.zeros(states[f"{module}.lora_B"].shape[1:], np.float32)
-        if a is not None:
-            table_a[:rank], table_b[:, :rank] = a, b
-        writes[f"{module}.lora_A"], writes[f"{module}.lora_B"] = table_a, table_b
-        writes[f"{module}.lora_scale"] = np.float32(adapter.scale if a is not None else 0.0)
+    for stem, group in lora_modules(graph).items():
+        table_a = np.zeros(states[f"{stem}.lora_A"].shape[1:], np.float32)
+        table_b = np.zeros(states[f"{stem}.lora_B"].shape[1:], np.float32)
+        rank = table_a.shape[0] // len(group.modules)
+        found = False
+        for index, (module, start) in enumerate(zip(group.modules, np.cumsum((0, *group.outs[:-1])))):
+            a, b = adapter.modules.get(module, (None, None)) if adapter else (None, None)
+            if a is None:
+                continue
+            found = True
+            table_a[index * rank:index * rank + a.shape[0]] = a
+            table_b[start:start + b.shape[0], index * rank:index * rank + b.shape[1]] = b
+        writes[f"{stem}.lora_A"], writes[f"{stem}.lora_B"] = table_a, table_b
+        writes[f"{stem}.lora_scale"] = np.float32(adapter.scale if found else 0.0)
     return writes
