@@ -260,7 +260,7 @@ def serving_features(args: argparse.Namespace, speculative, model: "LoadedModel"
         speculator = make_speculator(speculative, model, device, engine.allocator.num_blocks * KV_BLOCK_SIZE,
                                      args.max_num_seqs, args.dtype, engine)
     lora_slots, lora, lora_paths = serve_adapters(args, engine)
-    host = host_tier(args, engine, device)
+    host = host_tier(args, engine)
     note = "" if speculative is None else \
         f"; speculative decoding: {speculative.method}, {speculative.num_speculative_tokens} tokens"
     if lora is not None:

@@ -45,13 +45,13 @@ def add_offload_arg(p: argparse.ArgumentParser) -> None:
                         "are kept there and copied back on a later hit instead of recomputed (default 0: none)")
 
 
-def host_tier(args: argparse.Namespace, engine, device: str):
+def host_tier(args: argparse.Namespace, engine):
     """--kv-offload-gb's tier over the engine's KV pool, or None; refused where it cannot serve."""
     if args.kv_offload_gb <= 0:
         return None
-    if device != "cpu" or args.tensor_parallel_size > 1:
-        raise PegainferError("--kv-offload-gb runs on the CPU engine of one rank for now: the GPU's block copies to "
-                             "pinned host memory are not wired yet (use --device cpu)")
+    if args.tensor_parallel_size > 1:
+        raise PegainferError("--kv-offload-gb with --tensor-parallel-size is not implemented yet (every rank would "
+                             "copy its part of a block): serve it on one rank")
     if not args.prefix_cache or engine.allocator.state_slots:
         raise PegainferError("--kv-offload-gb keeps prefix-cache blocks: it needs the prefix cache, and a model "
                              "without recurrent layers")

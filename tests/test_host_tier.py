@@ -127,3 +127,45 @@ def test_serve_restores_a_prefix_from_the_host_tier_and_counts_it(tiny_checkpoin
                              timeout=60)
     assert refused.returncode != 0
     assert "--kv-offload-gb 100000 asks for 100000.0 GiB of host memory" in refused.stderr.strip().splitlines()[-1]
+
+
+def test_gpu_host_blocks_copy_every_paged_states_block_down_and_back_on_the_step_stream(monkeypatch):
+    """runtime/gpu/host_blocks.py over a stand-in driver whose device memory is a byte array: a block copied down
+    and back into another device block carries every paged state's bytes of it, touches no other block, and every
+    copy is queued on the step stream (so it is ordered against the steps that write or read the block)."""
+    from pegainfer.ir.dtypes import BF16, FP32
+    from pegainfer.runtime.cuda import driver
+    from pegainfer.runtime.gpu.abi import DeviceTensor
+    from pegainfer.runtime.gpu.host_blocks import HostBlocks
+
+    device = np.random.default_rng(0).integers(0, 256, 1 << 16, dtype=np.uint8)
+    streams = []
+
+    def to_host(dst: np.ndarray, src: int, stream=None) -> np.ndarray:
+        streams.append(stream)
+        dst[:] = device[src:src + dst.nbytes]
+        return dst
+
+    def to_device(dst: int, src: np.ndarray, stream=None) -> None:
+        streams.append(stream)
+        device[dst:dst + src.nbytes] = src
+    monkeypatch.setattr(driver, "copy_to_host", to_host)
+    monkeypatch.setattr(driver, "copy_to_device", to_device)
+    monkeypatch.setattr(driver, "alloc_pinned", lambda n: np.zeros(n, np.uint8))
+    keys = DeviceTensor.contiguous(0, (8, 4, 2, 8), BF16)  # 128 bytes a block
+    values = DeviceTensor.contiguous(4096, (8, 4, 1, 16), FP32)  # 256 bytes a block
+    blocks = HostBlocks("step", {"k": keys, "v": values}, capacity=2)
+    before = device.copy()
+
+    blocks.offload(3, 1)
+    blocks.offload(5, 0)
+    device[:] = 0
+    blocks.restore(1, 7)
+    blocks.restore(0, 2)
+
+    assert blocks.per_block == 384 and set(streams) == {"step"}
+    for base, size in ((0, 128), (4096, 256)):
+        block = lambda i, memory: memory[base + i * size:base + (i + 1) * size]  # noqa: E731
+        assert np.array_equal(block(7, device), block(3, before))
+        assert np.array_equal(block(2, device), block(5, before))
+        assert not any(block(i, device).any() for i in (0, 1, 3, 4, 5, 6))

@@ -22,6 +22,7 @@ from pegainfer.runtime.device_sampling import (SampleResult, device_masks, finis
 from pegainfer.runtime.cuda import driver
 from pegainfer.runtime.gpu.collectives import Communicator
 from pegainfer.runtime.gpu.executor import PDL_MAX_TOKENS, GpuExecutor, Limits
+from pegainfer.runtime.gpu.host_blocks import HostBlocks
 from pegainfer.runtime.gpu.memory import kv_blocks_for_memory
 from pegainfer.runtime.gpu.nccl import NcclCommunicator, Rendezvous
 from pegainfer.runtime.kv_blocks import BlockAllocator
@@ -96,6 +97,7 @@ class GpuEngine:
         self.rng = np.random.default_rng()  # seeds for requests that have none
         self.vocab_size = lowered.value_types()[lowered.outputs[0]].shape[-1]  # the logits' width
         self.no_masks = np.zeros((1, mask_words(self.vocab_size)), dtype=np.int32)
+        self.host_blocks: HostBlocks | None = None  # the host KV tier's pinned pool, made by the first copy down
 
     def _kv_blocks(self) -> int:
         """Blocks of the KV cache, the padding block included: from kv_tokens, or what the memory allows. A pool
@@ -230,6 +232,19 @@ class GpuEngine:
 
     def copy_state(self, src: int, dst: int) -> None:
         self.executor.copy_state_row(src, dst)
+
+    def kv_bytes_per_block(self) -> int:
+        return self.executor.kv_bytes_per_block()
+
+    def offload_block(self, device_block: int, host_block: int, host_blocks: int) -> None:
+        """A cached block copied down into the host tier's pinned pool (runtime/gpu/host_blocks.py)."""
+        if self.host_blocks is None:
+            paged = {name: self.executor.states[name] for name in self.executor.paged_states()}
+            self.host_blocks = HostBlocks(self.ctx.stream, paged, host_blocks)
+        self.host_blocks.offload(device_block, host_block)
+
+    def restore_block(self, host_block: int, device_block: int) -> None:
+        self.host_blocks.restore(host_block, device_block)
 
     @property
     def graph(self):

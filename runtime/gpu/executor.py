@@ -147,6 +147,10 @@ class GpuExecutor:
                        for name, t in self._states(pooled=False).items()} | self.pools | self.tables
         driver.memset(arena.base, arena.size, self.ctx.stream)
 
+    def paged_states(self) -> list[str]:
+        """The KV cache's states by expanded name (what the host tier copies a block of)."""
+        return list(self._states(pooled=False))
+
     def _states(self, pooled: bool) -> dict[str, TensorType]:
         """The graph's paged states (KV caches), or its pools of per-sequence rows (tables of fixed shape apart)."""
         return {name: t for name, t in self.graph.expanded_states().items()
