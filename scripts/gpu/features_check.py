@@ -1,7 +1,8 @@
-"""LoRA adapters and n-gram speculation on the GPU engine, against the CPU engine doing the same, on a small random
-Qwen3 (bf16): rows of an adapter and of the base model batched in one engine (prefill, then decode through CUDA
-graphs), and greedy decoding with drafts verified in eager steps against decoding without them. Prints a table
-last; every number also goes to $OUT/features.json.
+"""LoRA adapters, n-gram speculation and the host KV tier on the GPU engine, on a small random Qwen3 (bf16): rows of
+an adapter and of the base model batched in one engine (prefill, then decode through CUDA graphs) against the CPU
+engine; greedy decoding with drafts verified in eager steps against decoding without them; a prefix evicted from a
+small KV pool and restored from pinned host blocks against a cold run. Prints a table last; every number also goes
+to $OUT/features.json.
 
 On this (CPU) machine, once:  .venv/bin/python scripts/gpu/features_check.py prepare
   (the checkpoint in .gpu/feat_small, a PEFT adapter in .gpu/feat_adapter, the base and LoRA manifests in
@@ -133,10 +134,43 @@ def check_speculation(results: dict) -> None:
     results["ngram_drafts_accepted"] = f"{stats.spec_accepted_tokens} of {stats.spec_draft_tokens}"
 
 
+def check_host_tier(results: dict) -> None:
+    from pegainfer.frontends.load import load_model
+    from pegainfer.runtime.gpu.engine import EngineOptions
+    from pegainfer.runtime.gpu.start import gpu_engine
+    from pegainfer.runtime.host_tier import HostTier
+    from pegainfer.runtime.requests import EngineRequest
+    from pegainfer.runtime.sampler import SamplingParams
+    from pegainfer.runtime.scheduler import Scheduler, SchedulerConfig
+
+    model = load_model(SMALL, lazy=True, device="cuda")
+    rng = np.random.default_rng(2)
+    shared, filler = rng.integers(3, 900, 256).tolist(), rng.integers(3, 900, 300).tolist()
+
+    def run_all(kv_tokens: int, host_blocks: int) -> tuple[list, object]:
+        engine = gpu_engine(model, EngineOptions(max_tokens=512, max_batch=4, max_model_len=384, kv_tokens=kv_tokens))
+        host = HostTier(engine, host_blocks, engine.options.block_size) if host_blocks else None
+        scheduler = Scheduler(engine, frozenset(), SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=512,
+                                                                   max_model_len=384), host=host)
+        found = []
+        for i, prompt in enumerate((shared + [5, 6], filler, shared + [7, 8])):  # the filler evicts the prefix
+            scheduler.add(EngineRequest(str(i), prompt, SamplingParams(max_tokens=16, ignore_eos=True, logprobs=3)))
+            tokens = []
+            while scheduler.has_work():
+                tokens += [(t.token_id, t.logprobs) for t in scheduler.step()]
+            found.append(tokens)
+        return found, host
+    warm, host = run_all(kv_tokens=24 * 16, host_blocks=64)
+    cold, _ = run_all(kv_tokens=8192, host_blocks=0)
+    results["host_tier_vs_cold"] = compare({"2": warm[2]}, {"2": cold[2]})
+    results["host_tier_blocks"] = f"{host.offloaded} copied down, {host.restored} restored"
+
+
 def run(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     results: dict = {}
-    for name, check in (("lora", check_lora), ("speculation", check_speculation)):
+    for name, check in (("lora", check_lora), ("speculation", check_speculation),
+                        ("host_tier", check_host_tier)):
         try:
             check(results)
         except Exception as error:  # noqa: BLE001  one check's failure is a row of the table, not the end
