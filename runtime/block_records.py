@@ -2,7 +2,7 @@
 hash chain, and for a model with recurrent layers its state snapshotted where the step ended on the boundary of its
 newest cached block (runtime/state_snapshots.py)."""
 
-from pegainfer.runtime.prefix_cache import PrefixCache, chain_hashes, root_for
+from pegainfer.runtime.prefix_cache import PrefixCache, chain_hashes
 from pegainfer.runtime.state_snapshots import StateSnapshots
 
 
@@ -18,7 +18,7 @@ def record_blocks(state, cache: PrefixCache | None, snapshots: StateSnapshots | 
 def _cache_full_blocks(state, cache: PrefixCache, size: int) -> None:
     seq, known = state.seq, len(state.block_hashes)
     full = seq.num_cached // size
-    parent = state.block_hashes[-1] if known else root_for(state.request.lora)
+    parent = state.block_hashes[-1] if known else state.root
     new = chain_hashes(seq.token_ids, size, parent, known, full)
     for block, block_hash in zip(seq.table.blocks[known:full], new):
         cache.insert(block, block_hash)

@@ -19,16 +19,24 @@ class LoraSlots:
     def __init__(self, graph: Graph, config: LoraConfig, write: Writer) -> None:
         self.graph, self.config, self.write = graph, config, write
         self.adapters: dict[str, Adapter] = {}
+        self._keys: dict[str, str] = {}
         self._slot_of: dict[str, int] = {}
         self._name_of: list[str | None] = [None] * config.max_loras
         self._refs = [0] * config.max_loras
         self._idle: OrderedDict[int, None] = OrderedDict((slot, None) for slot in range(config.max_loras))
         self.loads = 0  # adapters written into a slot
+        self._registered = 0  # adapters registered so far: each one's number keys its prefix-cache blocks
 
     def register(self, adapter: Adapter) -> None:
         if adapter.name in self.adapters:
             raise RequestError(f"a LoRA adapter named {adapter.name!r} is already loaded")
         self.adapters[adapter.name] = adapter
+        self._registered += 1
+        self._keys[adapter.name] = f"{adapter.name}\0{self._registered}"
+
+    def cache_key(self, name: str) -> str:
+        """What keys the prefix-cache blocks of this load of `name` (a later load under the name gets another)."""
+        return self._keys[name]
 
     def unregister(self, name: str) -> None:
         """Drops an adapter no sequence holds (its slot, if any, emptied)."""
@@ -37,7 +45,7 @@ class LoraSlots:
             assert self._refs[slot] == 0, f"adapter {name} is held by {self._refs[slot]} sequences"
             self._name_of[slot] = None
             self.write(slot, adapter_rows(None, self.graph))
-        del self.adapters[name]
+        del self.adapters[name], self._keys[name]
 
     def in_use(self, name: str) -> bool:
         slot = self._slot_of.get(name)

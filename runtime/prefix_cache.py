@@ -19,7 +19,8 @@ ROOT = b""  # the hash before a sequence's first block
 
 
 def root_for(adapter: str | None) -> bytes:
-    """The hash before a sequence's first block: the base model's, or a LoRA adapter's own (its KV differs)."""
+    """The hash before a sequence's first block: the base model's, or one loaded LoRA adapter's own (its KV
+    differs; `adapter` is LoraSlots.cache_key, new at each load, so a name loaded again never hits the old KV)."""
     return ROOT if adapter is None else hashlib.sha256(b"lora\0" + adapter.encode()).digest()
 
 

@@ -4,6 +4,7 @@ generated, and what a step in flight holds of it (drafts being verified, a spare
 from dataclasses import dataclass, field
 
 from pegainfer.runtime.batch import Sequence
+from pegainfer.runtime.prefix_cache import ROOT
 from pegainfer.runtime.requests import EngineRequest
 
 
@@ -20,6 +21,7 @@ class RequestState:
     prompt_steps: list[dict[int, float]] | None = None  # prompt logprobs so far, where the request asks
     drafts: list[int] = field(default_factory=list)  # the tokens this step verifies, appended to seq.token_ids
     spare: int = -1  # the state row holding its recurrent state from before the drafts (-1: none)
+    root: bytes = ROOT  # the hash before its first block: its LoRA adapter's (prefix_cache.root_for)
 
     @property
     def scoring(self) -> bool:

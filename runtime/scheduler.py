@@ -39,7 +39,7 @@ from pegainfer.runtime.engine_api import Engine
 from pegainfer.runtime.host_tier import HostTier
 from pegainfer.runtime.kv_blocks import check_fits
 from pegainfer.runtime.lora import LoraSlots
-from pegainfer.runtime.prefix_cache import PrefixCache, root_for
+from pegainfer.runtime.prefix_cache import ROOT, PrefixCache, root_for
 from pegainfer.runtime.prompt_logprobs import draw_first, position_logprobs
 from pegainfer.runtime.request_state import RequestState
 from pegainfer.runtime.requests import EngineRequest, TokenOutput
@@ -114,7 +114,8 @@ class Scheduler:
         request.params.validate()
         self.check(len(request.prompt_ids), request.params.max_tokens)
         seq = Sequence(next(self._seq_ids), list(request.prompt_ids))
-        state = RequestState(request, seq)
+        root = root_for(self.lora.cache_key(request.lora)) if request.lora is not None else ROOT
+        state = RequestState(request, seq, root=root)  # a block's KV is its adapter's: hits never cross adapters
         self._states[request.request_id] = state
         self._by_seq[seq.seq_id] = state
         self.waiting.append(state)
@@ -262,7 +263,7 @@ class Scheduler:
         sequence fits now; returns the chunk's token count, or 0 to leave it waiting."""
         seq, tokens = state.seq, state.seq.token_ids
         cached_ok = self.cache is not None and not state.scoring  # a cached block has no logits to score
-        root = root_for(state.request.lora)  # a block's KV is its adapter's: hits never cross adapters
+        root = state.root
         limit = (len(tokens) - 1) // self.block_size  # a prompt token is left to compute, for the logits
         blocks, hashes = self.cache.lookup(tokens, limit, root) if cached_ok else ([], [])
         if self.snapshots:  # a recurrent layer resumes only where its state was snapshotted
