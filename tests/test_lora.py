@@ -247,7 +247,7 @@ def lora_graph(rows_in: int, rows_out: int, slots: int, rank: int, dtype):
 
 
 @pytest.mark.parametrize("dtype_name", ["f32", "bf16"])
-@pytest.mark.parametrize("rows_in, rows_out, rank", [(64, 96, 8), (200, 130, 64), (48, 20, 5)])
+@pytest.mark.parametrize("rows_in, rows_out, rank", [(64, 96, 8), (200, 130, 64), (48, 20, 5), (96, 144, 192)])
 def test_the_lora_kernels_match_the_reference_with_rows_spread_unevenly(dtype_name, rows_in, rows_out, rank):
     from pegainfer.backends.planning import PlanOptions
     from pegainfer.backends.triton.execute import launch_kernel, to_numpy, to_torch
