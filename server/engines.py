@@ -121,7 +121,7 @@ def build_engine(model: "LoadedModel", device: str, args: argparse.Namespace, ma
 
 def gpu_options(args: argparse.Namespace, max_model_len: int, step_tokens: int):
     """The GPU engine's options from serve's flags (a sharded model's every rank takes the same): with speculation,
-    a row of logits for each draft and spare state rows to roll back to."""
+    a row of logits for each draft (no more than a step's tokens) and spare state rows to roll back to."""
     from pegainfer.runtime.gpu.engine import EngineOptions
     from pegainfer.runtime.speculative import parse_speculative_config
 
@@ -130,7 +130,8 @@ def gpu_options(args: argparse.Namespace, max_model_len: int, step_tokens: int):
     return EngineOptions(max_tokens=step_tokens, max_batch=args.max_num_seqs, max_model_len=max_model_len,
                          kv_tokens=args.kv_cache_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
                          block_size=KV_BLOCK_SIZE, state_snapshots=state_snapshots(args),
-                         spare_states=spare_states(args), max_samples=args.max_num_seqs * (drafts + 1))
+                         spare_states=spare_states(args),
+                         max_samples=max(args.max_num_seqs, min(step_tokens, args.max_num_seqs * (drafts + 1))))
 
 
 def build_sharded_engine(model: "LoadedModel", device: str, args: argparse.Namespace, max_model_len: int,

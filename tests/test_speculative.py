@@ -283,3 +283,18 @@ def test_partly_accepted_drafts_roll_back_the_cache_and_the_recurrent_state(chec
     assert found == expected
     assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
     assert len(stats.spec_accepted_by_position) == 4  # some drafts kept whole, others cut at each position
+
+
+@pytest.mark.parametrize("extra, step_tokens, samples", [
+    ([], 2048, 256),  # a row a sequence without speculation
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}'], 2048, 256 * 5),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 8}'], 2048, 2048),  # a step's tokens
+])
+def test_the_gpu_engine_draws_at_most_a_row_a_token_of_the_step(tiny_checkpoint, extra, step_tokens, samples):
+    """The GPU engine's rows of logits a step (sized buffers, taken from the KV budget): a row for each draft and
+    the token before it, never more than a step has tokens, never fewer than a row a sequence."""
+    from pegainfer.cli import build_parser
+    from pegainfer.server.engines import gpu_options
+
+    args = build_parser().parse_args(["serve", "--model-path", str(tiny_checkpoint), "--max-num-seqs", "256", *extra])
+    assert gpu_options(args, max_model_len=4096, step_tokens=step_tokens).max_samples == samples
