@@ -4,7 +4,6 @@ cached blocks takes these, each copied back into a fresh device block before the
 of recomputing them. Host blocks are reused least recently used first. The engines give the copies: the CPU
 engine's are NumPy copies between two pools of arrays."""
 
-import time
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from typing import Protocol
@@ -17,24 +16,30 @@ GIB = 1 << 30
 
 
 class BlockCopies(Protocol):
-    """What an engine offers the tier: its KV bytes a block, and block copies between the device pool and a host
-    pool of `host_blocks` blocks it allocates on first use."""
+    """What an engine offers the tier: its KV bytes a block, a host pool of `host_blocks` blocks, and block copies
+    between it and the device pool."""
 
     def kv_bytes_per_block(self) -> int: ...
 
-    def offload_block(self, device_block: int, host_block: int, host_blocks: int) -> None: ...
+    def allocate_host_blocks(self, host_blocks: int) -> None: ...
 
-    def restore_block(self, host_block: int, device_block: int) -> None: ...
+    def offload_block(self, device_block: int, host_block: int) -> None: ...
+
+    def restore_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """(host block, device block) pairs copied back, before the next step reads them."""
+
+    def restore_seconds(self) -> float:
+        """Time the copies back have taken so far (on a GPU: those that have finished)."""
 
 
 class HostTier:
     def __init__(self, engine: BlockCopies, capacity: int, block_size: int) -> None:
         self.engine, self.capacity, self.block_size = engine, capacity, block_size
+        engine.allocate_host_blocks(capacity)  # at start: pinning many GiB takes seconds, and may fail
         self._block_of: OrderedDict[bytes, int] = OrderedDict()  # hash -> host block, least recently used first
         self._free = list(range(capacity - 1, -1, -1))
         self.offloaded = 0  # blocks copied down
         self.restored = 0  # blocks copied back
-        self.restore_seconds = 0.0
         self.hits = 0  # prompt tokens found here past the device's own hits
         self.pinned: set[bytes] = set()  # blocks about to be restored: never the ones a copy-down replaces
 
@@ -54,7 +59,7 @@ class HostTier:
             if victim is None:
                 return  # every host block is about to be restored: this one is not kept
             host = self._block_of.pop(victim)
-        self.engine.offload_block(device_block, host, self.capacity)
+        self.engine.offload_block(device_block, host)
         self._block_of[block_hash] = host
         self.offloaded += 1
 
@@ -80,19 +85,17 @@ class HostTier:
         table = BlockTable()
         allocator.grow(table, len(hashes) * self.block_size)
         for block_hash, block in zip(hashes, table.blocks):
-            self.restore(block_hash, block)
+            self._block_of.move_to_end(block_hash)
             cache.insert(block, block_hash)
+        self.engine.restore_blocks([(self._block_of[h], block) for h, block in zip(hashes, table.blocks)])
+        self.pinned.difference_update(hashes)
+        self.restored += len(hashes)
+        self.hits += len(hashes) * self.block_size
         return table.blocks
 
-    def restore(self, block_hash: bytes, device_block: int) -> None:
-        """Copies a host block back into a device block the caller has just taken for it."""
-        started = time.perf_counter()
-        self._block_of.move_to_end(block_hash)
-        self.engine.restore_block(self._block_of[block_hash], device_block)
-        self.pinned.discard(block_hash)
-        self.restored += 1
-        self.hits += self.block_size
-        self.restore_seconds += time.perf_counter() - started
+    @property
+    def restore_seconds(self) -> float:
+        return self.engine.restore_seconds()
 
 
 def host_capacity(gib: float, bytes_per_block: int, available: int | None = None) -> int:

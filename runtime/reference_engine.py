@@ -1,6 +1,7 @@
 """The CPU engine: runs steps of a model graph through the reference interpreter over a paged KV cache.
 It is the oracle for the GPU runtime and the `--device cpu` path of generate and serve."""
 
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -92,17 +93,26 @@ class ReferenceEngine:
     def kv_bytes_per_block(self) -> int:
         return sum(a[0].nbytes for a in self._kv_pools().values())
 
-    def offload_block(self, device_block: int, host_block: int, host_blocks: int) -> None:
-        """A block of every layer's KV cache into a host pool (NumPy here too: the tier's logic, not its speed)."""
-        if not hasattr(self, "host_states"):
-            self.host_states = {name: np.zeros((host_blocks, *a.shape[1:]), a.dtype)
-                                for name, a in self._kv_pools().items()}
+    def allocate_host_blocks(self, host_blocks: int) -> None:
+        """The host tier's pool (NumPy here too: the tier's logic, not its speed)."""
+        self.restore_time = 0.0
+        self.host_states = {name: np.zeros((host_blocks, *a.shape[1:]), a.dtype)
+                            for name, a in self._kv_pools().items()}
+
+    def offload_block(self, device_block: int, host_block: int) -> None:
+        """A block of every layer's KV cache into the host pool."""
         for name, pool in self._kv_pools().items():
             self.host_states[name][host_block] = pool[device_block]
 
-    def restore_block(self, host_block: int, device_block: int) -> None:
-        for name, pool in self._kv_pools().items():
-            pool[device_block] = self.host_states[name][host_block]
+    def restore_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        started = time.perf_counter()
+        for host_block, device_block in pairs:
+            for name, pool in self._kv_pools().items():
+                pool[device_block] = self.host_states[name][host_block]
+        self.restore_time += time.perf_counter() - started
+
+    def restore_seconds(self) -> float:
+        return self.restore_time
 
     def _kv_pools(self) -> dict[str, np.ndarray]:
         """The paged caches: states whose first dim is the block pool's."""

@@ -129,42 +129,72 @@ def test_serve_restores_a_prefix_from_the_host_tier_and_counts_it(tiny_checkpoin
     assert "--kv-offload-gb 100000 asks for 100000.0 GiB of host memory" in refused.stderr.strip().splitlines()[-1]
 
 
-def test_gpu_host_blocks_copy_every_paged_states_block_down_and_back_on_the_step_stream(monkeypatch):
+@pytest.mark.parametrize("layout", ["even", "uneven"])
+def test_gpu_host_blocks_copy_every_paged_states_block_down_and_back_on_the_step_stream(monkeypatch, layout):
     """runtime/gpu/host_blocks.py over a stand-in driver whose device memory is a byte array: a block copied down
     and back into another device block carries every paged state's bytes of it, touches no other block, and every
-    copy is queued on the step stream (so it is ordered against the steps that write or read the block)."""
+    copy is queued on the step stream (so it is ordered against the steps that write or read the block). States of
+    one size at one stride move in one 2D copy a block, others in a copy each; restores are timed by events."""
     from pegainfer.ir.dtypes import BF16, FP32
     from pegainfer.runtime.cuda import driver
     from pegainfer.runtime.gpu.abi import DeviceTensor
     from pegainfer.runtime.gpu.host_blocks import HostBlocks
 
     device = np.random.default_rng(0).integers(0, 256, 1 << 16, dtype=np.uint8)
-    streams = []
+    calls = []
 
     def to_host(dst: np.ndarray, src: int, stream=None) -> np.ndarray:
-        streams.append(stream)
+        calls.append(("1d", stream))
         dst[:] = device[src:src + dst.nbytes]
         return dst
 
     def to_device(dst: int, src: np.ndarray, stream=None) -> None:
-        streams.append(stream)
+        calls.append(("1d", stream))
         device[dst:dst + src.nbytes] = src
-    monkeypatch.setattr(driver, "copy_to_host", to_host)
-    monkeypatch.setattr(driver, "copy_to_device", to_device)
-    monkeypatch.setattr(driver, "alloc_pinned", lambda n: np.zeros(n, np.uint8))
-    keys = DeviceTensor.contiguous(0, (8, 4, 2, 8), BF16)  # 128 bytes a block
-    values = DeviceTensor.contiguous(4096, (8, 4, 1, 16), FP32)  # 256 bytes a block
-    blocks = HostBlocks("step", {"k": keys, "v": values}, capacity=2)
+
+    def rows(host: np.ndarray, at: int, pitch: int, count: int, down: bool, stream) -> None:
+        calls.append(("2d", stream))
+        width = host.nbytes // count
+        for row in range(count):
+            span = slice(at + row * pitch, at + row * pitch + width)
+            if down:
+                host[row * width:(row + 1) * width] = device[span]
+            else:
+                device[span] = host[row * width:(row + 1) * width]
+    class Event:
+        """Its clock: the copies queued before it was recorded, a millisecond each."""
+        def record(self, stream) -> None:
+            calls.append(("event", stream))
+            self.at = sum(kind != "event" for kind, _ in calls)
+
+        def done(self) -> bool:
+            return True
+
+        def seconds_since(self, start) -> float:
+            return (self.at - start.at) / 1e3
+    for name, stand_in in (("copy_to_host", to_host), ("copy_to_device", to_device), ("copy_rows", rows),
+                           ("alloc_pinned", lambda n: np.zeros(n, np.uint8)), ("Event", Event)):
+        monkeypatch.setattr(driver, name, stand_in)
+    if layout == "even":  # K and V of two layers, 8 blocks of 128 bytes each, 1024 bytes apart
+        paged = {f"s{i}": DeviceTensor.contiguous(1024 * i, (8, 4, 2, 8), BF16) for i in range(4)}
+        spans = [(1024 * i, 128) for i in range(4)]
+    else:
+        paged = {"k": DeviceTensor.contiguous(0, (8, 4, 2, 8), BF16),  # 128 bytes a block
+                 "v": DeviceTensor.contiguous(4096, (8, 4, 1, 16), FP32)}  # 256
+        spans = [(0, 128), (4096, 256)]
+    blocks = HostBlocks("step", paged, capacity=2)
     before = device.copy()
 
     blocks.offload(3, 1)
     blocks.offload(5, 0)
     device[:] = 0
-    blocks.restore(1, 7)
-    blocks.restore(0, 2)
+    blocks.restore([(1, 7), (0, 2)])
 
-    assert blocks.per_block == 384 and set(streams) == {"step"}
-    for base, size in ((0, 128), (4096, 256)):
+    assert {stream for _, stream in calls} == {"step"}
+    copies = [kind for kind, _ in calls if kind != "event"]
+    assert copies == ["2d"] * 4 if layout == "even" else copies == ["1d"] * 8
+    assert blocks.restore_seconds() == pytest.approx(len(copies) / 2 / 1e3)  # the restores' copies, timed
+    for base, size in spans:
         block = lambda i, memory: memory[base + i * size:base + (i + 1) * size]  # noqa: E731
         assert np.array_equal(block(7, device), block(3, before))
         assert np.array_equal(block(2, device), block(5, before))

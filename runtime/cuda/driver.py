@@ -113,6 +113,24 @@ def copy_to_host(dst: np.ndarray, src: int, stream=None) -> np.ndarray:
     return dst
 
 
+def copy_rows(host: np.ndarray, device: int, device_pitch: int, rows: int, to_host: bool, stream) -> None:
+    """`rows` equal rows between contiguous host memory and device rows `device_pitch` bytes apart, in one
+    cuMemcpy2DAsync (the host KV tier's block: a row per paged state)."""
+    cu = _driver()
+    assert host.flags.c_contiguous and host.nbytes % rows == 0, f"{host.nbytes} bytes in {rows} rows"
+    params = cu.CUDA_MEMCPY2D()
+    device_side, host_side = cu.CUmemorytype.CU_MEMORYTYPE_DEVICE, cu.CUmemorytype.CU_MEMORYTYPE_HOST
+    width = host.nbytes // rows
+    if to_host:
+        params.srcMemoryType, params.srcDevice, params.srcPitch = device_side, device, device_pitch
+        params.dstMemoryType, params.dstHost, params.dstPitch = host_side, host.ctypes.data, width
+    else:
+        params.srcMemoryType, params.srcHost, params.srcPitch = host_side, host.ctypes.data, width
+        params.dstMemoryType, params.dstDevice, params.dstPitch = device_side, device, device_pitch
+    params.WidthInBytes, params.Height = width, rows
+    check(cu.cuMemcpy2DAsync(params, stream), "cuMemcpy2DAsync")
+
+
 def copy_on_device(dst: int, src: int, nbytes: int, stream) -> None:
     check(_driver().cuMemcpyDtoDAsync(dst, src, nbytes, stream), "cuMemcpyDtoDAsync")
 
@@ -177,6 +195,15 @@ class Event:
 
     def synchronize(self) -> None:
         check(_driver().cuEventSynchronize(self.event), "cuEventSynchronize")
+
+    def done(self) -> bool:
+        """Whether the work before the event's record has finished (no wait)."""
+        result = _driver().cuEventQuery(self.event)
+        status = result[0] if isinstance(result, tuple) else result
+        if status == _driver().CUresult.CUDA_ERROR_NOT_READY:
+            return False
+        check(result, "cuEventQuery")
+        return True
 
     def seconds_since(self, start: "Event") -> float:
         return check(_driver().cuEventElapsedTime(start.event, self.event), "cuEventElapsedTime") / 1e3

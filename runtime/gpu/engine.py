@@ -97,7 +97,7 @@ class GpuEngine:
         self.rng = np.random.default_rng()  # seeds for requests that have none
         self.vocab_size = lowered.value_types()[lowered.outputs[0]].shape[-1]  # the logits' width
         self.no_masks = np.zeros((1, mask_words(self.vocab_size)), dtype=np.int32)
-        self.host_blocks: HostBlocks | None = None  # the host KV tier's pinned pool, made by the first copy down
+        self.host_blocks: HostBlocks | None = None  # the host KV tier's pinned pool (allocate_host_blocks)
 
     def _kv_blocks(self) -> int:
         """Blocks of the KV cache, the padding block included: from kv_tokens, or what the memory allows. A pool
@@ -236,15 +236,20 @@ class GpuEngine:
     def kv_bytes_per_block(self) -> int:
         return self.executor.kv_bytes_per_block()
 
-    def offload_block(self, device_block: int, host_block: int, host_blocks: int) -> None:
-        """A cached block copied down into the host tier's pinned pool (runtime/gpu/host_blocks.py)."""
-        if self.host_blocks is None:
-            paged = {name: self.executor.states[name] for name in self.executor.paged_states()}
-            self.host_blocks = HostBlocks(self.ctx.stream, paged, host_blocks)
+    def allocate_host_blocks(self, host_blocks: int) -> None:
+        """The host tier's pinned pool (runtime/gpu/host_blocks.py), at start: pinning takes a while."""
+        paged = {name: self.executor.states[name] for name in self.executor.paged_states()}
+        self.host_blocks = HostBlocks(self.ctx.stream, paged, host_blocks)
+
+    def offload_block(self, device_block: int, host_block: int) -> None:
+        """A cached block copied down into the host tier's pinned pool."""
         self.host_blocks.offload(device_block, host_block)
 
-    def restore_block(self, host_block: int, device_block: int) -> None:
-        self.host_blocks.restore(host_block, device_block)
+    def restore_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        self.host_blocks.restore(pairs)
+
+    def restore_seconds(self) -> float:
+        return self.host_blocks.restore_seconds()
 
     @property
     def graph(self):
