@@ -40,6 +40,7 @@ class HostTier:
         self._free = list(range(capacity - 1, -1, -1))
         self.offloaded = 0  # blocks copied down
         self.restored = 0  # blocks copied back
+        self.restore_seconds = 0.0  # the copies back's time, read from the engine in its thread (lookups, restores)
         self.hits = 0  # prompt tokens found here past the device's own hits
         self.pinned: set[bytes] = set()  # blocks about to be restored: never the ones a copy-down replaces
 
@@ -66,6 +67,7 @@ class HostTier:
     def lookup(self, token_ids: Seq[int], start_block: int, parent: bytes, max_blocks: int) -> list[bytes]:
         """The hashes of the host blocks that continue a prefix hit from block `start_block` (whose parent hash is
         `parent`), at most up to `max_blocks`."""
+        self.restore_seconds = self.engine.restore_seconds()  # the GPU's events are read in the engine's thread
         found = []
         for block in range(start_block, min(max_blocks, len(token_ids) // self.block_size)):
             (parent,) = chain_hashes(token_ids, self.block_size, parent, block, block + 1)
@@ -91,11 +93,9 @@ class HostTier:
         self.pinned.difference_update(hashes)
         self.restored += len(hashes)
         self.hits += len(hashes) * self.block_size
+        self.restore_seconds = self.engine.restore_seconds()
         return table.blocks
 
-    @property
-    def restore_seconds(self) -> float:
-        return self.engine.restore_seconds()
 
 
 def host_capacity(gib: float, bytes_per_block: int, available: int | None = None) -> int:
