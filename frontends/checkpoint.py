@@ -198,7 +198,6 @@ def _read(handle, name: str, info: TensorInfo, type_: TensorType, shard: Shard |
     return data.astype(type_.dtype.np_dtype, copy=False).reshape(type_.shape)
 
 
-
 def _read_shard(handle, name: str, info: TensorInfo, type_: TensorType, shard: Shard) -> np.ndarray:
     if info.dtype in FP8_DTYPES:
         raise CheckpointError(f"{info.file}: tensor {name!r}: sharding FP8 tensors is not implemented")

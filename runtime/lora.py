@@ -47,10 +47,6 @@ class LoraSlots:
             self.write(slot, adapter_rows(None, self.graph))
         del self.adapters[name], self._keys[name]
 
-    def in_use(self, name: str) -> bool:
-        slot = self._slot_of.get(name)
-        return slot is not None and self._refs[slot] > 0
-
     def acquire(self, name: str) -> int | None:
         """The slot holding `name` for one more sequence, written there first if needed; None while every slot
         is held by sequences of other adapters."""

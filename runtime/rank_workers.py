@@ -59,6 +59,11 @@ class RankSpec:
     def gpu_device(self, rank: int) -> int:
         return rank if self.backend == "mp" else 0
 
+    def reference_sizes(self) -> dict:
+        """The CPU engine's sizes (ReferenceEngine's keywords), alike on every rank."""
+        return dict(max_tokens=self.kv_tokens, block_size=self.block_size, max_seqs=self.max_seqs,
+                    state_snapshots=self.state_snapshots, spare_states=self.spare_states)
+
 
 def load_rank_engine(spec: RankSpec, rank: int):
     """Rank `rank`'s engine: its graph and weights on the CPU engine, or on its GPU joined to the others by NCCL."""
@@ -73,9 +78,7 @@ def load_rank_engine(spec: RankSpec, rank: int):
                           communicator=Rendezvous(spec.nccl_id, spec.world, rank))
     from pegainfer.runtime.reference_engine import ReferenceEngine
 
-    return ReferenceEngine(load_rank_model(spec, rank), max_tokens=spec.kv_tokens, block_size=spec.block_size,
-                           max_seqs=spec.max_seqs, state_snapshots=spec.state_snapshots,
-                           spare_states=spec.spare_states)
+    return ReferenceEngine(load_rank_model(spec, rank), **spec.reference_sizes())
 
 
 def serve_rank(spec: RankSpec, rank: int, address: tuple[str, int], authkey: bytes) -> None:

@@ -263,12 +263,11 @@ class Scheduler:
         sequence fits now; returns the chunk's token count, or 0 to leave it waiting."""
         seq, tokens = state.seq, state.seq.token_ids
         cached_ok = self.cache is not None and not state.scoring  # a cached block has no logits to score
-        root = state.root
         limit = (len(tokens) - 1) // self.block_size  # a prompt token is left to compute, for the logits
-        blocks, hashes = self.cache.lookup(tokens, limit, root) if cached_ok else ([], [])
+        blocks, hashes = self.cache.lookup(tokens, limit, state.root) if cached_ok else ([], [])
         if self.snapshots:  # a recurrent layer resumes only where its state was snapshotted
             blocks, hashes = blocks[:(hit := self.snapshots.deepest(hashes))], hashes[:hit]
-        restored = self.host.lookup(tokens, len(blocks), hashes[-1] if hashes else root, limit) \
+        restored = self.host.lookup(tokens, len(blocks), hashes[-1] if hashes else state.root, limit) \
             if self.host is not None and cached_ok else []
         evictable = self.cache.num_evictable - self.cache.count_evictable(blocks) if self.cache else 0
         available = self.allocator.num_free - self._reserved + evictable

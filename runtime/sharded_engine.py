@@ -51,8 +51,7 @@ class RankDriver:
 class ShardedEngine(RankDriver, ReferenceEngine):
     def __init__(self, spec: RankSpec, ranks: RankProcesses, model: LoadedModel) -> None:
         """`model`: rank 0's (load_rank_model)."""
-        super().__init__(model, max_tokens=spec.kv_tokens, block_size=spec.block_size, max_seqs=spec.max_seqs,
-                         state_snapshots=spec.state_snapshots, spare_states=spec.spare_states)
+        super().__init__(model, **spec.reference_sizes())
         self.spec, self.ranks = spec, ranks
 
     def execute(self, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:

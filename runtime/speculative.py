@@ -49,7 +49,7 @@ def parse_speculative_config(text: str | dict) -> SpeculativeConfig:
     if method not in METHODS:
         raise ConfigError(f"--speculative-config: method must be one of {', '.join(METHODS)}, found {method!r}")
     k = raw.get("num_speculative_tokens")
-    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+    if not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
         raise ConfigError(f"--speculative-config: num_speculative_tokens must be an integer in "
                           f"1..{MAX_SPECULATIVE_TOKENS}, found {k!r}")
     config = SpeculativeConfig(**raw)
@@ -58,13 +58,18 @@ def parse_speculative_config(text: str | dict) -> SpeculativeConfig:
     if method not in WITH_MODEL and config.model:
         raise ConfigError(f"--speculative-config: \"model\" is for {' and '.join(WITH_MODEL)}, not {method}")
     lookup = (config.prompt_lookup_min, config.prompt_lookup_max)
-    if not all(isinstance(n, int) and not isinstance(n, bool) for n in lookup) or not 1 <= lookup[0] <= lookup[1]:
+    if not all(_is_int(n) for n in lookup) or not 1 <= lookup[0] <= lookup[1]:
         raise ConfigError(f"--speculative-config: need 1 <= prompt_lookup_min <= prompt_lookup_max, found "
                           f"{lookup[0]!r} and {lookup[1]!r}")
     size = config.disable_by_batch_size
-    if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+    if size is not None and (not _is_int(size) or size < 1):
         raise ConfigError(f"--speculative-config: disable_by_batch_size must be a positive integer, found {size!r}")
     return config
+
+
+def _is_int(value) -> bool:
+    """An integer of JSON's, not a boolean (which Python counts as one)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def ngram_drafts(tokens: list[int], k: int, shortest: int, longest: int) -> list[int]:

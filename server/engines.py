@@ -106,8 +106,8 @@ def build_engine(model: "LoadedModel", device: str, args: argparse.Namespace, ma
         from pegainfer.frontends.lora import with_lora
         from pegainfer.runtime.reference_engine import ReferenceEngine
 
-        tokens = args.kv_cache_tokens or min(CPU_KV_TOKENS, args.max_num_seqs * max_model_len)
-        return ReferenceEngine(model, max_tokens=tokens, block_size=KV_BLOCK_SIZE, max_seqs=args.max_num_seqs,
+        return ReferenceEngine(model, max_tokens=cpu_kv_tokens(args, max_model_len), block_size=KV_BLOCK_SIZE,
+                               max_seqs=args.max_num_seqs,
                                state_snapshots=state_snapshots(args), spare_states=spare_states(args),
                                graph=with_lora(model.spec.graph, lora) if lora else None)
     from pegainfer.frontends.lora import with_lora
@@ -142,11 +142,16 @@ def build_sharded_engine(model: "LoadedModel", device: str, args: argparse.Names
 
     spec = RankSpec(str(model.folder), args.tensor_parallel_size, args.enable_expert_parallel, args.dtype, device,
                     args.quantization, args.kv_cache_dtype,
-                    args.kv_cache_tokens or min(CPU_KV_TOKENS, args.max_num_seqs * max_model_len), KV_BLOCK_SIZE,
+                    cpu_kv_tokens(args, max_model_len), KV_BLOCK_SIZE,
                     args.max_num_seqs, state_snapshots(args), spare_states(args),
                     gpu=gpu_options(args, max_model_len, step_tokens) if device == "cuda" else None,
                     cache_dir=args.cache_dir and str(args.cache_dir))
     return start_sharded_engine(spec, args.distributed_executor_backend, model)
+
+
+def cpu_kv_tokens(args: argparse.Namespace, max_model_len: int) -> int:
+    """The reference engine's KV pool in tokens: --kv-cache-tokens, else enough for every sequence up to a cap."""
+    return args.kv_cache_tokens or min(CPU_KV_TOKENS, args.max_num_seqs * max_model_len)
 
 
 def spare_states(args: argparse.Namespace) -> int:

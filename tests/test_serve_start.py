@@ -246,7 +246,8 @@ class FakeGpuEngine:
     engine, so generate and serve go through to their output."""
     built: list[tuple] = []
 
-    def __init__(self, model, manifest: Path, options) -> None:
+    def __init__(self, model, manifest: Path, options, communicator=None, on_step=None) -> None:
+        assert communicator is None and on_step is None, "one rank here"
         FakeGpuEngine.built.append((model, manifest, options))
         self._engine = ReferenceEngine(model, max_tokens=options.kv_tokens or FAKE_POOL_TOKENS)
 

@@ -89,8 +89,7 @@ class GpuEngine:
         num_blocks = self._kv_blocks()
         self.executor.allocate_kv(num_blocks)
         self._slots = (slots, snapshots)
-        self.allocator = BlockAllocator(num_blocks, options.block_size, reserved=PADDING_BLOCK + 1,
-                                        state_slots=slots, snapshot_slots=snapshots, spare_slots=options.spare_states)
+        self.allocator = self._allocator(num_blocks)
         self.executor.pdl_max_tokens = options.pdl_max_tokens
         self.buckets = decode_buckets(options.max_batch)
         self.graphs: dict[tuple[int, bool], tuple[tuple[driver.Graph, ...], dict]] = {}  # (bucket, split)
@@ -119,9 +118,12 @@ class GpuEngine:
         if not PADDING_BLOCK + 1 < num_blocks <= self.kv_blocks:
             raise PegainferError(f"limit_kv_blocks({num_blocks}): expected 2 .. {self.kv_blocks} blocks (this "
                                  f"engine's pool, the padding block included)")
-        self.allocator = BlockAllocator(num_blocks, self.options.block_size, reserved=PADDING_BLOCK + 1,
-                                        state_slots=self._slots[0], snapshot_slots=self._slots[1],
-                                        spare_slots=self.options.spare_states)
+        self.allocator = self._allocator(num_blocks)
+
+    def _allocator(self, num_blocks: int) -> BlockAllocator:
+        return BlockAllocator(num_blocks, self.options.block_size, reserved=PADDING_BLOCK + 1,
+                              state_slots=self._slots[0], snapshot_slots=self._slots[1],
+                              spare_slots=self.options.spare_states)
 
     def step(self, chunks: list[Chunk], *, all_logits: bool = False) -> np.ndarray:
         """Runs one step and returns float32 logits, one row per chunk (or per token with all_logits)."""

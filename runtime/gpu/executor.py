@@ -101,8 +101,7 @@ class GpuExecutor:
         return sum(aligned(_nbytes(t, one)) for t in self._states(pooled=False).values())
 
     def _allocate_tables(self) -> dict[str, DeviceTensor]:
-        tables = {name: t for name, t in self.graph.expanded_states().items()
-                  if all(isinstance(d, int) for d in t.shape)}
+        tables = {name: t for name, t in self.graph.expanded_states().items() if _fixed(t)}
         if not tables:
             return {}
         arena = Arena(sum(aligned(_nbytes(t, {})) for t in tables.values()), "tables")
@@ -154,7 +153,7 @@ class GpuExecutor:
     def _states(self, pooled: bool) -> dict[str, TensorType]:
         """The graph's paged states (KV caches), or its pools of per-sequence rows (tables of fixed shape apart)."""
         return {name: t for name, t in self.graph.expanded_states().items()
-                if (t.shape[0] == SLOT_POOL) == pooled and not all(isinstance(d, int) for d in t.shape)}
+                if (t.shape[0] == SLOT_POOL) == pooled and not _fixed(t)}
 
     def _load_functions(self, folder: Path) -> dict[str, tuple]:
         functions = {}
@@ -378,6 +377,11 @@ class GpuExecutor:
         itemsize = host.itemsize
         rows_view = np.lib.stride_tricks.as_strided(host, (rows, width), (tensor.row_stride * itemsize, itemsize))
         return rows_view.reshape(tensor.shape).copy()
+
+
+def _fixed(t: TensorType) -> bool:
+    """A state of fixed shape (a LoRA table), which the runtime fills: neither paged nor pooled."""
+    return all(isinstance(d, int) for d in t.shape)
 
 
 def _own_planes(kernel: Kernel) -> set[str]:

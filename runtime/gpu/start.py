@@ -26,8 +26,7 @@ def gpu_engine(model: LoadedModel, options: "engine.EngineOptions", cache_dir: P
     if sm is None:
         raise PegainferError("the GPU engine needs a visible CUDA device (and cuda-bindings: pip install -e '.[cuda]')")
     manifest = ensure_manifest(model.spec, sm, cache_dir, label=str(model.folder), compile_missing=compile_missing)
-    rank = {"communicator": communicator, "on_step": on_step} if communicator or on_step else {}
-    return engine.GpuEngine(model, manifest, options, **rank)
+    return engine.GpuEngine(model, manifest, options, communicator, on_step)
 
 
 def ensure_manifest(spec: ModelSpec, sm: int, cache_dir: Path | None = None, *, label: str,
