@@ -69,6 +69,8 @@ def _split_repeat(graph: Graph, at: int, runs: int) -> str:
     """Replaces the repeat at `at` by one of its first `runs` runs and one of the rest (a copy of the body whose
     layer names count on from there); returns the stream between them."""
     node = graph.nodes[at]
+    if len(node.outputs) != 1:
+        raise ConfigError(f"{graph.name}: a body carrying {len(node.outputs)} values cannot be cut")
     body = graph.subgraphs[node.attrs["body"]]
     period, count = node.attrs.get("layers", 1), node.attrs["count"]
     rest = _shifted_body(body, runs * period, f"{body.name}_from{runs}")
@@ -77,8 +79,6 @@ def _split_repeat(graph: Graph, at: int, runs: int) -> str:
     head = Node(REPEAT, node.inputs, (between, *node.outputs[1:]), node.output_types, {**node.attrs, "count": runs})
     tail = Node(REPEAT, (between, *node.inputs[1:]), node.outputs, node.output_types,
                 {**node.attrs, "body": rest.name, "count": count - runs})
-    if len(node.outputs) != 1:
-        raise ConfigError(f"{graph.name}: a body carrying {len(node.outputs)} values cannot be cut")
     graph.nodes[at:at + 1] = [head, tail]
     return between
 

@@ -125,9 +125,7 @@ class Metrics:
         if self.startup_seconds is not None:
             series.append(("pegainfer:startup_seconds", "gauge", "Process start to HTTP ready.",
                            round(self.startup_seconds, 3)))
-        lines = []
-        for name, kind, help_text, value in series:
-            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name}{{{self.labels}}} {value}"]
+        lines = series_lines(series, self.labels)
         lines += ["# HELP vllm:request_success_total Finished requests by finish reason.",
                   "# TYPE vllm:request_success_total counter"]
         lines += [f'vllm:request_success_total{{{self.labels},finished_reason="{reason}"}} {count}'
@@ -161,33 +159,37 @@ class Metrics:
         return ",".join(f'{name}="{escape(str(value))}"' for name, value in sorted(info.items()))
 
 
-def host_tier_lines(host, labels: str) -> list[str]:
-    """The host KV tier (runtime/host_tier.py): its size and use, blocks copied down and back, tokens it served."""
+def series_lines(series, labels: str) -> list[str]:
+    """Prometheus text of (name, kind, help, value) series, one sample each under the server's labels."""
     lines = []
-    for name, kind, help_text, value in (
-            ("pegainfer:host_kv_blocks_total", "gauge", "Blocks of the host KV tier.", host.capacity),
-            ("pegainfer:host_kv_blocks_used", "gauge", "Host blocks holding an evicted cached block.", host.used),
-            ("pegainfer:host_kv_offloaded_blocks_total", "counter", "Cached blocks copied down to the host.",
-             host.offloaded),
-            ("pegainfer:host_kv_restored_blocks_total", "counter", "Host blocks copied back on a prefix hit.",
-             host.restored),
-            ("pegainfer:host_kv_hit_tokens_total", "counter", "Prompt tokens served from host blocks.", host.hits),
-            ("pegainfer:host_kv_restore_seconds_total", "counter", "Time copying host blocks back.",
-             round(host.restore_seconds, 6))):
+    for name, kind, help_text, value in series:
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name}{{{labels}}} {value}"]
     return lines
+
+
+def host_tier_lines(host, labels: str) -> list[str]:
+    """The host KV tier (runtime/host_tier.py): its size and use, blocks copied down and back, tokens it served."""
+    return series_lines((
+        ("pegainfer:host_kv_blocks_total", "gauge", "Blocks of the host KV tier.", host.capacity),
+        ("pegainfer:host_kv_blocks_used", "gauge", "Host blocks holding an evicted cached block.", host.used),
+        ("pegainfer:host_kv_offloaded_blocks_total", "counter", "Cached blocks copied down to the host.",
+         host.offloaded),
+        ("pegainfer:host_kv_restored_blocks_total", "counter", "Host blocks copied back on a prefix hit.",
+         host.restored),
+        ("pegainfer:host_kv_hit_tokens_total", "counter", "Prompt tokens served from host blocks.", host.hits),
+        ("pegainfer:host_kv_restore_seconds_total", "counter", "Time copying host blocks back.",
+         round(host.restore_seconds, 6))), labels)
 
 
 def spec_decode_lines(stats, labels: str, positions: int) -> list[str]:
     """Speculative decoding's counters as vLLM names them: drafts verified (a sequence's in a step), draft tokens
     proposed and accepted, and accepted by draft position."""
-    lines = []
-    for name, help_text, value in (
-            ("vllm:spec_decode_num_drafts", "Drafts verified: a sequence's draft tokens checked in a step.",
-             stats.spec_drafts),
-            ("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", stats.spec_draft_tokens),
-            ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", stats.spec_accepted_tokens)):
-        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name}{{{labels}}} {value}"]
+    lines = series_lines((
+        ("vllm:spec_decode_num_drafts", "counter", "Drafts verified: a sequence's draft tokens checked in a step.",
+         stats.spec_drafts),
+        ("vllm:spec_decode_num_draft_tokens", "counter", "Draft tokens proposed.", stats.spec_draft_tokens),
+        ("vllm:spec_decode_num_accepted_tokens", "counter", "Draft tokens accepted.", stats.spec_accepted_tokens)),
+        labels)
     name = "vllm:spec_decode_num_accepted_tokens_per_pos"
     lines += [f"# HELP {name} Draft tokens accepted, by their position in the draft.", f"# TYPE {name} counter"]
     by_position = dict(stats.spec_accepted_by_position)
