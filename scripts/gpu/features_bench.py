@@ -1,0 +1,207 @@
+"""Issue 38's figures for LoRA, speculative decoding and the host KV tier, on the Qwen3-4B shape with random bf16
+weights, the GPU engine driven by the scheduler as `serve` drives it:
+- lora: the median decode step at batch 1 and 32, rows of 0 / 1 / 8 distinct adapters of rank 16, against the base
+  model's step (no LoRA tables);
+- spec: ms per generated token at batch 1, greedy, against plain decode: n-gram drafting (K = 2..6) on a repetitive
+  prompt, and an oracle proposer that drafts the target's own greedy continuation (every draft accepted, nothing
+  spent drafting: the bound a draft model equal to the target approaches); the tokens checked equal to plain ones;
+- host: time to first token of a prompt whose 1k / 4k / 16k-token prefix is restored from host blocks, against
+  cold prefill and a GPU prefix-cache hit.
+Prints a table last; every figure also goes to $OUT/features_bench.json.
+
+Here, once: `bash scripts/gpu/prepare_sweeps.sh` (the base manifest) and
+  .venv/bin/python -m pegainfer.cli compile qwen3-4b --sm 90 --cache-dir .gpu/aot_cache --enable-lora \
+      --max-loras 8 --max-lora-rank 16
+then slim both into the carried cache (scripts/gpu/slim_cache.py ... 'Qwen3ForCausalLM-*').
+On the GPU, each part in a process of its own (an engine's memory goes with its process):
+  . scripts/gpu/env.sh && for part in lora spec host; do python3 scripts/gpu/features_bench.py $part; done
+"""
+
+import json
+import os
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+MODEL = "qwen3-4b"
+LORA_SLOTS, LORA_RANK = 8, 16
+DECODE_STEPS = 24
+
+
+def engine(model, **options):
+    from pegainfer.runtime.gpu.engine import EngineOptions
+    from pegainfer.runtime.gpu.start import gpu_engine
+
+    return gpu_engine(model, EngineOptions(**{"max_tokens": 2048, "max_batch": 64, "max_model_len": 2048,
+                                              "kv_tokens": 16 * 1024, **options}), compile_missing=False)
+
+
+def scheduler(gpu, config=None, **parts):
+    from pegainfer.runtime.scheduler import Scheduler, SchedulerConfig
+
+    plain = SchedulerConfig(max_num_seqs=gpu.options.max_batch, max_model_len=2048, prefix_cache=False)
+    return Scheduler(gpu, frozenset(), config or plain, **parts)
+
+
+def request(rid: str, prompt: list[int], tokens: int, lora: str | None = None):
+    from pegainfer.runtime.requests import EngineRequest
+    from pegainfer.runtime.sampler import SamplingParams
+
+    return EngineRequest(rid, prompt, SamplingParams(max_tokens=tokens, ignore_eos=True), lora=lora)
+
+
+def decode_step_ms(sched, prompts: list[list[int]], adapters: list[str | None]) -> float:
+    """The median step once every sequence decodes (prefill steps, which admit and write, left out)."""
+    for i, (prompt, adapter) in enumerate(zip(prompts, adapters)):
+        sched.add(request(str(i), prompt, 8 + DECODE_STEPS, adapter))
+    times, emitted = [], 0
+    while sched.has_work():
+        began = time.perf_counter()
+        out = sched.step()
+        elapsed = time.perf_counter() - began
+        if emitted >= len(prompts) and len(out) == len(prompts):  # every sequence past its first token
+            times.append(elapsed)
+        emitted += len(out)
+    return float(np.median(times[2:]) * 1e3)
+
+
+def random_adapter(name: str, graph, rng):
+    from pegainfer.frontends.lora import Adapter, lora_modules
+
+    adapter = Adapter(name, Path(name), LORA_RANK, 2.0)
+    for group in lora_modules(graph).values():
+        for module, out in zip(group.modules, group.outs):
+            adapter.modules[module] = ((rng.standard_normal((LORA_RANK, group.size_in)) * 0.01).astype(np.float32),
+                                       (rng.standard_normal((out, LORA_RANK)) * 0.01).astype(np.float32))
+    return adapter
+
+
+def bench_lora(results: dict) -> None:
+    from pegainfer.frontends.lora import LoraConfig, with_lora
+    from pegainfer.runtime.bench import bench_model
+    from pegainfer.runtime.lora import LoraSlots
+
+    model = bench_model(MODEL)
+    rng = np.random.default_rng(0)
+    prompts = {batch: [rng.integers(10, 150000, 64).tolist() for _ in range(batch)] for batch in (1, 32)}
+    base = engine(model)
+    for batch, rows in prompts.items():
+        results[f"lora_b{batch}_base_ms"] = round(decode_step_ms(scheduler(base), rows, [None] * batch), 3)
+    del base
+    config = LoraConfig(LORA_SLOTS, LORA_RANK)
+    tuned = engine(replace(model, spec=replace(model.spec, graph=with_lora(model.spec.graph, config))))
+    slots = LoraSlots(tuned.graph, config, tuned.write_lora)
+    for i in range(LORA_SLOTS):
+        slots.register(random_adapter(f"a{i}", tuned.graph, rng))
+    for batch, rows in prompts.items():
+        for distinct in (0, 1, 8):
+            names = [None if distinct == 0 else f"a{i % distinct}" for i in range(batch)]
+            ms = decode_step_ms(scheduler(tuned, lora=slots), rows, names)
+            results[f"lora_b{batch}_{distinct}_adapters_ms"] = round(ms, 3)
+
+
+class OracleProposer:
+    """Drafts the continuation a plain greedy run produced: every draft is the target's own next token."""
+
+    def __init__(self, continuation: list[int], prompt_len: int) -> None:
+        self.continuation, self.prompt_len = continuation, prompt_len
+
+    def propose(self, requests) -> list[list[int]]:
+        done = [len(r.tokens) - self.prompt_len for r in requests]
+        return [self.continuation[d:d + r.k] for r, d in zip(requests, done)]
+
+    def release(self, seq_id: int) -> None:
+        pass
+
+
+def generate(gpu, prompt: list[int], tokens: int, speculator=None) -> tuple[list[int], float, object]:
+    """Greedy tokens of one request and the ms per generated token (its first token's step left out)."""
+    sched = scheduler(gpu, speculator=speculator)
+    sched.add(request("0", prompt, tokens))
+    out, began = [], None
+    while sched.has_work():
+        out += [t.token_id for t in sched.step()]
+        if began is None and out:
+            began, first = time.perf_counter(), len(out)
+    return out, (time.perf_counter() - began) * 1e3 / (len(out) - first), sched.stats
+
+
+def bench_spec(results: dict) -> None:
+    from pegainfer.runtime.bench import bench_model
+    from pegainfer.runtime.proposers import NgramProposer
+    from pegainfer.runtime.speculative import Speculator, parse_speculative_config
+
+    model = bench_model(MODEL)
+    gpu = engine(model, max_batch=8, max_samples=8 * 7)
+    rng = np.random.default_rng(1)
+    prompt, tokens = (rng.integers(10, 150000, 24).tolist() * 16)[:384], 256
+    plain, ms, _ = generate(gpu, prompt, tokens)
+    plain, ms, _ = generate(gpu, prompt, tokens)  # the second run: graphs captured, pages touched
+    results["spec_plain_ms_per_token"] = round(ms, 3)
+    for k in range(2, 7):
+        for method in ("ngram", "oracle"):
+            config = parse_speculative_config({"method": "ngram", "num_speculative_tokens": k})
+            proposer = NgramProposer(config) if method == "ngram" else OracleProposer(plain, len(prompt))
+            found, ms, stats = generate(gpu, prompt, tokens, Speculator(config, proposer))
+            same = next((i for i, (a, b) in enumerate(zip(found, plain)) if a != b), len(plain))
+            results[f"spec_{method}_k{k}"] = (f"{ms:.3f} ms/token, {stats.spec_accepted_tokens} of "
+                                              f"{stats.spec_draft_tokens} accepted, equal to plain for {same} of "
+                                              f"{len(plain)} tokens")
+
+
+def bench_host(results: dict) -> None:
+    from pegainfer.runtime.bench import bench_model
+    from pegainfer.runtime.host_tier import HostTier
+    from pegainfer.runtime.scheduler import SchedulerConfig
+
+    model = bench_model(MODEL)
+    rng = np.random.default_rng(2)
+    for length in (1024, 4096, 16384):
+        limit = length + 512
+        config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=2048, max_model_len=limit)
+        gpu = engine(model, max_batch=4, max_model_len=limit, kv_tokens=limit)
+        host = HostTier(gpu, limit // 16 + 8, gpu.options.block_size)
+        sched = scheduler(gpu, config, host=host)
+        shared = rng.integers(10, 150000, length).tolist()
+
+        def ttft(prompt: list[int]) -> float:
+            sched.add(request(str(time.monotonic()), prompt, 2))
+            began, first = time.perf_counter(), None
+            while sched.has_work():
+                if sched.step() and first is None:
+                    first = time.perf_counter() - began
+            return first * 1e3
+        ttft(rng.integers(10, 150000, 64).tolist())  # warm-up: graphs and first launches
+        cold = ttft(shared + [5, 6])
+        gpu_hit = ttft(shared + [7, 8])
+        ttft(rng.integers(10, 150000, limit - 16).tolist())  # a filler of the pool's size evicts the prefix
+        restored_before = host.restored
+        warm = ttft(shared + [9, 10])
+        results[f"host_{length}"] = (f"cold {cold:.1f} ms, GPU hit {gpu_hit:.1f} ms, host restore {warm:.1f} ms "
+                                     f"({host.restored - restored_before} blocks, copies "
+                                     f"{host.restore_seconds * 1e3:.1f} ms in all)")
+
+
+def main() -> None:
+    wanted = sys.argv[1:] or ["lora", "spec", "host"]
+    out = Path(os.environ.get("OUT", "/tmp/out"))
+    out.mkdir(parents=True, exist_ok=True)
+    file = out / "features_bench.json"
+    results: dict = json.loads(file.read_text()) if file.exists() else {}
+    for name in wanted:
+        began = time.perf_counter()
+        try:
+            {"lora": bench_lora, "spec": bench_spec, "host": bench_host}[name](results)
+        except Exception as error:  # noqa: BLE001  one part's failure is a row of the table, not the end
+            results[f"{name}_error"] = f"{type(error).__name__}: {error}"
+        print(f"{name}: {time.perf_counter() - began:.0f} s", flush=True)
+        file.write_text(json.dumps(results, indent=1))
+    for key, value in results.items():
+        print(f"{key:28} {value}")
+
+
+if __name__ == "__main__":
+    main()
