@@ -29,6 +29,7 @@ import numpy as np
 MODEL = "qwen3-4b"
 LORA_SLOTS, LORA_RANK = 8, 16
 DECODE_STEPS = 24
+TOKENS = 150000  # prompt ids are drawn below it: ordinary tokens of the vocabulary, none special
 
 
 def engine(model, **options):
@@ -86,7 +87,7 @@ def bench_lora(results: dict) -> None:
 
     model = bench_model(MODEL)
     rng = np.random.default_rng(0)
-    prompts = {batch: [rng.integers(10, 150000, 64).tolist() for _ in range(batch)] for batch in (1, 32)}
+    prompts = {batch: [rng.integers(10, TOKENS, 64).tolist() for _ in range(batch)] for batch in (1, 32)}
     base = engine(model)
     for batch, rows in prompts.items():
         results[f"lora_b{batch}_base_ms"] = round(decode_step_ms(scheduler(base), rows, [None] * batch), 3)
@@ -137,7 +138,7 @@ def bench_spec(results: dict) -> None:
     model = bench_model(MODEL)
     gpu = engine(model, max_batch=8, max_samples=8 * 7)
     rng = np.random.default_rng(1)
-    prompt, tokens = (rng.integers(10, 150000, 24).tolist() * 16)[:384], 256
+    prompt, tokens = (rng.integers(10, TOKENS, 24).tolist() * 16)[:384], 256
     plain, ms, _ = generate(gpu, prompt, tokens)
     plain, ms, _ = generate(gpu, prompt, tokens)  # the second run: graphs captured, pages touched
     results["spec_plain_ms_per_token"] = round(ms, 3)
@@ -165,7 +166,7 @@ def bench_host(results: dict) -> None:
         gpu = engine(model, max_batch=4, max_model_len=limit, kv_tokens=limit)
         host = HostTier(gpu, limit // 16 + 8, gpu.options.block_size)
         sched = scheduler(gpu, config, host=host)
-        shared = rng.integers(10, 150000, length).tolist()
+        shared = rng.integers(10, TOKENS, length).tolist()
 
         def ttft(prompt: list[int]) -> float:
             sched.add(request(str(time.monotonic()), prompt, 2))
@@ -174,10 +175,10 @@ def bench_host(results: dict) -> None:
                 if sched.step() and first is None:
                     first = time.perf_counter() - began
             return first * 1e3
-        ttft(rng.integers(10, 150000, 64).tolist())  # warm-up: graphs and first launches
+        ttft(rng.integers(10, TOKENS, 64).tolist())  # warm-up: graphs and first launches
         cold = ttft(shared + [5, 6])
         gpu_hit = ttft(shared + [7, 8])
-        ttft(rng.integers(10, 150000, limit - 16).tolist())  # a filler of the pool's size evicts the prefix
+        ttft(rng.integers(10, TOKENS, limit - 16).tolist())  # a filler of the pool's size evicts the prefix
         restored_before = host.restored
         warm = ttft(shared + [9, 10])
         results[f"host_{length}"] = (f"cold {cold:.1f} ms, GPU hit {gpu_hit:.1f} ms, host restore {warm:.1f} ms "
