@@ -87,4 +87,4 @@ def _gpu_options(tokens: int, spares: int = 0, drafts: int = 0):
     from pegainfer.runtime.gpu.engine import EngineOptions
 
     return EngineOptions(max_tokens=max(tokens, 16), max_batch=8, max_model_len=tokens + 16, kv_tokens=tokens + 16,
-                         spare_states=spares, max_samples=8 * (drafts + 1))
+                         spare_states=spares, max_samples=8 * (drafts + 1), verify_tokens=drafts and drafts + 1)

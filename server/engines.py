@@ -131,7 +131,8 @@ def gpu_options(args: argparse.Namespace, max_model_len: int, step_tokens: int):
                          kv_tokens=args.kv_cache_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
                          block_size=KV_BLOCK_SIZE, state_snapshots=state_snapshots(args),
                          spare_states=spare_states(args),
-                         max_samples=max(args.max_num_seqs, min(step_tokens, args.max_num_seqs * (drafts + 1))))
+                         max_samples=max(args.max_num_seqs, min(step_tokens, args.max_num_seqs * (drafts + 1))),
+                         verify_tokens=drafts and drafts + 1)
 
 
 def build_sharded_engine(model: "LoadedModel", device: str, args: argparse.Namespace, max_model_len: int,

@@ -19,10 +19,11 @@ from pegainfer.ir import BF16, INT32
 from pegainfer.ir.graph import REPEAT
 from pegainfer.runtime.batch import Chunk, Sequence, commit_step, pack_step
 from pegainfer.runtime.gpu.abi import DeviceTensor
-from pegainfer.runtime.gpu.engine import PADDING_BLOCK, bucket_for, decode_buckets, pad_decode_step
+from pegainfer.runtime.gpu.engine import StepPlan, bucket_for, decode_buckets
 from pegainfer.runtime.gpu.executor import GpuExecutor, Limits
 from pegainfer.runtime.gpu.launch import pack_launch, shape_of
 from pegainfer.runtime.gpu.memory import kv_blocks_for_memory
+from pegainfer.runtime.gpu.step_padding import PADDING_BLOCK, pad_decode_step
 from pegainfer.runtime.kv_blocks import BlockAllocator
 
 
@@ -314,8 +315,8 @@ def test_a_graph_step_with_grammar_masks_replays_its_layers_then_fills_them_then
     engine.ctx = SimpleNamespace(stream=0, synchronize=lambda: None)
     step = {"query_lens": np.ones(4, np.int32)}
     for _ in range(2):
-        engine._replay(step, lambda: events.append("fill"))
-    engine._replay(step, None)
+        engine._replay(step, StepPlan(4, True), lambda: events.append("fill"))
+    engine._replay(step, StepPlan(4), None)
     assert events == ["capture g1", "layers", "end g1", "capture g2", "tail", "end g2",
                       "replay g1", "fill", "replay g2", "replay g1", "fill", "replay g2",
                       "capture g3", "layers", "tail", "end g3", "replay g3"]

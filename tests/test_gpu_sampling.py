@@ -32,7 +32,8 @@ from pegainfer.runtime.batch import Chunk, Sequence, pack_step
 from pegainfer.runtime.constraint import PenaltyState, pack_mask
 from pegainfer.runtime.device_sampling import finish, greedy_inputs, no_penalties, sampling_inputs, stack_masks
 from pegainfer.runtime.gpu.abi import DeviceTensor
-from pegainfer.runtime.gpu.engine import GpuEngine, pad_decode_step
+from pegainfer.runtime.gpu.engine import GpuEngine
+from pegainfer.runtime.gpu.step_padding import pad_decode_step
 from pegainfer.runtime.gpu.executor import PENALTY_ENTRIES
 from pegainfer.runtime.kv_blocks import BlockAllocator
 from pegainfer.runtime.offline import generate_one
@@ -553,12 +554,12 @@ def test_gpu_engine_sample_downloads_tokens_and_only_the_rows_left_to_the_host(t
 
     uploaded = []
 
-    def run(chunks, sampling, fill_late=None):  # the masks and penalties are filled as the layers would run
+    def run(chunks, all_logits, sampling, fill_late):  # the masks and penalties are filled as the layers would run
         late = {} if fill_late is None else fill_late(4)
         launched_masks.append(late.get(TOKEN_MASK_INDEX))
         uploaded.append(no_penalties(4) | sampling | late)
-        return engine.executor.tensors
-    engine.run = run
+        return engine.executor.tensors, None
+    engine._run = run
     chunks = [Chunk(Sequence(i, [1]), 1) for i in range(3)]
     params = [SamplingParams(temperature=1.0, top_p=0.999, seed=s) for s in (1, 2, 3)]
     result = engine.sample(chunks, params, [0, 0, 0])

@@ -326,7 +326,7 @@ def test_a_lora_graph_has_its_own_manifest_and_its_padding_rows_take_no_adapter(
     from pegainfer.frontends.load import load_spec
     from pegainfer.ir.step import LORA_SLOTS
     from pegainfer.runtime.batch import Chunk, Sequence, pack_step
-    from pegainfer.runtime.gpu.engine import pad_decode_step
+    from pegainfer.runtime.gpu.step_padding import pad_decode_step
     from pegainfer.runtime.kv_blocks import BlockAllocator
 
     spec = load_spec(checkpoint_factory("tiny_tied") / "config.json")

@@ -1,7 +1,8 @@
 """The GPU engine: the same step interface as the reference engine (chunks in, logits out), on the GPU, with
-decode steps replayed from CUDA graphs captured per batch bucket. For a sharded model one engine runs each rank
-(runtime/gpu/nccl.py joins them): the driver's engine tells `on_step` each step it is about to launch, and every
-other rank's engine `execute`s that same step, so that all issue the same NCCL calls in the same order."""
+decode steps and speculation's verify steps replayed from CUDA graphs captured per batch bucket (runtime/gpu/
+step_padding.py). For a sharded model one engine runs each rank (runtime/gpu/nccl.py joins them): the driver's
+engine tells `on_step` each step it is about to launch, and every other rank's engine `execute`s that same step, so
+that all issue the same NCCL calls in the same order."""
 
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -11,25 +12,22 @@ import numpy as np
 
 from pegainfer.errors import PegainferError
 from pegainfer.frontends.load import LoadedModel
-from pegainfer.ir.step import (LORA_SLOTS, PENALTY_COUNT, PENALTY_IDS, PENALTY_START, PENALTY_TERMS, SAMPLING_INPUTS,
-                               STATE_SLOTS, TOKEN_BITMASK, TOKEN_MASK_INDEX, has_recurrent_state, mask_words,
-                               sampler_outputs)
+from pegainfer.ir.step import LORA_SLOTS, TOKEN_BITMASK, has_recurrent_state, mask_words, sampler_outputs
 from pegainfer.passes.pipeline import lower
 from pegainfer.runtime.batch import Chunk, Sequence, commit_step, pack_step, release_sequence
 from pegainfer.runtime.constraint import TokenConstraint
-from pegainfer.runtime.device_sampling import (SampleResult, device_masks, finish, greedy_inputs, mask_inputs,
-                                               penalty_inputs, sampling_inputs, wants_top_logprobs)
+from pegainfer.runtime.device_sampling import (SampleResult, device_masks, finish, mask_inputs, penalty_inputs,
+                                               sampling_inputs, wants_top_logprobs)
 from pegainfer.runtime.cuda import driver
 from pegainfer.runtime.gpu.collectives import Communicator
 from pegainfer.runtime.gpu.executor import PDL_MAX_TOKENS, GpuExecutor, Limits
 from pegainfer.runtime.gpu.host_blocks import HostBlocks
 from pegainfer.runtime.gpu.memory import kv_blocks_for_memory
 from pegainfer.runtime.gpu.nccl import NcclCommunicator, Rendezvous
+from pegainfer.runtime.gpu.step_padding import PADDING_BLOCK, PADDING_SLOT, pad_decode_step, pad_verify_step
 from pegainfer.runtime.kv_blocks import BlockAllocator
 from pegainfer.runtime.sampler import SamplingParams
 
-PADDING_BLOCK = 0  # a KV block no sequence owns: padding slots of captured decode steps point here
-PADDING_SLOT = 0  # likewise a row of the recurrent state pools, for padding sequences (which start from zeros)
 
 
 def decode_buckets(max_batch: int) -> list[int]:
@@ -54,15 +52,18 @@ class EngineOptions:
     state_snapshots: int | None = None  # recurrent state rows kept for the prefix cache; None: max_batch
     spare_states: int = 0  # recurrent state rows speculating sequences roll back to (runtime/spec_steps.py)
     max_samples: int = 0  # rows of logits a step draws at most, past one a sequence (speculation); 0: max_batch
+    verify_tokens: int = 0  # K + 1 when speculating K tokens: the width of the verify steps' graphs (0: none)
     device: int = 0  # the CUDA device's ordinal (a rank's GPU)
 
 
 @dataclass(frozen=True)
 class StepPlan:
     """How a step is launched, which every rank of a sharded model must repeat: eagerly (bucket None) or as the
-    CUDA graph of a decode bucket (the step padded to it), its sampler tail captured apart (`split`) or not."""
+    CUDA graph of a bucket of sequences of `width` tokens (decode: 1; verify: K + 1), the step padded to it, its
+    sampler tail captured apart (`split`) or not."""
     bucket: int | None
     split: bool = False
+    width: int = 1
 
 
 StepHook = Callable[[dict[str, np.ndarray], StepPlan], None]  # a step's packed inputs and plan, before its launch
@@ -92,7 +93,7 @@ class GpuEngine:
         self.allocator = self._allocator(num_blocks)
         self.executor.pdl_max_tokens = options.pdl_max_tokens
         self.buckets = decode_buckets(options.max_batch)
-        self.graphs: dict[tuple[int, bool], tuple[tuple[driver.Graph, ...], dict]] = {}  # (bucket, split)
+        self.graphs: dict[tuple[int, int, bool], tuple[tuple[driver.Graph, ...], dict]] = {}  # bucket, width, split
         self.rng = np.random.default_rng()  # seeds for requests that have none
         self.vocab_size = lowered.value_types()[lowered.outputs[0]].shape[-1]  # the logits' width
         self.no_masks = np.zeros((1, mask_words(self.vocab_size)), dtype=np.int32)
@@ -150,7 +151,8 @@ class GpuEngine:
             penalized.update(on_device)
             return mask_inputs(rows, masks) | (penalties if on_device else {})
         constrained = constraints is not None and any(c is not None for c in constraints)
-        outputs = self.run(chunks, sampling=sampling, fill_late=fill_late if constrained else None)
+        outputs, draws = self._run(chunks, False, sampling, fill_late if constrained else None)
+        at = (lambda row: row) if draws is None else (lambda row: int(draws[row]))
         names = sampler_outputs(self.executor.graph)
         wanted = ["sampled_ids", "sampled_logprobs", *(("top_values", "top_ids", "logsumexp")
                                                  if wants_top_logprobs(params) else ())]
@@ -159,8 +161,9 @@ class GpuEngine:
             launched()
         fetched = download()
         logits = outputs[self.executor.graph.outputs[0]]
-        return finish({role: array[: len(params)] for role, array in zip(wanted, fetched)}, sampling, params,
-                      lambda row: self.executor.fetch(logits.row(row))[0].astype(np.float32), constraints, masks,
+        picked = slice(len(params)) if draws is None else draws
+        return finish({role: array[picked] for role, array in zip(wanted, fetched)}, sampling, params,
+                      lambda row: self.executor.fetch(logits.row(at(row)))[0].astype(np.float32), constraints, masks,
                       penalized)
 
     def run(self, chunks: list[Chunk], *, all_logits: bool = False, sampling: dict | None = None,
@@ -168,20 +171,47 @@ class GpuEngine:
         """Launches one step; `sampling` (device_sampling.sampling_inputs) replaces the greedy defaults;
         `fill_late(rows)`, called once the layers are queued, gives the step inputs of the rows' grammar bitmasks
         and penalties (device_masks, penalty_inputs), uploaded ahead of the sampler tail."""
-        decode = self.options.cuda_graphs and not all_logits and all(c.num_tokens == 1 for c in chunks)
+        return self._run(chunks, all_logits, sampling, fill_late)[0]
+
+    def _run(self, chunks: list[Chunk], all_logits: bool, sampling: dict | None,
+             fill_late: Callable[[int], dict[str, np.ndarray]] | None) -> tuple[dict, np.ndarray | None]:
+        """run's outputs, and the rows of the step's draws among them where a verify graph padded it (None: the
+        first rows)."""
         # full-width bitmask rows even when none is used: a captured graph keeps the row stride it was captured with
         step = pack_step(chunks, self.allocator, all_logits=all_logits, lora=self.lora) | (sampling or {}) | \
             {TOKEN_BITMASK: self.no_masks}
-        if decode:
-            step = pad_decode_step(step, bucket_for(len(chunks), self.buckets))
-        plan = StepPlan(len(step["query_lens"]) if decode else None, fill_late is not None)
+        plan, draws = self._plan(chunks, step, all_logits, fill_late is not None), None
+        if plan.width > 1:
+            step, draws = pad_verify_step(step, plan.bucket, plan.width)
+        elif plan.bucket is not None:
+            step = pad_decode_step(step, plan.bucket)
         rows = len(step["logits_indices"])
         before_tail = None if fill_late is None else (lambda: self.executor.upload_inputs(fill_late(rows)))
         if self.on_step is not None:
             self.on_step(step, plan)
         outputs = self._launch(step, plan, before_tail)
         commit_step(chunks)
-        return outputs
+        return outputs, draws
+
+    def _plan(self, chunks: list[Chunk], step: dict[str, np.ndarray], all_logits: bool, split: bool) -> StepPlan:
+        """A decode step's graph; a verify step's (every token a draw, at most verify_tokens a sequence, none of a
+        recurrent model or under a grammar), where its bucket fits the limits and every sequence's context with its
+        padding fits the block table; else eager launches."""
+        options, limits = self.options, self.executor.limits
+        if not options.cuda_graphs or all_logits:
+            return StepPlan(None, split)
+        if all(c.num_tokens == 1 for c in chunks):
+            return StepPlan(bucket_for(len(chunks), self.buckets), split)
+        width = options.verify_tokens
+        if split or width <= 1 or self._slots[0] or any(c.num_tokens != c.draws or c.num_tokens > width
+                                                        for c in chunks):
+            return StepPlan(None, split)
+        bucket = bucket_for(len(chunks), self.buckets)
+        longest = int((step["context_lens"] - step["query_lens"]).max()) + width
+        if bucket * width > min(limits.max_tokens, limits.samples) or \
+                longest > limits.max_blocks_per_seq * limits.block_size:
+            return StepPlan(None, split)
+        return StepPlan(bucket, split, width)
 
     def execute(self, step: dict[str, np.ndarray], plan: StepPlan) -> dict:
         """Runs the step another rank's engine packed and planned (its on_step's arguments) exactly as that one
@@ -193,17 +223,17 @@ class GpuEngine:
 
     def _launch(self, step: dict[str, np.ndarray], plan: StepPlan, before_tail: Callable[[], None] | None) -> dict:
         if plan.bucket is not None:
-            return self._replay(step, before_tail)
+            return self._replay(step, plan, before_tail)
         return self.executor.run(self.executor.upload_step(step), before_tail)
 
-    def _replay(self, step: dict[str, np.ndarray], before_tail: Callable[[], None] | None) -> dict:
+    def _replay(self, step: dict[str, np.ndarray], plan: StepPlan, before_tail: Callable[[], None] | None) -> dict:
         """The bucket's captured graph; with `before_tail`, its layers and its sampler tail captured apart, so that
         the host fills the grammar masks between the two replays while the GPU runs the layers."""
-        key = (len(step["query_lens"]), before_tail is not None)
+        key = (plan.bucket, plan.width, before_tail is not None)
         sizes = self.executor.upload_step(step)
         if key not in self.graphs:
             self.ctx.synchronize()
-            self.graphs[key] = self._capture_split(sizes) if key[1] else self._capture(sizes)
+            self.graphs[key] = self._capture_split(sizes) if key[2] else self._capture(sizes)
         graphs, outputs = self.graphs[key]
         graphs[0].replay()
         if before_tail is not None:
@@ -269,40 +299,6 @@ class GpuEngine:
 
     def release(self, seq: Sequence) -> None:
         release_sequence(self.allocator, seq)
-
-
-def pad_decode_step(step: dict[str, np.ndarray], bucket: int) -> dict[str, np.ndarray]:
-    """Pads a decode step to `bucket` sequences of one token. A padding sequence writes nowhere (slot -1) and
-    attends to one token of the padding block, so it can never touch a real sequence's KV; its recurrent state is
-    the padding slot's, which it starts from zeros (its context is its one token)."""
-    real = len(step["query_lens"])
-    extra = bucket - real
-    if extra == 0:
-        return step
-    rows = np.arange(real, bucket, dtype=np.int32)
-    greedy = greedy_inputs(extra)
-    tables = np.full((bucket, step["block_tables"].shape[1]), PADDING_BLOCK, dtype=np.int32)
-    tables[:real] = step["block_tables"]
-    return {
-        "input_ids": np.concatenate([step["input_ids"], np.zeros(extra, np.int32)]),
-        "positions": np.concatenate([step["positions"], np.zeros(extra, np.int32)]),
-        "slot_mapping": np.concatenate([step["slot_mapping"], np.full(extra, -1, np.int32)]),
-        "block_tables": tables,
-        "seq_starts": np.concatenate([step["seq_starts"], rows]),
-        "query_lens": np.concatenate([step["query_lens"], np.ones(extra, np.int32)]),
-        "context_lens": np.concatenate([step["context_lens"], np.ones(extra, np.int32)]),
-        "logits_indices": np.concatenate([step["logits_indices"], rows]),
-        **{name: np.concatenate([step[name], greedy[name]]) for name in SAMPLING_INPUTS},  # padding rows: greedy
-        **({TOKEN_MASK_INDEX: np.concatenate([step[TOKEN_MASK_INDEX], np.full(extra, -1, np.int32)]),
-            TOKEN_BITMASK: step[TOKEN_BITMASK]} if TOKEN_MASK_INDEX in step else {}),  # and unmasked
-        **({PENALTY_START: np.concatenate([step[PENALTY_START], np.zeros(extra, np.int32)]),
-            PENALTY_COUNT: np.concatenate([step[PENALTY_COUNT], np.zeros(extra, np.int32)]),
-            PENALTY_IDS: step[PENALTY_IDS], PENALTY_TERMS: step[PENALTY_TERMS]} if PENALTY_COUNT in step else {}),
-        **({STATE_SLOTS: np.concatenate([step[STATE_SLOTS], np.full(extra, PADDING_SLOT, np.int32)])}
-           if STATE_SLOTS in step else {}),
-        **({LORA_SLOTS: np.concatenate([step[LORA_SLOTS], np.full(extra, -1, np.int32)])}  # no adapter
-           if LORA_SLOTS in step else {}),
-    }
 
 
 def missing_manifest(path: Path, model: str, hint: str = "") -> PegainferError:

@@ -1,0 +1,97 @@
+"""Steps padded to the shapes of captured CUDA graphs: decode steps to a bucket of sequences of one token, and
+verify steps (decode tokens with their drafts, every token drawn) to a bucket of sequences of K + 1 tokens each.
+Padding writes no KV slot and is drawn greedily; the real rows keep their values."""
+
+import numpy as np
+
+from pegainfer.ir.step import (LORA_SLOTS, PENALTY_COUNT, PENALTY_IDS, PENALTY_START, PENALTY_TERMS, SAMPLING_INPUTS,
+                               STATE_SLOTS, TOKEN_BITMASK, TOKEN_MASK_INDEX)
+from pegainfer.runtime.device_sampling import greedy_inputs
+
+PADDING_BLOCK = 0  # a KV block no sequence owns: padding slots of captured decode steps point here
+PADDING_SLOT = 0  # likewise a row of the recurrent state pools, for padding sequences (which start from zeros)
+
+
+def pad_decode_step(step: dict[str, np.ndarray], bucket: int) -> dict[str, np.ndarray]:
+    """Pads a decode step to `bucket` sequences of one token. A padding sequence writes nowhere (slot -1) and
+    attends to one token of the padding block, so it can never touch a real sequence's KV; its recurrent state is
+    the padding slot's, which it starts from zeros (its context is its one token)."""
+    real = len(step["query_lens"])
+    extra = bucket - real
+    if extra == 0:
+        return step
+    rows = np.arange(real, bucket, dtype=np.int32)
+    greedy = greedy_inputs(extra)
+    tables = np.full((bucket, step["block_tables"].shape[1]), PADDING_BLOCK, dtype=np.int32)
+    tables[:real] = step["block_tables"]
+    return {
+        "input_ids": np.concatenate([step["input_ids"], np.zeros(extra, np.int32)]),
+        "positions": np.concatenate([step["positions"], np.zeros(extra, np.int32)]),
+        "slot_mapping": np.concatenate([step["slot_mapping"], np.full(extra, -1, np.int32)]),
+        "block_tables": tables,
+        "seq_starts": np.concatenate([step["seq_starts"], rows]),
+        "query_lens": np.concatenate([step["query_lens"], np.ones(extra, np.int32)]),
+        "context_lens": np.concatenate([step["context_lens"], np.ones(extra, np.int32)]),
+        "logits_indices": np.concatenate([step["logits_indices"], rows]),
+        **{name: np.concatenate([step[name], greedy[name]]) for name in SAMPLING_INPUTS},  # padding rows: greedy
+        **({TOKEN_MASK_INDEX: np.concatenate([step[TOKEN_MASK_INDEX], np.full(extra, -1, np.int32)]),
+            TOKEN_BITMASK: step[TOKEN_BITMASK]} if TOKEN_MASK_INDEX in step else {}),  # and unmasked
+        **({PENALTY_START: np.concatenate([step[PENALTY_START], np.zeros(extra, np.int32)]),
+            PENALTY_COUNT: np.concatenate([step[PENALTY_COUNT], np.zeros(extra, np.int32)]),
+            PENALTY_IDS: step[PENALTY_IDS], PENALTY_TERMS: step[PENALTY_TERMS]} if PENALTY_COUNT in step else {}),
+        **({STATE_SLOTS: np.concatenate([step[STATE_SLOTS], np.full(extra, PADDING_SLOT, np.int32)])}
+           if STATE_SLOTS in step else {}),
+        **({LORA_SLOTS: np.concatenate([step[LORA_SLOTS], np.full(extra, -1, np.int32)])}  # no adapter
+           if LORA_SLOTS in step else {}),
+    }
+
+
+def verify_rows(query_lens: np.ndarray, width: int) -> np.ndarray:
+    """Where each token of a step lands when each of its sequences is padded to `width` tokens."""
+    lens = np.asarray(query_lens)
+    assert lens.max(initial=1) <= width, f"a sequence of {lens.max()} tokens in a verify step {width} wide"
+    dest = np.arange(len(lens))[:, None] * width + np.arange(width)
+    return dest[np.arange(width) < lens[:, None]]
+
+
+def pad_verify_step(step: dict[str, np.ndarray], bucket: int, width: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Pads a step whose every token is drawn (decode tokens and their drafts) to `bucket` sequences of `width`
+    tokens. A sequence's padding tokens follow its own (its context grows by them, so causal attention keeps them
+    out of its real tokens' view; the caller sees that it stays within the block table), at position 0, and write
+    no KV (slot -1); padding sequences attend to the padding block only. Returns
+    the step and, for each of the step's draws, its row in the padded step's (every token's) rows. Not for models
+    with recurrent state, which padding tokens would advance."""
+    assert STATE_SLOTS not in step, "a recurrent model's verify step cannot be padded"
+    lens, real = step["query_lens"], len(step["query_lens"])
+    tokens, total = verify_rows(lens, width), bucket * width
+    draws = tokens[step["logits_indices"]]
+    tables = np.full((bucket, step["block_tables"].shape[1]), PADDING_BLOCK, dtype=np.int32)
+    tables[:real] = step["block_tables"]
+    context = np.full(bucket, width, np.int32)
+    context[:real] = step["context_lens"] - lens + width
+
+    def spread(values: np.ndarray, at: np.ndarray, fill, size: int = total) -> np.ndarray:
+        out = np.full(size, fill, dtype=values.dtype)
+        out[at] = values
+        return out
+    greedy = greedy_inputs(1)
+    padded = {
+        "input_ids": spread(step["input_ids"], tokens, 0),
+        "positions": spread(step["positions"], tokens, 0),
+        "slot_mapping": spread(step["slot_mapping"], tokens, -1),
+        "block_tables": tables,
+        "seq_starts": np.arange(0, total, width, dtype=np.int32),
+        "query_lens": np.full(bucket, width, np.int32),
+        "context_lens": context,
+        "logits_indices": np.arange(total, dtype=np.int32),
+        **{name: spread(step[name], draws, greedy[name][0]) for name in SAMPLING_INPUTS},
+    }
+    if TOKEN_MASK_INDEX in step:
+        padded |= {TOKEN_MASK_INDEX: spread(step[TOKEN_MASK_INDEX], draws, -1), TOKEN_BITMASK: step[TOKEN_BITMASK]}
+    if PENALTY_COUNT in step:
+        padded |= {PENALTY_START: spread(step[PENALTY_START], draws, 0),
+                   PENALTY_COUNT: spread(step[PENALTY_COUNT], draws, 0),
+                   PENALTY_IDS: step[PENALTY_IDS], PENALTY_TERMS: step[PENALTY_TERMS]}
+    if LORA_SLOTS in step:
+        padded[LORA_SLOTS] = spread(step[LORA_SLOTS], tokens, -1)
+    return padded, draws
