@@ -4,7 +4,8 @@ weights, the GPU engine driven by the scheduler as `serve` drives it:
   model's step (no LoRA tables);
 - spec: ms per generated token at batch 1, greedy, against plain decode: n-gram drafting (K = 2..6) on a repetitive
   prompt, and an oracle proposer that drafts the target's own greedy continuation (every draft accepted, nothing
-  spent drafting: the bound a draft model equal to the target approaches); the tokens checked equal to plain ones;
+  spent drafting: the bound a draft model equal to the target approaches), verify steps eager and in CUDA graphs;
+  the tokens checked equal to plain ones;
 - host: time to first token of a prompt whose 1k / 4k / 16k-token prefix is restored from host blocks, against
   cold prefill and a GPU prefix-cache hit.
 Prints a table last; every figure also goes to $OUT/features_bench.json.
@@ -144,13 +145,15 @@ def bench_spec(results: dict) -> None:
     results["spec_plain_ms_per_token"] = round(ms, 3)
     for k in range(2, 7):
         for method in ("ngram", "oracle"):
-            config = parse_speculative_config({"method": "ngram", "num_speculative_tokens": k})
-            proposer = NgramProposer(config) if method == "ngram" else OracleProposer(plain, len(prompt))
-            found, ms, stats = generate(gpu, prompt, tokens, Speculator(config, proposer))
-            same = next((i for i, (a, b) in enumerate(zip(found, plain)) if a != b), len(plain))
-            results[f"spec_{method}_k{k}"] = (f"{ms:.3f} ms/token, {stats.spec_accepted_tokens} of "
-                                              f"{stats.spec_draft_tokens} accepted, equal to plain for {same} of "
-                                              f"{len(plain)} tokens")
+            for verify in ("eager", "graphs"):
+                gpu.options.verify_tokens = k + 1 if verify == "graphs" else 0
+                config = parse_speculative_config({"method": "ngram", "num_speculative_tokens": k})
+                proposer = NgramProposer(config) if method == "ngram" else OracleProposer(plain, len(prompt))
+                found, ms, stats = generate(gpu, prompt, tokens, Speculator(config, proposer))
+                same = next((i for i, (a, b) in enumerate(zip(found, plain)) if a != b), len(plain))
+                results[f"spec_{method}_k{k}_{verify}"] = (
+                    f"{ms:.3f} ms/token, {stats.spec_accepted_tokens} of {stats.spec_draft_tokens} accepted, "
+                    f"equal to plain for {same} of {len(plain)} tokens")
 
 
 def bench_host(results: dict) -> None:

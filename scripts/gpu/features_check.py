@@ -1,7 +1,7 @@
 """LoRA adapters, n-gram speculation and the host KV tier on the GPU engine, on a small random Qwen3 (bf16): rows of
 an adapter and of the base model batched in one engine (prefill, then decode through CUDA graphs) against the CPU
-engine; greedy decoding with drafts verified in eager steps against decoding without them; a prefix evicted from a
-small KV pool and restored from pinned host blocks against a cold run. Prints a table last; every number also goes
+engine; greedy decoding with drafts verified in eager steps and in CUDA graphs against decoding without them; a
+prefix evicted from a small KV pool and restored from pinned host blocks against a cold run. Prints a table last; every number also goes
 to $OUT/features.json.
 
 On this (CPU) machine, once:  .venv/bin/python scripts/gpu/features_check.py prepare
@@ -129,9 +129,12 @@ def check_speculation(results: dict) -> None:
     work = [(pattern * 4, None), (rng.integers(3, 900, 30).tolist(), None), (pattern[:5] * 6, None)]
     options = EngineOptions(max_tokens=512, max_batch=8, max_model_len=512, kv_tokens=8192, max_samples=8 * 5)
     plain, _ = serve(gpu_engine(model, options), work)
-    drafted, stats = serve(gpu_engine(model, options), work, speculator=Speculator(config, NgramProposer(config)))
-    results["ngram_gpu_vs_plain_gpu"] = compare(drafted, plain)
-    results["ngram_drafts_accepted"] = f"{stats.spec_accepted_tokens} of {stats.spec_draft_tokens}"
+    for verify, width in (("eager", 0), ("graphs", 5)):
+        engine = gpu_engine(model, replace(options, verify_tokens=width))
+        drafted, stats = serve(engine, work, speculator=Speculator(config, NgramProposer(config)))
+        results[f"ngram_{verify}_gpu_vs_plain_gpu"] = compare(drafted, plain)
+        results[f"ngram_{verify}_drafts_accepted"] = f"{stats.spec_accepted_tokens} of {stats.spec_draft_tokens}"
+        results[f"ngram_{verify}_graphs"] = sorted(engine.graphs)
 
 
 def check_host_tier(results: dict) -> None:
