@@ -54,7 +54,7 @@ def generate_one(model_path: Path | str, params: SamplingParams, *, prompt: str 
                                       gpu=_gpu_options(tokens, spares, drafts) if device == "cuda" else None,
                                       cache_dir=cache_dir and str(cache_dir)), parallel.backend, model)
     eos = tokenizer.eos_token_ids if tokenizer else eos_token_ids(folder)
-    speculator = config and make_speculator(config, model, device, tokens, 1, dtype, engine)
+    speculator = config and make_speculator(config, model, device, tokens, 1, dtype, engine, cache_dir)
     try:
         (completion,) = generate(engine, [Request(ids, params)], eos, max_model_len=max_model_len,
                                  speculator=speculator)

@@ -258,7 +258,7 @@ def serving_features(args: argparse.Namespace, speculative, model: "LoadedModel"
         from pegainfer.runtime.proposers import make_speculator
 
         speculator = make_speculator(speculative, model, device, engine.allocator.num_blocks * KV_BLOCK_SIZE,
-                                     args.max_num_seqs, args.dtype, engine)
+                                     args.max_num_seqs, args.dtype, engine, args.cache_dir)
     lora_slots, lora, lora_paths = serve_adapters(args, engine)
     host = host_tier(args, engine)
     note = "" if speculative is None else \

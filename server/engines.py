@@ -115,24 +115,30 @@ def build_engine(model: "LoadedModel", device: str, args: argparse.Namespace, ma
 
     if lora is not None:  # its own manifest: the kernels of the LoRA'd graph (backends/cache.py model_id)
         model = replace(model, spec=replace(model.spec, graph=with_lora(model.spec.graph, lora)))
-    options = gpu_options(args, max_model_len, step_tokens)
+    options = gpu_options(args, model, max_model_len, step_tokens)
     return gpu_engine(model, options, args.cache_dir)  # without --kv-cache-tokens: the KV cache fills the utilization
 
 
-def gpu_options(args: argparse.Namespace, max_model_len: int, step_tokens: int):
+def gpu_options(args: argparse.Namespace, model: "LoadedModel", max_model_len: int, step_tokens: int):
     """The GPU engine's options from serve's flags (a sharded model's every rank takes the same): with speculation,
-    a row of logits for each draft (no more than a step's tokens) and spare state rows to roll back to."""
+    a row of logits for each draft (no more than a step's tokens), spare state rows to roll back to, and with a
+    draft model the memory its engine takes beside this one (proposers.draft_reserve)."""
     from pegainfer.runtime.gpu.engine import EngineOptions
     from pegainfer.runtime.speculative import parse_speculative_config
 
-    drafts = parse_speculative_config(args.speculative_config).num_speculative_tokens if args.speculative_config \
-        else 0
+    speculative = parse_speculative_config(args.speculative_config) if args.speculative_config else None
+    drafts = speculative.num_speculative_tokens if speculative else 0
+    reserved, share = (0, 1.0)
+    if speculative is not None and speculative.method == "draft_model" and args.kv_cache_tokens is None:
+        from pegainfer.runtime.proposers import draft_reserve  # the draft's engine is built beside this one
+
+        reserved, share = draft_reserve(speculative, model, args.dtype)
     return EngineOptions(max_tokens=step_tokens, max_batch=args.max_num_seqs, max_model_len=max_model_len,
                          kv_tokens=args.kv_cache_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
                          block_size=KV_BLOCK_SIZE, state_snapshots=state_snapshots(args),
                          spare_states=spare_states(args),
                          max_samples=max(args.max_num_seqs, min(step_tokens, args.max_num_seqs * (drafts + 1))),
-                         verify_tokens=drafts and drafts + 1)
+                         verify_tokens=drafts and drafts + 1, reserved_bytes=reserved, kv_share=share)
 
 
 def build_sharded_engine(model: "LoadedModel", device: str, args: argparse.Namespace, max_model_len: int,
@@ -145,7 +151,7 @@ def build_sharded_engine(model: "LoadedModel", device: str, args: argparse.Names
                     args.quantization, args.kv_cache_dtype,
                     cpu_kv_tokens(args, max_model_len), KV_BLOCK_SIZE,
                     args.max_num_seqs, state_snapshots(args), spare_states(args),
-                    gpu=gpu_options(args, max_model_len, step_tokens) if device == "cuda" else None,
+                    gpu=gpu_options(args, model, max_model_len, step_tokens) if device == "cuda" else None,
                     cache_dir=args.cache_dir and str(args.cache_dir))
     return start_sharded_engine(spec, args.distributed_executor_backend, model)
 

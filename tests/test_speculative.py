@@ -4,6 +4,7 @@ the kept tokens follow the target's distribution (a chi-square test that a draft
 run on a repeating output accepts most drafts and a draft model equal to the target accepts all, as /metrics counts;
 bad configurations fail at start in one line."""
 
+import json
 import math
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from live_server import NAME, start_server, stop_server
 from pegainfer.errors import ConfigError
 from pegainfer.frontends.load import load_model
 from pegainfer.runtime.batch import Chunk, Sequence
-from pegainfer.runtime.proposers import DraftModelProposer, NgramProposer, make_speculator
+from pegainfer.runtime.proposers import DRAFT_WORKSPACE, DraftModelProposer, NgramProposer, make_speculator
 from pegainfer.runtime.reference_engine import ReferenceEngine
 from pegainfer.runtime.requests import EngineRequest
 from pegainfer.runtime.sampler import SamplingParams
@@ -104,6 +105,41 @@ def test_a_draft_model_with_preemption_and_chunks_changes_nothing(model, checkpo
     found, scheduler = run(model, workload(), speculator, kv_tokens=160, budget=48)
     same_outputs(found, expected)
     assert scheduler.stats.preemptions > 0 and scheduler.stats.spec_accepted_tokens < scheduler.stats.spec_draft_tokens
+
+
+def test_a_draft_model_in_small_steps_or_a_small_pool_changes_nothing(model):
+    """The draft's steps within a GPU engine's limits (8 tokens, 2 sequences: prompts run in parts), and a draft
+    pool that holds only some sequences: those get no drafts, and the tokens stay the target's."""
+    greedy = [(prompt, replace(params, temperature=0.0)) for prompt, params in workload()]
+    expected, _ = run(model, greedy)
+    config = parse_speculative_config({"method": "draft_model", "num_speculative_tokens": 3, "model": "x"})
+    limited = DraftModelProposer(ReferenceEngine(model, max_tokens=4096, block_size=4), max_tokens=8, max_seqs=2)
+    found, scheduler = run(model, greedy, Speculator(config, limited))
+    same_outputs(found, expected)
+    assert scheduler.stats.spec_accepted_tokens == scheduler.stats.spec_draft_tokens > 0
+    small = DraftModelProposer(ReferenceEngine(model, max_tokens=48, block_size=4))
+    found, scheduler = run(model, greedy, Speculator(config, small))
+    same_outputs(found, expected)
+    everyone = run(model, greedy, draft_of(model, 3))[1].stats.spec_drafts
+    assert 0 < scheduler.stats.spec_drafts < everyone
+    assert not small.seqs and small.engine.allocator.num_free == small.engine.allocator.num_blocks  # all released
+
+
+def test_a_gpu_target_leaves_a_draft_model_its_weights_and_a_kv_share(tiny_checkpoint):
+    from pegainfer.cli import build_parser
+    from pegainfer.runtime.bench import weight_bytes
+    from pegainfer.server.engines import gpu_options
+
+    config = json.dumps({"method": "draft_model", "num_speculative_tokens": 3, "model": str(tiny_checkpoint)})
+    args = build_parser().parse_args(["serve", "--model-path", str(tiny_checkpoint), "--speculative-config", config])
+    target = load_model(tiny_checkpoint, lazy=True, device="cuda")  # as serve loads it for the GPU: bf16
+    options = gpu_options(args, target, max_model_len=4096, step_tokens=2048)
+    assert options.kv_share == 0.5 and options.verify_tokens == 4  # a draft of the target's own KV size
+    assert options.reserved_bytes == weight_bytes(target.spec) + DRAFT_WORKSPACE
+    given = build_parser().parse_args(["serve", "--model-path", str(tiny_checkpoint), "--speculative-config", config,
+                                       "--kv-cache-tokens", "4096"])
+    assert (gpu_options(given, target, 4096, 2048).reserved_bytes, gpu_options(given, target, 4096, 2048).kv_share) \
+        == (0, 1.0)  # the draft's pool is then given in tokens too
 
 
 class FixedDrafts:
@@ -297,4 +333,4 @@ def test_the_gpu_engine_draws_at_most_a_row_a_token_of_the_step(tiny_checkpoint,
     from pegainfer.server.engines import gpu_options
 
     args = build_parser().parse_args(["serve", "--model-path", str(tiny_checkpoint), "--max-num-seqs", "256", *extra])
-    assert gpu_options(args, max_model_len=4096, step_tokens=step_tokens).max_samples == samples
+    assert gpu_options(args, None, max_model_len=4096, step_tokens=step_tokens).max_samples == samples

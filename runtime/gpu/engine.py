@@ -53,6 +53,8 @@ class EngineOptions:
     spare_states: int = 0  # recurrent state rows speculating sequences roll back to (runtime/spec_steps.py)
     max_samples: int = 0  # rows of logits a step draws at most, past one a sequence (speculation); 0: max_batch
     verify_tokens: int = 0  # K + 1 when speculating K tokens: the width of the verify steps' graphs (0: none)
+    reserved_bytes: int = 0  # memory left out of the budget for a draft model's engine (its weights, activations)
+    kv_share: float = 1.0  # of the KV budget, the share this pool takes (the rest: a draft model's KV)
     device: int = 0  # the CUDA device's ordinal (a rank's GPU)
 
 
@@ -106,7 +108,9 @@ class GpuEngine:
         if options.kv_tokens is not None:
             return -(-options.kv_tokens // options.block_size) + PADDING_BLOCK + 1
         free, total = driver.device_memory()
-        return kv_blocks_for_memory(options.gpu_memory_utilization, self.executor.kv_bytes_per_block(), free, total)
+        blocks = kv_blocks_for_memory(options.gpu_memory_utilization, self.executor.kv_bytes_per_block(),
+                                      free - options.reserved_bytes, total)
+        return max(int(blocks * options.kv_share), PADDING_BLOCK + 2)
 
     @property
     def kv_blocks(self) -> int:
