@@ -4,7 +4,8 @@ weights, the GPU engine driven by the scheduler as `serve` drives it:
   model's step (no LoRA tables);
 - spec: ms per generated token at batch 1, greedy, against plain decode: n-gram drafting (K = 2..6) on a repetitive
   prompt, and an oracle proposer that drafts the target's own greedy continuation (every draft accepted, nothing
-  spent drafting: the bound a draft model equal to the target approaches), verify steps eager and in CUDA graphs;
+  spent drafting: the bound a draft model equal to the target approaches), and that draft model itself on a GPU
+  engine of its own; verify steps eager and in CUDA graphs;
   the tokens checked equal to plain ones;
 - host: time to first token of a prompt whose 1k / 4k / 16k-token prefix is restored from host blocks, against
   cold prefill and a GPU prefix-cache hit.
@@ -133,7 +134,7 @@ def generate(gpu, prompt: list[int], tokens: int, speculator=None) -> tuple[list
 
 def bench_spec(results: dict) -> None:
     from pegainfer.runtime.bench import bench_model
-    from pegainfer.runtime.proposers import NgramProposer
+    from pegainfer.runtime.proposers import DraftModelProposer, NgramProposer
     from pegainfer.runtime.speculative import Speculator, parse_speculative_config
 
     model = bench_model(MODEL)
@@ -143,12 +144,15 @@ def bench_spec(results: dict) -> None:
     plain, ms, _ = generate(gpu, prompt, tokens)
     plain, ms, _ = generate(gpu, prompt, tokens)  # the second run: graphs captured, pages touched
     results["spec_plain_ms_per_token"] = round(ms, 3)
+    draft = engine(model, max_batch=8)  # a draft model equal to the target, on a GPU engine of its own
     for k in range(2, 7):
-        for method in ("ngram", "oracle"):
+        for method in ("ngram", "oracle", "draft"):
             for verify in ("eager", "graphs"):
                 gpu.options.verify_tokens = k + 1 if verify == "graphs" else 0
                 config = parse_speculative_config({"method": "ngram", "num_speculative_tokens": k})
-                proposer = NgramProposer(config) if method == "ngram" else OracleProposer(plain, len(prompt))
+                proposer = {"ngram": lambda: NgramProposer(config),
+                            "oracle": lambda: OracleProposer(plain, len(prompt)),
+                            "draft": lambda: DraftModelProposer(draft, 2048, 8)}[method]()
                 found, ms, stats = generate(gpu, prompt, tokens, Speculator(config, proposer))
                 same = next((i for i, (a, b) in enumerate(zip(found, plain)) if a != b), len(plain))
                 results[f"spec_{method}_k{k}_{verify}"] = (

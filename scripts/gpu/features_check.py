@@ -1,6 +1,7 @@
 """LoRA adapters, n-gram speculation and the host KV tier on the GPU engine, on a small random Qwen3 (bf16): rows of
 an adapter and of the base model batched in one engine (prefill, then decode through CUDA graphs) against the CPU
-engine; greedy decoding with drafts verified in eager steps and in CUDA graphs against decoding without them; a
+engine; greedy decoding with n-gram drafts verified in eager steps and in CUDA graphs, and with a draft model equal to the
+target on a GPU engine of its own, against decoding without them; a
 prefix evicted from a small KV pool and restored from pinned host blocks against a cold run. Prints a table last; every number also goes
 to $OUT/features.json.
 
@@ -119,7 +120,7 @@ def check_speculation(results: dict) -> None:
     from pegainfer.frontends.load import load_model
     from pegainfer.runtime.gpu.engine import EngineOptions
     from pegainfer.runtime.gpu.start import gpu_engine
-    from pegainfer.runtime.proposers import NgramProposer
+    from pegainfer.runtime.proposers import DraftModelProposer, NgramProposer
     from pegainfer.runtime.speculative import Speculator, parse_speculative_config
 
     model = load_model(SMALL, lazy=True, device="cuda")
@@ -135,6 +136,13 @@ def check_speculation(results: dict) -> None:
         results[f"ngram_{verify}_gpu_vs_plain_gpu"] = compare(drafted, plain)
         results[f"ngram_{verify}_drafts_accepted"] = f"{stats.spec_accepted_tokens} of {stats.spec_draft_tokens}"
         results[f"ngram_{verify}_graphs"] = sorted(engine.graphs)
+    draft = gpu_engine(model, options)  # a draft model equal to the target: every draft accepted
+    config = parse_speculative_config({"method": "draft_model", "num_speculative_tokens": 4, "model": str(SMALL)})
+    proposer = DraftModelProposer(draft, draft.options.max_tokens, draft.options.max_batch)
+    drafted, stats = serve(gpu_engine(model, replace(options, verify_tokens=5)), work,
+                           speculator=Speculator(config, proposer))
+    results["draft_model_gpu_vs_plain_gpu"] = compare(drafted, plain)
+    results["draft_model_drafts_accepted"] = f"{stats.spec_accepted_tokens} of {stats.spec_draft_tokens}"
 
 
 def check_host_tier(results: dict) -> None:
