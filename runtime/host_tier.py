@@ -1,5 +1,6 @@
-"""A host-memory tier under the prefix cache (--kv-offload-gb): a full cached block the device pool evicts is
-copied into a pool of host blocks first, findable by the same hash chain; a later prefix hit past the device's
+"""A host-memory tier under the prefix cache (--kv-offload-gb): a full cached block is copied into a pool of host
+blocks once no sequence holds it (so that when the device pool evicts it, later, the copy is long done and no step
+waits for it), findable by the same hash chain; a later prefix hit past the device's
 cached blocks takes these, each copied back into a fresh device block before the sequence's first step, instead
 of recomputing them. Host blocks are reused least recently used first. The engines give the copies: the CPU
 engine's are NumPy copies between two pools of arrays."""
@@ -25,6 +26,9 @@ class BlockCopies(Protocol):
 
     def offload_block(self, device_block: int, host_block: int) -> None: ...
 
+    def settle_block(self, device_block: int) -> None:
+        """The device block is evicted: the steps from now on, which may write it, follow its copy down."""
+
     def restore_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """(host block, device block) pairs copied back, before the next step reads them."""
 
@@ -49,7 +53,7 @@ class HostTier:
         return len(self._block_of)
 
     def keep(self, block_hash: bytes, device_block: int) -> None:
-        """Copies down a cached block the device pool is about to reuse (before it is written again)."""
+        """Copies down a cached block no sequence holds any more (the device pool may evict it later)."""
         if block_hash in self._block_of:
             self._block_of.move_to_end(block_hash)
             return
@@ -63,6 +67,10 @@ class HostTier:
         self.engine.offload_block(device_block, host)
         self._block_of[block_hash] = host
         self.offloaded += 1
+
+    def settle(self, block_hash: bytes, device_block: int) -> None:
+        """The device pool evicts a cached block (kept here since it went idle): it may be written from now on."""
+        self.engine.settle_block(device_block)
 
     def lookup(self, token_ids: Seq[int], start_block: int, parent: bytes, max_blocks: int) -> list[bytes]:
         """The hashes of the host blocks that continue a prefix hit from block `start_block` (whose parent hash is

@@ -38,10 +38,12 @@ def chain_hashes(token_ids: Seq[int], block_size: int, parent: bytes = ROOT, sta
 
 
 class PrefixCache:
-    def __init__(self, allocator: BlockAllocator, on_evict: Callable[[bytes, int], None] | None = None) -> None:
+    def __init__(self, allocator: BlockAllocator, on_evict: Callable[[bytes, int], None] | None = None,
+                 on_idle: Callable[[bytes, int], None] | None = None) -> None:
         """`on_evict(hash, block)`: told of each block evicted before it goes back to the allocator (what is kept
-        beside a block goes with it; a host tier copies it down)."""
-        self.allocator, self.on_evict = allocator, on_evict
+        beside a block goes with it); `on_idle(hash, block)`: of each block no sequence holds any more (a host tier
+        copies it down then)."""
+        self.allocator, self.on_evict, self.on_idle = allocator, on_evict, on_idle
         self.block_size = allocator.block_size
         self._block_of: dict[bytes, int] = {}
         self._hash_of: dict[int, bytes] = {}
@@ -103,6 +105,8 @@ class PrefixCache:
                 self._refs[block] -= 1
                 if self._refs[block] == 0:
                     self._evictable[block] = None
+                    if self.on_idle is not None:
+                        self.on_idle(self._hash_of[block], block)
             else:
                 own.append(block)
         return own[::-1]

@@ -90,8 +90,9 @@ class Scheduler:
         if host is not None and (slots or not config.prefix_cache):
             raise ValueError("a host KV tier keeps prefix-cache blocks of a model without recurrent layers")
         self.host = host
-        on_evict = (lambda block_hash, _: self.snapshots.drop(block_hash)) if self.snapshots else host and host.keep
-        self.cache = PrefixCache(self.allocator, on_evict) if config.prefix_cache and (rows or not slots) else None
+        on_evict = (lambda block_hash, _: self.snapshots.drop(block_hash)) if self.snapshots else host and host.settle
+        self.cache = PrefixCache(self.allocator, on_evict, host and host.keep) \
+            if config.prefix_cache and (rows or not slots) else None
         self.waiting = WaitingQueue()
         self.running: list[RequestState] = []
         self._rng = np.random.default_rng()  # seeds of first tokens drawn here for seedless requests

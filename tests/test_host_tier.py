@@ -93,6 +93,45 @@ def test_both_tiers_under_pressure_with_aborts_give_every_request_its_own_output
     assert host.used <= host.capacity and not host.pinned  # host: every block cached, none left pinned
 
 
+def test_a_block_is_copied_down_once_idle_and_only_settled_when_evicted():
+    """The copy down happens when the last sequence lets a cached block go, long before the pool evicts it (so a
+    GPU's copy overlaps the steps between); held again and let go, it is not copied twice; evicted, it is settled
+    (later steps may write it), not copied."""
+    from pegainfer.runtime.kv_blocks import BlockAllocator, BlockTable
+    from pegainfer.runtime.prefix_cache import PrefixCache, chain_hashes
+
+    class Copies:
+        def __init__(self) -> None:
+            self.calls = []
+
+        def allocate_host_blocks(self, host_blocks: int) -> None:
+            pass
+
+        def offload_block(self, device_block: int, host_block: int) -> None:
+            self.calls.append(("down", device_block))
+
+        def settle_block(self, device_block: int) -> None:
+            self.calls.append(("settle", device_block))
+    copies = Copies()
+    host = HostTier(copies, 4, BLOCK)
+    allocator = BlockAllocator(num_blocks=8, block_size=BLOCK)
+    cache = PrefixCache(allocator, host.settle, host.keep)
+    table = BlockTable()
+    allocator.grow(table, 2 * BLOCK)
+    first, second = table.blocks
+    for block, block_hash in zip(table.blocks, chain_hashes(list(range(2 * BLOCK)), BLOCK)):
+        cache.insert(block, block_hash)
+    assert copies.calls == []
+    cache.release(table.blocks)
+    assert copies.calls == [("down", second), ("down", first)] and host.offloaded == 2
+    cache.acquire([first])
+    cache.release([first])
+    assert host.offloaded == 2
+    copies.calls.clear()
+    cache.evict(2)
+    assert copies.calls == [("settle", second), ("settle", first)] and host.used == 2
+
+
 def test_a_tier_past_the_hosts_memory_is_refused_with_the_numbers():
     with pytest.raises(PegainferError, match=r"--kv-offload-gb 64 asks for 64.0 GiB of host memory; 8.0 GiB is "
                                              r"available"):
@@ -130,11 +169,12 @@ def test_serve_restores_a_prefix_from_the_host_tier_and_counts_it(tiny_checkpoin
 
 
 @pytest.mark.parametrize("layout", ["even", "uneven"])
-def test_gpu_host_blocks_copy_every_paged_states_block_down_and_back_on_the_step_stream(monkeypatch, layout):
+def test_gpu_host_blocks_copy_down_on_a_side_stream_and_back_on_the_step_stream(monkeypatch, layout):
     """runtime/gpu/host_blocks.py over a stand-in driver whose device memory is a byte array: a block copied down
-    and back into another device block carries every paged state's bytes of it, touches no other block, and every
-    copy is queued on the step stream (so it is ordered against the steps that write or read the block). States of
-    one size at one stride move in one 2D copy a block, others in a copy each; restores are timed by events."""
+    and back into another device block carries every paged state's bytes of it and touches no other block. A copy
+    down runs on the side stream after the steps queued before it; the step stream waits for it only before a copy
+    back from its host block or once its device block is evicted, and not after it has finished. States of one size
+    at one stride move in one 2D copy a block, others in a copy each; restores are timed by events."""
     from pegainfer.ir.dtypes import BF16, FP32
     from pegainfer.runtime.cuda import driver
     from pegainfer.runtime.gpu.abi import DeviceTensor
@@ -144,16 +184,16 @@ def test_gpu_host_blocks_copy_every_paged_states_block_down_and_back_on_the_step
     calls = []
 
     def to_host(dst: np.ndarray, src: int, stream=None) -> np.ndarray:
-        calls.append(("1d", stream))
+        calls.append(("copy", stream))
         dst[:] = device[src:src + dst.nbytes]
         return dst
 
     def to_device(dst: int, src: np.ndarray, stream=None) -> None:
-        calls.append(("1d", stream))
+        calls.append(("copy", stream))
         device[dst:dst + src.nbytes] = src
 
     def rows(host: np.ndarray, at: int, pitch: int, count: int, down: bool, stream) -> None:
-        calls.append(("2d", stream))
+        calls.append(("copy", stream))
         width = host.nbytes // count
         for row in range(count):
             span = slice(at + row * pitch, at + row * pitch + width)
@@ -161,41 +201,58 @@ def test_gpu_host_blocks_copy_every_paged_states_block_down_and_back_on_the_step
                 host[row * width:(row + 1) * width] = device[span]
             else:
                 device[span] = host[row * width:(row + 1) * width]
+
     class Event:
-        """Its clock: the copies queued before it was recorded, a millisecond each."""
+        """Its clock: the copies queued before it was recorded, a millisecond each; finished when told."""
+        finished = False
+
+        def __init__(self, timing: bool = True) -> None:
+            pass
+
         def record(self, stream) -> None:
-            calls.append(("event", stream))
-            self.at = sum(kind != "event" for kind, _ in calls)
+            calls.append(("record", stream))
+            self.at = sum(kind == "copy" for kind, _ in calls)
+
+        def wait(self, stream) -> None:
+            calls.append(("wait", stream))
 
         def done(self) -> bool:
-            return True
+            return Event.finished
 
         def seconds_since(self, start) -> float:
             return (self.at - start.at) / 1e3
     for name, stand_in in (("copy_to_host", to_host), ("copy_to_device", to_device), ("copy_rows", rows),
-                           ("alloc_pinned", lambda n: np.zeros(n, np.uint8)), ("Event", Event)):
+                           ("alloc_pinned", lambda n: np.zeros(n, np.uint8)), ("Event", Event),
+                           ("new_stream", lambda: "side")):
         monkeypatch.setattr(driver, name, stand_in)
     if layout == "even":  # K and V of two layers, 8 blocks of 128 bytes each, 1024 bytes apart
         paged = {f"s{i}": DeviceTensor.contiguous(1024 * i, (8, 4, 2, 8), BF16) for i in range(4)}
-        spans = [(1024 * i, 128) for i in range(4)]
+        spans, per_block = [(1024 * i, 128) for i in range(4)], 1
     else:
         paged = {"k": DeviceTensor.contiguous(0, (8, 4, 2, 8), BF16),  # 128 bytes a block
                  "v": DeviceTensor.contiguous(4096, (8, 4, 1, 16), FP32)}  # 256
-        spans = [(0, 128), (4096, 256)]
+        spans, per_block = [(0, 128), (4096, 256)], 2
     blocks = HostBlocks("step", paged, capacity=2)
     before = device.copy()
+    down = [("record", "step"), ("wait", "side"), *[("copy", "side")] * per_block, ("record", "side")]
 
     blocks.offload(3, 1)
     blocks.offload(5, 0)
+    assert calls == down * 2
+    calls.clear()
+    blocks.settle(3)  # evicted while its copy is in flight: the next steps wait for it
     device[:] = 0
     blocks.restore([(1, 7), (0, 2)])
-
-    assert {stream for _, stream in calls} == {"step"}
-    copies = [kind for kind, _ in calls if kind != "event"]
-    assert copies == ["2d"] * 4 if layout == "even" else copies == ["1d"] * 8
-    assert blocks.restore_seconds() == pytest.approx(len(copies) / 2 / 1e3)  # the restores' copies, timed
+    assert calls == [("wait", "step")] * 3 + [("record", "step"), *[("copy", "step")] * 2 * per_block,
+                                              ("record", "step")]
+    Event.finished = True
+    assert blocks.restore_seconds() == pytest.approx(2 * per_block / 1e3)  # the restores' copies, timed
     for base, size in spans:
         block = lambda i, memory: memory[base + i * size:base + (i + 1) * size]  # noqa: E731
         assert np.array_equal(block(7, device), block(3, before))
         assert np.array_equal(block(2, device), block(5, before))
         assert not any(block(i, device).any() for i in (0, 1, 3, 4, 5, 6))
+    blocks.offload(6, 1)  # the earlier copies have finished: nothing waits for them any more
+    calls.clear()
+    blocks.settle(5)
+    assert calls == []

@@ -186,12 +186,22 @@ def device_memory() -> tuple[int, int]:
     return check(_driver().cuMemGetInfo(), "cuMemGetInfo")
 
 
+def new_stream():
+    """A non-blocking stream of the current context (beside a context's own, for copies that overlap its steps)."""
+    return check(_driver().cuStreamCreate(1), "cuStreamCreate")
+
+
 class Event:
-    def __init__(self) -> None:
-        self.event = check(_driver().cuEventCreate(0), "cuEventCreate")
+    def __init__(self, timing: bool = True) -> None:
+        flags = 0 if timing else _driver().CUevent_flags.CU_EVENT_DISABLE_TIMING
+        self.event = check(_driver().cuEventCreate(flags), "cuEventCreate")
 
     def record(self, stream) -> None:
         check(_driver().cuEventRecord(self.event, stream), "cuEventRecord")
+
+    def wait(self, stream) -> None:
+        """Work queued on `stream` from now on starts after the work before this event's latest record."""
+        check(_driver().cuStreamWaitEvent(stream, self.event, 0), "cuStreamWaitEvent")
 
     def synchronize(self) -> None:
         check(_driver().cuEventSynchronize(self.event), "cuEventSynchronize")

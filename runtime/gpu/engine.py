@@ -278,8 +278,11 @@ class GpuEngine:
         self.host_blocks = HostBlocks(self.ctx.stream, paged, host_blocks)
 
     def offload_block(self, device_block: int, host_block: int) -> None:
-        """A cached block copied down into the host tier's pinned pool."""
+        """A cached block copied down into the host tier's pinned pool, on a side stream."""
         self.host_blocks.offload(device_block, host_block)
+
+    def settle_block(self, device_block: int) -> None:
+        self.host_blocks.settle(device_block)
 
     def restore_blocks(self, pairs: list[tuple[int, int]]) -> None:
         self.host_blocks.restore(pairs)

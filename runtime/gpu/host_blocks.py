@@ -1,8 +1,11 @@
 """The GPU engine's side of the host KV tier (runtime/host_tier.py): a pool of pinned host blocks in the device KV
-cache's layout (every paged state's bytes of one block, back to back). Copies both ways are queued on the step
-stream: a copy down then reads its block before any later step can reuse it, a copy back lands before the step that
-reads it, and the host never waits (it never reads the pinned pool itself)."""
+cache's layout (every paged state's bytes of one block, back to back). Copies down run on a side stream, after the
+steps queued so far (which wrote the block), so they overlap the steps that follow; the step stream waits for one
+only where it would read or rewrite what the copy still reads or writes: before a copy back from its host block,
+and before the step after its device block is evicted (settle). Copies back run on the step stream, before the step
+that reads them. The host never waits (it never reads the pinned pool itself)."""
 
+from collections import deque
 from math import prod
 
 import numpy as np
@@ -13,11 +16,16 @@ from pegainfer.runtime.cuda import driver
 class HostBlocks:
     def __init__(self, stream, paged: dict[str, object], capacity: int) -> None:
         """`paged`: the KV cache's states (DeviceTensors of [num_blocks, ...]); `capacity`: host blocks."""
-        self.stream = stream
+        self.stream, self.side = stream, driver.new_stream()
         self.parts = [(t.ptr, prod(t.shape[1:]) * t.dtype.itemsize) for t in paged.values()]
         self.per_block = sum(size for _, size in self.parts)
         self.pitch = self._even_pitch()
         self.host = driver.alloc_pinned(capacity * self.per_block)
+        self._after_steps = driver.Event(timing=False)  # recorded on the step stream before each copy down
+        self._down: deque[tuple[driver.Event, int, int]] = deque()  # copies down in flight, in side-stream order
+        self._device_copy: dict[int, driver.Event] = {}  # a device block's copy down in flight
+        self._host_copy: dict[int, driver.Event] = {}  # a host block's
+        self._spare: list[driver.Event] = []
         self._timing: list[tuple[driver.Event, driver.Event]] = []  # restores queued, oldest first
         self._events: list[tuple[driver.Event, driver.Event]] = []  # pairs read, to record again
         self.seconds = 0.0
@@ -31,14 +39,34 @@ class HostBlocks:
         return pitch if even and pitch >= size else None
 
     def offload(self, device_block: int, host_block: int) -> None:
-        self._copy(device_block, host_block, to_host=True)
+        """The block copied down on the side stream, once the steps queued so far (its writes among them) are done;
+        the host block waited for first where a copy back from it is queued (the side stream follows those too)."""
+        self._reap()
+        self._after_steps.record(self.stream)
+        self._after_steps.wait(self.side)
+        self._copy(device_block, host_block, to_host=True, stream=self.side)
+        done = self._spare.pop() if self._spare else driver.Event(timing=False)
+        done.record(self.side)
+        self._down.append((done, device_block, host_block))
+        self._device_copy[device_block], self._host_copy[host_block] = done, done
+
+    def settle(self, device_block: int) -> None:
+        """The block leaves the device cache (evicted, to be written again): later steps wait for its copy down."""
+        done = self._device_copy.pop(device_block, None)
+        if done is not None:
+            done.wait(self.stream)
 
     def restore(self, pairs: list[tuple[int, int]]) -> None:
-        """(host block, device block) pairs copied back, timed by events read once they have passed."""
+        """(host block, device block) pairs copied back, after their copies down, timed by events read once they
+        have passed."""
+        for host_block, _ in pairs:
+            done = self._host_copy.pop(host_block, None)
+            if done is not None:
+                done.wait(self.stream)
         start, end = self._events.pop() if self._events else (driver.Event(), driver.Event())
         start.record(self.stream)
         for host_block, device_block in pairs:
-            self._copy(device_block, host_block, to_host=False)
+            self._copy(device_block, host_block, to_host=False, stream=self.stream)
         end.record(self.stream)
         self._timing.append((start, end))
 
@@ -50,16 +78,26 @@ class HostBlocks:
             self._events.append((start, end))
         return self.seconds
 
-    def _copy(self, device_block: int, host_block: int, to_host: bool) -> None:
+    def _reap(self) -> None:
+        """Copies down that have finished: nothing waits for them any more, their events are reused."""
+        while self._down and self._down[0][0].done():
+            done, device_block, host_block = self._down.popleft()
+            if self._device_copy.get(device_block) is done:
+                del self._device_copy[device_block]
+            if self._host_copy.get(host_block) is done:
+                del self._host_copy[host_block]
+            self._spare.append(done)
+
+    def _copy(self, device_block: int, host_block: int, to_host: bool, stream) -> None:
         start = host_block * self.per_block
         if self.pitch is not None:
             first, size = self.parts[0]
             driver.copy_rows(self.host[start:start + self.per_block], first + device_block * size, self.pitch,
-                             len(self.parts), to_host, self.stream)
+                             len(self.parts), to_host, stream)
             return
         for offset, (ptr, size) in zip(start + np.cumsum([0] + [s for _, s in self.parts[:-1]]), self.parts):
             host, device = self.host[offset:offset + size], ptr + device_block * size
             if to_host:
-                driver.copy_to_host(host, device, self.stream)
+                driver.copy_to_host(host, device, stream)
             else:
-                driver.copy_to_device(device, host, self.stream)
+                driver.copy_to_device(device, host, stream)
