@@ -39,6 +39,7 @@ class Adapter:
     rank: int
     scale: float
     modules: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    rows: dict[str, np.ndarray] | None = None  # its rows of the tables, once built (read_adapter builds them)
 
 
 def with_lora(graph: Graph, config: LoraConfig) -> Graph:
@@ -163,6 +164,8 @@ def read_adapter(name: str, path: Path, graph: Graph, config: LoraConfig) -> Ada
             raise CheckpointError(f"LoRA adapter {name} ({path}): {module} needs lora_A [{rank}, {size_in}] and "
                                   f"lora_B [{size_out}, {rank}], found {None if a is None else list(a.shape)} and "
                                   f"{None if b is None else list(b.shape)}")
+    adapter.rows = adapter_rows(adapter, graph)  # here, off the engine's thread: a swap into a slot only copies
+    adapter.modules.clear()
     return adapter
 
 
@@ -194,9 +197,12 @@ def _module_of(key: str, name: str, path: Path) -> tuple[str, str]:
 
 
 def adapter_rows(adapter: Adapter | None, graph: Graph) -> dict[str, np.ndarray]:
-    """An adapter's rows of every table of `graph`, by expanded table name: what an engine writes into one slot.
-    A group's A stacks its projections' A (each padded to the tables' rank), its B holds each projection's B on
-    the diagonal: its outputs' rows, its rank's columns; a projection the adapter leaves alone stays zero."""
+    """An adapter's rows of every table of `graph`, by expanded table name, in the tables' dtypes: what an engine
+    writes into one slot (those built already where the adapter has them). A group's A stacks its projections' A
+    (each padded to the tables' rank), its B holds each projection's B on the diagonal: its outputs' rows, its
+    rank's columns; a projection the adapter leaves alone stays zero."""
+    if adapter is not None and adapter.rows is not None:
+        return adapter.rows
     writes, states = {}, graph.expanded_states()
     for stem, group in lora_modules(graph).items():
         table_a = np.zeros(states[f"{stem}.lora_A"].shape[1:], np.float32)
@@ -210,6 +216,7 @@ def adapter_rows(adapter: Adapter | None, graph: Graph) -> dict[str, np.ndarray]
             found = True
             table_a[index * rank:index * rank + a.shape[0]] = a
             table_b[start:start + b.shape[0], index * rank:index * rank + b.shape[1]] = b
-        writes[f"{stem}.lora_A"], writes[f"{stem}.lora_B"] = table_a, table_b
+        for name, table in ((f"{stem}.lora_A", table_a), (f"{stem}.lora_B", table_b)):
+            writes[name] = table.astype(states[name].dtype.np_dtype, copy=False)
         writes[f"{stem}.lora_scale"] = np.float32(adapter.scale if found else 0.0)
     return writes

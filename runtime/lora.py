@@ -25,6 +25,7 @@ class LoraSlots:
         self._refs = [0] * config.max_loras
         self._idle: OrderedDict[int, None] = OrderedDict((slot, None) for slot in range(config.max_loras))
         self.loads = 0  # adapters written into a slot
+        self._empty: dict[str, np.ndarray] | None = None  # the rows of no adapter, built once
         self._registered = 0  # adapters registered so far: each one's number keys its prefix-cache blocks
 
     def register(self, adapter: Adapter) -> None:
@@ -44,7 +45,9 @@ class LoraSlots:
         if slot is not None:
             assert self._refs[slot] == 0, f"adapter {name} is held by {self._refs[slot]} sequences"
             self._name_of[slot] = None
-            self.write(slot, adapter_rows(None, self.graph))
+            if self._empty is None:
+                self._empty = adapter_rows(None, self.graph)
+            self.write(slot, self._empty)
         del self.adapters[name], self._keys[name]
 
     def acquire(self, name: str) -> int | None:
