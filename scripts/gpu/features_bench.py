@@ -72,13 +72,14 @@ def decode_step_ms(sched, prompts: list[list[int]], adapters: list[str | None]) 
 
 
 def random_adapter(name: str, graph, rng):
-    from pegainfer.frontends.lora import Adapter, lora_modules
+    from pegainfer.frontends.lora import Adapter, adapter_rows, lora_modules
 
     adapter = Adapter(name, Path(name), LORA_RANK, 2.0)
     for group in lora_modules(graph).values():
         for module, out in zip(group.modules, group.outs):
             adapter.modules[module] = ((rng.standard_normal((LORA_RANK, group.size_in)) * 0.01).astype(np.float32),
                                        (rng.standard_normal((out, LORA_RANK)) * 0.01).astype(np.float32))
+    adapter.rows = adapter_rows(adapter, graph)  # as read_adapter leaves it
     return adapter
 
 
