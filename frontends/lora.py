@@ -2,7 +2,10 @@
 weight named `<module>.weight`, module among q/k/v/o/gate/up/down_proj) stacked tables for the loaded adapters:
 states `<module>.lora_A` [slots, rank, in], `.lora_B` [slots, out, rank] and `.lora_scale` [slots] that the
 runtime fills, and a `lora` node (ir/ops/lora.py) added to its output, each token's slot the step input LORA_SLOTS.
-`read_adapter` reads a PEFT folder (adapter_config.json, adapter_model.safetensors) into the rows of those tables."""
+`read_adapter` reads a PEFT folder (adapter_config.json, adapter_model.safetensors) into the rows of those tables.
+On a rank of a sharded graph (passes/shard.py) the tables are added to the rank's projections, so they hold its
+part: a column-parallel projection's B its rows, a row-parallel one's A its input columns (each rank's partial
+update summed by the all-reduce that follows); an adapter's rows are built whole and `rank_rows` cuts them."""
 
 import copy
 import json
@@ -13,9 +16,9 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file
 
-from pegainfer.errors import CheckpointError, ConfigError
+from pegainfer.errors import CheckpointError, ConfigError, GraphError
 from pegainfer.ir.dtypes import FP32, INT32
-from pegainfer.ir.graph import REPEAT, Graph, Node, instantiate
+from pegainfer.ir.graph import REPEAT, Graph, Node, Shard, instantiate
 from pegainfer.ir.step import LORA_SLOTS
 from pegainfer.ir.types import TensorType
 
@@ -113,16 +116,26 @@ def _target_module(g: Graph, node: Node) -> str | None:
 
 @dataclass(frozen=True)
 class TableGroup:
-    """One lora node's tables: the projections they stack (expanded module names, in order, with their outputs)."""
+    """One lora node's tables: the projections they stack (expanded module names, in order, with their outputs in
+    this graph), and the part of the unsharded tables they hold on a rank of a sharded graph: each projection's
+    rows of its whole output, and the columns of the whole input (all of both when the graph is not sharded)."""
     stem: str  # the tables' expanded name less `.lora_A`
     modules: tuple[str, ...]
     outs: tuple[int, ...]
     size_in: int
+    rows: tuple[tuple[int, int], ...]  # [start, stop) of each projection's whole output that this graph computes
+    full_outs: tuple[int, ...]
+    columns: tuple[int, int]  # [start, stop) of the whole input that this graph reads
+    full_in: int
+
+    @property
+    def sharded(self) -> bool:
+        return self.full_outs != self.outs or self.full_in != self.size_in
 
 
 def lora_modules(graph: Graph) -> dict[str, TableGroup]:
     """Every table group of a graph with LoRA tables, by its expanded stem."""
-    groups = {}
+    groups, shards = {}, graph.checkpoint_shards()
     for g, layer in graph.instances():
         for name, t in g.states.items():
             if not name.endswith(".lora_A"):
@@ -133,8 +146,31 @@ def lora_modules(graph: Graph) -> dict[str, TableGroup]:
             split = next((n for n in g.nodes if n.op == "split" and n.inputs[0] == name[:-len(".lora_A")] + ".lora"),
                          None)
             outs = tuple(split.attrs["sizes"]) if split else (g.states[name[:-1] + "B"].shape[1],)
-            groups[stem] = TableGroup(stem, modules, outs, t.shape[2])
+            groups[stem] = _group_part(stem, modules, outs, t.shape[2], shards)
     return groups
+
+
+def _group_part(stem: str, modules: tuple[str, ...], outs: tuple[int, ...], size_in: int,
+                shards: dict[str, Shard]) -> TableGroup:
+    """A group with the part of the whole projections its rank computes, read off the slices of their weights
+    (Graph.shards): rows of the output where a weight is cut along axis 0, columns of the input along axis 1."""
+    rows, full_outs, columns = [], [], set()
+    for module, out in zip(modules, outs):
+        shard = shards.get(f"{module}.weight")
+        along_rows = shard is not None and shard.axis == 0
+        if shard is not None and (shard.pad or shard.axis not in (0, 1) or
+                                  along_rows and shard.stop - shard.start != out):
+            raise GraphError(f"LoRA on {module}: its weight is sliced as {shard}, expected {out} rows or some "
+                             f"columns, without padding")
+        rows.append((shard.start, shard.stop) if along_rows else (0, out))
+        full_outs.append(shard.full.shape[0] if along_rows else out)
+        along_columns = shard is not None and shard.axis == 1
+        columns.add((shard.start, shard.stop, shard.full.shape[1]) if along_columns else (0, size_in, size_in))
+    if len(columns) != 1:
+        raise GraphError(f"LoRA tables {stem}: projections of one input read different columns of it "
+                         f"({sorted(columns)})")
+    ((start, stop, full_in),) = columns
+    return TableGroup(stem, modules, outs, size_in, tuple(rows), tuple(full_outs), (start, stop), full_in)
 
 
 def read_adapter(name: str, path: Path, graph: Graph, config: LoraConfig) -> Adapter:
@@ -148,8 +184,8 @@ def read_adapter(name: str, path: Path, graph: Graph, config: LoraConfig) -> Ada
     if not file.is_file():
         raise CheckpointError(f"LoRA adapter {name} ({path}): no adapter_model.safetensors")
     tensors = load_file(file)
-    modules = {module: (group.size_in, out) for group in lora_modules(graph).values()
-               for module, out in zip(group.modules, group.outs)}
+    modules = {module: (group.full_in, out) for group in lora_modules(graph).values()  # the checkpoint's sizes
+               for module, out in zip(group.modules, group.full_outs)}
     adapter = Adapter(name, path, rank, scale)
     for key in sorted(tensors):
         module, kind = _module_of(key, name, path)
@@ -200,16 +236,18 @@ def adapter_rows(adapter: Adapter | None, graph: Graph) -> dict[str, np.ndarray]
     """An adapter's rows of every table of `graph`, by expanded table name, in the tables' dtypes: what an engine
     writes into one slot (those built already where the adapter has them). A group's A stacks its projections' A
     (each padded to the tables' rank), its B holds each projection's B on the diagonal: its outputs' rows, its
-    rank's columns; a projection the adapter leaves alone stays zero."""
+    rank's columns; a projection the adapter leaves alone stays zero. On a sharded graph these are the unsharded
+    tables' rows (the same on every rank), which each rank cuts to its part with `rank_rows`."""
     if adapter is not None and adapter.rows is not None:
         return adapter.rows
     writes, states = {}, graph.expanded_states()
     for stem, group in lora_modules(graph).items():
-        table_a = np.zeros(states[f"{stem}.lora_A"].shape[1:], np.float32)
-        table_b = np.zeros(states[f"{stem}.lora_B"].shape[1:], np.float32)
-        rank = table_a.shape[0] // len(group.modules)
+        width = states[f"{stem}.lora_A"].shape[1]  # the tables' rank for each projection of the group
+        table_a = np.zeros((width, group.full_in), np.float32)
+        table_b = np.zeros((sum(group.full_outs), width), np.float32)
+        rank = width // len(group.modules)
         found = False
-        for index, (module, start) in enumerate(zip(group.modules, np.cumsum((0, *group.outs[:-1])))):
+        for index, (module, start) in enumerate(zip(group.modules, np.cumsum((0, *group.full_outs[:-1])))):
             a, b = adapter.modules.get(module, (None, None)) if adapter else (None, None)
             if a is None:
                 continue
@@ -220,3 +258,23 @@ def adapter_rows(adapter: Adapter | None, graph: Graph) -> dict[str, np.ndarray]
             writes[name] = table.astype(states[name].dtype.np_dtype, copy=False)
         writes[f"{stem}.lora_scale"] = np.float32(adapter.scale if found else 0.0)
     return writes
+
+
+def rank_rows(rows: dict[str, np.ndarray], graph: Graph) -> dict[str, np.ndarray]:
+    """The part of an adapter's rows (adapter_rows: the unsharded tables') that a rank's tables hold: each
+    column-parallel projection's rows of B, cut as its weight's rows are (the same rows of each block where Q/K/V
+    or gate/up stack), and a row-parallel projection's columns of A, cut as its weight's columns are; the rows of
+    tables `graph` holds whole (all of them where it is not sharded) as they are."""
+    cut = dict(rows)
+    for stem, group in lora_modules(graph).items():
+        if not group.sharded:
+            continue
+        a, b = rows[f"{stem}.lora_A"], rows[f"{stem}.lora_B"]
+        if a.shape[1] != group.full_in or b.shape[0] != sum(group.full_outs):
+            raise GraphError(f"LoRA rows of {stem}: expected the unsharded tables' A [*, {group.full_in}] and B "
+                             f"[{sum(group.full_outs)}, *], found {list(a.shape)} and {list(b.shape)}")
+        cut[f"{stem}.lora_A"] = np.ascontiguousarray(a[:, slice(*group.columns)])
+        starts = np.cumsum((0, *group.full_outs[:-1]))
+        cut[f"{stem}.lora_B"] = np.concatenate([b[base + start:base + stop]
+                                                for base, (start, stop) in zip(starts, group.rows)])
+    return cut
