@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pegainfer.errors import PegainferError
+from pegainfer.frontends.lora import LoraConfig, rank_rows
 from pegainfer.ir.ranks import bound_rank
 from pegainfer.passes.shard import Parallelism
 from pegainfer.runtime.rank_links import FAILED, READY, DriverLinks, RankFailed, WorkerLink
@@ -52,6 +53,7 @@ class RankSpec:
     nccl_id: bytes | None = None  # on cuda: the NCCL unique id the driver made
     cache_dir: str | None = None  # on cuda: the cubin cache holding every rank's manifest
     backend: str = "mp"  # how the workers were started: a Ray actor sees only its own GPU (device 0)
+    lora: LoraConfig | None = None  # with --enable-lora: the LoRA tables' sizes (on the CPU engine)
 
     def parallel(self, rank: int) -> Parallelism:
         return Parallelism(self.world, rank, self.expert_parallel)
@@ -67,7 +69,7 @@ class RankSpec:
 
 def load_rank_engine(spec: RankSpec, rank: int):
     """Rank `rank`'s engine: its graph and weights on the CPU engine, or on its GPU joined to the others by NCCL."""
-    from pegainfer.runtime.sharded_engine import load_rank_model
+    from pegainfer.runtime.sharded_engine import load_rank_model, rank_graph
 
     if spec.device == "cuda":
         from pegainfer.runtime.gpu.nccl import Rendezvous
@@ -78,7 +80,8 @@ def load_rank_engine(spec: RankSpec, rank: int):
                           communicator=Rendezvous(spec.nccl_id, spec.world, rank))
     from pegainfer.runtime.reference_engine import ReferenceEngine
 
-    return ReferenceEngine(load_rank_model(spec, rank), **spec.reference_sizes())
+    model = load_rank_model(spec, rank)
+    return ReferenceEngine(model, graph=rank_graph(spec, model), **spec.reference_sizes())
 
 
 def serve_rank(spec: RankSpec, rank: int, address: tuple[str, int], authkey: bytes) -> None:
@@ -96,6 +99,9 @@ def serve_rank(spec: RankSpec, rank: int, address: tuple[str, int], authkey: byt
                     engine.execute(*payload)
                 elif command == "copy_state":
                     engine.copy_state(*payload)
+                elif command == "write_lora":  # the unsharded tables' rows: this rank keeps its part
+                    slot, rows = payload
+                    engine.write_lora(slot, rank_rows(rows, engine.graph))
                 elif command == "limit_kv_blocks":
                     engine.limit_kv_blocks(payload)
                 elif command == "stop":

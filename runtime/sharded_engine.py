@@ -10,7 +10,10 @@ from pathlib import Path
 
 import numpy as np
 
+from pegainfer.errors import PegainferError
 from pegainfer.frontends.load import LoadedModel, load_model
+from pegainfer.frontends.lora import rank_rows, with_lora
+from pegainfer.ir.graph import Graph
 from pegainfer.ir.ranks import bound_rank
 from pegainfer.runtime.rank_workers import RankProcesses, RankSpec, start_ranks
 from pegainfer.runtime.reference_engine import ReferenceEngine
@@ -50,9 +53,15 @@ class RankDriver:
 
 class ShardedEngine(RankDriver, ReferenceEngine):
     def __init__(self, spec: RankSpec, ranks: RankProcesses, model: LoadedModel) -> None:
-        """`model`: rank 0's (load_rank_model)."""
-        super().__init__(model, **spec.reference_sizes())
+        """`model`: rank 0's (load_rank_model); with `spec.lora`, its graph gains LoRA tables of its part."""
+        super().__init__(model, graph=rank_graph(spec, model), **spec.reference_sizes())
         self.spec, self.ranks = spec, ranks
+
+    def write_lora(self, slot: int, rows: dict[str, np.ndarray]) -> None:
+        """An adapter's rows of the unsharded tables (frontends/lora.adapter_rows) into one slot on every rank,
+        each cutting them to its part of the tables (rank_rows)."""
+        self._command("write_lora", (slot, rows))
+        super().write_lora(slot, rank_rows(rows, self.graph))
 
     def execute(self, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
         self._command("execute", inputs)
@@ -62,6 +71,12 @@ class ShardedEngine(RankDriver, ReferenceEngine):
         except BaseException:
             self.shutdown()  # the workers wait in a collective that will not complete: release them
             raise
+
+
+def rank_graph(spec: RankSpec, model: LoadedModel) -> Graph:
+    """A rank's graph for the CPU engine: its model's, with LoRA tables on its own projections (each rank's
+    part of them) where `spec.lora` asks for adapters."""
+    return with_lora(model.spec.graph, spec.lora) if spec.lora is not None else model.spec.graph
 
 
 def load_rank_model(spec: RankSpec, rank: int, lazy: bool = False) -> LoadedModel:
@@ -74,6 +89,9 @@ def start_sharded_engine(spec: RankSpec, backend: str = "mp", model: LoadedModel
     if any fails. On cuda the ranks' KV pools are cut to the smallest one's blocks, so every block table holds on
     every rank."""
     spec = replace(spec, backend=backend)
+    if spec.lora is not None and spec.device != "cpu":
+        raise PegainferError("--enable-lora with --tensor-parallel-size is implemented on the CPU engine only: the "
+                             "GPU ranks' manifests and engines take no LoRA tables yet (serve LoRA on one GPU)")
     if spec.device == "cuda":
         from pegainfer.runtime.gpu.nccl import make_unique_id
 

@@ -97,11 +97,8 @@ def lora_config(args: argparse.Namespace) -> "LoraConfig | None":
 def build_engine(model: "LoadedModel", device: str, args: argparse.Namespace, max_model_len: int, step_tokens: int):
     """The reference engine on the CPU; on the GPU, the compiled kernels (compiled first if missing)."""
     lora = lora_config(args)
-    if lora is not None and args.tensor_parallel_size > 1:
-        raise PegainferError("--enable-lora with --tensor-parallel-size is not implemented yet: the adapters' "
-                             "tables are not sharded (serve LoRA on one rank)")
-    if args.tensor_parallel_size > 1:
-        return build_sharded_engine(model, device, args, max_model_len, step_tokens)
+    if args.tensor_parallel_size > 1:  # with LoRA: each rank's tables hold its part (CPU engine only)
+        return build_sharded_engine(model, device, args, max_model_len, step_tokens, lora)
     if device == "cpu":
         from pegainfer.frontends.lora import with_lora
         from pegainfer.runtime.reference_engine import ReferenceEngine
@@ -142,8 +139,9 @@ def gpu_options(args: argparse.Namespace, model: "LoadedModel", max_model_len: i
 
 
 def build_sharded_engine(model: "LoadedModel", device: str, args: argparse.Namespace, max_model_len: int,
-                         step_tokens: int):
-    """Rank 0 of a model sharded over --tensor-parallel-size processes, the others started by the executor backend."""
+                         step_tokens: int, lora: "LoraConfig | None" = None):
+    """Rank 0 of a model sharded over --tensor-parallel-size processes, the others started by the executor backend;
+    with `lora`, every rank's LoRA tables (refused on cuda by start_sharded_engine)."""
     from pegainfer.runtime.rank_workers import RankSpec
     from pegainfer.runtime.sharded_engine import start_sharded_engine
 
@@ -152,7 +150,7 @@ def build_sharded_engine(model: "LoadedModel", device: str, args: argparse.Names
                     cpu_kv_tokens(args, max_model_len), KV_BLOCK_SIZE,
                     args.max_num_seqs, state_snapshots(args), spare_states(args),
                     gpu=gpu_options(args, model, max_model_len, step_tokens) if device == "cuda" else None,
-                    cache_dir=args.cache_dir and str(args.cache_dir))
+                    cache_dir=args.cache_dir and str(args.cache_dir), lora=lora)
     return start_sharded_engine(spec, args.distributed_executor_backend, model)
 
 
