@@ -73,7 +73,7 @@ class DraftModelProposer:
                 continue
             seq = self.seqs.get(request.seq_id)
             held = len(seq.table.blocks) if seq is not None else 0
-            need = allocator.blocks_for(len(request.tokens) + request.k) - held
+            need = max(allocator.blocks_for(len(request.tokens) + request.k) - held, 0)  # it keeps what it holds
             if need <= free:
                 free -= need
                 active.append(i)

@@ -554,7 +554,7 @@ def test_gpu_engine_sample_downloads_tokens_and_only_the_rows_left_to_the_host(t
 
     uploaded = []
 
-    def run(chunks, all_logits, sampling, fill_late):  # the masks and penalties are filled as the layers would run
+    def run(chunks, all_logits, sampling, fill_late, verify):  # masks and penalties filled as the layers would run
         late = {} if fill_late is None else fill_late(4)
         launched_masks.append(late.get(TOKEN_MASK_INDEX))
         uploaded.append(no_penalties(4) | sampling | late)

@@ -125,6 +125,19 @@ def test_a_draft_model_in_small_steps_or_a_small_pool_changes_nothing(model):
     assert not small.seqs and small.engine.allocator.num_free == small.engine.allocator.num_blocks  # all released
 
 
+def test_a_draft_holding_more_blocks_than_it_needs_frees_none_of_them(model):
+    """A draft sequence past what its next drafts need (fewer drafts wanted near a limit) keeps its blocks: they
+    are not counted free for the requests after it, which get no drafts rather than a pool overrun."""
+    from pegainfer.runtime.speculative import DraftRequest
+
+    proposer = DraftModelProposer(ReferenceEngine(model, max_tokens=24, block_size=4))  # 6 blocks
+    (drafts,) = proposer.propose([DraftRequest(0, list(range(1, 7)), 4)])
+    assert len(drafts) == 4 and proposer.engine.allocator.num_free == 3
+    found = proposer.propose([DraftRequest(0, list(range(1, 7)) + drafts[:1], 1),
+                              DraftRequest(1, list(range(20, 35)), 1)])  # 4 blocks wanted, 3 free
+    assert found == [drafts[1:2], []]
+
+
 def test_a_gpu_target_leaves_a_draft_model_its_weights_and_a_kv_share(tiny_checkpoint):
     from pegainfer.cli import build_parser
     from pegainfer.runtime.bench import weight_bytes

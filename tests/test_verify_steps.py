@@ -103,6 +103,12 @@ def test_the_engine_plans_verify_graphs_only_where_padding_is_safe():
     assert plan_of(engine, [2, 2], cached=60) == StepPlan(None)  # its padding would pass the 64-token table
     assert plan_of(planner(recurrent=True), [3, 1]) == StepPlan(None)  # padding would advance the state
     assert plan_of(planner(verify_tokens=0), [3, 1]) == StepPlan(None)
+    seqs = [Sequence(0, list(range(13))), Sequence(1, list(range(11)))]
+    for seq in seqs:
+        seq.num_cached = 10
+    step = {"context_lens": np.array([13, 11]), "query_lens": np.array([3, 1])}
+    chunks = [Chunk(seqs[0], 3, draws=3), Chunk(seqs[1], 1)]
+    assert engine._plan(chunks, step, False, False, verify=False) == StepPlan(None)  # run/step read rows unmapped
 
 
 def test_sample_draws_from_the_real_rows_of_a_padded_step(tiny_checkpoint):
@@ -119,7 +125,7 @@ def test_sample_draws_from_the_real_rows_of_a_padded_step(tiny_checkpoint):
     fetched = {names["sampled_ids"]: ids, names["sampled_logprobs"]: -np.arange(12, dtype=np.float32)}
     engine.executor = types.SimpleNamespace(graph=graph,
                                             fetch_later=lambda tensors: lambda: [fetched[t] for t in tensors])
-    engine._run = lambda chunks, all_logits, sampling, fill_late: ({n: n for n in fetched} | {"logits": None},
+    engine._run = lambda chunks, all_logits, sampling, fill_late, verify: ({n: n for n in fetched} | {"logits": None},
                                                                    np.array([0, 1, 3]))
     chunks = [Chunk(Sequence(0, [1, 2, 3]), 2, draws=2), Chunk(Sequence(1, [4]), 1)]
     result = engine.sample(chunks, [SamplingParams()] * 3, [0, 1, 0])

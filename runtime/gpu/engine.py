@@ -155,7 +155,7 @@ class GpuEngine:
             penalized.update(on_device)
             return mask_inputs(rows, masks) | (penalties if on_device else {})
         constrained = constraints is not None and any(c is not None for c in constraints)
-        outputs, draws = self._run(chunks, False, sampling, fill_late if constrained else None)
+        outputs, draws = self._run(chunks, False, sampling, fill_late if constrained else None, verify=True)
         at = (lambda row: row) if draws is None else (lambda row: int(draws[row]))
         names = sampler_outputs(self.executor.graph)
         wanted = ["sampled_ids", "sampled_logprobs", *(("top_values", "top_ids", "logsumexp")
@@ -178,13 +178,14 @@ class GpuEngine:
         return self._run(chunks, all_logits, sampling, fill_late)[0]
 
     def _run(self, chunks: list[Chunk], all_logits: bool, sampling: dict | None,
-             fill_late: Callable[[int], dict[str, np.ndarray]] | None) -> tuple[dict, np.ndarray | None]:
+             fill_late: Callable[[int], dict[str, np.ndarray]] | None,
+             verify: bool = False) -> tuple[dict, np.ndarray | None]:
         """run's outputs, and the rows of the step's draws among them where a verify graph padded it (None: the
-        first rows)."""
+        first rows); `verify`: the caller reads the draws by those rows (sample does), so a verify graph may run."""
         # full-width bitmask rows even when none is used: a captured graph keeps the row stride it was captured with
         step = pack_step(chunks, self.allocator, all_logits=all_logits, lora=self.lora) | (sampling or {}) | \
             {TOKEN_BITMASK: self.no_masks}
-        plan, draws = self._plan(chunks, step, all_logits, fill_late is not None), None
+        plan, draws = self._plan(chunks, step, all_logits, fill_late is not None, verify), None
         if plan.width > 1:
             step, draws = pad_verify_step(step, plan.bucket, plan.width)
         elif plan.bucket is not None:
@@ -197,18 +198,19 @@ class GpuEngine:
         commit_step(chunks)
         return outputs, draws
 
-    def _plan(self, chunks: list[Chunk], step: dict[str, np.ndarray], all_logits: bool, split: bool) -> StepPlan:
+    def _plan(self, chunks: list[Chunk], step: dict[str, np.ndarray], all_logits: bool, split: bool,
+              verify: bool = True) -> StepPlan:
         """A decode step's graph; a verify step's (every token a draw, at most verify_tokens a sequence, none of a
-        recurrent model or under a grammar), where its bucket fits the limits and every sequence's context with its
-        padding fits the block table; else eager launches."""
+        recurrent model or under a grammar, for a caller that reads the draws by row: `verify`), where its bucket
+        fits the limits and every sequence's context with its padding fits the block table; else eager launches."""
         options, limits = self.options, self.executor.limits
         if not options.cuda_graphs or all_logits:
             return StepPlan(None, split)
         if all(c.num_tokens == 1 for c in chunks):
             return StepPlan(bucket_for(len(chunks), self.buckets), split)
         width = options.verify_tokens
-        if split or width <= 1 or self._slots[0] or any(c.num_tokens != c.draws or c.num_tokens > width
-                                                        for c in chunks):
+        if not verify or split or width <= 1 or self._slots[0] or \
+                any(c.num_tokens != c.draws or c.num_tokens > width for c in chunks):
             return StepPlan(None, split)
         bucket = bucket_for(len(chunks), self.buckets)
         longest = int((step["context_lens"] - step["query_lens"]).max()) + width

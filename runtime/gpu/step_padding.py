@@ -60,7 +60,9 @@ def pad_verify_step(step: dict[str, np.ndarray], bucket: int, width: int) -> tup
     out of its real tokens' view; the caller sees that it stays within the block table), at position 0, and write
     no KV (slot -1); padding sequences attend to the padding block only. Returns
     the step and, for each of the step's draws, its row in the padded step's (every token's) rows. Not for models
-    with recurrent state, which padding tokens would advance."""
+    with recurrent state, which padding tokens would advance. A real token's masked scores of the keys past it
+    weigh those keys' values by 0: exact while the KV pool holds only finite values (zeroed at allocation, written
+    only with finite ones; FP8 saturates), which padding's unwritten slots rely on."""
     assert STATE_SLOTS not in step, "a recurrent model's verify step cannot be padded"
     lens, real = step["query_lens"], len(step["query_lens"])
     tokens, total = verify_rows(lens, width), bucket * width
