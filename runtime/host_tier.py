@@ -47,6 +47,7 @@ class HostTier:
         self.restore_seconds = 0.0  # the copies back's time, read from the engine in its thread (lookups, restores)
         self.hits = 0  # prompt tokens found here past the device's own hits
         self.pinned: set[bytes] = set()  # blocks about to be restored: never the ones a copy-down replaces
+        self._on_device: OrderedDict[bytes, None] = OrderedDict()  # host blocks the device caches too, LRU first
 
     @property
     def used(self) -> int:
@@ -54,22 +55,36 @@ class HostTier:
 
     def keep(self, block_hash: bytes, device_block: int) -> None:
         """Copies down a cached block no sequence holds any more (the device pool may evict it later)."""
+        self._on_device[block_hash] = None
+        self._on_device.move_to_end(block_hash)
         if block_hash in self._block_of:
             self._block_of.move_to_end(block_hash)
             return
         if self._free:
             host = self._free.pop()
         else:
-            victim = next((h for h in self._block_of if h not in self.pinned), None)
+            victim = self._victim()
             if victim is None:
+                del self._on_device[block_hash]
                 return  # every host block is about to be restored: this one is not kept
             host = self._block_of.pop(victim)
+            self._on_device.pop(victim, None)
         self.engine.offload_block(device_block, host)
         self._block_of[block_hash] = host
         self.offloaded += 1
 
+    def _victim(self) -> bytes | None:
+        """The host block to reuse: the least recently used of those the device still caches too (copied down as
+        they went idle, so dropping them loses nothing yet), else the least recently used; never a pinned one (a
+        pinned block is on its way back to the device, not on it)."""
+        twin = next(iter(self._on_device), None)
+        if twin is not None and twin in self._block_of:
+            return twin
+        return next((h for h in self._block_of if h not in self.pinned), None)
+
     def settle(self, block_hash: bytes, device_block: int) -> None:
         """The device pool evicts a cached block (kept here since it went idle): it may be written from now on."""
+        self._on_device.pop(block_hash, None)
         self.engine.settle_block(device_block)
 
     def lookup(self, token_ids: Seq[int], start_block: int, parent: bytes, max_blocks: int) -> list[bytes]:
@@ -87,7 +102,7 @@ class HostTier:
     def bring_back(self, hashes: list[bytes], cache: PrefixCache, allocator: BlockAllocator,
                    reserved: int) -> list[int]:
         """Fresh device blocks holding the host blocks of `hashes`, cached and held by the caller; the device
-        blocks evicted to make room (beyond `reserved`, already promised) copy down into other host blocks."""
+        blocks evicted to make room (beyond `reserved`, already promised) were copied down when they went idle."""
         self.pinned.update(hashes)
         short = len(hashes) + reserved - allocator.num_free
         if short > 0:
@@ -96,6 +111,7 @@ class HostTier:
         allocator.grow(table, len(hashes) * self.block_size)
         for block_hash, block in zip(hashes, table.blocks):
             self._block_of.move_to_end(block_hash)
+            self._on_device[block_hash] = None
             cache.insert(block, block_hash)
         self.engine.restore_blocks([(self._block_of[h], block) for h, block in zip(hashes, table.blocks)])
         self.pinned.difference_update(hashes)

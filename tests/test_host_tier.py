@@ -132,6 +132,39 @@ def test_a_block_is_copied_down_once_idle_and_only_settled_when_evicted():
     assert copies.calls == [("settle", second), ("settle", first)] and host.used == 2
 
 
+def test_a_full_tier_drops_a_copy_the_device_still_caches_before_one_only_it_holds():
+    """With copies down at idle, a full tier would otherwise trade blocks only the host holds for twins of blocks
+    still on the device (a prompt that evicted a prefix, finishing, would push the prefix out of the host too)."""
+    from pegainfer.runtime.kv_blocks import BlockAllocator, BlockTable
+    from pegainfer.runtime.prefix_cache import PrefixCache, chain_hashes
+
+    class Copies:
+        def allocate_host_blocks(self, host_blocks: int) -> None:
+            pass
+
+        def offload_block(self, device_block: int, host_block: int) -> None:
+            pass
+
+        def settle_block(self, device_block: int) -> None:
+            pass
+
+        def restore_seconds(self) -> float:
+            return 0.0
+    host = HostTier(Copies(), 2, BLOCK)
+    allocator = BlockAllocator(num_blocks=8, block_size=BLOCK)
+    cache = PrefixCache(allocator, host.settle, host.keep)
+    prefix, other, late = (chain_hashes(list(range(s, s + BLOCK)), BLOCK)[0] for s in (0, 100, 200))
+    for block_hash in (prefix, other, late):
+        table = BlockTable()
+        allocator.grow(table, BLOCK)
+        cache.insert(table.blocks[0], block_hash)
+        cache.release(table.blocks)  # idle: copied down
+        if block_hash == prefix:
+            cache.evict(1)  # the prefix now lives on the host only
+    assert host.lookup(list(range(BLOCK)), 0, b"", 1) == [prefix]  # kept; `other`, the device's twin, made room
+    assert host.lookup(list(range(100, 100 + BLOCK)), 0, b"", 1) == []
+
+
 def test_a_tier_past_the_hosts_memory_is_refused_with_the_numbers():
     with pytest.raises(PegainferError, match=r"--kv-offload-gb 64 asks for 64.0 GiB of host memory; 8.0 GiB is "
                                              r"available"):
