@@ -191,7 +191,7 @@ def bench_host(results: dict) -> None:
         warm = ttft(shared + [9, 10])
         results[f"host_{length}"] = (f"cold {cold:.1f} ms, GPU hit {gpu_hit:.1f} ms, host restore {warm:.1f} ms "
                                      f"({host.restored - restored_before} blocks, copies "
-                                     f"{host.restore_seconds * 1e3:.1f} ms in all)")
+                                     f"{gpu.restore_seconds() * 1e3:.1f} ms in all)")
 
 
 def main() -> None:
