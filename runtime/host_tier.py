@@ -1,8 +1,7 @@
 """A host-memory tier under the prefix cache (--kv-offload-gb): a full cached block is copied into a pool of host
 blocks once no sequence holds it (so that when the device pool evicts it, later, the copy is long done and no step
-waits for it), findable by the same hash chain; a later prefix hit past the device's
-cached blocks takes these, each copied back into a fresh device block before the sequence's first step, instead
-of recomputing them. Host blocks are reused least recently used first. The engines give the copies: the CPU
+waits for it), findable by the same hash chain; a later prefix hit past the device's cached blocks takes these,
+each copied back into a fresh device block before the sequence's first step, instead of recomputing them. Host blocks are reused least recently used first. The engines give the copies: the CPU
 engine's are NumPy copies between two pools of arrays."""
 
 from collections import OrderedDict
@@ -55,31 +54,30 @@ class HostTier:
 
     def keep(self, block_hash: bytes, device_block: int) -> None:
         """Copies down a cached block no sequence holds any more (the device pool may evict it later)."""
-        self._on_device[block_hash] = None
-        self._on_device.move_to_end(block_hash)
         if block_hash in self._block_of:
             self._block_of.move_to_end(block_hash)
+            self._on_device[block_hash] = None
+            self._on_device.move_to_end(block_hash)
             return
         if self._free:
             host = self._free.pop()
         else:
             victim = self._victim()
             if victim is None:
-                del self._on_device[block_hash]
                 return  # every host block is about to be restored: this one is not kept
             host = self._block_of.pop(victim)
             self._on_device.pop(victim, None)
         self.engine.offload_block(device_block, host)
         self._block_of[block_hash] = host
+        self._on_device[block_hash] = None
         self.offloaded += 1
 
     def _victim(self) -> bytes | None:
         """The host block to reuse: the least recently used of those the device still caches too (copied down as
         they went idle, so dropping them loses nothing yet), else the least recently used; never a pinned one (a
         pinned block is on its way back to the device, not on it)."""
-        twin = next(iter(self._on_device), None)
-        if twin is not None and twin in self._block_of:
-            return twin
+        if self._on_device:  # a subset of the host's blocks, none pinned
+            return next(iter(self._on_device))
         return next((h for h in self._block_of if h not in self.pinned), None)
 
     def settle(self, block_hash: bytes, device_block: int) -> None:
@@ -119,7 +117,6 @@ class HostTier:
         self.hits += len(hashes) * self.block_size
         self.restore_seconds = self.engine.restore_seconds()
         return table.blocks
-
 
 
 def host_capacity(gib: float, bytes_per_block: int, available: int | None = None) -> int:

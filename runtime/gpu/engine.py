@@ -29,7 +29,6 @@ from pegainfer.runtime.kv_blocks import BlockAllocator
 from pegainfer.runtime.sampler import SamplingParams
 
 
-
 def decode_buckets(max_batch: int) -> list[int]:
     """1, 2, 4, 8, then every 8 up to max_batch."""
     return sorted({b for b in (1, 2, 4, 8) if b <= max_batch} | set(range(8, max_batch + 1, 8)) | {max_batch})
@@ -156,7 +155,7 @@ class GpuEngine:
             return mask_inputs(rows, masks) | (penalties if on_device else {})
         constrained = constraints is not None and any(c is not None for c in constraints)
         outputs, draws = self._run(chunks, False, sampling, fill_late if constrained else None, verify=True)
-        at = (lambda row: row) if draws is None else (lambda row: int(draws[row]))
+        rows = np.arange(len(params)) if draws is None else draws  # the draws' rows of the step's outputs
         names = sampler_outputs(self.executor.graph)
         wanted = ["sampled_ids", "sampled_logprobs", *(("top_values", "top_ids", "logsumexp")
                                                  if wants_top_logprobs(params) else ())]
@@ -165,10 +164,9 @@ class GpuEngine:
             launched()
         fetched = download()
         logits = outputs[self.executor.graph.outputs[0]]
-        picked = slice(len(params)) if draws is None else draws
-        return finish({role: array[picked] for role, array in zip(wanted, fetched)}, sampling, params,
-                      lambda row: self.executor.fetch(logits.row(at(row)))[0].astype(np.float32), constraints, masks,
-                      penalized)
+        return finish({role: array[rows] for role, array in zip(wanted, fetched)}, sampling, params,
+                      lambda row: self.executor.fetch(logits.row(int(rows[row])))[0].astype(np.float32), constraints,
+                      masks, penalized)
 
     def run(self, chunks: list[Chunk], *, all_logits: bool = False, sampling: dict | None = None,
             fill_late: Callable[[int], dict[str, np.ndarray]] | None = None) -> dict:

@@ -21,7 +21,6 @@ def pad_decode_step(step: dict[str, np.ndarray], bucket: int) -> dict[str, np.nd
     if extra == 0:
         return step
     rows = np.arange(real, bucket, dtype=np.int32)
-    greedy = greedy_inputs(extra)
     tables = np.full((bucket, step["block_tables"].shape[1]), PADDING_BLOCK, dtype=np.int32)
     tables[:real] = step["block_tables"]
     return {
@@ -33,12 +32,7 @@ def pad_decode_step(step: dict[str, np.ndarray], bucket: int) -> dict[str, np.nd
         "query_lens": np.concatenate([step["query_lens"], np.ones(extra, np.int32)]),
         "context_lens": np.concatenate([step["context_lens"], np.ones(extra, np.int32)]),
         "logits_indices": np.concatenate([step["logits_indices"], rows]),
-        **{name: np.concatenate([step[name], greedy[name]]) for name in SAMPLING_INPUTS},  # padding rows: greedy
-        **({TOKEN_MASK_INDEX: np.concatenate([step[TOKEN_MASK_INDEX], np.full(extra, -1, np.int32)]),
-            TOKEN_BITMASK: step[TOKEN_BITMASK]} if TOKEN_MASK_INDEX in step else {}),  # and unmasked
-        **({PENALTY_START: np.concatenate([step[PENALTY_START], np.zeros(extra, np.int32)]),
-            PENALTY_COUNT: np.concatenate([step[PENALTY_COUNT], np.zeros(extra, np.int32)]),
-            PENALTY_IDS: step[PENALTY_IDS], PENALTY_TERMS: step[PENALTY_TERMS]} if PENALTY_COUNT in step else {}),
+        **padded_rows(step, np.arange(real), bucket),
         **({STATE_SLOTS: np.concatenate([step[STATE_SLOTS], np.full(extra, PADDING_SLOT, np.int32)])}
            if STATE_SLOTS in step else {}),
         **({LORA_SLOTS: np.concatenate([step[LORA_SLOTS], np.full(extra, -1, np.int32)])}  # no adapter
@@ -58,11 +52,11 @@ def pad_verify_step(step: dict[str, np.ndarray], bucket: int, width: int) -> tup
     """Pads a step whose every token is drawn (decode tokens and their drafts) to `bucket` sequences of `width`
     tokens. A sequence's padding tokens follow its own (its context grows by them, so causal attention keeps them
     out of its real tokens' view; the caller sees that it stays within the block table), at position 0, and write
-    no KV (slot -1); padding sequences attend to the padding block only. Returns
-    the step and, for each of the step's draws, its row in the padded step's (every token's) rows. Not for models
-    with recurrent state, which padding tokens would advance. A real token's masked scores of the keys past it
-    weigh those keys' values by 0: exact while the KV pool holds only finite values (zeroed at allocation, written
-    only with finite ones; FP8 saturates), which padding's unwritten slots rely on."""
+    no KV (slot -1); padding sequences attend to the padding block only. Returns the step and, for each of the
+    step's draws, its row in the padded step's (every token's) rows. Not for models with recurrent state, which
+    padding tokens would advance. A real token's masked scores of the keys past it weigh those keys' values by 0:
+    exact while the KV pool holds only finite values (zeroed at allocation, written only with finite ones; FP8
+    saturates), which padding's unwritten slots rely on."""
     assert STATE_SLOTS not in step, "a recurrent model's verify step cannot be padded"
     lens, real = step["query_lens"], len(step["query_lens"])
     tokens, total = verify_rows(lens, width), bucket * width
@@ -72,28 +66,37 @@ def pad_verify_step(step: dict[str, np.ndarray], bucket: int, width: int) -> tup
     context = np.full(bucket, width, np.int32)
     context[:real] = step["context_lens"] - lens + width
 
-    def spread(values: np.ndarray, at: np.ndarray, fill, size: int = total) -> np.ndarray:
-        out = np.full(size, fill, dtype=values.dtype)
-        out[at] = values
-        return out
-    greedy = greedy_inputs(1)
     padded = {
-        "input_ids": spread(step["input_ids"], tokens, 0),
-        "positions": spread(step["positions"], tokens, 0),
-        "slot_mapping": spread(step["slot_mapping"], tokens, -1),
+        "input_ids": _spread(step["input_ids"], tokens, 0, total),
+        "positions": _spread(step["positions"], tokens, 0, total),
+        "slot_mapping": _spread(step["slot_mapping"], tokens, -1, total),
         "block_tables": tables,
         "seq_starts": np.arange(0, total, width, dtype=np.int32),
         "query_lens": np.full(bucket, width, np.int32),
         "context_lens": context,
         "logits_indices": np.arange(total, dtype=np.int32),
-        **{name: spread(step[name], draws, greedy[name][0]) for name in SAMPLING_INPUTS},
+        **padded_rows(step, draws, total),
     }
-    if TOKEN_MASK_INDEX in step:
-        padded |= {TOKEN_MASK_INDEX: spread(step[TOKEN_MASK_INDEX], draws, -1), TOKEN_BITMASK: step[TOKEN_BITMASK]}
-    if PENALTY_COUNT in step:
-        padded |= {PENALTY_START: spread(step[PENALTY_START], draws, 0),
-                   PENALTY_COUNT: spread(step[PENALTY_COUNT], draws, 0),
-                   PENALTY_IDS: step[PENALTY_IDS], PENALTY_TERMS: step[PENALTY_TERMS]}
     if LORA_SLOTS in step:
-        padded[LORA_SLOTS] = spread(step[LORA_SLOTS], tokens, -1)
+        padded[LORA_SLOTS] = _spread(step[LORA_SLOTS], tokens, -1, total)
     return padded, draws
+
+
+def padded_rows(step: dict[str, np.ndarray], at: np.ndarray, rows: int) -> dict[str, np.ndarray]:
+    """The step's inputs of a row of logits each, its rows placed `at` these of `rows`: the rest drawn greedily,
+    unmasked and without penalties."""
+    greedy = greedy_inputs(1)
+    padded = {name: _spread(step[name], at, greedy[name][0], rows) for name in SAMPLING_INPUTS}
+    if TOKEN_MASK_INDEX in step:
+        padded |= {TOKEN_MASK_INDEX: _spread(step[TOKEN_MASK_INDEX], at, -1, rows), TOKEN_BITMASK: step[TOKEN_BITMASK]}
+    if PENALTY_COUNT in step:
+        padded |= {PENALTY_START: _spread(step[PENALTY_START], at, 0, rows),
+                   PENALTY_COUNT: _spread(step[PENALTY_COUNT], at, 0, rows),
+                   PENALTY_IDS: step[PENALTY_IDS], PENALTY_TERMS: step[PENALTY_TERMS]}
+    return padded
+
+
+def _spread(values: np.ndarray, at: np.ndarray, fill, size: int) -> np.ndarray:
+    out = np.full(size, fill, dtype=values.dtype)
+    out[at] = values
+    return out
