@@ -69,8 +69,8 @@ def execute(node: Node, values: list[np.ndarray], *, rounded: bool = True) -> li
     else:
         produced = get_op(node.op).reference(*values, **node.attrs)
         produced = list(produced) if isinstance(produced, tuple) else [produced]
-    in_place = in_place_outputs(node)
-    return [array if name in in_place or not rounded else store(array, type_)
+    in_place = in_place_outputs(node)  # a state in its storage dtype stays as it is; an activation is rounded
+    return [array if not rounded or name in in_place and array.dtype == type_.dtype.np_dtype else store(array, type_)
             for name, array, type_ in zip(node.outputs, produced, node.output_types)]
 
 

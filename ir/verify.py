@@ -53,14 +53,16 @@ def _verify_one(graph: Graph, root: Graph) -> None:
     cycle = find_cycle(names, edges)
     if cycle:
         raise GraphError(f"graph {graph.name}: cycle through {' -> '.join(cycle)}")
-    _verify_nodes(graph.name, graph.nodes, defined, set(graph.states), root)
+    _verify_nodes(graph.name, graph.nodes, defined, set(graph.states), root, frozenset(graph.outputs))
     for out in graph.outputs:
         if out not in defined:
             raise GraphError(f"graph {graph.name}: output {out!r} is not defined")
 
 
-def _verify_nodes(where: str, nodes, defined: dict[str, TensorType], stateful: set[str], root: Graph) -> None:
-    """Checks nodes in order against the values defined before each; adds their outputs to `defined`."""
+def _verify_nodes(where: str, nodes, defined: dict[str, TensorType], stateful: set[str], root: Graph,
+                  outputs: frozenset[str] = frozenset()) -> None:
+    """Checks nodes in order against the values defined before each (`outputs`: the graph's); adds their outputs
+    to `defined`."""
     for node in nodes:
         missing = [v for v in node.inputs if v not in defined]
         if missing:
@@ -73,7 +75,7 @@ def _verify_nodes(where: str, nodes, defined: dict[str, TensorType], stateful: s
             if expected != node.output_types:
                 raise GraphError(f"graph {where}, node %{node.name} ({node.op}): recorded output types "
                                  f"{_fmt(node.output_types)} but the op's rule gives {_fmt(expected)}")
-        _check_mutation(where, node, stateful)
+        _check_mutation(where, node, stateful, nodes, outputs)
         if node.op not in (KERNEL, REPEAT):
             _check_state_kind(where, node, defined)
         for out, type_ in zip(node.outputs, node.output_types):
@@ -115,14 +117,16 @@ def _expected_types(node: Node, defined: dict[str, TensorType], root: Graph) -> 
         raise GraphError(f"node %{node.name} ({node.op}): {error}") from None
 
 
-def _check_mutation(where: str, node: Node, stateful: set[str]) -> None:
-    """An op may write in place only into a state (or the result of an earlier write to one): writing into an
-    activation would silently change a value other nodes read."""
+def _check_mutation(where: str, node: Node, stateful: set[str], nodes, outputs: frozenset[str]) -> None:
+    """A cache write or recurrence writes in place into a state (or the result of an earlier write to one); any
+    other op only into an activation it alone reads: writing into one other nodes read would change their value."""
+    writes_state = node.op not in (KERNEL, REPEAT) and get_op(node.op).category in (CACHE_WRITE, RECURRENCE)
     for out, source in in_place_outputs(node).items():
-        if source not in stateful:
-            raise GraphError(f"graph {where}, node %{node.name} ({node.op}): writes in place into "
-                             f"{source!r}, which is not a state")
-        stateful.add(out)
+        if source in stateful:
+            stateful.add(out)
+        elif writes_state or source in outputs or any(source in n.inputs for n in nodes if n is not node):
+            raise GraphError(f"graph {where}, node %{node.name} ({node.op}): writes in place into {source!r}, which "
+                             f"is not a state" + ("" if writes_state else " and is read elsewhere too"))
 
 
 def _check_state_kind(where: str, node: Node, defined: dict[str, TensorType]) -> None:

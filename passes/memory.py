@@ -38,6 +38,7 @@ def _plan(g: Graph, carried: set[str]) -> list[Buffer]:
     runtime keeps twice and alternates by layer, so no layer overwrites what it is still reading."""
     root = _alias_roots(g)
     last_use = _last_uses(g, root)
+    carried = {root.get(v, v) for v in carried}  # an output written in place: its source's buffer is the carry
     buffers: list[Buffer] = []
     free: list[Buffer] = []
     live: dict[str, Buffer] = {}
@@ -77,11 +78,14 @@ def _take(free: list[Buffer], buffers: list[Buffer], type_: TensorType) -> Buffe
 
 
 def _alias_roots(g: Graph) -> dict[str, str]:
-    """Each node output -> the value whose memory it is (itself, or a view's source, followed back)."""
+    """Each node output -> the value whose memory it is (itself, or a view's or in-place write's source, followed
+    back)."""
     root: dict[str, str] = {}
     for node in g.nodes:
+        writes = in_place_outputs(node)
         for out in node.outputs:
-            root[out] = root.get(node.inputs[0], node.inputs[0]) if is_view(node) else out
+            source = node.inputs[0] if is_view(node) else writes.get(out)
+            root[out] = out if source is None else root.get(source, source)
     return root
 
 
@@ -109,7 +113,7 @@ def check_buffers(g: Graph) -> None:
                 raise GraphError(f"graph {g.name}, node %{node.name}: reads %{value} from {buffer}, which now "
                                  f"holds %{holder.get(buffer)}")
         if not is_view(node):
-            holder.update({g.buffers[out]: out for out in node.outputs if out in g.buffers})
+            holder.update({g.buffers[out]: root[out] for out in node.outputs if out in g.buffers})
     for value in g.outputs:
         buffer = g.buffers.get(value)
         if buffer is not None and holder.get(buffer) != root[value]:

@@ -8,6 +8,7 @@ from pegainfer.passes.fusion import (fuse_add_rms_norm, fuse_gemm_activation_epi
                                      split_residual_carry)
 from pegainfer.passes.generic import fuse_elementwise_chains
 from pegainfer.passes.kernels import form_kernels
+from pegainfer.passes.lora import fuse_lora_update
 from pegainfer.passes.manager import Pass, PassRecord, run_passes
 from pegainfer.passes.memory import plan_memory
 from pegainfer.passes.shard import Parallelism, tensor_parallel
@@ -18,6 +19,7 @@ DEFAULT_PASSES = [
     Pass("eliminate_common_subexpressions", "cleanup", eliminate_common_subexpressions),
     Pass("merge_sibling_linears", "weight_transforms", merge_sibling_linears),
     Pass("absorb_latent_attention", "weight_transforms", absorb_latent_attention),
+    Pass("fuse_lora_update", "fusion", fuse_lora_update),
     Pass("split_residual_carry", "fusion", split_residual_carry),
     Pass("fuse_add_rms_norm", "fusion", fuse_add_rms_norm),
     Pass("fuse_qk_norm_rope_kv_write", "fusion", fuse_qk_norm_rope_kv_write),

@@ -183,17 +183,22 @@ def stand_in_manifest(cache: Path, spec) -> tuple[Path, object, list, dict]:
     return path, lowered, kernels, {id_: key for (_, id_), key in compiled.keys.items()}
 
 
-def stand_in_executor(tmp_path, monkeypatch, checkpoint) -> tuple:
-    """A GpuExecutor over the tiny model's Triton plan on a stand-in driver: (executor, lowered graph, planned
-    kernels, planned launch id -> key, the memory taken, the launches made: (symbol, argument values, pdl), the
-    copies to the device: (address, bytes), the manifest's launches by key)."""
+def stand_in_executor(tmp_path, monkeypatch, checkpoint, lora=None) -> tuple:
+    """A GpuExecutor over the tiny model's Triton plan (with LoRA tables: `lora`, a LoraConfig) on a stand-in
+    driver: (executor, lowered graph, planned kernels, planned launch id -> key, the memory taken, the launches
+    made: (symbol, argument values, pdl), the copies to the device: (address, bytes), the manifest's launches by
+    key)."""
+    from dataclasses import replace
     from types import SimpleNamespace
 
     from pegainfer.frontends.load import load_spec
+    from pegainfer.frontends.lora import with_lora
     from pegainfer.runtime.cuda import driver
     from pegainfer.runtime.gpu import executor as executing
 
-    path, lowered, kernels, keys = stand_in_manifest(tmp_path, load_spec(checkpoint / "config.json"))
+    spec = load_spec(checkpoint / "config.json")
+    spec = spec if lora is None else replace(spec, graph=with_lora(spec.graph, lora))
+    path, lowered, kernels, keys = stand_in_manifest(tmp_path, spec)
     memory, launched, copies, loaded = [0x10000], [], [], {}
 
     def alloc(nbytes: int) -> int:
@@ -246,6 +251,32 @@ def test_a_step_launches_each_kernels_variant_by_its_manifest_on_a_stand_in_driv
                     assert memory[0] <= value < memory[-1], (symbol, param.name)
                 elif param.kind is ParamKind.DIM:
                     assert value == sizes[param.value], (symbol, param.name)
+
+
+def test_a_step_without_adapter_rows_skips_the_lora_updates_and_reads_the_base_outputs(tmp_path, monkeypatch,
+                                                                                        tiny_checkpoint):
+    """A LoRA graph's step whose rows all have slot -1 launches everything but the lora_add kernels, and the kernels
+    after them read the same addresses as in a step that runs them (the updates are written in place)."""
+    from pegainfer.frontends.lora import LoraConfig
+    from pegainfer.runtime.gpu.engine import skipped_kinds
+
+    gpu, _, _, _, _, launched, _, loaded = stand_in_executor(tmp_path, monkeypatch, tiny_checkpoint,
+                                                             LoraConfig(2, 8))
+    runs = {}
+    for slots in ((-1, -1), (-1, 1)):
+        allocator = BlockAllocator(num_blocks=32, block_size=16, reserved=1)
+        chunks = [Chunk(Sequence(i, list(range(5))), 5) for i in range(2)]
+        for chunk, slot in zip(chunks, slots):
+            chunk.seq.lora_slot = slot
+        step = pack_step(chunks, allocator, lora=True)
+        launched.clear()
+        gpu.run(gpu.upload_step(step), skip=skipped_kinds(step))
+        runs[slots] = list(launched)
+    updates = [entry for entry in runs[(-1, 1)] if entry[0].endswith(("-rows-0", "-rows-1"))]  # lora_add's
+    assert len(updates) == 2 * 4 * 2  # shrink and expand, four updates a layer, two layers
+    assert [entry for entry in runs[(-1, 1)] if entry not in updates] == runs[(-1, -1)]
+    assert skipped_kinds(pack_step([Chunk(Sequence(0, [3]), 1)], BlockAllocator(8, 16), lora=True)) == {"lora_add"}
+    assert skipped_kinds(pack_step([Chunk(Sequence(0, [3]), 1)], BlockAllocator(8, 16))) == frozenset()
 
 
 def test_grammar_masks_filled_late_reach_the_device_after_the_layers_and_before_the_tail(tmp_path, monkeypatch,
@@ -303,7 +334,7 @@ def test_a_graph_step_with_grammar_masks_replays_its_layers_then_fills_them_then
         def upload_step(self, step) -> dict:
             return {"tokens": len(step["query_lens"])}
 
-        def run(self, sizes, before_tail=None) -> dict:
+        def run(self, sizes, before_tail=None, skip=frozenset()) -> dict:
             events.append("layers")
             if before_tail is not None:
                 before_tail()
@@ -315,8 +346,8 @@ def test_a_graph_step_with_grammar_masks_replays_its_layers_then_fills_them_then
     engine.ctx = SimpleNamespace(stream=0, synchronize=lambda: None)
     step = {"query_lens": np.ones(4, np.int32)}
     for _ in range(2):
-        engine._replay(step, StepPlan(4, True), lambda: events.append("fill"))
-    engine._replay(step, StepPlan(4), None)
+        engine._replay(step, StepPlan(4, True), lambda: events.append("fill"), frozenset())
+    engine._replay(step, StepPlan(4), None, frozenset())
     assert events == ["capture g1", "layers", "end g1", "capture g2", "tail", "end g2",
                       "replay g1", "fill", "replay g2", "replay g1", "fill", "replay g2",
                       "capture g3", "layers", "tail", "end g3", "replay g3"]

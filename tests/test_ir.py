@@ -108,6 +108,13 @@ def test_verifier_rejects_unknown_ops_and_in_place_writes_into_activations():
     b.kv_write(cache, cache, kv, kv, slots, name="write")
     with pytest.raises(GraphError, match="writes in place into 'not_a_state', which is not a state"):
         b.finish(kv)
+    b = GraphBuilder("update")
+    base, x = b.input("base", FP32, ("tokens", 4)), b.input("x", FP32, ("tokens", 4))
+    tables = [b.state("a", FP32, (1, 2, 4)), b.state("b", FP32, (1, 4, 2)), b.state("scale", FP32, (1,))]
+    updated = b.lora_add(base, x, *tables, b.input("slots", INT32, ("tokens",)), name="update")
+    b.finish(updated)  # lora_add alone reads its base: written in place
+    with pytest.raises(GraphError, match="writes in place into 'base', which is not a state and is read elsewhere"):
+        b.finish(b.add(base, updated))
 
 
 def test_layer_placeholder_only_inside_bodies():

@@ -233,22 +233,30 @@ def test_serving_two_adapters_and_the_base_loading_and_unloading_at_run_time(che
         stop_server(server)
 
 
-def lora_graph(rows_in: int, rows_out: int, slots: int, rank: int, dtype):
+def lora_graph(rows_in: int, rows_out: int, slots: int, rank: int, dtype, add: bool):
+    """x's update (`add`: added in place to the input `base`)."""
     from pegainfer.ir import GraphBuilder
     from pegainfer.ir.dtypes import FP32, INT32
 
     b = GraphBuilder("lora")
+    base = b.input("base", dtype, ("tokens", rows_out)) if add else None
     x = b.input("x", dtype, ("tokens", rows_in))
     lora_slots = b.input("lora_slots", INT32, ("tokens",))
     a = b.state("a", dtype, (slots, rank, rows_in))
     table_b = b.state("b", dtype, (slots, rows_out, rank))
     scale = b.state("scale", FP32, (slots,))
+    if add:
+        return b.finish(b.lora_add(base, x, a, table_b, scale, lora_slots, name="update"))
     return b.finish(b.lora(x, a, table_b, scale, lora_slots, name="update"))
 
 
+@pytest.mark.parametrize("add", [False, True])
 @pytest.mark.parametrize("dtype_name", ["f32", "bf16"])
-@pytest.mark.parametrize("rows_in, rows_out, rank", [(64, 96, 8), (200, 130, 64), (48, 20, 5), (96, 144, 192)])
-def test_the_lora_kernels_match_the_reference_with_rows_spread_unevenly(dtype_name, rows_in, rows_out, rank):
+@pytest.mark.parametrize("rows_in, rows_out, rank", [(64, 96, 8), (200, 130, 64), (48, 20, 5), (96, 144, 192),
+                                                     (700, 40, 16)])
+def test_the_lora_kernels_match_the_reference_with_rows_spread_unevenly(dtype_name, rows_in, rows_out, rank, add):
+    """The shrink's slices of K (700: three, the last partial) summed by the expand; lora_add leaves the base rows
+    of slot -1 as they were and writes the others in place."""
     from pegainfer.backends.planning import PlanOptions
     from pegainfer.backends.triton.execute import launch_kernel, to_numpy, to_torch
     from pegainfer.backends.triton.plan import plan_kernel
@@ -263,17 +271,22 @@ def test_the_lora_kernels_match_the_reference_with_rows_spread_unevenly(dtype_na
     arrays = dict(x=rng.standard_normal((len(slots), rows_in)), a=rng.standard_normal((4, rank, rows_in)) * 0.2,
                   b=rng.standard_normal((4, rows_out, rank)) * 0.2)
     arrays = {name: a.astype(dtype.np_dtype) for name, a in arrays.items()}
+    base = rng.standard_normal((len(slots), rows_out)).astype(dtype.np_dtype)
     scale = np.array([0.5, 2.0, 1.5, 0.25], np.float32)
-    want = _lora(arrays["x"], arrays["a"], arrays["b"], scale, slots)
-    lowered, _ = lower(lora_graph(rows_in, rows_out, 4, rank, dtype))
+    want = _lora(arrays["x"], arrays["a"], arrays["b"], scale, slots) + (base.astype(np.float32) if add else 0)
+    lowered, _ = lower(lora_graph(rows_in, rows_out, 4, rank, dtype, add))
     (node,) = [n for n in lowered.nodes if n.op == KERNEL]
-    env = {name: to_torch(a) for name, a in arrays.items()} | {"scale": to_torch(scale),
+    env = {name: to_torch(a) for name, a in arrays.items()} | {"scale": to_torch(scale), "base": to_torch(base),
                                                                "lora_slots": to_torch(slots)}
-    got = to_numpy(launch_kernel(plan_kernel(lowered, node, PlanOptions()), node, env,
-                                 {"tokens": len(slots)})[node.outputs[0]]).astype(np.float32)
+    out = launch_kernel(plan_kernel(lowered, node, PlanOptions()), node, env, {"tokens": len(slots)})[node.outputs[0]]
+    got = to_numpy(out).astype(np.float32)
     bound = 1e-5 if dtype_name == "f32" else 2e-2
     assert np.abs(got - want).max() <= bound * np.abs(want).max()
-    assert not got[slots == -1].any()  # the base model's rows: untouched
+    if add:
+        assert out.data_ptr() == env["base"].data_ptr()  # in place
+        assert np.array_equal(got[slots == -1], base[slots == -1].astype(np.float32))  # untouched
+    else:
+        assert not got[slots == -1].any()  # the base model's rows take nothing
 
 
 def test_a_lowered_lora_model_runs_its_generated_kernels_as_the_reference_and_compiles_for_sm_90(
@@ -297,7 +310,7 @@ def test_a_lowered_lora_model_runs_its_generated_kernels_as_the_reference_and_co
     config = LoraConfig(2, 16)
     graph = with_lora(model.spec.graph, config)
     lowered, _ = lower(graph)
-    assert any(n.op == KERNEL and n.attrs["kind"] == "lora" for g in lowered.all_graphs() for n in g.nodes)
+    assert any(n.op == KERNEL and n.attrs["kind"] == "lora_add" for g in lowered.all_graphs() for n in g.nodes)
     sizes = {"num_blocks": 16, "block_size": 4}
     states = {n: np.zeros(t.concrete(sizes), t.dtype.np_dtype) for n, t in lowered.expanded_states().items()}
     for slot, (name, seed) in enumerate((("a", 1), ("b", 2))):
@@ -309,11 +322,13 @@ def test_a_lowered_lora_model_runs_its_generated_kernels_as_the_reference_and_co
     inputs = pack_step([Chunk(s, len(s.token_ids)) for s in seqs], BlockAllocator(16, 4), lora=True)
     weights = derive_weights(lowered.derivations(), model.weights)
     expected = run_graph(lowered, inputs, weights, {n: s.copy() for n, s in states.items()})[0]
+    declared = run_graph(graph, inputs, model.weights, {n: s.copy() for n, s in states.items()})[0]
+    assert np.abs(expected - declared).max() < 1e-5 * np.abs(declared).max()  # passes, lora_add included
     specs = {(g.name, n.name): plan_kernel(g, n, PlanOptions(block_size=4)) for g in lowered.all_graphs()
              for n in g.nodes if n.op == KERNEL}
     got = InterpretedExecutor(lowered, specs).run(inputs, weights, {n: to_torch(s) for n, s in states.items()})[0]
     assert np.abs(got - expected).max() < 1e-5 * np.abs(expected).max()
-    todo = {(90, (spec.node, launch.function)): launch for spec in specs.values() if spec.kind == "lora"
+    todo = {(90, (spec.node, launch.function)): launch for spec in specs.values() if spec.kind == "lora_add"
             for variant in spec.variants for launch in variant.launches}
     compiled = dict(compile_many(todo, jobs=2, progress=None))
     assert compiled.keys() == todo.keys() and all(result.cubin for result in compiled.values())

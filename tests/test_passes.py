@@ -258,6 +258,6 @@ def test_dumps_are_written_after_each_pass(tmp_path):
     written = write_dumps(records, tmp_path)
     assert [p.name for p in written] == [f"{i:02d}-{p.name}.txt" for i, p in enumerate(DEFAULT_PASSES, start=1)]
     assert written[2].read_text().startswith("# after pass 3: merge_sibling_linears (weight_transforms): Merges")
-    assert [p.name for p in write_dumps(records, tmp_path / "one", "form_kernels")] == ["13-form_kernels.txt"]
+    assert [p.name for p in write_dumps(records, tmp_path / "one", "form_kernels")] == ["14-form_kernels.txt"]
     with pytest.raises(GraphError, match="--dump-after nope: no such pass"):
         write_dumps(records, tmp_path, "nope")

@@ -1,7 +1,7 @@
-"""The LoRA update (ir/ops/lora.py) as two launches a step: each row's A(x) under its adapter's slot into float32
-scratch [tokens, rank], then scale x B(that) a tile of outputs at a time. A row of slot -1 writes zeros. Every row
-reads its slot's tables apart, which suits decode steps; a step of many rows of one adapter would rather group them
-(punica's SGMV), a later tile."""
+"""The LoRA update (ir/ops/lora.py) as two launches a step: each row's A(x) under its adapter's slot, in float32
+partial sums over slices of K, then scale x B(their sum) a tile of outputs at a time, added in place to the base
+projection's output for `lora_add`. Every row reads its slot's tables apart, which suits decode steps; a step of
+many rows of one adapter would rather group them (punica's SGMV), a later tile."""
 
 from pegainfer.backends.planning import static_layout
 from pegainfer.backends.spec import GridDim, KernelSpec, VariantSpec
@@ -11,36 +11,43 @@ from pegainfer.ir.graph import Graph, Node
 from pegainfer.ir.types import TensorType
 
 TEMPLATE = "lora.py"
-SHRUNK = "lora.shrunk"
-BLOCK_K, BLOCK_N = 128, 64
+PARTS = "lora.parts"
+BLOCK_K, SPLIT_K, BLOCK_N = 128, 256, 64  # a slice of K per shrink program: 10 programs a row at K = 2560
 SHRINK_R, EXPAND_R = 32, 64  # rank tiles: a grouped rank (3 x 64 for Q/K/V) in several, registers bounded
 
 
 def plan_lora(graph: Graph, node: Node) -> KernelSpec:
+    """`lora` (the update alone) or `lora_add` (base + update, in place)."""
     (lora,) = node.attrs["nodes"]
-    x, a, b, scale, slots = lora.inputs
+    add = lora.op == "lora_add"
+    base, (x, a, b, scale, slots) = (lora.inputs[0] if add else None), lora.inputs[add:]
     out = lora.outputs[0]
     types = graph.value_types() | dict(zip(lora.outputs, lora.output_types))
     rows, k = types[x].shape
     rank, n = types[a].shape[1], types[b].shape[1]
-    shrunk = TensorType(FP32, (rows, rank))
-    types, layout = types | {SHRUNK: shrunk}, static_layout(graph) | {SHRUNK: (rank, 0)}
+    block_k = min(BLOCK_K, next_pow2(k))
+    split_k = max(block_k, SPLIT_K // block_k * block_k)
+    splits = -(-k // split_k)
+    parts = TensorType(FP32, (rows, splits * rank))
+    types, layout = types | {PARTS: parts}, static_layout(graph) | {PARTS: (splits * rank, 0)}
     p = Params(types, layout)
-    for name, value in (("x_ptr", x), ("a_ptr", a), ("slots_ptr", slots), ("shrunk_ptr", SHRUNK)):
+    for name, value in (("x_ptr", x), ("a_ptr", a), ("slots_ptr", slots), ("part_ptr", PARTS)):
         p.tensor(name, value)
     p.stride("stride_x", x)
+    shrink_r = min(SHRINK_R, max(16, next_pow2(rank)))
     shrink = launch(TEMPLATE, "lora_shrink_kernel", p,
-                    dict(K=k, RANK=rank, BLOCK_R=(shrink_r := min(SHRINK_R, max(16, next_pow2(rank)))),
-                         BLOCK_K=min(BLOCK_K, next_pow2(k))), (GridDim((rows,)), GridDim((rank,), shrink_r)))
+                    dict(K=k, RANK=rank, SPLIT_K=split_k, SPLITS=splits, BLOCK_R=shrink_r, BLOCK_K=block_k),
+                    (GridDim((rows,)), GridDim((k,), split_k)))
     q = Params(types, layout)
-    for name, value in (("shrunk_ptr", SHRUNK), ("b_ptr", b), ("scale_ptr", scale), ("slots_ptr", slots),
-                        ("out_ptr", out)):
+    for name, value in (("part_ptr", PARTS), ("b_ptr", b), ("scale_ptr", scale), ("slots_ptr", slots),
+                        ("base_ptr", base or out), ("out_ptr", out)):
         q.tensor(name, value)
+    q.stride("stride_base", base or out)
     q.stride("stride_out", out)
     block_n = min(BLOCK_N, next_pow2(n))
-    expand_r = min(EXPAND_R, max(16, next_pow2(rank)))
-    expand = launch(TEMPLATE, "lora_expand_kernel", q, dict(N=n, RANK=rank, BLOCK_R=expand_r, BLOCK_N=block_n),
-                    (GridDim((rows,)), GridDim((n,), block_n)))
+    expand = launch(TEMPLATE, "lora_expand_kernel", q,
+                    dict(N=n, RANK=rank, SPLITS=splits, BLOCK_R=min(EXPAND_R, max(16, next_pow2(rank))),
+                         BLOCK_N=block_n, ADD=add), (GridDim((rows,)), GridDim((n,), block_n)))
     spec = kernel_spec(graph, node, rows, [VariantSpec("rows", None, [shrink, expand])])
-    spec.scratch = {SHRUNK: (shrunk.dtype.name, shrunk.shape)}
+    spec.scratch = {PARTS: (parts.dtype.name, parts.shape)}
     return spec

@@ -70,7 +70,7 @@ def plan_kernel(graph: Graph, node: Node, options: PlanOptions) -> KernelSpec:
         if ops == ["latent_write"]:
             return latent.plan_latent_write(graph, node)
         return latent.plan_head_linear(graph, node) if ops == ["head_linear"] else latent.plan_rope(graph, node)
-    if ops == ["lora"]:
+    if ops in (["lora"], ["lora_add"]):
         from pegainfer.backends.triton.lora import plan_lora
         return plan_lora(graph, node)
     if "linear" in ops:

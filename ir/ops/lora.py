@@ -1,7 +1,9 @@
 """LoRA: the low-rank update of a projection for the rows of several adapters at once (each request picks its
 own). Every loaded adapter holds a slot of the stacked tables: its A padded to the tables' rank with zero rows, its
 B with zero columns, so padding adds nothing, and its scale (alpha / rank, or alpha / sqrt(rank) for rsLoRA). A
-row takes scale[s] * B[s] (A[s] x) for its slot s; a row of slot -1 (the base model) takes nothing."""
+row takes scale[s] * B[s] (A[s] x) for its slot s; a row of slot -1 (the base model) takes nothing. `lora_add`
+adds that update to the base projection's output in place (passes/lora.py forms it), so a step whose rows have
+no adapter may skip it and read the base output as it is."""
 
 import numpy as np
 
@@ -30,4 +32,17 @@ def _lora(x: np.ndarray, a: np.ndarray, b: np.ndarray, scale: np.ndarray, slots:
     return out
 
 
+def _infer_lora_add(base: TensorType, x: TensorType, a: TensorType, b: TensorType, scale: TensorType,
+                    slots: TensorType) -> TensorType:
+    update = _infer_lora(x, a, b, scale, slots)
+    expect(base == update, f"lora_add: base must be {update}, found {base}")
+    return base
+
+
+def _lora_add(base: np.ndarray, x: np.ndarray, a: np.ndarray, b: np.ndarray, scale: np.ndarray,
+              slots: np.ndarray) -> np.ndarray:
+    return np.asarray(base, np.float32) + _lora(x, a, b, scale, slots)
+
+
 register_op("lora", _infer_lora, _lora, GEMM)
+register_op("lora_add", _infer_lora_add, _lora_add, GEMM, mutates=(0,))

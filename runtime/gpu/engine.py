@@ -226,18 +226,20 @@ class GpuEngine:
         return self._launch(step, plan, (lambda: None) if plan.split else None)
 
     def _launch(self, step: dict[str, np.ndarray], plan: StepPlan, before_tail: Callable[[], None] | None) -> dict:
+        skip = skipped_kinds(step)
         if plan.bucket is not None:
-            return self._replay(step, plan, before_tail)
-        return self.executor.run(self.executor.upload_step(step), before_tail)
+            return self._replay(step, plan, before_tail, skip)
+        return self.executor.run(self.executor.upload_step(step), before_tail, skip)
 
-    def _replay(self, step: dict[str, np.ndarray], plan: StepPlan, before_tail: Callable[[], None] | None) -> dict:
+    def _replay(self, step: dict[str, np.ndarray], plan: StepPlan, before_tail: Callable[[], None] | None,
+                skip: frozenset[str]) -> dict:
         """The bucket's captured graph; with `before_tail`, its layers and its sampler tail captured apart, so that
         the host fills the grammar masks between the two replays while the GPU runs the layers."""
-        key = (plan.bucket, plan.width, before_tail is not None)
+        key = (plan.bucket, plan.width, before_tail is not None, skip)
         sizes = self.executor.upload_step(step)
         if key not in self.graphs:
             self.ctx.synchronize()
-            self.graphs[key] = self._capture_split(sizes) if key[2] else self._capture(sizes)
+            self.graphs[key] = self._capture_split(sizes, skip) if key[2] else self._capture(sizes, skip)
         graphs, outputs = self.graphs[key]
         graphs[0].replay()
         if before_tail is not None:
@@ -245,12 +247,12 @@ class GpuEngine:
             graphs[1].replay()
         return outputs
 
-    def _capture(self, sizes: dict[str, int]) -> tuple[tuple[driver.Graph, ...], dict]:
+    def _capture(self, sizes: dict[str, int], skip: frozenset[str]) -> tuple[tuple[driver.Graph, ...], dict]:
         with driver.Graph(self.ctx.stream) as graph:
-            outputs = self.executor.run(sizes)
+            outputs = self.executor.run(sizes, skip=skip)
         return (graph,), outputs
 
-    def _capture_split(self, sizes: dict[str, int]) -> tuple[tuple[driver.Graph, ...], dict]:
+    def _capture_split(self, sizes: dict[str, int], skip: frozenset[str]) -> tuple[tuple[driver.Graph, ...], dict]:
         body, tail = driver.Graph(self.ctx.stream), driver.Graph(self.ctx.stream)
         capturing = [body.__enter__()]
 
@@ -258,7 +260,7 @@ class GpuEngine:
             body.__exit__(None, None, None)
             capturing[0] = tail.__enter__()
         try:
-            outputs = self.executor.run(sizes, before_tail=switch)
+            outputs = self.executor.run(sizes, before_tail=switch, skip=skip)
         except BaseException as error:
             capturing[0].__exit__(type(error), error, error.__traceback__)  # the stream leaves capture mode
             raise
@@ -306,6 +308,12 @@ class GpuEngine:
 
     def release(self, seq: Sequence) -> None:
         release_sequence(self.allocator, seq)
+
+
+def skipped_kinds(step: dict[str, np.ndarray]) -> frozenset[str]:
+    """The kernels a step may leave out: LoRA's in-place updates when none of its rows has an adapter."""
+    slots = step.get(LORA_SLOTS)
+    return frozenset(("lora_add",)) if slots is not None and not (slots >= 0).any() else frozenset()
 
 
 def missing_manifest(path: Path, model: str, hint: str = "") -> PegainferError:

@@ -238,11 +238,13 @@ class GpuExecutor:
             if sizes[name] > limit:
                 raise PegainferError(f"a step of {sizes[name]} {name} exceeds this engine's {limit}")
 
-    def run(self, sizes: dict[str, int], before_tail: Callable[[], None] | None = None) -> dict[str, DeviceTensor]:
+    def run(self, sizes: dict[str, int], before_tail: Callable[[], None] | None = None,
+            skip: frozenset[str] = frozenset()) -> dict[str, DeviceTensor]:
         """Launches the whole graph for the uploaded step on the stream; returns its outputs (on the device).
         `before_tail` is called once every kernel before the sampler tail is launched: the host fills the step's
-        grammar masks while the GPU runs the layers, and uploads them (upload_inputs) ahead of the tail."""
-        self._before_tail = before_tail
+        grammar masks while the GPU runs the layers, and uploads them (upload_inputs) ahead of the tail. Kernels
+        of the kinds in `skip`, each writing its outputs in place, are left out: their inputs are their results."""
+        self._before_tail, self._skip = before_tail, skip
         env = {name: DeviceTensor.contiguous(self.input_region + offset, t.concrete(sizes), t.dtype)
                for name, (offset, t) in self.inputs.items()}
         env["block_tables"] = DeviceTensor(env["block_tables"].ptr, env["block_tables"].shape,
@@ -278,6 +280,8 @@ class GpuExecutor:
                 in_place = self.in_place[key]
                 for out in node.outputs:
                     env[out] = env[in_place[out]] if out in in_place else self._buffer(g, out, types[out], sizes, layer)
+                if node.attrs["kind"] in self._skip and set(node.outputs) <= set(in_place):
+                    continue  # its inputs, written in place, are its results
                 self.sums.written([env[out] for out in node.outputs if out not in in_place])
                 self._launch(key, env | self._scratch(g.name, node.name, layer), sizes)
             elif is_collective(node):

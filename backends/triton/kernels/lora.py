@@ -1,41 +1,60 @@
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
-def lora_shrink_kernel(x_ptr, a_ptr, slots_ptr, shrunk_ptr, stride_x, K: tl.constexpr, RANK: tl.constexpr,
-                       BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """BLOCK_R of a row's A(x) in float32 under its adapter's slot of the A table [slots, RANK, K]; zeros for
-    slot -1. A program a row and tile of the rank, so a grouped rank (Q/K/V: three adapters' ranks) stays small."""
+def lora_shrink_kernel(x_ptr, a_ptr, slots_ptr, part_ptr, stride_x, K: tl.constexpr, RANK: tl.constexpr,
+                       SPLIT_K: tl.constexpr, SPLITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                       PDL: tl.constexpr):
+    """A row's A(x) over one SPLIT_K slice of K, under its adapter's slot of the A table [slots, RANK, K], as
+    float32 partial sums [rows, SPLITS, RANK] that the expand adds up; nothing for slot -1. A program a row and
+    slice: a decode step's few rows still spread the table's read over the SMs."""
+    if PDL:  # programmatic dependent launch (see kernels/gemm.py)
+        gdc_launch_dependents()
+        gdc_wait()
     row = tl.program_id(0)
-    r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    part = tl.program_id(1)
     slot = tl.load(slots_ptr + row)
-    acc = tl.zeros((BLOCK_R,), tl.float32)
-    if slot >= 0:
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + row * stride_x + k, mask=k < K, other=0.0).to(tl.float32)
-            a = tl.load(a_ptr + (slot * RANK + r[:, None]) * K + k[None, :],
-                        mask=(r[:, None] < RANK) & (k[None, :] < K), other=0.0).to(tl.float32)
-            acc += tl.sum(a * x[None, :], axis=1)
-    tl.store(shrunk_ptr + row * RANK + r, acc, mask=r < RANK)
-
-
-@triton.jit
-def lora_expand_kernel(shrunk_ptr, b_ptr, scale_ptr, slots_ptr, out_ptr, stride_out, N: tl.constexpr,
-                       RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
-    """A row's scale x B(shrunk) for one tile of N outputs, B the slot's [N, RANK], BLOCK_R of the rank at a time;
-    zeros for slot -1."""
-    row = tl.program_id(0)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    slot = tl.load(slots_ptr + row)
-    acc = tl.zeros((BLOCK_N,), tl.float32)
     if slot >= 0:
         for r0 in range(0, RANK, BLOCK_R):
             r = r0 + tl.arange(0, BLOCK_R)
-            shrunk = tl.load(shrunk_ptr + row * RANK + r, mask=r < RANK, other=0.0)
+            acc = tl.zeros((BLOCK_R,), tl.float32)
+            for k0 in range(0, SPLIT_K, BLOCK_K):
+                k = part * SPLIT_K + k0 + tl.arange(0, BLOCK_K)
+                x = tl.load(x_ptr + row * stride_x + k, mask=k < K, other=0.0).to(tl.float32)
+                a = tl.load(a_ptr + (slot * RANK + r[:, None]) * K + k[None, :],
+                            mask=(r[:, None] < RANK) & (k[None, :] < K), other=0.0).to(tl.float32)
+                acc += tl.sum(a * x[None, :], axis=1)
+            tl.store(part_ptr + (row * SPLITS + part) * RANK + r, acc, mask=r < RANK)
+
+
+@triton.jit
+def lora_expand_kernel(part_ptr, b_ptr, scale_ptr, slots_ptr, base_ptr, out_ptr, stride_base, stride_out,
+                       N: tl.constexpr, RANK: tl.constexpr, SPLITS: tl.constexpr, BLOCK_R: tl.constexpr,
+                       BLOCK_N: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr):
+    """A row's scale x B(shrunk) for one tile of N outputs, B the slot's [N, RANK], shrunk the sum of the shrink's
+    partials; with ADD, the row of `base` plus that (written in place: a row of slot -1 is left as it is), else
+    that alone (zeros for slot -1)."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    row = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    slot = tl.load(slots_ptr + row)
+    if slot >= 0:
+        acc = tl.zeros((BLOCK_N,), tl.float32)
+        for r0 in range(0, RANK, BLOCK_R):
+            r = r0 + tl.arange(0, BLOCK_R)
+            shrunk = tl.zeros((BLOCK_R,), tl.float32)
+            for s in range(SPLITS):
+                shrunk += tl.load(part_ptr + (row * SPLITS + s) * RANK + r, mask=r < RANK, other=0.0)
             b = tl.load(b_ptr + (slot * N + n[:, None]) * RANK + r[None, :],
                         mask=(n[:, None] < N) & (r[None, :] < RANK), other=0.0).to(tl.float32)
             acc += tl.sum(b * shrunk[None, :], axis=1)
         acc = acc * tl.load(scale_ptr + slot)
-    tl.store(out_ptr + row * stride_out + n, acc.to(out_ptr.dtype.element_ty), mask=n < N)
+        if ADD:
+            acc += tl.load(base_ptr + row * stride_base + n, mask=n < N, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * stride_out + n, acc.to(out_ptr.dtype.element_ty), mask=n < N)
+    elif not ADD:
+        tl.store(out_ptr + row * stride_out + n, tl.zeros((BLOCK_N,), out_ptr.dtype.element_ty), mask=n < N)
