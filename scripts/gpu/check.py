@@ -25,9 +25,12 @@ def relative_error(ours: np.ndarray, theirs: np.ndarray) -> float:
     return float(np.linalg.norm(ours.astype(np.float64) - theirs) / np.linalg.norm(theirs.astype(np.float64)))
 
 
-def teacher_forced(engine, prompts: list[list[int]], continuations: list[list[int]]) -> list[np.ndarray]:
-    """Logits at the last prompt position and after each forced token, per prompt: [steps + 1, vocab]."""
-    seqs = [Sequence(i, list(p)) for i, p in enumerate(prompts)]
+def teacher_forced(engine, prompts: list[list[int]], continuations: list[list[int]],
+                   lora_slots: list[int] | None = None) -> list[np.ndarray]:
+    """Logits at the last prompt position and after each forced token, per prompt: [steps + 1, vocab]; with
+    `lora_slots`, each prompt's adapter slot of a LoRA engine (-1: none)."""
+    seqs = [Sequence(i, list(p), lora_slot=slot) for i, (p, slot) in
+            enumerate(zip(prompts, lora_slots or [-1] * len(prompts)))]
     rows = [[] for _ in prompts]
     logits = engine.step([Chunk(s, len(s.token_ids)) for s in seqs])
     for step in range(len(continuations[0]) + 1):

@@ -1,6 +1,6 @@
 """LoRA adapters, n-gram speculation and the host KV tier on the GPU engine, on a small random Qwen3 (bf16): rows of
 an adapter and of the base model batched in one engine (prefill, then decode through CUDA graphs) against the CPU
-engine; greedy decoding with n-gram drafts verified in eager steps and in CUDA graphs, and with a draft model equal to the
+engine, and teacher-forced against PEFT in bf16 on the card (the golden gate's statistics); greedy decoding with n-gram drafts verified in eager steps and in CUDA graphs, and with a draft model equal to the
 target on a GPU engine of its own, against decoding without them; a
 prefix evicted from a small KV pool and restored from pinned host blocks against a cold run. Prints a table last; every number also goes
 to $OUT/features.json.
@@ -116,6 +116,61 @@ def check_lora(results: dict) -> None:
     results["lora_changes_the_output_ok"] = outputs["gpu"]["0"] != outputs["gpu"]["3"]  # one prompt, with and without
 
 
+def check_lora_gate(results: dict) -> None:
+    """PEFT in bf16 on this card (the adapter unmerged, and disabled for the base rows) against the GPU engine
+    with the adapter in slot 0, its rows batched with base rows, teacher-forced on PEFT's greedy tokens (check.py's
+    statistics); beside it, PEFT in bf16 against PEFT in float32 on the same tokens: the bf16 rounding's own."""
+    import torch
+    import transformers
+    from peft import PeftModel
+
+    from pegainfer.frontends.load import load_model
+    from pegainfer.frontends.lora import LoraConfig, adapter_rows, read_adapter, with_lora
+    from pegainfer.runtime.gpu.engine import EngineOptions
+    from pegainfer.runtime.gpu.start import gpu_engine
+
+    check = gpu_check()
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, 900, n).tolist() for n in (23, 31, 17, 40)]
+    tuned_hf = {dtype: PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(
+        SMALL, dtype=dtype).cuda().eval(), ADAPTER).eval() for dtype in (torch.bfloat16, torch.float32)}
+    adapted, adapted_rows = check.hf_greedy(tuned_hf[torch.bfloat16], prompts, 16)
+    with tuned_hf[torch.bfloat16].disable_adapter():
+        based, based_rows = check.hf_greedy(tuned_hf[torch.bfloat16], prompts, 16)
+    model = load_model(SMALL, lazy=True, device="cuda")
+    config = LoraConfig(*LORA)
+    tuned = replace(model, spec=replace(model.spec, graph=with_lora(model.spec.graph, config)))
+    engine = gpu_engine(tuned, EngineOptions(max_tokens=512, max_batch=8, max_model_len=512, kv_tokens=8192))
+    engine.write_lora(0, adapter_rows(read_adapter("a", ADAPTER, engine.graph, config), engine.graph))
+    ours = check.teacher_forced(engine, prompts * 2, adapted + based, [0] * len(prompts) + [-1] * len(prompts))
+    results["lora_gate_adapter_rows"] = check.gate_stats(adapted_rows, ours[:len(prompts)])
+    results["lora_gate_base_rows"] = check.gate_stats(based_rows, ours[len(prompts):])
+    alone = check.teacher_forced(engine, prompts, based)  # no adapter row: the graphs without the updates
+    results["lora_gate_base_alone"] = check.gate_stats(based_rows, alone)
+    results["lora_graphs"] = sorted(map(str, engine.graphs))
+    results["lora_gate_peft_bf16_vs_float32"] = check.gate_stats(
+        forced_rows(tuned_hf[torch.float32], prompts, adapted), adapted_rows)
+
+
+def gpu_check():
+    """scripts/gpu/check.py as a module, without putting its folder on sys.path (its kernels.py would shadow)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", Path(__file__).with_name("check.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def forced_rows(model, prompts: list[list[int]], continuations: list[list[int]]) -> list[np.ndarray]:
+    """A Hugging Face model's logits rows from each prompt's last token on, over the given continuation."""
+    import torch
+
+    with torch.no_grad():
+        return [model(torch.tensor([p + c]).cuda()).logits[0, len(p) - 1:].float().cpu().numpy()
+                for p, c in zip(prompts, continuations)]
+
+
 def check_speculation(results: dict) -> None:
     from pegainfer.frontends.load import load_model
     from pegainfer.runtime.gpu.engine import EngineOptions
@@ -180,7 +235,7 @@ def check_host_tier(results: dict) -> None:
 def run(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     results: dict = {}
-    for name, check in (("lora", check_lora), ("speculation", check_speculation),
+    for name, check in (("lora", check_lora), ("lora_gate", check_lora_gate), ("speculation", check_speculation),
                         ("host_tier", check_host_tier)):
         try:
             check(results)
