@@ -1,8 +1,10 @@
 """A host-memory tier under the prefix cache (--kv-offload-gb): a full cached block is copied into a pool of host
 blocks once no sequence holds it (so that when the device pool evicts it, later, the copy is long done and no step
 waits for it), findable by the same hash chain; a later prefix hit past the device's cached blocks takes these,
-each copied back into a fresh device block before the sequence's first step, instead of recomputing them. Host blocks are reused least recently used first. The engines give the copies: the CPU
-engine's are NumPy copies between two pools of arrays."""
+each copied back into a fresh device block, instead of recomputing them; the sequence is admitted once they have
+landed (a GPU copies on a side stream meanwhile), and so is any other whose prefix hit takes one of them. Host
+blocks are reused least recently used first. The engines give the copies: the CPU engine's are NumPy copies
+between two pools of arrays."""
 
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
@@ -28,8 +30,11 @@ class BlockCopies(Protocol):
     def settle_block(self, device_block: int) -> None:
         """The device block is evicted: the steps from now on, which may write it, follow its copy down."""
 
-    def restore_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """(host block, device block) pairs copied back, before the next step reads them."""
+    def restore_blocks(self, pairs: list[tuple[int, int]]) -> object:
+        """(host block, device block) pairs copied back; returns a handle for restore_done."""
+
+    def restore_done(self, handle: object) -> bool:
+        """Whether those copies have landed (a step may read the blocks)."""
 
     def restore_seconds(self) -> float:
         """Time the copies back have taken so far (on a GPU: those that have finished)."""
@@ -47,6 +52,7 @@ class HostTier:
         self.hits = 0  # prompt tokens found here past the device's own hits
         self.pinned: set[bytes] = set()  # blocks about to be restored: never the ones a copy-down replaces
         self._on_device: OrderedDict[bytes, None] = OrderedDict()  # host blocks the device caches too, LRU first
+        self._landing: dict[int, object] = {}  # device block -> the handle of its copy back in flight
 
     @property
     def used(self) -> int:
@@ -83,6 +89,7 @@ class HostTier:
     def settle(self, block_hash: bytes, device_block: int) -> None:
         """The device pool evicts a cached block (kept here since it went idle): it may be written from now on."""
         self._on_device.pop(block_hash, None)
+        self._landing.pop(device_block, None)  # a copy back still in flight: the engine orders it before reuse
         self.engine.settle_block(device_block)
 
     def lookup(self, token_ids: Seq[int], start_block: int, parent: bytes, max_blocks: int) -> list[bytes]:
@@ -111,12 +118,25 @@ class HostTier:
             self._block_of.move_to_end(block_hash)
             self._on_device[block_hash] = None
             cache.insert(block, block_hash)
-        self.engine.restore_blocks([(self._block_of[h], block) for h, block in zip(hashes, table.blocks)])
+        handle = self.engine.restore_blocks([(self._block_of[h], block) for h, block in zip(hashes, table.blocks)])
+        if not self.engine.restore_done(handle):
+            self._landing |= dict.fromkeys(table.blocks, handle)
         self.pinned.difference_update(hashes)
         self.restored += len(hashes)
         self.hits += len(hashes) * self.block_size
         self.restore_seconds = self.engine.restore_seconds()
         return table.blocks
+
+
+    def landed(self, blocks: Seq[int]) -> bool:
+        """Whether every copy back into these device blocks has finished."""
+        if not self._landing:
+            return True
+        pending = {id(h): h for h in map(self._landing.get, blocks) if h is not None}
+        done = {key for key, handle in pending.items() if self.engine.restore_done(handle)}
+        if done:
+            self._landing = {b: h for b, h in self._landing.items() if id(h) not in done}
+        return len(done) == len(pending)
 
 
 def host_capacity(gib: float, bytes_per_block: int, available: int | None = None) -> int:

@@ -22,6 +22,7 @@ class RequestState:
     drafts: list[int] = field(default_factory=list)  # the tokens this step verifies, appended to seq.token_ids
     spare: int = -1  # the state row holding its recurrent state from before the drafts (-1: none)
     root: bytes = ROOT  # the hash before its first block: its LoRA adapter's (prefix_cache.root_for)
+    restoring: list[int] = field(default_factory=list)  # cached blocks held while host blocks come back into some
 
     @property
     def scoring(self) -> bool:

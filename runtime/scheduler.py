@@ -14,14 +14,15 @@ first, then the next is the oldest waiting request of the group with the fewest 
 group holds every running slot, another group's request is admitted at the first step after any of them finishes
 (if it fits), not behind the first group's other waiting sequences. Ungrouped requests go in arrival order.
 
-KV memory: a request whose prompt and max_tokens can never fit the pool is refused when added, with its numbers.
-A waiting request is admitted only when its whole uncached sequence fits beside what the step already takes; it
-waits otherwise, and the requests behind it with it. When a running sequence needs a block and none is left (after
-evicting unreferenced prefix-cache blocks), the newest running sequence not yet in the step is preempted: its blocks
-are released and it goes back to the head of the queue, to be recomputed from its tokens later. An abort frees a
-request's blocks at once. A model with recurrent layers also gives each running sequence a state slot (freed with
-its blocks, so running sequences never outnumber the slots); its prefix hits restore the state snapshotted at a
-cached block boundary (runtime/state_snapshots.py), and its prompt chunks end on block boundaries to make them.
+KV memory: a request whose prompt and max_tokens can never fit the pool is refused when added, with its numbers. A
+waiting request is admitted only when its whole uncached sequence fits beside what the step already takes; it waits
+otherwise, and the requests behind it with it. When a running sequence needs a block and none is left (after evicting
+unreferenced prefix-cache blocks), the newest running sequence not yet in the step is preempted: its blocks are
+released and it goes back to the head of the queue, to be recomputed from its tokens later. A prefix hit on host blocks
+(runtime/host_tier.py) holds them as they come back and admits the request once they have landed. An abort frees a
+request's blocks at once. A model with recurrent layers also gives each running sequence a state slot (freed with its
+blocks, so running sequences never outnumber the slots); its prefix hits restore the state snapshotted at a cached
+block boundary (runtime/state_snapshots.py), and its prompt chunks end on block boundaries to make them.
 """
 
 import itertools
@@ -131,6 +132,8 @@ class Scheduler:
             self._free(state)
         else:
             self.waiting.remove(state)
+            if state.restoring:  # blocks it held while its host blocks came back
+                self.cache.release(state.restoring)
         self._forget(state)
         return True
 
@@ -263,6 +266,11 @@ class Scheduler:
         """Takes the waiting request's prefix-cache hit and reserves its first chunk's blocks when its whole
         sequence fits now; returns the chunk's token count, or 0 to leave it waiting."""
         seq, tokens = state.seq, state.seq.token_ids
+        if state.restoring:  # its host blocks on their way back: held until they land, then found cached
+            if not self.host.landed(state.restoring):
+                return 0
+            self.cache.release(state.restoring)  # all cached: none its own to free
+            state.restoring = []
         cached_ok = self.cache is not None and not state.scoring  # a cached block has no logits to score
         limit = (len(tokens) - 1) // self.block_size  # a prompt token is left to compute, for the logits
         blocks, hashes = self.cache.lookup(tokens, limit, state.root) if cached_ok else ([], [])
@@ -272,15 +280,18 @@ class Scheduler:
             if self.host is not None and cached_ok else []
         evictable = self.cache.num_evictable - self.cache.count_evictable(blocks) if self.cache else 0
         available = self.allocator.num_free - self._reserved + evictable
-        if self.allocator.blocks_for(len(tokens)) - len(blocks) > available or not self._take_adapter(state):
+        if self.allocator.blocks_for(len(tokens)) - len(blocks) > available or \
+                self.host is not None and not self.host.landed(blocks):  # another request's restore in flight
             return 0
-        if self.cache:
-            self.cache.acquire(blocks)
         if restored:
-            blocks = blocks + self.host.bring_back(restored, self.cache, self.allocator, self._reserved)
-            hashes = hashes + restored
+            self.cache.acquire(blocks)
+            state.restoring = blocks + self.host.bring_back(restored, self.cache, self.allocator, self._reserved)
+            return self._admit(state, budget)  # at once where the copies are done (the CPU engine's)
+        if not self._take_adapter(state):
+            return 0
         cached = len(blocks) * self.block_size
         if self.cache:
+            self.cache.acquire(blocks)
             self.cache.record_query(len(tokens), cached)
         seq.table.blocks, seq.num_cached, state.block_hashes = list(blocks), cached, list(hashes)
         if not state.admitted:

@@ -23,8 +23,48 @@ def model(tiny_checkpoint):
     return load_model(tiny_checkpoint)
 
 
-def make(model, device_tokens: int, host_blocks: int, max_seqs: int = 4):
-    engine = ReferenceEngine(model, max_tokens=device_tokens, block_size=BLOCK, max_seqs=max_seqs)
+class LateRestores(ReferenceEngine):
+    """Copies back that land only after a few queries, made then, or before a copy down from their device block or
+    into their host block and before their device block is evicted (as a GPU's streams order them): a step
+    reading a block before would see what it held before."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.pending: list[list] = []
+        self.waits = 0
+
+    def restore_blocks(self, pairs: list[tuple[int, int]]) -> list:
+        self.pending.append(handle := [pairs, 3])
+        return handle
+
+    def restore_done(self, handle: list) -> bool:
+        handle[1] -= 1
+        if handle[1] > 0:
+            self.waits += 1
+            return False
+        self._land(handle)
+        return True
+
+    def settle_block(self, device_block: int) -> None:
+        self._land_touching(device_block, None)
+
+    def offload_block(self, device_block: int, host_block: int) -> None:
+        self._land_touching(device_block, host_block)
+        super().offload_block(device_block, host_block)
+
+    def _land_touching(self, device_block: int, host_block: int | None) -> None:
+        for handle in [h for h in self.pending if any(d == device_block or b == host_block for b, d in h[0])]:
+            self._land(handle)
+
+    def _land(self, handle: list) -> None:
+        if handle in self.pending:
+            self.pending.remove(handle)
+            super().restore_blocks(handle[0])
+
+
+def make(model, device_tokens: int, host_blocks: int, max_seqs: int = 4, late: bool = False):
+    engine = (LateRestores if late else ReferenceEngine)(model, max_tokens=device_tokens, block_size=BLOCK,
+                                                         max_seqs=max_seqs)
     host = HostTier(engine, host_blocks, BLOCK) if host_blocks else None
     config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=256, max_model_len=256)
     return Scheduler(engine, frozenset(), config, host=host), host
@@ -62,27 +102,36 @@ def test_an_evicted_prefix_comes_back_from_host_blocks_with_a_cold_runs_tokens(m
         np.testing.assert_allclose(list(mine.values()), list(theirs.values()), rtol=1e-4, atol=1e-4)  # chunking
 
 
-def test_both_tiers_under_pressure_with_aborts_give_every_request_its_own_output(model):
+@pytest.mark.parametrize("late", [False, True])
+def test_both_tiers_under_pressure_with_aborts_give_every_request_its_own_output(model, late):
     """40 requests over 3 random prefixes, some aborted after a step or two; a device pool of 24 blocks and a host
-    tier of 12, so blocks pass down, back up and out of both."""
+    tier of 12, so blocks pass down, back up and out of both. `late`: copies back land steps later (a GPU's side
+    stream), so requests wait for them, their own or another's, and some are aborted meanwhile."""
     rng = np.random.default_rng(1)
     prefixes = [rng.integers(0, 500, int(n)).tolist() for n in (24, 36, 16)]
     work = [request(f"r{i}", prefixes[i % 3] + rng.integers(0, 500, int(rng.integers(1, 9))).tolist(),
                     int(rng.integers(2, 8))) for i in range(40)]
     aborted = {f"r{i}" for i in rng.choice(40, 8, replace=False)}
-    scheduler, host = make(model, device_tokens=96, host_blocks=12, max_seqs=3)
+    scheduler, host = make(model, device_tokens=96, host_blocks=12, max_seqs=3, late=late)
     for r in work:
         scheduler.add(r)
+    restoring_aborted = 0
     out: dict[str, list[int]] = {r.request_id: [] for r in work}
     steps = 0
     while scheduler.has_work():
         for token in scheduler.step():
             out[token.request_id].append(token.token_id)
         steps += 1
-        for name in [n for n in aborted if out[n]]:  # an aborted request goes after its first token
+        doomed = [n for n in aborted if out[n]]  # an aborted request goes after its first token
+        if late and steps % 2:  # and, every other step, one waiting for its host blocks
+            doomed += [n for n, state in scheduler._states.items() if state.restoring and n not in doomed][:1]
+        for name in doomed:
+            restoring_aborted += bool(scheduler._states[name].restoring)
             scheduler.abort(name)
             aborted.discard(name)
     assert host.restored > 0 and host.offloaded > host.capacity
+    if late:
+        assert scheduler.engine.waits > 0 and restoring_aborted > 0 and not scheduler.engine.pending
     for r in work:
         cold, _ = make(model, device_tokens=4096, host_blocks=0)
         (alone,) = finish(cold, [request(r.request_id, r.prompt_ids, r.params.max_tokens)]).values()
@@ -202,12 +251,12 @@ def test_serve_restores_a_prefix_from_the_host_tier_and_counts_it(tiny_checkpoin
 
 
 @pytest.mark.parametrize("layout", ["even", "uneven"])
-def test_gpu_host_blocks_copy_down_on_a_side_stream_and_back_on_the_step_stream(monkeypatch, layout):
+def test_gpu_host_blocks_copy_down_and_back_on_a_side_stream(monkeypatch, layout):
     """runtime/gpu/host_blocks.py over a stand-in driver whose device memory is a byte array: a block copied down
-    and back into another device block carries every paged state's bytes of it and touches no other block. A copy
-    down runs on the side stream after the steps queued before it; the step stream waits for it only before a copy
-    back from its host block or once its device block is evicted, and not after it has finished. States of one size
-    at one stride move in one 2D copy a block, others in a copy each; restores are timed by events."""
+    and back into another device block carries every paged state's bytes of it and touches no other block. Copies
+    both ways run on the side stream after the steps queued before them; the step stream waits for one only once
+    its device block is evicted, and not after it has finished. States of one size at one stride move in one 2D
+    copy a block, others in a copy each; restores are timed by their events, which say when they have landed."""
     from pegainfer.ir.dtypes import BF16, FP32
     from pegainfer.runtime.cuda import driver
     from pegainfer.runtime.gpu.abi import DeviceTensor
@@ -275,10 +324,15 @@ def test_gpu_host_blocks_copy_down_on_a_side_stream_and_back_on_the_step_stream(
     calls.clear()
     blocks.settle(3)  # evicted while its copy is in flight: the next steps wait for it
     device[:] = 0
-    blocks.restore([(1, 7), (0, 2)])
-    assert calls == [("wait", "step")] * 3 + [("record", "step"), *[("copy", "step")] * 2 * per_block,
-                                              ("record", "step")]
+    landed = blocks.restore([(1, 7), (0, 2)])
+    assert calls == [("wait", "step"), ("record", "step"), ("wait", "side"), ("record", "side"),
+                     *[("copy", "side")] * 2 * per_block, ("record", "side")]
+    assert not landed.done()
+    calls.clear()
+    blocks.settle(2)  # evicted before its copy back landed (its request aborted): the next steps wait for it
+    assert calls == [("wait", "step")]
     Event.finished = True
+    assert landed.done()
     assert blocks.restore_seconds() == pytest.approx(2 * per_block / 1e3)  # the restores' copies, timed
     for base, size in spans:
         block = lambda i, memory: memory[base + i * size:base + (i + 1) * size]  # noqa: E731
@@ -288,4 +342,5 @@ def test_gpu_host_blocks_copy_down_on_a_side_stream_and_back_on_the_step_stream(
     blocks.offload(6, 1)  # the earlier copies have finished: nothing waits for them any more
     calls.clear()
     blocks.settle(5)
+    blocks.settle(7)
     assert calls == []

@@ -1,9 +1,9 @@
 """The GPU engine's side of the host KV tier (runtime/host_tier.py): a pool of pinned host blocks in the device KV
-cache's layout (every paged state's bytes of one block, back to back). Copies down run on a side stream, after the
-steps queued so far (which wrote the block), so they overlap the steps that follow; the step stream waits for one
-only where it would read or rewrite what the copy still reads or writes: before a copy back from its host block,
-and before the step after its device block is evicted (settle). Copies back run on the step stream, before the step
-that reads them. The host never waits (it never reads the pinned pool itself)."""
+cache's layout (every paged state's bytes of one block, back to back). Copies both ways run on a side stream, after
+the steps queued so far (which wrote or last read the device block), so they overlap the steps that follow; a copy
+back follows the copies down before it on that stream. The step stream waits for a copy only before the step after
+its device block is evicted (settle): a restored block is read only once the host has seen its copies land
+(`restore_done`; the scheduler admits the sequence then). The host never waits."""
 
 from collections import deque
 from math import prod
@@ -27,7 +27,7 @@ class HostBlocks:
         self._host_copy: dict[int, driver.Event] = {}  # a host block's
         self._spare: list[driver.Event] = []
         self._timing: list[tuple[driver.Event, driver.Event]] = []  # restores queued, oldest first
-        self._events: list[tuple[driver.Event, driver.Event]] = []  # pairs read, to record again
+        self._landing: dict[int, driver.Event] = {}  # a device block's copy back in flight
         self.seconds = 0.0
 
     def _even_pitch(self) -> int | None:
@@ -51,31 +51,34 @@ class HostBlocks:
         self._device_copy[device_block], self._host_copy[host_block] = done, done
 
     def settle(self, device_block: int) -> None:
-        """The block leaves the device cache (evicted, to be written again): later steps wait for its copy down."""
-        done = self._device_copy.pop(device_block, None)
-        if done is not None:
-            done.wait(self.stream)
-
-    def restore(self, pairs: list[tuple[int, int]]) -> None:
-        """(host block, device block) pairs copied back, after their copies down, timed by events read once they
-        have passed."""
-        for host_block, _ in pairs:
-            done = self._host_copy.pop(host_block, None)
+        """The block leaves the device cache (evicted, to be written again): later steps wait for its copies."""
+        for pending in (self._device_copy, self._landing):
+            done = pending.pop(device_block, None)
             if done is not None:
                 done.wait(self.stream)
-        start, end = self._events.pop() if self._events else (driver.Event(), driver.Event())
-        start.record(self.stream)
+
+    def restore(self, pairs: list[tuple[int, int]]) -> driver.Event:
+        """(host block, device block) pairs copied back on the side stream, after the steps queued so far and the
+        copies down before; returns the event that marks them landed (timed: read once it has passed)."""
+        self._after_steps.record(self.stream)
+        self._after_steps.wait(self.side)
+        for host_block, _ in pairs:
+            self._host_copy.pop(host_block, None)  # earlier on the side stream: in order
+        start, end = driver.Event(), driver.Event()
+        start.record(self.side)
         for host_block, device_block in pairs:
-            self._copy(device_block, host_block, to_host=False, stream=self.stream)
-        end.record(self.stream)
+            self._copy(device_block, host_block, to_host=False, stream=self.side)
+        end.record(self.side)
         self._timing.append((start, end))
+        self._landing |= dict.fromkeys((device for _, device in pairs), end)
+        return end
 
     def restore_seconds(self) -> float:
-        """The copies back's time so far, of those finished (events reused once read)."""
+        """The copies back's time so far, of those finished."""
         while self._timing and self._timing[0][1].done():
             start, end = self._timing.pop(0)
             self.seconds += end.seconds_since(start)
-            self._events.append((start, end))
+            self._landing = {block: e for block, e in self._landing.items() if e is not end}
         return self.seconds
 
     def _reap(self) -> None:
