@@ -236,3 +236,23 @@ def test_fp8_models_get_their_own_manifests_and_show_fp8_operands(checkpoint_fac
     assert len({model_id(spec) for spec in specs}) == 3
     table = format_kernels(lower(specs[1].graph)[0])
     assert "dequantize+linear (f8e4m3, f32" in table and "dequantize " not in table
+
+
+def test_quantizing_at_load_in_blocks_of_rows_on_threads_equals_the_whole_weight_at_once():
+    """quantize_rows' threads each take ROWS_PER_TASK rows: the values and scales are the formula's over the whole
+    weight, bit for bit, an all-zero row's scale 1 and a last block short."""
+    import ml_dtypes
+
+    from pegainfer.frontends.online_quantization import ROWS_PER_TASK, quantize_rows
+    from pegainfer.frontends.quantization import FP8_MAX
+    from pegainfer.ir.dtypes import F8E4M3
+
+    rng = np.random.default_rng(3)
+    weight = (rng.standard_normal((2 * ROWS_PER_TASK + 37, 96)) * 0.05).astype(ml_dtypes.bfloat16)
+    weight[ROWS_PER_TASK + 1] = 0
+    whole = weight.astype(np.float32)
+    scale = np.abs(whole).max(axis=1, keepdims=True) / np.float32(FP8_MAX)
+    scale[scale == 0] = 1
+    values, scales = quantize_rows(weight, workers=3)
+    assert np.array_equal(scales, scale) and scales[ROWS_PER_TASK + 1, 0] == 1
+    assert np.array_equal(values.view(np.uint8), (whole / scale).astype(F8E4M3.np_dtype).view(np.uint8))
