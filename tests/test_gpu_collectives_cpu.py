@@ -247,7 +247,7 @@ class RecordingExecutor:
     def upload_inputs(self, arrays) -> None:
         self.events.append("masks")
 
-    def run(self, sizes, before_tail=None) -> dict:
+    def run(self, sizes, before_tail=None, skip=frozenset()) -> dict:
         self.events.append(("layers", sizes["tokens"]))
         if before_tail is not None:
             before_tail()
