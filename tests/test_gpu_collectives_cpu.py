@@ -312,7 +312,7 @@ def test_a_worker_rank_executes_the_step_the_driver_hooks_with_the_same_launches
         worker.execute(step, plan)
         assert [e for e in driver_events if e not in ("hook", "masks")] == worker_events
     assert worker_events[:3] == [worker_events[0], ("capture", "graph0"), ("layers", 4)]  # bucket 4's split graph
-    assert sorted(worker.graphs) == sorted(leader.graphs) == [(4, 1, False), (4, 1, True)]
+    assert sorted(worker.graphs) == sorted(leader.graphs) == [(4, 1, False, frozenset()), (4, 1, True, frozenset())]
 
 
 def test_the_kv_pool_a_rank_hands_out_is_limited_to_the_blocks_every_rank_holds(monkeypatch):
