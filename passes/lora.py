@@ -1,4 +1,5 @@
-"""Folds each LoRA update and the add of it to its projection into one `lora_add` that writes the base in place."""
+"""Folds each LoRA update and the add of it to its projection into one `lora_add` that writes the base in place, and
+that normalises its input itself where the input is an RMSNorm's output, leaving the norm to the GEMM's prologue."""
 
 from pegainfer.ir.graph import Graph, Node
 from pegainfer.ir.registry import infer_types
@@ -20,6 +21,12 @@ def fuse_lora_update(graph: Graph, log: PassLog) -> Graph:
                 continue
             _replace(g, lora, *match)
             log.note(f"{g.name}: %{lora.name} adds to its projection in place")
+        for update in [n for n in g.nodes if n.op == "lora_add"]:
+            norm = g.producers().get(update.inputs[1])
+            if norm is not None and norm.op == "rms_norm" and not norm.attrs.get("offset"):
+                update.inputs = (update.inputs[0], norm.inputs[0], *update.inputs[2:], norm.inputs[1])
+                update.attrs = {"eps": norm.attrs["eps"]}
+                log.note(f"{g.name}: %{update.name} normalises %{norm.inputs[0]} itself, as %{norm.name} does")
     return for_each_graph(graph, rewrite)
 
 

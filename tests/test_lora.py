@@ -233,8 +233,8 @@ def test_serving_two_adapters_and_the_base_loading_and_unloading_at_run_time(che
         stop_server(server)
 
 
-def lora_graph(rows_in: int, rows_out: int, slots: int, rank: int, dtype, add: bool):
-    """x's update (`add`: added in place to the input `base`)."""
+def lora_graph(rows_in: int, rows_out: int, slots: int, rank: int, dtype, add: bool, normed: bool = False):
+    """x's update (`add`: added in place to the input `base`; `normed`: of x normalised by the weight `norm`)."""
     from pegainfer.ir import GraphBuilder
     from pegainfer.ir.dtypes import FP32, INT32
 
@@ -245,18 +245,21 @@ def lora_graph(rows_in: int, rows_out: int, slots: int, rank: int, dtype, add: b
     a = b.state("a", dtype, (slots, rank, rows_in))
     table_b = b.state("b", dtype, (slots, rows_out, rank))
     scale = b.state("scale", FP32, (slots,))
+    if normed:
+        norm = b.input("norm", dtype, (rows_in,))
+        return b.finish(b.lora_add(base, x, a, table_b, scale, lora_slots, norm, eps=1e-5, name="update"))
     if add:
         return b.finish(b.lora_add(base, x, a, table_b, scale, lora_slots, name="update"))
     return b.finish(b.lora(x, a, table_b, scale, lora_slots, name="update"))
 
 
-@pytest.mark.parametrize("add", [False, True])
+@pytest.mark.parametrize("form", ["lora", "lora_add", "lora_add_normed"])
 @pytest.mark.parametrize("dtype_name", ["f32", "bf16"])
 @pytest.mark.parametrize("rows_in, rows_out, rank", [(64, 96, 8), (200, 130, 64), (48, 20, 5), (96, 144, 192),
                                                      (700, 40, 16)])
-def test_the_lora_kernels_match_the_reference_with_rows_spread_unevenly(dtype_name, rows_in, rows_out, rank, add):
-    """The shrink's slices of K (700: three, the last partial) summed by the expand; lora_add leaves the base rows
-    of slot -1 as they were and writes the others in place."""
+def test_the_lora_kernels_match_the_reference_with_rows_spread_unevenly(dtype_name, rows_in, rows_out, rank, form):
+    """The shrink's slices of K (700: three, the last partial) summed by the expand, with the sums of squares of
+    a normalised input; lora_add leaves the base rows of slot -1 as they were and writes the others in place."""
     from pegainfer.backends.planning import PlanOptions
     from pegainfer.backends.triton.execute import launch_kernel, to_numpy, to_torch
     from pegainfer.backends.triton.plan import plan_kernel
@@ -271,13 +274,18 @@ def test_the_lora_kernels_match_the_reference_with_rows_spread_unevenly(dtype_na
     arrays = dict(x=rng.standard_normal((len(slots), rows_in)), a=rng.standard_normal((4, rank, rows_in)) * 0.2,
                   b=rng.standard_normal((4, rows_out, rank)) * 0.2)
     arrays = {name: a.astype(dtype.np_dtype) for name, a in arrays.items()}
+    add, normed = form != "lora", form == "lora_add_normed"
     base = rng.standard_normal((len(slots), rows_out)).astype(dtype.np_dtype)
+    norm = (1 + 0.5 * rng.standard_normal(rows_in)).astype(dtype.np_dtype)
     scale = np.array([0.5, 2.0, 1.5, 0.25], np.float32)
-    want = _lora(arrays["x"], arrays["a"], arrays["b"], scale, slots) + (base.astype(np.float32) if add else 0)
-    lowered, _ = lower(lora_graph(rows_in, rows_out, 4, rank, dtype, add))
+    x = arrays["x"].astype(np.float32)
+    if normed:
+        x = x / np.sqrt(np.mean(x * x, axis=1, keepdims=True) + 1e-5) * norm.astype(np.float32)
+    want = _lora(x, arrays["a"], arrays["b"], scale, slots) + (base.astype(np.float32) if add else 0)
+    lowered, _ = lower(lora_graph(rows_in, rows_out, 4, rank, dtype, add, normed))
     (node,) = [n for n in lowered.nodes if n.op == KERNEL]
     env = {name: to_torch(a) for name, a in arrays.items()} | {"scale": to_torch(scale), "base": to_torch(base),
-                                                               "lora_slots": to_torch(slots)}
+                                                               "lora_slots": to_torch(slots), "norm": to_torch(norm)}
     out = launch_kernel(plan_kernel(lowered, node, PlanOptions()), node, env, {"tokens": len(slots)})[node.outputs[0]]
     got = to_numpy(out).astype(np.float32)
     bound = 1e-5 if dtype_name == "f32" else 2e-2

@@ -1,6 +1,6 @@
 """The LoRA update (ir/ops/lora.py) as two launches a step: each row's A(x) under its adapter's slot, in float32
-partial sums over slices of K, then scale x B(their sum) a tile of outputs at a time, added in place to the base
-projection's output for `lora_add`. Every row reads its slot's tables apart, which suits decode steps; a step of
+partial sums over slices of K (x times a norm weight, and its sum of squares, where lora_add normalises x), then
+scale x B(their sum) a tile of outputs at a time, added in place to the base projection's output for `lora_add`. Every row reads its slot's tables apart, which suits decode steps; a step of
 many rows of one adapter would rather group them (punica's SGMV), a later tile."""
 
 from pegainfer.backends.planning import static_layout
@@ -20,7 +20,8 @@ def plan_lora(graph: Graph, node: Node) -> KernelSpec:
     """`lora` (the update alone) or `lora_add` (base + update, in place)."""
     (lora,) = node.attrs["nodes"]
     add = lora.op == "lora_add"
-    base, (x, a, b, scale, slots) = (lora.inputs[0] if add else None), lora.inputs[add:]
+    base, (x, a, b, scale, slots, *norm) = (lora.inputs[0] if add else None), lora.inputs[add:]
+    norm = norm[0] if norm else None
     out = lora.outputs[0]
     types = graph.value_types() | dict(zip(lora.outputs, lora.output_types))
     rows, k = types[x].shape
@@ -28,16 +29,18 @@ def plan_lora(graph: Graph, node: Node) -> KernelSpec:
     block_k = min(BLOCK_K, next_pow2(k))
     split_k = max(block_k, SPLIT_K // block_k * block_k)
     splits = -(-k // split_k)
-    parts = TensorType(FP32, (rows, splits * rank))
-    types, layout = types | {PARTS: parts}, static_layout(graph) | {PARTS: (splits * rank, 0)}
+    width = rank + (norm is not None)  # a slice's partial sums, and its sum of squares for the norm
+    parts = TensorType(FP32, (rows, splits * width))
+    types, layout = types | {PARTS: parts}, static_layout(graph) | {PARTS: (splits * width, 0)}
     p = Params(types, layout)
-    for name, value in (("x_ptr", x), ("a_ptr", a), ("slots_ptr", slots), ("part_ptr", PARTS)):
+    for name, value in (("x_ptr", x), ("norm_ptr", norm), ("a_ptr", a), ("slots_ptr", slots),
+                        ("part_ptr", PARTS)):
         p.tensor(name, value)
     p.stride("stride_x", x)
     shrink_r = min(SHRINK_R, max(16, next_pow2(rank)))
     shrink = launch(TEMPLATE, "lora_shrink_kernel", p,
-                    dict(K=k, RANK=rank, SPLIT_K=split_k, SPLITS=splits, BLOCK_R=shrink_r, BLOCK_K=block_k),
-                    (GridDim((rows,)), GridDim((k,), split_k)))
+                    dict(K=k, RANK=rank, SPLIT_K=split_k, SPLITS=splits, BLOCK_R=shrink_r, BLOCK_K=block_k,
+                         NORM=norm is not None), (GridDim((rows,)), GridDim((k,), split_k)))
     q = Params(types, layout)
     for name, value in (("part_ptr", PARTS), ("b_ptr", b), ("scale_ptr", scale), ("slots_ptr", slots),
                         ("base_ptr", base or out), ("out_ptr", out)):
@@ -46,8 +49,9 @@ def plan_lora(graph: Graph, node: Node) -> KernelSpec:
     q.stride("stride_out", out)
     block_n = min(BLOCK_N, next_pow2(n))
     expand = launch(TEMPLATE, "lora_expand_kernel", q,
-                    dict(N=n, RANK=rank, SPLITS=splits, BLOCK_R=min(EXPAND_R, max(16, next_pow2(rank))),
-                         BLOCK_N=block_n, ADD=add), (GridDim((rows,)), GridDim((n,), block_n)))
+                    dict(N=n, K=k, RANK=rank, SPLITS=splits, BLOCK_R=min(EXPAND_R, max(16, next_pow2(rank))),
+                         BLOCK_N=block_n, NORM=norm is not None, EPS=float(lora.attrs.get("eps", 0.0)), ADD=add),
+                    (GridDim((rows,)), GridDim((n,), block_n)))
     spec = kernel_spec(graph, node, rows, [VariantSpec("rows", None, [shrink, expand])])
     spec.scratch = {PARTS: (parts.dtype.name, parts.shape)}
     return spec

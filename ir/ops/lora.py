@@ -33,14 +33,21 @@ def _lora(x: np.ndarray, a: np.ndarray, b: np.ndarray, scale: np.ndarray, slots:
 
 
 def _infer_lora_add(base: TensorType, x: TensorType, a: TensorType, b: TensorType, scale: TensorType,
-                    slots: TensorType) -> TensorType:
+                    slots: TensorType, norm: TensorType | None = None, *, eps: float | None = None) -> TensorType:
     update = _infer_lora(x, a, b, scale, slots)
     expect(base == update, f"lora_add: base must be {update}, found {base}")
+    expect((norm is None) == (eps is None), "lora_add: a norm weight comes with eps, and eps with a norm weight")
+    expect(norm is None or norm.shape == (x.shape[1],), f"lora_add: norm weight must be [{x.shape[1]}], found {norm}")
     return base
 
 
-def _lora_add(base: np.ndarray, x: np.ndarray, a: np.ndarray, b: np.ndarray, scale: np.ndarray,
-              slots: np.ndarray) -> np.ndarray:
+def _lora_add(base: np.ndarray, x: np.ndarray, a: np.ndarray, b: np.ndarray, scale: np.ndarray, slots: np.ndarray,
+              norm: np.ndarray | None = None, *, eps: float | None = None) -> np.ndarray:
+    """base + the update of x, or with `norm`, of RMSNorm(x) by that weight (in float32: the GEMM beside it takes
+    the norm in its prologue, so x normed is never stored)."""
+    if norm is not None:
+        x = np.asarray(x, np.float32)
+        x = x / np.sqrt(np.mean(np.square(x), axis=-1, keepdims=True) + np.float32(eps)) * norm
     return np.asarray(base, np.float32) + _lora(x, a, b, scale, slots)
 
 

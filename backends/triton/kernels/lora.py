@@ -4,11 +4,12 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
-def lora_shrink_kernel(x_ptr, a_ptr, slots_ptr, part_ptr, stride_x, K: tl.constexpr, RANK: tl.constexpr,
+def lora_shrink_kernel(x_ptr, norm_ptr, a_ptr, slots_ptr, part_ptr, stride_x, K: tl.constexpr, RANK: tl.constexpr,
                        SPLIT_K: tl.constexpr, SPLITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                       PDL: tl.constexpr):
+                       NORM: tl.constexpr, PDL: tl.constexpr):
     """A row's A(x) over one SPLIT_K slice of K, under its adapter's slot of the A table [slots, RANK, K], as
-    float32 partial sums [rows, SPLITS, RANK] that the expand adds up; nothing for slot -1. A program a row and
+    float32 partial sums [rows, SPLITS, RANK + NORM] that the expand adds up; nothing for slot -1. With NORM, x
+    times the norm weight, and the slice's sum of x^2 last (the expand scales by 1/rms). A program a row and
     slice: a decode step's few rows still spread the table's read over the SMs."""
     if PDL:  # programmatic dependent launch (see kernels/gemm.py)
         gdc_launch_dependents()
@@ -16,43 +17,58 @@ def lora_shrink_kernel(x_ptr, a_ptr, slots_ptr, part_ptr, stride_x, K: tl.conste
     row = tl.program_id(0)
     part = tl.program_id(1)
     slot = tl.load(slots_ptr + row)
+    width = RANK + NORM
     if slot >= 0:
+        squares = tl.zeros((BLOCK_K,), tl.float32)
         for r0 in range(0, RANK, BLOCK_R):
             r = r0 + tl.arange(0, BLOCK_R)
             acc = tl.zeros((BLOCK_R,), tl.float32)
             for k0 in range(0, SPLIT_K, BLOCK_K):
                 k = part * SPLIT_K + k0 + tl.arange(0, BLOCK_K)
                 x = tl.load(x_ptr + row * stride_x + k, mask=k < K, other=0.0).to(tl.float32)
+                if NORM:
+                    if r0 == 0:
+                        squares += x * x
+                    x = x * tl.load(norm_ptr + k, mask=k < K, other=0.0).to(tl.float32)
                 a = tl.load(a_ptr + (slot * RANK + r[:, None]) * K + k[None, :],
                             mask=(r[:, None] < RANK) & (k[None, :] < K), other=0.0).to(tl.float32)
                 acc += tl.sum(a * x[None, :], axis=1)
-            tl.store(part_ptr + (row * SPLITS + part) * RANK + r, acc, mask=r < RANK)
+            tl.store(part_ptr + (row * SPLITS + part) * width + r, acc, mask=r < RANK)
+        if NORM:
+            tl.store(part_ptr + (row * SPLITS + part) * width + RANK, tl.sum(squares, axis=0))
 
 
 @triton.jit
 def lora_expand_kernel(part_ptr, b_ptr, scale_ptr, slots_ptr, base_ptr, out_ptr, stride_base, stride_out,
-                       N: tl.constexpr, RANK: tl.constexpr, SPLITS: tl.constexpr, BLOCK_R: tl.constexpr,
-                       BLOCK_N: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr):
+                       N: tl.constexpr, K: tl.constexpr, RANK: tl.constexpr, SPLITS: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, NORM: tl.constexpr, EPS: tl.constexpr,
+                       ADD: tl.constexpr, PDL: tl.constexpr):
     """A row's scale x B(shrunk) for one tile of N outputs, B the slot's [N, RANK], shrunk the sum of the shrink's
-    partials; with ADD, the row of `base` plus that (written in place: a row of slot -1 is left as it is), else
-    that alone (zeros for slot -1)."""
+    partials (with NORM, times the row's 1/rms over its K inputs); with ADD, the row of `base` plus that (written in
+    place: a row of slot -1 is left as it is), else that alone (zeros for slot -1)."""
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
     row = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     slot = tl.load(slots_ptr + row)
+    width = RANK + NORM
     if slot >= 0:
         acc = tl.zeros((BLOCK_N,), tl.float32)
         for r0 in range(0, RANK, BLOCK_R):
             r = r0 + tl.arange(0, BLOCK_R)
             shrunk = tl.zeros((BLOCK_R,), tl.float32)
             for s in range(SPLITS):
-                shrunk += tl.load(part_ptr + (row * SPLITS + s) * RANK + r, mask=r < RANK, other=0.0)
+                shrunk += tl.load(part_ptr + (row * SPLITS + s) * width + r, mask=r < RANK, other=0.0)
             b = tl.load(b_ptr + (slot * N + n[:, None]) * RANK + r[None, :],
                         mask=(n[:, None] < N) & (r[None, :] < RANK), other=0.0).to(tl.float32)
             acc += tl.sum(b * shrunk[None, :], axis=1)
         acc = acc * tl.load(scale_ptr + slot)
+        if NORM:
+            squares = 0.0
+            for s in range(SPLITS):
+                squares += tl.load(part_ptr + (row * SPLITS + s) * width + RANK)
+            acc = acc / tl.sqrt(squares / K + EPS)
         if ADD:
             acc += tl.load(base_ptr + row * stride_base + n, mask=n < N, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * stride_out + n, acc.to(out_ptr.dtype.element_ty), mask=n < N)
