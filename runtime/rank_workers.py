@@ -53,7 +53,7 @@ class RankSpec:
     nccl_id: bytes | None = None  # on cuda: the NCCL unique id the driver made
     cache_dir: str | None = None  # on cuda: the cubin cache holding every rank's manifest
     backend: str = "mp"  # how the workers were started: a Ray actor sees only its own GPU (device 0)
-    lora: LoraConfig | None = None  # with --enable-lora: the LoRA tables' sizes (on the CPU engine)
+    lora: LoraConfig | None = None  # with --enable-lora: the LoRA tables' sizes
 
     def parallel(self, rank: int) -> Parallelism:
         return Parallelism(self.world, rank, self.expert_parallel)
@@ -69,14 +69,15 @@ class RankSpec:
 
 def load_rank_engine(spec: RankSpec, rank: int):
     """Rank `rank`'s engine: its graph and weights on the CPU engine, or on its GPU joined to the others by NCCL."""
-    from pegainfer.runtime.sharded_engine import load_rank_model, rank_graph
+    from pegainfer.runtime.sharded_engine import load_rank_model, rank_graph, rank_model
 
     if spec.device == "cuda":
         from pegainfer.runtime.gpu.nccl import Rendezvous
         from pegainfer.runtime.gpu.start import gpu_engine
 
         options = replace(spec.gpu, device=spec.gpu_device(rank))
-        return gpu_engine(load_rank_model(spec, rank, lazy=True), options, spec.cache_dir and Path(spec.cache_dir),
+        model = rank_model(spec, load_rank_model(spec, rank, lazy=True))
+        return gpu_engine(model, options, spec.cache_dir and Path(spec.cache_dir),
                           communicator=Rendezvous(spec.nccl_id, spec.world, rank))
     from pegainfer.runtime.reference_engine import ReferenceEngine
 

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import numpy as np
 
-from pegainfer.errors import PegainferError
 from pegainfer.frontends.load import LoadedModel, load_model
 from pegainfer.frontends.lora import rank_rows, with_lora
 from pegainfer.ir.graph import Graph
@@ -74,9 +73,14 @@ class ShardedEngine(RankDriver, ReferenceEngine):
 
 
 def rank_graph(spec: RankSpec, model: LoadedModel) -> Graph:
-    """A rank's graph for the CPU engine: its model's, with LoRA tables on its own projections (each rank's
-    part of them) where `spec.lora` asks for adapters."""
+    """A rank's graph: its model's, with LoRA tables on its own projections (each rank's part of them) where
+    `spec.lora` asks for adapters."""
     return with_lora(model.spec.graph, spec.lora) if spec.lora is not None else model.spec.graph
+
+
+def rank_model(spec: RankSpec, model: LoadedModel) -> LoadedModel:
+    """The model a rank's GPU engine runs (and takes its manifest by): rank_graph's graph over its weights."""
+    return replace(model, spec=replace(model.spec, graph=rank_graph(spec, model))) if spec.lora else model
 
 
 def load_rank_model(spec: RankSpec, rank: int, lazy: bool = False) -> LoadedModel:
@@ -89,9 +93,6 @@ def start_sharded_engine(spec: RankSpec, backend: str = "mp", model: LoadedModel
     if any fails. On cuda the ranks' KV pools are cut to the smallest one's blocks, so every block table holds on
     every rank."""
     spec = replace(spec, backend=backend)
-    if spec.lora is not None and spec.device != "cpu":
-        raise PegainferError("--enable-lora with --tensor-parallel-size is implemented on the CPU engine only: the "
-                             "GPU ranks' manifests and engines take no LoRA tables yet (serve LoRA on one GPU)")
     if spec.device == "cuda":
         from pegainfer.runtime.gpu.nccl import make_unique_id
 
@@ -118,6 +119,7 @@ def sharded_gpu_engine(spec: RankSpec, ranks: RankProcesses, model: LoadedModel)
     from pegainfer.runtime.gpu.sharded import ShardedGpuEngine
     from pegainfer.runtime.gpu.start import ensure_manifest
 
+    model = rank_model(spec, model)
     manifest = ensure_manifest(model.spec, visible_sm(), spec.cache_dir and Path(spec.cache_dir),
                                label=str(model.folder))
     return ShardedGpuEngine(spec, ranks, model, manifest)

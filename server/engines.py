@@ -97,7 +97,7 @@ def lora_config(args: argparse.Namespace) -> "LoraConfig | None":
 def build_engine(model: "LoadedModel", device: str, args: argparse.Namespace, max_model_len: int, step_tokens: int):
     """The reference engine on the CPU; on the GPU, the compiled kernels (compiled first if missing)."""
     lora = lora_config(args)
-    if args.tensor_parallel_size > 1:  # with LoRA: each rank's tables hold its part (CPU engine only)
+    if args.tensor_parallel_size > 1:  # with LoRA: each rank's tables hold its part
         return build_sharded_engine(model, device, args, max_model_len, step_tokens, lora)
     if device == "cpu":
         from pegainfer.frontends.lora import with_lora
@@ -141,7 +141,7 @@ def gpu_options(args: argparse.Namespace, model: "LoadedModel", max_model_len: i
 def build_sharded_engine(model: "LoadedModel", device: str, args: argparse.Namespace, max_model_len: int,
                          step_tokens: int, lora: "LoraConfig | None" = None):
     """Rank 0 of a model sharded over --tensor-parallel-size processes, the others started by the executor backend;
-    with `lora`, every rank's LoRA tables (refused on cuda by start_sharded_engine)."""
+    with `lora`, every rank's LoRA tables of its part (its own manifest on a GPU)."""
     from pegainfer.runtime.rank_workers import RankSpec
     from pegainfer.runtime.sharded_engine import start_sharded_engine
 

@@ -2,7 +2,8 @@
 projection's rows of B, a row-parallel one's columns of A, its partial update summed by the all-reduce after it).
 A batch mixing rows of two adapters and of the base gives at 2 and 4 ranks (threads, ir/ranks.py) the logits of one
 rank (float32, relative error under 1e-5) at a prefill and a decode step; the sharded engine's worker processes
-generate one rank's greedy tokens with adapters swapping through fewer slots; the GPU's ranks refuse in one line."""
+generate one rank's greedy tokens with adapters swapping through fewer slots; GPU ranks get LoRA graphs of their
+part and their rows of an adapter."""
 
 from pathlib import Path
 
@@ -10,7 +11,6 @@ import numpy as np
 import pytest
 
 from drain import drain
-from pegainfer.errors import PegainferError
 from pegainfer.frontends.checkpoint import derive_weights
 from pegainfer.frontends.load import LoadedModel, load_model
 from pegainfer.frontends.lora import LoraConfig, lora_modules, rank_rows, read_adapter, with_lora
@@ -152,7 +152,35 @@ def test_worker_processes_generate_one_ranks_greedy_tokens_with_adapters_swappin
             np.testing.assert_allclose(list(mine.values()), list(theirs.values()), atol=1e-4)
 
 
-def test_lora_on_sharded_gpu_ranks_is_refused_in_one_line_before_any_rank_starts():
-    with pytest.raises(PegainferError, match="CPU engine only") as caught:
-        start_sharded_engine(RankSpec("unused", 2, device="cuda", lora=CONFIG))
-    assert "\n" not in str(caught.value)
+def test_gpu_ranks_run_lora_graphs_of_their_part_and_write_their_rows_of_an_adapter(tiny_checkpoint, adapters,
+                                                                                     monkeypatch):
+    """A worker's GPU engine gets its rank's LoRA graph (its own manifest, by model_id); rank 0's write_lora sends
+    the workers the whole tables' rows and writes its own part, shaped as its graph's tables."""
+    from types import SimpleNamespace
+
+    from pegainfer.backends.cache import model_id
+    from pegainfer.runtime.gpu import nccl, start
+    from pegainfer.runtime.gpu.engine import EngineOptions, GpuEngine
+    from pegainfer.runtime.gpu.sharded import ShardedGpuEngine
+    from pegainfer.runtime.rank_workers import load_rank_engine
+    from pegainfer.runtime.sharded_engine import load_rank_model, rank_model
+
+    spec = RankSpec(str(tiny_checkpoint), 2, device="cuda", lora=CONFIG, gpu=EngineOptions(), nccl_id=b"id")
+    monkeypatch.setattr(nccl, "Rendezvous", lambda *args: None)
+    monkeypatch.setattr(start, "gpu_engine", lambda model, *args, **kwargs: model)
+    worker = load_rank_engine(spec, 1)
+    plain = load_rank_model(spec, 1, lazy=True)
+    assert worker.spec.graph.expanded_states().keys() > plain.spec.graph.expanded_states().keys()
+    assert model_id(worker.spec).endswith("-lora2x8") and model_id(worker.spec) != model_id(plain.spec)
+    driver = ShardedGpuEngine.__new__(ShardedGpuEngine)
+    sent, written = [], []
+    driver.spec, driver.model = spec, rank_model(spec, load_rank_model(spec, 0, lazy=True))
+    driver.ranks = SimpleNamespace(error=None, links=SimpleNamespace(send_all=lambda *message: sent.append(message)))
+    monkeypatch.setattr(GpuEngine, "write_lora", lambda self, slot, rows: written.append((slot, rows)))
+    rows = read(adapters, with_lora(load_model(tiny_checkpoint).spec.graph, CONFIG))["a"]
+    driver.write_lora(1, rows)
+    assert sent == [("write_lora", (1, rows))]
+    ((slot, part),) = written
+    tables = driver.graph.expanded_states()
+    assert slot == 1 and part.keys() == rows.keys() and all(part[t].shape == tables[t].shape[1:] for t in part)
+    assert any(part[t].shape != rows[t].shape for t in part)  # each rank holds a part of the tables

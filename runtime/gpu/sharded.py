@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from pegainfer.frontends.load import LoadedModel
+from pegainfer.frontends.lora import rank_rows
 from pegainfer.runtime.gpu.engine import GpuEngine, StepPlan
 from pegainfer.runtime.gpu.nccl import Rendezvous
 from pegainfer.runtime.rank_workers import RankProcesses, RankSpec
@@ -21,3 +22,9 @@ class ShardedGpuEngine(RankDriver, GpuEngine):
 
     def _forward(self, step: dict[str, np.ndarray], plan: StepPlan) -> None:
         self._command("execute_plan", (step, plan))
+
+    def write_lora(self, slot: int, rows: dict[str, np.ndarray]) -> None:
+        """An adapter's rows of the unsharded tables into one slot on every rank, each writing its part
+        (rank_rows), in stream order before the steps that read them."""
+        self._command("write_lora", (slot, rows))
+        super().write_lora(slot, rank_rows(rows, self.graph))
