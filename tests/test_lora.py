@@ -253,13 +253,20 @@ def lora_graph(rows_in: int, rows_out: int, slots: int, rank: int, dtype, add: b
     return b.finish(b.lora(x, a, table_b, scale, lora_slots, name="update"))
 
 
+DECODE_SLOTS = [2, 2, 2, 2, 2, -1, 0, 2, -1, 3, 2, 2, 0]  # slot 1 has no rows; 2 most of them
+CHUNK_SLOTS = [2] * 32 + [-1] * 32 + [0, 0, 3, -1, 0, 2]  # blocks of 32: one adapter's, the base's, mixed
+
+
+@pytest.mark.parametrize("slots", [DECODE_SLOTS, CHUNK_SLOTS], ids=["decode", "chunks"])
 @pytest.mark.parametrize("form", ["lora", "lora_add", "lora_add_normed"])
 @pytest.mark.parametrize("dtype_name", ["f32", "bf16"])
 @pytest.mark.parametrize("rows_in, rows_out, rank", [(64, 96, 8), (200, 130, 64), (48, 20, 5), (96, 144, 192),
                                                      (700, 40, 16)])
-def test_the_lora_kernels_match_the_reference_with_rows_spread_unevenly(dtype_name, rows_in, rows_out, rank, form):
+def test_the_lora_kernels_match_the_reference_with_rows_spread_unevenly(dtype_name, rows_in, rows_out, rank, form,
+                                                                        slots):
     """The shrink's slices of K (700: three, the last partial) summed by the expand, with the sums of squares of
-    a normalised input; lora_add leaves the base rows of slot -1 as they were and writes the others in place."""
+    a normalised input; lora_add leaves the base rows of slot -1 as they were and writes the others in place.
+    A decode step's rows one by one, a longer step's in blocks (tensor-core products where a block has one slot)."""
     from pegainfer.backends.planning import PlanOptions
     from pegainfer.backends.triton.execute import launch_kernel, to_numpy, to_torch
     from pegainfer.backends.triton.plan import plan_kernel
@@ -270,7 +277,7 @@ def test_the_lora_kernels_match_the_reference_with_rows_spread_unevenly(dtype_na
 
     dtype = dtype_from_name(dtype_name)
     rng = np.random.default_rng(rank)
-    slots = np.array([2, 2, 2, 2, 2, -1, 0, 2, -1, 3, 2, 2, 0], np.int32)  # slot 1 has no rows; 2 most of them
+    slots = np.array(slots, np.int32)
     arrays = dict(x=rng.standard_normal((len(slots), rows_in)), a=rng.standard_normal((4, rank, rows_in)) * 0.2,
                   b=rng.standard_normal((4, rows_out, rank)) * 0.2)
     arrays = {name: a.astype(dtype.np_dtype) for name, a in arrays.items()}
