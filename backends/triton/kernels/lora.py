@@ -33,19 +33,6 @@ def _shrink_row(x_ptr, norm_ptr, a_ptr, slots_ptr, part_ptr, stride_x, row, part
 
 
 @triton.jit
-def lora_shrink_kernel(x_ptr, norm_ptr, a_ptr, slots_ptr, part_ptr, stride_x, K: tl.constexpr, RANK: tl.constexpr,
-                       SPLIT_K: tl.constexpr, SPLITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                       NORM: tl.constexpr, PDL: tl.constexpr):
-    """_shrink_row, a program a row and slice: a decode step's few rows still spread the table's read over the
-    SMs."""
-    if PDL:  # programmatic dependent launch (see kernels/gemm.py)
-        gdc_launch_dependents()
-        gdc_wait()
-    _shrink_row(x_ptr, norm_ptr, a_ptr, slots_ptr, part_ptr, stride_x, tl.program_id(0), tl.program_id(1), K, RANK,
-                SPLIT_K, SPLITS, BLOCK_R, BLOCK_K, NORM)
-
-
-@triton.jit
 def _one_slot(slots_ptr, m, M):
     """The slot every one of rows m (those below M) has, or -1 where they differ or have none."""
     slots = tl.load(slots_ptr + m, mask=m < M, other=-1)
@@ -54,19 +41,24 @@ def _one_slot(slots_ptr, m, M):
 
 
 @triton.jit
-def lora_shrink_blocks_kernel(x_ptr, norm_ptr, a_ptr, slots_ptr, part_ptr, stride_x, M, K: tl.constexpr,
-                              RANK: tl.constexpr, SPLIT_K: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
-                              BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
-    """lora_shrink_kernel for BLOCK_M rows at a time: where they share one adapter (a prompt chunk's rows) the
-    A tile is read once for all of them, in a tensor-core product; other blocks go row by row."""
-    if PDL:
+def lora_shrink_kernel(x_ptr, norm_ptr, a_ptr, slots_ptr, part_ptr, stride_x, M, K: tl.constexpr, RANK: tl.constexpr,
+                       SPLIT_K: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                       BLOCK_K: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+    """A program a row and slice of K (a decode step's few rows still spread the table's read over the SMs); where
+    the BLOCK_M rows around it share one adapter (a prompt chunk's, a step's of one adapter), the block's first
+    row's program takes them all, reading the A tile once for a tensor-core product, and the others stop."""
+    if PDL:  # programmatic dependent launch (see kernels/gemm.py)
         gdc_launch_dependents()
         gdc_wait()
-    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row = tl.program_id(0)
     part = tl.program_id(1)
+    m = row // BLOCK_M * BLOCK_M + tl.arange(0, BLOCK_M)
     slot = _one_slot(slots_ptr, m, M)
     width = RANK + NORM
-    if slot >= 0:
+    if slot < 0:
+        _shrink_row(x_ptr, norm_ptr, a_ptr, slots_ptr, part_ptr, stride_x, row, part, K, RANK, SPLIT_K, SPLITS,
+                    BLOCK_R, BLOCK_K, NORM)
+    elif row % BLOCK_M == 0:
         squares = tl.zeros((BLOCK_M,), tl.float32)
         for r0 in range(0, RANK, BLOCK_R):
             r = r0 + tl.arange(0, BLOCK_R)
@@ -86,12 +78,6 @@ def lora_shrink_blocks_kernel(x_ptr, norm_ptr, a_ptr, slots_ptr, part_ptr, strid
                      mask=(m[:, None] < M) & (r[None, :] < RANK))
         if NORM:
             tl.store(part_ptr + (m * SPLITS + part) * width + RANK, squares, mask=m < M)
-    else:
-        for i in range(BLOCK_M):
-            row = tl.program_id(0) * BLOCK_M + i
-            if row < M:
-                _shrink_row(x_ptr, norm_ptr, a_ptr, slots_ptr, part_ptr, stride_x, row, part, K, RANK, SPLIT_K,
-                            SPLITS, BLOCK_R, BLOCK_K, NORM)
 
 
 @triton.jit
@@ -127,34 +113,25 @@ def _expand_row(part_ptr, b_ptr, scale_ptr, slots_ptr, base_ptr, out_ptr, stride
 
 
 @triton.jit
-def lora_expand_kernel(part_ptr, b_ptr, scale_ptr, slots_ptr, base_ptr, out_ptr, stride_base, stride_out,
+def lora_expand_kernel(part_ptr, b_ptr, scale_ptr, slots_ptr, base_ptr, out_ptr, stride_base, stride_out, M,
                        N: tl.constexpr, K: tl.constexpr, RANK: tl.constexpr, SPLITS: tl.constexpr,
-                       BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, NORM: tl.constexpr, EPS: tl.constexpr,
-                       ADD: tl.constexpr, PDL: tl.constexpr):
-    """_expand_row, a program a row and tile of outputs."""
+                       BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, NORM: tl.constexpr,
+                       EPS: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr):
+    """A program a row and tile of outputs; where the BLOCK_M rows around it share one adapter, the block's first
+    row's program takes them all, reading the B tile once for a tensor-core product. BLOCK_R holds the whole
+    rank."""
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    _expand_row(part_ptr, b_ptr, scale_ptr, slots_ptr, base_ptr, out_ptr, stride_base, stride_out, tl.program_id(0),
-                n, N, K, RANK, SPLITS, BLOCK_R, BLOCK_N, NORM, EPS, ADD)
-
-
-@triton.jit
-def lora_expand_blocks_kernel(part_ptr, b_ptr, scale_ptr, slots_ptr, base_ptr, out_ptr, stride_base, stride_out, M,
-                              N: tl.constexpr, K: tl.constexpr, RANK: tl.constexpr, SPLITS: tl.constexpr,
-                              BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                              NORM: tl.constexpr, EPS: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr):
-    """lora_expand_kernel for BLOCK_M rows at a time: where they share one adapter the B tile is read once for all
-    of them, in a tensor-core product; other blocks go row by row. BLOCK_R holds the whole rank."""
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
-    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row = tl.program_id(0)
+    m = row // BLOCK_M * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     slot = _one_slot(slots_ptr, m, M)
     width = RANK + NORM
-    if slot >= 0:
+    if slot < 0:
+        _expand_row(part_ptr, b_ptr, scale_ptr, slots_ptr, base_ptr, out_ptr, stride_base, stride_out, row, n, N, K,
+                    RANK, SPLITS, BLOCK_R, BLOCK_N, NORM, EPS, ADD)
+    elif row % BLOCK_M == 0:
         r = tl.arange(0, BLOCK_R)
         shrunk = tl.zeros((BLOCK_M, BLOCK_R), tl.float32)
         for s in range(SPLITS):
@@ -172,9 +149,3 @@ def lora_expand_blocks_kernel(part_ptr, b_ptr, scale_ptr, slots_ptr, base_ptr, o
         if ADD:
             acc += tl.load(base_ptr + m[:, None] * stride_base + n[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + m[:, None] * stride_out + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        for i in range(BLOCK_M):
-            row = tl.program_id(0) * BLOCK_M + i
-            if row < M:
-                _expand_row(part_ptr, b_ptr, scale_ptr, slots_ptr, base_ptr, out_ptr, stride_base, stride_out, row,
-                            n, N, K, RANK, SPLITS, BLOCK_R, BLOCK_N, NORM, EPS, ADD)
