@@ -127,7 +127,6 @@ class HostTier:
         self.restore_seconds = self.engine.restore_seconds()
         return table.blocks
 
-
     def landed(self, blocks: Seq[int]) -> bool:
         """Whether every copy back into these device blocks has finished."""
         if not self._landing:

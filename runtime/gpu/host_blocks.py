@@ -22,9 +22,8 @@ class HostBlocks:
         self.pitch = self._even_pitch()
         self.host = driver.alloc_pinned(capacity * self.per_block)
         self._after_steps = driver.Event(timing=False)  # recorded on the step stream before each copy down
-        self._down: deque[tuple[driver.Event, int, int]] = deque()  # copies down in flight, in side-stream order
+        self._down: deque[tuple[driver.Event, int]] = deque()  # copies down in flight, in side-stream order
         self._device_copy: dict[int, driver.Event] = {}  # a device block's copy down in flight
-        self._host_copy: dict[int, driver.Event] = {}  # a host block's
         self._spare: list[driver.Event] = []
         self._timing: list[tuple[driver.Event, driver.Event]] = []  # restores queued, oldest first
         self._landing: dict[int, driver.Event] = {}  # a device block's copy back in flight
@@ -39,16 +38,16 @@ class HostBlocks:
         return pitch if even and pitch >= size else None
 
     def offload(self, device_block: int, host_block: int) -> None:
-        """The block copied down on the side stream, once the steps queued so far (its writes among them) are done;
-        the host block waited for first where a copy back from it is queued (the side stream follows those too)."""
+        """The block copied down on the side stream, once the steps queued so far (its writes among them) are done,
+        and after any copy back from the host block queued before it (the same stream)."""
         self._reap()
         self._after_steps.record(self.stream)
         self._after_steps.wait(self.side)
         self._copy(device_block, host_block, to_host=True, stream=self.side)
         done = self._spare.pop() if self._spare else driver.Event(timing=False)
         done.record(self.side)
-        self._down.append((done, device_block, host_block))
-        self._device_copy[device_block], self._host_copy[host_block] = done, done
+        self._down.append((done, device_block))
+        self._device_copy[device_block] = done
 
     def settle(self, device_block: int) -> None:
         """The block leaves the device cache (evicted, to be written again): later steps wait for its copies."""
@@ -62,8 +61,6 @@ class HostBlocks:
         copies down before; returns the event that marks them landed (timed: read once it has passed)."""
         self._after_steps.record(self.stream)
         self._after_steps.wait(self.side)
-        for host_block, _ in pairs:
-            self._host_copy.pop(host_block, None)  # earlier on the side stream: in order
         start, end = driver.Event(), driver.Event()
         start.record(self.side)
         for host_block, device_block in pairs:
@@ -84,11 +81,9 @@ class HostBlocks:
     def _reap(self) -> None:
         """Copies down that have finished: nothing waits for them any more, their events are reused."""
         while self._down and self._down[0][0].done():
-            done, device_block, host_block = self._down.popleft()
+            done, device_block = self._down.popleft()
             if self._device_copy.get(device_block) is done:
                 del self._device_copy[device_block]
-            if self._host_copy.get(host_block) is done:
-                del self._host_copy[host_block]
             self._spare.append(done)
 
     def _copy(self, device_block: int, host_block: int, to_host: bool, stream) -> None:
