@@ -21,9 +21,11 @@ def fuse_lora_update(graph: Graph, log: PassLog) -> Graph:
                 continue
             _replace(g, lora, *match)
             log.note(f"{g.name}: %{lora.name} adds to its projection in place")
+        readers = consumers(g)
         for update in [n for n in g.nodes if n.op == "lora_add"]:
             norm = g.producers().get(update.inputs[1])
-            if norm is not None and norm.op == "rms_norm" and not norm.attrs.get("offset"):
+            if norm is not None and norm.op == "rms_norm" and not norm.attrs.get("offset") and \
+                    len(readers[update.inputs[1]]) > 1:  # the norm stays for its GEMM, which takes it in
                 update.inputs = (update.inputs[0], norm.inputs[0], *update.inputs[2:], norm.inputs[1])
                 update.attrs = {"eps": norm.attrs["eps"]}
                 log.note(f"{g.name}: %{update.name} normalises %{norm.inputs[0]} itself, as %{norm.name} does")
