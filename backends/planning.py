@@ -7,6 +7,7 @@ from math import prod
 
 from pegainfer.errors import PegainferError
 from pegainfer.ir.graph import Graph, Node
+from pegainfer.ir.kernel import in_place_outputs
 
 PREFILL_QUERIES = 64  # attention takes prefill-shaped tiles when some sequence of the step brings this many queries
 
@@ -19,12 +20,14 @@ class PlanOptions:
 
 def static_layout(graph: Graph) -> dict[str, tuple[int | None, int]]:
     """value -> (row stride in elements, or None when it depends on a step size; byte offset from the start of
-    its allocation). Views keep their source's stride; a split moves the offset by the columns before it."""
+    its allocation). Views keep their source's stride; a split moves the offset by the columns before it; an
+    output written in place (lora_add into a split's part) is its source."""
     layout: dict[str, tuple[int | None, int]] = {}
     for name, t in graph.value_types().items():
         inner = t.shape[1:]
         layout[name] = (prod(inner) if all(isinstance(d, int) for d in inner) else None, 0)
     for node in graph.nodes:
+        layout |= {out: layout[source] for out, source in in_place_outputs(node).items() if source in layout}
         if node.op == "reshape":
             layout[node.outputs[0]] = layout[node.inputs[0]]
         elif node.op == "split":

@@ -349,6 +349,39 @@ def test_a_lowered_lora_model_runs_its_generated_kernels_as_the_reference_and_co
     assert compiled.keys() == todo.keys() and all(result.cubin for result in compiled.values())
 
 
+def test_an_update_written_into_a_part_of_a_merged_gemm_keeps_its_rows_stride(checkpoint_factory):
+    """DeepSeek-V2 merges q_proj with kv_a_proj_with_mqa, so q_proj's lora_add writes in place into a column
+    slice of the merged output: its kernels, and those reading q after it, take the merged rows' stride. The
+    lowered graph's Triton kernels under the interpreter against the reference interpreter, random tables."""
+    from pegainfer.backends.planning import PlanOptions
+    from pegainfer.backends.triton.execute import InterpretedExecutor, to_torch
+    from pegainfer.backends.triton.plan import plan_kernel
+    from pegainfer.frontends.checkpoint import derive_weights
+    from pegainfer.ir.graph import KERNEL
+    from pegainfer.ir.interpreter import run_graph
+    from pegainfer.passes.pipeline import lower
+    from pegainfer.runtime.batch import Chunk, Sequence, pack_step
+    from pegainfer.runtime.kv_blocks import BlockAllocator
+
+    model = load_model(checkpoint_factory("deepseek_v2_greedy"))
+    lowered, _ = lower(with_lora(model.spec.graph, LoraConfig(2, 8)))
+    rng = np.random.default_rng(0)
+    states = {}
+    for name, t in lowered.expanded_states().items():
+        shape = t.concrete({"num_blocks": 16, "block_size": 4})
+        scale = 0.5 if name.endswith("lora_scale") else 0.1 if ".lora_" in name else 0.0
+        states[name] = (rng.standard_normal(shape) * scale).astype(t.dtype.np_dtype)
+    seqs = [Sequence(i, list(range(10 * i + 3, 10 * i + 3 + n)), lora_slot=slot)
+            for i, (n, slot) in enumerate(((5, 0), (3, -1), (6, 1)))]
+    inputs = pack_step([Chunk(s, len(s.token_ids)) for s in seqs], BlockAllocator(16, 4), lora=True)
+    weights = derive_weights(lowered.derivations(), model.weights)
+    expected = run_graph(lowered, inputs, weights, {n: a.copy() for n, a in states.items()})[0]
+    specs = {(g.name, n.name): plan_kernel(g, n, PlanOptions(block_size=4)) for g in lowered.all_graphs()
+             for n in g.nodes if n.op == KERNEL}
+    got = InterpretedExecutor(lowered, specs).run(inputs, weights, {n: to_torch(a) for n, a in states.items()})[0]
+    assert np.abs(np.asarray(got, np.float32) - expected).max() < 1e-4 * np.abs(expected).max()
+
+
 def test_a_lora_graph_has_its_own_manifest_and_its_padding_rows_take_no_adapter(checkpoint_factory):
     from dataclasses import replace
 
