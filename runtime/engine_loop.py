@@ -20,6 +20,7 @@ from pegainfer.runtime.requests import EngineRequest, TokenOutput
 from pegainfer.runtime.scheduler import Scheduler
 
 Put = Callable[[TokenOutput | Exception], None]
+IDLE_POLL_S = 0.0005  # a step with nothing runnable yet waits this long (or for a request) before the next try
 
 
 @dataclass(frozen=True)
@@ -141,10 +142,13 @@ class EngineLoop:
                     inbox, self._inbox = self._inbox, []
                 for item in inbox:
                     self._apply(item)
-                began = time.monotonic()
+                began, last = time.monotonic(), self.scheduler.last_step
                 outputs = self.scheduler.step(launched=self._hand_over_held)
                 self._hand_over_held()  # a step that launched nothing
                 self._held = outputs
+                if self.scheduler.last_step is last and not outputs:  # nothing runnable yet (host blocks landing)
+                    with self._wake:
+                        self._wake.wait(IDLE_POLL_S)
                 if self._trace is not None and self.scheduler.last_step is not None:
                     self._write_trace(began, time.monotonic())
         except BaseException as error:  # noqa: BLE001  whatever broke the engine, every waiter must hear of it

@@ -7,6 +7,7 @@ blocks are reused least recently used first. The engines give the copies: the CP
 between two pools of arrays."""
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from typing import Protocol
 
@@ -80,8 +81,9 @@ class HostTier:
 
     def _victim(self) -> bytes | None:
         """The host block to reuse: the least recently used of those the device still caches too (copied down as
-        they went idle, so dropping them loses nothing yet), else the least recently used; never a pinned one (a
-        pinned block is on its way back to the device, not on it)."""
+        they went idle, or copied back, so dropping them loses nothing yet), else the least recently used; never a
+        pinned one (in a restore being planned). A copy back still reading the block comes first on the engine's
+        copy stream, before the copy down that rewrites it."""
         if self._on_device:  # a subset of the host's blocks, none pinned
             return next(iter(self._on_device))
         return next((h for h in self._block_of if h not in self.pinned), None)
@@ -136,6 +138,17 @@ class HostTier:
         if done:
             self._landing = {b: h for b, h in self._landing.items() if id(h) not in done}
         return len(done) == len(pending)
+
+
+def let_go(states: Iterable, cache: PrefixCache) -> None:
+    """The blocks waiting requests hold while their host blocks come back, released (they stay cached, and
+    `landed` still keeps a request from reading one before its copy is done): for a request that cannot fit
+    beside them, such as a preempted sequence back at the head of the queue."""
+    for state in states:
+        if state.restoring:
+            own = cache.release(state.restoring)
+            assert not own, f"blocks held while restoring are cached ones, found {own} of its own"
+            state.restoring = []
 
 
 def host_capacity(gib: float, bytes_per_block: int, available: int | None = None) -> int:

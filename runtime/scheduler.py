@@ -37,7 +37,7 @@ from pegainfer.runtime.batch import Chunk, Sequence
 from pegainfer.runtime.block_records import record_blocks
 from pegainfer.runtime.device_sampling import SampleResult
 from pegainfer.runtime.engine_api import Engine
-from pegainfer.runtime.host_tier import HostTier
+from pegainfer.runtime.host_tier import HostTier, let_go
 from pegainfer.runtime.kv_blocks import check_fits
 from pegainfer.runtime.lora import LoraSlots
 from pegainfer.runtime.prefix_cache import ROOT, PrefixCache, root_for
@@ -132,8 +132,7 @@ class Scheduler:
             self._free(state)
         else:
             self.waiting.remove(state)
-            if state.restoring:  # blocks it held while its host blocks came back
-                self.cache.release(state.restoring)
+            let_go([state], self.cache)
         self._forget(state)
         return True
 
@@ -241,6 +240,8 @@ class Scheduler:
             state = self.waiting.peek()
             count = self._admit(state, min(budget, self.config.max_num_seqs) if state.scoring else budget)
             if count == 0:
+                if self.host is not None and not state.restoring:  # it may need what others hold while restoring
+                    let_go(self.waiting, self.cache)
                 break
             self.waiting.popleft()
             self.running.append(state)
@@ -269,8 +270,7 @@ class Scheduler:
         if state.restoring:  # its host blocks on their way back: held until they land, then found cached
             if not self.host.landed(state.restoring):
                 return 0
-            self.cache.release(state.restoring)  # all cached: none its own to free
-            state.restoring = []
+            let_go([state], self.cache)
         cached_ok = self.cache is not None and not state.scoring  # a cached block has no logits to score
         limit = (len(tokens) - 1) // self.block_size  # a prompt token is left to compute, for the logits
         blocks, hashes = self.cache.lookup(tokens, limit, state.root) if cached_ok else ([], [])

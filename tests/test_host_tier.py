@@ -28,13 +28,13 @@ class LateRestores(ReferenceEngine):
     into their host block and before their device block is evicted (as a GPU's streams order them): a step
     reading a block before would see what it held before."""
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, polls: int = 3, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.pending: list[list] = []
-        self.waits = 0
+        self.waits, self.polls = 0, polls
 
     def restore_blocks(self, pairs: list[tuple[int, int]]) -> list:
-        self.pending.append(handle := [pairs, 3])
+        self.pending.append(handle := [pairs, self.polls])
         return handle
 
     def restore_done(self, handle: list) -> bool:
@@ -140,6 +140,30 @@ def test_both_tiers_under_pressure_with_aborts_give_every_request_its_own_output
     cache, allocator = scheduler.cache, scheduler.allocator
     assert allocator.num_free + cache.num_evictable == allocator.num_blocks  # device: every block free or cached
     assert host.used <= host.capacity and not host.pinned  # host: every block cached, none left pinned
+
+
+def test_a_preempted_sequence_needing_the_blocks_a_restoring_request_holds_is_not_stuck_behind_it(model):
+    """A long decode fills the pool while a request's host blocks come back slowly: the decode is preempted and
+    goes back ahead of the restoring request, and fits only once that request lets its blocks go; both finish."""
+    rng = np.random.default_rng(0)
+    prefix = rng.integers(0, 500, 16).tolist()
+    engine = LateRestores(model, max_tokens=80, block_size=BLOCK, max_seqs=4, polls=10)
+    scheduler = Scheduler(engine, frozenset(), SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256,
+                                                               max_model_len=256), host=HostTier(engine, 64, BLOCK))
+    finish(scheduler, [request("first", prefix + [1])])
+    finish(scheduler, [request("filler", rng.integers(0, 500, 76).tolist(), 2)])  # the prefix goes to the host
+    scheduler.add(request("long", rng.integers(0, 500, 24).tolist(), 48))
+    while len(scheduler._states["long"].seq.table.blocks) < 15:
+        scheduler.step()
+    scheduler.add(request("restoring", prefix + [9]))
+    made = {"long": [], "restoring": []}
+    for _ in range(200):
+        for token in scheduler.step():
+            made[token.request_id].append(token.token_id)
+        if not scheduler.has_work():
+            break
+    assert not scheduler.has_work() and scheduler.stats.preemptions > 0 and engine.waits > 0
+    assert len(made["restoring"]) == 6
 
 
 def test_a_block_is_copied_down_once_idle_and_only_settled_when_evicted():
@@ -324,15 +348,15 @@ def test_gpu_host_blocks_copy_down_and_back_on_a_side_stream(monkeypatch, layout
     calls.clear()
     blocks.settle(3)  # evicted while its copy is in flight: the next steps wait for it
     device[:] = 0
-    landed = blocks.restore([(1, 7), (0, 2)])
+    ticket = blocks.restore([(1, 7), (0, 2)])
     assert calls == [("wait", "step"), ("record", "step"), ("wait", "side"), ("record", "side"),
                      *[("copy", "side")] * 2 * per_block, ("record", "side")]
-    assert not landed.done()
+    assert not blocks.landed(ticket)
     calls.clear()
     blocks.settle(2)  # evicted before its copy back landed (its request aborted): the next steps wait for it
     assert calls == [("wait", "step")]
     Event.finished = True
-    assert landed.done()
+    assert blocks.landed(ticket)
     assert blocks.restore_seconds() == pytest.approx(2 * per_block / 1e3)  # the restores' copies, timed
     for base, size in spans:
         block = lambda i, memory: memory[base + i * size:base + (i + 1) * size]  # noqa: E731
@@ -343,4 +367,6 @@ def test_gpu_host_blocks_copy_down_and_back_on_a_side_stream(monkeypatch, layout
     calls.clear()
     blocks.settle(5)
     blocks.settle(7)
-    assert calls == []
+    assert calls == [] and blocks.landed(ticket)  # its events read, and reused by the next restore
+    Event.finished = False
+    assert not blocks.landed(blocks.restore([(0, 4)])) and blocks.landed(ticket)

@@ -286,11 +286,11 @@ class GpuEngine:
     def settle_block(self, device_block: int) -> None:
         self.host_blocks.settle(device_block)
 
-    def restore_blocks(self, pairs: list[tuple[int, int]]) -> driver.Event:
+    def restore_blocks(self, pairs: list[tuple[int, int]]) -> int:
         return self.host_blocks.restore(pairs)
 
-    def restore_done(self, handle: driver.Event) -> bool:
-        return handle.done()
+    def restore_done(self, handle: int) -> bool:
+        return self.host_blocks.landed(handle)
 
     def restore_seconds(self) -> float:
         return self.host_blocks.restore_seconds()

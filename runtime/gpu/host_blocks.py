@@ -5,6 +5,7 @@ back follows the copies down before it on that stream. The step stream waits for
 its device block is evicted (settle): a restored block is read only once the host has seen its copies land
 (`restore_done`; the scheduler admits the sequence then). The host never waits."""
 
+import itertools
 from collections import deque
 from math import prod
 
@@ -25,7 +26,9 @@ class HostBlocks:
         self._down: deque[tuple[driver.Event, int]] = deque()  # copies down in flight, in side-stream order
         self._device_copy: dict[int, driver.Event] = {}  # a device block's copy down in flight
         self._spare: list[driver.Event] = []
-        self._timing: list[tuple[driver.Event, driver.Event]] = []  # restores queued, oldest first
+        self._restores: dict[int, tuple[driver.Event, driver.Event]] = {}  # in flight by ticket, oldest first
+        self._tickets = itertools.count()
+        self._timers: list[tuple[driver.Event, driver.Event]] = []  # pairs read, to record again
         self._landing: dict[int, driver.Event] = {}  # a device block's copy back in flight
         self.seconds = 0.0
 
@@ -56,26 +59,33 @@ class HostBlocks:
             if done is not None:
                 done.wait(self.stream)
 
-    def restore(self, pairs: list[tuple[int, int]]) -> driver.Event:
+    def restore(self, pairs: list[tuple[int, int]]) -> int:
         """(host block, device block) pairs copied back on the side stream, after the steps queued so far and the
-        copies down before; returns the event that marks them landed (timed: read once it has passed)."""
+        copies down before; returns a ticket for `landed`. Timed by events, reused once read."""
         self._after_steps.record(self.stream)
         self._after_steps.wait(self.side)
-        start, end = driver.Event(), driver.Event()
+        start, end = self._timers.pop() if self._timers else (driver.Event(), driver.Event())
         start.record(self.side)
         for host_block, device_block in pairs:
             self._copy(device_block, host_block, to_host=False, stream=self.side)
         end.record(self.side)
-        self._timing.append((start, end))
+        self._restores[ticket := next(self._tickets)] = start, end
         self._landing |= dict.fromkeys((device for _, device in pairs), end)
-        return end
+        return ticket
+
+    def landed(self, ticket: int) -> bool:
+        timers = self._restores.get(ticket)
+        return timers is None or timers[1].done()
 
     def restore_seconds(self) -> float:
-        """The copies back's time so far, of those finished."""
-        while self._timing and self._timing[0][1].done():
-            start, end = self._timing.pop(0)
+        """The copies back's time so far, of those finished (their tickets forgotten: landed)."""
+        for ticket, (start, end) in list(self._restores.items()):
+            if not end.done():
+                break
+            del self._restores[ticket]
             self.seconds += end.seconds_since(start)
             self._landing = {block: e for block, e in self._landing.items() if e is not end}
+            self._timers.append((start, end))
         return self.seconds
 
     def _reap(self) -> None:

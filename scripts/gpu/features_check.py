@@ -150,6 +150,10 @@ def check_lora_gate(results: dict) -> None:
     results["lora_graphs"] = sorted(map(str, engine.graphs))
     results["lora_gate_peft_bf16_vs_float32"] = check.gate_stats(
         forced_rows(tuned_hf[torch.float32], prompts, adapted), adapted_rows)
+    results["lora_gate_ok"] = all(  # ../shared/DESIGN.md's bounds: regret max, mean and p99 |delta logprob|
+        stats["argmax_regret_max"] <= 0.2 and stats["mean_abs_dlogprob_top8"] <= 0.06 and
+        stats["p99_abs_dlogprob_top8"] <= 0.2 for key, stats in results.items()
+        if key.startswith("lora_gate_") and key != "lora_gate_peft_bf16_vs_float32")
 
 
 def gpu_check():
