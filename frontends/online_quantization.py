@@ -21,8 +21,8 @@ ROWS_PER_TASK = 256  # rows a thread quantizes at a time: 2.5 MB of float32 for 
 def quantize_rows(weight: np.ndarray, workers: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(e4m3 values, float32 scales [rows, 1]) of a float weight: each row divided by its largest magnitude / FP8_MAX
     and rounded to nearest even (a quotient past FP8_MAX by a rounding rounds back to it); an all-zero row's scale 1.
-    Blocks of rows in `workers` threads (default: every core this process may use; NumPy lets go of the GIL), so that quantizing at load
-    keeps up with the upload."""
+    Blocks of rows in `workers` threads (default: every core this process may use; NumPy lets go of the GIL), so
+    that quantizing at load keeps up with the upload."""
     values = np.empty(weight.shape, F8E4M3.np_dtype)
     scale = np.empty((weight.shape[0], 1), np.float32)
 

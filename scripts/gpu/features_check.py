@@ -1,9 +1,9 @@
-"""LoRA adapters, n-gram speculation and the host KV tier on the GPU engine, on a small random Qwen3 (bf16): rows of
-an adapter and of the base model batched in one engine (prefill, then decode through CUDA graphs) against the CPU
-engine, and teacher-forced against PEFT in bf16 on the card (the golden gate's statistics); greedy decoding with n-gram drafts verified in eager steps and in CUDA graphs, and with a draft model equal to the
-target on a GPU engine of its own, against decoding without them; a
-prefix evicted from a small KV pool and restored from pinned host blocks against a cold run. Prints a table last; every number also goes
-to $OUT/features.json.
+"""LoRA adapters, n-gram speculation and the host KV tier on the GPU engine, on a small random Qwen3 (bf16): rows of an
+adapter and of the base model batched in one engine (prefill, then decode through CUDA graphs) against the CPU
+engine, and teacher-forced against PEFT in bf16 on the card (the golden gate's statistics); greedy decoding with
+n-gram drafts verified in eager steps and in CUDA graphs, and with a draft model equal to the target on a GPU engine
+of its own, against decoding without them; a prefix evicted from a small KV pool and restored from pinned host blocks
+against a cold run. Prints a table last; every number also goes to $OUT/features.json.
 
 On this (CPU) machine, once:  .venv/bin/python scripts/gpu/features_check.py prepare
   (the checkpoint in .gpu/feat_small, a PEFT adapter in .gpu/feat_adapter, the base and LoRA manifests in
