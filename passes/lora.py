@@ -21,9 +21,9 @@ def fuse_lora_update(graph: Graph, log: PassLog) -> Graph:
                 continue
             _replace(g, lora, *match)
             log.note(f"{g.name}: %{lora.name} adds to its projection in place")
-        readers = consumers(g)
+        readers, producers = consumers(g), g.producers()
         for update in [n for n in g.nodes if n.op == "lora_add"]:
-            norm = g.producers().get(update.inputs[1])
+            norm = producers.get(update.inputs[1])
             if norm is not None and norm.op == "rms_norm" and not norm.attrs.get("offset") and \
                     len(readers[update.inputs[1]]) > 1:  # the norm stays for its GEMM, which takes it in
                 update.inputs = (update.inputs[0], norm.inputs[0], *update.inputs[2:], norm.inputs[1])
@@ -66,7 +66,7 @@ def _addend(g: Graph, add: Node | None, part: str, readers) -> str | None:
 def _replace(g: Graph, lora: Node, base: str, removed: list[Node], base_split: Node | None) -> None:
     adds = [n for n in removed if n.op == "add"]
     inputs = (base, *lora.inputs)
-    types = g.value_types() | {out: t for n in g.nodes for out, t in zip(n.outputs, n.output_types)}
+    types = g.value_types()
     if base_split is None:
         (add,) = adds
         fused = [Node("lora_add", inputs, add.outputs, add.output_types, {})]

@@ -54,6 +54,7 @@ class HostTier:
         self.pinned: set[bytes] = set()  # blocks about to be restored: never the ones a copy-down replaces
         self._on_device: OrderedDict[bytes, None] = OrderedDict()  # host blocks the device caches too, LRU first
         self._landing: dict[int, object] = {}  # device block -> the handle of its copy back in flight
+        self.holders: list = []  # waiting requests holding blocks while their host blocks come back
 
     @property
     def used(self) -> int:
@@ -129,6 +130,23 @@ class HostTier:
         self.restore_seconds = self.engine.restore_seconds()
         return table.blocks
 
+    def hold(self, state, blocks: list[int]) -> None:
+        """A waiting request holds these cached blocks while its host blocks come back into some of them."""
+        state.restoring = blocks
+        self.holders.append(state)
+
+    def let_go(self, cache: PrefixCache, states: Iterable | None = None) -> None:
+        """The blocks `states` (by default every holder) hold while their host blocks come back, released: they
+        stay cached, and `landed` still keeps a request from reading one before its copy is done. For a request
+        admitted once they landed, one aborted, or one that cannot fit beside them (a preempted sequence back at
+        the head of the queue)."""
+        for state in list(self.holders if states is None else states):
+            if state.restoring:
+                own = cache.release(state.restoring)
+                assert not own, f"blocks held while restoring are cached ones, found {own} of its own"
+                state.restoring = []
+                self.holders.remove(state)
+
     def landed(self, blocks: Seq[int]) -> bool:
         """Whether every copy back into these device blocks has finished."""
         if not self._landing:
@@ -138,17 +156,6 @@ class HostTier:
         if done:
             self._landing = {b: h for b, h in self._landing.items() if id(h) not in done}
         return len(done) == len(pending)
-
-
-def let_go(states: Iterable, cache: PrefixCache) -> None:
-    """The blocks waiting requests hold while their host blocks come back, released (they stay cached, and
-    `landed` still keeps a request from reading one before its copy is done): for a request that cannot fit
-    beside them, such as a preempted sequence back at the head of the queue."""
-    for state in states:
-        if state.restoring:
-            own = cache.release(state.restoring)
-            assert not own, f"blocks held while restoring are cached ones, found {own} of its own"
-            state.restoring = []
 
 
 def host_capacity(gib: float, bytes_per_block: int, available: int | None = None) -> int:

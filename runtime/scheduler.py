@@ -37,7 +37,7 @@ from pegainfer.runtime.batch import Chunk, Sequence
 from pegainfer.runtime.block_records import record_blocks
 from pegainfer.runtime.device_sampling import SampleResult
 from pegainfer.runtime.engine_api import Engine
-from pegainfer.runtime.host_tier import HostTier, let_go
+from pegainfer.runtime.host_tier import HostTier
 from pegainfer.runtime.kv_blocks import check_fits
 from pegainfer.runtime.lora import LoraSlots
 from pegainfer.runtime.prefix_cache import ROOT, PrefixCache, root_for
@@ -76,8 +76,7 @@ class Scheduler:
         if config.max_num_batched_tokens < config.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be at least max_num_seqs "
                              f"({config.max_num_seqs}): every running sequence's decode token must fit in a step")
-        self.engine, self.eos_ids, self.config = engine, eos_ids, config
-        self.allocator = engine.allocator
+        self.engine, self.eos_ids, self.config, self.allocator = engine, eos_ids, config, engine.allocator
         slots = self.allocator.state_slots
         if slots and config.max_num_seqs > slots:
             raise ValueError(f"max_num_seqs ({config.max_num_seqs}) must be at most the engine's state slots "
@@ -132,7 +131,8 @@ class Scheduler:
             self._free(state)
         else:
             self.waiting.remove(state)
-            let_go([state], self.cache)
+            if state.restoring:  # blocks it held while its host blocks came back
+                self.host.let_go(self.cache, [state])
         self._forget(state)
         return True
 
@@ -241,7 +241,7 @@ class Scheduler:
             count = self._admit(state, min(budget, self.config.max_num_seqs) if state.scoring else budget)
             if count == 0:
                 if self.host is not None and not state.restoring:  # it may need what others hold while restoring
-                    let_go(self.waiting, self.cache)
+                    self.host.let_go(self.cache)
                 break
             self.waiting.popleft()
             self.running.append(state)
@@ -270,7 +270,7 @@ class Scheduler:
         if state.restoring:  # its host blocks on their way back: held until they land, then found cached
             if not self.host.landed(state.restoring):
                 return 0
-            let_go([state], self.cache)
+            self.host.let_go(self.cache, [state])
         cached_ok = self.cache is not None and not state.scoring  # a cached block has no logits to score
         limit = (len(tokens) - 1) // self.block_size  # a prompt token is left to compute, for the logits
         blocks, hashes = self.cache.lookup(tokens, limit, state.root) if cached_ok else ([], [])
@@ -285,7 +285,7 @@ class Scheduler:
             return 0
         if restored:
             self.cache.acquire(blocks)
-            state.restoring = blocks + self.host.bring_back(restored, self.cache, self.allocator, self._reserved)
+            self.host.hold(state, blocks + self.host.bring_back(restored, self.cache, self.allocator, self._reserved))
             return self._admit(state, budget)  # at once where the copies are done (the CPU engine's)
         if not self._take_adapter(state):
             return 0
