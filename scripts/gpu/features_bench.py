@@ -85,7 +85,7 @@ def random_adapter(name: str, graph, rng):
 
 def bench_lora(results: dict) -> None:
     from pegainfer.frontends.lora import LoraConfig, with_lora
-    from pegainfer.runtime.bench import bench_model
+    from pegainfer.runtime.bench import bench_model, kernel_breakdown
     from pegainfer.runtime.lora import LoraSlots
 
     model = bench_model(MODEL)
@@ -94,6 +94,8 @@ def bench_lora(results: dict) -> None:
     base = engine(model)
     for batch, rows in prompts.items():
         results[f"lora_b{batch}_base_ms"] = round(decode_step_ms(scheduler(base), rows, [None] * batch), 3)
+        results[f"lora_b{batch}_base_device_ms"] = round(replay_ms(base, batch, frozenset()), 3)
+    results["lora_breakdown_base_us"] = top_kinds(kernel_breakdown(base, 128))
     del base
     config = LoraConfig(LORA_SLOTS, LORA_RANK)
     tuned = engine(replace(model, spec=replace(model.spec, graph=with_lora(model.spec.graph, config))))
@@ -105,6 +107,31 @@ def bench_lora(results: dict) -> None:
             names = [None if distinct == 0 else f"a{i % distinct}" for i in range(batch)]
             ms = decode_step_ms(scheduler(tuned, lora=slots), rows, names)
             results[f"lora_b{batch}_{distinct}_adapters_ms"] = round(ms, 3)
+            skip = frozenset() if distinct else frozenset({"lora_add"})
+            results[f"lora_b{batch}_{distinct}_adapters_device_ms"] = round(replay_ms(tuned, batch, skip), 3)
+    results["lora_breakdown_0_adapters_us"] = top_kinds(kernel_breakdown(tuned, 128))
+
+
+def replay_ms(gpu, batch: int, skip: frozenset[str], repeats: int = 20) -> float:
+    """The device's own time of the decode graph a batch replays (the host's work left out), from CUDA events
+    around back-to-back replays: what decode_step_ms adds beside it is the host's."""
+    from pegainfer.runtime.cuda import driver
+    from pegainfer.runtime.gpu.engine import bucket_for
+
+    graphs, _ = gpu.graphs[(bucket_for(batch, gpu.buckets), 1, False, skip)]
+    start, end = driver.Event(), driver.Event()
+    start.record(gpu.ctx.stream)
+    for _ in range(repeats):
+        for graph in graphs:
+            graph.replay()
+    end.record(gpu.ctx.stream)
+    gpu.ctx.synchronize()
+    return end.seconds_since(start) * 1e3 / repeats
+
+
+def top_kinds(totals: dict[str, float], count: int = 10) -> dict[str, float]:
+    """The launch kinds of a batch-1 eager step (bench.kernel_breakdown) taking the most microseconds."""
+    return {name: round(us, 1) for name, us in list(totals.items())[:count]}
 
 
 class OracleProposer:
