@@ -10,8 +10,9 @@ update summed by the all-reduce that follows); an adapter's rows are built whole
 import copy
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from safetensors.numpy import load_file
@@ -21,6 +22,9 @@ from pegainfer.ir.dtypes import FP32, INT32
 from pegainfer.ir.graph import REPEAT, Graph, Node, Shard, instantiate
 from pegainfer.ir.step import LORA_SLOTS
 from pegainfer.ir.types import TensorType
+
+if TYPE_CHECKING:
+    from pegainfer.frontends.load import LoadedModel
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 TABLES = ("lora_A", "lora_B", "lora_scale")
@@ -43,6 +47,11 @@ class Adapter:
     scale: float
     modules: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     rows: dict[str, np.ndarray] | None = None  # its rows of the tables, once built (read_adapter builds them)
+
+
+def lora_model(model: "LoadedModel", config: LoraConfig) -> "LoadedModel":
+    """The model over its graph with LoRA tables (with_lora): what a GPU engine runs and takes its manifest by."""
+    return replace(model, spec=replace(model.spec, graph=with_lora(model.spec.graph, config)))
 
 
 def with_lora(graph: Graph, config: LoraConfig) -> Graph:

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from pegainfer.frontends.load import LoadedModel, load_model
-from pegainfer.frontends.lora import rank_rows, with_lora
+from pegainfer.frontends.lora import lora_model, rank_rows, with_lora
 from pegainfer.ir.graph import Graph
 from pegainfer.ir.ranks import bound_rank
 from pegainfer.runtime.rank_workers import RankProcesses, RankSpec, start_ranks
@@ -80,7 +80,7 @@ def rank_graph(spec: RankSpec, model: LoadedModel) -> Graph:
 
 def rank_model(spec: RankSpec, model: LoadedModel) -> LoadedModel:
     """The model a rank's GPU engine runs (and takes its manifest by): rank_graph's graph over its weights."""
-    return replace(model, spec=replace(model.spec, graph=rank_graph(spec, model))) if spec.lora else model
+    return lora_model(model, spec.lora) if spec.lora is not None else model
 
 
 def load_rank_model(spec: RankSpec, rank: int, lazy: bool = False) -> LoadedModel:

@@ -2,7 +2,6 @@
 the CPU, the compiled kernels on the GPU, or rank 0 of a model sharded over processes."""
 
 import argparse
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -107,11 +106,11 @@ def build_engine(model: "LoadedModel", device: str, args: argparse.Namespace, ma
                                max_seqs=args.max_num_seqs,
                                state_snapshots=state_snapshots(args), spare_states=spare_states(args),
                                graph=with_lora(model.spec.graph, lora) if lora else None)
-    from pegainfer.frontends.lora import with_lora
+    from pegainfer.frontends.lora import lora_model
     from pegainfer.runtime.gpu.start import gpu_engine
 
     if lora is not None:  # its own manifest: the kernels of the LoRA'd graph (backends/cache.py model_id)
-        model = replace(model, spec=replace(model.spec, graph=with_lora(model.spec.graph, lora)))
+        model = lora_model(model, lora)
     options = gpu_options(args, model, max_model_len, step_tokens)
     return gpu_engine(model, options, args.cache_dir)  # without --kv-cache-tokens: the KV cache fills the utilization
 

@@ -15,7 +15,7 @@ import transformers
 from drain import drain
 from pegainfer.errors import CheckpointError, ConfigError
 from pegainfer.frontends.load import load_model
-from pegainfer.frontends.lora import LoraConfig, read_adapter, with_lora
+from pegainfer.frontends.lora import LoraConfig, lora_model, read_adapter, with_lora
 from pegainfer.runtime.lora import LoraSlots
 from pegainfer.runtime.reference_engine import ReferenceEngine
 from pegainfer.runtime.requests import EngineRequest
@@ -383,18 +383,17 @@ def test_an_update_written_into_a_part_of_a_merged_gemm_keeps_its_rows_stride(ch
 
 
 def test_a_lora_graph_has_its_own_manifest_and_its_padding_rows_take_no_adapter(checkpoint_factory):
-    from dataclasses import replace
-
     from pegainfer.backends.cache import model_id
-    from pegainfer.frontends.load import load_spec
     from pegainfer.ir.step import LORA_SLOTS
     from pegainfer.runtime.batch import Chunk, Sequence, pack_step
     from pegainfer.runtime.gpu.step_padding import pad_decode_step
     from pegainfer.runtime.kv_blocks import BlockAllocator
 
-    spec = load_spec(checkpoint_factory("tiny_tied") / "config.json")
-    plain, tuned = model_id(spec), model_id(replace(spec, graph=with_lora(spec.graph, LoraConfig(4, 32))))
+    model = load_model(checkpoint_factory("tiny_tied"), lazy=True)
+    spec = model.spec
+    plain, tuned = model_id(spec), model_id(lora_model(model, LoraConfig(4, 32)).spec)
     assert tuned.endswith("-lora4x32") and tuned.split("-")[1] != plain.split("-")[1]
+    assert lora_model(model, LoraConfig(4, 32)).weights is model.weights  # the same weights under the new graph
     seqs = [Sequence(i, [5, 6], lora_slot=slot) for i, slot in enumerate((2, -1, 0))]
     step = pack_step([Chunk(s, 1) for s in seqs], BlockAllocator(8, 4), lora=True)
     assert list(pad_decode_step(step, 8)[LORA_SLOTS]) == [2, -1, 0, -1, -1, -1, -1, -1]

@@ -23,7 +23,6 @@ import json
 import os
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -84,7 +83,7 @@ def random_adapter(name: str, graph, rng):
 
 
 def bench_lora(results: dict) -> None:
-    from pegainfer.frontends.lora import LoraConfig, with_lora
+    from pegainfer.frontends.lora import LoraConfig, lora_model
     from pegainfer.runtime.bench import bench_model, kernel_breakdown
     from pegainfer.runtime.lora import LoraSlots
 
@@ -98,7 +97,7 @@ def bench_lora(results: dict) -> None:
     results["lora_breakdown_base_us"] = top_kinds(kernel_breakdown(base, 128))
     del base
     config = LoraConfig(LORA_SLOTS, LORA_RANK)
-    tuned = engine(replace(model, spec=replace(model.spec, graph=with_lora(model.spec.graph, config))))
+    tuned = engine(lora_model(model, config))
     slots = LoraSlots(tuned.graph, config, tuned.write_lora)
     for i in range(LORA_SLOTS):
         slots.register(random_adapter(f"a{i}", tuned.graph, rng))

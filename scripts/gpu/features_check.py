@@ -91,7 +91,7 @@ def compare(found: dict, expected: dict) -> dict:
 
 def check_lora(results: dict) -> None:
     from pegainfer.frontends.load import load_model
-    from pegainfer.frontends.lora import LoraConfig, read_adapter, with_lora
+    from pegainfer.frontends.lora import LoraConfig, lora_model, read_adapter
     from pegainfer.runtime.gpu.engine import EngineOptions
     from pegainfer.runtime.gpu.start import gpu_engine
     from pegainfer.runtime.lora import LoraSlots
@@ -99,7 +99,7 @@ def check_lora(results: dict) -> None:
 
     model = load_model(SMALL, lazy=True, device="cuda")
     config = LoraConfig(*LORA)
-    tuned = replace(model, spec=replace(model.spec, graph=with_lora(model.spec.graph, config)))
+    tuned = lora_model(model, config)
     rng = np.random.default_rng(0)
     shared = rng.integers(3, 900, 40).tolist()
     work = [(shared, "a"), (rng.integers(3, 900, 17).tolist(), None), (rng.integers(3, 900, 29).tolist(), "a"),
@@ -127,7 +127,7 @@ def check_lora_gate(results: dict) -> None:
     from peft import PeftModel
 
     from pegainfer.frontends.load import load_model
-    from pegainfer.frontends.lora import LoraConfig, adapter_rows, read_adapter, with_lora
+    from pegainfer.frontends.lora import LoraConfig, adapter_rows, lora_model, read_adapter
     from pegainfer.runtime.gpu.engine import EngineOptions
     from pegainfer.runtime.gpu.start import gpu_engine
 
@@ -141,7 +141,7 @@ def check_lora_gate(results: dict) -> None:
         based, based_rows = check.hf_greedy(tuned_hf[torch.bfloat16], prompts, 16)
     model = load_model(SMALL, lazy=True, device="cuda")
     config = LoraConfig(*LORA)
-    tuned = replace(model, spec=replace(model.spec, graph=with_lora(model.spec.graph, config)))
+    tuned = lora_model(model, config)
     engine = gpu_engine(tuned, EngineOptions(max_tokens=512, max_batch=8, max_model_len=512, kv_tokens=8192))
     engine.write_lora(0, adapter_rows(read_adapter("a", ADAPTER, engine.graph, config), engine.graph))
     ours = check.teacher_forced(engine, prompts * 2, adapted + based, [0] * len(prompts) + [-1] * len(prompts))
