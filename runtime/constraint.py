@@ -113,6 +113,20 @@ def unpack_mask(words: np.ndarray, vocab_size: int) -> np.ndarray:
     return bits[:vocab_size].astype(bool)
 
 
+def fill_bitmasks(constraints: list[TokenConstraint | None], vocab_size: int) -> None:
+    """Fills ahead, together, the bitmasks of the grammars that can fill several at once (their type's
+    `fill_together`: xgrammar's batch fill on several threads); each one's `bitmask` then returns its row."""
+    groups: dict = {}
+    for constraint in constraints:
+        for part in (constraint.parts if isinstance(constraint, Chain) else (constraint,)):
+            together = getattr(type(part), "fill_together", None)
+            if together is not None:
+                groups.setdefault(together, []).append(part)
+    for together, parts in groups.items():
+        if len(parts) > 1:
+            together(parts, vocab_size)
+
+
 def bitmask_of(constraint: TokenConstraint, vocab_size: int) -> np.ndarray | None:
     """The next token's allowed ids as int32 words where the constraint knows them before the logits (a grammar:
     the sampler tail then draws the row under them on the device); None where every id is allowed."""

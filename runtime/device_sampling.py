@@ -14,7 +14,7 @@ from pegainfer.ir.registry import get_op
 from pegainfer.ir.step import (PENALTY_COUNT, PENALTY_IDS, PENALTY_START, PENALTY_TERMS, SAMPLER_OUTPUTS,
                                SAMPLING_INPUTS, TOKEN_BITMASK, TOKEN_MASK_INDEX)
 from pegainfer.runtime.constraint import (TokenConstraint, accept, adjusts, bitmask_of, draw_constrained,
-                                          has_grammar, penalty_state, unpack_mask)
+                                          fill_bitmasks, has_grammar, penalty_state, unpack_mask)
 from pegainfer.runtime.sampler import SamplingParams
 
 _INT32_MAX = 2 ** 31 - 1
@@ -90,6 +90,10 @@ def device_masks(constraints: list[TokenConstraint | None] | None, vocab_size: i
     """Row -> the grammar bitmask its constraint gives before the step (drawn under it in the sampler tail); rows
     whose grammar fails or allows nothing are left to the host's draw, which copes with both."""
     masks = {}
+    try:
+        fill_bitmasks([c for c in constraints or [] if c is not None], vocab_size)
+    except Exception as error:  # noqa: BLE001  whatever the grammar library raised: each row fills its own below
+        LOG.warning("filling the grammar masks together failed (%s): each is filled alone", error)
     for row, constraint in enumerate(constraints or []):
         if constraint is None:
             continue

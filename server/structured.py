@@ -9,6 +9,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -192,6 +193,14 @@ def _compile(compiler: Any, spec: GrammarSpec) -> Any:
     return compiler.compile_grammar(spec.source)
 
 
+@lru_cache(maxsize=1)
+def batch_matcher() -> Any:
+    """xgrammar's batch matcher, on half the machine's hardware threads (its default), made once."""
+    import xgrammar
+
+    return xgrammar.BatchGrammarMatcher()
+
+
 def _regex_literal(text: str) -> str:
     """`text` as a regex matching exactly it."""
     return "".join("\\" + c if c in r".^$*+?{}[]\|()" else c for c in text)
@@ -208,7 +217,21 @@ class GrammarConstraint:
         self.matcher, self._xgrammar, self.banned, self.stops = matcher, xgrammar, banned, stops or []
         self._bitmask = None
         self._banned_words: np.ndarray | None = None
+        self._filled: np.ndarray | None = None  # the next token's words, filled with others' (fill_together)
         self.broken = False
+
+    @staticmethod
+    def fill_together(grammars: list["GrammarConstraint"], vocab_size: int) -> None:
+        """The next token's bitmasks of several grammars in one call of xgrammar's batch fill, on its threads:
+        a step's rows at once instead of one after another (each takes 0.1-0.3 ms on a 150k vocabulary)."""
+        live = [g for g in grammars if not g.broken and not g.matcher.is_terminated()]
+        if len(live) < 2:
+            return
+        bitmask = live[0]._xgrammar.allocate_token_bitmask(len(live), vocab_size)
+        batch_matcher().batch_fill_next_token_bitmask([g.matcher for g in live], bitmask)
+        words = bitmask.numpy().astype(np.int32, copy=True)
+        for grammar, row in zip(live, words):
+            grammar._filled = row
 
     def allowed(self, vocab_size: int) -> np.ndarray:
         words = self.bitmask(vocab_size)
@@ -223,14 +246,18 @@ class GrammarConstraint:
             mask = np.zeros(vocab_size, dtype=bool)
             mask[[s for s in self.stops if s < vocab_size]] = True
             return pack_mask(mask)
-        if self._bitmask is None:
-            self._bitmask = self._xgrammar.allocate_token_bitmask(1, vocab_size)
-            self._banned_words = None if self.banned is None else pack_mask(~self.banned)
-        self.matcher.fill_next_token_bitmask(self._bitmask)
-        words = self._bitmask.numpy()[0].astype(np.int32, copy=True)
+        if self._banned_words is None and self.banned is not None:
+            self._banned_words = pack_mask(~self.banned)
+        words, self._filled = self._filled, None
+        if words is None:
+            if self._bitmask is None:
+                self._bitmask = self._xgrammar.allocate_token_bitmask(1, vocab_size)
+            self.matcher.fill_next_token_bitmask(self._bitmask)
+            words = self._bitmask.numpy()[0].astype(np.int32, copy=True)
         return words if self._banned_words is None else words & self._banned_words
 
     def accept(self, token: int) -> None:
+        self._filled = None  # a mask filled ahead is the state before this token's
         if not self.broken and not self.matcher.is_terminated() and not self.matcher.accept_token(token):
             self.broken = True  # xgrammar disagreeing with its own mask: the rest of the output goes free
 

@@ -196,3 +196,40 @@ def test_grammar_cache_compiles_a_schema_once(tmp_path: Path):
     assert len(grammars._cache) == 1 and first() is not second()
     mask = first().allowed(grammars.vocab_size)
     assert mask.shape == (grammars.vocab_size,) and 0 < mask.sum() < mask.size
+
+
+def test_masks_filled_together_equal_each_filled_alone_and_follow_each_accepted_token(tmp_path: Path):
+    from pegainfer.fixtures.checkpoint import make_checkpoint
+    from pegainfer.runtime.constraint import Chain, PenaltyState, bitmask_of
+    from pegainfer.runtime.device_sampling import device_masks
+    from pegainfer.ir.ops.penalties import Penalties
+    from pegainfer.runtime.tokenizer import load_tokenizer
+    from pegainfer.server.structured import GrammarSpec, Grammars
+
+    checkpoint = make_checkpoint(tmp_path / "c", seed=2)
+    tokenizer = load_tokenizer(checkpoint)
+    grammars = Grammars(tokenizer, json.loads((checkpoint / "config.json").read_text())["vocab_size"])
+    vocab = grammars.vocab_size
+    schema, choice = (grammars.constraint_factory(GrammarSpec("json", json.dumps(SCHEMA), "response_format")),
+                      grammars.constraint_factory(GrammarSpec("choice", json.dumps(["yes", "no"]), "x")))
+    together = [schema(), schema(), choice(), None, schema()]
+    alone = [schema(), schema(), choice(), None, schema()]
+    penalties = Penalties(presence=0.5)
+    together[4] = Chain(together[4], PenaltyState(penalties, [1, 2], vocab, []))
+    alone[4] = Chain(alone[4], PenaltyState(penalties, [1, 2], vocab, []))
+    prefixes = [tokenizer.encode('{"name": "'), tokenizer.encode("{"), [], [], tokenizer.encode('{"name": "a", "age"')]
+    for row, prefix in enumerate(prefixes):
+        for token in prefix:
+            for constraints in (together, alone):
+                constraints[row].accept(token)
+    for step in range(3):
+        masks = device_masks(together, vocab)
+        expected = {row: bitmask_of(c, vocab) for row, c in enumerate(alone) if c is not None}
+        assert sorted(masks) == [0, 1, 2, 4]
+        for row, words in masks.items():
+            np.testing.assert_array_equal(words, expected[row])
+        assert len({words.tobytes() for words in masks.values()}) > 1  # the rows are in different states
+        for row, words in masks.items():  # each row takes its lowest allowed id: the next masks must follow it
+            token = int(np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little"))[0])
+            together[row].accept(token)
+            alone[row].accept(token)
