@@ -151,7 +151,10 @@ class LazyWeights(Mapping[str, np.ndarray]):
 
     def span(self, name: str) -> FileSpan | None:
         """Where the tensor's bytes lie in its file, when they are stored as the graph wants them (an uploader
-        then reads them straight into pinned memory); None when they need a cast."""
+        then reads them straight into pinned memory); None when they need a cast or are not in the files (a
+        default filled in: an FP8 cache's scales)."""
+        if name in self.filled:
+            return None
         info = self.tensors[name]
         if name in self.shards or info.offset < 0 or info.dtype not in (*FLOAT_DTYPES, *FP8_DTYPES) or \
                 dtype_from_name(info.dtype) != self.expected[name].dtype:

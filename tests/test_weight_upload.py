@@ -61,6 +61,16 @@ def test_every_param_lands_whole_through_a_small_ring(tiny_checkpoint, lazy):
     check_every_param(model, graph, device, addresses)
 
 
+@pytest.mark.parametrize("quantization", [None, "fp8"], ids=["bf16 weights", "fp8 weights"])
+def test_kv_cache_scales_the_checkpoint_lacks_are_uploaded_with_their_defaults(tiny_checkpoint, quantization):
+    model = load_model(tiny_checkpoint, lazy=True, quantization=quantization, kv_cache_dtype="fp8")
+    graph, _ = lower(model.spec.graph)
+    filled = [name for name in graph.expanded_params() if name.endswith(("k_scale", "v_scale"))]
+    assert filled, "an FP8 cache reads a K and a V scale a layer"
+    device, addresses, _ = run_upload(model, graph, model.weights, chunk=1000, buffers=3)
+    check_every_param(model, graph, device, addresses)
+
+
 class CastOnLoad(Mapping):
     """Lazy weights with no file spans (each would need a cast): every tensor goes through an ArraySource."""
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# On the GPU machine (carry .gpu/src and .gpu/cache_qwen3_fp8, after scripts/gpu/prepare_sweeps.sh here): issue 38's
-# FP8 rows on the Qwen3-4B shape: `bench decode` with FP8 weights and with bf16 beside them, FP8 prefill TTFT
+# On the GPU machine (carry .gpu/src, .gpu/wheels and .gpu/cache_qwen3_fp8, after scripts/gpu/prepare_sweeps.sh
+# here): issue 38's FP8 rows on the Qwen3-4B shape: `bench decode` with FP8 weights and with bf16 beside them, FP8 prefill TTFT
 # 1k/4k/8k, decode with FP8 weights and an FP8 KV cache, then a server with both started and asked one completion.
 # A part that hangs is stopped by SIGABRT, whose faulthandler traceback (every thread) lands in its log.
 #   PEGAINFER_CACHE=$PWD/.gpu/cache_qwen3_fp8 bash scripts/gpu/fp8_rows.sh
@@ -8,6 +8,8 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PEGAINFER_SRC=${PEGAINFER_SRC:-$PWD/.gpu/src}
 . scripts/gpu/env.sh
+python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .gpu/wheels/*.whl || exit 1
+export PYTHONPATH=$PYTHONPATH:/tmp/site  # the server's HTTP stack
 bench() { timeout -s ABRT "$1" python3 -X faulthandler -m pegainfer.cli bench "${@:2}" 2>&1 | grep -v "loading weights"; }
 bench 120 decode qwen3-4b --quantization fp8 --kv-cache-dtype fp8 --batch 1,64 --context 128 | tee "$OUT/fp8kv_decode.txt"
 serve_fp8kv() {  # a server with both, asked one completion once ready (or its exit noted)

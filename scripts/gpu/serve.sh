@@ -27,15 +27,17 @@ MODEL_CONFIG=${MODEL_CONFIG:-qwen3-4b}; LABEL=${LABEL:-$MODEL_CONFIG}
 keep_work "/tmp/serve_$LABEL" "serve_$LABEL.tgz"
 CONC=${CONC:-"1 8 32 64 128"}; INPUT_LEN=${INPUT_LEN:-1024}; OUTPUT_LEN=${OUTPUT_LEN:-128}
 MODEL=/tmp/$MODEL_CONFIG-random
-ready() {  # waits for $1/health, up to 10 minutes
-    python3 - "$1" <<'PY'
-import sys, time, httpx
+ready() {  # waits for $1/health, up to 10 minutes, while the server ($pid) lives: one that exits fails at once
+    python3 - "$1" "$pid" <<'PY'
+import os, sys, time, httpx
 for _ in range(1200):
     try:
         if httpx.get(sys.argv[1] + "/health", timeout=2).status_code == 200:
             sys.exit(0)
     except httpx.TransportError:
         pass
+    if not os.path.exists(f"/proc/{sys.argv[2]}"):
+        sys.exit(1)
     time.sleep(0.5)
 sys.exit(1)
 PY

@@ -95,14 +95,16 @@ PY
         python3 -m pegainfer.cli serve --model-path /tmp/qwen3-4b-bpe --device cuda --port 8000 \
             --served-model-name qwen3-4b --trace-steps "$OUT/structured_trace.jsonl" >"$OUT/structured_serve.log" 2>&1 &
         pid=$!
-        python3 - <<'PY' || { tail -30 "$OUT/structured_serve.log"; kill $pid; continue; }
-import sys, time, httpx
+        python3 - "$pid" <<'PY' || { tail -30 "$OUT/structured_serve.log"; kill $pid; continue; }
+import os, sys, time, httpx
 for _ in range(1200):
     try:
         if httpx.get("http://127.0.0.1:8000/health", timeout=2).status_code == 200:
             sys.exit(0)
     except httpx.TransportError:
         pass
+    if not os.path.exists(f"/proc/{sys.argv[1]}"):  # the server exited: no use waiting
+        sys.exit(1)
     time.sleep(0.5)
 sys.exit(1)
 PY
