@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine (carry .gpu/src, .gpu/wheels and .gpu/cache_qwen3_fp8, after scripts/gpu/prepare_sweeps.sh
-# here): issue 38's FP8 rows on the Qwen3-4B shape: `bench decode` with FP8 weights and with bf16 beside them, FP8 prefill TTFT
-# 1k/4k/8k, decode with FP8 weights and an FP8 KV cache, then a server with both started and asked one completion.
-# A part that hangs is stopped by SIGABRT, whose faulthandler traceback (every thread) lands in its log.
+# here): issue 38's FP8 rows on the Qwen3-4B shape: `bench decode` with FP8 weights and with bf16 beside them, FP8
+# prefill TTFT 1k/4k/8k, decode with FP8 weights and an FP8 KV cache, then a server with both started and asked one
+# completion. A part that hangs is stopped by SIGABRT, whose faulthandler traceback (every thread) lands in its log.
 #   PEGAINFER_CACHE=$PWD/.gpu/cache_qwen3_fp8 bash scripts/gpu/fp8_rows.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
