@@ -183,3 +183,20 @@ def test_generated_row_kernel_runs_a_generic_chain():
     (expected,) = run_graph(graph, inputs, weights, {})
     assert relative_error(to_numpy(got), expected) < 1e-6
     assert "def row_elementwise_reduce(" in spec.variants[0].launches[0].source
+
+
+@pytest.mark.parametrize("width", [6, 2500])
+def test_an_elementwise_row_kernel_splits_its_columns_over_programs(width):
+    b = GraphBuilder("gated")
+    gate, up = b.input("gate", FP32, ("tokens", width)), b.input("up", FP32, ("tokens", width))
+    graph = b.finish(b.mul(b.silu(gate), up))
+    lowered, _ = lower(graph)
+    (kernel,) = [n for n in lowered.nodes if n.op == KERNEL]
+    spec = plan_kernel(lowered, kernel, PlanOptions())
+    (row,) = spec.variants[0].launches
+    assert row.grid[1].size({"tokens": 3}) == -(-width // 1024)  # a program per 1024 columns, the last partial
+    rng = np.random.default_rng(3)
+    inputs = {name: rng.standard_normal((3, width)).astype(np.float32) for name in ("gate", "up")}
+    (got,) = launch_kernel(spec, kernel, {n: to_torch(a) for n, a in inputs.items()}, {"tokens": 3}).values()
+    (expected,) = run_graph(graph, inputs, {}, {})
+    assert relative_error(to_numpy(got), expected) < 1e-6

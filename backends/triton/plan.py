@@ -373,7 +373,10 @@ def _plan_row_kernel(graph: Graph, node: Node) -> KernelSpec:
     out_type = node.output_types[0]
     width, inner = out_type.shape[-1], rowwise.inner_rows(out_type)
     row_symbol = out_type.shape[0]
+    whole = rowwise.reduces(node.attrs["nodes"])  # else a row's columns over several programs
+    block = next_pow2(width) if whole else min(rowwise.SPLIT_BLOCK, next_pow2(width))
     row = LaunchSpec(function, f"{function}.py", source, p.params,
-                     {**p.constexprs, "D": width, "INNER": inner, "BLOCK_D": next_pow2(width)},
-                     (GridDim((row_symbol, inner)), GridDim(), GridDim()), num_warps=1)
+                     {**p.constexprs, "D": width, "INNER": inner, "BLOCK_D": block},
+                     (GridDim((row_symbol, inner)), GridDim((width,), block), GridDim()),
+                     num_warps=1 if whole else 4)
     return kernel_spec(graph, node, row_symbol, [VariantSpec("default", None, [row])])

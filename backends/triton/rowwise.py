@@ -28,8 +28,18 @@ def supports(inner: tuple[Node, ...]) -> bool:
     return all(n.op in _EXPRESSIONS or n.op == "rms_norm" for n in inner)
 
 
+SPLIT_BLOCK = 1024  # columns a program takes of a row without a reduction (a decode row: many programs)
+
+
+def reduces(inner: tuple[Node, ...]) -> bool:
+    """Whether a row kernel needs its whole row in one program (an RMSNorm's sum); else its columns are split."""
+    return any(n.op == "rms_norm" for n in inner)
+
+
 def generate_row_kernel(name: str, kernel: Node, types: dict[str, TensorType], params: set[str]) -> str:
-    """Source of `name`(<input ptrs>, <output ptrs>, <row strides>, D, INNER, BLOCK_D, PDL): see plan_row_kernel."""
+    """Source of `name`(<input ptrs>, <output ptrs>, <row strides>, D, INNER, BLOCK_D, PDL): see plan_row_kernel.
+    Program (row, 0) takes the whole row where the chain reduces it; else program (row, j) its j-th BLOCK_D
+    columns."""
     inner = kernel.attrs["nodes"]
     width = kernel.output_types[0].shape[-1]
     columns = {v for v in kernel.inputs if v not in params and types[v].shape[-1] == 1 != width}
@@ -73,7 +83,7 @@ def generate_row_kernel(name: str, kernel: Node, types: dict[str, TensorType], p
         "    row = tl.program_id(0)",
         "    outer = row // INNER",
         "    inner = row % INNER",
-        "    offs = tl.arange(0, BLOCK_D)",
+        "    offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)",
         "    mask = offs < D",
         *body, ""])
 
