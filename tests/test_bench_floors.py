@@ -6,7 +6,8 @@ from math import prod
 import pytest
 
 from pegainfer.frontends.load import load_spec, resolve_config_path
-from pegainfer.runtime.bench import prefill_flops, routed_shares, weight_bytes
+from pegainfer.runtime.bench import (TENSOR_FLOP_PER_S, fp8_gemm_flops, prefill_floor_ms, prefill_flops,
+                                     routed_shares, weight_bytes)
 
 
 @pytest.fixture(scope="module")
@@ -44,3 +45,19 @@ def test_prefill_flops_count_an_expert_for_its_tokens_only(moe_spec):
     head = config.vocab_size * config.hidden_size
     gemm = 2 * (dense + experts * k_over_e - head) * 1000 + 2 * head
     assert gemm < prefill_flops(moe_spec, 1000) < gemm * 1.2  # the rest is attention
+
+
+def test_an_fp8_prefill_floor_prices_its_e4m3_projections_at_twice_the_bf16_rate():
+    path = resolve_config_path("qwen3-0.6b")
+    plain, fp8 = load_spec(path), load_spec(path, quantization="fp8")
+    config = plain.config
+    layer = config.hidden_size * (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim + \
+        config.num_attention_heads * config.head_dim * config.hidden_size + 3 * config.hidden_size * \
+        config.intermediate_size
+    assert fp8_gemm_flops(plain, 1000) == 0
+    assert fp8_gemm_flops(fp8, 1000) == 2 * layer * config.num_hidden_layers * 1000  # every projection, no LM head
+    assert prefill_flops(fp8, 1000) == prefill_flops(plain, 1000)
+    bf16_ms = prefill_flops(plain, 1000) / TENSOR_FLOP_PER_S * 1e3
+    assert prefill_floor_ms(plain, 1000) == pytest.approx(bf16_ms)
+    saved = fp8_gemm_flops(fp8, 1000) / (2 * TENSOR_FLOP_PER_S) * 1e3
+    assert prefill_floor_ms(fp8, 1000) == pytest.approx(bf16_ms - saved)
