@@ -184,10 +184,12 @@ def prefill_floor_ms(spec: ModelSpec, tokens: int) -> float:
 
 
 def fp8_gemm_flops(spec: ModelSpec, tokens: int) -> float:
-    """2 x weights x tokens of the projections stored in e4m3 (a routed expert's by its share of the tokens)."""
+    """2 x weights x tokens of the projections that multiply in e4m3: those stored so, less the routed experts
+    (Triton's MoE kernels widen them to the activations' dtype) and weights dequantized before use (MLA's kv_b)."""
     shares = routed_shares(spec, None)
-    return sum(2 * prod(t.shape) * shares.get(name, 1.0) * tokens
-               for name, t in spec.graph.checkpoint_params().items() if t.dtype == F8E4M3)
+    widened = {source for d in spec.graph.derivations().values() if d.dequantize is not None for source in d.sources}
+    return sum(2 * prod(t.shape) * tokens for name, t in spec.graph.checkpoint_params().items()
+               if t.dtype == F8E4M3 and name not in shares and name not in widened)
 
 
 def prefill_flops(spec: ModelSpec, tokens: int) -> float:

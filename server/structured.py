@@ -5,6 +5,7 @@ at every draw (runtime/constraint.py). Compiled grammars are cached by their sou
 tokenizer."""
 
 import json
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -195,10 +196,11 @@ def _compile(compiler: Any, spec: GrammarSpec) -> Any:
 
 @lru_cache(maxsize=1)
 def batch_matcher() -> Any:
-    """xgrammar's batch matcher, on half the machine's hardware threads (its default), made once."""
+    """xgrammar's batch matcher, on half the cores this process may use (its own default counts the machine's),
+    made once."""
     import xgrammar
 
-    return xgrammar.BatchGrammarMatcher()
+    return xgrammar.BatchGrammarMatcher(max(1, len(os.sched_getaffinity(0)) // 2))
 
 
 def _regex_literal(text: str) -> str:

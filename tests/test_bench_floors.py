@@ -6,6 +6,7 @@ from math import prod
 import pytest
 
 from pegainfer.frontends.load import load_spec, resolve_config_path
+from pegainfer.ir.dtypes import F8E4M3
 from pegainfer.runtime.bench import (TENSOR_FLOP_PER_S, fp8_gemm_flops, prefill_floor_ms, prefill_flops,
                                      routed_shares, weight_bytes)
 
@@ -61,3 +62,11 @@ def test_an_fp8_prefill_floor_prices_its_e4m3_projections_at_twice_the_bf16_rate
     assert prefill_floor_ms(plain, 1000) == pytest.approx(bf16_ms)
     saved = fp8_gemm_flops(fp8, 1000) / (2 * TENSOR_FLOP_PER_S) * 1e3
     assert prefill_floor_ms(fp8, 1000) == pytest.approx(bf16_ms - saved)
+
+
+def test_routed_experts_in_fp8_count_at_the_bf16_rate():
+    fp8 = load_spec(resolve_config_path("deepseek-v2-lite"), quantization="fp8")
+    params, shares = fp8.graph.checkpoint_params(), routed_shares(fp8, None)
+    e4m3 = {name for name, t in params.items() if t.dtype == F8E4M3}
+    assert shares and set(shares) <= e4m3, "the routed experts are stored in e4m3"
+    assert fp8_gemm_flops(fp8, 10) == sum(2 * prod(params[name].shape) * 10 for name in e4m3 - set(shares))
