@@ -11,7 +11,7 @@ import numpy as np
 
 from pegainfer.frontends.checkpoint import FileSpan
 from pegainfer.frontends.quantization import FP8_MAX, ONLINE
-from pegainfer.ir.dtypes import F8E4M3
+from pegainfer.ir.dtypes import BF16, F8E4M3
 from pegainfer.ir.graph import Graph, instantiate
 from pegainfer.ir.types import TensorType
 
@@ -27,15 +27,36 @@ def quantize_rows(weight: np.ndarray, workers: int | None = None) -> tuple[np.nd
     scale = np.empty((weight.shape[0], 1), np.float32)
 
     def quantize(start: int) -> None:
-        block = weight[start:start + ROWS_PER_TASK].astype(np.float32)  # a copy: divided in place below
+        block = widen(weight[start:start + ROWS_PER_TASK])  # a copy: divided in place below
         rows = slice(start, start + len(block))
         scale[rows] = np.abs(block).max(axis=1, keepdims=True) / np.float32(FP8_MAX)
         scale[rows][scale[rows] == 0] = 1
         np.divide(block, scale[rows], out=block)
-        values[rows] = block.astype(F8E4M3.np_dtype)
+        values[rows] = round_to_e4m3(block)
     with ThreadPoolExecutor(workers or len(os.sched_getaffinity(0))) as pool:
         list(pool.map(quantize, range(0, weight.shape[0], ROWS_PER_TASK)))
     return values, scale
+
+
+def widen(block: np.ndarray) -> np.ndarray:
+    """A float block as float32; bfloat16 by a shift of its bits (ml_dtypes' cast holds the GIL, 0.4 G values/s)."""
+    if block.dtype != BF16.np_dtype:
+        return block.astype(np.float32)
+    return (block.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def round_to_e4m3(x: np.ndarray) -> np.ndarray:
+    """float32 values within +-FP8_MAX as e4m3fn, rounded to nearest even, in NumPy's own integer ops (which let go
+    of the GIL, unlike ml_dtypes' cast): a normal keeps 3 of the 23 mantissa bits and rebiases 127 to 7; below
+    2^-6 a value is a multiple of 2^-9 (8 of them rounding up to the smallest normal, whose code is 8)."""
+    bits = x.view(np.uint32)
+    magnitude = bits & np.uint32(0x7FFFFFFF)
+    kept = magnitude + np.uint32(0x7FFFF) + ((magnitude >> np.uint32(20)) & np.uint32(1))  # ties to even
+    code = np.minimum((kept >> np.uint32(20)) - np.uint32((127 - 7) << 3), np.uint32(0x7E)).astype(np.uint8)
+    small = magnitude < np.uint32(0x3C800000)  # below 2^-6: few in a weight scaled to FP8_MAX
+    code[small] = np.rint(np.abs(x[small]) * np.float32(512)).astype(np.uint8)
+    code |= (bits >> np.uint32(24)).astype(np.uint8) & np.uint8(0x80)
+    return code.view(F8E4M3.np_dtype)
 
 
 class QuantizedWeights(Mapping[str, np.ndarray]):

@@ -256,3 +256,21 @@ def test_quantizing_at_load_in_blocks_of_rows_on_threads_equals_the_whole_weight
     values, scales = quantize_rows(weight, workers=3)
     assert np.array_equal(scales, scale) and scales[ROWS_PER_TASK + 1, 0] == 1
     assert np.array_equal(values.view(np.uint8), (whole / scale).astype(F8E4M3.np_dtype).view(np.uint8))
+
+
+def test_rounding_to_e4m3_in_integer_ops_equals_the_ml_dtypes_cast_at_every_tie_and_beside_it():
+    """round_to_e4m3 (GIL-free NumPy ops) against ml_dtypes' cast: every e4m3 value, every midpoint between two
+    (ties to even) and the float32 on either side of it, both signs, subnormals and zeros, and a spread of values."""
+    import ml_dtypes
+
+    from pegainfer.frontends.online_quantization import round_to_e4m3, widen
+
+    codes = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    grid = np.unique(codes[np.isfinite(codes)])
+    mids = ((grid[1:] + grid[:-1]) / 2).astype(np.float32)
+    spread = np.random.default_rng(4).standard_normal(20000).astype(np.float32) * np.float32(60)
+    x = np.concatenate([grid, mids, np.nextafter(mids, np.float32(np.inf)), np.nextafter(mids, np.float32(-np.inf)),
+                        np.clip(spread, -448, 448), np.float32([0.0, -0.0, 2.0 ** -12])])
+    assert np.array_equal(round_to_e4m3(x).view(np.uint8), x.astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
+    block = spread.reshape(100, 200).astype(ml_dtypes.bfloat16)
+    assert np.array_equal(widen(block), block.astype(np.float32)) and widen(spread) is not spread
