@@ -116,10 +116,17 @@ def _group_update(g: Graph, group: list[Node], types: dict[str, TensorType], con
 
 
 def _target_module(g: Graph, node: Node) -> str | None:
-    """The weight prefix (`model.layers.{layer}.self_attn.q_proj`) of a linear over a plain target weight."""
-    if node.op != "linear" or node.inputs[1] not in g.params or node.inputs[1] in g.derived:
+    """The weight prefix (`model.layers.{layer}.self_attn.q_proj`) of a linear over a plain target weight, or over
+    one stored in FP8 (the linear then reads its dequantize node's output)."""
+    if node.op != "linear":
         return None
-    prefix, _, suffix = node.inputs[1].rpartition(".")
+    weight = node.inputs[1]
+    if weight not in g.params:
+        producer = next((n for n in g.nodes if weight in n.outputs), None)
+        weight = producer.inputs[0] if producer is not None and producer.op == "dequantize" else weight
+    if weight not in g.params or weight in g.derived:
+        return None
+    prefix, _, suffix = weight.rpartition(".")
     return prefix if suffix == "weight" and prefix.rpartition(".")[2] in TARGETS else None
 
 

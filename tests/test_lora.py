@@ -304,10 +304,12 @@ def test_the_lora_kernels_match_the_reference_with_rows_spread_unevenly(dtype_na
         assert not got[slots == -1].any()  # the base model's rows take nothing
 
 
+@pytest.mark.parametrize("quantization", [None, "fp8"])
 def test_a_lowered_lora_model_runs_its_generated_kernels_as_the_reference_and_compiles_for_sm_90(
-        checkpoint_factory, tmp_path):
-    """Tiny Qwen3 with two adapters' tables: a packed step of rows of both adapters and the base through the
-    Triton kernels under the interpreter equals the reference interpreter; the LoRA launches compile for sm_90."""
+        checkpoint_factory, tmp_path, quantization):
+    """Tiny Qwen3 with two adapters' tables (its projections in bf16, or quantized to FP8 at load): a packed step
+    of rows of both adapters and the base through the Triton kernels under the interpreter equals the reference
+    interpreter; the LoRA launches compile for sm_90."""
     from pegainfer.backends.build import compile_many
     from pegainfer.backends.planning import PlanOptions
     from pegainfer.backends.triton.execute import InterpretedExecutor, to_torch
@@ -321,7 +323,7 @@ def test_a_lowered_lora_model_runs_its_generated_kernels_as_the_reference_and_co
     from pegainfer.runtime.kv_blocks import BlockAllocator
 
     base = checkpoint_factory("tiny_tied")
-    model = load_model(base)
+    model = load_model(base, quantization=quantization)
     config = LoraConfig(2, 16)
     graph = with_lora(model.spec.graph, config)
     lowered, _ = lower(graph)
@@ -397,3 +399,25 @@ def test_a_lora_graph_has_its_own_manifest_and_its_padding_rows_take_no_adapter(
     seqs = [Sequence(i, [5, 6], lora_slot=slot) for i, slot in enumerate((2, -1, 0))]
     step = pack_step([Chunk(s, 1) for s in seqs], BlockAllocator(8, 4), lora=True)
     assert list(pad_decode_step(step, 8)[LORA_SLOTS]) == [2, -1, 0, -1, -1, -1, -1, -1]
+
+
+@pytest.mark.parametrize("form", ["fp8-block", "fp8-channel"])
+def test_an_adapter_over_fp8_weights_gives_peft_on_the_dequantized_weights(checkpoint_factory, tmp_path, form):
+    """The LoRA update reads the projection's input and adds to its output whatever the weight's storage: over a
+    checkpoint's FP8 projections (each a dequantize + linear), PEFT on the dequantized weights in float32."""
+    from test_fp8 import OVERRIDES, hf_on_dequantized
+
+    base = checkpoint_factory(form, OVERRIDES, quantization=form)
+    tuned = peft.get_peft_model(hf_on_dequantized(base), peft.LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS))
+    generator = torch.Generator().manual_seed(5)
+    for name, param in tuned.named_parameters():
+        if "lora_" in name:
+            param.data = torch.randn(param.shape, generator=generator) * (0.3 / np.sqrt(param.shape[-1]))
+    tuned.save_pretrained(tmp_path / "adapter")
+    expected_tokens, expected = greedy(tuned.eval(), PROMPT, 8)
+    scheduler, _ = serving(load_model(base), {"a": tmp_path / "adapter"}, LoraConfig(1, 8))
+    (found,) = run(scheduler, [(PROMPT, "a")], max_tokens=8).values()
+    assert [t for t, _ in found] == expected_tokens
+    for (_, logprobs), reference_row in zip(found, expected):
+        ids = list(logprobs)
+        np.testing.assert_allclose([logprobs[i] for i in ids], reference_row[ids], rtol=1e-4, atol=1e-4)
