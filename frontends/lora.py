@@ -1,7 +1,8 @@
 """LoRA adapters over a model's graph. `with_lora` gives each target projection (a linear over a checkpoint
-weight named `<module>.weight`, module among q/k/v/o/gate/up/down_proj) stacked tables for the loaded adapters:
-states `<module>.lora_A` [slots, rank, in], `.lora_B` [slots, out, rank] and `.lora_scale` [slots] that the
-runtime fills, and a `lora` node (ir/ops/lora.py) added to its output, each token's slot the step input LORA_SLOTS.
+weight named `<module>.weight` or its FP8 dequantize, module among q/k/v/o/gate/up/down_proj) stacked tables for
+the loaded adapters: states `<module>.lora_A` [slots, rank, in], `.lora_B` [slots, out, rank] and `.lora_scale`
+[slots] that the runtime fills, and a `lora` node (ir/ops/lora.py) added to its output, each token's slot the step
+input LORA_SLOTS.
 `read_adapter` reads a PEFT folder (adapter_config.json, adapter_model.safetensors) into the rows of those tables.
 On a rank of a sharded graph (passes/shard.py) the tables are added to the rank's projections, so they hold its
 part: a column-parallel projection's B its rows, a row-parallel one's A its input columns (each rank's partial
