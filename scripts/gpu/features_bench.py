@@ -1,7 +1,8 @@
 """Issue 38's figures for LoRA, speculative decoding and the host KV tier, on the Qwen3-4B shape with random bf16
 weights, the GPU engine driven by the scheduler as `serve` drives it:
 - lora: the median decode step at batch 1 and 32, rows of 0 / 1 / 8 distinct adapters of rank 16, against the base
-  model's step (no LoRA tables);
+  model's step (no LoRA tables), each beside its CUDA graph's own device time, and a batch-1 eager step's time by
+  launch kind for both models;
 - spec: ms per generated token at batch 1, greedy, against plain decode: n-gram drafting (K = 2..6) on a repetitive
   prompt, and an oracle proposer that drafts the target's own greedy continuation (every draft accepted, nothing
   spent drafting: the bound a draft model equal to the target approaches), and that draft model itself on a GPU
