@@ -275,12 +275,13 @@ def test_serve_restores_a_prefix_from_the_host_tier_and_counts_it(tiny_checkpoin
 
 
 @pytest.mark.parametrize("layout", ["even", "uneven"])
-def test_gpu_host_blocks_copy_down_and_back_on_a_side_stream(monkeypatch, layout):
+def test_gpu_host_blocks_copy_down_and_back_on_side_streams(monkeypatch, layout):
     """runtime/gpu/host_blocks.py over a stand-in driver whose device memory is a byte array: a block copied down
     and back into another device block carries every paged state's bytes of it and touches no other block. Copies
-    both ways run on the side stream after the steps queued before them; the step stream waits for one only once
-    its device block is evicted, and not after it has finished. States of one size at one stride move in one 2D
-    copy a block, others in a copy each; restores are timed by their events, which say when they have landed."""
+    down run on one side stream and copies back on another, each after the steps queued before them, and after
+    each other only where they share a block; the step stream waits for one only once its device block is evicted,
+    and not after it has finished. States of one size at one stride move in one 2D copy a block, others in a copy
+    each; restores are timed by their events, which say when they have landed."""
     from pegainfer.ir.dtypes import BF16, FP32
     from pegainfer.runtime.cuda import driver
     from pegainfer.runtime.gpu.abi import DeviceTensor
@@ -329,7 +330,7 @@ def test_gpu_host_blocks_copy_down_and_back_on_a_side_stream(monkeypatch, layout
             return (self.at - start.at) / 1e3
     for name, stand_in in (("copy_to_host", to_host), ("copy_to_device", to_device), ("copy_rows", rows),
                            ("alloc_pinned", lambda n: np.zeros(n, np.uint8)), ("Event", Event),
-                           ("new_stream", lambda: "side")):
+                           ("new_stream", iter(["down", "up"]).__next__)):
         monkeypatch.setattr(driver, name, stand_in)
     if layout == "even":  # K and V of two layers, 8 blocks of 128 bytes each, 1024 bytes apart
         paged = {f"s{i}": DeviceTensor.contiguous(1024 * i, (8, 4, 2, 8), BF16) for i in range(4)}
@@ -340,7 +341,7 @@ def test_gpu_host_blocks_copy_down_and_back_on_a_side_stream(monkeypatch, layout
         spans, per_block = [(0, 128), (4096, 256)], 2
     blocks = HostBlocks("step", paged, capacity=2)
     before = device.copy()
-    down = [("record", "step"), ("wait", "side"), *[("copy", "side")] * per_block, ("record", "side")]
+    down = [("record", "step"), ("wait", "down"), *[("copy", "down")] * per_block, ("record", "down")]
 
     blocks.offload(3, 1)
     blocks.offload(5, 0)
@@ -348,9 +349,13 @@ def test_gpu_host_blocks_copy_down_and_back_on_a_side_stream(monkeypatch, layout
     calls.clear()
     blocks.settle(3)  # evicted while its copy is in flight: the next steps wait for it
     device[:] = 0
-    ticket = blocks.restore([(1, 7), (0, 2)])
-    assert calls == [("wait", "step"), ("record", "step"), ("wait", "side"), ("record", "side"),
-                     *[("copy", "side")] * 2 * per_block, ("record", "side")]
+    ticket = blocks.restore([(1, 7), (0, 2)])  # host blocks 1 and 0 still being written: waited for, each once
+    assert calls == [("wait", "step"), ("record", "step"), ("wait", "up"), ("wait", "up"), ("wait", "up"),
+                     ("record", "up"), *[("copy", "up")] * 2 * per_block, ("record", "up")]
+    calls.clear()
+    blocks.offload(4, 1)  # host block 1 being read back: the copy down into it waits for that restore
+    assert calls == [("record", "step"), ("wait", "down"), ("wait", "down"), *[("copy", "down")] * per_block,
+                     ("record", "down")]
     assert not blocks.landed(ticket)
     calls.clear()
     blocks.settle(2)  # evicted before its copy back landed (its request aborted): the next steps wait for it
@@ -369,4 +374,8 @@ def test_gpu_host_blocks_copy_down_and_back_on_a_side_stream(monkeypatch, layout
     blocks.settle(7)
     assert calls == [] and blocks.landed(ticket)  # its events read, and reused by the next restore
     Event.finished = False
-    assert not blocks.landed(blocks.restore([(0, 4)])) and blocks.landed(ticket)
+    calls.clear()
+    later = blocks.restore([(0, 4)])  # the copy down into host block 1 in flight: another block's, not waited for
+    assert calls == [("record", "step"), ("wait", "up"), ("record", "up"), *[("copy", "up")] * per_block,
+                     ("record", "up")]
+    assert not blocks.landed(later) and blocks.landed(ticket)

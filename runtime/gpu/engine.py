@@ -280,7 +280,7 @@ class GpuEngine:
         self.host_blocks = HostBlocks(self.ctx.stream, paged, host_blocks)
 
     def offload_block(self, device_block: int, host_block: int) -> None:
-        """A cached block copied down into the host tier's pinned pool, on a side stream."""
+        """A cached block copied down into the host tier's pinned pool, on its side stream."""
         self.host_blocks.offload(device_block, host_block)
 
     def settle_block(self, device_block: int) -> None:
