@@ -104,6 +104,14 @@ def stored_params(graph: Graph) -> dict[str, TensorType]:
         dequantizes = [n for n in g.nodes if n.op == "dequantize"]
         weights = {n.inputs[0]: n.output_types[0] for n in dequantizes}
         scales = {n.inputs[1] for n in dequantizes}
-        stored.update({name if layer is None else instantiate(name, layer): weights.get(name, t)
-                       for name, t in g.params.items() if name not in scales})
+        for name, t in g.params.items():
+            derivation = g.derived.get(name)
+            if name in scales:
+                continue
+            if derivation is None:
+                stored[name if layer is None else instantiate(name, layer)] = weights.get(name, t)
+                continue
+            for source, source_type in zip(derivation.sources, derivation.source_types):  # a regrouped weight's
+                kept = TensorType(weights[name].dtype, source_type.shape) if name in weights else source_type
+                stored[source if layer is None else instantiate(source, layer)] = kept
     return stored

@@ -8,7 +8,6 @@ leaves out stay as they are. On the GPU the dequantize folds into its GEMM (pass
 import re
 from dataclasses import dataclass
 
-import numpy as np
 
 from pegainfer.errors import ConfigError
 from pegainfer.frontends.kv_cache import has_fp8_cache
@@ -160,12 +159,30 @@ def quantize_graph(graph: Graph, scheme: Fp8Weights, dtype: DType) -> Graph:
             if index is None or node is head or node.inputs[index] not in g.params or node.outputs[0] in routers:
                 continue
             weight = node.inputs[index]
+            if scheme.skips(_module_of(g.derived[weight].sources[0] if weight in g.derived else weight)):
+                continue
             if weight in g.derived:
-                raise ConfigError(f"FP8 weights: {weight} is made at load from rows of "
-                                  f"{', '.join(g.derived[weight].sources)}, which FP8 checkpoints do not support yet")
-            if not scheme.skips(_module_of(weight)):
-                _dequantize_before(g, node, index, scheme, dtype)
+                _quantize_regrouped(g, weight, scheme)
+            _dequantize_before(g, node, index, scheme, dtype)
     return graph
+
+
+def _quantize_regrouped(g: Graph, weight: str, scheme: Fp8Weights) -> None:
+    """A weight made at load from row ranges of one checkpoint tensor (Qwen3.5's q_proj, its heads' q and gate
+    rows regrouped) taken from its FP8 source, its scales from the same rows of the source's: each range must
+    cover whole blocks of scale rows."""
+    derivation = g.derived[weight]
+    (source,), (source_type,) = derivation.sources, derivation.source_types
+    rows = scheme.block_of(source_type.shape)[0]
+    if derivation.dequantize is not None or not derivation.rows or \
+            any(start % rows or stop % rows for _, start, stop in derivation.rows):
+        raise ConfigError(f"FP8 weights: {weight} is made at load from rows of {source} that do not keep its "
+                          f"{rows}-row scale blocks whole, which FP8 checkpoints do not support")
+    block = scheme.block_of(source_type.shape)
+    g.derived[weight] = Derivation((source,), (TensorType(F8E4M3, source_type.shape),), 0, derivation.rows)
+    g.derived[weight + scheme.scale_suffix] = Derivation(
+        (source + scheme.scale_suffix,), (TensorType(FP32, scale_shape(source_type.shape, block)),), 0,
+        tuple((index, start // rows, stop // rows) for index, start, stop in derivation.rows))
 
 
 def _quantize_experts(g: Graph, node: Node, scheme: Fp8Weights) -> None:

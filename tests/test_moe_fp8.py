@@ -26,6 +26,7 @@ from pegainfer.ir.ops.quantize import scale_shape
 from pegainfer.passes.pipeline import lower
 from pegainfer.runtime.batch import Chunk, Sequence
 from pegainfer.runtime.reference_engine import ReferenceEngine
+from golden_configs import GOLDEN_CONFIGS
 from test_latent_fp8 import dequantized_copy
 from test_moe_grouped import relative_error, run_variant, skewed_routing
 
@@ -124,12 +125,61 @@ def test_an_fp8_moe_checkpoint_runs_as_hugging_face_does_on_its_dequantized_weig
     assert np.abs(logits - expected).max() / np.abs(expected).max() < 1e-4
 
 
-def test_an_fp8_projection_made_of_regrouped_rows_is_refused_in_one_line(tmp_path):
-    """Qwen3.5's q_proj is regrouped at load (per-head q and gate rows): its FP8 form is not built yet."""
+def test_regrouped_fp8_rows_take_their_scales_rows_and_split_blocks_are_refused_in_one_line(tmp_path):
+    """Qwen3.5's q_proj is regrouped at load (each head's q rows, then its gate rows): from an FP8 checkpoint its
+    e4m3 rows and their 128-row blocks of scales come along; where a head's rows would cut a block, one line."""
     raw = json.loads(resolve_config_path("qwen3.5-0.8b").read_text())
     raw["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                   "weight_block_size": [128, 128]}
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(ConfigError, match=r"q_proj.weight.grouped is made at load from rows of .*q_proj.weight, "
-                                          r"which FP8 checkpoints do not support yet"):
+    derived = load_spec(tmp_path / "config.json").graph.derivations()
+    grouped, scales = (derived[f"model.layers.3.self_attn.q_proj.weight.grouped{suffix}"]
+                       for suffix in ("", "_scale_inv"))
+    assert grouped.source_types[0].dtype == F8E4M3 and grouped.rows[:2] == ((0, 0, 256), (0, 512, 768))
+    assert scales.sources == ("model.layers.3.self_attn.q_proj.weight_scale_inv",)
+    assert scales.rows[:2] == ((0, 0, 2), (0, 4, 6)) and scales.source_types[0].shape == (32, 8)  # 4096 x 1024
+    raw["text_config"]["head_dim"] = 64  # a head's 64 q rows: half a block of scales
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match=r"q_proj.weight.grouped is made at load from rows of .*q_proj.weight that "
+                                          r"do not keep its 128-row scale blocks whole"):
         load_spec(tmp_path / "config.json")
+
+
+@pytest.mark.parametrize("lowered", [False, True], ids=["declared", "lowered"])
+def test_a_qwen3_5_checkpoint_with_a_scale_per_channel_runs_as_hugging_face_on_its_dequantized_weights(
+        checkpoint_factory, tmp_path, lowered):
+    folder = checkpoint_factory("qwen3_5_fp8_channel", GOLDEN_CONFIGS["qwen3_5_hybrid"][1],
+                                architecture="Qwen3_5ForCausalLM", quantization="fp8-channel")
+    ours = load_model(folder)
+    assert ours.spec.graph.checkpoint_params()["model.layers.3.self_attn.q_proj.weight"].dtype == F8E4M3
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        dequantized_copy(folder, tmp_path / "dequantized"), dtype=torch.float32, attn_implementation="eager").eval()
+    prompts = ([3, 17, 40, 5, 99], [7], list(range(20, 53)))
+    engine = ReferenceEngine(ours, max_tokens=256, graph=lower(ours.spec.graph)[0] if lowered else None)
+    seqs = [Sequence(i, list(p)) for i, p in enumerate(prompts)]
+    logits = engine.step([Chunk(s, len(s.token_ids)) for s in seqs], all_logits=True)
+    with torch.no_grad():
+        expected = np.concatenate([theirs(torch.tensor([p])).logits[0].numpy() for p in prompts])
+    assert np.abs(logits - expected).max() / np.abs(expected).max() < 1e-4
+
+
+def test_qwen3_5_quantized_at_load_runs_as_hugging_face_on_the_same_fp8_weights(checkpoint_factory):
+    """`--quantization fp8` on a float Qwen3.5 checkpoint: its regrouped q_proj quantized row by row at load like
+    every projection, then regrouped with its scales."""
+    from pegainfer.fixtures.checkpoint import fp8_channel_weights
+
+    folder = checkpoint_factory("qwen3_5_hybrid")
+    ours = load_model(folder, quantization="fp8")
+    assert ours.weights["model.layers.3.self_attn.q_proj.weight"].dtype == ml_dtypes.float8_e4m3fn
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                               attn_implementation="eager").eval()
+    quantized = {name for name, t in ours.spec.graph.checkpoint_params().items() if t.dtype == F8E4M3}
+    with torch.no_grad():
+        for name, module in theirs.named_modules():
+            if f"{name}.weight" in quantized:
+                values, scale = fp8_channel_weights(module.weight, torch)
+                module.weight.copy_(values.float() * scale)
+        prompt = list(range(20, 53))
+        expected = theirs(torch.tensor([prompt])).logits[0].numpy()
+    got = ReferenceEngine(ours, max_tokens=64).step([Chunk(Sequence(0, prompt), len(prompt))], all_logits=True)
+    assert np.abs(got - expected).max() / np.abs(expected).max() < 1e-4

@@ -116,3 +116,24 @@ def test_kv_b_rows_dequantized_at_load_land_as_the_reference_derives_them(checkp
         sources = derivations[name].sources if name in derivations else (name,)
         expected = np.concatenate([np.asarray(model.weights[s]).reshape(-1).view(np.uint8) for s in sources])
         np.testing.assert_array_equal(device[addresses[name]: addresses[name] + expected.size], expected, name)
+
+
+@pytest.mark.parametrize("form", ["fp8-channel", "online"])
+def test_regrouped_fp8_rows_and_their_scales_land_as_the_reference_derives_them(checkpoint_factory, form):
+    """Qwen3.5's q_proj regrouped at load from an FP8 checkpoint (or quantized at load): its e4m3 rows and its
+    scales' rows land regrouped, every param as the reference derives it."""
+    from golden_configs import GOLDEN_CONFIGS
+
+    overrides = GOLDEN_CONFIGS["qwen3_5_hybrid"][1]
+    folder = checkpoint_factory("qwen3_5_hybrid", overrides) if form == "online" else \
+        checkpoint_factory("qwen3_5_fp8_channel", overrides, architecture="Qwen3_5ForCausalLM",
+                           quantization="fp8-channel")
+    model = load_model(folder, lazy=True, quantization="fp8" if form == "online" else None)
+    graph, _ = lower(model.spec.graph)
+    derivations = graph.derivations()
+    assert any(name.endswith("q_proj.weight.grouped_scale") for name in derivations)
+    device, addresses, _ = run_upload(model, graph, model.weights, chunk=1000, buffers=3)
+    for name in graph.expanded_params():
+        made = derive(derivations[name], model.weights) if name in derivations else model.weights[name]
+        expected = np.ascontiguousarray(made).reshape(-1).view(np.uint8)
+        np.testing.assert_array_equal(device[addresses[name]: addresses[name] + expected.size], expected, name)
