@@ -147,7 +147,8 @@ def load_model(folder: Path, *, lazy: bool = False, dtype: str = "auto", device:
     spec = load_spec(folder / "config.json", dtype=dtype, device=device, quantization=quantization,
                      kv_cache_dtype=kv_cache_dtype, parallel=parallel)
     shards = spec.graph.checkpoint_shards()
-    expected = stored_params(spec.graph) if quantization else spec.graph.checkpoint_params()
+    expected = stored_params(spec.graph, dtype_from_name(spec.config.torch_dtype)) if quantization else \
+        spec.graph.checkpoint_params()
     tensors = scan_checkpoint(folder)
     mtp = mtp_head(spec, tensors, folder, quantized=bool(quantization or "quantization_config" in spec.raw_config))
     if spec.text_stack:

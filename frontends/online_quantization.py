@@ -11,8 +11,8 @@ import numpy as np
 
 from pegainfer.frontends.checkpoint import FileSpan
 from pegainfer.frontends.quantization import FP8_MAX, ONLINE
-from pegainfer.ir.dtypes import BF16, F8E4M3
-from pegainfer.ir.graph import Graph, instantiate
+from pegainfer.ir.dtypes import BF16, F8E4M3, DType
+from pegainfer.ir.graph import Graph
 from pegainfer.ir.types import TensorType
 
 ROWS_PER_TASK = 256  # rows a thread quantizes at a time: 2.5 MB of float32 for a 2560-wide weight
@@ -96,22 +96,10 @@ class QuantizedWeights(Mapping[str, np.ndarray]):
         return len(self.expected)
 
 
-def stored_params(graph: Graph) -> dict[str, TensorType]:
-    """What a checkpoint quantized at load holds of the graph's params: each FP8 projection in the model's dtype
-    (its dequantize node's output type), and no scales."""
-    stored = {}
-    for g, layer in graph.instances():
-        dequantizes = [n for n in g.nodes if n.op == "dequantize"]
-        weights = {n.inputs[0]: n.output_types[0] for n in dequantizes}
-        scales = {n.inputs[1] for n in dequantizes}
-        for name, t in g.params.items():
-            derivation = g.derived.get(name)
-            if name in scales:
-                continue
-            if derivation is None:
-                stored[name if layer is None else instantiate(name, layer)] = weights.get(name, t)
-                continue
-            for source, source_type in zip(derivation.sources, derivation.source_types):  # a regrouped weight's
-                kept = TensorType(weights[name].dtype, source_type.shape) if name in weights else source_type
-                stored[source if layer is None else instantiate(source, layer)] = kept
-    return stored
+def stored_params(graph: Graph, dtype: DType) -> dict[str, TensorType]:
+    """What a checkpoint quantized at load holds of the tensors the graph reads: each one it reads as FP8 (a
+    projection, a stacked expert's source, a regrouped weight's source) in `dtype`, and none of their scales."""
+    needed = graph.checkpoint_params()
+    fp8 = {name for name, t in needed.items() if t.dtype == F8E4M3}
+    return {name: TensorType(dtype, t.shape) if name in fp8 else t for name, t in needed.items()
+            if name in fp8 or name.removesuffix(ONLINE.scale_suffix) not in fp8}

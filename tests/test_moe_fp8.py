@@ -183,3 +183,33 @@ def test_qwen3_5_quantized_at_load_runs_as_hugging_face_on_the_same_fp8_weights(
         expected = theirs(torch.tensor([prompt])).logits[0].numpy()
     got = ReferenceEngine(ours, max_tokens=64).step([Chunk(Sequence(0, prompt), len(prompt))], all_logits=True)
     assert np.abs(got - expected).max() / np.abs(expected).max() < 1e-4
+
+
+def test_a_moe_checkpoint_quantized_at_load_runs_as_its_weights_quantized_by_torch(checkpoint_factory, tmp_path):
+    """`--quantization fp8` on a float Qwen3-MoE checkpoint: every expert's projections quantized row by row at
+    load, as the dense ones are, against the same checkpoint with each of those weights quantized and dequantized
+    by torch (fixtures' fp8_channel_weights) loaded as it is."""
+    from safetensors.torch import load_file, save_file
+
+    from pegainfer.fixtures.checkpoint import fp8_channel_weights
+
+    folder = checkpoint_factory("qwen3_moe_topk")
+    ours = load_model(folder, quantization="fp8")
+    fp8 = {name for name, t in ours.spec.graph.checkpoint_params().items() if t.dtype == F8E4M3}
+    assert any(".experts.3." in name for name in fp8) and "model.layers.0.mlp.gate.weight" not in fp8
+    copy = tmp_path / "rounded"
+    copy.mkdir()
+    for path in folder.iterdir():
+        if path.suffix != ".safetensors":
+            (copy / path.name).write_bytes(path.read_bytes())
+    tensors = load_file(folder / "model.safetensors")
+    for name in fp8:
+        values, scale = fp8_channel_weights(tensors[name], torch)
+        tensors[name] = (values.float() * scale.float()).to(tensors[name].dtype)
+    save_file(tensors, copy / "model.safetensors", metadata={"format": "pt"})
+    prompt = list(range(20, 53))
+    got, expected, unquantized = (
+        ReferenceEngine(model, max_tokens=64).step([Chunk(Sequence(0, prompt), len(prompt))], all_logits=True)
+        for model in (ours, load_model(copy), load_model(folder)))
+    assert np.abs(got - expected).max() / np.abs(expected).max() < 1e-5
+    assert np.abs(got - unquantized).max() / np.abs(unquantized).max() > 1e-3  # FP8 moved the logits
