@@ -20,7 +20,7 @@ from safetensors.numpy import load_file
 
 from pegainfer.errors import CheckpointError, ConfigError, GraphError
 from pegainfer.ir.dtypes import FP32, INT32
-from pegainfer.ir.graph import REPEAT, Graph, Node, Shard, instantiate
+from pegainfer.ir.graph import REPEAT, Derivation, Graph, Node, Shard, instantiate
 from pegainfer.ir.step import LORA_SLOTS
 from pegainfer.ir.types import TensorType
 
@@ -117,18 +117,36 @@ def _group_update(g: Graph, group: list[Node], types: dict[str, TensorType], con
 
 
 def _target_module(g: Graph, node: Node) -> str | None:
-    """The weight prefix (`model.layers.{layer}.self_attn.q_proj`) of a linear over a plain target weight, or over
-    one stored in FP8 (the linear then reads its dequantize node's output)."""
+    """The weight prefix (`model.layers.{layer}.self_attn.q_proj`) of a linear over a target weight: a plain one,
+    one stored in FP8 (the linear then reads its dequantize node's output), or one whose rows the loader regroups
+    (Qwen3.5's q_proj: the adapter's B rows are regrouped alike, `regrouped_rows`)."""
     if node.op != "linear":
         return None
     weight = node.inputs[1]
     if weight not in g.params:
         producer = next((n for n in g.nodes if weight in n.outputs), None)
         weight = producer.inputs[0] if producer is not None and producer.op == "dequantize" else weight
-    if weight not in g.params or weight in g.derived:
+    if weight in g.derived and _regrouping(g.derived[weight]):
+        weight = g.derived[weight].sources[0]
+        if weight in g.shards:
+            raise ConfigError(f"LoRA on {weight.removesuffix('.weight')}, whose rows the loader regroups, under "
+                              f"tensor parallelism is not implemented: serve the adapters on one GPU")
+    elif weight not in g.params or weight in g.derived:
         return None
     prefix, _, suffix = weight.rpartition(".")
     return prefix if suffix == "weight" and prefix.rpartition(".")[2] in TARGETS else None
+
+
+def _regrouping(derivation: Derivation) -> bool:
+    """Whether a derived weight is one checkpoint tensor's rows in another order (nothing added or dropped)."""
+    return bool(derivation.rows) and len(derivation.sources) == 1 and derivation.dequantize is None and \
+        sum(stop - start for _, start, stop in derivation.rows) == derivation.source_types[0].shape[0]
+
+
+def regrouped_rows(graph: Graph) -> dict[str, tuple[tuple[int, int], ...]]:
+    """Checkpoint weight (expanded name) -> the row ranges, in order, that the loader regroups it into."""
+    return {d.sources[0]: tuple((start, stop) for _, start, stop in d.rows)
+            for d in graph.derivations().values() if _regrouping(d)}
 
 
 @dataclass(frozen=True)
@@ -257,7 +275,7 @@ def adapter_rows(adapter: Adapter | None, graph: Graph) -> dict[str, np.ndarray]
     tables' rows (the same on every rank), which each rank cuts to its part with `rank_rows`."""
     if adapter is not None and adapter.rows is not None:
         return adapter.rows
-    writes, states = {}, graph.expanded_states()
+    writes, states, regrouped = {}, graph.expanded_states(), regrouped_rows(graph)
     for stem, group in lora_modules(graph).items():
         width = states[f"{stem}.lora_A"].shape[1]  # the tables' rank for each projection of the group
         table_a = np.zeros((width, group.full_in), np.float32)
@@ -269,6 +287,8 @@ def adapter_rows(adapter: Adapter | None, graph: Graph) -> dict[str, np.ndarray]
             if a is None:
                 continue
             found = True
+            if f"{module}.weight" in regrouped:  # its outputs in the order the loader regroups the weight's rows
+                b = np.concatenate([b[start:stop] for start, stop in regrouped[f"{module}.weight"]])
             table_a[index * rank:index * rank + a.shape[0]] = a
             table_b[start:start + b.shape[0], index * rank:index * rank + b.shape[1]] = b
         for name, table in ((f"{stem}.lora_A", table_a), (f"{stem}.lora_B", table_b)):

@@ -15,7 +15,7 @@ import transformers
 from drain import drain
 from pegainfer.errors import CheckpointError, ConfigError
 from pegainfer.frontends.load import load_model
-from pegainfer.frontends.lora import LoraConfig, lora_model, read_adapter, with_lora
+from pegainfer.frontends.lora import LoraConfig, lora_model, lora_modules, read_adapter, with_lora
 from pegainfer.runtime.lora import LoraSlots
 from pegainfer.runtime.reference_engine import ReferenceEngine
 from pegainfer.runtime.requests import EngineRequest
@@ -421,3 +421,30 @@ def test_an_adapter_over_fp8_weights_gives_peft_on_the_dequantized_weights(check
     for (_, logprobs), reference_row in zip(found, expected):
         ids = list(logprobs)
         np.testing.assert_allclose([logprobs[i] for i in ids], reference_row[ids], rtol=1e-4, atol=1e-4)
+
+
+def test_a_qwen3_5_adapter_on_its_regrouped_q_proj_gives_peft_logits(checkpoint_factory, tmp_path):
+    """Qwen3.5's q_proj rows (each head's q, then its gate) are regrouped at load: the adapter's B rows are
+    regrouped alike, so its full-attention layers' updates, as every other projection's, give PEFT's logits."""
+    base = checkpoint_factory("qwen3_5_hybrid")
+    adapter = make_adapter(base, tmp_path / "a", 8, seed=4)
+    reference = peft_model(base, adapter)
+    expected_tokens, expected = greedy(reference, PROMPT, 8)
+    model = load_model(base)
+    assert any("self_attn.q_proj" in stem for stem in lora_modules(with_lora(model.spec.graph, LoraConfig(1, 8))))
+    scheduler, _ = serving(model, {"a": adapter}, LoraConfig(1, 8))
+    (found,) = run(scheduler, [(PROMPT, "a")], max_tokens=8).values()
+    assert [t for t, _ in found] == expected_tokens
+    for (_, logprobs), reference_row in zip(found, expected):
+        ids = list(logprobs)
+        np.testing.assert_allclose([logprobs[i] for i in ids], reference_row[ids], rtol=1e-4, atol=1e-4)
+
+
+def test_lora_on_a_regrouped_projection_under_tensor_parallelism_is_refused_in_one_line(checkpoint_factory):
+    from pegainfer.frontends.load import load_spec
+    from pegainfer.passes.shard import Parallelism
+
+    spec = load_spec(checkpoint_factory("qwen3_5_hybrid") / "config.json", parallel=Parallelism(2, 0, False))
+    with pytest.raises(ConfigError, match=r"LoRA on model.layers.\{layer\+3\}.self_attn.q_proj, whose rows the "
+                                          r"loader regroups, under tensor parallelism is not implemented"):
+        with_lora(spec.graph, LoraConfig(1, 8))
