@@ -8,7 +8,6 @@ leaves out stay as they are. On the GPU the dequantize folds into its GEMM (pass
 import re
 from dataclasses import dataclass
 
-
 from pegainfer.errors import ConfigError
 from pegainfer.frontends.kv_cache import has_fp8_cache
 from pegainfer.ir.dtypes import F8E4M3, FP32, DType
@@ -172,13 +171,15 @@ def _quantize_regrouped(g: Graph, weight: str, scheme: Fp8Weights) -> None:
     rows regrouped) taken from its FP8 source, its scales from the same rows of the source's: each range must
     cover whole blocks of scale rows."""
     derivation = g.derived[weight]
+    if derivation.dequantize is not None or not derivation.rows or len(derivation.sources) != 1:
+        raise ConfigError(f"FP8 weights: {weight} is made at load from {', '.join(derivation.sources)}, which FP8 "
+                          f"checkpoints do not support")
     (source,), (source_type,) = derivation.sources, derivation.source_types
-    rows = scheme.block_of(source_type.shape)[0]
-    if derivation.dequantize is not None or not derivation.rows or \
-            any(start % rows or stop % rows for _, start, stop in derivation.rows):
+    block = scheme.block_of(source_type.shape)
+    rows = block[0]
+    if any(start % rows or stop % rows for _, start, stop in derivation.rows):
         raise ConfigError(f"FP8 weights: {weight} is made at load from rows of {source} that do not keep its "
                           f"{rows}-row scale blocks whole, which FP8 checkpoints do not support")
-    block = scheme.block_of(source_type.shape)
     g.derived[weight] = Derivation((source,), (TensorType(F8E4M3, source_type.shape),), 0, derivation.rows)
     g.derived[weight + scheme.scale_suffix] = Derivation(
         (source + scheme.scale_suffix,), (TensorType(FP32, scale_shape(source_type.shape, block)),), 0,
