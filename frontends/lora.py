@@ -119,7 +119,8 @@ def _group_update(g: Graph, group: list[Node], types: dict[str, TensorType], con
 def _target_module(g: Graph, node: Node) -> str | None:
     """The weight prefix (`model.layers.{layer}.self_attn.q_proj`) of a linear over a target weight: a plain one,
     one stored in FP8 (the linear then reads its dequantize node's output), or one whose rows the loader regroups
-    (Qwen3.5's q_proj: the adapter's B rows are regrouped alike, `regrouped_rows`)."""
+    (a gated attention's q_proj, each head's q and gate rows: the adapter's B rows are regrouped alike,
+    `regrouped_rows`)."""
     if node.op != "linear":
         return None
     weight = node.inputs[1]

@@ -167,9 +167,9 @@ def quantize_graph(graph: Graph, scheme: Fp8Weights, dtype: DType) -> Graph:
 
 
 def _quantize_regrouped(g: Graph, weight: str, scheme: Fp8Weights) -> None:
-    """A weight made at load from row ranges of one checkpoint tensor (Qwen3.5's q_proj, its heads' q and gate
-    rows regrouped) taken from its FP8 source, its scales from the same rows of the source's: each range must
-    cover whole blocks of scale rows."""
+    """A weight made at load from row ranges of one checkpoint tensor (a gated attention's q_proj, its heads' q
+    and gate rows regrouped) taken from its FP8 source, its scales from the same rows of the source's: each range
+    must cover whole blocks of scale rows."""
     derivation = g.derived[weight]
     if derivation.dequantize is not None or not derivation.rows or len(derivation.sources) != 1:
         raise ConfigError(f"FP8 weights: {weight} is made at load from {', '.join(derivation.sources)}, which FP8 "
