@@ -71,9 +71,10 @@ def with_lora(graph: Graph, config: LoraConfig) -> Graph:
 def _add_updates(g: Graph, config: LoraConfig) -> None:
     """One `lora` node per group of target projections reading one input (Q/K/V, gate/up: one shrink of the
     input for all, as their GEMMs merge), its output split into each projection's update and added to it."""
-    groups: dict[str, list[Node]] = {}
+    producers, modules, groups = g.producers(), {}, {}
     for node in g.nodes:
-        if _target_module(g, node) is not None:
+        if (module := _target_module(g, node, producers)) is not None:
+            modules[node.name] = module
             groups.setdefault(node.inputs[0], []).append(node)
     types = g.value_types()
     nodes = []
@@ -83,7 +84,7 @@ def _add_updates(g: Graph, config: LoraConfig) -> None:
         if group is None or node not in group:
             continue
         if node is group[0]:
-            nodes += _group_update(g, group, types, config)
+            nodes += _group_update(g, group, [modules[n.name] for n in group], types, config)
         result, base = node.outputs[0], f"{node.outputs[0]}.base"
         node.outputs = (base,)
         add = Node("add", (base, f"{result}.lora"), (result,), (node.output_types[0],), {})
@@ -92,9 +93,10 @@ def _add_updates(g: Graph, config: LoraConfig) -> None:
     g.nodes = nodes
 
 
-def _group_update(g: Graph, group: list[Node], types: dict[str, TensorType], config: LoraConfig) -> list[Node]:
-    """The group's tables (named `<parent>.<module>+<module>...`) and its lora node, split into updates."""
-    modules = [_target_module(g, node) for node in group]
+def _group_update(g: Graph, group: list[Node], modules: list[str], types: dict[str, TensorType],
+                  config: LoraConfig) -> list[Node]:
+    """The group's tables (named `<parent>.<module>+<module>...`, its projections' `modules`) and its lora node,
+    split into updates."""
     parent = modules[0].rpartition(".")[0]
     assert all(m.rpartition(".")[0] == parent for m in modules), f"one input, several parents: {modules}"
     stem = f"{parent}.{'+'.join(m.rpartition('.')[2] for m in modules)}"
@@ -116,7 +118,7 @@ def _group_update(g: Graph, group: list[Node], types: dict[str, TensorType], con
     return [lora, split]
 
 
-def _target_module(g: Graph, node: Node) -> str | None:
+def _target_module(g: Graph, node: Node, producers: dict[str, Node]) -> str | None:
     """The weight prefix (`model.layers.{layer}.self_attn.q_proj`) of a linear over a target weight: a plain one,
     one stored in FP8 (the linear then reads its dequantize node's output), or one whose rows the loader regroups
     (a gated attention's q_proj, each head's q and gate rows: the adapter's B rows are regrouped alike,
@@ -125,7 +127,7 @@ def _target_module(g: Graph, node: Node) -> str | None:
         return None
     weight = node.inputs[1]
     if weight not in g.params:
-        producer = next((n for n in g.nodes if weight in n.outputs), None)
+        producer = producers.get(weight)
         weight = producer.inputs[0] if producer is not None and producer.op == "dequantize" else weight
     if weight in g.derived and _regrouping(g.derived[weight]):
         weight = g.derived[weight].sources[0]

@@ -114,15 +114,7 @@ def test_an_fp8_moe_checkpoint_runs_as_hugging_face_does_on_its_dequantized_weig
     params = ours.spec.graph.checkpoint_params()
     assert params["model.layers.0.mlp.experts.1.down_proj.weight"].dtype == F8E4M3
     assert params["model.layers.0.mlp.gate.weight"].dtype != F8E4M3
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(
-        dequantized_copy(folder, tmp_path / "dequantized"), dtype=torch.float32, attn_implementation="eager").eval()
-    prompts = ([3, 17, 40, 5, 99], [7], list(range(20, 53)))
-    engine = ReferenceEngine(ours, max_tokens=256, graph=lower(ours.spec.graph)[0])
-    seqs = [Sequence(i, list(p)) for i, p in enumerate(prompts)]
-    logits = engine.step([Chunk(s, len(s.token_ids)) for s in seqs], all_logits=True)
-    with torch.no_grad():
-        expected = np.concatenate([theirs(torch.tensor([p])).logits[0].numpy() for p in prompts])
-    assert np.abs(logits - expected).max() / np.abs(expected).max() < 1e-4
+    assert prefill_error_against_dequantized(ours, folder, tmp_path, lowered=True) < 1e-4
 
 
 def test_regrouped_fp8_rows_take_their_scales_rows_and_split_blocks_are_refused_in_one_line(tmp_path):
@@ -152,15 +144,7 @@ def test_a_qwen3_5_checkpoint_with_a_scale_per_channel_runs_as_hugging_face_on_i
                                 architecture="Qwen3_5ForCausalLM", quantization="fp8-channel")
     ours = load_model(folder)
     assert ours.spec.graph.checkpoint_params()["model.layers.3.self_attn.q_proj.weight"].dtype == F8E4M3
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(
-        dequantized_copy(folder, tmp_path / "dequantized"), dtype=torch.float32, attn_implementation="eager").eval()
-    prompts = ([3, 17, 40, 5, 99], [7], list(range(20, 53)))
-    engine = ReferenceEngine(ours, max_tokens=256, graph=lower(ours.spec.graph)[0] if lowered else None)
-    seqs = [Sequence(i, list(p)) for i, p in enumerate(prompts)]
-    logits = engine.step([Chunk(s, len(s.token_ids)) for s in seqs], all_logits=True)
-    with torch.no_grad():
-        expected = np.concatenate([theirs(torch.tensor([p])).logits[0].numpy() for p in prompts])
-    assert np.abs(logits - expected).max() / np.abs(expected).max() < 1e-4
+    assert prefill_error_against_dequantized(ours, folder, tmp_path, lowered) < 1e-4
 
 
 def test_qwen3_5_quantized_at_load_runs_as_hugging_face_on_the_same_fp8_weights(checkpoint_factory):
@@ -213,3 +197,17 @@ def test_a_moe_checkpoint_quantized_at_load_runs_as_its_weights_quantized_by_tor
         for model in (ours, load_model(copy), load_model(folder)))
     assert np.abs(got - expected).max() / np.abs(expected).max() < 1e-5
     assert np.abs(got - unquantized).max() / np.abs(unquantized).max() > 1e-3  # FP8 moved the logits
+
+
+def prefill_error_against_dequantized(ours, folder, tmp_path, lowered: bool) -> float:
+    """The largest gap of our prefill logits (the graph as declared or lowered) from Hugging Face float32's on the
+    FP8 checkpoint's dequantized weights, relative to the largest logit."""
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        dequantized_copy(folder, tmp_path / "dequantized"), dtype=torch.float32, attn_implementation="eager").eval()
+    prompts = ([3, 17, 40, 5, 99], [7], list(range(20, 53)))
+    engine = ReferenceEngine(ours, max_tokens=256, graph=lower(ours.spec.graph)[0] if lowered else None)
+    seqs = [Sequence(i, list(p)) for i, p in enumerate(prompts)]
+    logits = engine.step([Chunk(s, len(s.token_ids)) for s in seqs], all_logits=True)
+    with torch.no_grad():
+        expected = np.concatenate([theirs(torch.tensor([p])).logits[0].numpy() for p in prompts])
+    return float(np.abs(logits - expected).max() / np.abs(expected).max())
