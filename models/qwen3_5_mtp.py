@@ -31,14 +31,16 @@ def head_graph(config: "Config", layer: Callable, embedding: str, head: str) -> 
     def norm(x, name: str):
         weight = b.param(f"mtp.{name}.weight", dtype, (hidden,))
         return b.rms_norm(x, weight, eps=config.rms_norm_eps, offset=NORM_OFFSET, name=name)
-    embeds = b.embedding(input_ids, b.param(embedding, dtype, (config.vocab_size, hidden)), name="embed")
+    table = b.param(embedding, dtype, (config.vocab_size, hidden))
+    embeds = b.embedding(input_ids, table, name="embed")
     both = b.concat(norm(embeds, "pre_fc_norm_embedding"), norm(features, "pre_fc_norm_hidden"), name="both")
     x = b.linear(both, b.param("mtp.fc.weight", dtype, (hidden, 2 * hidden)), name="fc")
     for index in range(config.mtp_num_hidden_layers):
         x = layer(b, x, attention, LayerSlot(FULL, str(index)))
     out = norm(x, "norm")
     rows = b.gather_rows(out, logits_indices, name="sampled_rows")
-    return b.finish(b.linear(rows, b.param(head, dtype, (config.vocab_size, hidden)), name="logits"), out)
+    lm_head = table if head == embedding else b.param(head, dtype, (config.vocab_size, hidden))  # tied
+    return b.finish(b.linear(rows, lm_head, name="logits"), out)
 
 
 def head_params(config: "Config", layer: Callable) -> dict[str, TensorType]:
