@@ -13,7 +13,7 @@ from pegainfer.argtypes import int_list, non_negative_int, positive_int
 from pegainfer.errors import PegainferError
 from pegainfer.server.cli import (DTYPE_CHOICES, DTYPE_HELP, add_bench_serve_args, add_quantization_args,
                                   run_bench_serve)
-from pegainfer.server.engines import add_lora_args, add_parallel_args, lora_config
+from pegainfer.server.engines import add_lora_args, add_parallel_args, add_speculative_arg, served_graphs
 
 MODEL_HELP = "checkpoint folder, config.json, or an embedded config such as qwen3-4b"
 CACHE_HELP = "cubin cache (default: $PEGAINFER_CACHE, aot_cache/ of a checkout, or ~/.cache/pegainfer)"
@@ -63,6 +63,7 @@ def add_compile(commands) -> None:
     add_quantization_args(p)
     add_parallel_args(p, executor=False)
     add_lora_args(p, modules=False)  # the kernels of the model with LoRA tables, as serve --enable-lora runs it
+    add_speculative_arg(p)  # eagle3 and mtp: the model giving its features and the head's graphs, as serve runs them
     p.add_argument("--dump-after", metavar="PASS", help="write the graph after PASS (or after each: all); with "
                    "--tensor-parallel-size, rank 0's")
     p.add_argument("--dump-dir", type=Path, default=Path("pegainfer-dumps"),
@@ -282,19 +283,15 @@ def run_compile(args: argparse.Namespace) -> int:
     specs = [load_spec(resolve_config_path(args.model), dtype=args.dtype, device="cuda",
                        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, parallel=p)
              for p in parallel]
-    if (lora := lora_config(args)) is not None:
-        from dataclasses import replace
-
-        from pegainfer.frontends.lora import with_lora
-
-        specs = [replace(s, graph=with_lora(s.graph, lora)) for s in specs]
+    specs = served_graphs(args, specs)  # a drafter's features and head, LoRA tables, where the flags ask
     spec, sms = specs[0], sms or _visible_sm()
     if args.dump_after:
         written = _write_dumps(_records(args, parallel[0], dtype=args.dtype, device="cuda"), args.dump_dir,
                                args.dump_after)
         print(f"pegainfer: wrote {len(written)} dumps to {args.dump_dir}", file=sys.stderr)
     _writable_cache(args.cache_dir)
-    report = build.build_models(specs, sms, jobs=args.jobs, cache_dir=args.cache_dir, backends=backends)
+    report = build.build_models(specs, sms, jobs=args.jobs, cache_dir=args.cache_dir, backends=backends,
+                                ranks=len(parallel))  # the rest: a draft head's graphs
     print(f"pegainfer: {spec.architecture} ({spec.config_path}): {report.summary()}", file=sys.stderr)
     for path in report.manifests:
         print(f"pegainfer: manifest {path}", file=sys.stderr)

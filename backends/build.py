@@ -133,9 +133,10 @@ def build_model(spec: ModelSpec, sms: list[int], *, jobs: int = 1, cache_dir: Pa
 
 def build_models(specs: list[ModelSpec], sms: list[int], *, jobs: int = 1, cache_dir: Path | None = None,
                  options: PlanOptions = PlanOptions(), quiet: bool = False,
-                 backends: list[str] | None = None) -> BuildReport:
-    """Compiles the models together (the ranks of a sharded model: each launch the cache lacks once, whichever
-    ranks share it) and writes a manifest per model and SM, in order: the report's `manifests`."""
+                 backends: list[str] | None = None, ranks: int | None = None) -> BuildReport:
+    """Compiles the models together (the ranks of a sharded model, or a model and its draft head's graphs: each
+    launch the cache lacks once, whichever share it) and writes a manifest per model and SM, in order: the
+    report's `manifests`. `ranks`: how many of the specs are ranks (all, by default)."""
     started = time.perf_counter()
     for spec in specs:
         refuse_fp8_below(spec.graph, sms)
@@ -150,7 +151,7 @@ def build_models(specs: list[ModelSpec], sms: list[int], *, jobs: int = 1, cache
     kernels = planned[0][1]
     launches = sum(len(v.launches) for k in kernels for v in _supported(k, sms[0]))
     report = BuildReport(sms, len(kernels), launches, cache=root, backends=versions, skipped=skipped,
-                         ranks=len(specs))
+                         ranks=len(specs) if ranks is None else ranks)
     report.hits = len(compiled.entries)
     progress = None if quiet or not todo else Progress("compiling", len(todo))
     for (sm, key), native in compile_many(todo, jobs, progress):

@@ -12,7 +12,10 @@ from typing import Any
 import pegainfer
 from pegainfer.backends.manifest import Manifest, read
 from pegainfer.backends.spec import LaunchSpec
+from pegainfer.frontends.features import FEATURES
 from pegainfer.frontends.kv_cache import has_fp8_cache
+from pegainfer.ir.graph import REPEAT
+from pegainfer.ir.step import FEATURES_INPUT
 
 CACHE_ENV = "PEGAINFER_CACHE"
 
@@ -37,21 +40,34 @@ def model_id(spec: Any) -> str:
     """Names a model by its parsed config, so the same model saved by another transformers version matches, by
     its FP8 weights and KV cache where it has them (which, and their scale blocks: the kernels differ), and for one
     rank of a sharded model by that rank's slices of the checkpoint, named `-tp<world>-rank<rank>` (a manifest of
-    one layout never loads for another)."""
+    one layout never loads for another), and for a drafter's graphs (a target giving features, a head reading
+    them) by which graph it is, named `-features`."""
     named: dict = asdict(spec.config)
     fp8 = sorted({(n.inputs[1], *n.attrs["block"]) for g in spec.graph.all_graphs() for n in g.nodes
                   if n.op == "dequantize"})
     fp8_kv = has_fp8_cache(spec.graph)
     shards = sorted((name, s.axis, s.start, s.stop, s.pad) for name, s in spec.graph.checkpoint_shards().items())
     lora = lora_tables(spec.graph)
-    if fp8 or fp8_kv or shards or lora:
+    features = feature_layout(spec.graph)
+    if fp8 or fp8_kv or shards or lora or features:
         named = {"config": named, "fp8": fp8, **({"kv_cache": "fp8"} if fp8_kv else {}),
-                 **({"shards": shards} if shards else {}), **({"lora": lora} if lora else {})}
+                 **({"shards": shards} if shards else {}), **({"lora": lora} if lora else {}),
+                 **({"features": features} if features else {})}
     digest = hashlib.sha256(json.dumps(named, sort_keys=True).encode()).hexdigest()[:12]
     layout = parallel_layout(spec.graph)
     suffix = "" if layout is None else f"-tp{layout[0]}" + (f"-rank{layout[1]}" if layout[1] is not None else "")
     suffix += f"-lora{lora[0]}x{lora[1]}" if lora else ""
+    suffix += "-features" if features else ""
     return f"{spec.architecture}-{digest}{suffix}"
+
+
+def feature_layout(graph: Any) -> list | None:
+    """For a graph that gives a drafter features or reads them: its name, the layer counts of its repeats (where a
+    target's stream is tapped) and what makes its features output; None for any other graph."""
+    if FEATURES not in graph.outputs and FEATURES_INPUT not in graph.inputs:
+        return None
+    producer = graph.producers().get(FEATURES)
+    return [graph.name, [n.attrs["count"] for n in graph.nodes if n.op == REPEAT], producer and producer.op]
 
 
 def lora_tables(graph: Any) -> tuple[int, int] | None:

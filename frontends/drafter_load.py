@@ -4,6 +4,7 @@ size it was trained on); the embedding is the target's."""
 
 from dataclasses import dataclass, replace
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 from safetensors import safe_open
@@ -11,43 +12,63 @@ from safetensors import safe_open
 from pegainfer.errors import CheckpointError, ConfigError
 from pegainfer.frontends.checkpoint import check_weights, load_weights, scan_checkpoint
 from pegainfer.frontends.config import architecture_of, parse_config, read_config
-from pegainfer.frontends.load import LoadedModel
+from pegainfer.frontends.load import LoadedModel, ModelSpec
 from pegainfer.frontends.registry import drafter_modules
 from pegainfer.ir.graph import REPEAT, Graph
 
 
 @dataclass
-class DraftHead:
+class HeadGraphs:
+    """A head's graphs and the target layers it reads, from its config.json alone (what compiling needs)."""
+    spec: ModelSpec  # `graph` is `first`
     first: Graph  # reads the target's features
     next: Graph  # reads its own output
+    target_layers: list[int]  # the target layers whose input it reads
+    module: ModuleType
+
+
+@dataclass
+class DraftHead:
+    first: Graph
+    next: Graph
     weights: dict[str, np.ndarray]
     to_target: np.ndarray | None  # draft id -> target id, where its vocabulary is smaller
-    target_layers: list[int]  # the target layers whose input it reads
+    target_layers: list[int]
+    spec: ModelSpec | None = None
 
 
-def load_draft_head(folder: Path, target: LoadedModel) -> DraftHead:
-    source = str(folder / "config.json")
-    raw = read_config(folder / "config.json")
+def head_graphs(folder: Path, target: ModelSpec) -> HeadGraphs:
+    """The head's graphs for `target` (the same vocabulary, the hidden size it was trained on), else one line."""
+    config_path = folder / "config.json"
+    source = str(config_path)
+    raw = read_config(config_path)
     architecture = architecture_of(raw, source)
     module = drafter_modules().get(architecture)
     if module is None:
         raise ConfigError(f"{source}: {architecture!r} is not a draft head pegainfer runs; known: "
                           f"{', '.join(sorted(drafter_modules()))}")
-    config = replace(parse_config(module.Config, raw, source), torch_dtype=target.spec.config.torch_dtype)
+    config = replace(parse_config(module.Config, raw, source), torch_dtype=target.config.torch_dtype)
     module.check_config(config)
     _check_target(config, target, source)
     first, next_graph = module.build_graphs(config)
+    spec = ModelSpec(config_path, raw, architecture, module, config, first)
+    return HeadGraphs(spec, first, next_graph, module.aux_layers(config, _decoder_layers(target)), module)
+
+
+def load_draft_head(folder: Path, target: LoadedModel) -> DraftHead:
+    head = head_graphs(folder, target.spec)
+    source = str(folder / "config.json")
     tensors = scan_checkpoint(folder)
-    own = {name: t for name, t in {**first.checkpoint_params(), **next_graph.checkpoint_params()}.items()
-           if name != module.EMBEDDING}
+    own = {name: t for name, t in {**head.first.checkpoint_params(), **head.next.checkpoint_params()}.items()
+           if name != head.module.EMBEDDING}
     check_weights(own, tensors, folder)
-    weights = load_weights(own, tensors) | {module.EMBEDDING: _target_embedding(target)}
-    layers = module.aux_layers(config, _decoder_layers(target))
-    return DraftHead(first, next_graph, weights, _vocabulary_map(tensors, config, source), layers)
+    weights = load_weights(own, tensors) | {head.module.EMBEDDING: _target_embedding(target)}
+    return DraftHead(head.first, head.next, weights, _vocabulary_map(tensors, head.spec.config, source),
+                     head.target_layers, head.spec)
 
 
-def _check_target(config, target: LoadedModel, source: str) -> None:
-    vocab, hidden = target.spec.config.vocab_size, target.spec.config.hidden_size
+def _check_target(config, target: ModelSpec, source: str) -> None:
+    vocab, hidden = target.config.vocab_size, target.config.hidden_size
     if config.vocab_size != vocab:
         raise ConfigError(f"{source}: the head's vocabulary has {config.vocab_size} tokens, the target's {vocab}: "
                           f"a head drafts for the model it was trained on")
@@ -61,8 +82,8 @@ def _target_embedding(target: LoadedModel) -> np.ndarray:
     return np.asarray(target.weights[embedding.inputs[1]])
 
 
-def _decoder_layers(target: LoadedModel) -> int:
-    return sum(n.attrs["count"] * n.attrs.get("layers", 1) for n in target.spec.graph.nodes if n.op == REPEAT)
+def _decoder_layers(target: ModelSpec) -> int:
+    return sum(n.attrs["count"] * n.attrs.get("layers", 1) for n in target.graph.nodes if n.op == REPEAT)
 
 
 def _vocabulary_map(tensors: dict, config, source: str) -> np.ndarray | None:

@@ -27,6 +27,8 @@ BLOCK_TABLES = "block_tables"
 STATE_SLOTS, SLOT_POOL = "state_slots", "num_state_slots"
 LORA_SLOTS = "lora_slots"  # [tokens]: each token's adapter slot of the LoRA tables (-1: the base model)
 EMBED_GATE = "embed_gate"  # a drafter head's input: 1.0 a token, 0.0 at position 0 (whose embedding it drops)
+FEATURES_INPUT = "features"  # a drafter head's input: a row of hidden state a token (the target's, or its own)
+HEAD_ROW_INPUTS = (FEATURES_INPUT, EMBED_GATE)  # a drafter head's inputs of a row a token, beside the step's
 
 
 @dataclass(frozen=True)

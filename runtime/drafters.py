@@ -8,18 +8,16 @@ next proposal."""
 from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
 from pegainfer.ir.graph import Graph
 from pegainfer.ir.interpreter import run_graph
-from pegainfer.ir.step import EMBED_GATE
+from pegainfer.ir.step import EMBED_GATE, FEATURES_INPUT
 from pegainfer.runtime.batch import Chunk, Sequence, commit_step, pack_step
 from pegainfer.runtime.kv_blocks import BlockAllocator, OutOfBlocks
 from pegainfer.runtime.speculative import DraftRequest
-
-FEATURES_INPUT = "features"
-
 
 @dataclass
 class _Draft:
@@ -28,18 +26,52 @@ class _Draft:
     valid: int = 0  # positions of the head's cache computed from the target's features
 
 
-class FeatureDrafter:
-    """`first` reads the target's features, `next` (the same weights and cache) the head's own output; both give
-    draft logits at the sampled rows and every token's output. `to_target` maps draft-vocabulary ids to the
-    target's (EAGLE-3's d2t)."""
+class HeadRunner(Protocol):
+    """Runs a head's steps over its own KV cache (InterpretedHead on the CPU, runtime/gpu/head.py's GpuHead)."""
+    allocator: BlockAllocator
+
+    def run(self, first: bool, chunks: list[Chunk], features: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """One step of `first` (over the target's features) or `next` (over the head's own output), committed:
+        (each chunk's greedy draft in the head's vocabulary, the head's output at each chunk's last position)."""
+        ...
+
+
+class InterpretedHead:
+    """The head's two graphs on the reference interpreter, over one KV cache of `kv_tokens`."""
 
     def __init__(self, first: Graph, next_graph: Graph, weights: Mapping[str, np.ndarray], kv_tokens: int,
-                 block_size: int = 16, to_target: Callable[[np.ndarray], np.ndarray] = lambda ids: ids) -> None:
-        self.first, self.next, self.weights, self.to_target = first, next_graph, weights, to_target
+                 block_size: int = 16) -> None:
+        self.graphs, self.weights = {True: first, False: next_graph}, weights
         self.allocator = BlockAllocator(-(-kv_tokens // block_size), block_size)
         sizes = {"num_blocks": self.allocator.num_blocks, "block_size": block_size}
         self.states = {name: np.zeros(t.concrete(sizes), t.dtype.np_dtype)
                        for name, t in first.expanded_states().items()}
+
+    def run(self, first: bool, chunks: list[Chunk], features: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        graph = self.graphs[first]
+        inputs = pack_step(chunks, self.allocator)
+        inputs |= head_inputs(graph, inputs["positions"], features)
+        logits, out = run_graph(graph, inputs, self.weights, self.states)
+        commit_step(chunks)
+        return np.argmax(logits, axis=-1), out[np.cumsum([c.num_tokens for c in chunks]) - 1]
+
+
+def head_inputs(graph: Graph, positions: np.ndarray, features: np.ndarray) -> dict[str, np.ndarray]:
+    """A head step's own inputs beside pack_step's: the features it reads and, where it takes one, the gate
+    dropping the embedding at position 0."""
+    inputs = {FEATURES_INPUT: features}
+    if EMBED_GATE in graph.inputs:
+        inputs[EMBED_GATE] = (positions != 0).astype(np.float32)[:, None]
+    return inputs
+
+
+class FeatureDrafter:
+    """Drafts with a head on `runner`: its `first` graph reads the target's features, `next` (the same weights
+    and cache) the head's own output. `to_target` maps draft-vocabulary ids to the target's (EAGLE-3's d2t)."""
+
+    def __init__(self, runner: HeadRunner,
+                 to_target: Callable[[np.ndarray], np.ndarray] = lambda ids: ids) -> None:
+        self.runner, self.to_target = runner, to_target
         self.drafts: dict[int, _Draft] = {}
 
     def observe(self, seq_id: int, start: int, rows: np.ndarray) -> None:
@@ -61,7 +93,7 @@ class FeatureDrafter:
             chunks, features = self._catch_up([requests[i] for i in ready])
             if not chunks:
                 return proposed
-            tokens, own = self._run(self.first, chunks, features)
+            tokens, own = self._run(True, chunks, features)
             active = ready
             while True:
                 for i, token in zip(active, tokens):
@@ -71,7 +103,7 @@ class FeatureDrafter:
                     break
                 active = [active[j] for j in still]
                 chunks = [self._extend(self.drafts[requests[i].seq_id].seq, proposed[i][-1]) for i in active]
-                tokens, own = self._run(self.next, chunks, own[still])
+                tokens, own = self._run(False, chunks, own[still])
         except OutOfBlocks:  # the head's cache is full: no drafts this step
             return [[] for _ in requests]
         return proposed
@@ -79,7 +111,7 @@ class FeatureDrafter:
     def release(self, seq_id: int) -> None:
         draft = self.drafts.pop(seq_id, None)
         if draft is not None:
-            self.allocator.release(draft.seq.table)
+            self.runner.allocator.release(draft.seq.table)
 
     def _catch_up(self, requests: list[DraftRequest]) -> tuple[list[Chunk], np.ndarray]:
         """Each sequence's positions from its first not computed from the target's features to its newest one
@@ -99,12 +131,7 @@ class FeatureDrafter:
         seq.token_ids.append(token)
         return Chunk(seq, 1)
 
-    def _run(self, graph: Graph, chunks: list[Chunk], features: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _run(self, first: bool, chunks: list[Chunk], features: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(each chunk's draft token, the head's output at each chunk's last position)."""
-        inputs = pack_step(chunks, self.allocator) | {FEATURES_INPUT: features}
-        if EMBED_GATE in graph.inputs:
-            inputs[EMBED_GATE] = (inputs["positions"] != 0).astype(np.float32)[:, None]
-        logits, out = run_graph(graph, inputs, self.weights, self.states)
-        commit_step(chunks)
-        last = np.cumsum([c.num_tokens for c in chunks]) - 1
-        return self.to_target(np.argmax(logits, axis=-1)), out[last]
+        tokens, own = self.runner.run(first, chunks, features)
+        return self.to_target(tokens), own

@@ -7,14 +7,15 @@ from dataclasses import replace
 from pathlib import Path
 
 from pegainfer.errors import ConfigError
-from pegainfer.frontends.drafter_load import load_draft_head
+from pegainfer.frontends.drafter_load import DraftHead, load_draft_head
 from pegainfer.frontends.checkpoint import derive_weights
-from pegainfer.frontends.features import with_final_hidden, with_layer_inputs
+from pegainfer.frontends.features import FEATURES
 from pegainfer.frontends.hub import resolve_checkpoint
 from pegainfer.frontends.load import LoadedModel, load_model
 from pegainfer.ir.step import has_recurrent_state
 from pegainfer.runtime.batch import Chunk, Sequence
-from pegainfer.runtime.drafters import FeatureDrafter
+from pegainfer.runtime.drafter_graphs import FEATURE_METHODS, drafter_graphs, with_drafter_features
+from pegainfer.runtime.drafters import FeatureDrafter, InterpretedHead
 from pegainfer.runtime.reference_engine import ReferenceEngine
 from pegainfer.runtime.sampler import SamplingParams
 from pegainfer.runtime.speculative import DraftRequest, SpeculativeConfig, Speculator, ngram_drafts
@@ -118,24 +119,29 @@ class DraftModelProposer:
 
 def make_speculator(config: SpeculativeConfig, target: LoadedModel, device: str, kv_tokens: int,
                     max_seqs: int, dtype: str = "auto", engine=None, cache_dir: Path | None = None) -> Speculator:
-    """The proposer a config names, its draft model loaded beside the target (same vocabulary, else one line); a
-    head that reads the target's hidden states has `engine` (the target's) give them from now on. On cuda a draft
-    model runs on a GPU engine of its own beside `engine` (gpu_draft_engine)."""
+    """The proposer a config names, its draft model loaded beside the target (same vocabulary, else one line). A
+    head that reads the target's hidden states needs `engine` (the target's) to give them: a GPU engine's graph
+    gives them from its start (drafter_graphs.with_drafter_features), a reference engine's is given them here.
+    On cuda a draft model or head runs on GPU engines of its own beside `engine`."""
     if config.method == "ngram":
         return Speculator(config, NgramProposer(config))
-    if device != "cpu" and config.method != "draft_model":
-        raise ConfigError(f"--speculative-config: method {config.method} runs on the CPU engine for now (its "
-                          f"drafter's GPU engine is not wired yet); on cuda use ngram or draft_model")
     draft_tokens = kv_tokens + max_seqs * config.num_speculative_tokens
-    if config.method == "eagle3":
-        head = load_draft_head(resolve_checkpoint(config.model).folder, target)
-        if engine is not None:
-            engine.graph = with_layer_inputs(engine.graph, head.target_layers)
+    if config.method in FEATURE_METHODS:
+        if engine is not None and FEATURES not in engine.graph.outputs:
+            if device != "cpu":
+                raise ConfigError(f"--speculative-config: method {config.method} on cuda runs on one GPU for now "
+                                  f"(--tensor-parallel-size 1)")
+            engine.graph = with_drafter_features(config, replace(target, spec=replace(
+                target.spec, graph=engine.graph))).spec.graph
+        head = eagle3_head(config, target) if config.method == "eagle3" else mtp_head(target)
+        if device == "cpu":
+            runner = InterpretedHead(head.first, head.next, head.weights, draft_tokens)
+        else:
+            from pegainfer.runtime.gpu.head import GpuHead
+
+            runner = GpuHead(head, engine, draft_tokens, cache_dir)
         to_target = (lambda ids: ids) if head.to_target is None else head.to_target.__getitem__
-        return Speculator(config, FeatureDrafter(head.first, head.next, head.weights, draft_tokens,
-                                                 to_target=to_target))
-    if config.method == "mtp":
-        return Speculator(config, mtp_drafter(target, draft_tokens, engine))
+        return Speculator(config, FeatureDrafter(runner, to_target=to_target))
     draft = load_model(resolve_checkpoint(config.model).folder, dtype=dtype, device=device, lazy=device != "cpu")
     vocab, theirs = target.spec.config.vocab_size, draft.spec.config.vocab_size
     if vocab != theirs:
@@ -162,18 +168,27 @@ def gpu_draft_engine(draft: LoadedModel, target, kv_tokens: int, cache_dir: Path
 
 
 def draft_reserve(config: SpeculativeConfig, target: LoadedModel, dtype: str = "auto") -> tuple[int, float]:
-    """What a GPU target leaves a draft model's engine beside it: bytes for the draft's weights and activations,
-    and the share of the KV budget the target keeps (by KV bytes a token, so both pools hold as many tokens)."""
+    """What a GPU target leaves a draft model's or head's engines beside it: bytes for the drafter's weights (a
+    head's borrowed embedding counted too) and activations, and the share of the KV budget the target keeps (by KV
+    bytes a token, so both pools hold as many tokens)."""
     from pegainfer.frontends.load import load_spec
     from pegainfer.runtime.bench import kv_bytes_per_token, weight_bytes
 
-    spec = load_spec(resolve_checkpoint(config.model).folder / "config.json", dtype=dtype, device="cuda")
+    if config.method in FEATURE_METHODS:
+        spec = drafter_graphs(config, target.spec)[1][0]
+    else:
+        spec = load_spec(resolve_checkpoint(config.model).folder / "config.json", dtype=dtype, device="cuda")
     own, theirs = kv_bytes_per_token(target.spec), kv_bytes_per_token(spec)
     return int(weight_bytes(spec)) + DRAFT_WORKSPACE, own / (own + theirs)
 
 
-def mtp_drafter(target: LoadedModel, kv_tokens: int, engine: ReferenceEngine | None) -> FeatureDrafter:
-    """The checkpoint's own multi-token-prediction head as a drafter over the model's final hidden states."""
+def eagle3_head(config: SpeculativeConfig, target: LoadedModel) -> DraftHead:
+    return load_draft_head(resolve_checkpoint(config.model).folder, target)
+
+
+def mtp_head(target: LoadedModel) -> DraftHead:
+    """The checkpoint's own multi-token-prediction head, a drafter over the model's final hidden states: one
+    graph, over its own features and the target's alike."""
     graph_of = getattr(target.spec.dag, "mtp_graph", None)
     if graph_of is None or target.mtp is None:
         why = "its DAG file runs none" if graph_of is None else "its checkpoint has none (no mtp.* tensors, or " \
@@ -183,6 +198,4 @@ def mtp_drafter(target: LoadedModel, kv_tokens: int, engine: ReferenceEngine | N
     head = graph_of(target.spec.config)
     weights = {name: target.weights[name] for name in head.checkpoint_params() if name in target.spec.graph.params}
     weights = derive_weights(head.derivations(), {**target.mtp, **weights})
-    if engine is not None:
-        engine.graph = with_final_hidden(engine.graph)
-    return FeatureDrafter(head, head, weights, kv_tokens)
+    return DraftHead(head, head, weights, None, [], replace(target.spec, graph=head))

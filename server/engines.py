@@ -9,7 +9,7 @@ from pegainfer import argtypes
 from pegainfer.errors import PegainferError
 
 if TYPE_CHECKING:
-    from pegainfer.frontends.load import LoadedModel
+    from pegainfer.frontends.load import LoadedModel, ModelSpec
     from pegainfer.frontends.lora import LoraConfig
 
 EXECUTOR_BACKENDS = ("mp", "ray")  # runtime/rank_workers.py's BACKENDS, spelled out as DTYPE_CHOICES is
@@ -19,10 +19,10 @@ KV_BLOCK_SIZE = 16  # tokens a KV block holds, on either engine
 
 def add_speculative_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help='speculative decoding, as vLLM spells it: {"method": "ngram" or "draft_model", '
-                        '"num_speculative_tokens": K, "model": DRAFT_FOLDER (draft_model), "prompt_lookup_min", '
-                        '"prompt_lookup_max" (ngram), "disable_by_batch_size"}; greedy and seeded output is the '
-                        'same as without it')
+                   help='speculative decoding, as vLLM spells it: {"method": "ngram", "draft_model", "eagle3" or '
+                        '"mtp", "num_speculative_tokens": K, "model": the draft model\'s or EAGLE-3 head\'s folder, '
+                        '"prompt_lookup_min", "prompt_lookup_max" (ngram), "disable_by_batch_size"}; greedy and '
+                        'seeded output is the same as without it')
 
 
 def add_parallel_args(p: argparse.ArgumentParser, executor: bool = True) -> None:
@@ -93,6 +93,24 @@ def lora_config(args: argparse.Namespace) -> "LoraConfig | None":
     return LoraConfig(args.max_loras, args.max_lora_rank)
 
 
+def served_graphs(args: argparse.Namespace, specs: list["ModelSpec"]) -> list["ModelSpec"]:
+    """The graphs `serve` runs under these flags, for `pegainfer compile` (the specs: a model's ranks): the model
+    giving the features a hidden-state drafter reads and the head's graphs after the ranks (--speculative-config),
+    LoRA tables on the ranks (--enable-lora)."""
+    from dataclasses import replace
+
+    ranks = len(specs)
+    if args.speculative_config:
+        from pegainfer.runtime.drafter_graphs import compiled_drafter
+
+        specs = compiled_drafter(args.speculative_config, specs)
+    if (lora := lora_config(args)) is not None:
+        from pegainfer.frontends.lora import with_lora
+
+        specs = [replace(s, graph=with_lora(s.graph, lora)) if i < ranks else s for i, s in enumerate(specs)]
+    return specs
+
+
 def build_engine(model: "LoadedModel", device: str, args: argparse.Namespace, max_model_len: int, step_tokens: int):
     """The reference engine on the CPU; on the GPU, the compiled kernels (compiled first if missing)."""
     lora = lora_config(args)
@@ -118,15 +136,15 @@ def build_engine(model: "LoadedModel", device: str, args: argparse.Namespace, ma
 def gpu_options(args: argparse.Namespace, model: "LoadedModel", max_model_len: int, step_tokens: int):
     """The GPU engine's options from serve's flags (a sharded model's every rank takes the same): with speculation,
     a row of logits for each draft (no more than a step's tokens), spare state rows to roll back to, and with a
-    draft model the memory its engine takes beside this one (proposers.draft_reserve)."""
+    draft model or head the memory its engines take beside this one (proposers.draft_reserve)."""
     from pegainfer.runtime.gpu.engine import EngineOptions
     from pegainfer.runtime.speculative import parse_speculative_config
 
     speculative = parse_speculative_config(args.speculative_config) if args.speculative_config else None
     drafts = speculative.num_speculative_tokens if speculative else 0
     reserved, share = (0, 1.0)
-    if speculative is not None and speculative.method == "draft_model" and args.kv_cache_tokens is None:
-        from pegainfer.runtime.proposers import draft_reserve  # the draft's engine is built beside this one
+    if speculative is not None and speculative.method != "ngram" and args.kv_cache_tokens is None:
+        from pegainfer.runtime.proposers import draft_reserve  # the drafter's engines are built beside this one
 
         reserved, share = draft_reserve(speculative, model, args.dtype)
     return EngineOptions(max_tokens=step_tokens, max_batch=args.max_num_seqs, max_model_len=max_model_len,

@@ -183,11 +183,11 @@ def stand_in_manifest(cache: Path, spec) -> tuple[Path, object, list, dict]:
     return path, lowered, kernels, {id_: key for (_, id_), key in compiled.keys.items()}
 
 
-def stand_in_executor(tmp_path, monkeypatch, checkpoint, lora=None) -> tuple:
-    """A GpuExecutor over the tiny model's Triton plan (with LoRA tables: `lora`, a LoraConfig) on a stand-in
-    driver: (executor, lowered graph, planned kernels, planned launch id -> key, the memory taken, the launches
-    made: (symbol, argument values, pdl), the copies to the device: (address, bytes), the manifest's launches by
-    key)."""
+def stand_in_executor(tmp_path, monkeypatch, checkpoint, lora=None, spec=None, borrowed=None, kv_of=None) -> tuple:
+    """A GpuExecutor over the tiny model's Triton plan (with LoRA tables: `lora`, a LoraConfig; or `spec`'s,
+    borrowing `borrowed` params, taking `kv_of`'s KV cache) on a stand-in driver: (executor, lowered graph, planned kernels, planned launch
+    id -> key, the memory taken, the launches made: (symbol, argument values, pdl), the copies to the device:
+    (address, bytes), the manifest's launches by key)."""
     from dataclasses import replace
     from types import SimpleNamespace
 
@@ -196,7 +196,7 @@ def stand_in_executor(tmp_path, monkeypatch, checkpoint, lora=None) -> tuple:
     from pegainfer.runtime.cuda import driver
     from pegainfer.runtime.gpu import executor as executing
 
-    spec = load_spec(checkpoint / "config.json")
+    spec = spec or load_spec(checkpoint / "config.json")
     spec = spec if lora is None else replace(spec, graph=with_lora(spec.graph, lora))
     path, lowered, kernels, keys = stand_in_manifest(tmp_path, spec)
     memory, launched, copies, loaded = [0x10000], [], [], {}
@@ -216,10 +216,11 @@ def stand_in_executor(tmp_path, monkeypatch, checkpoint, lora=None) -> tuple:
                            ("alloc_pinned", lambda n: np.zeros(n, np.uint8)), ("launch", launch)):
         monkeypatch.setattr(driver, name, stand_in)
     monkeypatch.setattr(executing, "load_function", lambda cubin, launch: (None, launch.symbol))
-    monkeypatch.setattr(executing, "upload_weights", lambda graph, weights, stream, arena: {
-        name: arena.take(t.dtype.itemsize * int(np.prod(t.shape))) for name, t in graph.expanded_params().items()})
-    gpu = GpuExecutor(SimpleNamespace(stream=0), lowered, path, {}, Limits(64, 4, 8, 0, 16))
-    gpu.allocate_kv(32)
+    monkeypatch.setattr(executing, "upload_weights", lambda graph, weights, stream, arena, skip=(): {
+        name: arena.take(t.dtype.itemsize * int(np.prod(t.shape))) for name, t in graph.expanded_params().items()
+        if name not in skip})
+    gpu = GpuExecutor(SimpleNamespace(stream=0), lowered, path, {}, Limits(64, 4, 8, 0, 16), borrowed=borrowed)
+    gpu.share_kv(kv_of) if kv_of is not None else gpu.allocate_kv(32)
     loaded |= {launch.key: launch for k in gpu.kernels.values() for v in k.variants for launch in v.launches}
     return gpu, lowered, kernels, keys, memory, launched, copies, loaded
 

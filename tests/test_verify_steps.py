@@ -123,10 +123,14 @@ def test_sample_draws_from_the_real_rows_of_a_padded_step(tiny_checkpoint):
     engine.rng, engine.vocab_size = np.random.default_rng(0), model.spec.config.vocab_size
     ids = np.arange(100, 112, dtype=np.int32)
     fetched = {names["sampled_ids"]: ids, names["sampled_logprobs"]: -np.arange(12, dtype=np.float32)}
-    engine.executor = types.SimpleNamespace(graph=graph,
+    features = np.arange(12 * 2, dtype=np.float32).reshape(12, 2)  # a drafter's row a token, of the padded step
+    engine.executor = types.SimpleNamespace(graph=graph, fetch=lambda tensor: {"features": features}[tensor],
                                             fetch_later=lambda tensors: lambda: [fetched[t] for t in tensors])
-    engine._run = lambda chunks, all_logits, sampling, fill_late, verify: ({n: n for n in fetched} | {"logits": None},
-                                                                   np.array([0, 1, 3]))
+    engine.token_output = "features"
+    tokens = verify_rows(np.array([2, 1]), 3)
+    engine._run = lambda chunks, all_logits, sampling, fill_late, verify, inputs: (
+        {n: n for n in fetched} | {"logits": None, "features": "features"}, np.array([0, 1, 3]), tokens)
     chunks = [Chunk(Sequence(0, [1, 2, 3]), 2, draws=2), Chunk(Sequence(1, [4]), 1)]
     result = engine.sample(chunks, [SamplingParams()] * 3, [0, 1, 0])
     assert result.tokens == [100, 101, 103]
+    assert result.features.tolist() == features[[0, 1, 3]].tolist()  # the step's tokens' rows, in its order

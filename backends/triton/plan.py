@@ -77,8 +77,9 @@ def plan_kernel(graph: Graph, node: Node, options: PlanOptions) -> KernelSpec:
         return _plan_gemm(graph, node)
     if ops == SAMPLER_OPS:
         return _plan_sampler(graph, node)
-    if ops == ["embedding"]:
-        return _plan_embedding(graph, node)
+    if ops in (["embedding"], ["concat"]):
+        from pegainfer.backends.triton.gather import plan_concat, plan_embedding
+        return plan_embedding(graph, node) if ops == ["embedding"] else plan_concat(graph, node)
     if rowwise.supports(node.attrs["nodes"]):
         return _plan_row_kernel(graph, node)
     raise PegainferError(f"kernel {node.name} ({node.attrs['kind']}: {' + '.join(ops)}) has no Triton template")
@@ -337,25 +338,6 @@ def _plan_sampler(graph: Graph, node: Node) -> KernelSpec:
     spec = kernel_spec(graph, node, types[roles["out"]].shape[0], [VariantSpec("default", None, launches)])
     spec.scratch = {name: (t.dtype.name, t.shape) for name, t in scratch.items()}
     return spec
-
-
-def _plan_embedding(graph: Graph, node: Node) -> KernelSpec:
-    (embedding,) = node.attrs["nodes"]
-    types = graph.value_types() | {embedding.outputs[0]: embedding.output_types[0]}
-    ids, table = embedding.inputs
-    hidden = types[table].shape[1]
-    block = min(1024, next_pow2(hidden))
-    p = Params(types, static_layout(graph))
-    for name, value in (("ids_ptr", ids), ("table_ptr", table), ("out_ptr", embedding.outputs[0])):
-        p.tensor(name, value)
-    p.stride("stride_out", embedding.outputs[0])
-    row_symbol = types[ids].shape[0]
-    first_id = embedding.attrs.get("first_id")  # a rank's part of the vocabulary: ids outside it give zeros
-    lookup = launch("embedding.py", "embedding_kernel", p,
-                    dict(HIDDEN=hidden, BLOCK=block, SCALE=float(embedding.attrs.get("scale", 1.0)),
-                         FIRST_ID=-1 if first_id is None else first_id, ROWS=types[table].shape[0]),
-                    (GridDim((row_symbol,)), GridDim((hidden,), block)))
-    return kernel_spec(graph, node, row_symbol, [VariantSpec("default", None, [lookup])])
 
 
 def _plan_row_kernel(graph: Graph, node: Node) -> KernelSpec:

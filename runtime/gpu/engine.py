@@ -5,12 +5,14 @@ engine tells `on_step` each step it is about to launch, and every other rank's e
 that all issue the same NCCL calls in the same order."""
 
 from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from pegainfer.errors import PegainferError
+from pegainfer.frontends.features import FEATURES
 from pegainfer.frontends.load import LoadedModel
 from pegainfer.ir.step import LORA_SLOTS, TOKEN_BITMASK, has_recurrent_state, mask_words, sampler_outputs
 from pegainfer.passes.pipeline import lower
@@ -24,7 +26,9 @@ from pegainfer.runtime.gpu.executor import PDL_MAX_TOKENS, GpuExecutor, Limits
 from pegainfer.runtime.gpu.host_blocks import HostBlocks
 from pegainfer.runtime.gpu.memory import kv_blocks_for_memory
 from pegainfer.runtime.gpu.nccl import NcclCommunicator, Rendezvous
-from pegainfer.runtime.gpu.step_padding import PADDING_BLOCK, PADDING_SLOT, pad_decode_step, pad_verify_step
+from pegainfer.runtime.gpu.step_padding import (PADDING_BLOCK, PADDING_SLOT, pad_decode_step, pad_verify_step,
+                                                verify_rows)
+from pegainfer.runtime.gpu.upload import shared_params
 from pegainfer.runtime.kv_blocks import BlockAllocator
 from pegainfer.runtime.sampler import SamplingParams
 
@@ -72,26 +76,34 @@ StepHook = Callable[[dict[str, np.ndarray], StepPlan], None]  # a step's packed 
 
 class GpuEngine:
     def __init__(self, model: LoadedModel, manifest: Path, options: EngineOptions = EngineOptions(),
-                 communicator: Communicator | Rendezvous | None = None, on_step: StepHook | None = None) -> None:
+                 communicator: Communicator | Rendezvous | None = None, on_step: StepHook | None = None, *,
+                 lenders: Seq["GpuEngine"] = (), kv_of: "GpuEngine | None" = None) -> None:
         """One rank of a sharded model takes a communicator, or the Rendezvous to make one (with this engine's
-        context current, before the KV cache takes the memory left); `on_step` hears of every step first."""
+        context current, before the KV cache takes the memory left); `on_step` hears of every step first. A draft
+        head's engines borrow the params `lenders` hold alike (its target's embedding), and its second graph
+        takes the first's KV cache, stream and block allocator (`kv_of`)."""
         self.model, self.options, self.on_step = model, options, on_step
-        self.ctx = driver.Context.create(options.device)
+        self.ctx = kv_of.ctx if kv_of is not None else driver.Context.create(options.device)
         if isinstance(communicator, Rendezvous):
             communicator = NcclCommunicator(communicator, self.ctx.stream)
         self.communicator = communicator
         lowered, _ = lower(model.spec.graph)
         limits = Limits(options.max_tokens, options.max_batch, -(-options.max_model_len // options.block_size),
                         0, options.block_size, max_samples=options.max_samples)
-        self.executor = GpuExecutor(self.ctx, lowered, manifest, model.weights, limits, communicator)
+        self.executor = GpuExecutor(self.ctx, lowered, manifest, model.weights, limits, communicator,
+                                    borrowed_params(lowered, lenders))
         slots = options.max_batch + PADDING_SLOT + 1 if has_recurrent_state(lowered) else 0  # one per sequence
         snapshots = options.max_batch if options.state_snapshots is None else options.state_snapshots
         if slots:
             self.executor.allocate_state_pools(slots + snapshots + options.spare_states)
-        num_blocks = self._kv_blocks()
-        self.executor.allocate_kv(num_blocks)
         self._slots = (slots, snapshots)
-        self.allocator = self._allocator(num_blocks)
+        if kv_of is None:
+            num_blocks = self._kv_blocks()
+            self.executor.allocate_kv(num_blocks)
+            self.allocator = self._allocator(num_blocks)
+        else:
+            self.executor.share_kv(kv_of.executor)
+            self.allocator = kv_of.allocator
         self.executor.pdl_max_tokens = options.pdl_max_tokens
         self.buckets = decode_buckets(options.max_batch)
         self.graphs: dict[tuple[int, int, bool], tuple[tuple[driver.Graph, ...], dict]] = {}  # bucket, width, split
@@ -99,6 +111,8 @@ class GpuEngine:
         self.vocab_size = lowered.value_types()[lowered.outputs[0]].shape[-1]  # the logits' width
         self.no_masks = np.zeros((1, mask_words(self.vocab_size)), dtype=np.int32)
         self.host_blocks: HostBlocks | None = None  # the host KV tier's pinned pool (allocate_host_blocks)
+        # the output of a row per token that sample() brings back too: a drafter's features
+        self.token_output: str | None = FEATURES if FEATURES in lowered.outputs else None
 
     def _kv_blocks(self) -> int:
         """Blocks of the KV cache, the padding block included: from kv_tokens, or what the memory allows. A pool
@@ -137,13 +151,15 @@ class GpuEngine:
 
     def sample(self, chunks: list[Chunk], params: list[SamplingParams], token_index: list[int],
                constraints: list[TokenConstraint | None] | None = None,
-               launched: Callable[[], None] | None = None) -> SampleResult:
+               launched: Callable[[], None] | None = None,
+               inputs: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None) -> SampleResult:
         """Runs one step and draws a token per chunk on the device (the tail's `sample` op, under each row's
         grammar bitmask): downloads the tokens and their logprobs, the top-k candidates only when a row asks for
         top logprobs, and a full logits row only for a row whose kept set reaches past the candidates or whose
         constraint the tail cannot take (device_sampling.finish: drawn on the host with the same noise). Rows
         with penalties are drawn under them in the tail (penalty_inputs). `launched` is called once the step and
-        its downloads are queued, before the wait."""
+        its downloads are queued, before the wait. `inputs(step)` gives step inputs of the graph's own beside the
+        packed step's (a draft head's features); the token_output's rows come back as the result's features."""
         sampling = sampling_inputs(params, token_index, self.rng)
         masks: dict[int, np.ndarray] = {}
         penalized: set[int] = set()
@@ -154,7 +170,8 @@ class GpuEngine:
             penalized.update(on_device)
             return mask_inputs(rows, masks) | (penalties if on_device else {})
         constrained = constraints is not None and any(c is not None for c in constraints)
-        outputs, draws = self._run(chunks, False, sampling, fill_late if constrained else None, verify=True)
+        outputs, draws, tokens = self._run(chunks, False, sampling, fill_late if constrained else None, verify=True,
+                                           inputs=inputs)
         rows = np.arange(len(params)) if draws is None else draws  # the draws' rows of the step's outputs
         names = sampler_outputs(self.executor.graph)
         wanted = ["sampled_ids", "sampled_logprobs", *(("top_values", "top_ids", "logsumexp")
@@ -164,9 +181,12 @@ class GpuEngine:
             launched()
         fetched = download()
         logits = outputs[self.executor.graph.outputs[0]]
-        return finish({role: array[rows] for role, array in zip(wanted, fetched)}, sampling, params,
-                      lambda row: self.executor.fetch(logits.row(int(rows[row])))[0].astype(np.float32), constraints,
-                      masks, penalized)
+        result = finish({role: array[rows] for role, array in zip(wanted, fetched)}, sampling, params,
+                        lambda row: self.executor.fetch(logits.row(int(rows[row])))[0].astype(np.float32),
+                        constraints, masks, penalized)
+        if self.token_output is not None:
+            result.features = self.executor.fetch(outputs[self.token_output])[tokens]
+        return result
 
     def run(self, chunks: list[Chunk], *, all_logits: bool = False, sampling: dict | None = None,
             fill_late: Callable[[int], dict[str, np.ndarray]] | None = None) -> dict:
@@ -176,15 +196,21 @@ class GpuEngine:
         return self._run(chunks, all_logits, sampling, fill_late)[0]
 
     def _run(self, chunks: list[Chunk], all_logits: bool, sampling: dict | None,
-             fill_late: Callable[[int], dict[str, np.ndarray]] | None,
-             verify: bool = False) -> tuple[dict, np.ndarray | None]:
-        """run's outputs, and the rows of the step's draws among them where a verify graph padded it (None: the
-        first rows); `verify`: the caller reads the draws by those rows (sample does), so a verify graph may run."""
+             fill_late: Callable[[int], dict[str, np.ndarray]] | None, verify: bool = False,
+             inputs: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None
+             ) -> tuple[dict, np.ndarray | None, np.ndarray | slice]:
+        """run's outputs, the rows of the step's draws among them where a verify graph padded it (None: the first
+        rows), and the rows of its tokens (a slice of the first ones where no verify graph padded it); `verify`:
+        the caller reads the draws by those rows (sample does), so a verify graph may run."""
         # full-width bitmask rows even when none is used: a captured graph keeps the row stride it was captured with
         step = pack_step(chunks, self.allocator, all_logits=all_logits, lora=self.lora) | (sampling or {}) | \
             {TOKEN_BITMASK: self.no_masks}
+        if inputs is not None:
+            step |= inputs(step)
         plan, draws = self._plan(chunks, step, all_logits, fill_late is not None, verify), None
+        tokens = slice(0, len(step["input_ids"]))
         if plan.width > 1:
+            tokens = verify_rows(step["query_lens"], plan.width)
             step, draws = pad_verify_step(step, plan.bucket, plan.width)
         elif plan.bucket is not None:
             step = pad_decode_step(step, plan.bucket)
@@ -194,7 +220,7 @@ class GpuEngine:
             self.on_step(step, plan)
         outputs = self._launch(step, plan, before_tail)
         commit_step(chunks)
-        return outputs, draws
+        return outputs, draws, tokens
 
     def _plan(self, chunks: list[Chunk], step: dict[str, np.ndarray], all_logits: bool, split: bool,
               verify: bool = True) -> StepPlan:
@@ -311,6 +337,15 @@ class GpuEngine:
 
     def release(self, seq: Sequence) -> None:
         release_sequence(self.allocator, seq)
+
+
+def borrowed_params(graph, lenders: Seq[GpuEngine]) -> dict[str, int]:
+    """The device addresses of the params of `graph` (lowered) that the lenders hold alike, the first one's."""
+    borrowed: dict[str, int] = {}
+    for lender in lenders:
+        for name in shared_params(graph, lender.executor.graph) - set(borrowed):
+            borrowed[name] = lender.executor.weights[name]
+    return borrowed
 
 
 def skipped_kinds(step: dict[str, np.ndarray]) -> frozenset[str]:

@@ -2,7 +2,8 @@
 Walks the graph as the reference interpreter does: views are pointer arithmetic, kernels are launches of the
 variant for the step's row count, a repeated body runs once per layer with that layer's weights and KV cache."""
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from math import prod
 from pathlib import Path
@@ -19,6 +20,7 @@ from pegainfer.ir.step import SLOT_POOL, launch_sizes, mask_words
 from pegainfer.ir.types import TensorType
 from pegainfer.passes.kernels import is_collective
 from pegainfer.runtime.cuda import driver
+from pegainfer.runtime.gpu import downloads
 from pegainfer.runtime.gpu.abi import DeviceTensor
 from pegainfer.runtime.gpu.collectives import Collectives, Communicator, check_collectives
 from pegainfer.runtime.gpu.launch import launch_kernel, load_function, programmatic
@@ -58,10 +60,11 @@ class Limits:
 
 class GpuExecutor:
     def __init__(self, ctx: driver.Context, graph: Graph, manifest_path: Path, weights: Mapping[str, np.ndarray],
-                 limits: Limits, communicator: Communicator | None = None) -> None:
-        """`weights` holds the checkpoint's tensors (read lazily is best); derived params are assembled on the
-        device from their sources, one host tensor at a time. A rank's graph of a sharded model runs its
-        collective nodes through `communicator` (runtime/gpu/nccl.py)."""
+                 limits: Limits, communicator: Communicator | None = None,
+                 borrowed: Mapping[str, int] | None = None) -> None:
+        """`weights`: the checkpoint's tensors (lazily read is best), derived params assembled on the device;
+        `borrowed`: params another executor holds, by address (upload.shared_params); `communicator`: a sharded
+        model's rank's, for its collective nodes (runtime/gpu/nccl.py)."""
         check_collectives(graph, communicator)
         logits = graph.value_types()[graph.outputs[0]]
         self.ctx, self.graph, self.limits = ctx, graph, replace(limits, mask_words=mask_words(logits.shape[-1]))
@@ -79,8 +82,9 @@ class GpuExecutor:
         self.bound: dict[tuple[str, int | None], dict[str, DeviceTensor]] = {}
         self._before_tail: Callable[[], None] | None = None
         self.functions = self._load_functions(manifest_path.parent.parent)
-        arena = Arena(params_bytes(graph) + ALIGN * len(graph.expanded_params()), "weights")
-        self.weights = upload_weights(graph, weights, ctx.stream, arena)
+        borrowed = borrowed or {}
+        arena = Arena(params_bytes(graph, borrowed) + ALIGN * len(graph.expanded_params()), "weights")
+        self.weights = upload_weights(graph, weights, ctx.stream, arena, skip=borrowed) | dict(borrowed)
         sizes = self.limits.sizes()
         self.buffers, self.scratch, self.planes = self._allocate_activations(sizes)
         self.collectives = Collectives(graph, communicator, sizes, ctx.stream)
@@ -94,7 +98,7 @@ class GpuExecutor:
         self.profile: list[tuple[str, driver.Event, driver.Event]] | None = None  # set to a list to time launches
         self.pdl_max_tokens = PDL_MAX_TOKENS  # programmatic dependent launch up to this many tokens (0: never)
         self.inputs, self.staging, self.input_region = self._allocate_inputs(sizes)
-        self.download = driver.alloc_pinned(1 << 20)  # fetch_all's landing area
+        self.download = driver.alloc_pinned(1 << 20)  # fetch_later's landing area
 
     def kv_bytes_per_block(self) -> int:
         one = {"num_blocks": 1, "block_size": self.limits.block_size}
@@ -146,6 +150,13 @@ class GpuExecutor:
                        for name, t in self._states(pooled=False).items()} | self.pools | self.tables
         driver.memset(arena.base, arena.size, self.ctx.stream)
 
+    def share_kv(self, other: "GpuExecutor") -> None:
+        """`other`'s KV cache as this one's (two graphs of one draft head, of the same layers, take turns on it)."""
+        mine = self._states(pooled=False)
+        assert not self.states and mine == other._states(pooled=False), "a KV cache shared once, of the same states"
+        self.limits = replace(self.limits, num_blocks=other.limits.num_blocks)
+        self.states = {name: other.states[name] for name in mine} | self.pools | self.tables
+
     def paged_states(self) -> list[str]:
         """The KV cache's states by expanded name (what the host tier copies a block of)."""
         return list(self._states(pooled=False))
@@ -196,11 +207,9 @@ class GpuExecutor:
         """One device region and one pinned host region hold every step input, so a step uploads once."""
         layout, offset = {}, 0
         for name, t in self.graph.inputs.items():
-            layout[name] = (offset, t)
-            offset += -(-_nbytes(t, sizes) // 256) * 256
+            layout[name], offset = (offset, t), offset + -(-_nbytes(t, sizes) // 256) * 256
         region = driver.alloc(offset)
-        staging = driver.alloc_pinned(offset)
-        return layout, staging, region
+        return layout, driver.alloc_pinned(offset), region
 
     def upload_step(self, step: dict[str, np.ndarray]) -> dict[str, int]:
         """Copies the step's inputs up in one transfer; returns the step's sizes."""
@@ -233,8 +242,8 @@ class GpuExecutor:
             driver.copy_to_device(self.input_region + offset, self.staging[offset: offset + data.size], self.ctx.stream)
 
     def _check(self, sizes: dict[str, int]) -> None:
-        for name, limit in (("tokens", self.limits.max_tokens), ("batch", self.limits.max_batch),
-                            ("samples", self.limits.samples)):
+        limits = self.limits
+        for name, limit in (("tokens", limits.max_tokens), ("batch", limits.max_batch), ("samples", limits.samples)):
             if sizes[name] > limit:
                 raise PegainferError(f"a step of {sizes[name]} {name} exceeds this engine's {limit}")
 
@@ -307,13 +316,8 @@ class GpuExecutor:
         for run in self.sums.before_reading([source]):
             self._run_launch(*run)
         self.sums.written([out])
-        if self.profile is not None:
-            events = (driver.Event(), driver.Event())
-            events[0].record(self.ctx.stream)
-        self.collectives.run(g.name, node, source, out)
-        if self.profile is not None:
-            events[1].record(self.ctx.stream)
-            self.profile.append((f"{node.op}/nccl", *events))
+        with self._timed(f"{node.op}/nccl"):
+            self.collectives.run(g.name, node, source, out)
 
     def _buffer(self, g: Graph, value: str, type_: TensorType, sizes: dict[str, int],
                 layer: int | None) -> DeviceTensor:
@@ -338,49 +342,27 @@ class GpuExecutor:
     def _run_launch(self, origin: str, launch: Launch, env: dict[str, DeviceTensor], sizes: dict[str, int]) -> None:
         """One launch; `origin` (kernel kind / variant) labels it in a profile."""
         _, function = self.functions[launch.key]
-        if self.profile is not None:
-            events = (driver.Event(), driver.Event())
-            events[0].record(self.ctx.stream)
-        launch_kernel(function, launch, env, sizes, self.ctx.stream,  # the driver copies the arguments
-                      pdl=programmatic(launch, sizes, self.pdl_max_tokens))
-        if self.profile is not None:
-            events[1].record(self.ctx.stream)
-            self.profile.append((f"{origin}/{launch.symbol}", *events))
+        with self._timed(f"{origin}/{launch.symbol}"):
+            launch_kernel(function, launch, env, sizes, self.ctx.stream,  # the driver copies the arguments
+                          pdl=programmatic(launch, sizes, self.pdl_max_tokens))
 
-    def fetch_all(self, tensors: list[DeviceTensor]) -> list[np.ndarray]:
-        """Small contiguous tensors (a step's sampled tokens) in one round trip."""
-        return self.fetch_later(tensors)()
+    @contextmanager
+    def _timed(self, label: str) -> Iterator[None]:
+        """Events around what the block queues, into the profile where one is kept."""
+        if self.profile is None:
+            yield
+            return
+        events = (driver.Event(), driver.Event())
+        events[0].record(self.ctx.stream)
+        yield
+        events[1].record(self.ctx.stream)
+        self.profile.append((label, *events))
 
     def fetch_later(self, tensors: list[DeviceTensor]) -> Callable[[], list[np.ndarray]]:
-        """fetch_all's copies into pinned memory queued on the stream now; the call it returns synchronises once
-        and reads them (before the next step's copies reuse that memory)."""
-        sizes = [prod(t.shape) * t.dtype.itemsize for t in tensors]
-        if sum(sizes) + 256 * len(sizes) > self.download.nbytes:
-            return lambda: [self.fetch(t) for t in tensors]
-        offsets = [sum(-(-n // 256) * 256 for n in sizes[:i]) for i in range(len(sizes))]
-        for tensor, offset, nbytes in zip(tensors, offsets, sizes):
-            assert tensor.row_stride == prod(tensor.shape[1:]), "fetch_all reads contiguous tensors"
-            driver.copy_to_host(self.download[offset: offset + nbytes], tensor.ptr, self.ctx.stream)
-
-        def read() -> list[np.ndarray]:
-            self.ctx.synchronize()
-            return [self.download[o: o + n].view(t.dtype.np_dtype).reshape(t.shape).copy()
-                    for t, o, n in zip(tensors, offsets, sizes)]
-        return read
+        return downloads.fetch_later(self.ctx, self.download, tensors)
 
     def fetch(self, tensor: DeviceTensor) -> np.ndarray:
-        """A tensor's values; a view of rows narrower than their stride (the logits a split cut from the gathered
-        vocabulary's padding) read row span by row span and cut."""
-        rows, width = (tensor.shape[0], prod(tensor.shape[1:])) if tensor.shape else (1, 1)
-        span = (rows - 1) * tensor.row_stride + width if rows else 0
-        host = np.empty(span, dtype=tensor.dtype.np_dtype)
-        # the step first, without the GIL: a copy into pageable memory waits for the stream holding it
-        self.ctx.synchronize()
-        driver.copy_to_host(host, tensor.ptr, self.ctx.stream)
-        self.ctx.synchronize()
-        itemsize = host.itemsize
-        rows_view = np.lib.stride_tricks.as_strided(host, (rows, width), (tensor.row_stride * itemsize, itemsize))
-        return rows_view.reshape(tensor.shape).copy()
+        return downloads.fetch(self.ctx, tensor)
 
 
 def _fixed(t: TensorType) -> bool:

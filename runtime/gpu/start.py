@@ -18,15 +18,16 @@ COMPILE_HINT = "or install the compile extra (pip install -e '.[compile]') and i
 
 
 def gpu_engine(model: LoadedModel, options: "engine.EngineOptions", cache_dir: Path | None = None, *,
-               compile_missing: bool = True, communicator=None,
-               on_step: "engine.StepHook | None" = None) -> "engine.GpuEngine":
+               compile_missing: bool = True, communicator=None, on_step: "engine.StepHook | None" = None,
+               lenders: tuple = (), kv_of: "engine.GpuEngine | None" = None) -> "engine.GpuEngine":
     """The engine on the visible GPU, its kernels from `cache_dir` (cache_root's rule), compiled if missing; one
-    rank of a sharded model's with `communicator` (a Communicator, or the nccl.Rendezvous to make one)."""
+    rank of a sharded model's with `communicator` (a Communicator, or the nccl.Rendezvous to make one); a draft
+    head's with `lenders` and `kv_of` (GpuEngine's)."""
     sm = device.visible_sm()
     if sm is None:
         raise PegainferError("the GPU engine needs a visible CUDA device (and cuda-bindings: pip install -e '.[cuda]')")
     manifest = ensure_manifest(model.spec, sm, cache_dir, label=str(model.folder), compile_missing=compile_missing)
-    return engine.GpuEngine(model, manifest, options, communicator, on_step)
+    return engine.GpuEngine(model, manifest, options, communicator, on_step, lenders=lenders, kv_of=kv_of)
 
 
 def ensure_manifest(spec: ModelSpec, sm: int, cache_dir: Path | None = None, *, label: str,

@@ -4,8 +4,8 @@ Padding writes no KV slot and is drawn greedily; the real rows keep their values
 
 import numpy as np
 
-from pegainfer.ir.step import (LORA_SLOTS, PENALTY_COUNT, PENALTY_IDS, PENALTY_START, PENALTY_TERMS, SAMPLING_INPUTS,
-                               STATE_SLOTS, TOKEN_BITMASK, TOKEN_MASK_INDEX)
+from pegainfer.ir.step import (HEAD_ROW_INPUTS, LORA_SLOTS, PENALTY_COUNT, PENALTY_IDS, PENALTY_START, PENALTY_TERMS,
+                               SAMPLING_INPUTS, STATE_SLOTS, TOKEN_BITMASK, TOKEN_MASK_INDEX)
 from pegainfer.runtime.device_sampling import greedy_inputs
 
 PADDING_BLOCK = 0  # a KV block no sequence owns: padding slots of captured decode steps point here
@@ -37,6 +37,8 @@ def pad_decode_step(step: dict[str, np.ndarray], bucket: int) -> dict[str, np.nd
            if STATE_SLOTS in step else {}),
         **({LORA_SLOTS: np.concatenate([step[LORA_SLOTS], np.full(extra, -1, np.int32)])}  # no adapter
            if LORA_SLOTS in step else {}),
+        **{name: np.concatenate([step[name], np.zeros((extra, *step[name].shape[1:]), step[name].dtype)])
+           for name in HEAD_ROW_INPUTS if name in step},
     }
 
 

@@ -8,7 +8,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from math import prod
@@ -54,13 +54,15 @@ class Piece:
 
 
 def plan_pieces(graph: Graph, weights: Mapping[str, np.ndarray], take: Callable[[int], int],
-                chunk: int = CHUNK_BYTES) -> tuple[list[Piece], dict[str, int], list[str]]:
-    """(the pieces of every param, derived ones concatenated from their sources; each param's device address;
-    the param that each piece completes, or "" for the rest: for the progress bar)."""
+                chunk: int = CHUNK_BYTES, skip: Collection[str] = ()) -> tuple[list[Piece], dict[str, int], list[str]]:
+    """(the pieces of every param but those in `skip`, derived ones concatenated from their sources; each param's
+    device address; the param that each piece completes, or "" for the rest: for the progress bar)."""
     derivations = graph.derivations()
     span_of = getattr(weights, "span", lambda name: None)
     pieces, addresses, completes = [], {}, []
     for name, t in graph.expanded_params().items():
+        if name in skip:
+            continue
         nbytes = t.dtype.itemsize * prod(t.shape)
         ptr = addresses[name] = take(nbytes)
         derivation = derivations.get(name)
@@ -146,11 +148,12 @@ def stream_pieces(pieces: list[Piece], buffers: list[np.ndarray], send: Callable
             os.close(fd)
 
 
-def upload_weights(graph: Graph, weights: Mapping[str, np.ndarray], stream, arena) -> dict[str, int]:
-    """Every param of the graph into `arena`; returns each one's device address. Sources that the mapping can give
-    as file spans (LazyWeights.span) are read straight into pinned memory."""
+def upload_weights(graph: Graph, weights: Mapping[str, np.ndarray], stream, arena,
+                   skip: Collection[str] = ()) -> dict[str, int]:
+    """Every param of the graph but those in `skip` into `arena`; returns each one's device address. Sources that
+    the mapping can give as file spans (LazyWeights.span) are read straight into pinned memory."""
     started = time.perf_counter()
-    pieces, addresses, completes = plan_pieces(graph, weights, arena.take)
+    pieces, addresses, completes = plan_pieces(graph, weights, arena.take, skip=skip)
     buffers = [driver.alloc_pinned(CHUNK_BYTES) for _ in range(BUFFERS)]
     events: list = [None] * len(buffers)
     progress = Progress("loading weights", len(addresses))
@@ -176,5 +179,14 @@ def upload_weights(graph: Graph, weights: Mapping[str, np.ndarray], stream, aren
     return addresses
 
 
-def params_bytes(graph: Graph) -> int:
-    return sum(t.dtype.itemsize * prod(t.shape) for t in graph.expanded_params().values())
+def params_bytes(graph: Graph, skip: Collection[str] = ()) -> int:
+    return sum(t.dtype.itemsize * prod(t.shape) for name, t in graph.expanded_params().items() if name not in skip)
+
+
+def shared_params(graph: Graph, other: Graph) -> set[str]:
+    """The params of `graph` that `other` holds alike on the device: the same name, type and derivation (a draft
+    head reads its target's embedding and LM head)."""
+    mine, theirs = graph.expanded_params(), other.expanded_params()
+    derived, their_derived = graph.derivations(), other.derivations()
+    return {name for name, t in mine.items()
+            if theirs.get(name) == t and derived.get(name) == their_derived.get(name)}

@@ -8,16 +8,16 @@ weights, the GPU engine driven by the scheduler as `serve` drives it:
   spent drafting: the bound a draft model equal to the target approaches), and that draft model itself on a GPU
   engine of its own; verify steps eager and in CUDA graphs;
   the tokens checked equal to plain ones;
+- eagle3: ms per generated token at batch 1 with a random EAGLE-3 head on GPU engines beside the target's, its
+  tokens checked equal to plain ones;
 - host: time to first token of a prompt whose 1k / 4k / 16k-token prefix is restored from host blocks, against
   cold prefill and a GPU prefix-cache hit.
 Prints a table last; every figure also goes to $OUT/features_bench.json.
 
-Here, once: `bash scripts/gpu/prepare_sweeps.sh` (the base manifest) and
-  .venv/bin/python -m pegainfer.cli compile qwen3-4b --sm 90 --cache-dir .gpu/aot_cache --enable-lora \
-      --max-loras 8 --max-lora-rank 16
-then slim both into the carried cache (scripts/gpu/slim_cache.py ... 'Qwen3ForCausalLM-*').
+Here, once: `QWEN3_ONLY=1 bash scripts/gpu/prepare_sweeps.sh` (the base, LoRA and EAGLE-3 manifests, in
+.gpu/cache_qwen3_fp8; the EAGLE-3 head's config from `features_bench.py head-config DIR`).
 On the GPU, each part in a process of its own (an engine's memory goes with its process):
-  . scripts/gpu/env.sh && for part in lora spec host; do python3 scripts/gpu/features_bench.py $part; done
+  . scripts/gpu/env.sh && for part in lora spec eagle3 host; do python3 scripts/gpu/features_bench.py $part; done
 """
 
 import json
@@ -188,6 +188,54 @@ def bench_spec(results: dict) -> None:
                     f"equal to plain for {same} of {len(plain)} tokens")
 
 
+EAGLE3_DRAFT_VOCAB = 32000  # as published heads for Qwen3 have it
+
+
+def eagle3_head_folder(folder: Path, weights: bool = True) -> Path:
+    """A random EAGLE-3 head for the Qwen3-4B shape (weights of about 0.02, as the target's) in `folder`/head, or
+    its config.json alone (what prepare_sweeps.sh compiles for)."""
+    from pegainfer.fixtures.draft_heads import eagle3_config, make_eagle3_head
+    from pegainfer.frontends.load import embedded_configs
+
+    target = folder / "target"
+    target.mkdir(parents=True, exist_ok=True)
+    (target / "config.json").write_text(embedded_configs()[MODEL].read_text())
+    if weights:
+        return make_eagle3_head(target, folder / "head", draft_vocab=EAGLE3_DRAFT_VOCAB, std=0.02)
+    (folder / "head").mkdir(exist_ok=True)
+    config = eagle3_config(json.loads((target / "config.json").read_text()), draft_vocab=EAGLE3_DRAFT_VOCAB)
+    (folder / "head" / "config.json").write_text(json.dumps(config, indent=1))
+    return folder / "head"
+
+
+def bench_eagle3(results: dict) -> None:
+    """A random EAGLE-3 head (its drafts are noise: this measures the machinery's cost a token and that the
+    output is exactly plain decoding's), K = 2..6, verify steps in CUDA graphs."""
+    from pegainfer.runtime.bench import bench_model
+    from pegainfer.runtime.drafter_graphs import with_drafter_features
+    from pegainfer.runtime.proposers import make_speculator
+    from pegainfer.runtime.speculative import parse_speculative_config
+
+    head = eagle3_head_folder(Path("/tmp/eagle3"))
+    configs = {k: parse_speculative_config({"method": "eagle3", "num_speculative_tokens": k, "model": str(head)})
+               for k in range(2, 7)}
+    model = with_drafter_features(configs[2], bench_model(MODEL))
+    gpu = engine(model, max_batch=8, max_samples=8 * 7)
+    rng = np.random.default_rng(1)
+    prompt, tokens = rng.integers(10, TOKENS, 384).tolist(), 128
+    plain, ms, _ = generate(gpu, prompt, tokens)
+    plain, ms, _ = generate(gpu, prompt, tokens)
+    results["eagle3_plain_ms_per_token"] = round(ms, 3)
+    for k, config in configs.items():
+        gpu.options.verify_tokens = k + 1
+        speculator = make_speculator(config, model, "cuda", gpu.allocator.num_blocks * 16, 8, engine=gpu)
+        generate(gpu, prompt, tokens, speculator)  # the head's graphs captured
+        found, ms, stats = generate(gpu, prompt, tokens, speculator)
+        same = next((i for i, (a, b) in enumerate(zip(found, plain)) if a != b), len(plain))
+        results[f"eagle3_k{k}"] = (f"{ms:.3f} ms/token, {stats.spec_accepted_tokens} of {stats.spec_draft_tokens} "
+                                   f"accepted, equal to plain for {same} of {len(plain)} tokens")
+
+
 def bench_host(results: dict) -> None:
     from pegainfer.runtime.bench import bench_model
     from pegainfer.runtime.host_tier import HostTier
@@ -222,7 +270,10 @@ def bench_host(results: dict) -> None:
 
 
 def main() -> None:
-    wanted = sys.argv[1:] or ["lora", "spec", "host"]
+    if sys.argv[1:2] == ["head-config"]:
+        print(eagle3_head_folder(Path(sys.argv[2]), weights=False))
+        return
+    wanted = sys.argv[1:] or ["lora", "spec", "eagle3", "host"]
     out = Path(os.environ.get("OUT", "/tmp/out"))
     out.mkdir(parents=True, exist_ok=True)
     file = out / "features_bench.json"
@@ -230,7 +281,7 @@ def main() -> None:
     for name in wanted:
         began = time.perf_counter()
         try:
-            {"lora": bench_lora, "spec": bench_spec, "host": bench_host}[name](results)
+            {"lora": bench_lora, "spec": bench_spec, "host": bench_host, "eagle3": bench_eagle3}[name](results)
         except Exception as error:  # noqa: BLE001  one part's failure is a row of the table, not the end
             results[f"{name}_error"] = f"{type(error).__name__}: {error}"
         print(f"{name}: {time.perf_counter() - began:.0f} s", flush=True)

@@ -6,7 +6,7 @@
 # per-call cache of just those manifests (the device tool carries 64 MB), and the serving wheels without SGLang's
 # client, with xgrammar's (.gpu/wheels, .gpu/xg). The content-addressed .gpu/aot_cache is kept between runs.
 # JOBS (default 2) compiler processes; QWEN3_ONLY=1 stops after the Qwen3-4B shapes (their cache also holds
-# the LoRA manifest scripts/gpu/features_bench.py runs). sweeps.sh's header gives the device calls.
+# the LoRA and EAGLE-3 manifests scripts/gpu/features_bench.py runs). sweeps.sh's header gives the device calls.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-$PWD/.venv/bin/python}
@@ -23,8 +23,10 @@ compile qwen3-4b
 compile qwen3-4b --enable-lora --max-loras 8 --max-lora-rank 16  # scripts/gpu/features_bench.py
 compile qwen3-4b --quantization fp8
 compile qwen3-4b --quantization fp8 --kv-cache-dtype fp8
+HEAD=$("$PY" scripts/gpu/features_bench.py head-config .gpu/eagle3)  # features_bench.py eagle3's head, its config
+compile qwen3-4b --speculative-config "{\"method\": \"eagle3\", \"num_speculative_tokens\": 2, \"model\": \"$HEAD\"}"
 rm -rf .gpu/cache_qwen3_fp8
-"$PY" scripts/gpu/slim_cache.py .gpu/aot_cache .gpu/cache_qwen3_fp8 'Qwen3ForCausalLM-*'
+"$PY" scripts/gpu/slim_cache.py .gpu/aot_cache .gpu/cache_qwen3_fp8 'Qwen3ForCausalLM-*' 'LlamaForCausalLMEagle3-*'
 SGLANG=0 XGRAMMAR=1 bash scripts/gpu/serve_wheels.sh
 [ -n "${QWEN3_ONLY:-}" ] && exit 0
 compile qwen3.5-4b
