@@ -54,10 +54,10 @@ def interpreted(graph, weights: dict, steps: list[dict]) -> tuple[list, list]:
     lowered, _ = lower(graph)
     specs = {(g.name, n.name): plan_kernel(g, n, PlanOptions(block_size=4))
              for g in lowered.all_graphs() for n in g.nodes if n.op == KERNEL}
-    derived = derive_weights(lowered.derivations(), weights)
+    derived, declared = derive_weights(lowered.derivations(), weights), derive_weights(graph.derivations(), weights)
     sizes = {"num_blocks": 16, "block_size": 4}
     expected, ours = [], []
-    for run, into in ((lambda i, s: run_graph(graph, i, weights, s), expected),
+    for run, into in ((lambda i, s: run_graph(graph, i, declared, s), expected),
                       (lambda i, s: InterpretedExecutor(lowered, specs).run(i, derived, s), ours)):
         states = {n: np.zeros(t.concrete(sizes), t.dtype.np_dtype) for n, t in graph.expanded_states().items()}
         torch_states = {n: to_torch(s) for n, s in states.items()}
@@ -109,6 +109,29 @@ def test_the_eagle3_heads_graphs_from_generated_kernels_match_the_reference(eagl
         expected, ours = interpreted(spec.graph, head_weights, prefill_then_decode(with_features))
         for want, got in zip(expected, ours):
             assert relative(got[0], want[0]) < 1e-5 and relative(got[1], want[1]) < 1e-5
+
+
+@pytest.mark.slow
+def test_an_mtp_heads_graph_from_generated_kernels_matches_the_reference():
+    """Qwen3.5's MTP head (tied embeddings: its LM head is the embedding), float32, its embedding gated at
+    position 0 as the drafter gates it."""
+    from pegainfer.frontends.config import normalize_hf_config, parse_config
+    from pegainfer.models import qwen3_5
+    from random_models import random_weights
+
+    raw = normalize_hf_config({**qwen3_5.TINY_CONFIG, "mtp_num_hidden_layers": 1, "torch_dtype": "float32"})
+    graph = qwen3_5.mtp_graph(parse_config(qwen3_5.Config, raw, "tiny"))
+    rng = np.random.default_rng(2)
+    weights = random_weights(graph, rng)
+    hidden = graph.inputs[FEATURES_INPUT].shape[1]
+
+    def with_features(chunks, step):
+        rows = sum(c.num_tokens for c in chunks)
+        return step | {FEATURES_INPUT: rng.standard_normal((rows, hidden)).astype(np.float32),
+                       EMBED_GATE: (step["positions"] != 0).astype(np.float32)[:, None]}
+    expected, ours = interpreted(graph, weights, prefill_then_decode(with_features))
+    for want, got in zip(expected, ours):
+        assert relative(got[0], want[0]) < 1e-5 and relative(got[1], want[1]) < 1e-5
 
 
 def test_each_drafter_graph_has_a_manifest_of_its_own(eagle3, checkpoint_factory):
