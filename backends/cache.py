@@ -63,11 +63,13 @@ def model_id(spec: Any) -> str:
 
 def feature_layout(graph: Any) -> list | None:
     """For a graph that gives a drafter features or reads them: its name, the layer counts of its repeats (where a
-    target's stream is tapped) and what makes its features output; None for any other graph."""
+    target's stream is tapped) and what makes its features output, of which values in which order; None for any
+    other graph."""
     if FEATURES not in graph.outputs and FEATURES_INPUT not in graph.inputs:
         return None
     producer = graph.producers().get(FEATURES)
-    return [graph.name, [n.attrs["count"] for n in graph.nodes if n.op == REPEAT], producer and producer.op]
+    return [graph.name, [n.attrs["count"] for n in graph.nodes if n.op == REPEAT],
+            producer and [producer.op, *producer.inputs]]
 
 
 def lora_tables(graph: Any) -> tuple[int, int] | None:

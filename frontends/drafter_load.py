@@ -2,7 +2,9 @@
 safetensors checked against the head's graphs, beside the target it drafts for (the same vocabulary, the hidden
 size it was trained on); the embedding is the target's."""
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
+from itertools import chain
 from pathlib import Path
 from types import ModuleType
 
@@ -31,10 +33,30 @@ class HeadGraphs:
 class DraftHead:
     first: Graph
     next: Graph
-    weights: dict[str, np.ndarray]
+    weights: Mapping[str, np.ndarray]
     to_target: np.ndarray | None  # draft id -> target id, where its vocabulary is smaller
     target_layers: list[int]
     spec: ModelSpec | None = None
+    from_target: frozenset[str] = frozenset()  # the params that are the target's (its embedding): a GPU borrows them
+
+
+class LentWeights(Mapping):
+    """A head's own tensors, and the target's `lent` ones read from the target's (lazy) weights only when asked:
+    a GPU engine that borrows them from the target's never reads them on the host."""
+
+    def __init__(self, own: Mapping[str, np.ndarray], target: Mapping[str, np.ndarray], lent: frozenset[str]) -> None:
+        self.own, self.target, self.lent = own, target, lent - set(own)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name in self.lent:
+            return self.target[name]
+        return self.own[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return chain(self.own, self.lent)
+
+    def __len__(self) -> int:
+        return len(self.own) + len(self.lent)
 
 
 def head_graphs(folder: Path, target: ModelSpec) -> HeadGraphs:
@@ -62,9 +84,10 @@ def load_draft_head(folder: Path, target: LoadedModel) -> DraftHead:
     own = {name: t for name, t in {**head.first.checkpoint_params(), **head.next.checkpoint_params()}.items()
            if name != head.module.EMBEDDING}
     check_weights(own, tensors, folder)
-    weights = load_weights(own, tensors) | {head.module.EMBEDDING: _target_embedding(target)}
+    lent = frozenset({head.module.EMBEDDING})
+    weights = LentWeights(load_weights(own, tensors), target.weights, lent)
     return DraftHead(head.first, head.next, weights, _vocabulary_map(tensors, head.spec.config, source),
-                     head.target_layers, head.spec)
+                     head.target_layers, head.spec, lent)
 
 
 def _check_target(config, target: ModelSpec, source: str) -> None:
@@ -75,11 +98,6 @@ def _check_target(config, target: ModelSpec, source: str) -> None:
     if config.target_hidden != hidden:
         raise ConfigError(f"{source}: the head reads hidden states of {config.target_hidden}, the target's are "
                           f"{hidden}")
-
-
-def _target_embedding(target: LoadedModel) -> np.ndarray:
-    embedding = next(n for n in target.spec.graph.nodes if n.op == "embedding")
-    return np.asarray(target.weights[embedding.inputs[1]])
 
 
 def _decoder_layers(target: ModelSpec) -> int:

@@ -140,7 +140,8 @@ def uploaded(graph: Graph, value: str) -> bool:
     return value in STEP_INPUTS and value in graph.inputs
 
 
-# What the sampler tail appends to a model graph's outputs, after the logits, in this order.
+# What the sampler tail appends to a model graph's outputs, last (after the logits and any other output, such as a
+# drafter's features), in this order.
 SAMPLER_OUTPUTS = ("top_values", "top_ids", "logsumexp", "sampled_ids", "sampled_logprobs")
 
 
@@ -148,4 +149,4 @@ def sampler_outputs(graph: Graph) -> dict[str, str] | None:
     """SAMPLER_OUTPUTS role -> the graph's output name, for a graph that has the sampler tail; else None."""
     if not all(name in graph.inputs for name in SAMPLING_INPUTS) or len(graph.outputs) < 1 + len(SAMPLER_OUTPUTS):
         return None
-    return dict(zip(SAMPLER_OUTPUTS, graph.outputs[1:1 + len(SAMPLER_OUTPUTS)]))
+    return dict(zip(SAMPLER_OUTPUTS, graph.outputs[-len(SAMPLER_OUTPUTS):]))

@@ -17,16 +17,18 @@ FEATURE_METHODS = ("eagle3", "mtp")  # the methods whose drafter reads the targe
 def drafter_graphs(config: SpeculativeConfig, target: ModelSpec) -> tuple[ModelSpec, list[ModelSpec]]:
     """(the target giving the features the method's drafter reads, the head's specs: [first, next], or [one]
     where both are one graph); the target unchanged and no head for a method that reads no features."""
+    given = FEATURES in target.graph.outputs  # already the target's features graph
     if config.method == "eagle3":
         head = head_graphs(resolve_checkpoint(config.model).folder, target)
         heads = [replace(head.spec, graph=head.first), replace(head.spec, graph=head.next)]
-        return replace(target, graph=with_layer_inputs(target.graph, head.target_layers)), heads
+        return target if given else replace(target, graph=with_layer_inputs(target.graph, head.target_layers)), heads
     if config.method == "mtp":
         graph_of = getattr(target.dag, "mtp_graph", None)
         if graph_of is None:
             raise ConfigError(f"--speculative-config: method mtp needs the model's MTP head; {target.architecture} "
                               f"({target.config_path}): its DAG file runs none")
-        return replace(target, graph=with_final_hidden(target.graph)), [replace(target, graph=graph_of(target.config))]
+        head = replace(target, graph=graph_of(target.config))
+        return target if given else replace(target, graph=with_final_hidden(target.graph)), [head]
     return target, []
 
 
@@ -40,6 +42,13 @@ def compiled_drafter(config_json: str, specs: list[ModelSpec]) -> list[ModelSpec
         raise ConfigError(f"--speculative-config: method {config.method} runs on one GPU (--tensor-parallel-size 1)")
     target, heads = drafter_graphs(config, specs[0])
     return [target, *heads]
+
+
+def refuse_sharded(config: SpeculativeConfig | None, device: str, sharded: bool) -> None:
+    """At start, before ranks are spawned: a hidden-state drafter on the GPU runs beside one rank's engine only."""
+    if config is not None and config.method in FEATURE_METHODS and device == "cuda" and sharded:
+        raise ConfigError(f"--speculative-config: method {config.method} on cuda runs on one GPU for now "
+                          f"(--tensor-parallel-size 1)")
 
 
 def with_drafter_features(config: SpeculativeConfig | None, model: LoadedModel) -> LoadedModel:

@@ -19,11 +19,22 @@ from pegainfer.runtime.batch import Chunk, Sequence, commit_step, pack_step
 from pegainfer.runtime.kv_blocks import BlockAllocator, OutOfBlocks
 from pegainfer.runtime.speculative import DraftRequest
 
+
 @dataclass
 class _Draft:
     seq: Sequence
-    features: list[np.ndarray] = field(default_factory=list)  # the target's, by position
+    features: list[np.ndarray] = field(default_factory=list)  # the target's, from position `first` on
+    first: int = 0  # the position of features[0]: those before it are read no more (kept)
     valid: int = 0  # positions of the head's cache computed from the target's features
+
+    @property
+    def end(self) -> int:
+        return self.first + len(self.features)
+
+    def keep_from(self, position: int) -> None:
+        """Drops the rows before `position` (the host holds a few rows a sequence, not its whole context)."""
+        del self.features[:max(position - self.first, 0)]
+        self.first = max(self.first, position)
 
 
 class HeadRunner(Protocol):
@@ -79,16 +90,18 @@ class FeatureDrafter:
         Positions the target never ran (a prefix-cache hit, a scored prompt) read zeros: the head's drafts over
         them are worse, never wrong, as the target verifies every one."""
         draft = self.drafts.setdefault(seq_id, _Draft(Sequence(seq_id, [])))
-        if start > len(draft.features):
-            draft.features.extend(np.zeros((start - len(draft.features), rows.shape[1]), rows.dtype))
-        del draft.features[start:]
+        if start < draft.first:  # the target runs positions again from before the rows kept (a preemption)
+            draft.features, draft.first = [], start
+        if start > draft.end:
+            draft.features.extend(np.zeros((start - draft.end, rows.shape[1]), rows.dtype))
+        del draft.features[start - draft.first:]
         draft.features.extend(rows)
         draft.valid = min(draft.valid, start)
 
     def propose(self, requests: Seq[DraftRequest]) -> list[list[int]]:
         proposed: list[list[int]] = [[] for _ in requests]
         ready = [i for i, r in enumerate(requests) if r.k > 0 and r.seq_id in self.drafts
-                 and len(self.drafts[r.seq_id].features) >= len(r.tokens) - 1]
+                 and self.drafts[r.seq_id].end >= len(r.tokens) - 1]
         try:
             chunks, features = self._catch_up([requests[i] for i in ready])
             if not chunks:
@@ -106,6 +119,9 @@ class FeatureDrafter:
                 tokens, own = self._run(False, chunks, own[still])
         except OutOfBlocks:  # the head's cache is full: no drafts this step
             return [[] for _ in requests]
+        for i in ready:  # a later catch-up starts at the head's cache or the target's rows, whichever is first
+            draft = self.drafts[requests[i].seq_id]
+            draft.keep_from(min(draft.seq.num_cached, draft.valid))
         return proposed
 
     def release(self, seq_id: int) -> None:
@@ -122,8 +138,9 @@ class FeatureDrafter:
             end = len(request.tokens) - 1
             draft.seq.token_ids = list(request.tokens[1:])
             start = draft.seq.num_cached = min(draft.seq.num_cached, draft.valid, end - 1)
+            assert start >= draft.first, f"rows from {start} asked, kept from {draft.first}"
             chunks.append(Chunk(draft.seq, end - start))
-            features += draft.features[start:end]
+            features += draft.features[start - draft.first:end - draft.first]
             draft.valid = end
         return chunks, np.stack(features) if features else np.zeros((0, 0), np.float32)
 

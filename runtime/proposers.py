@@ -7,8 +7,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from pegainfer.errors import ConfigError
-from pegainfer.frontends.drafter_load import DraftHead, load_draft_head
-from pegainfer.frontends.checkpoint import derive_weights
+from pegainfer.frontends.drafter_load import DraftHead, LentWeights, load_draft_head
+from pegainfer.frontends.checkpoint import derive
 from pegainfer.frontends.features import FEATURES
 from pegainfer.frontends.hub import resolve_checkpoint
 from pegainfer.frontends.load import LoadedModel, load_model
@@ -196,6 +196,7 @@ def mtp_head(target: LoadedModel) -> DraftHead:
         raise ConfigError(f"--speculative-config: method mtp needs the model's MTP head; {target.spec.architecture} "
                           f"at {target.folder}: {why}")
     head = graph_of(target.spec.config)
-    weights = {name: target.weights[name] for name in head.checkpoint_params() if name in target.spec.graph.params}
-    weights = derive_weights(head.derivations(), {**target.mtp, **weights})
-    return DraftHead(head, head, weights, None, [], replace(target.spec, graph=head))
+    lent = frozenset(name for name in head.checkpoint_params() if name in target.spec.graph.params)
+    weights = LentWeights(dict(target.mtp), target.weights, lent)
+    weights.own |= {name: derive(d, weights) for name, d in head.derivations().items()}  # its regrouped q_proj
+    return DraftHead(head, head, weights, None, [], replace(target.spec, graph=head), lent)

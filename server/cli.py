@@ -195,9 +195,10 @@ def start_serving(args: argparse.Namespace, trace: TextIO | None, listener: sock
     parallel = Parallelism(args.tensor_parallel_size, 0, args.enable_expert_parallel)
     model = load_model(checkpoint.folder, lazy=device == "cuda" or parallel.sharded, dtype=args.dtype, device=device,
                        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, parallel=parallel)
-    if not parallel.sharded:  # the graph giving a hidden-state drafter its features, compiled and run from the start
-        from pegainfer.runtime.drafter_graphs import with_drafter_features
+    from pegainfer.runtime.drafter_graphs import refuse_sharded, with_drafter_features
 
+    refuse_sharded(speculative, device, parallel.sharded)
+    if not parallel.sharded:  # the graph giving a hidden-state drafter its features, compiled and run from the start
         model = with_drafter_features(speculative, model)
     max_model_len, explicit = _max_model_len(model.spec.raw_config, args.max_model_len)
     if args.kv_cache_tokens is not None:  # the pool's size is known: refuse before the slow part

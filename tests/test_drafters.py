@@ -109,7 +109,10 @@ def test_the_eagle3_head_matches_a_torch_reference_of_the_published_layer(checkp
     assert head.target_layers == [0, 1, 1] and list(head.to_target[:3]) == [0, 2, 4]
 
 
-def serve(model, work, config=None, head=None, spare: int = 0, prefix_cache: bool = False, kv_tokens: int = 2048):
+def serve(model, work, config=None, head=None, spare: int = 0, prefix_cache: bool = False, kv_tokens: int = 2048,
+          kept: list | None = None):
+    """(each request's tokens, the scheduler's stats, every draft); `kept` gets, after each proposal, the most
+    rows of target features a sequence's drafter holds."""
     engine = ReferenceEngine(model, max_tokens=kv_tokens, block_size=4, max_seqs=8, spare_states=spare)
     speculator = None
     if config is not None:
@@ -122,6 +125,12 @@ def serve(model, work, config=None, head=None, spare: int = 0, prefix_cache: boo
     if speculator is not None:  # record every draft
         propose = speculator.proposer.propose
         speculator.proposer.propose = lambda requests: [proposed.extend(d) or d for d in propose(requests)]
+        if kept is not None:
+            def propose_and_count(requests, drafts=speculator.proposer.propose):
+                made = drafts(requests)
+                kept.append(max((len(d.features) for d in speculator.proposer.drafts.values()), default=0))
+                return made
+            speculator.proposer.propose = propose_and_count
     for i, (prompt, params) in enumerate(work):
         scheduler.add(EngineRequest(str(i), list(prompt), params))
     made = drain(scheduler)
@@ -143,10 +152,13 @@ def test_eagle3_speculation_gives_the_tokens_of_decoding_without_it(checkpoint_f
     model = load_model(folder)
     head = make_eagle3_head(folder, tmp_path / "head", layers=layers, draft_vocab=100)
     expected, _, _ = serve(model, workload(), prefix_cache=prefix_cache)
+    kept: list[int] = []
     found, stats, proposed = serve(model, workload(), {"method": "eagle3", "num_speculative_tokens": 3}, head,
-                                   spare=8, prefix_cache=prefix_cache)
+                                   spare=8, prefix_cache=prefix_cache, kept=kept)
     assert found == expected
     assert stats.spec_draft_tokens > 0 and proposed and all(t % 2 == 0 and t < 200 for t in proposed)  # via d2t
+    # rows a sequence's drafter holds: a prompt's (up to 31 tokens) until its first proposal, then a step's few
+    assert max(kept[len(workload()):]) <= 3 + 1 and max(kept) <= 31
 
 
 @pytest.mark.parametrize("method", ["eagle3", "mtp"])

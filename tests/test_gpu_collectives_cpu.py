@@ -69,7 +69,7 @@ def rank_executor(tmp_path, monkeypatch, checkpoint, world: int = 2, rank: int =
                            ("alloc_pinned", lambda n: np.zeros(n, np.uint8)), ("launch", launch)):
         monkeypatch.setattr(driver, name, stand_in)
     monkeypatch.setattr(executing, "load_function", lambda cubin, launch: (None, launch.symbol))
-    monkeypatch.setattr(executing, "upload_weights", lambda graph, weights, stream, arena: {
+    monkeypatch.setattr(executing, "upload_weights", lambda graph, weights, stream, arena, skip=(): {
         name: arena.take(t.dtype.itemsize * int(np.prod(t.shape))) for name, t in graph.expanded_params().items()})
     monkeypatch.setattr(collectives, "copy_2d", lambda copy, stream: copies.append(copy))
     gpu = GpuExecutor(SimpleNamespace(stream=0), lowered, path, {}, Limits(64, 4, 8, 0, 16),

@@ -21,13 +21,14 @@ from pegainfer.frontends.features import FEATURES
 from pegainfer.frontends.load import embedded_configs, load_model, load_spec
 from pegainfer.ir.graph import KERNEL
 from pegainfer.ir.interpreter import run_graph
-from pegainfer.ir.step import EMBED_GATE, FEATURES_INPUT
+from pegainfer.ir.step import EMBED_GATE, FEATURES_INPUT, sampler_outputs
 from pegainfer.passes.pipeline import lower
 from pegainfer.runtime.batch import Chunk, Sequence, commit_step, pack_step
 from pegainfer.runtime.drafter_graphs import drafter_graphs
 from pegainfer.runtime.gpu.engine import borrowed_params
 from pegainfer.runtime.gpu.head import GpuHead
 from pegainfer.runtime.gpu.step_padding import pad_decode_step
+from pegainfer.runtime.gpu.upload import shared_params
 from pegainfer.runtime.kv_blocks import BlockAllocator
 from pegainfer.runtime.sampler import SamplingParams
 from pegainfer.runtime.speculative import parse_speculative_config
@@ -66,6 +67,13 @@ def interpreted(graph, weights: dict, steps: list[dict]) -> tuple[list, list]:
     return expected, ours
 
 
+def drawn(graph, outputs: list) -> np.ndarray:
+    """The tokens the lowered graph's sampler tail drew, found as the GPU engine finds them (a graph with a
+    drafter's second output has the tail's outputs after it)."""
+    lowered = lower(graph)[0]
+    return np.asarray(outputs[lowered.outputs.index(sampler_outputs(lowered)["sampled_ids"])])
+
+
 def relative(ours, theirs) -> float:
     ours, theirs = np.asarray(ours, np.float64), np.asarray(theirs, np.float64)
     return float(np.linalg.norm(ours - theirs) / np.linalg.norm(theirs))
@@ -95,6 +103,7 @@ def test_the_target_features_from_generated_kernels_match_the_reference(eagle3):
     for want, got in zip(expected, ours):
         assert got[at].shape == want[at].shape and relative(got[at], want[at]) < 1e-5
         assert relative(got[0], want[0]) < 1e-5
+        assert drawn(target.graph, got).tolist() == np.argmax(want[0], -1).tolist()  # greedy: the tail's tokens
 
 
 @pytest.mark.slow
@@ -109,6 +118,7 @@ def test_the_eagle3_heads_graphs_from_generated_kernels_match_the_reference(eagl
         expected, ours = interpreted(spec.graph, head_weights, prefill_then_decode(with_features))
         for want, got in zip(expected, ours):
             assert relative(got[0], want[0]) < 1e-5 and relative(got[1], want[1]) < 1e-5
+            assert drawn(spec.graph, got).tolist() == np.argmax(want[0], -1).tolist()
 
 
 @pytest.mark.slow
@@ -166,10 +176,10 @@ def test_the_heads_graphs_borrow_the_targets_weights_and_the_second_takes_the_fi
 
     target, _, (first, second), _, _ = eagle3
     made = {}
-    for name, spec, lenders in (("target", target, []), ("first", first, ["target"]),
-                                ("next", second, ["first", "target"])):
+    lends = {"target": frozenset({"model.embed_tokens.weight"}), "first": None}  # as GpuHead lends
+    for name, spec, lenders in (("target", target, []), ("first", first, ["target"]), ("next", second, ["first"])):
         (tmp_path / name).mkdir()
-        lent = borrowed_params(lower(spec.graph)[0], [SimpleNamespace(executor=made[n]) for n in lenders])
+        lent = borrowed_params(lower(spec.graph)[0], [(SimpleNamespace(executor=made[n]), lends[n]) for n in lenders])
         made[name] = stand_in_executor(tmp_path / name, monkeypatch, None, spec=spec, borrowed=lent,
                                        kv_of=made["first"] if name == "next" else None)[0]
         made[name].lent = set(lent)
@@ -179,6 +189,23 @@ def test_the_heads_graphs_borrow_the_targets_weights_and_the_second_takes_the_fi
     assert made["first"].weights["model.embed_tokens.weight"] == made["target"].weights["model.embed_tokens.weight"]
     kv = {n: t.ptr for n, t in made["first"].states.items()}
     assert kv and {n: t.ptr for n, t in made["next"].states.items()} == kv
+
+
+def test_a_head_borrows_only_what_is_the_targets_even_where_its_own_lm_head_matches(checkpoint_factory, tmp_path):
+    """A full-vocabulary head over an untied target: its lm_head.weight has the target's name, shape and dtype but is
+    its own; only the embedding is lent."""
+    from pegainfer.frontends.drafter_load import load_draft_head
+
+    folder = checkpoint_factory("tiny_untied", {"tie_word_embeddings": False})
+    model = load_model(folder)
+    head = load_draft_head(make_eagle3_head(folder, tmp_path / "head", layers=[0, 1, 1]), model)
+    lowered = {name: lower(graph)[0] for name, graph in (("target", model.spec.graph), ("head", head.first))}
+    target = SimpleNamespace(executor=SimpleNamespace(graph=lowered["target"], weights=dict.fromkeys(
+        lowered["target"].expanded_params(), 0x1000)))
+    assert "lm_head.weight" in shared_params(lowered["head"], lowered["target"])
+    assert set(borrowed_params(lowered["head"], [(target, head.from_target)])) == {"model.embed_tokens.weight"}
+    assert head.weights["lm_head.weight"].shape[0] == model.spec.config.vocab_size  # its own, read from its file
+    assert not np.array_equal(head.weights["lm_head.weight"], model.weights["lm_head.weight"])
 
 
 def test_a_head_steps_row_inputs_are_padded_with_zeros_for_its_decode_graph():
@@ -223,3 +250,17 @@ def test_a_long_catch_up_runs_in_steps_within_the_limits_and_drafts_after_its_la
     tokens, own = head.run(True, chunks, features)
     assert calls == [([5], [0, 1, 2, 3, 4]), ([2, 3], [5, 6, 7, 8, 9]), ([1], [10])]
     assert tokens.tolist() == [200, 300] and own[:, 0].tolist() == [60, 100]
+
+
+def test_a_hidden_state_drafter_on_several_gpus_is_refused_at_start():
+    from pegainfer.errors import ConfigError
+    from pegainfer.runtime.drafter_graphs import refuse_sharded
+
+    for method in ("eagle3", "mtp"):
+        config = parse_speculative_config({"method": method, "num_speculative_tokens": 2}
+                                          | ({"model": "x"} if method == "eagle3" else {}))
+        with pytest.raises(ConfigError, match="runs on one GPU for now"):
+            refuse_sharded(config, "cuda", True)
+        refuse_sharded(config, "cpu", True)  # the CPU's ranks run it
+        refuse_sharded(config, "cuda", False)
+    refuse_sharded(parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2}), "cuda", True)

@@ -554,11 +554,11 @@ def test_gpu_engine_sample_downloads_tokens_and_only_the_rows_left_to_the_host(t
 
     uploaded = []
 
-    def run(chunks, all_logits, sampling, fill_late, verify):  # masks and penalties filled as the layers would run
+    def run(chunks, all_logits, sampling, fill_late, verify, inputs):  # masks, penalties filled as the layers run
         late = {} if fill_late is None else fill_late(4)
         launched_masks.append(late.get(TOKEN_MASK_INDEX))
         uploaded.append(no_penalties(4) | sampling | late)
-        return engine.executor.tensors, None
+        return engine.executor.tensors, None, slice(0, 4)
     engine._run = run
     chunks = [Chunk(Sequence(i, [1]), 1) for i in range(3)]
     params = [SamplingParams(temperature=1.0, top_p=0.999, seed=s) for s in (1, 2, 3)]

@@ -246,8 +246,9 @@ class FakeGpuEngine:
     engine, so generate and serve go through to their output."""
     built: list[tuple] = []
 
-    def __init__(self, model, manifest: Path, options, communicator=None, on_step=None) -> None:
-        assert communicator is None and on_step is None, "one rank here"
+    def __init__(self, model, manifest: Path, options, communicator=None, on_step=None, lenders=(),
+                 kv_of=None) -> None:
+        assert communicator is None and on_step is None and not lenders and kv_of is None, "one rank, no head here"
         FakeGpuEngine.built.append((model, manifest, options))
         self._engine = ReferenceEngine(model, max_tokens=options.kv_tokens or FAKE_POOL_TOKENS)
 

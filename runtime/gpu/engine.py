@@ -4,7 +4,7 @@ step_padding.py). For a sharded model one engine runs each rank (runtime/gpu/ncc
 engine tells `on_step` each step it is about to launch, and every other rank's engine `execute`s that same step, so
 that all issue the same NCCL calls in the same order."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,13 +75,17 @@ StepHook = Callable[[dict[str, np.ndarray], StepPlan], None]  # a step's packed 
 
 
 class GpuEngine:
+    token_output: str | None = None  # the output of a row per token that sample() brings back: a drafter's features
+
     def __init__(self, model: LoadedModel, manifest: Path, options: EngineOptions = EngineOptions(),
                  communicator: Communicator | Rendezvous | None = None, on_step: StepHook | None = None, *,
-                 lenders: Seq["GpuEngine"] = (), kv_of: "GpuEngine | None" = None) -> None:
+                 lenders: Seq[tuple["GpuEngine", Collection[str] | None]] = (),
+                 kv_of: "GpuEngine | None" = None) -> None:
         """One rank of a sharded model takes a communicator, or the Rendezvous to make one (with this engine's
         context current, before the KV cache takes the memory left); `on_step` hears of every step first. A draft
-        head's engines borrow the params `lenders` hold alike (its target's embedding), and its second graph
-        takes the first's KV cache, stream and block allocator (`kv_of`)."""
+        head's engines borrow params from `lenders` (an engine, and the names it may lend, None: any it holds
+        alike: its target's embedding), and its second graph takes the first's KV cache, stream and block
+        allocator (`kv_of`)."""
         self.model, self.options, self.on_step = model, options, on_step
         self.ctx = kv_of.ctx if kv_of is not None else driver.Context.create(options.device)
         if isinstance(communicator, Rendezvous):
@@ -111,8 +115,7 @@ class GpuEngine:
         self.vocab_size = lowered.value_types()[lowered.outputs[0]].shape[-1]  # the logits' width
         self.no_masks = np.zeros((1, mask_words(self.vocab_size)), dtype=np.int32)
         self.host_blocks: HostBlocks | None = None  # the host KV tier's pinned pool (allocate_host_blocks)
-        # the output of a row per token that sample() brings back too: a drafter's features
-        self.token_output: str | None = FEATURES if FEATURES in lowered.outputs else None
+        self.token_output = FEATURES if FEATURES in lowered.outputs else None
 
     def _kv_blocks(self) -> int:
         """Blocks of the KV cache, the padding block included: from kv_tokens, or what the memory allows. A pool
@@ -339,12 +342,14 @@ class GpuEngine:
         release_sequence(self.allocator, seq)
 
 
-def borrowed_params(graph, lenders: Seq[GpuEngine]) -> dict[str, int]:
-    """The device addresses of the params of `graph` (lowered) that the lenders hold alike, the first one's."""
+def borrowed_params(graph, lenders: Seq[tuple[GpuEngine, Collection[str] | None]]) -> dict[str, int]:
+    """The device addresses of the params of `graph` (lowered) that the lenders hold alike and may lend, the
+    first one's."""
     borrowed: dict[str, int] = {}
-    for lender in lenders:
+    for lender, names in lenders:
         for name in shared_params(graph, lender.executor.graph) - set(borrowed):
-            borrowed[name] = lender.executor.weights[name]
+            if names is None or name in names:
+                borrowed[name] = lender.executor.weights[name]
     return borrowed
 
 

@@ -28,9 +28,10 @@ class GpuHead:
 
         def model(graph) -> LoadedModel:
             return LoadedModel(replace(spec, graph=graph), spec.config_path.parent, head.weights)
-        first = gpu_engine(model(head.first), options, cache_dir, lenders=(target,))
+        first = gpu_engine(model(head.first), options, cache_dir, lenders=((target, head.from_target),))
         second = first if head.next is head.first else \
-            gpu_engine(model(head.next), options, cache_dir, lenders=(first, target), kv_of=first)
+            gpu_engine(model(head.next), replace(options, max_tokens=options.max_batch), cache_dir,  # a token a seq
+                       lenders=((first, None),), kv_of=first)
         self.engines = {True: first, False: second}
         for engine in self.engines.values():
             engine.token_output = engine.graph.outputs[1]  # the head's output at every token, before its norm
