@@ -369,7 +369,7 @@ class Scheduler:
             if verified:
                 kept = self.spec.settle(state, tokens)
                 tokens, logprobs = tokens[:kept], logprobs[:kept]
-            if result.features is not None:  # a drafter reads the target's features of the positions kept
+            if result.features is not None and self.spec is not None:  # a drafter reads the kept positions
                 rows = result.features[first_token:first_token + state.seq.num_cached - start]
                 self.spec.observe(state.seq.seq_id, start, rows)
             first_token += chunk.num_tokens

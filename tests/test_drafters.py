@@ -161,6 +161,20 @@ def test_eagle3_speculation_gives_the_tokens_of_decoding_without_it(checkpoint_f
     assert max(kept[len(workload()):]) <= 3 + 1 and max(kept) <= 31
 
 
+def test_a_target_giving_features_serves_alone_as_without_them(checkpoint_factory, tmp_path):
+    """The features graph (as serve builds it before its engine) with no speculator on the scheduler: the same
+    tokens, the features left unread."""
+    from pegainfer.runtime.drafter_graphs import with_drafter_features
+
+    folder = checkpoint_factory("tiny_tied")
+    model = load_model(folder)
+    head = make_eagle3_head(folder, tmp_path / "head", layers=[0, 1, 1])
+    config = parse_speculative_config({"method": "eagle3", "num_speculative_tokens": 2, "model": str(head)})
+    featured = with_drafter_features(config, model)
+    assert FEATURES in featured.spec.graph.outputs
+    assert serve(featured, workload())[0] == serve(model, workload())[0]
+
+
 @pytest.mark.parametrize("method", ["eagle3", "mtp"])
 def test_hidden_state_drafters_through_preemption_give_the_tokens_of_decoding_without_them(
         checkpoint_factory, tmp_path, mtp_checkpoint, method):
