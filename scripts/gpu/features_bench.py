@@ -10,6 +10,7 @@ weights, the GPU engine driven by the scheduler as `serve` drives it:
   the tokens checked equal to plain ones;
 - eagle3: ms per generated token at batch 1 with a random EAGLE-3 head on GPU engines beside the target's, its
   tokens checked equal to plain ones;
+- mtp: the same for Qwen3.5-4B's MTP head (random), K = 1..3 (its manifests in .gpu/cache_models);
 - host: time to first token of a prompt whose 1k / 4k / 16k-token prefix is restored from host blocks, against
   cold prefill and a GPU prefix-cache hit.
 Prints a table last; every figure also goes to $OUT/features_bench.json.
@@ -236,6 +237,38 @@ def bench_eagle3(results: dict) -> None:
                                    f"accepted, equal to plain for {same} of {len(plain)} tokens")
 
 
+MTP_MODEL = "qwen3.5-4b"  # a hybrid target: verify steps eager, rejected drafts rolled back through spare state rows
+
+
+def bench_mtp(results: dict) -> None:
+    """Qwen3.5-4B's MTP head, random (its drafts are noise: the machinery's cost, and exactness through the
+    recurrent state's roll-back), K = 1..3, on a GPU engine beside the target's."""
+    from pegainfer.frontends.load import LoadedModel
+    from pegainfer.runtime.bench import bench_model
+    from pegainfer.runtime.drafter_graphs import with_drafter_features
+    from pegainfer.runtime.proposers import make_speculator
+    from pegainfer.runtime.speculative import parse_speculative_config
+
+    model = bench_model(MTP_MODEL)
+    rng = np.random.default_rng(4)
+    mtp = {name: (rng.standard_normal(t.shape) * 0.02).astype(t.dtype.np_dtype)
+           for name, t in model.spec.dag.mtp_params(model.spec.config).items()}
+    configs = {k: parse_speculative_config({"method": "mtp", "num_speculative_tokens": k}) for k in (1, 2, 3)}
+    model = with_drafter_features(configs[1], LoadedModel(model.spec, model.folder, model.weights, mtp))
+    gpu = engine(model, max_batch=8, max_samples=8 * 4, spare_states=8)
+    prompt, tokens = rng.integers(10, TOKENS, 384).tolist(), 128
+    plain, ms, _ = generate(gpu, prompt, tokens)
+    plain, ms, _ = generate(gpu, prompt, tokens)
+    results["mtp_plain_ms_per_token"] = round(ms, 3)
+    for k, config in configs.items():
+        speculator = make_speculator(config, model, "cuda", gpu.allocator.num_blocks * 16, 8, engine=gpu)
+        generate(gpu, prompt, tokens, speculator)
+        found, ms, stats = generate(gpu, prompt, tokens, speculator)
+        same = next((i for i, (a, b) in enumerate(zip(found, plain)) if a != b), len(plain))
+        results[f"mtp_k{k}"] = (f"{ms:.3f} ms/token, {stats.spec_accepted_tokens} of {stats.spec_draft_tokens} "
+                                f"accepted, equal to plain for {same} of {len(plain)} tokens")
+
+
 def bench_host(results: dict) -> None:
     from pegainfer.runtime.bench import bench_model
     from pegainfer.runtime.host_tier import HostTier
@@ -281,7 +314,8 @@ def main() -> None:
     for name in wanted:
         began = time.perf_counter()
         try:
-            {"lora": bench_lora, "spec": bench_spec, "host": bench_host, "eagle3": bench_eagle3}[name](results)
+            {"lora": bench_lora, "spec": bench_spec, "host": bench_host, "eagle3": bench_eagle3,
+             "mtp": bench_mtp}[name](results)
         except Exception as error:  # noqa: BLE001  one part's failure is a row of the table, not the end
             results[f"{name}_error"] = f"{type(error).__name__}: {error}"
         print(f"{name}: {time.perf_counter() - began:.0f} s", flush=True)

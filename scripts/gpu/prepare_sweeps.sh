@@ -30,6 +30,7 @@ rm -rf .gpu/cache_qwen3_fp8
 SGLANG=0 XGRAMMAR=1 bash scripts/gpu/serve_wheels.sh
 [ -n "${QWEN3_ONLY:-}" ] && exit 0
 compile qwen3.5-4b
+compile qwen3.5-4b --speculative-config '{"method": "mtp", "num_speculative_tokens": 1}'  # features_bench.py mtp
 compile deepseek-v2-lite
 rm -rf .gpu/cache_models
 "$PY" scripts/gpu/slim_cache.py .gpu/aot_cache .gpu/cache_models 'Qwen3_5ForConditionalGeneration-*' \
