@@ -12,7 +12,8 @@ from pegainfer.passes.pipeline import lower
 from pegainfer.runtime.batch import Chunk, Sequence, pack_step
 from pegainfer.runtime.device_sampling import greedy_inputs
 from pegainfer.runtime.gpu.engine import EngineOptions, GpuEngine, StepPlan, decode_buckets
-from pegainfer.runtime.gpu.step_padding import PADDING_BLOCK, pad_verify_step, verify_rows
+from pegainfer.ir.step import STATE_SLOTS
+from pegainfer.runtime.gpu.step_padding import PADDING_BLOCK, PADDING_SLOT, pad_verify_step, verify_rows
 from pegainfer.runtime.reference_engine import ReferenceEngine
 from pegainfer.runtime.sampler import SamplingParams
 
@@ -102,6 +103,7 @@ def test_the_engine_plans_verify_graphs_only_where_padding_is_safe():
     assert plan_of(engine, [2] * 5) == StepPlan(None)  # bucket 8 x 5 rows past the 32 samples
     assert plan_of(engine, [2, 2], cached=60) == StepPlan(None)  # its padding would pass the 64-token table
     assert plan_of(planner(recurrent=True), [3, 1]) == StepPlan(None)  # padding would advance the state
+    assert plan_of(planner(recurrent=True), [5, 5, 5]) == StepPlan(4, False, 5)  # whole padding sequences only
     assert plan_of(planner(verify_tokens=0), [3, 1]) == StepPlan(None)
     seqs = [Sequence(0, list(range(13))), Sequence(1, list(range(11)))]
     for seq in seqs:
@@ -134,3 +136,32 @@ def test_sample_draws_from_the_real_rows_of_a_padded_step(tiny_checkpoint):
     result = engine.sample(chunks, [SamplingParams()] * 3, [0, 1, 0])
     assert result.tokens == [100, 101, 103]
     assert result.features.tolist() == features[[0, 1, 3]].tolist()  # the step's tokens' rows, in its order
+
+
+def test_a_recurrent_models_verify_step_of_full_width_sequences_pads_whole_sequences_only(checkpoint_factory):
+    """Qwen3.5 (Gated DeltaNet layers): every sequence K + 1 tokens, padded with sequences of the padding state
+    slot: the real rows' logits and every real sequence's state and KV are those of the step unpadded."""
+    model = load_model(checkpoint_factory("qwen3_5_hybrid"))
+    engines = []
+    for _ in range(2):
+        engine = ReferenceEngine(model, max_tokens=512, block_size=4, max_seqs=8)
+        holder = Sequence(99, [1])  # takes the padding slot, as the GPU engine's allocator keeps it from sequences
+        engine.step([Chunk(holder, 1)])
+        seqs = [Sequence(i, list(p)) for i, p in enumerate(PROMPTS)]
+        engine.step([Chunk(s, len(s.token_ids) - 1) for s in seqs])
+        for seq in seqs:
+            seq.token_ids += [11, 12]
+        engines.append((engine, seqs, holder))
+    (plain, plain_seqs, _), (padded, padded_seqs, holder) = engines
+    assert holder.table.state_slot == PADDING_SLOT and all(s.table.state_slot != PADDING_SLOT for s in padded_seqs)
+    expected = plain.execute(pack_step([Chunk(s, 3, draws=3) for s in plain_seqs], plain.allocator))[0]
+    wide, draws = pad_verify_step(pack_step([Chunk(s, 3, draws=3) for s in padded_seqs], padded.allocator),
+                                  bucket=4, width=3)
+    assert wide[STATE_SLOTS].tolist() == [s.table.state_slot for s in padded_seqs] + [PADDING_SLOT]
+    found = padded.execute(wide)[0]
+    np.testing.assert_allclose(found[draws], expected, rtol=1e-5, atol=1e-4)
+    for name, pool in plain._kv_pools().items():
+        rows = [s.table.state_slot for s in plain_seqs] if name in plain.pooled else slice(None)
+        np.testing.assert_allclose(padded._kv_pools()[name][rows], pool[rows], rtol=1e-5, atol=1e-5, err_msg=name)
+    with pytest.raises(AssertionError, match="cannot take padding tokens"):
+        pad_verify_step(pack_step([Chunk(s, 1, draws=1) for s in padded_seqs], padded.allocator), bucket=4, width=3)

@@ -227,16 +227,17 @@ class GpuEngine:
 
     def _plan(self, chunks: list[Chunk], step: dict[str, np.ndarray], all_logits: bool, split: bool,
               verify: bool = True) -> StepPlan:
-        """A decode step's graph; a verify step's (every token a draw, at most verify_tokens a sequence, none of a
-        recurrent model or under a grammar, for a caller that reads the draws by row: `verify`), where its bucket
-        fits the limits and every sequence's context with its padding fits the block table; else eager launches."""
+        """A decode step's graph; a verify step's (every token a draw, at most verify_tokens a sequence, all of them
+        in a recurrent model's, none under a grammar, for a caller that reads the draws by row: `verify`), where its
+        bucket fits the limits and every sequence's context with its padding fits the block table; else eager
+        launches."""
         options, limits = self.options, self.executor.limits
         if not options.cuda_graphs or all_logits:
             return StepPlan(None, split)
         if all(c.num_tokens == 1 for c in chunks):
             return StepPlan(bucket_for(len(chunks), self.buckets), split)
         width = options.verify_tokens
-        if not verify or split or width <= 1 or self._slots[0] or \
+        if not verify or split or width <= 1 or (self._slots[0] and any(c.num_tokens != width for c in chunks)) or \
                 any(c.num_tokens != c.draws or c.num_tokens > width for c in chunks):
             return StepPlan(None, split)
         bucket = bucket_for(len(chunks), self.buckets)

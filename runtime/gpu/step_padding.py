@@ -55,12 +55,13 @@ def pad_verify_step(step: dict[str, np.ndarray], bucket: int, width: int) -> tup
     tokens. A sequence's padding tokens follow its own (its context grows by them, so causal attention keeps them
     out of its real tokens' view; the caller sees that it stays within the block table), at position 0, and write
     no KV (slot -1); padding sequences attend to the padding block only. Returns the step and, for each of the
-    step's draws, its row in the padded step's (every token's) rows. Not for models with recurrent state, which
-    padding tokens would advance. A real token's masked scores of the keys past it weigh those keys' values by 0:
+    step's draws, its row in the padded step's (every token's) rows. A model with recurrent state only where every
+    sequence has `width` tokens (padding tokens would advance its state): padding sequences then run from the
+    padding slot's zeros, as a padded decode step's do. A real token's masked scores of the keys past it weigh those keys' values by 0:
     exact while the KV pool holds only finite values (zeroed at allocation, written only with finite ones; FP8
     saturates), which padding's unwritten slots rely on."""
-    assert STATE_SLOTS not in step, "a recurrent model's verify step cannot be padded"
     lens, real = step["query_lens"], len(step["query_lens"])
+    assert STATE_SLOTS not in step or (lens == width).all(), "a recurrent model's sequences cannot take padding tokens"
     tokens, total = verify_rows(lens, width), bucket * width
     draws = tokens[step["logits_indices"]]
     tables = np.full((bucket, step["block_tables"].shape[1]), PADDING_BLOCK, dtype=np.int32)
@@ -81,6 +82,8 @@ def pad_verify_step(step: dict[str, np.ndarray], bucket: int, width: int) -> tup
     }
     if LORA_SLOTS in step:
         padded[LORA_SLOTS] = _spread(step[LORA_SLOTS], tokens, -1, total)
+    if STATE_SLOTS in step:
+        padded[STATE_SLOTS] = np.concatenate([step[STATE_SLOTS], np.full(bucket - real, PADDING_SLOT, np.int32)])
     return padded, draws
 
 
