@@ -261,6 +261,7 @@ def bench_mtp(results: dict) -> None:
     plain, ms, _ = generate(gpu, prompt, tokens)
     results["mtp_plain_ms_per_token"] = round(ms, 3)
     for k, config in configs.items():
+        gpu.options.verify_tokens = k + 1
         speculator = make_speculator(config, model, "cuda", gpu.allocator.num_blocks * 16, 8, engine=gpu)
         generate(gpu, prompt, tokens, speculator)
         found, ms, stats = generate(gpu, prompt, tokens, speculator)
