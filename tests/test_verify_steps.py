@@ -98,12 +98,16 @@ def test_the_engine_plans_verify_graphs_only_where_padding_is_safe():
     assert plan_of(engine, [1, 1, 1]) == StepPlan(4, False, 1)  # decode
     assert plan_of(engine, [3, 1, 5]) == StepPlan(4, False, 5)  # verify, 4 x 5 rows
     assert plan_of(engine, [6, 1]) == StepPlan(None)  # more tokens than K + 1
-    assert plan_of(engine, [3, 1], draws=[1, 1]) == StepPlan(None)  # a prompt chunk, not drafts
+    assert plan_of(engine, [3, 1], draws=[1, 1]) == StepPlan(2, False, 5)  # a short chunk drawn at its last token
+    assert plan_of(engine, [3, 1], draws=[2, 1]) == StepPlan(None)
     assert plan_of(engine, [3, 1], split=True) == StepPlan(None, True)  # a grammar's masks are filled late
     assert plan_of(engine, [2] * 5) == StepPlan(None)  # bucket 8 x 5 rows past the 32 samples
     assert plan_of(engine, [2, 2], cached=60) == StepPlan(None)  # its padding would pass the 64-token table
     assert plan_of(planner(recurrent=True), [3, 1]) == StepPlan(None)  # padding would advance the state
     assert plan_of(planner(recurrent=True), [5, 5, 5]) == StepPlan(4, False, 5)  # whole padding sequences only
+    assert plan_of(planner(recurrent=True), [2, 2], draws=[1, 1]) == StepPlan(2, False, 2)  # kept tokens run again
+    assert plan_of(planner(recurrent=True), [2, 3], draws=[1, 3]) == StepPlan(None)
+    assert plan_of(planner(recurrent=True), [3, 3], draws=[2, 3]) == StepPlan(None)
     assert plan_of(planner(verify_tokens=0), [3, 1]) == StepPlan(None)
     seqs = [Sequence(0, list(range(13))), Sequence(1, list(range(11)))]
     for seq in seqs:
@@ -138,7 +142,8 @@ def test_sample_draws_from_the_real_rows_of_a_padded_step(tiny_checkpoint):
     assert result.features.tolist() == features[[0, 1, 3]].tolist()  # the step's tokens' rows, in its order
 
 
-def test_a_recurrent_models_verify_step_of_full_width_sequences_pads_whole_sequences_only(checkpoint_factory):
+@pytest.mark.parametrize("draws", [3, 1])
+def test_a_recurrent_models_verify_step_of_full_width_sequences_pads_whole_sequences_only(checkpoint_factory, draws):
     """Qwen3.5 (Gated DeltaNet layers): every sequence K + 1 tokens, padded with sequences of the padding state
     slot: the real rows' logits and every real sequence's state and KV are those of the step unpadded."""
     model = load_model(checkpoint_factory("qwen3_5_hybrid"))
@@ -154,12 +159,13 @@ def test_a_recurrent_models_verify_step_of_full_width_sequences_pads_whole_seque
         engines.append((engine, seqs, holder))
     (plain, plain_seqs, _), (padded, padded_seqs, holder) = engines
     assert holder.table.state_slot == PADDING_SLOT and all(s.table.state_slot != PADDING_SLOT for s in padded_seqs)
-    expected = plain.execute(pack_step([Chunk(s, 3, draws=3) for s in plain_seqs], plain.allocator))[0]
-    wide, draws = pad_verify_step(pack_step([Chunk(s, 3, draws=3) for s in padded_seqs], padded.allocator),
-                                  bucket=4, width=3)
+    expected = plain.execute(pack_step([Chunk(s, 3, draws=draws) for s in plain_seqs], plain.allocator))[0]
+    wide, rows = pad_verify_step(pack_step([Chunk(s, 3, draws=draws) for s in padded_seqs], padded.allocator),
+                                 bucket=4, width=3)
     assert wide[STATE_SLOTS].tolist() == [s.table.state_slot for s in padded_seqs] + [PADDING_SLOT]
     found = padded.execute(wide)[0]
-    np.testing.assert_allclose(found[draws], expected, rtol=1e-5, atol=1e-4)
+    assert len(rows) == 3 * draws
+    np.testing.assert_allclose(found[rows], expected, rtol=1e-5, atol=1e-4)
     for name, pool in plain._kv_pools().items():
         rows = [s.table.state_slot for s in plain_seqs] if name in plain.pooled else slice(None)
         np.testing.assert_allclose(padded._kv_pools()[name][rows], pool[rows], rtol=1e-5, atol=1e-5, err_msg=name)

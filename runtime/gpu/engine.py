@@ -227,18 +227,21 @@ class GpuEngine:
 
     def _plan(self, chunks: list[Chunk], step: dict[str, np.ndarray], all_logits: bool, split: bool,
               verify: bool = True) -> StepPlan:
-        """A decode step's graph; a verify step's (every token a draw, at most verify_tokens a sequence, all of them
-        in a recurrent model's, none under a grammar, for a caller that reads the draws by row: `verify`), where its
-        bucket fits the limits and every sequence's context with its padding fits the block table; else eager
-        launches."""
+        """A decode step's graph; a verify step's (at most verify_tokens a sequence, each drawn at every token or at
+        its last only, none under a grammar, for a caller that reads the draws by row: `verify`), where its bucket
+        fits the limits and every sequence's context with its padding fits the block table; else eager launches.
+        A recurrent model's sequences take no padding tokens: its verify graphs are as wide as its sequences, all of
+        one length (drafts, or the kept tokens run again after a rejected draft)."""
         options, limits = self.options, self.executor.limits
         if not options.cuda_graphs or all_logits:
             return StepPlan(None, split)
         if all(c.num_tokens == 1 for c in chunks):
             return StepPlan(bucket_for(len(chunks), self.buckets), split)
-        width = options.verify_tokens
-        if not verify or split or width <= 1 or (self._slots[0] and any(c.num_tokens != width for c in chunks)) or \
-                any(c.num_tokens != c.draws or c.num_tokens > width for c in chunks):
+        width, lengths = options.verify_tokens, {c.num_tokens for c in chunks}
+        if self._slots[0]:
+            width = lengths.pop() if len(lengths) == 1 and max(lengths) <= width else 0
+        if not verify or split or width <= 1 or any(c.num_tokens > width for c in chunks) or \
+                any(c.draws not in (1, c.num_tokens) for c in chunks):
             return StepPlan(None, split)
         bucket = bucket_for(len(chunks), self.buckets)
         longest = int((step["context_lens"] - step["query_lens"]).max()) + width

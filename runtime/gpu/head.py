@@ -22,8 +22,9 @@ GREEDY = SamplingParams(temperature=0.0)
 class GpuHead:
     def __init__(self, head: DraftHead, target: GpuEngine, kv_tokens: int, cache_dir: Path | None = None) -> None:
         """A KV cache of `kv_tokens` (the target's pool and the drafts past it), the target's other limits."""
-        options = replace(target.options, kv_tokens=kv_tokens, max_samples=0, verify_tokens=0, spare_states=0,
-                          state_snapshots=0, kv_share=1.0, reserved_bytes=0)
+        # the target's verify width: a catch-up over the tokens a step kept (1 + those accepted) replays a graph
+        options = replace(target.options, kv_tokens=kv_tokens, spare_states=0, state_snapshots=0, kv_share=1.0,
+                          reserved_bytes=0)
         spec = head.spec
 
         def model(graph) -> LoadedModel:

@@ -84,6 +84,9 @@ def pad_verify_step(step: dict[str, np.ndarray], bucket: int, width: int) -> tup
         padded[LORA_SLOTS] = _spread(step[LORA_SLOTS], tokens, -1, total)
     if STATE_SLOTS in step:
         padded[STATE_SLOTS] = np.concatenate([step[STATE_SLOTS], np.full(bucket - real, PADDING_SLOT, np.int32)])
+    for name in (n for n in HEAD_ROW_INPUTS if n in step):  # a draft head's rows: zeros for padding tokens
+        padded[name] = np.zeros((total, *step[name].shape[1:]), step[name].dtype)
+        padded[name][tokens] = step[name]
     return padded, draws
 
 
