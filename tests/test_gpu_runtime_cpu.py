@@ -185,9 +185,9 @@ def stand_in_manifest(cache: Path, spec) -> tuple[Path, object, list, dict]:
 
 def stand_in_executor(tmp_path, monkeypatch, checkpoint, lora=None, spec=None, borrowed=None, kv_of=None) -> tuple:
     """A GpuExecutor over the tiny model's Triton plan (with LoRA tables: `lora`, a LoraConfig; or `spec`'s,
-    borrowing `borrowed` params, taking `kv_of`'s KV cache) on a stand-in driver: (executor, lowered graph, planned kernels, planned launch
-    id -> key, the memory taken, the launches made: (symbol, argument values, pdl), the copies to the device:
-    (address, bytes), the manifest's launches by key)."""
+    borrowing `borrowed` params, taking `kv_of`'s KV cache) on a stand-in driver: (executor, lowered graph,
+    planned kernels, planned launch id -> key, the memory taken, the launches made: (symbol, argument values,
+    pdl), the copies to the device: (address, bytes), the manifest's launches by key)."""
     from dataclasses import replace
     from types import SimpleNamespace
 

@@ -1,7 +1,8 @@
 """A draft head (EAGLE-3, MTP: runtime/drafters.py) on the GPU: its graphs on engines beside the target's, the
 second taking the first's KV cache and weights, both borrowing the params the target holds alike (its embedding,
-an MTP head's LM head). Steps of one token a sequence replay CUDA graphs per bucket, as the target's decode steps;
-a catch-up longer than a step's limits runs in several."""
+an MTP head's LM head). Steps of one token a sequence replay CUDA graphs per bucket, as the target's decode steps,
+and so do catch-ups over what a verify step kept (the target's verify width); a catch-up longer than a step's
+limits runs in several."""
 
 from dataclasses import replace
 from pathlib import Path
@@ -64,4 +65,5 @@ class GpuHead:
                 if take == left:
                     drawn[i] = (token, result.features[end])
             pending = [(i, left - take) for i, take, left in step if take < left] + pending[len(step):]
-        return np.array([drawn[i][0] for i in range(len(chunks))]), np.stack([drawn[i][1] for i in range(len(chunks))])
+        order = range(len(chunks))
+        return np.array([drawn[i][0] for i in order]), np.stack([drawn[i][1] for i in order])

@@ -51,15 +51,16 @@ def verify_rows(query_lens: np.ndarray, width: int) -> np.ndarray:
 
 
 def pad_verify_step(step: dict[str, np.ndarray], bucket: int, width: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """Pads a step whose every token is drawn (decode tokens and their drafts) to `bucket` sequences of `width`
-    tokens. A sequence's padding tokens follow its own (its context grows by them, so causal attention keeps them
-    out of its real tokens' view; the caller sees that it stays within the block table), at position 0, and write
-    no KV (slot -1); padding sequences attend to the padding block only. Returns the step and, for each of the
-    step's draws, its row in the padded step's (every token's) rows. A model with recurrent state only where every
-    sequence has `width` tokens (padding tokens would advance its state): padding sequences then run from the
-    padding slot's zeros, as a padded decode step's do. A real token's masked scores of the keys past it weigh those keys' values by 0:
-    exact while the KV pool holds only finite values (zeroed at allocation, written only with finite ones; FP8
-    saturates), which padding's unwritten slots rely on."""
+    """Pads a step of short sequences (decode tokens and their drafts, a draft head's catch-up), each drawn at every
+    token or at its last, to `bucket` sequences of `width` tokens. A sequence's padding tokens follow its own (its
+    context grows by them, so causal attention keeps them out of its real tokens' view; the caller sees that it
+    stays within the block table), at position 0, and write no KV (slot -1); padding sequences attend to the
+    padding block only. Returns the step and, for each of the step's draws, its row in the padded step's (every
+    token's) rows. A model with recurrent state only where every sequence has `width` tokens (padding tokens would
+    advance its state): padding sequences then run from the padding slot's zeros, as a padded decode step's do. A
+    real token's masked scores of the keys past it weigh those keys' values by 0: exact while the KV pool holds
+    only finite values (zeroed at allocation, written only with finite ones; FP8 saturates), which padding's
+    unwritten slots rely on."""
     lens, real = step["query_lens"], len(step["query_lens"])
     assert STATE_SLOTS not in step or (lens == width).all(), "a recurrent model's sequences cannot take padding tokens"
     tokens, total = verify_rows(lens, width), bucket * width
