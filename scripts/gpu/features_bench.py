@@ -214,7 +214,6 @@ def bench_eagle3(results: dict) -> None:
     output is exactly plain decoding's), K = 2..6, verify steps in CUDA graphs."""
     from pegainfer.runtime.bench import bench_model
     from pegainfer.runtime.drafter_graphs import with_drafter_features
-    from pegainfer.runtime.proposers import make_speculator
     from pegainfer.runtime.speculative import parse_speculative_config
 
     head = eagle3_head_folder(Path("/tmp/eagle3"))
@@ -222,22 +221,10 @@ def bench_eagle3(results: dict) -> None:
                for k in range(2, 7)}
     model = with_drafter_features(configs[2], bench_model(MODEL))
     gpu = engine(model, max_batch=8, max_samples=8 * 7)
-    rng = np.random.default_rng(1)
-    prompt, tokens = rng.integers(10, TOKENS, 384).tolist(), 128
-    plain, ms, _ = generate(gpu, prompt, tokens)
-    plain, ms, _ = generate(gpu, prompt, tokens)
-    results["eagle3_plain_ms_per_token"] = round(ms, 3)
-    for k, config in configs.items():
-        gpu.options.verify_tokens = k + 1
-        speculator = make_speculator(config, model, "cuda", gpu.allocator.num_blocks * 16, 8, engine=gpu)
-        generate(gpu, prompt, tokens, speculator)  # the head's graphs captured
-        found, ms, stats = generate(gpu, prompt, tokens, speculator)
-        same = next((i for i, (a, b) in enumerate(zip(found, plain)) if a != b), len(plain))
-        results[f"eagle3_k{k}"] = (f"{ms:.3f} ms/token, {stats.spec_accepted_tokens} of {stats.spec_draft_tokens} "
-                                   f"accepted, equal to plain for {same} of {len(plain)} tokens")
+    measure_heads(results, "eagle3", gpu, model, configs, np.random.default_rng(1))
 
 
-MTP_MODEL = "qwen3.5-4b"  # a hybrid target: verify steps eager, rejected drafts rolled back through spare state rows
+MTP_MODEL = "qwen3.5-4b"  # a hybrid target: rejected drafts rolled back through spare state rows
 
 
 def bench_mtp(results: dict) -> None:
@@ -246,7 +233,6 @@ def bench_mtp(results: dict) -> None:
     from pegainfer.frontends.load import LoadedModel
     from pegainfer.runtime.bench import bench_model
     from pegainfer.runtime.drafter_graphs import with_drafter_features
-    from pegainfer.runtime.proposers import make_speculator
     from pegainfer.runtime.speculative import parse_speculative_config
 
     model = bench_model(MTP_MODEL)
@@ -256,19 +242,26 @@ def bench_mtp(results: dict) -> None:
     configs = {k: parse_speculative_config({"method": "mtp", "num_speculative_tokens": k}) for k in (1, 2, 3)}
     model = with_drafter_features(configs[1], LoadedModel(model.spec, model.folder, model.weights, mtp))
     gpu = engine(model, max_batch=8, max_samples=8 * 4, spare_states=8)
+    measure_heads(results, "mtp", gpu, model, configs, rng)
+
+
+def measure_heads(results: dict, label: str, gpu, model, configs: dict, rng) -> None:
+    """ms a token at batch 1, greedy, 128 tokens after a random 384-token prompt, plainly and with each config's
+    drafter (each run twice: the first captures its graphs), and how far its tokens equal the plain ones."""
+    from pegainfer.runtime.proposers import make_speculator
+
     prompt, tokens = rng.integers(10, TOKENS, 384).tolist(), 128
     plain, ms, _ = generate(gpu, prompt, tokens)
     plain, ms, _ = generate(gpu, prompt, tokens)
-    results["mtp_plain_ms_per_token"] = round(ms, 3)
+    results[f"{label}_plain_ms_per_token"] = round(ms, 3)
     for k, config in configs.items():
         gpu.options.verify_tokens = k + 1
         speculator = make_speculator(config, model, "cuda", gpu.allocator.num_blocks * 16, 8, engine=gpu)
         generate(gpu, prompt, tokens, speculator)
         found, ms, stats = generate(gpu, prompt, tokens, speculator)
         same = next((i for i, (a, b) in enumerate(zip(found, plain)) if a != b), len(plain))
-        results[f"mtp_k{k}"] = (f"{ms:.3f} ms/token, {stats.spec_accepted_tokens} of {stats.spec_draft_tokens} "
-                                f"accepted, equal to plain for {same} of {len(plain)} tokens")
-
+        results[f"{label}_k{k}"] = (f"{ms:.3f} ms/token, {stats.spec_accepted_tokens} of {stats.spec_draft_tokens} "
+                                    f"accepted, equal to plain for {same} of {len(plain)} tokens")
 
 def bench_host(results: dict) -> None:
     from pegainfer.runtime.bench import bench_model
