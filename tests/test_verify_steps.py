@@ -117,29 +117,40 @@ def test_the_engine_plans_verify_graphs_only_where_padding_is_safe():
     assert engine._plan(chunks, step, False, False, verify=False) == StepPlan(None)  # run/step read rows unmapped
 
 
-def test_sample_draws_from_the_real_rows_of_a_padded_step(tiny_checkpoint):
+@pytest.mark.parametrize("with_tokens", [True, False])
+def test_sample_draws_from_the_real_rows_of_a_padded_step(tiny_checkpoint, monkeypatch, with_tokens):
     """GpuEngine.sample over a stand-in: the tail's outputs of a padded verify step (4 x 3 rows), of which rows
-    0, 1 and 3 are the step's draws."""
+    0, 1 and 3 are the step's draws; a drafter's feature rows come back with the tokens, in one wait, or (past
+    FEATURES_WITH_TOKENS) on their own."""
+    from pegainfer.ir import FP32
     from pegainfer.ir.step import sampler_outputs
+    from pegainfer.runtime.gpu import engine as engine_module
+    from pegainfer.runtime.gpu.abi import DeviceTensor
 
     model = load_model(tiny_checkpoint)
     graph = lower(model.spec.graph)[0]
     names = sampler_outputs(graph)
     engine = GpuEngine.__new__(GpuEngine)
     engine.rng, engine.vocab_size = np.random.default_rng(0), model.spec.config.vocab_size
-    ids = np.arange(100, 112, dtype=np.int32)
-    fetched = {names["sampled_ids"]: ids, names["sampled_logprobs"]: -np.arange(12, dtype=np.float32)}
-    features = np.arange(12 * 2, dtype=np.float32).reshape(12, 2)  # a drafter's row a token, of the padded step
-    engine.executor = types.SimpleNamespace(graph=graph, fetch=lambda tensor: {"features": features}[tensor],
-                                            fetch_later=lambda tensors: lambda: [fetched[t] for t in tensors])
+    rows_out = DeviceTensor.contiguous(0x1000, (12, 2), FP32)  # a drafter's row a token, of the padded step
+    features = np.arange(12 * 2, dtype=np.float32).reshape(12, 2)
+    fetched = {names["sampled_ids"]: np.arange(100, 112, dtype=np.int32),
+               names["sampled_logprobs"]: -np.arange(12, dtype=np.float32), rows_out: features}
+    waits: list[list] = []
+    engine.executor = types.SimpleNamespace(
+        graph=graph, fetch=lambda tensor: waits.append([tensor]) or fetched[tensor],
+        fetch_later=lambda tensors: lambda: waits.append(list(tensors)) or [fetched[t] for t in tensors])
     engine.token_output = "features"
+    monkeypatch.setattr(engine_module, "FEATURES_WITH_TOKENS", 1 << 18 if with_tokens else 64)
     tokens = verify_rows(np.array([2, 1]), 3)
     engine._run = lambda chunks, all_logits, sampling, fill_late, verify, inputs: (
-        {n: n for n in fetched} | {"logits": None, "features": "features"}, np.array([0, 1, 3]), tokens)
+        {n: n for n in fetched if isinstance(n, str)} | {"logits": None, "features": rows_out}, np.array([0, 1, 3]),
+        tokens)
     chunks = [Chunk(Sequence(0, [1, 2, 3]), 2, draws=2), Chunk(Sequence(1, [4]), 1)]
     result = engine.sample(chunks, [SamplingParams()] * 3, [0, 1, 0])
     assert result.tokens == [100, 101, 103]
     assert result.features.tolist() == features[[0, 1, 3]].tolist()  # the step's tokens' rows, in its order
+    assert len(waits) == (1 if with_tokens else 2) and (rows_out in waits[0]) == with_tokens
 
 
 @pytest.mark.parametrize("draws", [3, 1])

@@ -18,6 +18,15 @@ class DeviceTensor:
     def contiguous(cls, ptr: int, shape: tuple[int, ...], dtype: DType) -> "DeviceTensor":
         return cls(ptr, tuple(shape), dtype, prod(shape[1:]) if len(shape) > 1 else 1)
 
+    @property
+    def nbytes(self) -> int:
+        return prod(self.shape) * self.dtype.itemsize
+
+    @property
+    def dense(self) -> bool:
+        """Its rows back to back (no stride past a row's elements)."""
+        return self.row_stride == prod(self.shape[1:])
+
     def reshape(self, shape: tuple[int, ...]) -> "DeviceTensor":
         return DeviceTensor(self.ptr, tuple(shape), self.dtype, self.row_stride)
 

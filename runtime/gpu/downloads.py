@@ -15,12 +15,12 @@ def fetch_later(ctx: driver.Context, landing: np.ndarray, tensors: list[DeviceTe
     """Small contiguous tensors (a step's sampled tokens) copied into the pinned `landing`, queued on the stream
     now; the call it returns synchronises once and reads them (before the next step's copies reuse that memory).
     Tensors past the landing area are fetched one by one by that call."""
-    sizes = [prod(t.shape) * t.dtype.itemsize for t in tensors]
+    sizes = [t.nbytes for t in tensors]
     if sum(sizes) + 256 * len(sizes) > landing.nbytes:
         return lambda: [fetch(ctx, t) for t in tensors]
     offsets = [sum(-(-n // 256) * 256 for n in sizes[:i]) for i in range(len(sizes))]
     for tensor, offset, nbytes in zip(tensors, offsets, sizes):
-        assert tensor.row_stride == prod(tensor.shape[1:]), "fetch_later reads contiguous tensors"
+        assert tensor.dense, "fetch_later reads contiguous tensors"
         driver.copy_to_host(landing[offset: offset + nbytes], tensor.ptr, ctx.stream)
 
     def read() -> list[np.ndarray]:

@@ -33,6 +33,9 @@ from pegainfer.runtime.kv_blocks import BlockAllocator
 from pegainfer.runtime.sampler import SamplingParams
 
 
+FEATURES_WITH_TOKENS = 1 << 18  # bytes of a step's feature rows downloaded with its tokens (the rest: on their own)
+
+
 def decode_buckets(max_batch: int) -> list[int]:
     """1, 2, 4, 8, then every 8 up to max_batch."""
     return sorted({b for b in (1, 2, 4, 8) if b <= max_batch} | set(range(8, max_batch + 1, 8)) | {max_batch})
@@ -179,7 +182,9 @@ class GpuEngine:
         names = sampler_outputs(self.executor.graph)
         wanted = ["sampled_ids", "sampled_logprobs", *(("top_values", "top_ids", "logsumexp")
                                                  if wants_top_logprobs(params) else ())]
-        download = self.executor.fetch_later([outputs[names[role]] for role in wanted])
+        features = outputs[self.token_output] if self.token_output is not None else None
+        together = features is not None and features.nbytes <= FEATURES_WITH_TOKENS and features.dense
+        download = self.executor.fetch_later([outputs[names[role]] for role in wanted] + [features] * together)
         if launched is not None:
             launched()
         fetched = download()
@@ -187,8 +192,8 @@ class GpuEngine:
         result = finish({role: array[rows] for role, array in zip(wanted, fetched)}, sampling, params,
                         lambda row: self.executor.fetch(logits.row(int(rows[row])))[0].astype(np.float32),
                         constraints, masks, penalized)
-        if self.token_output is not None:
-            result.features = self.executor.fetch(outputs[self.token_output])[tokens]
+        if features is not None:  # a decode or verify step's rows come back with its tokens, in one wait
+            result.features = (fetched[-1] if together else self.executor.fetch(features))[tokens]
         return result
 
     def run(self, chunks: list[Chunk], *, all_logits: bool = False, sampling: dict | None = None,
