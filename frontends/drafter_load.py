@@ -6,7 +6,6 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from itertools import chain
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 from safetensors import safe_open
@@ -22,11 +21,9 @@ from pegainfer.ir.graph import REPEAT, Graph
 @dataclass
 class HeadGraphs:
     """A head's graphs and the target layers it reads, from its config.json alone (what compiling needs)."""
-    spec: ModelSpec  # `graph` is `first`
-    first: Graph  # reads the target's features
-    next: Graph  # reads its own output
+    spec: ModelSpec  # its `graph` is the one over the target's features; `dag`, the head's DAG file
+    next: Graph  # over its own output
     target_layers: list[int]  # the target layers whose input it reads
-    module: ModuleType
 
 
 @dataclass
@@ -36,8 +33,8 @@ class DraftHead:
     weights: Mapping[str, np.ndarray]
     to_target: np.ndarray | None  # draft id -> target id, where its vocabulary is smaller
     target_layers: list[int]
-    spec: ModelSpec | None = None
-    from_target: frozenset[str] = frozenset()  # the params that are the target's (its embedding): a GPU borrows them
+    spec: ModelSpec  # its graph `first`
+    from_target: frozenset[str]  # the params that are the target's (its embedding): a GPU borrows them
 
 
 class LentWeights(Mapping):
@@ -74,19 +71,19 @@ def head_graphs(folder: Path, target: ModelSpec) -> HeadGraphs:
     _check_target(config, target, source)
     first, next_graph = module.build_graphs(config)
     spec = ModelSpec(config_path, raw, architecture, module, config, first)
-    return HeadGraphs(spec, first, next_graph, module.aux_layers(config, _decoder_layers(target)), module)
+    return HeadGraphs(spec, next_graph, module.aux_layers(config, _decoder_layers(target)))
 
 
 def load_draft_head(folder: Path, target: LoadedModel) -> DraftHead:
     head = head_graphs(folder, target.spec)
     source = str(folder / "config.json")
     tensors = scan_checkpoint(folder)
-    own = {name: t for name, t in {**head.first.checkpoint_params(), **head.next.checkpoint_params()}.items()
-           if name != head.module.EMBEDDING}
+    first, lent = head.spec.graph, frozenset({head.spec.dag.EMBEDDING})
+    own = {name: t for name, t in {**first.checkpoint_params(), **head.next.checkpoint_params()}.items()
+           if name not in lent}
     check_weights(own, tensors, folder)
-    lent = frozenset({head.module.EMBEDDING})
     weights = LentWeights(load_weights(own, tensors), target.weights, lent)
-    return DraftHead(head.first, head.next, weights, _vocabulary_map(tensors, head.spec.config, source),
+    return DraftHead(first, head.next, weights, _vocabulary_map(tensors, head.spec.config, source),
                      head.target_layers, head.spec, lent)
 
 

@@ -20,7 +20,7 @@ def drafter_graphs(config: SpeculativeConfig, target: ModelSpec) -> tuple[ModelS
     given = FEATURES in target.graph.outputs  # already the target's features graph
     if config.method == "eagle3":
         head = head_graphs(resolve_checkpoint(config.model).folder, target)
-        heads = [replace(head.spec, graph=head.first), replace(head.spec, graph=head.next)]
+        heads = [head.spec, replace(head.spec, graph=head.next)]
         return target if given else replace(target, graph=with_layer_inputs(target.graph, head.target_layers)), heads
     if config.method == "mtp":
         graph_of = getattr(target.dag, "mtp_graph", None)
@@ -38,8 +38,7 @@ def compiled_drafter(config_json: str, specs: list[ModelSpec]) -> list[ModelSpec
     config = parse_speculative_config(config_json)
     if config.method not in FEATURE_METHODS:
         return specs
-    if len(specs) > 1:
-        raise ConfigError(f"--speculative-config: method {config.method} runs on one GPU (--tensor-parallel-size 1)")
+    refuse_sharded(config, "cuda", len(specs) > 1)
     target, heads = drafter_graphs(config, specs[0])
     return [target, *heads]
 
@@ -49,6 +48,13 @@ def refuse_sharded(config: SpeculativeConfig | None, device: str, sharded: bool)
     if config is not None and config.method in FEATURE_METHODS and device == "cuda" and sharded:
         raise ConfigError(f"--speculative-config: method {config.method} on cuda runs on one GPU for now "
                           f"(--tensor-parallel-size 1)")
+
+
+def drafting_target(config: SpeculativeConfig | None, model: LoadedModel, device: str, sharded: bool) -> LoadedModel:
+    """What serve and generate run as the target, before its engine: the model giving its drafter's features (a
+    sharded CPU model's ranks are given them by make_speculator), refused on several GPUs."""
+    refuse_sharded(config, device, sharded)
+    return model if sharded else with_drafter_features(config, model)
 
 
 def with_drafter_features(config: SpeculativeConfig | None, model: LoadedModel) -> LoadedModel:

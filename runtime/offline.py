@@ -9,7 +9,7 @@ from pegainfer.frontends.load import LoadedModel, load_model
 from pegainfer.passes.shard import Parallelism
 from pegainfer.runtime.detokenize import decode_completion
 from pegainfer.runtime.device import choose_device
-from pegainfer.runtime.drafter_graphs import refuse_sharded, with_drafter_features
+from pegainfer.runtime.drafter_graphs import drafting_target
 from pegainfer.runtime.generate import Request, generate
 from pegainfer.runtime.rank_workers import Ranks, RankSpec
 from pegainfer.runtime.proposers import make_speculator
@@ -38,9 +38,7 @@ def generate_one(model_path: Path | str, params: SamplingParams, *, prompt: str 
     sharding = Parallelism(parallel.size, 0, parallel.expert_parallel)
     model = load_model(folder, lazy=device == "cuda" or sharding.sharded, dtype=dtype, device=device,
                        quantization=quantization, kv_cache_dtype=kv_cache_dtype, parallel=sharding)
-    refuse_sharded(config, device, sharding.sharded)
-    if not sharding.sharded:
-        model = with_drafter_features(config, model)
+    model = drafting_target(config, model, device, sharding.sharded)
     tokenizer = load_tokenizer(folder) if prompt is not None or (folder / "tokenizer.json").is_file() else None
     ids = tokenizer.encode(prompt) if prompt is not None else list(prompt_ids)
     check_prompt_ids(ids, model.spec.config.vocab_size)

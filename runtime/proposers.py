@@ -14,7 +14,7 @@ from pegainfer.frontends.hub import resolve_checkpoint
 from pegainfer.frontends.load import LoadedModel, load_model
 from pegainfer.ir.step import has_recurrent_state
 from pegainfer.runtime.batch import Chunk, Sequence
-from pegainfer.runtime.drafter_graphs import FEATURE_METHODS, drafter_graphs, with_drafter_features
+from pegainfer.runtime.drafter_graphs import FEATURE_METHODS, drafter_graphs, refuse_sharded
 from pegainfer.runtime.drafters import FeatureDrafter, InterpretedHead
 from pegainfer.runtime.reference_engine import ReferenceEngine
 from pegainfer.runtime.sampler import SamplingParams
@@ -120,19 +120,16 @@ class DraftModelProposer:
 def make_speculator(config: SpeculativeConfig, target: LoadedModel, device: str, kv_tokens: int,
                     max_seqs: int, dtype: str = "auto", engine=None, cache_dir: Path | None = None) -> Speculator:
     """The proposer a config names, its draft model loaded beside the target (same vocabulary, else one line). A
-    head that reads the target's hidden states needs `engine` (the target's) to give them: a GPU engine's graph
-    gives them from its start (drafter_graphs.with_drafter_features), a reference engine's is given them here.
+    head that reads the target's hidden states needs `engine` (the target's) to give them: a graph gives them from
+    its engine's start (drafter_graphs.drafting_target), a sharded CPU engine's is given them here.
     On cuda a draft model or head runs on GPU engines of its own beside `engine`."""
     if config.method == "ngram":
         return Speculator(config, NgramProposer(config))
     draft_tokens = kv_tokens + max_seqs * config.num_speculative_tokens
     if config.method in FEATURE_METHODS:
-        if engine is not None and FEATURES not in engine.graph.outputs:
-            if device != "cpu":
-                raise ConfigError(f"--speculative-config: method {config.method} on cuda runs on one GPU for now "
-                                  f"(--tensor-parallel-size 1)")
-            engine.graph = with_drafter_features(config, replace(target, spec=replace(
-                target.spec, graph=engine.graph))).spec.graph
+        if engine is not None and FEATURES not in engine.graph.outputs:  # a sharded model's
+            refuse_sharded(config, device, sharded=True)
+            engine.graph = drafter_graphs(config, replace(target.spec, graph=engine.graph))[0].graph
         head = eagle3_head(config, target) if config.method == "eagle3" else mtp_head(target)
         if device == "cpu":
             runner = InterpretedHead(head.first, head.next, head.weights, draft_tokens)

@@ -195,11 +195,9 @@ def start_serving(args: argparse.Namespace, trace: TextIO | None, listener: sock
     parallel = Parallelism(args.tensor_parallel_size, 0, args.enable_expert_parallel)
     model = load_model(checkpoint.folder, lazy=device == "cuda" or parallel.sharded, dtype=args.dtype, device=device,
                        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, parallel=parallel)
-    from pegainfer.runtime.drafter_graphs import refuse_sharded, with_drafter_features
+    from pegainfer.runtime.drafter_graphs import drafting_target
 
-    refuse_sharded(speculative, device, parallel.sharded)
-    if not parallel.sharded:  # the graph giving a hidden-state drafter its features, compiled and run from the start
-        model = with_drafter_features(speculative, model)
+    model = drafting_target(speculative, model, device, parallel.sharded)
     max_model_len, explicit = _max_model_len(model.spec.raw_config, args.max_model_len)
     if args.kv_cache_tokens is not None:  # the pool's size is known: refuse before the slow part
         fit_model_len(max_model_len, explicit, -(-args.kv_cache_tokens // KV_BLOCK_SIZE) * KV_BLOCK_SIZE)

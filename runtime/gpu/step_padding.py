@@ -37,8 +37,7 @@ def pad_decode_step(step: dict[str, np.ndarray], bucket: int) -> dict[str, np.nd
            if STATE_SLOTS in step else {}),
         **({LORA_SLOTS: np.concatenate([step[LORA_SLOTS], np.full(extra, -1, np.int32)])}  # no adapter
            if LORA_SLOTS in step else {}),
-        **{name: np.concatenate([step[name], np.zeros((extra, *step[name].shape[1:]), step[name].dtype)])
-           for name in HEAD_ROW_INPUTS if name in step},
+        **{name: _spread(step[name], np.arange(real), 0, bucket) for name in HEAD_ROW_INPUTS if name in step},
     }
 
 
@@ -85,9 +84,7 @@ def pad_verify_step(step: dict[str, np.ndarray], bucket: int, width: int) -> tup
         padded[LORA_SLOTS] = _spread(step[LORA_SLOTS], tokens, -1, total)
     if STATE_SLOTS in step:
         padded[STATE_SLOTS] = np.concatenate([step[STATE_SLOTS], np.full(bucket - real, PADDING_SLOT, np.int32)])
-    for name in (n for n in HEAD_ROW_INPUTS if n in step):  # a draft head's rows: zeros for padding tokens
-        padded[name] = np.zeros((total, *step[name].shape[1:]), step[name].dtype)
-        padded[name][tokens] = step[name]
+    padded |= {name: _spread(step[name], tokens, 0, total) for name in HEAD_ROW_INPUTS if name in step}
     return padded, draws
 
 
@@ -106,6 +103,7 @@ def padded_rows(step: dict[str, np.ndarray], at: np.ndarray, rows: int) -> dict[
 
 
 def _spread(values: np.ndarray, at: np.ndarray, fill, size: int) -> np.ndarray:
-    out = np.full(size, fill, dtype=values.dtype)
+    """`size` rows of `fill`, the values' rows placed `at` these."""
+    out = np.full((size, *values.shape[1:]), fill, dtype=values.dtype)
     out[at] = values
     return out
