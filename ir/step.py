@@ -101,6 +101,9 @@ SAMPLING_INPUTS: dict[str, TensorType] = {
     "sampling_seed": TensorType(INT64, ("samples",)),  # the request's seed (mod 2**64): the Philox key
     "sampling_step": TensorType(INT32, ("samples",)),  # the index of the token being drawn within its request
 }
+# How many top logprobs a row asks (0: none). The tail ranks a row's top-k candidates only where it asks or its draw
+# is cut (top-k, top-p, min-p); another row's top_values and top_ids hold just its largest (ir/ops/basic.py's top_k).
+TOP_LOGPROBS = "sampling_top_logprobs"
 # The grammar masks a step's rows of logits are drawn under (structured outputs): `masks` bitmask rows of the
 # vocabulary's bits, `mask_words` words each (ir/ops/sampling.py's mask_tokens), and per row of logits the bitmask
 # row it takes, or -1. A step without masks passes one word of zeros and -1s (runtime/batch.py's pack_step).
@@ -129,8 +132,8 @@ def penalty_input_types(rows: str) -> dict[str, TensorType]:
 
 # Every input the runtime uploads for a step, in one copy before the step's first kernel.
 STEP_INPUTS = (*TOKEN_INPUTS, *SEQUENCE_INPUTS, BLOCK_TABLES, STATE_SLOTS, LORA_SLOTS, LOGITS_INDICES,
-               *SAMPLING_INPUTS, TOKEN_BITMASK, TOKEN_MASK_INDEX, PENALTY_START, PENALTY_COUNT, PENALTY_IDS,
-               PENALTY_TERMS)
+               *SAMPLING_INPUTS, TOP_LOGPROBS, TOKEN_BITMASK, TOKEN_MASK_INDEX, PENALTY_START, PENALTY_COUNT,
+               PENALTY_IDS, PENALTY_TERMS)
 
 
 def uploaded(graph: Graph, value: str) -> bool:

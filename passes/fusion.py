@@ -1,10 +1,12 @@
 """Pattern fusions for the transformer building blocks, written over op names and categories, never over model
 names, so any architecture built from these ops gets them."""
 
+from pegainfer.ir.dtypes import INT32
 from pegainfer.ir.graph import KERNEL, REPEAT, Graph, Node
 from pegainfer.ir.kernel import inner_nodes, kernel_kind
 from pegainfer.ir.registry import COLLECTIVE, ELEMENTWISE, GATHER, ROW_REDUCTION, get_op
-from pegainfer.ir.step import SAMPLER_OUTPUTS, SAMPLING_INPUTS, mask_input_types, penalty_input_types
+from pegainfer.ir.step import (SAMPLER_OUTPUTS, SAMPLING_INPUTS, TOP_LOGPROBS, mask_input_types,
+                               penalty_input_types)
 from pegainfer.ir.types import TensorType
 from pegainfer.passes.manager import PassLog
 from pegainfer.passes.rewrite import consumers, for_each_graph, fresh_name, fuse, only_reader
@@ -122,7 +124,7 @@ def plan_sampler_tail(graph: Graph, log: PassLog) -> Graph:
     if head is None or (head.op != "linear" and gathered is None):
         log.note(f"{graph.name}: left alone: the first output is not produced by a linear")
         return graph
-    taken = [name for name in SAMPLING_INPUTS if name in graph.value_types()]
+    taken = [name for name in (*SAMPLING_INPUTS, TOP_LOGPROBS) if name in graph.value_types()]
     if taken:
         log.note(f"{graph.name}: left alone: it already defines {', '.join(taken)}")
         return graph
@@ -140,7 +142,9 @@ def plan_sampler_tail(graph: Graph, log: PassLog) -> Graph:
     penalized = fresh_name(graph, "penalized_logits")  # what the row is drawn from; its logprobs stay the masked
     penalized_type = get_op("penalize_tokens").infer(logits_type, *penalties.values())
     penalize = Node("penalize_tokens", (masked, *penalties), (penalized,), (penalized_type,))
-    top_k = Node("top_k", (penalized,), tuple(names[0:2]), get_op("top_k").infer(penalized_type, k=k), {"k": k})
+    graph.inputs[TOP_LOGPROBS] = TensorType(INT32, (rows,))
+    top_k = Node("top_k", (penalized, TOP_LOGPROBS), tuple(names[0:2]),
+                 get_op("top_k").infer(penalized_type, graph.inputs[TOP_LOGPROBS], k=k), {"k": k})
     lse = Node("logsumexp", (masked,), (names[2],), (get_op("logsumexp").infer(logits_type),))
     inputs = {name: TensorType(t.dtype, (rows,)) for name, t in SAMPLING_INPUTS.items()}
     graph.inputs.update(inputs)

@@ -12,7 +12,7 @@ import numpy as np
 from pegainfer.ir.ops.sampling import UNRESOLVED, logsumexp_row, mask_tokens, sample_row
 from pegainfer.ir.registry import get_op
 from pegainfer.ir.step import (PENALTY_COUNT, PENALTY_IDS, PENALTY_START, PENALTY_TERMS, SAMPLER_OUTPUTS,
-                               SAMPLING_INPUTS, TOKEN_BITMASK, TOKEN_MASK_INDEX)
+                               SAMPLING_INPUTS, TOKEN_BITMASK, TOKEN_MASK_INDEX, TOP_LOGPROBS)
 from pegainfer.runtime.constraint import (TokenConstraint, accept, adjusts, bitmask_of, draw_constrained,
                                           fill_bitmasks, has_grammar, penalty_state, unpack_mask)
 from pegainfer.runtime.sampler import SamplingParams
@@ -30,10 +30,10 @@ class SampleResult:
 
 
 def greedy_inputs(rows: int) -> dict[str, np.ndarray]:
-    """Sampling inputs for a step that only wants logits: greedy rows."""
+    """Sampling inputs for a step that only wants logits: greedy rows, no top logprobs."""
     inputs = {name: np.zeros(rows, dtype=t.dtype.np_dtype) for name, t in SAMPLING_INPUTS.items()}
     inputs["sampling_top_p"][:] = 1.0
-    return inputs
+    return inputs | {TOP_LOGPROBS: np.zeros(rows, np.int32)}
 
 
 def no_penalties(rows: int) -> dict[str, np.ndarray]:
@@ -59,6 +59,7 @@ def sampling_inputs(params: list[SamplingParams], token_index: list[int],
         "sampling_min_p": np.array([p.min_p for p in params], dtype=np.float32),
         "sampling_seed": np.array([s % 2 ** 64 for s in seeds], dtype=np.uint64).view(np.int64),
         "sampling_step": np.array(token_index, dtype=np.int32),
+        TOP_LOGPROBS: np.array([p.logprobs or 0 for p in params], dtype=np.int32),
     }
 
 
@@ -135,7 +136,7 @@ def tail_reference(logits: np.ndarray, inputs: dict[str, np.ndarray], candidates
     """The sampler tail's outputs computed on the host from float32 logits, by the ops' references: what a graph
     without the tail (a model's declared graph) lacks."""
     k = min(candidates, logits.shape[1])
-    values, ids = get_op("top_k").reference(logits, k=k)
+    values, ids = get_op("top_k").reference(logits, inputs[TOP_LOGPROBS], k=k)
     lse = get_op("logsumexp").reference(logits)
     tokens, logprobs = get_op("sample").reference(logits, *(inputs[name] for name in SAMPLING_INPUTS),
                                                   candidates=k)

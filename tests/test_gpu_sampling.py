@@ -26,7 +26,7 @@ from pegainfer.ir.ops.penalties import Penalties
 from pegainfer.ir.ops.sampling import UNRESOLVED, gumbel, philox4x32, sample_row
 from pegainfer.ir.registry import get_op
 from pegainfer.ir.step import (PENALTY_COUNT, PENALTY_IDS, PENALTY_START, PENALTY_TERMS, SAMPLING_INPUTS,
-                                TOKEN_BITMASK, TOKEN_MASK_INDEX, mask_words, sampler_outputs)
+                                TOKEN_BITMASK, TOKEN_MASK_INDEX, TOP_LOGPROBS, mask_words, sampler_outputs)
 from pegainfer.passes.pipeline import lower
 from pegainfer.runtime.batch import Chunk, Sequence, pack_step
 from pegainfer.runtime.constraint import PenaltyState, pack_mask
@@ -52,10 +52,19 @@ def params_of(inputs: dict[str, np.ndarray], row: int) -> tuple:
     return tuple(inputs[name][row].item() for name in SAMPLING_INPUTS)
 
 
-def rows_of(rows: int, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, step=0) -> dict[str, np.ndarray]:
+def rows_of(rows: int, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, step=0,
+            top_logprobs=0) -> dict[str, np.ndarray]:
     values = dict(zip(SAMPLING_INPUTS, (temperature, top_k, top_p, min_p, seed, step)))
-    return {name: np.broadcast_to(np.asarray(values[name]), (rows,)).astype(t.dtype.np_dtype)
-            for name, t in SAMPLING_INPUTS.items()}
+    inputs = {name: np.broadcast_to(np.asarray(values[name]), (rows,)).astype(t.dtype.np_dtype)
+              for name, t in SAMPLING_INPUTS.items()}
+    return inputs | {TOP_LOGPROBS: np.broadcast_to(top_logprobs, rows).astype(np.int32)}
+
+
+def ranked_ids(x: np.ndarray, k: int, wanted: np.ndarray) -> np.ndarray:
+    """The top-k ids a row that wants them gets (ties to the lower id); another row gets its argmax and -1s."""
+    ids = np.argsort(-x, axis=1, kind="stable")[:, :k].astype(np.int32)
+    ids[wanted == 0, 1:] = -1
+    return ids
 
 
 def draw(logits: np.ndarray, inputs: dict[str, np.ndarray], candidates: int = 64) -> tuple[np.ndarray, np.ndarray]:
@@ -258,7 +267,7 @@ def test_kernels_draw_the_reference_tokens_for_mixed_rows(dtype, monkeypatch):
     rng = np.random.default_rng(7)
     vocab = 80
     tail = plan_tail(vocab, dtype, monkeypatch, candidates=8, chunk=64)
-    inputs = mixed_rows(rng, vocab)
+    inputs = mixed_rows(rng, vocab) | {TOP_LOGPROBS: np.array([0, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0, 1], np.int32)}
     logits = rng.normal(0, 2, (12, vocab)).astype(dtype.np_dtype)
     logits[2, [40, 70]] = logits[2].max() + 1  # a tie for the top at a low temperature
     got = run_tail(tail, logits, inputs)
@@ -269,7 +278,10 @@ def test_kernels_draw_the_reference_tokens_for_mixed_rows(dtype, monkeypatch):
     assert (tokens[[9, 10]] == UNRESOLVED).all(), "top-k and top-p past the candidates"
     x = logits.astype(np.float64)
     np.testing.assert_allclose(got["logsumexp"], np.log(np.exp(x).sum(axis=1)), rtol=1e-6)
-    np.testing.assert_array_equal(got["top_ids"], np.argsort(-x, axis=1, kind="stable")[:, :8])
+    # rows 0 and 1 (greedy, whole-vocabulary Gumbel) want no top logprobs: their largest alone, nothing ranked
+    np.testing.assert_array_equal(got["top_ids"], ranked_ids(x, 8, inputs[TOP_LOGPROBS] | (np.arange(12) > 2)))
+    assert (got["top_values"][:2, 1:] == -np.inf).all()
+    np.testing.assert_array_equal(got["top_values"][:, 0], x.max(axis=1).astype(np.float32))
 
 
 @pytest.mark.slow
@@ -292,7 +304,7 @@ def test_candidates_past_the_chunk_maxima_floor_are_those_of_a_whole_ranking(mon
     logits[2, 5 * 64:6 * 64] += 12
     inputs = rows_of(8, temperature=np.array([0.0, 1.0, 0.0, 0.7, 1.0, 0.0, 0.5, 1.0]),
                      top_k=np.array([0, 3, 0, 2, 0, 0, 12, 0]), top_p=np.array([1.0, 1.0, 1.0, 1.0, 0.8, 1, 1, 1]),
-                     seed=rng.integers(0, 2 ** 63, 8), step=rng.integers(0, 1000, 8))
+                     seed=rng.integers(0, 2 ** 63, 8), step=rng.integers(0, 1000, 8), top_logprobs=5)
     allowed = np.zeros(vocab, bool)
     allowed[[7, 300, 1099]] = True
     bitmask, index = stack_masks({3: pack_mask(allowed)}, 8, mask_words(vocab))
@@ -329,7 +341,8 @@ def test_kernels_draw_under_each_rows_grammar_mask_as_the_reference_does(monkeyp
     drawn = (tokens != UNRESOLVED) & (index >= 0)
     assert allowed[np.arange(12)[drawn], tokens[drawn]].all() and drawn.sum() >= 7
     finite = np.isfinite(masked).sum(axis=1) >= 8  # rows with 8 allowed ids rank them all
-    np.testing.assert_array_equal(got["top_ids"][finite], np.argsort(-masked, axis=1, kind="stable")[finite, :8])
+    ranked = ranked_ids(masked, 8, np.arange(12) > 2)  # rows 0-2 ask no top logprobs and draw uncut
+    np.testing.assert_array_equal(got["top_ids"][finite], ranked[finite])
     np.testing.assert_allclose(got["logsumexp"], np.log(np.exp(masked.astype(np.float64)).sum(axis=1)), rtol=1e-6)
 
 
@@ -375,7 +388,7 @@ def test_kernels_draw_penalised_rows_as_the_reference_does(monkeypatch):
     np.testing.assert_array_equal(got["sampled_ids"], tokens)
     np.testing.assert_allclose(got["sampled_logprobs"], logprobs, atol=1e-5)
     assert tokens[7] == UNRESOLVED and (tokens[[0, 1, 2, 3, 4]] != UNRESOLVED).all()
-    np.testing.assert_array_equal(got["top_ids"], np.argsort(-penalized, axis=1, kind="stable")[:, :8])
+    np.testing.assert_array_equal(got["top_ids"], ranked_ids(penalized, 8, np.arange(12) > 2))
     np.testing.assert_allclose(got["logsumexp"], np.log(np.exp(masked.astype(np.float64)).sum(axis=1)), rtol=1e-6)
 
 
@@ -423,7 +436,7 @@ def test_host_resolves_what_the_kernels_leave_with_top_logprobs(monkeypatch):
     tail = plan_tail(100, FP32, monkeypatch, candidates=8, chunk=128)
     logits = rng.normal(0, 0.2, (2, 100)).astype(np.float32)
     logits[1] *= 200  # peaked: settled within the candidates
-    inputs = rows_of(2, top_p=0.995, seed=np.array([11, 12]))
+    inputs = rows_of(2, top_p=0.995, seed=np.array([11, 12]), top_logprobs=3)
     got = run_tail(tail, logits, inputs)
     assert got["sampled_ids"][0] == UNRESOLVED and got["sampled_ids"][1] != UNRESOLVED
     params = [SamplingParams(temperature=1.0, top_p=0.995, logprobs=3)] * 2

@@ -114,3 +114,13 @@ def test_scale_rows_multiplies_each_row_by_its_scalar_and_refuses_a_scale_of_ano
     np.testing.assert_array_equal(reference("scale_rows", x, scale), x * scale[:, :1].repeat(6, axis=1))
     with pytest.raises(GraphError, match=r"scale_rows: the scale must be f32\[tokens,1\]"):
         infer_types("scale_rows", [TensorType(FP32, ("tokens", 6)), TensorType(FP32, ("tokens", 6))], {})
+
+
+def test_top_k_ranks_the_rows_that_want_it_and_gives_the_others_their_largest():
+    x = np.array([[0.5, 3.0, 3.0, -1.0], [2.0, -4.0, 7.0, 1.0]], np.float32)
+    values, ids = get_op("top_k").reference(x, np.array([2, 0], np.int32), k=3)
+    np.testing.assert_array_equal(ids, [[1, 2, 0], [2, -1, -1]])  # ties to the lower id
+    np.testing.assert_array_equal(values, [[3.0, 3.0, 0.5], [7.0, -np.inf, -np.inf]])
+    np.testing.assert_array_equal(get_op("top_k").reference(x, k=3)[1], [[1, 2, 0], [2, 0, 3]])
+    with pytest.raises(GraphError, match="`wanted` must be int32"):
+        get_op("top_k").infer(TensorType(FP32, ("rows", 4)), TensorType(FP32, ("rows",)), k=3)

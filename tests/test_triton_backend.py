@@ -16,6 +16,7 @@ from pegainfer.ir.graph import KERNEL
 from pegainfer.ir.interpreter import run_graph
 from pegainfer.ir.kernel import in_place_outputs
 from pegainfer.ir.registry import get_op
+from pegainfer.ir.step import TOP_LOGPROBS
 from pegainfer.models import qwen3
 from pegainfer.passes.pipeline import lower
 from pegainfer.runtime.batch import Chunk, Sequence, commit_step, pack_step
@@ -87,7 +88,10 @@ def workload(model: Model, graph, run) -> list[list[np.ndarray]]:
     results = []
     for plan in STEPS.values():
         chunks = [Chunk(seq, n) for seq, n in zip(seqs, plan)]
-        results.append(run(pack_step(chunks, allocator), states))
+        inputs = pack_step(chunks, allocator)
+        rows = inputs[TOP_LOGPROBS].size  # the middle row asks no top logprobs: its largest alone is kept
+        inputs[TOP_LOGPROBS] = np.resize(np.array([2, 0, 5], np.int32), rows)
+        results.append(run(inputs, states))
         commit_step(chunks)
     return results
 
@@ -129,9 +133,17 @@ def _compare(model: Model, node, got: dict, expected: dict, seen: dict) -> None:
         elif name.startswith("top_ids"):
             values = got[name.replace("top_ids", "top_values")]
             logits = got[next(n for n in node.outputs if n.startswith("logits"))]
-            np.testing.assert_allclose(np.take_along_axis(logits, got[name], axis=1), values, rtol=1e-6)
+            np.testing.assert_array_equal(got[name] < 0, reference < 0)  # the ranks a row leaves unranked
+            kept = got[name] >= 0
+            np.testing.assert_allclose(np.take_along_axis(logits, np.maximum(got[name], 0), axis=1)[kept],
+                                       values[kept], rtol=1e-6)
+            assert (values[~kept] == -np.inf).all()
             if model.dtype == "float32":
                 np.testing.assert_array_equal(got[name], reference)
+        elif name.startswith("top_values"):
+            ranked = reference > -np.inf
+            np.testing.assert_array_equal(got[name] > -np.inf, ranked)
+            assert relative_error(got[name][ranked], reference[ranked]) < tolerance, f"{node.name}: {name}"
         else:
             assert not np.isnan(got[name]).any(), f"{node.name}: {name} has elements no launch wrote"
             assert relative_error(got[name], reference) < tolerance, f"{node.name} ({node.attrs['kind']}): {name}"

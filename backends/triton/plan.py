@@ -269,10 +269,10 @@ def gemv_1_tile(n: int, k: int, act: bool) -> tuple[int, int, int]:
 
 def _plan_tail_reduction(types: dict[str, TensorType], roles: dict, layout: dict) -> tuple[list[LaunchSpec], dict]:
     """Three launches: per vocabulary chunk, the logsumexp statistics and the chunk's largest key; per chunk
-    again, its share of the top-k candidates and sampling statistics; then per row, the merge that writes the
-    top-k, the logsumexp and the sampled token (kernels/sampling.py). Each row's grammar mask and penalties are
-    applied as its logits are read. Chunks are small enough that a row has at least k of them where the
-    vocabulary allows."""
+    again, its share of the top-k candidates (of the rows that want them) and sampling statistics; then per row,
+    the merge that writes the top-k, the logsumexp and the sampled token (kernels/sampling.py). Each row's grammar
+    mask and penalties are applied as its logits are read. Chunks are small enough that a row has at least k of
+    them where the vocabulary allows."""
     logits = roles["out"]
     values, ids = roles["top_k"].outputs
     k = roles["top_k"].attrs["k"]
@@ -298,8 +298,9 @@ def _plan_tail_reduction(types: dict[str, TensorType], roles: dict, layout: dict
         bound.tensor(name, value)
     bound.stride("stride_logits", logits)
     bound.stride("stride_bitmask", bitmask)
+    wanted = ("wanted_ptr", roles["top_k"].inputs[1])
     partial = Params(types, layout)
-    for name, value in (("logits_ptr", logits), *((f"{role}_ptr", v) for role, v in sampling.items()),
+    for name, value in (("logits_ptr", logits), *((f"{role}_ptr", v) for role, v in sampling.items()), wanted,
                         ("bitmask_ptr", bitmask), ("mask_index_ptr", mask_index), *penalties,
                         ("bound_ptr", "tail.bound"), ("keys_ptr", "tail.keys"), ("count_ptr", "tail.count"),
                         ("stats_ptr", "tail.stats"), ("best_ptr", "tail.best")):
@@ -308,8 +309,8 @@ def _plan_tail_reduction(types: dict[str, TensorType], roles: dict, layout: dict
     partial.stride("stride_bitmask", bitmask)
     merge = Params(types, layout)
     for name, value in (("keys_ptr", "tail.keys"), ("count_ptr", "tail.count"), ("stats_ptr", "tail.stats"),
-                        ("best_ptr", "tail.best"), ("logits_ptr", logits),
-                        *((f"{role}_ptr", v) for role, v in sampling.items()),
+                        ("best_ptr", "tail.best"), ("bound_ptr", "tail.bound"), ("logits_ptr", logits),
+                        *((f"{role}_ptr", v) for role, v in sampling.items()), wanted,
                         ("values_ptr", values), ("ids_ptr", ids), ("lse_ptr", roles["lse"].outputs[0]),
                         ("tokens_ptr", sample.outputs[0]), ("logprobs_ptr", sample.outputs[1])):
         merge.tensor(name, value)

@@ -150,16 +150,22 @@ def _zeros_like(x: np.ndarray) -> np.ndarray:
     return np.zeros_like(x)
 
 
-def _infer_top_k(x: TensorType, *, k: int) -> tuple[TensorType, TensorType]:
+def _infer_top_k(x: TensorType, wanted: TensorType | None = None, *, k: int) -> tuple[TensorType, TensorType]:
     expect(x.rank == 2 and isinstance(x.shape[1], int) and 0 < k <= x.shape[1],
            f"top_k: input must be [rows, n] with 0 < k <= n, found {x} and k={k}")
+    expect(wanted is None or (wanted.dtype == INT32 and wanted.shape == (x.shape[0],)),
+           f"top_k: `wanted` must be int32 [{x.shape[0]}], found {wanted}")
     return TensorType(FP32, (x.shape[0], k)), TensorType(INT32, (x.shape[0], k))
 
 
-def _top_k(x: np.ndarray, *, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The k largest values of each row in descending order, ties broken by the lower index."""
+def _top_k(x: np.ndarray, wanted: np.ndarray | None = None, *, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k largest values of each row in descending order, ties broken by the lower index. Where `wanted` is 0 a
+    row keeps only its largest (the others -inf, ids -1): ranking the rest is what costs."""
     order = np.argsort(-x, axis=-1, kind="stable")[:, :k]
-    return np.take_along_axis(x, order, axis=-1), order.astype(np.int32)
+    values, ids = np.take_along_axis(x, order, axis=-1).astype(np.float32), order.astype(np.int32)
+    if wanted is not None:
+        values[np.asarray(wanted) == 0, 1:], ids[np.asarray(wanted) == 0, 1:] = -np.inf, -1
+    return values, ids
 
 
 def _infer_logsumexp(x: TensorType) -> TensorType:

@@ -5,7 +5,7 @@ Padding writes no KV slot and is drawn greedily; the real rows keep their values
 import numpy as np
 
 from pegainfer.ir.step import (HEAD_ROW_INPUTS, LORA_SLOTS, PENALTY_COUNT, PENALTY_IDS, PENALTY_START, PENALTY_TERMS,
-                               SAMPLING_INPUTS, STATE_SLOTS, TOKEN_BITMASK, TOKEN_MASK_INDEX)
+                               SAMPLING_INPUTS, STATE_SLOTS, TOKEN_BITMASK, TOKEN_MASK_INDEX, TOP_LOGPROBS)
 from pegainfer.runtime.device_sampling import greedy_inputs
 
 PADDING_BLOCK = 0  # a KV block no sequence owns: padding slots of captured decode steps point here
@@ -92,7 +92,7 @@ def padded_rows(step: dict[str, np.ndarray], at: np.ndarray, rows: int) -> dict[
     """The step's inputs of a row of logits each, its rows placed `at` these of `rows`: the rest drawn greedily,
     unmasked and without penalties."""
     greedy = greedy_inputs(1)
-    padded = {name: _spread(step[name], at, greedy[name][0], rows) for name in SAMPLING_INPUTS}
+    padded = {name: _spread(step[name], at, greedy[name][0], rows) for name in (*SAMPLING_INPUTS, TOP_LOGPROBS)}
     if TOKEN_MASK_INDEX in step:
         padded |= {TOKEN_MASK_INDEX: _spread(step[TOKEN_MASK_INDEX], at, -1, rows), TOKEN_BITMASK: step[TOKEN_BITMASK]}
     if PENALTY_COUNT in step:

@@ -4,6 +4,7 @@ CUDA-graph decode steps; and a decode step's time and download when it samples o
 against bringing the logits back (engine.step)."""
 
 import dataclasses
+import json
 import time
 
 import numpy as np
@@ -14,8 +15,10 @@ from pegainfer.ir.step import SAMPLING_INPUTS, sampler_outputs
 from pegainfer.passes.fusion import TAIL_TOP_K
 from pegainfer.runtime import bench
 from pegainfer.runtime.batch import Chunk, Sequence
+from pegainfer.runtime.device import visible_sm
 from pegainfer.runtime.device_sampling import sampling_inputs
 from pegainfer.runtime.gpu.engine import GpuEngine, bucket_for
+from pegainfer.runtime.gpu.start import ensure_manifest
 from pegainfer.runtime.sampler import SamplingParams
 
 MIXED = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=20),
@@ -65,11 +68,14 @@ def time_decode(engine: GpuEngine, batches: tuple[int, ...] = (1, 64), context: 
     """ms per decode step (CUDA graphs) and bytes downloaded: `step` (engine.step: the logits rows come back,
     nothing drawn) against engine.sample with top-p 0.95, top-k 50, T 0.8 (`sample_cut`: drawn among the
     candidates) and with T 1 and nothing cut (`sample_full`: a Gumbel-max over every logit); 8 bytes a row come
-    back, plus a logits row for each row the candidates could not settle (counted in host_rows)."""
+    back, plus a logits row for each row the candidates could not settle (counted in host_rows); greedy rows
+    (`sample_greedy`: the tail ranks nothing) and greedy rows asking 5 top logprobs (`sample_greedy_top5`: it
+    ranks the candidates, and they come back too)."""
     vocab = engine.model.spec.config.vocab_size
     itemsize = engine.executor.graph.value_types()[engine.executor.graph.outputs[0]].dtype.itemsize
     modes = {"step": None, "sample_cut": SamplingParams(temperature=0.8, top_p=0.95, top_k=50),
-             "sample_full": SamplingParams(temperature=1.0)}
+             "sample_full": SamplingParams(temperature=1.0), "sample_greedy": SamplingParams(temperature=0.0),
+             "sample_greedy_top5": SamplingParams(temperature=0.0, logprobs=5)}
     table = {}
     for batch in batches:
         for mode, base in modes.items():
@@ -99,3 +105,16 @@ def run(small: GpuEngine, large: GpuEngine | None, results: dict) -> None:
     if large is not None:
         results["sampling_qwen3_4b"] = check_tokens(large, steps=3)
         results["sampling_qwen3_4b_decode"] = time_decode(large)
+
+
+def main() -> None:
+    """The Qwen3-4B-shape checks alone, on random weights: `python3 scripts/gpu/sampling_check.py` (after env.sh)."""
+    loaded = bench.bench_model("qwen3-4b", None, "auto")
+    manifest = ensure_manifest(loaded.spec, visible_sm(), None, label="qwen3-4b")
+    engine = bench.engine_for(loaded, manifest, max_tokens=2048, max_batch=64, max_model_len=512)
+    results = {"sampling_qwen3_4b": check_tokens(engine, steps=3), "decode": time_decode(engine)}
+    print(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

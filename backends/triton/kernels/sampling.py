@@ -2,7 +2,8 @@
 vocabulary, first to its logsumexp statistics and its largest key, then to its share of the row's top-K keys
 (only keys at or above the K-th largest chunk maximum can be among them, so most blocks merge a few column maxima
 or nothing instead of being ranked whole) and of what the row's draw needs; then one program per row merges
-them, writes the top-K values and ids and the logsumexp, and draws the row's token by the `sample` op's rule
+them, writes the top-K values and ids (ranked only for a row that asks top logprobs or samples with a cut: others
+get their largest alone) and the logsumexp, and draws the row's token by the `sample` op's rule
 (ir/ops/sampling.py, whose NumPy reference this follows operation for operation), all of it over the logits a
 row's grammar mask leaves (mask_tokens: the others -inf), penalised (penalize_tokens: a row's sparse terms applied
 to the ids of each block they fall in) for the ranking and the draw, not for the logsumexp and the logprobs.
@@ -123,6 +124,16 @@ def tail_bound_kernel(logits_ptr, bitmask_ptr, mask_index_ptr, penalty_start_ptr
 
 
 @triton.jit
+def _ranked(row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, wanted_ptr, VOCAB: tl.constexpr,
+            GREEDY_BELOW: tl.constexpr):
+    """Whether the row's top K is ranked: it asks for top logprobs, or it samples with a cut (top-k, top-p or
+    min-p), whose kept set is a prefix of them. A greedy row's token is its largest key, which the bounds hold."""
+    cut = ((_effective_top_k(tl.load(top_k_ptr + row), VOCAB) < VOCAB) | (tl.load(top_p_ptr + row) < 1.0)
+           | (tl.load(min_p_ptr + row) > 0.0))
+    return (tl.load(wanted_ptr + row) > 0) | ((tl.load(temperature_ptr + row) >= GREEDY_BELOW) & cut)
+
+
+@triton.jit
 def _candidate_floor(bound_ptr, row, K: tl.constexpr, K_P2: tl.constexpr, CHUNKS: tl.constexpr,
                      CHUNKS_P2: tl.constexpr):
     """The K-th largest of the row's chunk maxima (tail_bound_kernel), or the lowest key where the row has fewer
@@ -155,29 +166,30 @@ def _merge_candidates(best, keys, floor, K_P2: tl.constexpr, BLOCK: tl.constexpr
 
 @triton.jit
 def tail_partial_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, step_ptr,
-                        bitmask_ptr, mask_index_ptr, penalty_start_ptr, penalty_count_ptr, penalty_ids_ptr,
-                        penalty_terms_ptr, bound_ptr, keys_ptr, count_ptr, stats_ptr, best_ptr, stride_logits,
-                        stride_bitmask, VOCAB: tl.constexpr, K: tl.constexpr, K_P2: tl.constexpr,
+                        wanted_ptr, bitmask_ptr, mask_index_ptr, penalty_start_ptr, penalty_count_ptr,
+                        penalty_ids_ptr, penalty_terms_ptr, bound_ptr, keys_ptr, count_ptr, stats_ptr, best_ptr,
+                        stride_logits, stride_bitmask, VOCAB: tl.constexpr, K: tl.constexpr, K_P2: tl.constexpr,
                         CHUNK: tl.constexpr, CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr, BLOCK: tl.constexpr,
                         SCAN: tl.constexpr, GREEDY_BELOW: tl.constexpr):
-    """Per (row, chunk): the chunk's top K_P2 keys of those that can be among the row's top K, and how many of
-    those there are; stats (max and sum of exp of logits / T when the row's top-p needs the whole vocabulary's
-    mass; the best logits / T + noise when nothing is cut), and the id of that best; all over the logits the
-    row's grammar mask leaves, penalised."""
+    """Per (row, chunk), for a row whose top K is wanted or whose draw is cut (_ranked): the chunk's top K_P2 keys
+    of those that can be among the row's top K, and how many of those there are; for every row, stats (max and sum
+    of exp of logits / T when the row's top-p needs the whole vocabulary's mass; the best logits / T + noise when
+    nothing is cut), and the id of that best; all over the logits the row's grammar mask leaves, penalised."""
     row, chunk = tl.program_id(0), tl.program_id(1)
     row_ptr, mask_row, first, last = _row_of(row, logits_ptr, stride_logits, mask_index_ptr, penalty_start_ptr,
                                              penalty_count_ptr)
-    floor = _candidate_floor(bound_ptr, row, K, K_P2, CHUNKS, CHUNKS_P2)
     best = tl.full([K_P2], -9223372036854775807 - 1, tl.int64)
     count = tl.zeros([1], tl.int32)
-    for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        inside = offs < VOCAB
-        x = _masked(row_ptr, offs, inside, bitmask_ptr, mask_row, stride_bitmask)
-        keys = _keys(_penalized(x, offs, start, penalty_ids_ptr, penalty_terms_ptr, first, last, BLOCK, SCAN), offs,
-                     inside)
-        best = _merge_candidates(best, keys, floor, K_P2, BLOCK)
-        count += tl.sum((keys >= floor).to(tl.int32), axis=0)
+    if _ranked(row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, wanted_ptr, VOCAB, GREEDY_BELOW):
+        floor = _candidate_floor(bound_ptr, row, K, K_P2, CHUNKS, CHUNKS_P2)
+        for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            inside = offs < VOCAB
+            x = _masked(row_ptr, offs, inside, bitmask_ptr, mask_row, stride_bitmask)
+            keys = _keys(_penalized(x, offs, start, penalty_ids_ptr, penalty_terms_ptr, first, last, BLOCK, SCAN),
+                         offs, inside)
+            best = _merge_candidates(best, keys, floor, K_P2, BLOCK)
+            count += tl.sum((keys >= floor).to(tl.int32), axis=0)
 
     temperature = tl.load(temperature_ptr + row)
     top_p = tl.load(top_p_ptr + row)
@@ -259,19 +271,28 @@ def _row_candidates(keys_ptr, count_ptr, row, K_P2: tl.constexpr, CHUNKS: tl.con
 
 
 @triton.jit
-def tail_merge_kernel(keys_ptr, count_ptr, stats_ptr, best_ptr, logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr,
-                      min_p_ptr, seed_ptr, step_ptr, values_ptr, ids_ptr, lse_ptr, tokens_ptr, logprobs_ptr,
-                      stride_logits,
+def tail_merge_kernel(keys_ptr, count_ptr, stats_ptr, best_ptr, bound_ptr, logits_ptr, temperature_ptr, top_k_ptr,
+                      top_p_ptr, min_p_ptr, seed_ptr, step_ptr, wanted_ptr, values_ptr, ids_ptr, lse_ptr, tokens_ptr,
+                      logprobs_ptr, stride_logits,
                       VOCAB: tl.constexpr, K: tl.constexpr, K_P2: tl.constexpr, CHUNKS: tl.constexpr,
                       CHUNKS_P2: tl.constexpr, LEAD: tl.constexpr, GREEDY_BELOW: tl.constexpr,
                       TOP_P_SLACK: tl.constexpr, FIXED_ONE: tl.constexpr):
     row = tl.program_id(0)
-    top = _row_candidates(keys_ptr, count_ptr, row, K_P2, CHUNKS, CHUNKS_P2, LEAD)
-    ordered = (top >> 32).to(tl.int32)
-    values = tl.where(ordered >= 0, ordered, ordered ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
-    ids = 0x7FFFFFFF - (top & 0xFFFFFFFF).to(tl.int32)
     rank = tl.arange(0, K_P2)
+    ranked = _ranked(row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, wanted_ptr, VOCAB, GREEDY_BELOW)
+    if ranked:
+        top = _row_candidates(keys_ptr, count_ptr, row, K_P2, CHUNKS, CHUNKS_P2, LEAD)
+    else:  # the row's largest key alone: the greatest of its chunks' (tail_bound_kernel)
+        chunks = tl.arange(0, CHUNKS_P2)
+        largest = tl.max(tl.load(bound_ptr + row * CHUNKS + chunks, mask=chunks < CHUNKS,
+                                 other=-9223372036854775807 - 1), axis=0)
+        top = tl.where(rank == 0, largest, -9223372036854775807 - 1)
+    ordered = (top >> 32).to(tl.int32)
     valid = rank < K
+    kept = valid & ((rank == 0) | ranked)
+    values = tl.where(kept, tl.where(ordered >= 0, ordered, ordered ^ 0x7FFFFFFF).to(tl.float32, bitcast=True),
+                      float("-inf"))
+    ids = tl.where(kept, 0x7FFFFFFF - (top & 0xFFFFFFFF).to(tl.int32), -1)
     tl.store(values_ptr + row * K + rank, values, mask=valid)
     tl.store(ids_ptr + row * K + rank, ids, mask=valid)
     total, peak = _merge_stats(stats_ptr, row, 0, CHUNKS, CHUNKS_P2)
