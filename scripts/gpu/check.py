@@ -228,24 +228,10 @@ def gate_4b(results: dict, logit_std: float = 2.0, cases: list[str] | None = Non
     our engine; teacher-forced at batch 4 (prompts of different lengths), at batch 1 replayed twice, at graph
     batches just past bucket edges (9; 17, 33, 65 and 129: the first steps of the 32-, 64-, 128- and 256-row
     slots), and through mixed steps (decode rows beside prompt chunks of 200 tokens)."""
-    import ml_dtypes
-    import torch
-    import transformers
-
-    torch.manual_seed(0)
-    with torch.device("cuda"):  # the 4B random init drawn by the GPU, not the host
-        hf = transformers.AutoModelForCausalLM.from_config(qwen3_4b_hf_config(), dtype=torch.bfloat16).eval()
+    hf, spread = random_hf_4b(logit_std)
     vocab = hf.config.vocab_size
-    with torch.no_grad():
-        spread = hf(torch.randint(0, vocab, (1, 64), device="cuda")).logits.float().std().item()
-        hf.model.norm.weight.mul_(logit_std / spread)
     spec = bench.bench_model("qwen3-4b").spec
-    wanted = spec.graph.checkpoint_params()
-    weights = {name: t.detach().cpu().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-               for name, t in hf.state_dict().items() if name in wanted}
-    missing = sorted(set(wanted) - set(weights))
-    assert not missing, f"Hugging Face's state dict lacks {missing[:3]}"
-    model = LoadedModel(spec, Path("qwen3-4b"), weights)
+    model = LoadedModel(spec, Path("qwen3-4b"), hf_weights(hf, spec.graph.checkpoint_params()))
     engine = bench.engine_for(model, manifest_4b(model), max_tokens=4096, max_batch=136, max_model_len=512)
     rng = np.random.default_rng(4)
     prompts = [rng.integers(0, vocab, n).tolist() for n in (7, 30, 1, 61)]
@@ -268,6 +254,33 @@ def gate_4b(results: dict, logit_std: float = 2.0, cases: list[str] | None = Non
     for name, run in runs.items():
         if cases is None or name in cases:
             gate[name] = run()
+
+
+def random_hf_4b(logit_std: float):
+    """Hugging Face's random init of the Qwen3-4B shape (bf16, drawn on this GPU, seed 0), its final norm scaled so
+    that the logits spread `logit_std`; and the spread before."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):  # the 4B random init drawn by the GPU, not the host
+        hf = transformers.AutoModelForCausalLM.from_config(qwen3_4b_hf_config(), dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        spread = hf(torch.randint(0, hf.config.vocab_size, (1, 64), device="cuda")).logits.float().std().item()
+        hf.model.norm.weight.mul_(logit_std / spread)
+    return hf, spread
+
+
+def hf_weights(hf, wanted) -> dict[str, np.ndarray]:
+    """The model's tensors our graph reads (`wanted`: checkpoint names), as bf16 NumPy arrays on the host."""
+    import ml_dtypes
+    import torch
+
+    weights = {name: t.detach().cpu().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+               for name, t in hf.state_dict().items() if name in wanted}
+    missing = sorted(set(wanted) - set(weights))
+    assert not missing, f"Hugging Face's state dict lacks {missing[:3]}"
+    return weights
 
 
 def reference_noise(hf, engine, prompts: list[list[int]], steps: int) -> dict:
