@@ -6,8 +6,9 @@ rows (groups of 128 columns to e4m3: ir/ops/quantize.py quantize_row_groups). Pe
 ours against W8A16, of the emulated W8A8 against W8A16 (what the activations' rounding alone costs) and of ours
 against the emulation, all on W8A16's greedy tokens.
 
-    PYTHONPATH=$PYTHONPATH:scripts/gpu PEGAINFER_CACHE=... python3 scripts/gpu/fp8_gate.py --out $OUT/fp8_gate
-(source env.sh first; the cache holds the `qwen3-4b --quantization fp8` and `qwen3-4b-fp8` manifests)"""
+    carry [".gpu/src", ".gpu/cache_qwen3_fp8"] (after scripts/gpu/prepare_sweeps.sh here), source env.sh, then
+    PYTHONPATH=$PYTHONPATH:scripts/gpu PEGAINFER_CACHE=$PWD/.gpu/cache_qwen3_fp8 python3 scripts/gpu/fp8_gate.py \
+        --out $OUT/fp8_gate"""
 
 import argparse
 import json

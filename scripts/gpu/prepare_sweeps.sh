@@ -23,6 +23,7 @@ compile qwen3-4b
 compile qwen3-4b --enable-lora --max-loras 8 --max-lora-rank 16  # scripts/gpu/features_bench.py
 compile qwen3-4b --quantization fp8
 compile qwen3-4b --quantization fp8 --kv-cache-dtype fp8
+compile qwen3-4b-fp8  # scripts/gpu/fp8_gate.py's 128 x 128 blocks
 HEAD=$("$PY" scripts/gpu/features_bench.py head-config .gpu/eagle3)  # features_bench.py eagle3's head, its config
 compile qwen3-4b --speculative-config "{\"method\": \"eagle3\", \"num_speculative_tokens\": 2, \"model\": \"$HEAD\"}"
 rm -rf .gpu/cache_qwen3_fp8
