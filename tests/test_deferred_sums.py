@@ -34,7 +34,7 @@ def gemm(out: str) -> Launch:
 
 
 def total(out: str) -> Launch:
-    return launch(f"sum {out}", [tensor("C", out), planes(out)], deferred=True)
+    return launch(f"sum {out}", [tensor("C", out), planes(out)], {"SPLIT": 4}, deferred=True)
 
 
 def norm(x2: str, added: int = 4) -> Launch:
@@ -80,6 +80,37 @@ def test_a_launch_that_adds_fewer_planes_than_left_reads_the_sum():
     env = produced(sums)
     two = norm("o_proj", added=2)  # 64 rows of planes are 4: more than it adds
     runs = sums.schedule([two], consumer(env), {})
+    assert [launch.key for _, launch, _, _ in runs] == ["sum o_proj", "norm o_proj"]
+    assert runs[1][2]["planes:o_proj"].shape[0] == 0 and sums.pending == []
+
+
+def swapped_split(sums: DeferredSums, split: int) -> dict[str, DeviceTensor]:
+    """o_proj on a swapped tile (planes of 256 rows) split `split` ways, its planes scratch sized for 4."""
+    stride = {"PLANE_STRIDE": 256, "SPLIT": split}
+    env = {"a": rows(0x700000, 64), "o_proj": rows(0x100000, 64), "planes:o_proj": rows(0x900000, 4 * 256, F32)}
+    sums.schedule([launch("gemm o_proj", [tensor("A", "a"), planes("o_proj")], {"PARTIAL": True} | stride),
+                   launch("sum o_proj", [tensor("C", "o_proj"), planes("o_proj")], stride, deferred=True)],
+                  env, {"tokens": 64})
+    return env
+
+
+def wide_norm(x2: str, stride: int) -> Launch:
+    return launch(f"norm {x2}", [tensor("X", "hidden"), tensor("X2", x2), planes(x2),
+                                 Param("PR", ParamKind.PLANE_ROWS, x2, "i32")], {"PLANES": 4, "PLANE_STRIDE": stride})
+
+
+def test_a_norm_launch_adds_only_the_planes_a_swapped_tile_wrote():
+    sums = DeferredSums()
+    env = swapped_split(sums, 2)
+    ((_, launch_, bound, _),) = sums.schedule([wide_norm("o_proj", 256)], consumer(env), {"tokens": 64})
+    assert launch_.key == "norm o_proj" and bound["planes:o_proj"].ptr == 0x900000
+    assert bound["planes:o_proj"].shape == (2 * 256, 2560), "two planes of 256 rows, not the scratch's four"
+
+
+def test_a_norm_launch_adding_planes_of_another_stride_reads_the_sum():
+    sums = DeferredSums()
+    env = swapped_split(sums, 4)
+    runs = sums.schedule([wide_norm("o_proj", 16)], consumer(env), {"tokens": 64})
     assert [launch.key for _, launch, _, _ in runs] == ["sum o_proj", "norm o_proj"]
     assert runs[1][2]["planes:o_proj"].shape[0] == 0 and sums.pending == []
 

@@ -1,8 +1,9 @@
 """The decode GEMMs of 17 to 256 rows on sm_90 (backends/tilelang/swapped_plan.py): the Qwen3-4B plan offers each
 GEMM the 32-, 64-, 128- and 256-row slots with its class's candidates in order (the first the default the SM
-picks), K split only where the column tiles leave SMs idle, the splits' slices summed after them into scratch
-sized for the largest split, every stage ring within the shared memory of the CTAs the tile asks an SM to hold;
-and the runtime's buckets and defaults reach 256 sequences. Planning needs no compiler."""
+picks), K split only where the column tiles leave SMs idle, the splits' slices left as planes of MAX_ROWS rows
+(scratch sized for the largest split) that the next norm launch adds, their sum deferred, every stage ring within
+the shared memory of the CTAs the tile asks an SM to hold; and the runtime's buckets and defaults reach 256
+sequences. Planning needs no compiler."""
 
 import pytest
 
@@ -10,8 +11,8 @@ from pegainfer.backends.planning import PlanOptions, gemm_roles
 from pegainfer.backends.select import choose
 from pegainfer.backends.tilelang import plan as tilelang_plan
 from pegainfer.backends.tilelang.launches import SM90_SHARED
-from pegainfer.backends.tilelang.swapped_plan import (MAX_ROWS, PREFILL, SLICES, SLOT_PLAN, gemm_class, split_for,
-                                                      stages)
+from pegainfer.backends.spec import ParamKind, planes_of
+from pegainfer.backends.tilelang.swapped_plan import MAX_ROWS, PREFILL, SLOT_PLAN, gemm_class, split_for, stages
 from pegainfer.backends.triton.plan import NORMED_ALL, plan_kernel
 from pegainfer.frontends.load import embedded_configs, load_spec
 from pegainfer.ir.graph import KERNEL
@@ -81,20 +82,41 @@ def test_split_tiles_fill_the_sms_and_sum_their_slices_in_scratch_sized_for_the_
             if split > 1:
                 split_seen = True
                 splits.append(split)
-                assert not act and v.launches[-1].function == "sum_slices", v.name
-                assert [p.value for p in gemm.params][2] == SLICES
-                assert v.launches[-1].constexprs == dict(N=n, SPLIT=split, THREADS=128)
+                total = v.launches[-1]
+                assert not act and total.function == "sum_slices" and total.deferred, v.name
+                assert (gemm.params[2].kind, gemm.params[2].value) == (ParamKind.PLANES, roles["out"])
+                assert c["PARTIAL"] and c["PLANE_STRIDE"] == MAX_ROWS
+                assert total.constexprs == dict(N=n, SPLIT=split, THREADS=128, PLANE_STRIDE=MAX_ROWS)
                 # halving the split would leave fewer CTAs than SMs to fill
                 ctas = n // c["BLOCK_N"] * -(-v.max_rows // c["BLOCK_M"])
                 assert ctas * split // 2 < 132, (v.name, ctas, split)
             else:
                 assert v.launches[-1] is gemm
         scratch = tilelang_plan.gemm_scratch(graph, node, variants)
-        if splits:
-            assert scratch[SLICES] == ("f32", (max(splits) * MAX_ROWS, n))
+        if splits:  # the 16-row planes tile's 4 x 16 rows fit in them
+            assert scratch[planes_of(roles["out"])] == ("f32", (max(splits) * MAX_ROWS, n))
         else:
-            assert SLICES not in scratch
+            assert planes_of(roles["out"]) not in scratch
     assert split_seen, "o_proj and down split K"
+
+
+def test_the_swapped_slots_norm_launch_adds_planes_of_their_stride(gemms):
+    """QKV's and gate/up's norm launch in the swapped tiles adds the split o_proj's and down's planes of MAX_ROWS
+    rows; in the 16-row slot's tiles, decode_planes' planes of 16 (the runtime sums planes of another stride)."""
+    swapped = sixteen = 0
+    for graph, node in gemms:
+        for v in tilelang_plan.candidates(graph, node, PlanOptions(block_size=16)):
+            norm = next((l for l in v.launches if l.function == "add_rms_norm" and l.constexprs.get("PLANES")), None)
+            if norm is None:
+                continue
+            stride = norm.constexprs.get("PLANE_STRIDE")
+            if v.name.startswith("wgmma_swapped"):
+                swapped += 1
+                assert stride == MAX_ROWS, (node.name, v.name)
+            elif v.max_rows == 16:
+                sixteen += 1
+                assert stride is None, (node.name, v.name)
+    assert swapped and sixteen, "the normed GEMMs with an add read planes in both"
 
 
 def test_split_count_stops_at_whole_k_steps_and_at_four():

@@ -9,11 +9,12 @@ from dataclasses import dataclass
 from pegainfer.backends.native_gemm import NativeGemm
 from pegainfer.backends.spec import GridDim, LaunchSpec, Param, ParamKind, VariantSpec
 from pegainfer.backends.tilelang.launches import SM90_SHARED, launch, tensor
-from pegainfer.backends.tilelang.swapped_plan import SLICES
+from pegainfer.backends.tilelang.swapped_plan import MAX_ROWS
 
 GROUP = 128  # rows.py's and gemm_fp8.py's quantization group: a K step, and a weight block's width
 QUANTIZED = "gemm.quantized"  # the rows in e4m3, [rows, K]
 ROW_SCALES = "gemm.row_scales"  # their groups' scales, [rows, K / 128]
+SLICES = "gemm.slices"  # a split W8A8 tile's fp32 planes, [SPLIT x MAX_ROWS, N]
 FP8 = "*fp8e4nv"
 
 
@@ -121,6 +122,13 @@ def _quantize_launch(roles: dict, k: int, dim: Param, row_symbol: str, pdl: bool
                   dict(K=k, EPS=float(roles["eps"]), NORM=roles["norm"] is not None, ADD=roles["x2"] is not None,
                        WRITE_SUM=roles["sum"] is not None, THREADS=128, PDL=pdl, NORM_OFFSET=roles["norm_offset"]),
                   (GridDim((row_symbol,)),), 128)
+
+
+def slices_scratch(launches: list[LaunchSpec]) -> dict[str, tuple[str, tuple]]:
+    """The split W8A8 tiles' planes (of the step's rows, summed by their own launch), sized for the most slices any
+    of them cuts and MAX_ROWS rows."""
+    sums = [launch.constexprs for launch in launches if launch.function == "sum_slices" and not launch.deferred]
+    return {SLICES: ("f32", (max(s["SPLIT"] for s in sums) * MAX_ROWS, sums[0]["N"]))} if sums else {}
 
 
 def fp8_scratch(rows: str | int, k: int) -> dict[str, tuple[str, tuple]]:

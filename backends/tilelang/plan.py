@@ -11,9 +11,9 @@ from dataclasses import dataclass, replace
 from pegainfer.backends.native_gemm import native_gemm
 from pegainfer.backends.planning import PREFILL_QUERIES, PlanOptions, gemm_roles, static_layout
 from pegainfer.backends.spec import PLANE_ROWS, GridDim, LaunchSpec, Param, ParamKind, VariantSpec
-from pegainfer.backends.tilelang.fp8_plan import fp8_gemm, fp8_scratch
+from pegainfer.backends.tilelang.fp8_plan import fp8_gemm, fp8_scratch, slices_scratch
 from pegainfer.backends.tilelang.launches import SM90_SHARED, launch as _launch, tensor as _tensor
-from pegainfer.backends.tilelang.swapped_plan import swapped_rows, swapped_scratch
+from pegainfer.backends.tilelang.swapped_plan import swapped_rows
 from pegainfer.backends.triton.attention import decode_rows_launch
 from pegainfer.errors import PegainferError
 from pegainfer.ir.graph import KERNEL, Graph, Node
@@ -173,7 +173,7 @@ def _gemm(graph: Graph, node: Node) -> list[VariantSpec]:
         gemm = _launch("gemm.py", "gemm", gemm_params, constexprs,
                        (GridDim((n,), tile.block_n), GridDim((row_symbol,), tile.block_m)), tile.threads, tile.stages)
         prefill.append(VariantSpec(tile.name, None, [*launches, gemm], "tilelang", sms=tile.sms))
-    variants += swapped_rows(launches, gemm_params, n, k, roles["act"], row_symbol,
+    variants += swapped_rows(decode_launches, gemm_params, n, k, roles["act"], row_symbol,
                              next((v for v in prefill if 90 in v.sms), None))
     variants += _decode_gemm(decode_launches, gemm_params, n, k, roles["act"], row_symbol,
                              planes_read=_planes_read(graph, roles["out"]))
@@ -308,7 +308,8 @@ def _decode_gemm(launches: list[LaunchSpec], params: list[Param], n: int, k: int
 def gemm_scratch(graph: Graph, node: Node, variants: list[VariantSpec]) -> dict[str, tuple[str, tuple]]:
     """What the variants' launches write besides the kernel's outputs: the normed rows of a norm launch, read by
     the TMA loads of the GEMM after it ([rows, K] bf16), the e4m3 rows and their scales of a quantizing launch
-    (fp8_plan.py), and a split GEMM's planes ([SPLIT x 16, N] fp32; the swapped tiles': swapped_plan.py)."""
+    (fp8_plan.py), and a split GEMM's planes ([SPLIT x PLANE_STRIDE, N] fp32: 16-row planes at 16 rows, MAX_ROWS-row
+    ones of the swapped tiles; sized for the largest)."""
     launches = [launch for v in variants for launch in v.launches]
     functions = {launch.function for launch in launches}
     scratch = {}
@@ -320,11 +321,13 @@ def gemm_scratch(graph: Graph, node: Node, variants: list[VariantSpec]) -> dict[
             scratch["gemm.normed"] = ("bf16", (rows, k))
         if "quantize_rows" in functions:
             scratch |= fp8_scratch(rows, k)
-    scratch |= swapped_scratch(launches)
+    scratch |= slices_scratch(launches)
     for launch in launches:
         if launch.constexprs.get("PARTIAL"):
             (planes,) = [p.buffer for p in launch.params if p.kind is ParamKind.PLANES]
-            scratch[planes] = ("f32", (launch.constexprs["SPLIT"] * PLANE_ROWS, launch.constexprs["N"]))
+            rows = launch.constexprs["SPLIT"] * launch.constexprs.get("PLANE_STRIDE", PLANE_ROWS)
+            rows = max(rows, scratch.get(planes, ("f32", (0,)))[1][0])
+            scratch[planes] = ("f32", (rows, launch.constexprs["N"]))
     return scratch
 
 

@@ -3,17 +3,16 @@ single GEMM: QKV; a narrow one: o_proj, down; SiLU x up) gets, per row slot, the
 H200 (docs/benchmarks/2026-12-01-swapped-rows.md), the first its default: a swapped tile of one of three families,
 or the GEMM's prefill tile where the step's rows fill its 128-row M well enough."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from pegainfer.backends.spec import GridDim, LaunchSpec, Param, VariantSpec
-from pegainfer.backends.tilelang.launches import SM90_SHARED, launch, tensor
+from pegainfer.backends.spec import GridDim, LaunchSpec, Param, ParamKind, VariantSpec
+from pegainfer.backends.tilelang.launches import SM90_SHARED, launch
 
 COLUMNS = 64  # wgmma's M: the output columns of a consumer warpgroup
-MAX_ROWS = 256  # the largest slot; its steps run in row blocks of the 128-row tile
+MAX_ROWS = 256  # the largest slot; its steps run in row blocks of the 128-row tile; a split tile's plane holds as many
 MAX_SPLIT = 4
 MAX_STAGES = 8
 SLACK = 12 * 1024  # of an SM's shared memory a CTA leaves to barriers, the system's 1 KB and the epilogue
-SLICES = "gemm.slices"  # a split tile's fp32 planes, [SPLIT x MAX_ROWS, N]
 NARROW_N = 4096  # a single GEMM of at most this many columns is narrow: its K is split to fill the SMs
 PREFILL = "prefill"  # a slot entry: the GEMM's prefill tile
 
@@ -62,8 +61,11 @@ def split_for(n: int, k: int, family: Family, slot: int, block_m: int, block_k: 
 
 def swapped_rows(launches: list[LaunchSpec], params: list[Param], n: int, k: int, act: int, row_symbol: str,
                  prefill: VariantSpec | None) -> list[VariantSpec]:
-    """The 32-, 64-, 128- and 256-row slots of a GEMM kernel on sm_90a (`launches`: its norm launch, if any;
-    `prefill`: its prefill tile's variant, where it has one)."""
+    """The 32-, 64-, 128- and 256-row slots of a GEMM kernel on sm_90a (`launches`: its norm launch, if any, in
+    its decode form, which adds a split GEMM's planes of MAX_ROWS rows; `prefill`: its prefill tile's variant,
+    where it has one)."""
+    launches = [replace(l, constexprs=l.constexprs | dict(PLANE_STRIDE=MAX_ROWS)) if l.constexprs.get("PLANES")
+                else l for l in launches]
     variants = []
     for slot, entries in SLOT_PLAN[gemm_class(n, act)].items():
         block_m, block_k = ROW_TILES[slot]
@@ -82,7 +84,8 @@ def swapped_rows(launches: list[LaunchSpec], params: list[Param], n: int, k: int
 
 def _swapped_launches(params: list[Param], n: int, k: int, act: int, row_symbol: str, family: Family, block_m: int,
                       block_k: int, split: int) -> list[LaunchSpec]:
-    """The tile's launch, and where K is split the sum of its slices."""
+    """The tile's launch, and where K is split the sum of its slices, deferred: the runtime runs it only where a
+    kernel after it reads C itself, not the planes (runtime/gpu/planes.py)."""
     a, w, c, dim = params
     threads = 2 * family.columns  # the consumer warpgroups
     depth = stages(family, block_m, block_k, act)
@@ -91,13 +94,9 @@ def _swapped_launches(params: list[Param], n: int, k: int, act: int, row_symbol:
     grid = (GridDim((row_symbol,), block_m), GridDim((n,), family.columns), GridDim((split,)))
     if split == 1:
         return [launch("swapped.py", "swapped", [a, w, c, dim], constexprs, grid[:2], threads, depth)]
-    planes = tensor("P", SLICES, "*fp32")
-    return [launch("swapped.py", "swapped", [a, w, planes, dim], constexprs, grid, threads, depth),
-            launch("swapped.py", "sum_slices", [planes, c, dim], dict(N=n, SPLIT=split, THREADS=128),
-                   (GridDim((row_symbol,)),), 128)]
-
-
-def swapped_scratch(launches: list[LaunchSpec]) -> dict[str, tuple[str, tuple]]:
-    """The split tiles' planes, sized for the most slices any of them cuts and MAX_ROWS rows."""
-    sums = [launch.constexprs for launch in launches if launch.function == "sum_slices"]
-    return {SLICES: ("f32", (max(s["SPLIT"] for s in sums) * MAX_ROWS, sums[0]["N"]))} if sums else {}
+    planes = Param("P", ParamKind.PLANES, c.value, "*fp32", aligned=True)
+    total = launch("swapped.py", "sum_slices", [planes, c, dim],
+                   dict(N=n, SPLIT=split, THREADS=128, PLANE_STRIDE=MAX_ROWS), (GridDim((row_symbol,)),), 128)
+    return [launch("swapped.py", "swapped", [a, w, planes, dim],
+                   constexprs | dict(PARTIAL=True, PLANE_STRIDE=MAX_ROWS), grid, threads, depth),
+            replace(total, deferred=True)]

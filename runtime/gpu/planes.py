@@ -1,6 +1,7 @@
-"""Outputs a split GEMM left as fp32 planes (TileLang's decode_planes.py), their sum deferred: a launch that reads
-such an output through a PLANES parameter gets the planes and adds them itself (the norm launch after o_proj and
-down); any other launch reading its memory gets it summed first (the deferred `sum_planes` launch runs then). A
+"""Outputs a split GEMM left as fp32 planes (TileLang's decode_planes.py: planes of 16 rows; swapped.py: of
+PLANE_STRIDE rows), their sum deferred: a launch that reads such an output through a PLANES parameter gets the
+planes and adds them itself (the norm launch after o_proj and down), where it reads planes of that stride; any other
+launch reading its memory gets it summed first (the deferred sum launch runs then). A
 pending output whose memory a kernel writes is dead (the memory plan reuses only dead buffers) and is dropped;
 planes a GEMM is about to overwrite get their pending sum run before it; a collective's input is summed before
 NCCL reads it. Pure Python, tested on the CPU; the
@@ -23,11 +24,15 @@ Run = tuple[str, Launch, dict[str, DeviceTensor], dict[str, int]]  # (origin, la
 @dataclass(frozen=True, eq=False)  # by identity
 class Pending:
     output: DeviceTensor  # not written yet
-    planes: DeviceTensor
+    planes: DeviceTensor  # the SPLIT planes the GEMM wrote, PLANE_STRIDE rows each
     launch: Launch  # the deferred sum, which writes `output`
     env: dict[str, DeviceTensor]
     sizes: dict[str, int]
     origin: str = ""  # the kernel kind / variant that deferred it, for profiles
+
+    @property
+    def stride(self) -> int:
+        return plane_stride(self.launch)
 
     def run(self) -> Run:
         return self.origin, self.launch, self.env, self.sizes
@@ -49,6 +54,11 @@ def overlaps(a: DeviceTensor, b: DeviceTensor) -> bool:
 def no_planes(value: DeviceTensor) -> DeviceTensor:
     """What a PLANES parameter gets where its value is stored whole: no rows (the kernel reads the value)."""
     return DeviceTensor.contiguous(0, (0, value.shape[-1]), F32)
+
+
+def plane_stride(launch: Launch) -> int:
+    """The rows of one plane a launch writes, adds or reads (decode_planes.py's 16 unless it says otherwise)."""
+    return launch.constexprs.get("PLANE_STRIDE", PLANE_ROWS)
 
 
 def writes_planes(launch: Launch) -> bool:
@@ -91,7 +101,11 @@ class DeferredSums:
         (planes,) = [p.buffer for p in launch.params if p.kind is ParamKind.PLANES]
         (output,) = [p.buffer for p in launch.params if p.kind in (ParamKind.TENSOR, ParamKind.TMA)]
         assert not any(overlaps(p.planes, env[planes]) for p in self.pending), "planes overwritten while pending"
-        self.pending.append(Pending(env[output], env[planes], launch, dict(env), dict(sizes), origin))
+        scratch = env[planes]  # sized for the kernel's largest split: a reader adds only this GEMM's planes
+        written = DeviceTensor.contiguous(scratch.ptr, (launch.constexprs["SPLIT"] * plane_stride(launch),
+                                                        scratch.shape[-1]), scratch.dtype)
+        assert written.shape[0] <= scratch.shape[0], f"{launch.symbol}: {written.shape[0]} plane rows in {scratch}"
+        self.pending.append(Pending(env[output], written, launch, dict(env), dict(sizes), origin))
 
     def bind(self, launch: Launch, env: dict[str, DeviceTensor]) -> tuple[dict[str, DeviceTensor], list[Pending]]:
         """(the launch's env with the planes of its inputs bound, the pending sums to run before it: those of
@@ -108,8 +122,9 @@ class DeferredSums:
             stored = env[param.value]
             match = next((p for p in self.pending if p.output.ptr == stored.ptr and p.output.shape == stored.shape),
                          None)
-            if match and match.planes.shape[0] > PLANE_ROWS * launch.constexprs.get("PLANES", 0):
-                match = None  # the launch adds fewer planes than the GEMM left: it reads the value summed instead
+            if match and (match.stride != plane_stride(launch)
+                          or match.planes.shape[0] > match.stride * launch.constexprs.get("PLANES", 0)):
+                match = None  # the launch adds planes of another stride, or fewer than the GEMM left: it reads the sum
             bound[param.buffer] = match.planes if match else no_planes(stored)
             if match:
                 added.add(param.value)

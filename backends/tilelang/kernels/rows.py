@@ -16,14 +16,15 @@ def norm_weight(weight, NORM_OFFSET: float):
 
 
 def add_rms_norm(K: int, EPS: float, ADD: bool, WRITE_SUM: bool, THREADS: int, PDL: bool = False,
-                 PLANES: int = 0, NORM_OFFSET: float = 0.0):
+                 PLANES: int = 0, NORM_OFFSET: float = 0.0, PLANE_STRIDE: int = PLANE_ROWS):
     """Per row, the residual sum X + X2 (written to S when WRITE_SUM) and its RMSNorm times G (+ NORM_OFFSET, in
     float32), rounded to bf16 as the GEMM reads it. PDL: the next kernel (the GEMM, launched programmatically) may
     start at once, so that its first weight stages stream while the rows are normed; G, a weight, is loaded before
     the wait for the previous kernel, off the path from that kernel's end to the GEMM's rows. PLANES: X2 may come as
-    a split GEMM's fp32 planes P ([PR, K], PR / 16 planes, at most PLANES; PR = 0: X2 as stored), added in plane
-    order and rounded to bf16 as sum_planes would have stored X2 (decode_planes.py), their loads unrolled,
-    predicated and issued at once."""
+    a split GEMM's fp32 planes P ([PR, K], PR / PLANE_STRIDE planes of PLANE_STRIDE rows, at most PLANES; PR = 0: X2
+    as stored), added in plane order and rounded to bf16 as the GEMM's deferred sum would have stored X2
+    (decode_planes.py's 16-row planes, swapped.py's 256-row ones), their loads unrolled, predicated and issued at
+    once."""
     assert ADD or not (WRITE_SUM or PLANES), "WRITE_SUM and PLANES concern the add's sum and its second operand"
     M = T.dynamic("M")
     PR = T.dynamic("PR")
@@ -46,7 +47,7 @@ def add_rms_norm(K: int, EPS: float, ADD: bool, WRITE_SUM: bool, THREADS: int, P
                 T.clear(delta)
                 for s in T.unroll(PLANES):
                     for i, j in T.Parallel(1, K):
-                        delta[i, j] += T.if_then_else(s * PLANE_ROWS < PR, P[s * PLANE_ROWS + row, j], 0.0)
+                        delta[i, j] += T.if_then_else(s * PLANE_STRIDE < PR, P[s * PLANE_STRIDE + row, j], 0.0)
             for i, j in T.Parallel(1, K):
                 if PLANES:
                     if PR > 0:

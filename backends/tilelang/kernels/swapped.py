@@ -3,8 +3,9 @@ rows, with the weights as wgmma's A operand: a CTA's BLOCK_N output columns are 
 rows its N (8 to 256), so each weight tile crosses HBM once whatever the rows, while a rows-as-M tile leaves
 most of a 64-row M empty or re-reads the weights per 16-row block. Both operands arrive by TMA (rows past M
 zero-filled) in TileLang's warp-specialised pipeline. SPLIT > 1 cuts K over the grid's third axis, for GEMMs of
-too few column tiles to keep the memory busy (o_proj, down): each slice writes its fp32 sums to a plane of P,
-which `sum_slices` adds in slice order (replays stay bit-identical)."""
+too few column tiles to keep the memory busy (o_proj, down): each slice writes its fp32 sums to a plane of P (of
+PLANE_STRIDE rows), which `sum_slices` adds in slice order (replays stay bit-identical), or the next kernel's norm
+launch instead (rows.py add_rms_norm's PLANES; the runtime defers the sum: runtime/gpu/planes.py)."""
 
 import tilelang.language as T
 
@@ -15,9 +16,10 @@ ROWS_PER_WARPGROUP = T.GemmWarpPolicy.FullRow  # each consumer warpgroup on 64 w
 
 
 def swapped(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_M: int, BLOCK_K: int, STAGES: int, THREADS: int,
-            SPLIT: int = 1, MIN_BLOCKS: int = 1):
+            SPLIT: int = 1, MIN_BLOCKS: int = 1, PARTIAL: bool = False, PLANE_STRIDE: int = 0):
     assert not (ACT and SPLIT > 1), "SiLU x up needs whole sums: its K is not split"
     assert K % (BLOCK_K * SPLIT) == 0, f"K={K} must be whole {BLOCK_K}-wide steps in each of {SPLIT} slices"
+    assert (SPLIT > 1) == PARTIAL == (PLANE_STRIDE > 0), "a split tile writes planes of PLANE_STRIDE rows"
     M = T.dynamic("M")
     steps = K // BLOCK_K // SPLIT
     w_rows = 2 * N if ACT else N
@@ -50,7 +52,8 @@ def swapped(N: int, K: int, ACT: int, BLOCK_N: int, BLOCK_M: int, BLOCK_K: int, 
 
     if SPLIT > 1:
         @T.prim_func
-        def swapped(A: T.Tensor((M, K), BF16), W: T.Tensor((N, K), BF16), P: T.Tensor((SPLIT, M, N), T.float32)):
+        def swapped(A: T.Tensor((M, K), BF16), W: T.Tensor((N, K), BF16),
+                    P: T.Tensor((SPLIT, PLANE_STRIDE, N), T.float32)):
             # the row blocks of one column tile run side by side (blockIdx.x), so the second reads it from L2
             with T.Kernel(T.ceildiv(M, BLOCK_M), N // BLOCK_N, SPLIT, threads=THREADS) as (by, bx, bz):
                 acc = T.alloc_fragment((BLOCK_N, BLOCK_M), T.float32)
@@ -94,12 +97,13 @@ def transposed_stores(ACT: int, BLOCK_N: int, BLOCK_M: int, M):
     return store_rows, store_plane
 
 
-def sum_slices(N: int, SPLIT: int, THREADS: int):
-    """C = the SPLIT fp32 planes of a split `swapped` GEMM added in slice order, rounded to bf16; a CTA a row."""
+def sum_slices(N: int, SPLIT: int, THREADS: int, PLANE_STRIDE: int = 0):
+    """C = the SPLIT fp32 planes of a split GEMM added in slice order, rounded to bf16; a CTA a row. Planes of
+    PLANE_STRIDE rows (`swapped`'s), or with 0 of the step's M rows (swapped_fp8.py's)."""
     M = T.dynamic("M")
 
     @T.prim_func
-    def sum_slices(P: T.Tensor((SPLIT, M, N), T.float32), C: T.Tensor((M, N), BF16)):
+    def sum_slices(P: T.Tensor((SPLIT, PLANE_STRIDE or M, N), T.float32), C: T.Tensor((M, N), BF16)):
         with T.Kernel(M, threads=THREADS) as row:
             total = T.alloc_fragment((1, N), T.float32)
             T.clear(total)
