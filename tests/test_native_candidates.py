@@ -174,7 +174,7 @@ def test_decode_tiles_serve_four_and_sixteen_rows_with_the_chained_tile_first():
 def test_split_tile_serves_sixteen_rows_where_the_next_norm_launch_adds_its_planes():
     """o_proj and down (read only as the X2 of the next norm launch's add: down's through the next layer's input)
     get decode_planes.py's tile first at 16 rows: 32 weight rows a CTA over a quarter of K, its fp32 planes
-    ([64, N]) a scratch of the kernel, then the sum of those planes into C, deferred; the norm launches of QKV and
+    ([64, N]) in a scratch of the kernel, then the sum of those planes into C, deferred; the norm launches of QKV and
     gate/up name X2's planes and their rows; QKV and gate/up, whose outputs go elsewhere, get no split tile."""
     from pegainfer.backends.tilelang.plan import MAX_PLANES, PLANES_SPLIT, SM90_SHARED
 
@@ -212,7 +212,8 @@ def test_split_tile_serves_sixteen_rows_where_the_next_norm_launch_adds_its_plan
         assert total.function == "sum_planes" and total.deferred and not gemm.deferred
         assert {(p.kind, p.value) for p in total.params} == {(ParamKind.PLANES, name), (ParamKind.TENSOR, name),
                                                              (ParamKind.DIM, "tokens")}
-        assert tilelang_plan.gemm_scratch(graph, node, variants)[f"planes:{name}"] == ("f32", (64, 2560))
+        # the scratch holds the swapped tiles' planes too: up to four of 256 rows (its 64 rows fit in them)
+        assert tilelang_plan.gemm_scratch(graph, node, variants)[f"planes:{name}"] == ("f32", (1024, 2560))
         assert 2560 // tiles["BLOCK_N"] * tiles["SPLIT"] == 320
 
 

@@ -21,10 +21,9 @@ def add_rms_norm(K: int, EPS: float, ADD: bool, WRITE_SUM: bool, THREADS: int, P
     float32), rounded to bf16 as the GEMM reads it. PDL: the next kernel (the GEMM, launched programmatically) may
     start at once, so that its first weight stages stream while the rows are normed; G, a weight, is loaded before
     the wait for the previous kernel, off the path from that kernel's end to the GEMM's rows. PLANES: X2 may come as
-    a split GEMM's fp32 planes P ([PR, K], PR / PLANE_STRIDE planes of PLANE_STRIDE rows, at most PLANES; PR = 0: X2
-    as stored), added in plane order and rounded to bf16 as the GEMM's deferred sum would have stored X2
-    (decode_planes.py's 16-row planes, swapped.py's 256-row ones), their loads unrolled, predicated and issued at
-    once."""
+    a split GEMM's fp32 planes P ([PR, K], PR / PLANE_STRIDE planes, at most PLANES; PR = 0: X2 as stored: 16 rows
+    a plane from decode_planes.py, 256 from swapped.py), added in plane order and rounded to bf16 as the deferred
+    sum would have stored X2, their loads unrolled, predicated and issued at once."""
     assert ADD or not (WRITE_SUM or PLANES), "WRITE_SUM and PLANES concern the add's sum and its second operand"
     M = T.dynamic("M")
     PR = T.dynamic("PR")
