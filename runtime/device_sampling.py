@@ -179,6 +179,6 @@ def finish(outputs: dict[str, np.ndarray], inputs: dict[str, np.ndarray], params
             result.logprobs.append(None)
             continue
         top = {int(outputs["top_ids"][r, j]): float(outputs["top_values"][r, j] - outputs["logsumexp"][r])
-               for j in range(min(p.logprobs, outputs["top_ids"].shape[1]))}
+               for j in range(min(p.logprobs, outputs["top_ids"].shape[1]))} if p.logprobs else {}
         result.logprobs.append(top | {token: top.get(token, logprob)})
     return result

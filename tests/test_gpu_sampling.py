@@ -278,9 +278,9 @@ def test_kernels_draw_the_reference_tokens_for_mixed_rows(dtype, monkeypatch):
     assert (tokens[[9, 10]] == UNRESOLVED).all(), "top-k and top-p past the candidates"
     x = logits.astype(np.float64)
     np.testing.assert_allclose(got["logsumexp"], np.log(np.exp(x).sum(axis=1)), rtol=1e-6)
-    # rows 0 and 1 (greedy, whole-vocabulary Gumbel) want no top logprobs: their largest alone, nothing ranked
-    np.testing.assert_array_equal(got["top_ids"], ranked_ids(x, 8, inputs[TOP_LOGPROBS] | (np.arange(12) > 2)))
-    assert (got["top_values"][:2, 1:] == -np.inf).all()
+    # only rows 2 and 11 ask top logprobs: the others keep their largest alone, ranked for the draw (3-10) or not
+    np.testing.assert_array_equal(got["top_ids"], ranked_ids(x, 8, inputs[TOP_LOGPROBS]))
+    assert (got["top_values"][[0, 1, 5], 1:] == -np.inf).all()
     np.testing.assert_array_equal(got["top_values"][:, 0], x.max(axis=1).astype(np.float32))
 
 
@@ -327,7 +327,7 @@ def test_kernels_draw_under_each_rows_grammar_mask_as_the_reference_does(monkeyp
     rng = np.random.default_rng(17)
     vocab = 80
     tail = plan_tail(vocab, FP32, monkeypatch, candidates=8, chunk=64)
-    inputs = mixed_rows(rng, vocab)
+    inputs = mixed_rows(rng, vocab) | {TOP_LOGPROBS: (np.arange(12) > 2).astype(np.int32)}
     logits = rng.normal(0, 2, (12, vocab)).astype(np.float32)
     allowed = rng.random((12, vocab)) < np.array([0.02, 0.1, 0.5, 0.9] * 3)[:, None]
     allowed[np.arange(12), rng.integers(0, vocab, 12)] = True  # at least one id a row
@@ -341,7 +341,7 @@ def test_kernels_draw_under_each_rows_grammar_mask_as_the_reference_does(monkeyp
     drawn = (tokens != UNRESOLVED) & (index >= 0)
     assert allowed[np.arange(12)[drawn], tokens[drawn]].all() and drawn.sum() >= 7
     finite = np.isfinite(masked).sum(axis=1) >= 8  # rows with 8 allowed ids rank them all
-    ranked = ranked_ids(masked, 8, np.arange(12) > 2)  # rows 0-2 ask no top logprobs and draw uncut
+    ranked = ranked_ids(masked, 8, inputs[TOP_LOGPROBS])  # rows 0-2 ask no top logprobs
     np.testing.assert_array_equal(got["top_ids"][finite], ranked[finite])
     np.testing.assert_allclose(got["logsumexp"], np.log(np.exp(masked.astype(np.float64)).sum(axis=1)), rtol=1e-6)
 
@@ -355,7 +355,7 @@ def test_kernels_draw_penalised_rows_as_the_reference_does(monkeypatch):
     rng = np.random.default_rng(29)
     vocab = 300
     tail = plan_tail(vocab, BF16, monkeypatch, candidates=8, chunk=64)
-    inputs = mixed_rows(rng, vocab)
+    inputs = mixed_rows(rng, vocab) | {TOP_LOGPROBS: (np.arange(12) > 2).astype(np.int32)}
     logits = rng.normal(0, 2, (12, vocab)).astype(BF16.np_dtype)
     starts, counts, ids, terms = [], [], [], []
     for row in range(12):
@@ -388,7 +388,7 @@ def test_kernels_draw_penalised_rows_as_the_reference_does(monkeypatch):
     np.testing.assert_array_equal(got["sampled_ids"], tokens)
     np.testing.assert_allclose(got["sampled_logprobs"], logprobs, atol=1e-5)
     assert tokens[7] == UNRESOLVED and (tokens[[0, 1, 2, 3, 4]] != UNRESOLVED).all()
-    np.testing.assert_array_equal(got["top_ids"], ranked_ids(penalized, 8, np.arange(12) > 2))
+    np.testing.assert_array_equal(got["top_ids"], ranked_ids(penalized, 8, inputs[TOP_LOGPROBS]))
     np.testing.assert_allclose(got["logsumexp"], np.log(np.exp(masked.astype(np.float64)).sum(axis=1)), rtol=1e-6)
 
 
@@ -472,9 +472,20 @@ def test_sampling_inputs_and_decode_padding():
     allocator = BlockAllocator(num_blocks=8, block_size=4, reserved=1)
     seqs = [Sequence(i, [1, 2]) for i in range(2)]
     step = pad_decode_step(pack_step([Chunk(s, 2) for s in seqs], allocator) | inputs, 4)
-    for name in SAMPLING_INPUTS:
+    for name in (*SAMPLING_INPUTS, TOP_LOGPROBS):
         assert step[name].shape == (4,) and step[name][:2].tolist() == inputs[name].tolist()
         assert step[name][2:].tolist() == greedy_inputs(2)[name].tolist()
+
+
+def test_finish_reads_no_candidates_for_rows_asking_no_top_logprobs():
+    """logprobs=0 (the chosen token's logprob alone, as a chat request's `logprobs: true`) and None: the step
+    downloaded no top_values / top_ids, and none are read."""
+    params = [SamplingParams(temperature=0.0, logprobs=0), SamplingParams(temperature=0.0)]
+    inputs = sampling_inputs(params, [0, 0], np.random.default_rng(0))
+    assert inputs[TOP_LOGPROBS].tolist() == [0, 0]
+    outputs = {"sampled_ids": np.array([7, 3], np.int32), "sampled_logprobs": np.array([-0.5, -1.0], np.float32)}
+    result = finish(outputs, inputs, params, lambda row: pytest.fail("no row is left to the host"))
+    assert result.tokens == [7, 3] and result.logprobs == [{7: -0.5}, None]
 
 
 def test_declared_and_lowered_graphs_draw_the_same_tokens(tiny_checkpoint):

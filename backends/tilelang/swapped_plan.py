@@ -62,8 +62,8 @@ def split_for(n: int, k: int, family: Family, slot: int, block_m: int, block_k: 
 def swapped_rows(launches: list[LaunchSpec], params: list[Param], n: int, k: int, act: int, row_symbol: str,
                  prefill: VariantSpec | None) -> list[VariantSpec]:
     """The 32-, 64-, 128- and 256-row slots of a GEMM kernel on sm_90a (`launches`: its norm launch, if any, in
-    its decode form, which adds a split GEMM's planes of MAX_ROWS rows; `prefill`: its prefill tile's variant,
-    where it has one)."""
+    its decode form, which adds a split GEMM's planes of MAX_ROWS rows, before the prefill tile in these slots too;
+    `prefill`: its prefill tile's variant, where it has one: its norm launch, then its GEMM)."""
     launches = [replace(l, constexprs=l.constexprs | dict(PLANE_STRIDE=MAX_ROWS)) if l.constexprs.get("PLANES")
                 else l for l in launches]
     variants = []
@@ -73,7 +73,8 @@ def swapped_rows(launches: list[LaunchSpec], params: list[Param], n: int, k: int
         for entry in entries:
             if entry == PREFILL:
                 if prefill is not None:
-                    variants.append(VariantSpec(prefill.name, slot, prefill.launches, "tilelang", sms=prefill.sms))
+                    variants.append(VariantSpec(prefill.name, slot, [*launches, prefill.launches[-1]], "tilelang",
+                                                sms=prefill.sms))
             elif k % block_k == 0 and n % entry.columns == 0:
                 split = 1 if act else split_for(n, k, entry, slot, block_m, block_k)
                 tail = _swapped_launches(params, n, k, act, row_symbol, entry, block_m, block_k, split)

@@ -2,8 +2,8 @@
 vocabulary, first to its logsumexp statistics and its largest key, then to its share of the row's top-K keys
 (only keys at or above the K-th largest chunk maximum can be among them, so most blocks merge a few column maxima
 or nothing instead of being ranked whole) and of what the row's draw needs; then one program per row merges
-them, writes the top-K values and ids (ranked only for a row that asks top logprobs or samples with a cut: others
-get their largest alone) and the logsumexp, and draws the row's token by the `sample` op's rule
+them, writes the top-K values and ids (ranked only for a row that asks top logprobs or samples with a cut; a row
+that asks none gets its largest alone) and the logsumexp, and draws the row's token by the `sample` op's rule
 (ir/ops/sampling.py, whose NumPy reference this follows operation for operation), all of it over the logits a
 row's grammar mask leaves (mask_tokens: the others -inf), penalised (penalize_tokens: a row's sparse terms applied
 to the ids of each block they fall in) for the ranking and the draw, not for the logsumexp and the logprobs.
@@ -289,12 +289,12 @@ def tail_merge_kernel(keys_ptr, count_ptr, stats_ptr, best_ptr, bound_ptr, logit
         top = tl.where(rank == 0, largest, -9223372036854775807 - 1)
     ordered = (top >> 32).to(tl.int32)
     valid = rank < K
-    kept = valid & ((rank == 0) | ranked)
-    values = tl.where(kept, tl.where(ordered >= 0, ordered, ordered ^ 0x7FFFFFFF).to(tl.float32, bitcast=True),
-                      float("-inf"))
-    ids = tl.where(kept, 0x7FFFFFFF - (top & 0xFFFFFFFF).to(tl.int32), -1)
-    tl.store(values_ptr + row * K + rank, values, mask=valid)
-    tl.store(ids_ptr + row * K + rank, ids, mask=valid)
+    values = tl.where(valid & ((rank == 0) | ranked),
+                      tl.where(ordered >= 0, ordered, ordered ^ 0x7FFFFFFF).to(tl.float32, bitcast=True), float("-inf"))
+    ids = 0x7FFFFFFF - (top & 0xFFFFFFFF).to(tl.int32)
+    shown = (rank == 0) | (tl.load(wanted_ptr + row) > 0)  # a cut row's candidates serve its draw, not the output
+    tl.store(values_ptr + row * K + rank, tl.where(shown, values, float("-inf")), mask=valid)
+    tl.store(ids_ptr + row * K + rank, tl.where(shown, ids, -1), mask=valid)
     total, peak = _merge_stats(stats_ptr, row, 0, CHUNKS, CHUNKS_P2)
     lse = peak + tl.log(total)
     tl.store(lse_ptr + row + tl.arange(0, 1), tl.full([1], 0.0, tl.float32) + lse)
