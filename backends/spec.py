@@ -29,6 +29,12 @@ class GridDim:
 PLANE_ROWS = 16  # rows a plane holds, whatever the step's (TileLang's rows.py PLANE_ROWS, decode_ring.py ROWS)
 
 
+def plane_stride(constexprs: dict) -> int:
+    """The rows of one plane a launch writes, adds or reads, from its constexprs (decode_planes.py's 16 unless
+    they say otherwise: the swapped tiles' PLANE_STRIDE)."""
+    return constexprs.get("PLANE_STRIDE", PLANE_ROWS)
+
+
 def planes_of(value: str) -> str:
     """The name a split GEMM's fp32 planes of `value` go by: its scratch, and the buffer a PLANES parameter reads."""
     return "planes:" + value

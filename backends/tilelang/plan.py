@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 
 from pegainfer.backends.native_gemm import native_gemm
 from pegainfer.backends.planning import PREFILL_QUERIES, PlanOptions, gemm_roles, static_layout
-from pegainfer.backends.spec import PLANE_ROWS, GridDim, LaunchSpec, Param, ParamKind, VariantSpec
+from pegainfer.backends.spec import GridDim, LaunchSpec, Param, ParamKind, VariantSpec, plane_stride
 from pegainfer.backends.tilelang.fp8_plan import fp8_gemm, fp8_scratch, slices_scratch
 from pegainfer.backends.tilelang.launches import SM90_SHARED, launch as _launch, tensor as _tensor
 from pegainfer.backends.tilelang.swapped_plan import swapped_rows
@@ -325,8 +325,9 @@ def gemm_scratch(graph: Graph, node: Node, variants: list[VariantSpec]) -> dict[
     for launch in launches:
         if launch.constexprs.get("PARTIAL"):
             (planes,) = [p.buffer for p in launch.params if p.kind is ParamKind.PLANES]
-            rows = launch.constexprs["SPLIT"] * launch.constexprs.get("PLANE_STRIDE", PLANE_ROWS)
-            rows = max(rows, scratch.get(planes, ("f32", (0,)))[1][0])
+            rows = launch.constexprs["SPLIT"] * plane_stride(launch.constexprs)
+            if planes in scratch:  # the 16-row tile's and the swapped tiles' planes share the scratch
+                rows = max(rows, scratch[planes][1][0])
             scratch[planes] = ("f32", (rows, launch.constexprs["N"]))
     return scratch
 

@@ -164,7 +164,8 @@ def _top_k(x: np.ndarray, wanted: np.ndarray | None = None, *, k: int) -> tuple[
     order = np.argsort(-x, axis=-1, kind="stable")[:, :k]
     values, ids = np.take_along_axis(x, order, axis=-1).astype(np.float32), order.astype(np.int32)
     if wanted is not None:
-        values[np.asarray(wanted) == 0, 1:], ids[np.asarray(wanted) == 0, 1:] = -np.inf, -1
+        unranked = np.asarray(wanted) == 0
+        values[unranked, 1:], ids[unranked, 1:] = -np.inf, -1
     return values, ids
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from math import prod
 
 from pegainfer.backends.manifest import Launch
-from pegainfer.backends.spec import PLANE_ROWS, ParamKind
+from pegainfer.backends.spec import ParamKind, plane_stride
 from pegainfer.errors import PegainferError
 from pegainfer.ir.dtypes import dtype_from_name
 from pegainfer.runtime.gpu.abi import DeviceTensor
@@ -32,7 +32,7 @@ class Pending:
 
     @property
     def stride(self) -> int:
-        return plane_stride(self.launch)
+        return plane_stride(self.launch.constexprs)
 
     def run(self) -> Run:
         return self.origin, self.launch, self.env, self.sizes
@@ -54,11 +54,6 @@ def overlaps(a: DeviceTensor, b: DeviceTensor) -> bool:
 def no_planes(value: DeviceTensor) -> DeviceTensor:
     """What a PLANES parameter gets where its value is stored whole: no rows (the kernel reads the value)."""
     return DeviceTensor.contiguous(0, (0, value.shape[-1]), F32)
-
-
-def plane_stride(launch: Launch) -> int:
-    """The rows of one plane a launch writes, adds or reads (decode_planes.py's 16 unless it says otherwise)."""
-    return launch.constexprs.get("PLANE_STRIDE", PLANE_ROWS)
 
 
 def writes_planes(launch: Launch) -> bool:
@@ -102,8 +97,8 @@ class DeferredSums:
         (output,) = [p.buffer for p in launch.params if p.kind in (ParamKind.TENSOR, ParamKind.TMA)]
         assert not any(overlaps(p.planes, env[planes]) for p in self.pending), "planes overwritten while pending"
         scratch = env[planes]  # sized for the kernel's largest split: a reader adds only this GEMM's planes
-        written = DeviceTensor.contiguous(scratch.ptr, (launch.constexprs["SPLIT"] * plane_stride(launch),
-                                                        scratch.shape[-1]), scratch.dtype)
+        rows = launch.constexprs["SPLIT"] * plane_stride(launch.constexprs)
+        written = DeviceTensor.contiguous(scratch.ptr, (rows, scratch.shape[-1]), scratch.dtype)
         assert written.shape[0] <= scratch.shape[0], f"{launch.symbol}: {written.shape[0]} plane rows in {scratch}"
         self.pending.append(Pending(env[output], written, launch, dict(env), dict(sizes), origin))
 
@@ -122,7 +117,7 @@ class DeferredSums:
             stored = env[param.value]
             match = next((p for p in self.pending if p.output.ptr == stored.ptr and p.output.shape == stored.shape),
                          None)
-            if match and (match.stride != plane_stride(launch)
+            if match and (match.stride != plane_stride(launch.constexprs)
                           or match.planes.shape[0] > match.stride * launch.constexprs.get("PLANES", 0)):
                 match = None  # the launch adds planes of another stride, or fewer than the GEMM left: it reads the sum
             bound[param.buffer] = match.planes if match else no_planes(stored)

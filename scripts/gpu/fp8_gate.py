@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 from check import gate_stats, hf_greedy, hf_weights, manifest_4b, random_hf_4b, teacher_forced
 
+from pegainfer.fixtures.checkpoint import fp8_block_weights
 from pegainfer.frontends.load import LoadedModel, load_spec, resolve_config_path
 from pegainfer.frontends.online_quantization import quantize_rows
-from pegainfer.frontends.quantization import FP8_MAX
 from pegainfer.ir.dtypes import BF16, F8E4M3
 from pegainfer.ir.ops.quantize import ROW_GROUP, dequantize
 from pegainfer.runtime import bench
@@ -28,14 +28,12 @@ FORMATS = {"channel": ("qwen3-4b", "fp8", None, "_scale"), "block": ("qwen3-4b-f
 
 
 def quantize_blocks(weight: np.ndarray, block: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
-    """(e4m3 values, float32 scales) of a weight in blocks: each block over its largest magnitude / FP8_MAX."""
-    rows, cols = weight.shape
-    r, c = block
-    x = np.asarray(weight, np.float32).reshape(rows // r, r, cols // c, c)
-    scale = np.abs(x).max(axis=(1, 3)) / np.float32(FP8_MAX)
-    scale[scale == 0] = 1
-    values = (x / scale[:, None, :, None]).reshape(rows, cols).astype(F8E4M3.np_dtype)
-    return values, scale.astype(np.float32)
+    """(e4m3 values, float32 scales) of a bf16 weight in blocks, as make-checkpoint writes an FP8 checkpoint's."""
+    import torch
+
+    values, scale = fp8_block_weights(torch.from_numpy(np.ascontiguousarray(weight).view(np.int16))
+                                      .view(torch.bfloat16), torch, block)
+    return values.view(torch.uint8).numpy().view(F8E4M3.np_dtype), scale.numpy()
 
 
 def quantized_model(config: str, quantization: str | None, block, suffix: str, source: dict) -> tuple:
