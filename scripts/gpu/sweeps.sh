@@ -20,6 +20,8 @@
 #   structured: a Qwen3-4B-shape checkpoint with a byte-level BPE tokenizer (JSON needs punctuation), served with
 #       xgrammar (.gpu/xg), and scripts/gpu/structured_sweep.py at concurrency $STRUCTURED_CONC (32): the same load
 #       with a JSON schema on every request against none, two rounds each
+#   gate:CASE,CASE,..: the 4B golden gate against Hugging Face bf16 (scripts/gpu/check.py's gate4b), those cases
+#       (batch4, batch1, graph_batch9, graph_batch17/33/65/129, mixed_steps, ...)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PEGAINFER_SRC=${PEGAINFER_SRC:-$PWD/.gpu/src}
@@ -82,7 +84,8 @@ PY
         MODEL_CONFIG=$config LABEL=$config-$variant CONC="${concs//,/ }" STARTS=first SMALL=0 SERVE_FLAGS="$flags" \
             bash scripts/gpu/serve.sh pegainfer 2>&1 | tee "$OUT/serve_$config-$variant.txt"
         { echo "serve $config $variant ($flags):"; grep -A8 '^ *conc ' "$OUT/serve_$config-$variant.txt" \
-            | grep -v '^--' ; grep -E 'startup_seconds|random_checkpoint' "$OUT/serve_$config-$variant.txt"; } \
+            | grep -v '^--' ; grep -A8 'sglang client' "$OUT/serve_$config-$variant.txt" | grep -v '^--';
+            grep -E 'startup_seconds|random_checkpoint' "$OUT/serve_$config-$variant.txt"; } \
             >>"$OUT/summary.txt"
         ;;
     structured)
@@ -114,6 +117,13 @@ PY
         kill $pid; wait $pid
         { echo "structured outputs, concurrency ${STRUCTURED_CONC:-32}:"; tail -6 "$OUT/structured.txt"; } >>"$OUT/summary.txt"
         grep -c Traceback "$OUT/structured_serve.log"
+        ;;
+    gate:*)
+        cases=${part#gate:}
+        (cd "$PEGAINFER_SRC" && PYTHONPATH=$PYTHONPATH:scripts/gpu timeout 400 python3 scripts/gpu/check.py \
+            --small /tmp/none --out "$OUT/gate" --skip small sampling bench hf --gate-cases ${cases//,/ }) \
+            2>&1 | tee "$OUT/gate.txt"
+        { echo "gate (regret / mean / p99):"; grep qwen3_4b_hf_gate "$OUT/gate.txt"; } >>"$OUT/summary.txt"
         ;;
     *) echo "unknown part $part" ;;
     esac
