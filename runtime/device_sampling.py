@@ -27,6 +27,7 @@ class SampleResult:
     logprobs: list[dict[int, float] | None]  # per row: the top-K tokens' logprobs, then the chosen one's (if not in)
     host_rows: list[int] = field(default_factory=list)  # rows drawn on the host from their full logits
     features: np.ndarray | None = None  # a row for every token of the step, where a drafter reads them
+    stale: list[int] = field(default_factory=list)  # rows left undrawn: their logits were gone (GpuEngine.launch)
 
 
 def greedy_inputs(rows: int) -> dict[str, np.ndarray]:

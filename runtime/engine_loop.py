@@ -145,8 +145,12 @@ class EngineLoop:
                 began, last = time.monotonic(), self.scheduler.last_step
                 outputs = self.scheduler.step(launched=self._hand_over_held)
                 self._hand_over_held()  # a step that launched nothing
-                self._held = outputs
-                if self.scheduler.last_step is last and not outputs:  # nothing runnable yet (host blocks landing)
+                if self.scheduler.in_flight:  # the next step is queued already (async scheduling): stream them now
+                    self._deliver(outputs)
+                else:
+                    self._held = outputs
+                if self.scheduler.last_step is last and not outputs and not self.scheduler.in_flight:
+                    # nothing runnable yet (host blocks landing)
                     with self._wake:
                         self._wake.wait(IDLE_POLL_S)
                 if self._trace is not None and self.scheduler.last_step is not None:

@@ -18,6 +18,7 @@ from pegainfer.runtime.constraint import TokenConstraint
 from pegainfer.runtime.device_sampling import (SampleResult, device_masks, finish, mask_inputs, masked_logits,
                                                sampling_inputs, tail_reference)
 from pegainfer.runtime.kv_blocks import BlockAllocator
+from pegainfer.runtime.pending_tokens import pending_rows
 from pegainfer.runtime.sampler import SamplingParams
 from pegainfer.runtime.scheduler import SchedulerConfig
 
@@ -46,6 +47,7 @@ class ReferenceEngine:
         states = self.graph.expanded_states()
         self.states = {name: np.zeros(t.concrete(sizes), dtype=t.dtype.np_dtype) for name, t in states.items()}
         self.pooled = [name for name, t in states.items() if t.shape[0] == SLOT_POOL]  # copy_state's
+        self.drawn: tuple[dict[int, int], list[int]] = ({}, [])  # the last launch's draws: seq_id -> row, tokens
 
     def step(self, chunks: list[Chunk], *, all_logits: bool = False) -> np.ndarray:
         """Runs one packed step and returns float32 logits, one row per chunk (or per token with all_logits)."""
@@ -61,9 +63,18 @@ class ReferenceEngine:
         tokens); `token_index[i]`: which generated token of its request chunk i's row draws (0 for the first);
         `constraints[i]`: the row's, if any (runtime/constraint.py); `launched`: called once the step's inputs
         are packed, before it runs (as the GPU engine calls it before waiting for the device)."""
+        return self.launch(chunks, params, token_index, constraints, launched)()
+
+    def launch(self, chunks: list[Chunk], params: list[SamplingParams], token_index: list[int],
+               constraints: list[TokenConstraint | None] | None = None,
+               launched: Callable[[], None] | None = None) -> Callable[[], SampleResult]:
+        """`sample`, its result handed back through a call as the GPU engine's launch does (here the step has run
+        by then); a PENDING token (runtime/pending_tokens.py) is the one the last launch drew."""
         sampling = sampling_inputs(params, token_index, self.rng)
         masks = device_masks(constraints, self.vocab_size)
         inputs = pack_step(chunks, self.allocator, lora=self.lora) | sampling | mask_inputs(len(params), masks)
+        for row, draw in pending_rows(chunks, inputs["seq_starts"], self.drawn[0]):
+            inputs["input_ids"][row] = self.drawn[1][draw]
         if launched is not None:
             launched()
         outputs = dict(zip(self.graph.outputs, self.execute(inputs)))
@@ -74,7 +85,9 @@ class ReferenceEngine:
             tail_reference(masked_logits(logits, masks), sampling, TAIL_TOP_K)
         result = finish(tail, sampling, params, lambda row: logits[row], constraints, masks)
         result.features = outputs.get(FEATURES)
-        return result
+        rows = range(len(chunks)) if len(params) == len(chunks) else range(0)  # one draw a chunk: rows as chunks
+        self.drawn = ({chunks[r].seq.seq_id: r for r in rows}, list(result.tokens))
+        return lambda: result
 
     def execute(self, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
         """The graph's outputs for one packed step, its KV and recurrent states updated in place."""

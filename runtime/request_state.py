@@ -1,6 +1,7 @@
 """The scheduler's record of one request (runtime/scheduler.py): its sequence, what of it is cached, how far it has
-generated, and what a step in flight holds of it (drafts being verified, a spare state row)."""
+generated, and what a step in flight holds of it (drafts being verified, a spare state row, draws not read yet)."""
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from pegainfer.runtime.batch import Sequence
@@ -23,6 +24,10 @@ class RequestState:
     spare: int = -1  # the state row holding its recurrent state from before the drafts (-1: none)
     root: bytes = ROOT  # the hash before its first block: its LoRA adapter's (prefix_cache.root_for)
     restoring: list[int] = field(default_factory=list)  # cached blocks held while host blocks come back into some
+    overlappable: bool = False  # whether its steps may overlap (runtime/overlap.py)
+    # draws of steps in flight not read yet: (index of its PENDING token, its count of generated tokens)
+    pending: deque[tuple[int, int]] = field(default_factory=deque)
+    ending: bool = False  # a draw in flight reaches its length limit: no further steps
 
     @property
     def scoring(self) -> bool:

@@ -27,21 +27,20 @@ block boundary (runtime/state_snapshots.py), and its prompt chunks end on block 
 
 import itertools
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
 from pegainfer.errors import RequestError
 from pegainfer.runtime.batch import Chunk, Sequence
-from pegainfer.runtime.block_records import record_blocks
-from pegainfer.runtime.device_sampling import SampleResult
 from pegainfer.runtime.engine_api import Engine
 from pegainfer.runtime.host_tier import HostTier
 from pegainfer.runtime.kv_blocks import check_fits
 from pegainfer.runtime.lora import LoraSlots
+from pegainfer.runtime.overlap import Overlap, overlappable
+from pegainfer.runtime.plain_step import run_plain_step
 from pegainfer.runtime.prefix_cache import ROOT, PrefixCache, root_for
-from pegainfer.runtime.prompt_logprobs import draw_first, position_logprobs
 from pegainfer.runtime.request_state import RequestState
 from pegainfer.runtime.requests import EngineRequest, TokenOutput
 from pegainfer.runtime.spec_steps import SpecSteps
@@ -63,6 +62,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     prefix_cache: bool = True
+    async_scheduling: bool = True  # where the engine and the requests allow it (runtime/overlap.py)
 
 
 class Scheduler:
@@ -95,12 +95,14 @@ class Scheduler:
             if config.prefix_cache and (rows or not slots) else None
         self.waiting = WaitingQueue()
         self.running: list[RequestState] = []
-        self._rng = np.random.default_rng()  # seeds of first tokens drawn here for seedless requests
+        self.rng = np.random.default_rng()  # seeds of first tokens drawn here for seedless requests
         self._states: dict[str, RequestState] = {}
         self._by_seq: dict[int, RequestState] = {}
         self._seq_ids = itertools.count()
         self._reserved = 0
         self.last_step: StepRecord | None = None
+        self.overlap = Overlap(self) if config.async_scheduling and hasattr(engine, "launch") and not \
+            (speculator or slots or host) else None
 
     # --- requests in and out ---------------------------------------------------------------------------------
 
@@ -116,7 +118,8 @@ class Scheduler:
         self.check(len(request.prompt_ids), request.params.max_tokens)
         seq = Sequence(next(self._seq_ids), list(request.prompt_ids))
         root = root_for(self.lora.cache_key(request.lora)) if request.lora is not None else ROOT
-        state = RequestState(request, seq, root=root)  # a block's KV is its adapter's: hits never cross adapters
+        state = RequestState(request, seq, root=root,  # a block's KV is its adapter's: hits never cross adapters
+                             overlappable=overlappable(request))
         self._states[request.request_id] = state
         self._by_seq[seq.seq_id] = state
         self.waiting.append(state)
@@ -148,7 +151,15 @@ class Scheduler:
         return any(state.request.lora == name for state in (*self.running, *self.waiting))
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running) or self.in_flight
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a launched step's tokens are still to be read (async scheduling)."""
+        return self.overlap is not None and self.overlap.in_flight is not None
+
+    def state_of(self, chunk: Chunk) -> RequestState | None:
+        return self._by_seq.get(chunk.seq.seq_id)
 
     @property
     def blocks_in_use(self) -> int:
@@ -160,58 +171,19 @@ class Scheduler:
 
     def step(self, launched: Callable[[], None] | None = None) -> list[TokenOutput]:
         """Schedules, runs the engine once and samples; returns the tokens made (none when idle). `launched` is
-        called once the engine has queued the step, before it waits for it (the engine loop's hand-over)."""
-        chunks = self.schedule()
-        if not chunks:
-            return []
-        began = time.monotonic()
-        scoring = [self._by_seq[c.seq.seq_id].scoring for c in chunks]
-        scored_tokens = sum(c.num_tokens for c, s in zip(chunks, scoring) if s)
-        scored = [out for c, s in zip(chunks, scoring) if s if (out := self._score(c)) is not None]
-        chunks = [c for c, s in zip(chunks, scoring) if not s]
-        if not chunks:  # the trace's line counts the scoring chunks' engine calls and the tokens they gave
-            self.last_step = StepRecord(began, time.monotonic() - began, len(scoring), scored_tokens, scored_tokens,
-                                        len(scored))
-            return scored
-        states = [self._by_seq[c.seq.seq_id] for c in chunks]
-        prefill = sum(c.num_tokens for c, st in zip(chunks, states)  # decode and verifying chunks are not prefill
-                      if not (c.num_tokens == c.draws and st.num_generated))
-        self.stats.prefill_tokens += prefill
-        start = time.monotonic()
-        # a constraint sees only draws that become tokens: not those of prompt chunks short of the prompt's end
-        # (a speculating sequence has none); a verifying chunk draws at each of its tokens
-        constraints = [st.request.constraint if c.seq.num_cached + c.num_tokens >= len(c.seq.token_ids) else None
-                       for c, st in zip(chunks, states) for _ in range(c.draws)]
-        params = [st.request.params for c, st in zip(chunks, states) for _ in range(c.draws)]
-        token_index = [st.num_generated + j for c, st in zip(chunks, states) for j in range(c.draws)]
-        result = self.engine.sample(chunks, params, token_index,
-                                    constraints if any(c is not None for c in constraints) else None, launched)
-        seconds = time.monotonic() - start
-        tokens = sum(c.num_tokens for c in chunks)
-        self.stats.steps += 1
-        self.stats.step_tokens[tokens] += 1
-        outputs = self._process(chunks, result)
-        self.last_step = StepRecord(began, start + seconds - began, len(scoring), tokens + scored_tokens,
-                                    prefill + scored_tokens, len(scored) + len(outputs))
-        return scored + outputs
+        called once the engine has queued the step, before it waits for it (the engine loop's hand-over). With
+        async scheduling the tokens returned may be those of the step launched by the call before."""
+        if self.overlap is not None:
+            return self.overlap.step(launched)
+        return self.run_step(self.schedule(), launched)
 
-    def _score(self, chunk: Chunk) -> TokenOutput | None:
-        """A prompt chunk of a request that wants prompt logprobs, run alone with every position's logits; the
-        first token when it ends the prompt."""
-        state, start = self._by_seq[chunk.seq.seq_id], chunk.seq.num_cached
-        rows = self.engine.step([chunk], all_logits=True)
-        prompt = state.request.prompt_ids
-        state.prompt_steps = (state.prompt_steps or [])[:start] + position_logprobs(  # a recompute rewrites
-            rows, prompt, start, len(prompt), state.request.params.prompt_logprobs)
-        self.stats.prefill_tokens += chunk.num_tokens
-        record_blocks(state, self.cache, self.snapshots, self.engine)
-        if chunk.seq.num_cached < len(chunk.seq.token_ids):
-            return None
-        token, logprobs = draw_first(rows[chunk.num_tokens - 1], state.request.params, 0, state.request.constraint,
-                                     self._rng)
-        return replace(self._append(state, token, logprobs, time.monotonic()), prompt_logprobs=state.prompt_steps)
+    def run_step(self, chunks: list[Chunk], launched: Callable[[], None] | None = None) -> list[TokenOutput]:
+        """Runs the scheduled chunks and reads their tokens before returning (runtime/plain_step.py)."""
+        return run_plain_step(self, chunks, launched)
 
-    def schedule(self) -> list[Chunk]:
+    def schedule(self, ahead: bool = False) -> list[Chunk] | None:
+        """`ahead`: while a step is in flight (runtime/overlap.py), None where a sequence would have to be
+        preempted, and only requests that can overlap are admitted."""
         budget, self._reserved = self.config.max_num_batched_tokens, 0
         chunks: list[Chunk] = []
         scheduled: set[int] = set()
@@ -222,13 +194,16 @@ class Scheduler:
         for decoding in (True, False):
             for state in running:
                 uncached = len(state.seq.token_ids) - state.seq.num_cached
-                if (uncached == 1) != decoding or budget == 0 or state.drafts:  # drafts: scheduled to decode
+                if (uncached == 1) != decoding or budget == 0 or state.drafts or state.ending:  # drafts: decoding
                     continue
                 if self.stats.preemptions != preemptions and state not in self.running:
                     continue  # preempted earlier in this step (a membership test only then: it is linear)
                 count = self._chunk(state, min(uncached, budget, self.config.max_num_seqs if state.scoring else budget))
                 decodes -= decoding
-                if not self._room_for(state, count, scheduled):
+                room = self._room_for(state, count, scheduled, ahead)
+                if room is None:
+                    return None
+                if not room:
                     preempted = True
                     continue
                 draft = self.spec.fit(state, drafts[state.seq.seq_id], budget - count - decodes,
@@ -238,6 +213,8 @@ class Scheduler:
                 budget -= count + len(draft)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
             state = self.waiting.peek()
+            if ahead and not state.overlappable:
+                break
             count = self._admit(state, min(budget, self.config.max_num_seqs) if state.scoring else budget)
             if count == 0:
                 if self.host is not None and not state.restoring:  # it may need what others hold while restoring
@@ -250,13 +227,16 @@ class Scheduler:
             budget -= count
         return chunks
 
-    def _room_for(self, state: RequestState, count: int, scheduled: set[int]) -> bool:
+    def _room_for(self, state: RequestState, count: int, scheduled: set[int], ahead: bool) -> bool | None:
         """Reserves the blocks `count` more tokens of a running sequence need, preempting the newest running
-        sequences not yet in this step while there are none; False when `state` itself had to go."""
+        sequences not yet in this step while there are none; False when `state` itself had to go, None where one
+        would have to go `ahead` of the step in flight."""
         need = self._blocks_needed(state.seq, count)
         if need == 0:
             return True
         while not self._reserve(need):
+            if ahead:
+                return None
             victim = next(s for s in reversed(self.running) if s.seq.seq_id not in scheduled)
             self._preempt(victim)
             if victim is state:
@@ -358,39 +338,21 @@ class Scheduler:
 
     # --- after the step --------------------------------------------------------------------------------------
 
-    def _process(self, chunks: list[Chunk], result: SampleResult) -> list[TokenOutput]:
-        outputs, now, row, first_token = [], time.monotonic(), 0, 0
-        for chunk in chunks:
-            state = self._by_seq[chunk.seq.seq_id]
-            tokens, logprobs = result.tokens[row:row + chunk.draws], result.logprobs[row:row + chunk.draws]
-            row += chunk.draws
-            start = state.seq.num_cached - chunk.num_tokens  # the chunk's first position
-            verified = bool(state.drafts)
-            if verified:
-                kept = self.spec.settle(state, tokens)
-                tokens, logprobs = tokens[:kept], logprobs[:kept]
-            if result.features is not None and self.spec is not None:  # a drafter reads the kept positions
-                rows = result.features[first_token:first_token + state.seq.num_cached - start]
-                self.spec.observe(state.seq.seq_id, start, rows)
-            first_token += chunk.num_tokens
-            record_blocks(state, self.cache, self.snapshots, self.engine)
-            if state.seq.num_cached < len(state.seq.token_ids) and not verified:
-                continue  # a prompt chunk short of the prompt's end: its draw is not a next token
-            for token, token_logprobs in zip(tokens, logprobs):
-                outputs.append(self._append(state, token, token_logprobs, now))
-                if outputs[-1].finish_reason is not None:
-                    break
-        return outputs
-
-    def _append(self, state: RequestState, token: int, logprobs: dict[int, float] | None, now: float) -> TokenOutput:
-        params, seq = state.request.params, state.seq
-        seq.token_ids.append(token)
+    def append(self, state: RequestState, token: int, logprobs: dict[int, float] | None, now: float) -> TokenOutput:
+        state.seq.token_ids.append(token)
         state.num_generated += 1
+        return self.emit(state, token, logprobs, now, state.num_generated, len(state.seq.token_ids))
+
+    def emit(self, state: RequestState, token: int, logprobs: dict[int, float] | None, now: float, generated: int,
+             length: int) -> TokenOutput:
+        """The output of a request's `generated`-th token (its sequence `length` tokens long with it), finishing
+        the request where the token stops it or reaches a limit."""
+        params = state.request.params
         self.stats.generation_tokens += 1
         finish = None
         if (token in self.eos_ids and not params.ignore_eos) or token in state.request.stop_token_ids:
             finish = "stop"
-        elif state.num_generated >= params.max_tokens or len(seq.token_ids) >= self.config.max_model_len:
+        elif generated >= params.max_tokens or length >= self.config.max_model_len:
             finish = "length"
         if finish:
             self._stop(state)

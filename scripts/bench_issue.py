@@ -22,6 +22,18 @@ from pegainfer.runtime.gpu.executor import GpuExecutor, Limits
 from pegainfer.runtime.kv_blocks import BlockAllocator
 
 
+class StandInEvent:
+    """driver.Event without a device: every copy it marks is done at once."""
+    def __init__(self, timing: bool = True) -> None:
+        pass
+
+    def record(self, stream) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
 def stand_in_driver(launches: list[int]) -> None:
     """Device memory as addresses only, launches counted, descriptors of zeros."""
     memory = [0x10000]
@@ -30,7 +42,7 @@ def stand_in_driver(launches: list[int]) -> None:
         memory.append(memory[-1] + -(-max(nbytes, 1) // 256) * 256)
         return memory[-2]
     for name, stand_in in (("alloc", alloc), ("memset", lambda *a: None), ("copy_to_device", lambda *a: None),
-                           ("alloc_pinned", lambda n: np.zeros(n, np.uint8)),
+                           ("alloc_pinned", lambda n: np.zeros(n, np.uint8)), ("Event", StandInEvent),
                            ("launch", lambda *a, **k: launches.append(1))):
         setattr(driver, name, stand_in)
     executing.load_function = lambda cubin, launch: (None, launch.symbol)

@@ -71,6 +71,9 @@ def add_serve(commands) -> None:
                         f"or max-num-seqs x max-model-len if smaller)")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="do not share the KV blocks of common prompt prefixes")
+    p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                   help="read each step's tokens before the next step is launched (by default the next is launched "
+                        "first where the requests allow it, so that the host's work overlaps the GPU's)")
     p.add_argument("--state-snapshots", type=argtypes.non_negative_int, default=None,
                    help="for models with recurrent layers: their state kept at this many cached block boundaries "
                         "for prefix hits (default: max-num-seqs; 0 turns the prefix cache off for them)")
@@ -215,7 +218,8 @@ def start_serving(args: argparse.Namespace, trace: TextIO | None, listener: sock
     from pegainfer.server.metrics import Metrics
 
     config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=step_tokens,
-                             max_model_len=max_model_len, prefix_cache=args.prefix_cache)
+                             max_model_len=max_model_len, prefix_cache=args.prefix_cache,
+                             async_scheduling=args.async_scheduling)
     chat_template = load_chat_template(checkpoint.folder)  # before the loop's thread starts: it may be refused
     # The engine thread waits on the GPU without the GIL once a step; under load the event loop holds it then, and
     # hands it back only at the switch interval (5 ms by default, which would add up to that to every step)

@@ -28,7 +28,7 @@ from pegainfer.runtime.gpu.collectives import relayout
 from pegainfer.runtime.gpu.executor import GpuExecutor, Limits
 from pegainfer.runtime.gpu.planes import DeferredSums, Pending
 from pegainfer.runtime.kv_blocks import BlockAllocator
-from test_gpu_runtime_cpu import launch_of, stand_in_manifest
+from test_gpu_runtime_cpu import StandInEvent, launch_of, stand_in_manifest
 
 
 class FakeCommunicator:
@@ -66,7 +66,7 @@ def rank_executor(tmp_path, monkeypatch, checkpoint, world: int = 2, rank: int =
         events.append(("launch", symbol, values))
     for name, stand_in in (("alloc", alloc), ("memset", lambda *args: None),
                            ("copy_to_device", lambda dst, src, stream=None: None),
-                           ("alloc_pinned", lambda n: np.zeros(n, np.uint8)), ("launch", launch)):
+                           ("alloc_pinned", lambda n: np.zeros(n, np.uint8)), ("Event", StandInEvent), ("launch", launch)):
         monkeypatch.setattr(driver, name, stand_in)
     monkeypatch.setattr(executing, "load_function", lambda cubin, launch: (None, launch.symbol))
     monkeypatch.setattr(executing, "upload_weights", lambda graph, weights, stream, arena, skip=(): {

@@ -25,7 +25,7 @@ from pegainfer.ir.step import EMBED_GATE, FEATURES_INPUT, sampler_outputs
 from pegainfer.passes.pipeline import lower
 from pegainfer.runtime.batch import Chunk, Sequence, commit_step, pack_step
 from pegainfer.runtime.drafter_graphs import drafter_graphs
-from pegainfer.runtime.gpu.engine import borrowed_params
+from pegainfer.runtime.gpu.upload import borrowed_params
 from pegainfer.runtime.gpu.head import GpuHead
 from pegainfer.runtime.gpu.step_padding import pad_decode_step
 from pegainfer.runtime.gpu.upload import shared_params
@@ -179,7 +179,7 @@ def test_the_heads_graphs_borrow_the_targets_weights_and_the_second_takes_the_fi
     lends = {"target": frozenset({"model.embed_tokens.weight"}), "first": None}  # as GpuHead lends
     for name, spec, lenders in (("target", target, []), ("first", first, ["target"]), ("next", second, ["first"])):
         (tmp_path / name).mkdir()
-        lent = borrowed_params(lower(spec.graph)[0], [(SimpleNamespace(executor=made[n]), lends[n]) for n in lenders])
+        lent = borrowed_params(lower(spec.graph)[0], [(made[n], lends[n]) for n in lenders])
         made[name] = stand_in_executor(tmp_path / name, monkeypatch, None, spec=spec, borrowed=lent,
                                        kv_of=made["first"] if name == "next" else None)[0]
         made[name].lent = set(lent)
@@ -203,7 +203,7 @@ def test_a_head_borrows_only_what_is_the_targets_even_where_its_own_lm_head_matc
     target = SimpleNamespace(executor=SimpleNamespace(graph=lowered["target"], weights=dict.fromkeys(
         lowered["target"].expanded_params(), 0x1000)))
     assert "lm_head.weight" in shared_params(lowered["head"], lowered["target"])
-    assert set(borrowed_params(lowered["head"], [(target, head.from_target)])) == {"model.embed_tokens.weight"}
+    assert set(borrowed_params(lowered["head"], [(target.executor, head.from_target)])) == {"model.embed_tokens.weight"}
     assert head.weights["lm_head.weight"].shape[0] == model.spec.config.vocab_size  # its own, read from its file
     assert not np.array_equal(head.weights["lm_head.weight"], model.weights["lm_head.weight"])
 

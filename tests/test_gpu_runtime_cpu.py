@@ -27,6 +27,18 @@ from pegainfer.runtime.gpu.step_padding import PADDING_BLOCK, pad_decode_step
 from pegainfer.runtime.kv_blocks import BlockAllocator
 
 
+class StandInEvent:
+    """driver.Event without a device: every copy it marks is done at once."""
+    def __init__(self, timing: bool = True) -> None:
+        pass
+
+    def record(self, stream) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
 def test_arguments_are_packed_in_abi_order_with_the_right_types():
     tensors = {"x": DeviceTensor(0x7000, (5, 64), BF16, 192), "rows": DeviceTensor(0x9000, (3,), INT32, 1)}
     params = [Param("x_ptr", ParamKind.TENSOR, "x", "*bf16"), Param("rows_ptr", ParamKind.TENSOR, "rows", "*i32"),
@@ -213,7 +225,7 @@ def stand_in_executor(tmp_path, monkeypatch, checkpoint, lora=None, spec=None, b
         launched.append((symbol, values, pdl))
     for name, stand_in in (("alloc", alloc), ("memset", lambda *args: None),
                            ("copy_to_device", lambda dst, src, stream=None: copies.append((dst, bytes(src)))),
-                           ("alloc_pinned", lambda n: np.zeros(n, np.uint8)), ("launch", launch)):
+                           ("alloc_pinned", lambda n: np.zeros(n, np.uint8)), ("Event", StandInEvent), ("launch", launch)):
         monkeypatch.setattr(driver, name, stand_in)
     monkeypatch.setattr(executing, "load_function", lambda cubin, launch: (None, launch.symbol))
     monkeypatch.setattr(executing, "upload_weights", lambda graph, weights, stream, arena, skip=(): {

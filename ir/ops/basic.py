@@ -19,13 +19,13 @@ def _infer_embedding(ids: TensorType, table: TensorType, *, scale: float = 1.0,
 
 def _embedding(ids: np.ndarray, table: np.ndarray, *, scale: float = 1.0, first_id: int | None = None) -> np.ndarray:
     """Rows of the table, times `scale` (some models scale their embeddings by sqrt(hidden)). With `first_id`
-    the table is one rank's part of the vocabulary, ids first_id .. first_id + rows - 1: other ids give zeros."""
-    if first_id is None:
-        rows = table[ids]
-    else:
-        local = np.asarray(ids) - first_id
-        held = (local >= 0) & (local < len(table))
-        rows = np.where(held[..., None], table[np.where(held, local, 0)], np.float32(0))
+    the table is one rank's part of the vocabulary, ids first_id .. first_id + rows - 1. Ids outside the table give
+    zeros (a negative one is never a row counted from the end)."""
+    local = np.asarray(ids) - (first_id or 0)
+    held = (local >= 0) & (local < len(table))
+    rows = table[np.where(held, local, 0)]
+    if not held.all():
+        rows = np.where(held[..., None], rows, np.zeros((), rows.dtype))
     return rows if scale == 1.0 else rows * np.float32(scale)
 
 

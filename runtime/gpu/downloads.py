@@ -8,23 +8,27 @@ import numpy as np
 
 from pegainfer.runtime.cuda import driver
 from pegainfer.runtime.gpu.abi import DeviceTensor
+from pegainfer.runtime.gpu.staging import PinnedPair
 
 
-def fetch_later(ctx: driver.Context, landing: np.ndarray, tensors: list[DeviceTensor]
+def fetch_later(ctx: driver.Context, landings: PinnedPair, tensors: list[DeviceTensor]
                 ) -> Callable[[], list[np.ndarray]]:
-    """Small contiguous tensors (a step's sampled tokens) copied into the pinned `landing`, queued on the stream
-    now; the call it returns synchronises once and reads them (before the next step's copies reuse that memory).
-    Tensors past the landing area are fetched one by one by that call."""
+    """Small contiguous tensors (a step's sampled tokens) copied into the next of the pinned `landings`, queued on
+    the stream now; the call it returns waits for those copies alone (not for a step queued after them) and reads
+    them, before the area is taken again two steps later. Tensors past the landing area are fetched one by one by
+    that call."""
     sizes = [t.nbytes for t in tensors]
+    landing = landings.take()
     if sum(sizes) + 256 * len(sizes) > landing.nbytes:
         return lambda: [fetch(ctx, t) for t in tensors]
     offsets = [sum(-(-n // 256) * 256 for n in sizes[:i]) for i in range(len(sizes))]
     for tensor, offset, nbytes in zip(tensors, offsets, sizes):
         assert tensor.dense, "fetch_later reads contiguous tensors"
         driver.copy_to_host(landing[offset: offset + nbytes], tensor.ptr, ctx.stream)
+    landed = landings.queued(ctx.stream)
 
     def read() -> list[np.ndarray]:
-        ctx.synchronize()
+        landed.synchronize()
         return [landing[o: o + n].view(t.dtype.np_dtype).reshape(t.shape).copy()
                 for t, o, n in zip(tensors, offsets, sizes)]
     return read

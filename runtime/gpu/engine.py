@@ -14,6 +14,7 @@ import numpy as np
 from pegainfer.errors import PegainferError
 from pegainfer.frontends.features import FEATURES
 from pegainfer.frontends.load import LoadedModel
+from pegainfer.ir.ops.sampling import UNRESOLVED
 from pegainfer.ir.step import LORA_SLOTS, TOKEN_BITMASK, has_recurrent_state, mask_words, sampler_outputs
 from pegainfer.passes.pipeline import lower
 from pegainfer.runtime.batch import Chunk, Sequence, commit_step, pack_step, release_sequence
@@ -21,6 +22,7 @@ from pegainfer.runtime.constraint import TokenConstraint
 from pegainfer.runtime.device_sampling import (SampleResult, device_masks, finish, mask_inputs, penalty_inputs,
                                                sampling_inputs, wants_top_logprobs)
 from pegainfer.runtime.cuda import driver
+from pegainfer.runtime.gpu.abi import DeviceTensor
 from pegainfer.runtime.gpu.collectives import Communicator
 from pegainfer.runtime.gpu.executor import PDL_MAX_TOKENS, GpuExecutor, Limits
 from pegainfer.runtime.gpu.host_blocks import HostBlocks
@@ -28,8 +30,9 @@ from pegainfer.runtime.gpu.memory import kv_blocks_for_memory
 from pegainfer.runtime.gpu.nccl import NcclCommunicator, Rendezvous
 from pegainfer.runtime.gpu.step_padding import (PADDING_BLOCK, PADDING_SLOT, pad_decode_step, pad_verify_step,
                                                 verify_rows)
-from pegainfer.runtime.gpu.upload import shared_params
+from pegainfer.runtime.gpu.upload import borrowed_params
 from pegainfer.runtime.kv_blocks import BlockAllocator
+from pegainfer.runtime.pending_tokens import PENDING, copy_runs, pending_rows
 from pegainfer.runtime.sampler import SamplingParams
 
 
@@ -98,7 +101,7 @@ class GpuEngine:
         limits = Limits(options.max_tokens, options.max_batch, -(-options.max_model_len // options.block_size),
                         0, options.block_size, max_samples=options.max_samples)
         self.executor = GpuExecutor(self.ctx, lowered, manifest, model.weights, limits, communicator,
-                                    borrowed_params(lowered, lenders))
+                                    borrowed_params(lowered, [(e.executor, names) for e, names in lenders]))
         slots = options.max_batch + PADDING_SLOT + 1 if has_recurrent_state(lowered) else 0  # one per sequence
         snapshots = options.max_batch if options.state_snapshots is None else options.state_snapshots
         if slots:
@@ -119,6 +122,8 @@ class GpuEngine:
         self.no_masks = np.zeros((1, mask_words(self.vocab_size)), dtype=np.int32)
         self.host_blocks: HostBlocks | None = None  # the host KV tier's pinned pool (allocate_host_blocks)
         self.token_output = FEATURES if FEATURES in lowered.outputs else None
+        self.launches = 0  # steps launched by `launch`, and the last one's draws (seq_id -> row, the device ids)
+        self.drawn: tuple[dict[int, int], DeviceTensor | None] = ({}, None)
 
     def _kv_blocks(self) -> int:
         """Blocks of the KV cache, the padding block included: from kv_tokens, or what the memory allows. A pool
@@ -159,13 +164,23 @@ class GpuEngine:
                constraints: list[TokenConstraint | None] | None = None,
                launched: Callable[[], None] | None = None,
                inputs: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None) -> SampleResult:
-        """Runs one step and draws a token per chunk on the device (the tail's `sample` op, under each row's
-        grammar bitmask): downloads the tokens and their logprobs, the top-k candidates only when a row asks for
-        top logprobs, and a full logits row only for a row whose kept set reaches past the candidates or whose
-        constraint the tail cannot take (device_sampling.finish: drawn on the host with the same noise). Rows
-        with penalties are drawn under them in the tail (penalty_inputs). `launched` is called once the step and
-        its downloads are queued, before the wait. `inputs(step)` gives step inputs of the graph's own beside the
-        packed step's (a draft head's features); the token_output's rows come back as the result's features."""
+        """Runs one step and draws a token per chunk on the device: `launch`, then `launched()` (once the step and
+        its downloads are queued, before the wait), then its result."""
+        result = self.launch(chunks, params, token_index, constraints, inputs)
+        if launched is not None:
+            launched()
+        return result()
+
+    def launch(self, chunks: list[Chunk], params: list[SamplingParams], token_index: list[int],
+               constraints: list[TokenConstraint | None] | None = None,
+               inputs: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None
+               ) -> Callable[[], SampleResult]:
+        """Queues one step that draws a token per chunk (the tail's `sample` op, under each row's grammar bitmask,
+        penalties too: penalty_inputs) and its downloads; the call it returns waits for those: tokens and logprobs,
+        the top-k candidates where a row asks top logprobs, a full logits row only for a row the device left
+        unresolved or whose constraint the tail cannot take (device_sampling.finish draws it on the host), or
+        `stale` where a later launch overwrote the logits. `inputs(step)`: graph inputs of its own (a draft head's
+        features), whose token_output rows come back as `features`. A PENDING token reads the last launch's draw."""
         sampling = sampling_inputs(params, token_index, self.rng)
         masks: dict[int, np.ndarray] = {}
         penalized: set[int] = set()
@@ -180,20 +195,29 @@ class GpuEngine:
                                            inputs=inputs)
         rows = np.arange(len(params)) if draws is None else draws  # the draws' rows of the step's outputs
         names = sampler_outputs(self.executor.graph)
+        self.drawn = ({c.seq.seq_id: int(r) for c, r in zip(chunks, rows)} if len(rows) == len(chunks) else {},
+                      outputs[names["sampled_ids"]])
         wanted = ["sampled_ids", "sampled_logprobs", *(("top_values", "top_ids", "logsumexp")
                                                  if wants_top_logprobs(params) else ())]
         features = outputs[self.token_output] if self.token_output is not None else None
         together = features is not None and features.nbytes <= FEATURES_WITH_TOKENS and features.dense
         download = self.executor.fetch_later([outputs[names[role]] for role in wanted] + [features] * together)
-        if launched is not None:
-            launched()
-        fetched = download()
-        logits = outputs[self.executor.graph.outputs[0]]
-        result = finish({role: array[rows] for role, array in zip(wanted, fetched)}, sampling, params,
-                        lambda row: self.executor.fetch(logits.row(int(rows[row])))[0].astype(np.float32),
-                        constraints, masks, penalized)
-        if features is not None:  # a decode or verify step's rows come back with its tokens, in one wait
-            result.features = (fetched[-1] if together else self.executor.fetch(features))[tokens]
+        self.launches += 1
+        launch = self.launches
+
+        def result() -> SampleResult:
+            fetched = download()
+            logits = outputs[self.executor.graph.outputs[0]]
+            stale = [r for r, token in enumerate(fetched[0][rows]) if token == UNRESOLVED] \
+                if self.launches != launch else []  # a later step has overwritten the logits
+            row_logits = (lambda row: np.zeros(self.vocab_size, np.float32)) if stale else \
+                (lambda row: self.executor.fetch(logits.row(int(rows[row])))[0].astype(np.float32))
+            result = finish({role: array[rows] for role, array in zip(wanted, fetched)}, sampling, params, row_logits,
+                            constraints, masks, penalized)
+            result.stale = stale
+            if features is not None:  # a decode or verify step's rows come back with its tokens, in one wait
+                result.features = (fetched[-1] if together else self.executor.fetch(features))[tokens]
+            return result
         return result
 
     def run(self, chunks: list[Chunk], *, all_logits: bool = False, sampling: dict | None = None,
@@ -226,7 +250,10 @@ class GpuEngine:
         before_tail = None if fill_late is None else (lambda: self.executor.upload_inputs(fill_late(rows)))
         if self.on_step is not None:
             self.on_step(step, plan)
-        outputs = self._launch(step, plan, before_tail)
+        pending = (step["input_ids"] == PENDING).any()
+        copies = copy_runs(pending_rows(chunks, step["seq_starts"], self.drawn[0])) if pending else []
+        assert not copies or plan.width == 1, "a verify step takes no pending tokens"
+        outputs = self._launch(step, plan, before_tail, copies)
         commit_step(chunks)
         return outputs, draws, tokens
 
@@ -263,18 +290,29 @@ class GpuEngine:
         self.ctx.synchronize()
         return self._launch(step, plan, (lambda: None) if plan.split else None)
 
-    def _launch(self, step: dict[str, np.ndarray], plan: StepPlan, before_tail: Callable[[], None] | None) -> dict:
+    def _launch(self, step: dict[str, np.ndarray], plan: StepPlan, before_tail: Callable[[], None] | None,
+                copies: list[tuple[int, int, int]] = ()) -> dict:
         skip = skipped_kinds(step)
         if plan.bucket is not None:
-            return self._replay(step, plan, before_tail, skip)
-        return self.executor.run(self.executor.upload_step(step), before_tail, skip)
+            return self._replay(step, plan, before_tail, skip, copies)
+        return self.executor.run(self._upload(step, copies), before_tail, skip)
+
+    def _upload(self, step: dict[str, np.ndarray], copies: list[tuple[int, int, int]]) -> dict[str, int]:
+        """The step's inputs up, then its pending tokens (runtime/pending_tokens.py) over their input rows from
+        the draws of the step before, on the device: (input row, draw row, count) runs."""
+        sizes = self.executor.upload_step(step)
+        ids, drawn = self.executor.input_region + self.executor.inputs["input_ids"][0], self.drawn[1]
+        for dst, src, count in copies:
+            assert drawn.dtype.itemsize == 4, f"token ids of 4 bytes, the draws are {drawn.dtype}"
+            driver.copy_on_device(ids + 4 * dst, drawn.ptr + 4 * src, 4 * count, self.ctx.stream)
+        return sizes
 
     def _replay(self, step: dict[str, np.ndarray], plan: StepPlan, before_tail: Callable[[], None] | None,
-                skip: frozenset[str]) -> dict:
+                skip: frozenset[str], copies: list[tuple[int, int, int]] = ()) -> dict:
         """The bucket's captured graph; with `before_tail`, its layers and its sampler tail captured apart, so that
         the host fills the grammar masks between the two replays while the GPU runs the layers."""
         key = (plan.bucket, plan.width, before_tail is not None, skip)
-        sizes = self.executor.upload_step(step)
+        sizes = self._upload(step, copies)
         if key not in self.graphs:
             self.ctx.synchronize()
             self.graphs[key] = self._capture_split(sizes, skip) if key[2] else self._capture(sizes, skip)
@@ -349,17 +387,6 @@ class GpuEngine:
 
     def release(self, seq: Sequence) -> None:
         release_sequence(self.allocator, seq)
-
-
-def borrowed_params(graph, lenders: Seq[tuple[GpuEngine, Collection[str] | None]]) -> dict[str, int]:
-    """The device addresses of the params of `graph` (lowered) that the lenders hold alike and may lend, the
-    first one's."""
-    borrowed: dict[str, int] = {}
-    for lender, names in lenders:
-        for name in shared_params(graph, lender.executor.graph) - set(borrowed):
-            if names is None or name in names:
-                borrowed[name] = lender.executor.weights[name]
-    return borrowed
 
 
 def skipped_kinds(step: dict[str, np.ndarray]) -> frozenset[str]:

@@ -26,6 +26,7 @@ from pegainfer.runtime.gpu.collectives import Collectives, Communicator, check_c
 from pegainfer.runtime.gpu.launch import launch_kernel, load_function, programmatic
 from pegainfer.runtime.gpu.memory import ALIGN, Arena, aligned
 from pegainfer.runtime.gpu.planes import DeferredSums
+from pegainfer.runtime.gpu.staging import PinnedPair
 from pegainfer.runtime.gpu.upload import params_bytes, upload_weights
 
 # Programmatic dependent launch (kernels compiled for sm_90 and later) for steps of at most this many tokens: the
@@ -97,8 +98,8 @@ class GpuExecutor:
         self.tables = self._allocate_tables()  # states of fixed shape the runtime fills (LoRA tables), zeroed
         self.profile: list[tuple[str, driver.Event, driver.Event]] | None = None  # set to a list to time launches
         self.pdl_max_tokens = PDL_MAX_TOKENS  # programmatic dependent launch up to this many tokens (0: never)
-        self.inputs, self.staging, self.input_region = self._allocate_inputs(sizes)
-        self.download = driver.alloc_pinned(1 << 20)  # fetch_later's landing area
+        self.inputs, self.stagings, self.input_region = self._allocate_inputs(sizes)
+        self.landings = PinnedPair(1 << 20)  # fetch_later's landing areas
 
     def kv_bytes_per_block(self) -> int:
         one = {"num_blocks": 1, "block_size": self.limits.block_size}
@@ -209,7 +210,7 @@ class GpuExecutor:
         for name, t in self.graph.inputs.items():
             layout[name], offset = (offset, t), offset + -(-_nbytes(t, sizes) // 256) * 256
         region = driver.alloc(offset)
-        return layout, driver.alloc_pinned(offset), region
+        return layout, PinnedPair(offset), region
 
     def upload_step(self, step: dict[str, np.ndarray]) -> dict[str, int]:
         """Copies the step's inputs up in one transfer; returns the step's sizes."""
@@ -226,20 +227,24 @@ class GpuExecutor:
             arrays[offset] = array
         sizes |= launch_sizes(step["query_lens"])
         self._check(sizes)  # before the staging is written: a step past the limits would not fit it
+        staging = self.stagings.take()
         for offset, array in arrays.items():
-            self.staging[offset: offset + array.nbytes] = array.view(np.uint8).reshape(-1)
+            staging[offset: offset + array.nbytes] = array.view(np.uint8).reshape(-1)
         end = max(offset + array.nbytes for offset, array in arrays.items())
-        driver.copy_to_device(self.input_region, self.staging[:end], self.ctx.stream)
+        driver.copy_to_device(self.input_region, staging[:end], self.ctx.stream)
+        self.stagings.queued(self.ctx.stream)
         return sizes
 
     def upload_inputs(self, arrays: dict[str, np.ndarray]) -> None:
         """Some step inputs again, queued after what the stream holds (a step's grammar masks, filled late); each
         must fit the step's layout (the bitmask's rows may grow, up to the limits)."""
+        staging = self.stagings.current  # the step's own area: its other inputs are uploaded already
         for name, array in arrays.items():
             offset, t = self.inputs[name]
             data = np.ascontiguousarray(array, dtype=t.dtype.np_dtype).view(np.uint8).reshape(-1)
-            self.staging[offset: offset + data.size] = data
-            driver.copy_to_device(self.input_region + offset, self.staging[offset: offset + data.size], self.ctx.stream)
+            staging[offset: offset + data.size] = data
+            driver.copy_to_device(self.input_region + offset, staging[offset: offset + data.size], self.ctx.stream)
+        self.stagings.queued(self.ctx.stream)
 
     def _check(self, sizes: dict[str, int]) -> None:
         limits = self.limits
@@ -359,7 +364,7 @@ class GpuExecutor:
         self.profile.append((label, *events))
 
     def fetch_later(self, tensors: list[DeviceTensor]) -> Callable[[], list[np.ndarray]]:
-        return downloads.fetch_later(self.ctx, self.download, tensors)
+        return downloads.fetch_later(self.ctx, self.landings, tensors)
 
     def fetch(self, tensor: DeviceTensor) -> np.ndarray:
         return downloads.fetch(self.ctx, tensor)

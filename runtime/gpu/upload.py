@@ -8,9 +8,10 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 from math import prod
 
 import numpy as np
@@ -190,3 +191,14 @@ def shared_params(graph: Graph, other: Graph) -> set[str]:
     derived, their_derived = graph.derivations(), other.derivations()
     return {name for name, t in mine.items()
             if theirs.get(name) == t and derived.get(name) == their_derived.get(name)}
+
+
+def borrowed_params(graph: Graph, lenders: Sequence[tuple[Any, Collection[str] | None]]) -> dict[str, int]:
+    """The device addresses of the params of `graph` (lowered) that the lenders (executors, each with the names
+    it may lend, None: any) hold alike, the first one's."""
+    borrowed: dict[str, int] = {}
+    for lender, names in lenders:
+        for name in shared_params(graph, lender.graph) - set(borrowed):
+            if names is None or name in names:
+                borrowed[name] = lender.weights[name]
+    return borrowed

@@ -1,5 +1,6 @@
 """Embedding lookup: one program per (token, column tile) copies a row of the table, times SCALE (1: a copy). With
-FIRST_ID >= 0 the table is one rank's ROWS ids of the vocabulary from FIRST_ID on, and other ids give zeros."""
+FIRST_ID >= 0 the table is one rank's ROWS ids of the vocabulary from FIRST_ID on. Ids outside the table give
+zeros: never a read past it (an unresolved draw, -1, that a step in flight hands the next one)."""
 
 import triton
 import triton.language as tl
@@ -18,7 +19,7 @@ def embedding_kernel(ids_ptr, table_ptr, out_ptr, stride_out, HIDDEN: tl.constex
     row = tl.load(ids_ptr + token).to(tl.int64)
     if FIRST_ID >= 0:
         row = row - FIRST_ID
-        mask = mask & (row >= 0) & (row < ROWS)
+    mask = mask & (row >= 0) & (row < ROWS)
     values = tl.load(table_ptr + row * HIDDEN + offs, mask=mask, other=0.0)
     if SCALE != 1.0:
         values = values.to(tl.float32) * SCALE

@@ -1,0 +1,139 @@
+"""Async scheduling: the scheduler launches step N+1 before it reads step N's tokens, so that its host work
+(scheduling, packing, reading and streaming the tokens of N) runs while the GPU runs N, as vLLM's and SGLang's
+overlapped schedulers do. A draw not read yet is a PENDING token of its sequence (runtime/pending_tokens.py), which
+the next step's engine copies into its input on the device.
+
+A request takes part only where its draws are final on the device and need no token history on the host: no grammar
+or penalties (its constraint), no prompt logprobs, and greedy, uncut or top-k sampling within the tail's candidates.
+Anything else (and speculation, recurrent state, a host KV tier, a step that would preempt) runs the plain steps of
+runtime/scheduler.py. A sequence that stops on a token learnt one step late has one wasted row in the step after,
+whose KV lands in blocks it still holds. A row the device left unresolved (its logits not finite) is rolled back:
+its last token runs again in a plain step, where the host can read its logits."""
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pegainfer.ir.ops.sampling import GREEDY_BELOW
+from pegainfer.passes.fusion import TAIL_TOP_K
+from pegainfer.runtime.batch import Chunk
+from pegainfer.runtime.block_records import record_blocks
+from pegainfer.runtime.device_sampling import SampleResult
+from pegainfer.runtime.pending_tokens import PENDING
+from pegainfer.runtime.request_state import RequestState
+from pegainfer.runtime.requests import EngineRequest, TokenOutput
+from pegainfer.runtime.step_stats import StepRecord
+
+if TYPE_CHECKING:
+    from pegainfer.runtime.scheduler import Scheduler
+
+
+def overlappable(request: EngineRequest) -> bool:
+    """Whether the request's draws are final on the device and need no host state (see the module's docstring)."""
+    p = request.params
+    uncut = p.top_p >= 1 and p.min_p <= 0 and (p.top_k <= 0 or p.top_k <= TAIL_TOP_K)
+    return request.constraint is None and p.prompt_logprobs is None and (p.temperature < GREEDY_BELOW or uncut)
+
+
+@dataclass
+class InFlight:
+    """A launched step whose tokens the host has not read: its chunks and their states, which of them drew a
+    token, and what the step record counts."""
+    chunks: list[Chunk]
+    states: list[RequestState]
+    result: Callable[[], SampleResult]
+    drew: list[bool]
+    tokens: int
+    prefill: int
+
+
+class Overlap:
+    def __init__(self, scheduler: "Scheduler") -> None:
+        self.scheduler = scheduler
+        self.in_flight: InFlight | None = None
+        self.plain_next = False  # after a roll-back: the next step is a plain one
+
+    def step(self, launched: Callable[[], None] | None) -> list[TokenOutput]:
+        """Launches the next step where it may go ahead, then reads the step before it; the tokens returned are
+        that one's (none where this call only launched)."""
+        s = self.scheduler
+        if self.in_flight is None:
+            if self.plain_next or not all(st.overlappable for st in s.running):
+                self.plain_next = False
+                return s.run_step(s.schedule(), launched)
+            chunks = s.schedule()
+            if chunks and not all(s.state_of(c).overlappable for c in chunks):  # an admission that cannot overlap
+                return s.run_step(chunks, launched)
+            if chunks:
+                self.in_flight = self._launch(chunks)
+                if launched is not None:
+                    launched()
+            return []
+        began = time.monotonic()
+        waiting = s.waiting.peek() if s.waiting else None
+        chunks = None if self.plain_next or (waiting is not None and not waiting.overlappable) \
+            else s.schedule(ahead=True)
+        newer = self._launch(chunks) if chunks else None
+        if newer is not None and launched is not None:
+            launched()
+        outputs = self._read(self.in_flight, began)
+        self.in_flight = newer
+        return outputs
+
+    def _launch(self, chunks: list[Chunk]) -> InFlight:
+        """Queues the step; each chunk that reaches its sequence's end draws a PENDING token, and one whose draw
+        ends it by length is scheduled no more."""
+        s = self.scheduler
+        states = [s.state_of(c) for c in chunks]
+        tokens = sum(c.num_tokens for c in chunks)
+        prefill = sum(c.num_tokens for c, st in zip(chunks, states) if not (c.num_tokens == 1 and st.num_generated))
+        result = s.engine.launch(chunks, [st.request.params for st in states], [st.num_generated for st in states])
+        s.stats.prefill_tokens += prefill
+        s.stats.steps += 1
+        s.stats.step_tokens[tokens] += 1
+        drew = []
+        for chunk, st in zip(chunks, states):
+            seq = chunk.seq
+            drew.append(seq.num_cached == len(seq.token_ids))  # a prompt chunk short of the end draws no token
+            if drew[-1]:
+                seq.token_ids.append(PENDING)
+                st.num_generated += 1
+                st.pending.append((len(seq.token_ids) - 1, st.num_generated))
+                st.ending = st.num_generated >= st.request.params.max_tokens or \
+                    len(seq.token_ids) >= s.config.max_model_len
+        return InFlight(chunks, states, result, drew, tokens, prefill)
+
+    def _read(self, flight: InFlight, began: float) -> list[TokenOutput]:
+        """The step's tokens into their sequences, in order, as the plain step's do; a sequence finished or aborted
+        since its launch is passed over."""
+        s = self.scheduler
+        result = flight.result()
+        outputs, now, stale = [], time.monotonic(), set(result.stale)
+        for row, (chunk, st, drew) in enumerate(zip(flight.chunks, flight.states, flight.drew)):
+            if s.state_of(chunk) is not st:
+                continue
+            if not drew:
+                record_blocks(st, s.cache, s.snapshots, s.engine)
+                continue
+            if not st.pending:
+                continue  # rolled back: this row read a token that was never drawn
+            index, generated = st.pending.popleft()
+            if row in stale:
+                self._roll_back(st, index, generated)
+                continue
+            chunk.seq.token_ids[index] = result.tokens[row]
+            record_blocks(st, s.cache, s.snapshots, s.engine)
+            outputs.append(s.emit(st, result.tokens[row], result.logprobs[row], now, generated, index + 1))
+        s.last_step = StepRecord(began, time.monotonic() - began, len(flight.chunks), flight.tokens, flight.prefill,
+                                 len(outputs))
+        return outputs
+
+    def _roll_back(self, state: RequestState, index: int, generated: int) -> None:
+        """Forgets the unresolved draw at `index` and anything after it; the token before runs again."""
+        seq = state.seq
+        del seq.token_ids[index:]
+        seq.num_cached = index - 1
+        state.num_generated, state.ending = generated - 1, False
+        state.pending.clear()
+        self.plain_next = True

@@ -1,0 +1,113 @@
+"""On the GPU: async scheduling (runtime/overlap.py) against plain steps, in-process, on one GpuEngine of a random
+full-size model. The same requests through the scheduler both ways: the tokens must be equal (greedy, seeded and
+top-k sampling, every request admitted at once); with stops on tokens learnt a step late and more requests than
+max_num_seqs (admitted while a step is in flight) every request must end where its stop or length says. Then the
+wall time of each way over the serving sweep's shape (64 requests of 1024 + 128 tokens at once, greedy), median of
+a few rounds, printed as a table.
+
+    PEGAINFER_CACHE=$PWD/.gpu/cache_async python3 scripts/gpu/async_check.py qwen3-4b --out $OUT/async
+"""
+
+import argparse
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from pegainfer.runtime import bench
+from pegainfer.runtime.device import visible_sm
+from pegainfer.runtime.gpu.start import ensure_manifest
+from pegainfer.runtime.requests import EngineRequest
+from pegainfer.runtime.sampler import SamplingParams
+from pegainfer.runtime.scheduler import Scheduler, SchedulerConfig
+
+
+def mixed_requests(vocab: int, count: int) -> list[EngineRequest]:
+    rng = np.random.default_rng(1)
+    kinds = [SamplingParams(max_tokens=40, ignore_eos=True),
+             SamplingParams(temperature=1.0, seed=3, max_tokens=33, ignore_eos=True),
+             SamplingParams(temperature=0.8, top_k=20, seed=4, max_tokens=25, logprobs=3, ignore_eos=True)]
+    return [EngineRequest(f"r{i}", rng.integers(0, vocab, int(rng.integers(5, 600))).tolist(), kinds[i % 3])
+            for i in range(count)]
+
+
+def run(engine, requests: list[EngineRequest], overlap: bool, eos: frozenset[int], max_seqs: int
+        ) -> tuple[dict[str, list[tuple[int, str | None]]], float, int]:
+    config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=2048, max_model_len=2048,
+                             async_scheduling=overlap)
+    scheduler = Scheduler(engine, eos, config)
+    for request in requests:
+        scheduler.add(request)
+    outputs: dict[str, list] = {r.request_id: [] for r in requests}
+    began, steps = time.perf_counter(), 0
+    while scheduler.has_work():
+        steps += 1
+        for out in scheduler.step():
+            outputs[out.request_id].append((out.token_id, out.finish_reason))
+    engine.ctx.synchronize()
+    assert scheduler.blocks_in_use == 0 and (scheduler.overlap is not None) == overlap
+    return outputs, time.perf_counter() - began, steps
+
+
+def check_tokens(engine, vocab: int, report: dict) -> None:
+    """Every request admitted at once and none stopping early, so both ways run steps of the same rows (the kernels
+    a step's row count picks round alike): the tokens must be equal. Then with stops on tokens drawn mid-way, where
+    a stop learnt a step late adds a wasted row to a step (another row count, which may flip a near tie): each
+    request must still end on its stop token or its length."""
+    requests = mixed_requests(vocab, 40)
+    plain, _, _ = run(engine, requests, False, frozenset(), 64)
+    ahead, _, _ = run(engine, requests, True, frozenset(), 64)
+    report["tokens_equal"] = ahead == plain
+    report["requests_differing"] = [k for k, v in ahead.items() if v != plain[k]]
+    eos = frozenset({plain["r0"][10][0], plain["r4"][20][0]})
+    stopping = [replace(r, params=replace(r.params, ignore_eos=False)) for r in requests]
+    ahead, _, _ = run(engine, stopping, True, eos, 16)
+    ends = [v[-1][1] == ("stop" if v[-1][0] in eos else "length") and all(t not in eos for t, _ in v[:-1])
+            for v in ahead.values()]
+    report["stops_where_due"] = all(ends)
+    report["stopped_early"] = sum(v[-1][1] == "stop" for v in ahead.values())
+
+
+def time_sweep_shape(engine, vocab: int, report: dict, rounds: int) -> None:
+    rng = np.random.default_rng(2)
+    greedy = SamplingParams(max_tokens=128, ignore_eos=True)
+    times = {True: [], False: []}
+    for r in range(rounds):
+        requests = [EngineRequest(f"t{r}-{i}", rng.integers(0, vocab, 1024).tolist(), greedy) for i in range(64)]
+        for overlap in (False, True):
+            _, seconds, steps = run(engine, requests, overlap, frozenset(), 64)
+            times[overlap].append(seconds)
+            report.setdefault("steps", {})[str(overlap)] = steps
+    report["sweep_shape_s"] = {"plain": times[False], "async": times[True]}
+    plain, ahead = np.median(times[False]), np.median(times[True])
+    report["output_tok_s"] = {"plain": 64 * 128 / plain, "async": 64 * 128 / ahead}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    if visible_sm() is None:
+        parser.error("needs a visible GPU")
+    args.out.mkdir(parents=True, exist_ok=True)
+    loaded = bench.bench_model(args.model)
+    manifest = ensure_manifest(loaded.spec, visible_sm(), None, label=args.model)
+    engine = bench.engine_for(loaded, manifest, max_tokens=2048, max_batch=64, max_model_len=2048)
+    vocab = loaded.spec.config.vocab_size
+    report: dict = {}
+    check_tokens(engine, vocab, report)
+    time_sweep_shape(engine, vocab, report, args.rounds)
+    (args.out / "async_check.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps({k: v for k, v in report.items() if k != "sweep_shape_s"}))
+    plain, ahead = report["sweep_shape_s"]["plain"], report["sweep_shape_s"]["async"]
+    print(f"{'64 x (1024 + 128), greedy':<28} {'plain':>9} {'async':>9}")
+    print(f"{'wall s (median)':<28} {np.median(plain):9.3f} {np.median(ahead):9.3f}")
+    print(f"{'output tok/s':<28} {report['output_tok_s']['plain']:9.0f} {report['output_tok_s']['async']:9.0f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,215 @@
+"""Async scheduling (runtime/overlap.py) on the reference engine: the next step is launched before the tokens of
+the one in flight are read, its pending tokens filled from that step's draws, and every request gets the tokens,
+logprobs and finish reasons the plain steps give (sampling, stops learnt a step late, chunked prefill, admissions,
+prefix hits, preemption, aborts, a draw the device left unresolved); the GPU engine's device copies of pending
+tokens; an embedding of an id outside the table reads zeros."""
+
+from dataclasses import replace
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from pegainfer.frontends.load import load_model
+from pegainfer.runtime.batch import Chunk, Sequence
+from pegainfer.runtime.gpu import engine as gpu_engine
+from pegainfer.runtime.pending_tokens import PENDING, copy_runs, pending_rows
+from pegainfer.runtime.reference_engine import ReferenceEngine
+from pegainfer.runtime.requests import EngineRequest
+from pegainfer.runtime.sampler import SamplingParams
+from pegainfer.runtime.scheduler import Scheduler, SchedulerConfig
+
+GREEDY = SamplingParams(max_tokens=7, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_checkpoint):
+    return load_model(tiny_checkpoint)
+
+
+class Tracing:
+    """The reference engine, its launches and reads logged in order; `unresolve` marks the first row of the
+    chosen launches stale with a garbage token, as the GPU engine returns a draw it could not settle."""
+
+    def __init__(self, engine: ReferenceEngine, unresolve: frozenset[int] = frozenset()) -> None:
+        self.engine, self.allocator, self.unresolve = engine, engine.allocator, unresolve
+        self.log: list[tuple[str, int]] = []
+
+    def launch(self, chunks, params, token_index, constraints=None):
+        index = sum(kind == "launch" for kind, _ in self.log)
+        self.log.append(("launch", index))
+        read = self.engine.launch(chunks, params, token_index, constraints)
+
+        def result():
+            self.log.append(("read", index))
+            out = read()
+            if index in self.unresolve:
+                out = replace(out, tokens=[-7, *out.tokens[1:]], stale=[0])
+            return out
+        return result
+
+    def sample(self, chunks, params, token_index, constraints=None, launched=None):
+        result = self.launch(chunks, params, token_index, constraints)
+        if launched is not None:
+            launched()
+        return result()
+
+    def step(self, chunks, *, all_logits=False):
+        return self.engine.step(chunks, all_logits=all_logits)
+
+    def release(self, seq) -> None:
+        self.engine.release(seq)
+
+    def overlapped(self) -> int:
+        """Launches made while the step before was still unread."""
+        unread, count = set(), 0
+        for kind, index in self.log:
+            if kind == "launch":
+                count += bool(unread)
+                unread.add(index)
+            else:
+                unread.discard(index)
+        return count
+
+
+def run(model, requests: list[EngineRequest], *, overlap: bool, eos: frozenset[int] = frozenset(),
+        kv_tokens: int = 4096, unresolve: frozenset[int] = frozenset(), abort: tuple[str, int] | None = None,
+        **config) -> tuple[dict, Scheduler, Tracing]:
+    engine = Tracing(ReferenceEngine(model, max_tokens=kv_tokens), unresolve)
+    scheduler = Scheduler(engine, eos, SchedulerConfig(**{"max_num_seqs": 4, "max_num_batched_tokens": 32,
+                                                          "async_scheduling": overlap, **config}))
+    for request in requests:
+        scheduler.add(request)
+    outputs = {r.request_id: [] for r in requests}
+    for step in range(500):
+        if not scheduler.has_work():
+            break
+        if abort is not None and step == abort[1]:
+            assert scheduler.abort(abort[0])
+        for out in scheduler.step():
+            outputs[out.request_id].append((out.token_id, out.finish_reason, out.logprobs))
+    assert not scheduler.has_work() and scheduler.blocks_in_use == 0
+    return outputs, scheduler, engine
+
+
+def assert_same(ahead: dict, plain: dict) -> None:
+    """Tokens and finish reasons equal; logprobs as near as another batch's rounding leaves them (a wasted row of a
+    sequence that has stopped changes a step's batch)."""
+    assert {k: [o[:2] for o in v] for k, v in ahead.items()} == {k: [o[:2] for o in v] for k, v in plain.items()}
+    for request, outs in ahead.items():
+        for (_, _, got), (_, _, want) in zip(outs, plain[request]):
+            assert (got is None) == (want is None) and (got is None or got.keys() == want.keys()), request
+            if got is not None:
+                np.testing.assert_allclose(list(got.values()), list(want.values()), atol=1e-4)
+
+
+def mixed_requests(count: int = 7) -> list[EngineRequest]:
+    """Prompts of several lengths (two sharing a prefix), greedy and seeded sampling, top-k within the tail's
+    candidates, logprobs, and max_tokens of each request's own."""
+    rng = np.random.default_rng(3)
+    prefix = rng.integers(0, 500, 40).tolist()
+    kinds = [GREEDY, SamplingParams(temperature=1.0, seed=5, max_tokens=9, ignore_eos=True),
+             SamplingParams(temperature=0.7, top_k=5, seed=2, max_tokens=5, logprobs=2, ignore_eos=True),
+             replace(GREEDY, max_tokens=12)]
+    return [EngineRequest(f"r{i}", (prefix if i < 2 else []) + rng.integers(0, 500, int(rng.integers(2, 30))).tolist(),
+                          kinds[i % len(kinds)]) for i in range(count)]
+
+
+def test_async_steps_give_the_plain_steps_tokens_and_launch_ahead(model):
+    requests = mixed_requests()
+    plain, _, plain_engine = run(model, requests, overlap=False, prefix_cache=True)
+    ahead, scheduler, engine = run(model, requests, overlap=True, prefix_cache=True)
+    assert_same(ahead, plain)
+    assert plain_engine.overlapped() == 0
+    assert engine.overlapped() >= 10, engine.log  # decode steps went ahead of the reads
+    assert scheduler.cache.hits > 0  # the shared prefix was hit by a request admitted ahead
+
+
+def test_a_stop_learnt_a_step_late_ends_the_request_where_the_plain_steps_do(model):
+    requests = [replace(r, params=replace(r.params, ignore_eos=False)) for r in mixed_requests(5)]
+    plain, _, _ = run(model, requests, overlap=False)
+    eos = frozenset({plain["r0"][2][0], plain["r3"][4][0]})  # tokens drawn mid-way become ends of sequence
+    plain, _, _ = run(model, requests, overlap=False, eos=eos)
+    ahead, _, engine = run(model, requests, overlap=True, eos=eos)
+    assert_same(ahead, plain)
+    assert engine.overlapped() > 0
+    assert [o[1] for o in ahead["r0"]] == [None, None, "stop"]
+
+
+def test_requests_that_cannot_overlap_run_plain_steps(model):
+    """A request wanting prompt logprobs is scored apart: while it runs (the longest), no step goes ahead of a read."""
+    scored = replace(GREEDY, prompt_logprobs=1, max_tokens=20)
+    requests = [EngineRequest("scored", [5, 6, 7, 8], scored), *mixed_requests(3)]
+    plain, _, _ = run(model, requests, overlap=False, max_num_seqs=8)
+    ahead, scheduler, engine = run(model, requests, overlap=True, max_num_seqs=8)
+    assert_same(ahead, plain)
+    assert engine.overlapped() == 0  # admitted first, the scored one held every step plain
+
+
+def test_preemption_waits_for_the_step_in_flight(model):
+    requests = [EngineRequest(f"r{i}", list(range(10 + i, 40 + i)), replace(GREEDY, max_tokens=20)) for i in range(4)]
+    plain, scheduler, _ = run(model, requests, overlap=False, kv_tokens=112)
+    assert scheduler.stats.preemptions > 0
+    ahead, scheduler, engine = run(model, requests, overlap=True, kv_tokens=112)
+    assert_same(ahead, plain)
+    assert scheduler.stats.preemptions > 0 and engine.overlapped() > 0
+
+
+def test_an_abort_while_a_step_is_in_flight_frees_the_request_and_spares_the_others(model):
+    requests = mixed_requests(4)
+    plain, _, _ = run(model, requests, overlap=False, max_num_seqs=8)
+    ahead, scheduler, engine = run(model, requests, overlap=True, max_num_seqs=8, abort=("r3", 4))
+    assert engine.overlapped() > 0
+    assert_same({k: v for k, v in ahead.items() if k != "r3"}, {k: v for k, v in plain.items() if k != "r3"})
+    assert_same({"r3": ahead["r3"]}, {"r3": plain["r3"][:len(ahead["r3"])]})
+    assert len(ahead["r3"]) < len(plain["r3"])  # and run() saw no block in use at the end
+
+
+def test_a_draw_left_unresolved_is_rolled_back_and_drawn_again_in_a_plain_step(model):
+    requests = mixed_requests(3)
+    plain, _, _ = run(model, requests, overlap=False, max_num_seqs=8)
+    ahead, _, engine = run(model, requests, overlap=True, max_num_seqs=8, unresolve=frozenset({3}))
+    assert_same(ahead, plain)
+    after = engine.log.index(("read", 3))
+    # the next launch after the roll-back is read before any other launch: a plain step
+    launches = [i for i, (kind, _) in enumerate(engine.log) if kind == "launch" and i > after]
+    first = engine.log[launches[0]][1]
+    assert engine.log[launches[0] + 1] == ("read", first)
+
+
+def test_pending_rows_pair_each_pending_decode_row_with_its_draw():
+    seqs = [Sequence(0, [1, 2, PENDING], num_cached=2), Sequence(1, [4, 5, 6, 7], num_cached=1),
+            Sequence(2, [8, PENDING], num_cached=1), Sequence(3, [9, PENDING], num_cached=1)]
+    chunks = [Chunk(seqs[0], 1), Chunk(seqs[2], 1), Chunk(seqs[3], 1), Chunk(seqs[1], 3)]
+    pairs = pending_rows(chunks, np.array([0, 1, 2, 3]), {0: 4, 2: 5, 3: 7})
+    assert pairs == [(0, 4), (1, 5), (2, 7)]
+    assert copy_runs(pairs) == [(0, 4, 2), (2, 7, 1)]
+    with pytest.raises(AssertionError, match="sequence 2: a pending token"):
+        pending_rows(chunks[1:2], np.array([0]), {})
+
+
+def test_the_gpu_engine_copies_pending_tokens_after_the_upload(monkeypatch):
+    calls = []
+    executor = SimpleNamespace(input_region=0x1000, inputs={"input_ids": (256, None)},
+                               upload_step=lambda step: calls.append("upload") or {"tokens": 4})
+    drawn = SimpleNamespace(ptr=0x9000, dtype=np.dtype(np.int32))
+    engine = SimpleNamespace(executor=executor, drawn=({}, drawn), ctx=SimpleNamespace(stream=7))
+    monkeypatch.setattr(gpu_engine.driver, "copy_on_device",
+                        lambda dst, src, nbytes, stream: calls.append((dst, src, nbytes, stream)))
+    assert gpu_engine.GpuEngine._upload(engine, {}, [(0, 4, 2), (3, 7, 1)]) == {"tokens": 4}
+    assert calls == ["upload", (0x1000 + 256, 0x9000 + 16, 8, 7), (0x1000 + 256 + 12, 0x9000 + 28, 4, 7)]
+
+
+def test_an_embedding_of_an_id_outside_the_table_reads_zeros():
+    from pegainfer.backends.triton.kernels.embedding import embedding_kernel
+    from pegainfer.ir.registry import get_op
+
+    table = torch.arange(40, dtype=torch.float32).reshape(10, 4) + 1
+    ids = torch.tensor([3, -1, 9, 10], dtype=torch.int32)
+    out = torch.full((4, 4), 5.0)
+    embedding_kernel[(4, 1)](ids, table, out, 4, HIDDEN=4, BLOCK=4, SCALE=1.0, FIRST_ID=-1, ROWS=10, PDL=False)
+    expected = np.concatenate([table[[3]].numpy(), np.zeros((1, 4), np.float32), table[[9]].numpy(),
+                               np.zeros((1, 4), np.float32)])
+    np.testing.assert_array_equal(out.numpy(), expected)
+    np.testing.assert_array_equal(get_op("embedding").reference(ids.numpy(), table.numpy()), expected)
