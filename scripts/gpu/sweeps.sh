@@ -15,11 +15,13 @@
 #   decode:CONFIG: `pegainfer bench decode CONFIG --batch $DECODE_BATCH (1,16,64) --context 128,1024 --steps 20`
 #   serve:CONFIG:VARIANT:C1,C2,..: scripts/gpu/serve.sh on a random CONFIG checkpoint at those concurrencies (1024
 #       in, 128 out, greedy, ignore_eos, word tokenizer), one start; VARIANT bf16, fp8 (--quantization fp8: W8A8,
-#       a scale per channel), fp8kv (and --kv-cache-dtype fp8) or kvfp8 (bf16 weights, FP8 KV cache); models whose
+#       a scale per channel), fp8kv (and --kv-cache-dtype fp8), kvfp8 (bf16 weights, FP8 KV cache) or plain (bf16,
+#       --no-async-scheduling: every step's tokens read before the next is launched); models whose
 #       max_position_embeddings pass 40960 get --max-model-len 4096 (the sweep needs 1152)
 #   structured: a Qwen3-4B-shape checkpoint with a byte-level BPE tokenizer (JSON needs punctuation), served with
 #       xgrammar (.gpu/xg), and scripts/gpu/structured_sweep.py at concurrency $STRUCTURED_CONC (32): the same load
 #       with a JSON schema on every request against none, two rounds each
+#   async:CONFIG: scripts/gpu/async_check.py, async scheduling against plain steps in-process (tokens, wall time)
 #   gate:CASE,CASE,..: the 4B golden gate against Hugging Face bf16 (scripts/gpu/check.py's gate4b), those cases
 #       (batch4, batch1, graph_batch9, graph_batch17/33/65/129, mixed_steps, ...)
 set -uo pipefail
@@ -77,6 +79,7 @@ PY
             fp8) flags="--quantization fp8" ;;
             fp8kv) flags="--quantization fp8 --kv-cache-dtype fp8" ;;
             kvfp8) flags="--kv-cache-dtype fp8" ;;
+            plain) flags="--no-async-scheduling" ;;
             *) echo "unknown variant $variant"; continue ;;
         esac
         long=$(python3 -c "import json, sys; c = json.load(open(sys.argv[1])); c = c.get('text_config', c); print(int(c['max_position_embeddings'] > 40960))" "models/configs/$config.json")
@@ -117,6 +120,11 @@ PY
         kill $pid; wait $pid
         { echo "structured outputs, concurrency ${STRUCTURED_CONC:-32}:"; tail -6 "$OUT/structured.txt"; } >>"$OUT/summary.txt"
         grep -c Traceback "$OUT/structured_serve.log"
+        ;;
+    async:*)
+        timeout 300 python3 "$PEGAINFER_SRC/scripts/gpu/async_check.py" "${part#async:}" --out "$OUT/async" 2>&1 \
+            | tee "$OUT/async.txt"
+        { echo "async scheduling, in-process:"; tail -4 "$OUT/async.txt"; } >>"$OUT/summary.txt"
         ;;
     gate:*)
         cases=${part#gate:}
