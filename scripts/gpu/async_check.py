@@ -36,7 +36,7 @@ def mixed_requests(vocab: int, count: int) -> list[EngineRequest]:
 def run(engine, requests: list[EngineRequest], overlap: bool, eos: frozenset[int], max_seqs: int
         ) -> tuple[dict[str, list[tuple[int, str | None]]], float, int]:
     config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=2048, max_model_len=2048,
-                             async_scheduling=overlap)
+                             prefix_cache=False, async_scheduling=overlap)  # each run's own cache would keep blocks
     scheduler = Scheduler(engine, eos, config)
     for request in requests:
         scheduler.add(request)
