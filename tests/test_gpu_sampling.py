@@ -575,7 +575,6 @@ def test_gpu_engine_sample_downloads_tokens_and_only_the_rows_left_to_the_host(t
     engine = GpuEngine.__new__(GpuEngine)
     engine.executor = _DeviceStandIn(graph, arrays)
     engine.rng, engine.vocab_size, launched_masks = np.random.default_rng(0), vocab, []
-    engine.launches, engine.drawn = 0, ({}, None)
 
     uploaded = []
 

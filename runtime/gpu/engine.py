@@ -82,6 +82,8 @@ StepHook = Callable[[dict[str, np.ndarray], StepPlan], None]  # a step's packed 
 
 class GpuEngine:
     token_output: str | None = None  # the output of a row per token that sample() brings back: a drafter's features
+    launches = 0  # steps launched by `launch`, and the last one's draws (seq_id -> row, the device ids)
+    drawn: tuple[dict[int, int], DeviceTensor | None] = ({}, None)
 
     def __init__(self, model: LoadedModel, manifest: Path, options: EngineOptions = EngineOptions(),
                  communicator: Communicator | Rendezvous | None = None, on_step: StepHook | None = None, *,
@@ -122,8 +124,6 @@ class GpuEngine:
         self.no_masks = np.zeros((1, mask_words(self.vocab_size)), dtype=np.int32)
         self.host_blocks: HostBlocks | None = None  # the host KV tier's pinned pool (allocate_host_blocks)
         self.token_output = FEATURES if FEATURES in lowered.outputs else None
-        self.launches = 0  # steps launched by `launch`, and the last one's draws (seq_id -> row, the device ids)
-        self.drawn: tuple[dict[int, int], DeviceTensor | None] = ({}, None)
 
     def _kv_blocks(self) -> int:
         """Blocks of the KV cache, the padding block included: from kv_tokens, or what the memory allows. A pool
@@ -164,8 +164,7 @@ class GpuEngine:
                constraints: list[TokenConstraint | None] | None = None,
                launched: Callable[[], None] | None = None,
                inputs: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None) -> SampleResult:
-        """Runs one step and draws a token per chunk on the device: `launch`, then `launched()` (once the step and
-        its downloads are queued, before the wait), then its result."""
+        """`launch`, then `launched()` (the step and its downloads queued, before the wait), then its result."""
         result = self.launch(chunks, params, token_index, constraints, inputs)
         if launched is not None:
             launched()
@@ -300,10 +299,10 @@ class GpuEngine:
     def _upload(self, step: dict[str, np.ndarray], copies: list[tuple[int, int, int]]) -> dict[str, int]:
         """The step's inputs up, then its pending tokens (runtime/pending_tokens.py) over their input rows from
         the draws of the step before, on the device: (input row, draw row, count) runs."""
-        sizes = self.executor.upload_step(step)
-        ids, drawn = self.executor.input_region + self.executor.inputs["input_ids"][0], self.drawn[1]
+        sizes, drawn = self.executor.upload_step(step), self.drawn[1]
         for dst, src, count in copies:
             assert drawn.dtype.itemsize == 4, f"token ids of 4 bytes, the draws are {drawn.dtype}"
+            ids = self.executor.input_region + self.executor.inputs["input_ids"][0]
             driver.copy_on_device(ids + 4 * dst, drawn.ptr + 4 * src, 4 * count, self.ctx.stream)
         return sizes
 
