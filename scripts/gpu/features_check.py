@@ -59,14 +59,14 @@ def make_adapter() -> None:
     tuned.save_pretrained(ADAPTER)
 
 
-def serve(engine, work: list, lora=None, speculator=None) -> tuple[dict, object]:
+def serve(engine, work: list, lora=None, speculator=None, overlap: bool = True) -> tuple[dict, object]:
     from pegainfer.runtime.requests import EngineRequest
     from pegainfer.runtime.sampler import SamplingParams
     from pegainfer.runtime.scheduler import Scheduler, SchedulerConfig
 
     scheduler = Scheduler(engine, frozenset(), SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512,
-                                                               max_model_len=512, prefix_cache=False),
-                          speculator, lora)
+                                                               max_model_len=512, prefix_cache=False,
+                                                               async_scheduling=overlap), speculator, lora)
     for i, (prompt, adapter) in enumerate(work):
         scheduler.add(EngineRequest(str(i), prompt, SamplingParams(max_tokens=24, ignore_eos=True, logprobs=3),
                                     lora=adapter))
@@ -191,7 +191,8 @@ def check_speculation(results: dict) -> None:
     pattern = rng.integers(3, 900, 12).tolist()
     work = [(pattern * 4, None), (rng.integers(3, 900, 30).tolist(), None), (pattern[:5] * 6, None)]
     options = EngineOptions(max_tokens=512, max_batch=8, max_model_len=512, kv_tokens=8192, max_samples=8 * 5)
-    plain, _ = serve(gpu_engine(model, options), work)
+    plain, _ = serve(gpu_engine(model, options), work, overlap=False)  # plain steps, as speculation's
+    results["async_gpu_vs_plain_gpu"] = compare(serve(gpu_engine(model, options), work)[0], plain)
     for verify, width in (("eager", 0), ("graphs", 5)):
         engine = gpu_engine(model, replace(options, verify_tokens=width))
         drafted, stats = serve(engine, work, speculator=Speculator(config, NgramProposer(config)))
