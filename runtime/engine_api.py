@@ -22,8 +22,9 @@ class Engine(Protocol):
 
     def release(self, seq: Sequence) -> None: ...
 
-    # Where an engine also has `launch(chunks, params, token_index) -> Callable[[], SampleResult]` (both engines
-    # do), the scheduler may launch a step before it reads the one before (runtime/overlap.py).
+    # Where an engine also has `launch(chunks, params, token_index) -> Callable[[], SampleResult]` and `overlaps`
+    # (both engines; not a sharded GPU engine), the scheduler may launch a step before it reads the one before
+    # (runtime/overlap.py).
 
     def step(self, chunks: list[Chunk], *, all_logits: bool = False) -> np.ndarray: ...
 

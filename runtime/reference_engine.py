@@ -26,6 +26,8 @@ DEFAULT_BLOCK_SIZE = 16
 
 
 class ReferenceEngine:
+    overlaps = True  # the scheduler may launch a step before it reads the last one (runtime/overlap.py)
+
     def __init__(self, model: LoadedModel, *, max_tokens: int = 8192, block_size: int = DEFAULT_BLOCK_SIZE,
                  graph: Graph | None = None, max_seqs: int = SchedulerConfig.max_num_seqs,
                  state_snapshots: int | None = None, spare_states: int = 0) -> None:

@@ -101,7 +101,7 @@ class Scheduler:
         self._seq_ids = itertools.count()
         self._reserved = 0
         self.last_step: StepRecord | None = None
-        self.overlap = Overlap(self) if config.async_scheduling and hasattr(engine, "launch") and not \
+        self.overlap = Overlap(self) if config.async_scheduling and getattr(engine, "overlaps", False) and not \
             (speculator or slots or host) else None
 
     # --- requests in and out ---------------------------------------------------------------------------------

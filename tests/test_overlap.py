@@ -32,8 +32,8 @@ class Tracing:
     """The reference engine, its launches and reads logged in order; `unresolve` marks the first row of the
     chosen launches stale with a garbage token, as the GPU engine returns a draw it could not settle."""
 
-    def __init__(self, engine: ReferenceEngine, unresolve: frozenset[int] = frozenset()) -> None:
-        self.engine, self.allocator, self.unresolve = engine, engine.allocator, unresolve
+    def __init__(self, engine: ReferenceEngine, unresolve: frozenset[int] = frozenset(), overlaps: bool = True) -> None:
+        self.engine, self.allocator, self.unresolve, self.overlaps = engine, engine.allocator, unresolve, overlaps
         self.log: list[tuple[str, int]] = []
 
     def launch(self, chunks, params, token_index, constraints=None):
@@ -75,8 +75,8 @@ class Tracing:
 
 def run(model, requests: list[EngineRequest], *, overlap: bool, eos: frozenset[int] = frozenset(),
         kv_tokens: int = 4096, unresolve: frozenset[int] = frozenset(), abort: tuple[str, int] | None = None,
-        **config) -> tuple[dict, Scheduler, Tracing]:
-    engine = Tracing(ReferenceEngine(model, max_tokens=kv_tokens), unresolve)
+        engine_overlaps: bool = True, **config) -> tuple[dict, Scheduler, Tracing]:
+    engine = Tracing(ReferenceEngine(model, max_tokens=kv_tokens), unresolve, engine_overlaps)
     scheduler = Scheduler(engine, eos, SchedulerConfig(**{"max_num_seqs": 4, "max_num_batched_tokens": 32,
                                                           "async_scheduling": overlap, **config}))
     for request in requests:
@@ -145,6 +145,18 @@ def test_requests_that_cannot_overlap_run_plain_steps(model):
     ahead, scheduler, engine = run(model, requests, overlap=True, max_num_seqs=8)
     assert_same(ahead, plain)
     assert engine.overlapped() == 0  # admitted first, the scored one held every step plain
+
+
+def test_an_engine_whose_steps_others_follow_runs_plain_steps(model):
+    """A sharded GPU engine's workers get the packed step, not the draws copied on rank 0's device."""
+    from pegainfer.runtime.gpu.sharded import ShardedGpuEngine
+
+    assert not ShardedGpuEngine.overlaps
+    requests = mixed_requests(3)
+    plain, _, _ = run(model, requests, overlap=False)
+    ahead, scheduler, engine = run(model, requests, overlap=True, engine_overlaps=False)
+    assert_same(ahead, plain)
+    assert scheduler.overlap is None and engine.overlapped() == 0
 
 
 def test_preemption_waits_for_the_step_in_flight(model):

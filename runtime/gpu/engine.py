@@ -82,6 +82,7 @@ StepHook = Callable[[dict[str, np.ndarray], StepPlan], None]  # a step's packed 
 
 class GpuEngine:
     token_output: str | None = None  # the output of a row per token that sample() brings back: a drafter's features
+    overlaps = True  # the scheduler may launch a step before it reads the last one (runtime/overlap.py)
     launches = 0  # steps launched by `launch`, and the last one's draws (seq_id -> row, the device ids)
     drawn: tuple[dict[int, int], DeviceTensor | None] = ({}, None)
 
@@ -174,12 +175,11 @@ class GpuEngine:
                constraints: list[TokenConstraint | None] | None = None,
                inputs: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None
                ) -> Callable[[], SampleResult]:
-        """Queues one step that draws a token per chunk (the tail's `sample` op, under each row's grammar bitmask,
-        penalties too: penalty_inputs) and its downloads; the call it returns waits for those: tokens and logprobs,
-        the top-k candidates where a row asks top logprobs, a full logits row only for a row the device left
-        unresolved or whose constraint the tail cannot take (device_sampling.finish draws it on the host), or
-        `stale` where a later launch overwrote the logits. `inputs(step)`: graph inputs of its own (a draft head's
-        features), whose token_output rows come back as `features`. A PENDING token reads the last launch's draw."""
+        """Queues a step drawing a token per chunk (the tail's `sample` op, under grammar bitmasks and penalties)
+        and its downloads; the call it returns waits for those: tokens, logprobs, top-k candidates where a row asks
+        top logprobs, a logits row only for a row the device left unresolved or whose constraint the tail cannot
+        take (device_sampling.finish draws it), or `stale` where a later launch overwrote the logits. `inputs(step)`:
+        graph inputs of its own (a draft head's features; token_output rows back as `features`)."""
         sampling = sampling_inputs(params, token_index, self.rng)
         masks: dict[int, np.ndarray] = {}
         penalized: set[int] = set()

@@ -15,6 +15,8 @@ from pegainfer.runtime.sharded_engine import RankDriver
 
 
 class ShardedGpuEngine(RankDriver, GpuEngine):
+    overlaps = False  # the workers get the packed step: a pending token's draw is copied on this device alone
+
     def __init__(self, spec: RankSpec, ranks: RankProcesses, model: LoadedModel, manifest: Path) -> None:
         self.spec, self.ranks = spec, ranks
         super().__init__(model, manifest, replace(spec.gpu, device=spec.gpu_device(0)),
