@@ -6,9 +6,11 @@ the next step's engine copies into its input on the device.
 A request takes part only where its draws are final on the device and need no token history on the host: no grammar
 or penalties (its constraint), no prompt logprobs, and greedy, uncut or top-k sampling within the tail's candidates.
 Anything else (and speculation, recurrent state, a host KV tier, a step that would preempt) runs the plain steps of
-runtime/scheduler.py. A sequence that stops on a token learnt one step late has one wasted row in the step after,
-whose KV lands in blocks it still holds. A row the device left unresolved (its logits not finite) is rolled back:
-its last token runs again in a plain step, where the host can read its logits."""
+runtime/scheduler.py. A sequence that stops on a token learnt one step late has one wasted row in the step after;
+its blocks are freed while that step runs, and reused only by steps queued after it on the same stream. A row the
+device left unresolved (its logits not finite) is rolled back: its last token runs again in a plain step, where the
+host can read its logits. A step's trace line (StepRecord) spans the call that reads it: the next step's scheduling
+and launch, then the wait and the read."""
 
 import time
 from collections.abc import Callable
@@ -71,9 +73,9 @@ class Overlap:
                     launched()
             return []
         began = time.monotonic()
-        waiting = s.waiting.peek() if s.waiting else None
-        chunks = None if self.plain_next or (waiting is not None and not waiting.overlappable) \
-            else s.schedule(ahead=True)
+        head = s.waiting.peek() if s.waiting and len(s.running) < s.config.max_num_seqs else None
+        chunks = None if self.plain_next or (head is not None and not head.overlappable) \
+            else s.schedule(ahead=True)  # a request that cannot overlap and may be admitted: a plain step next
         newer = self._launch(chunks) if chunks else None
         if newer is not None and launched is not None:
             launched()

@@ -66,7 +66,8 @@ def rank_executor(tmp_path, monkeypatch, checkpoint, world: int = 2, rank: int =
         events.append(("launch", symbol, values))
     for name, stand_in in (("alloc", alloc), ("memset", lambda *args: None),
                            ("copy_to_device", lambda dst, src, stream=None: None),
-                           ("alloc_pinned", lambda n: np.zeros(n, np.uint8)), ("Event", StandInEvent), ("launch", launch)):
+                           ("alloc_pinned", lambda n: np.zeros(n, np.uint8)), ("Event", StandInEvent),
+                           ("launch", launch)):
         monkeypatch.setattr(driver, name, stand_in)
     monkeypatch.setattr(executing, "load_function", lambda cubin, launch: (None, launch.symbol))
     monkeypatch.setattr(executing, "upload_weights", lambda graph, weights, stream, arena, skip=(): {

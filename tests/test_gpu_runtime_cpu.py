@@ -225,7 +225,8 @@ def stand_in_executor(tmp_path, monkeypatch, checkpoint, lora=None, spec=None, b
         launched.append((symbol, values, pdl))
     for name, stand_in in (("alloc", alloc), ("memset", lambda *args: None),
                            ("copy_to_device", lambda dst, src, stream=None: copies.append((dst, bytes(src)))),
-                           ("alloc_pinned", lambda n: np.zeros(n, np.uint8)), ("Event", StandInEvent), ("launch", launch)):
+                           ("alloc_pinned", lambda n: np.zeros(n, np.uint8)), ("Event", StandInEvent),
+                           ("launch", launch)):
         monkeypatch.setattr(driver, name, stand_in)
     monkeypatch.setattr(executing, "load_function", lambda cubin, launch: (None, launch.symbol))
     monkeypatch.setattr(executing, "upload_weights", lambda graph, weights, stream, arena, skip=(): {

@@ -213,6 +213,22 @@ def test_the_gpu_engine_copies_pending_tokens_after_the_upload(monkeypatch):
     assert calls == ["upload", (0x1000 + 256, 0x9000 + 16, 8, 7), (0x1000 + 256 + 12, 0x9000 + 28, 4, 7)]
 
 
+def test_downloads_past_the_landing_area_are_read_before_a_later_step_can_overwrite_them(monkeypatch):
+    from pegainfer.ir.dtypes import INT32
+    from pegainfer.runtime.gpu import downloads
+    from pegainfer.runtime.gpu.abi import DeviceTensor
+    from pegainfer.runtime.gpu.staging import PinnedPair
+
+    monkeypatch.setattr(downloads.driver, "alloc_pinned", lambda n: np.zeros(n, np.uint8))
+    monkeypatch.setattr(downloads.driver, "Event", lambda timing=True: SimpleNamespace(record=lambda stream: None))
+    values = {0x1000: np.arange(300, dtype=np.int32)}  # the device's buffer, as a later step will rewrite it
+    monkeypatch.setattr(downloads, "fetch", lambda ctx, t: values[t.ptr].copy())
+    tensor = DeviceTensor.contiguous(0x1000, (300,), INT32)
+    read = downloads.fetch_later(SimpleNamespace(stream=0), PinnedPair(512), [tensor])
+    values[0x1000][:] = -1  # the next step ran before the read
+    np.testing.assert_array_equal(read()[0], np.arange(300))
+
+
 def test_an_embedding_of_an_id_outside_the_table_reads_zeros():
     from pegainfer.backends.triton.kernels.embedding import embedding_kernel
     from pegainfer.ir.registry import get_op

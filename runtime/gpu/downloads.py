@@ -15,12 +15,13 @@ def fetch_later(ctx: driver.Context, landings: PinnedPair, tensors: list[DeviceT
                 ) -> Callable[[], list[np.ndarray]]:
     """Small contiguous tensors (a step's sampled tokens) copied into the next of the pinned `landings`, queued on
     the stream now; the call it returns waits for those copies alone (not for a step queued after them) and reads
-    them, before the area is taken again two steps later. Tensors past the landing area are fetched one by one by
-    that call."""
+    them, before the area is taken again two steps later. Tensors past the landing area are fetched one by one at
+    once (the step waited for)."""
     sizes = [t.nbytes for t in tensors]
     landing = landings.take()
-    if sum(sizes) + 256 * len(sizes) > landing.nbytes:
-        return lambda: [fetch(ctx, t) for t in tensors]
+    if sum(sizes) + 256 * len(sizes) > landing.nbytes:  # read now, before a later step can overwrite them
+        values = [fetch(ctx, t) for t in tensors]
+        return lambda: values
     offsets = [sum(-(-n // 256) * 256 for n in sizes[:i]) for i in range(len(sizes))]
     for tensor, offset, nbytes in zip(tensors, offsets, sizes):
         assert tensor.dense, "fetch_later reads contiguous tensors"

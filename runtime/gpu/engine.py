@@ -205,6 +205,7 @@ class GpuEngine:
         launch = self.launches
 
         def result() -> SampleResult:
+            assert self.launches - launch <= 1, "a step's downloads are read before a second launch reuses them"
             fetched = download()
             logits = outputs[self.executor.graph.outputs[0]]
             stale = [r for r, token in enumerate(fetched[0][rows]) if token == UNRESOLVED] \
@@ -297,8 +298,7 @@ class GpuEngine:
         return self.executor.run(self._upload(step, copies), before_tail, skip)
 
     def _upload(self, step: dict[str, np.ndarray], copies: list[tuple[int, int, int]]) -> dict[str, int]:
-        """The step's inputs up, then its pending tokens (runtime/pending_tokens.py) over their input rows from
-        the draws of the step before, on the device: (input row, draw row, count) runs."""
+        """The step's inputs up, then the last step's draws over its pending tokens' rows: (input, draw, count) runs."""
         sizes, drawn = self.executor.upload_step(step), self.drawn[1]
         for dst, src, count in copies:
             assert drawn.dtype.itemsize == 4, f"token ids of 4 bytes, the draws are {drawn.dtype}"

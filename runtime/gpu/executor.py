@@ -99,7 +99,7 @@ class GpuExecutor:
         self.profile: list[tuple[str, driver.Event, driver.Event]] | None = None  # set to a list to time launches
         self.pdl_max_tokens = PDL_MAX_TOKENS  # programmatic dependent launch up to this many tokens (0: never)
         self.inputs, self.stagings, self.input_region = self._allocate_inputs(sizes)
-        self.landings = PinnedPair(1 << 20)  # fetch_later's landing areas
+        self.landings = PinnedPair((1 << 20) + 1024 * self.limits.samples)  # fetch_later's: a step's tokens
 
     def kv_bytes_per_block(self) -> int:
         one = {"num_blocks": 1, "block_size": self.limits.block_size}

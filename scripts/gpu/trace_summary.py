@@ -1,6 +1,7 @@
 """Summarises a `pegainfer serve --trace-steps` file: where a serving run's time went. Decode-only steps (every
 sequence one token: CUDA-graph replays on the GPU) and steps holding prompt chunks (eager) are reported apart,
-beside the serving loop's own time between and around steps.
+beside the serving loop's own time between and around steps. With async scheduling a step's seconds span the loop's
+call that read it (the next step's scheduling and launch, then the wait): decode ms is then the wall per step.
 
     python scripts/gpu/trace_summary.py TRACE.jsonl [--label c32]"""
 
