@@ -3,22 +3,21 @@
 overlapped schedulers do. A draw not read yet is a PENDING token of its sequence (runtime/pending_tokens.py), which
 the next step's engine copies into its input on the device.
 
-A request takes part only where its draws are final on the device and need no token history on the host: no grammar
-or penalties (its constraint), no prompt logprobs, and greedy, uncut or top-k sampling within the tail's candidates.
-Anything else (and speculation, recurrent state, a host KV tier, a step that would preempt) runs the plain steps of
-runtime/scheduler.py. A sequence that stops on a token learnt one step late has one wasted row in the step after;
-its blocks are freed while that step runs, and reused only by steps queued after it on the same stream. A row the
-device left unresolved (its logits not finite) is rolled back: its last token runs again in a plain step, where the
-host can read its logits. A step's trace line (StepRecord) spans the call that reads it: the next step's scheduling
-and launch, then the wait and the read."""
+A request takes part only where its draws need no token history on the host: no grammar or penalties (its
+constraint), no prompt logprobs. Anything else (and speculation, recurrent state, a host KV tier, a step that would
+preempt) runs the plain steps of runtime/scheduler.py. A sequence that stops on a token learnt one step late has one
+wasted row in the step after; its blocks are freed while that step runs, and reused only by steps queued after it on
+the same stream. A draw the device left unresolved (a top-p, min-p or wide top-k cut reaching past the tail's
+candidates, or logits not finite) whose logits a later step has overwritten is rolled back: its last token runs
+again in a plain step, where the host reads its logits, and its request takes plain steps from then on. A step's
+trace line (StepRecord) spans the call that reads it: the next step's scheduling and launch, then the wait and the
+read."""
 
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pegainfer.ir.ops.sampling import GREEDY_BELOW
-from pegainfer.passes.fusion import TAIL_TOP_K
 from pegainfer.runtime.batch import Chunk
 from pegainfer.runtime.block_records import record_blocks
 from pegainfer.runtime.device_sampling import SampleResult
@@ -32,10 +31,8 @@ if TYPE_CHECKING:
 
 
 def overlappable(request: EngineRequest) -> bool:
-    """Whether the request's draws are final on the device and need no host state (see the module's docstring)."""
-    p = request.params
-    uncut = p.top_p >= 1 and p.min_p <= 0 and (p.top_k <= 0 or p.top_k <= TAIL_TOP_K)
-    return request.constraint is None and p.prompt_logprobs is None and (p.temperature < GREEDY_BELOW or uncut)
+    """Whether the request's draws need no host state (see the module's docstring)."""
+    return request.constraint is None and request.params.prompt_logprobs is None
 
 
 @dataclass
@@ -132,10 +129,11 @@ class Overlap:
         return outputs
 
     def _roll_back(self, state: RequestState, index: int, generated: int) -> None:
-        """Forgets the unresolved draw at `index` and anything after it; the token before runs again."""
+        """Forgets the unresolved draw at `index` and anything after it; the token before runs again, and the
+        request's steps are plain from now on (its draws may need their logits on the host again)."""
         seq = state.seq
         del seq.token_ids[index:]
         seq.num_cached = index - 1
-        state.num_generated, state.ending = generated - 1, False
+        state.num_generated, state.ending, state.overlappable = generated - 1, False, False
         state.pending.clear()
         self.plain_next = True
