@@ -23,6 +23,9 @@ released and it goes back to the head of the queue, to be recomputed from its to
 request's blocks at once. A model with recurrent layers also gives each running sequence a state slot (freed with its
 blocks, so running sequences never outnumber the slots); its prefix hits restore the state snapshotted at a cached
 block boundary (runtime/state_snapshots.py), and its prompt chunks end on block boundaries to make them.
+
+A step is plain (runtime/plain_step.py: launched, waited for, read) or, with async scheduling, launched before the
+step in flight is read (runtime/overlap.py).
 """
 
 import itertools
