@@ -252,7 +252,8 @@ def start_serving(args: argparse.Namespace, trace: TextIO | None, listener: sock
         return (f"pegainfer: serving {name} on http://{_address(listener)} (device {device}: {reason}; dtype "
                 f"{model.spec.config.torch_dtype}{ranks_note}; {allocator.num_blocks} KV blocks of {allocator.block_size} "
                 f"tokens{cache_dtype}; max_model_len {max_model_len}{clamp_note}; prefix cache "
-                f"{scheduler.prefix_cache_status()}{spec_note}); ready {ctx.metrics.startup_seconds:.2f} s after start "
+                f"{scheduler.prefix_cache_status()}; async scheduling {'on' if scheduler.overlap else 'off'}{spec_note}); "
+                f"ready {ctx.metrics.startup_seconds:.2f} s after start "
                 f"({', '.join(f'{k} {v:.2f} s' for k, v in phases.items())})")
     return loop, ctx, ready_line
 

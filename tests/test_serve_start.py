@@ -114,9 +114,19 @@ def test_the_ready_line_comes_once_the_port_serves_and_names_the_clamped_max_mod
         models = httpx.get(f"{url}/v1/models", timeout=10).json()["data"]
     assert url.startswith("http://127.0.0.1:") and not url.endswith(":0")
     assert "max_model_len 1024 (max_position_embeddings 2048, clamped to the KV cache)" in line
-    assert "64 KV blocks of 16 tokens" in line and "dtype float32" in line
+    assert "64 KV blocks of 16 tokens" in line and "dtype float32" in line and "async scheduling on" in line
     assert [m["max_model_len"] for m in models] == [1024]
     assert "Traceback" not in log.read_text(), log.read_text()
+
+
+def test_no_async_scheduling_serves_with_plain_steps_and_the_same_greedy_completion(tiny_checkpoint, tmp_path):
+    body = {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 6, "temperature": 0}
+    texts = []
+    for flags in ((), ("--no-async-scheduling",)):
+        with cpu_server(tiny_checkpoint, tmp_path / "serve.log", "--served-model-name", "tiny", *flags) as (line, url):
+            texts.append(httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"])
+        assert f"async scheduling {'off' if flags else 'on'}" in line
+    assert texts[0] == texts[1] and texts[0]
 
 
 def test_an_explicit_max_model_len_past_the_kv_cache_is_refused_before_the_engine(capsys, tiny_checkpoint,
