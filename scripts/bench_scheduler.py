@@ -2,36 +2,48 @@
 engine step) driving an engine that returns at once. Requests as in the serving sweep: 1024-token prompts, 128
 tokens out, up to 128 running (docs/BENCHMARKS.md).
 
-    python scripts/bench_scheduler.py [--requests 256] [--max-num-seqs 128] [--prompt 1024] [--output 128]"""
+    python scripts/bench_scheduler.py [--requests 256] [--max-num-seqs 128] [--prompt 1024] [--output 128] [--async]
+
+--async: the engine offers `launch`, so the scheduler launches each step before it reads the last one
+(runtime/overlap.py): the same work a step, with the bookkeeping of tokens drawn but not read yet."""
 
 import argparse
 import time
+from collections.abc import Callable
 
 import numpy as np
 
 from pegainfer.runtime.batch import Chunk, commit_step, pack_step, release_sequence
 from pegainfer.runtime.device_sampling import SampleResult
 from pegainfer.runtime.kv_blocks import BlockAllocator
+from pegainfer.runtime.pending_tokens import pending_rows
 from pegainfer.runtime.requests import EngineRequest
 from pegainfer.runtime.sampler import SamplingParams
 from pegainfer.runtime.scheduler import Scheduler, SchedulerConfig
 
 
 class InstantEngine:
-    """Packs each step as the GPU engine does, then draws token 7 for every row."""
+    """Packs each step as the GPU engine does, then draws token 7 for every row; `overlaps`: whether the scheduler
+    may launch a step before it reads the last one."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, overlaps: bool) -> None:
         self.allocator = BlockAllocator(num_blocks, 16, reserved=1)
-        self.pack_seconds = 0.0
+        self.pack_seconds, self.overlaps = 0.0, overlaps
 
-    def sample(self, chunks: list[Chunk], params, token_index, constraints=None, launched=None) -> SampleResult:
+    def launch(self, chunks: list[Chunk], params, token_index, constraints=None) -> Callable[[], SampleResult]:
         started = time.perf_counter()
-        pack_step(chunks, self.allocator)
+        step = pack_step(chunks, self.allocator)
+        pending_rows(chunks, step["seq_starts"], {c.seq.seq_id: row for row, c in enumerate(chunks)})
         self.pack_seconds += time.perf_counter() - started
         commit_step(chunks)
+        result = SampleResult([7] * len(chunks), [None] * len(chunks))
+        return lambda: result
+
+    def sample(self, chunks: list[Chunk], params, token_index, constraints=None, launched=None) -> SampleResult:
+        result = self.launch(chunks, params, token_index, constraints)
         if launched is not None:
             launched()
-        return SampleResult([7] * len(chunks), [None] * len(chunks))
+        return result()
 
     def release(self, seq) -> None:
         release_sequence(self.allocator, seq)
@@ -43,8 +55,9 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--prompt", type=int, default=1024)
     parser.add_argument("--output", type=int, default=128)
+    parser.add_argument("--async", dest="overlap", action="store_true")
     args = parser.parse_args()
-    engine = InstantEngine(args.requests * -(-(args.prompt + args.output) // 16) + 1)
+    engine = InstantEngine(args.requests * -(-(args.prompt + args.output) // 16) + 1, args.overlap)
     config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=2048,
                              max_model_len=args.prompt + args.output + 1)
     scheduler = Scheduler(engine, frozenset(), config)
