@@ -1,8 +1,8 @@
 """Async scheduling (runtime/overlap.py) on the reference engine: the next step is launched before the tokens of
 the one in flight are read, its pending tokens filled from that step's draws, and every request gets the tokens,
 logprobs and finish reasons the plain steps give (sampling, stops learnt a step late, chunked prefill, admissions,
-prefix hits, preemption, aborts, a draw the device left unresolved); the GPU engine's device copies of pending
-tokens; an embedding of an id outside the table reads zeros."""
+prefix hits, preemption, aborts, a draw the device left unresolved; and over seeded random loads); the GPU engine's
+device copies of pending tokens and its downloads; an embedding of an id outside the table reads zeros."""
 
 from dataclasses import replace
 from types import SimpleNamespace
@@ -75,7 +75,7 @@ class Tracing:
 
 def run(model, requests: list[EngineRequest], *, overlap: bool, eos: frozenset[int] = frozenset(),
         kv_tokens: int = 4096, unresolve: frozenset[int] = frozenset(), abort: tuple[str, int] | None = None,
-        engine_overlaps: bool = True, **config) -> tuple[dict, Scheduler, Tracing]:
+        engine_overlaps: bool = True, check=None, **config) -> tuple[dict, Scheduler, Tracing]:
     engine = Tracing(ReferenceEngine(model, max_tokens=kv_tokens), unresolve, engine_overlaps)
     scheduler = Scheduler(engine, eos, SchedulerConfig(**{"max_num_seqs": 4, "max_num_batched_tokens": 32,
                                                           "async_scheduling": overlap, **config}))
@@ -86,9 +86,11 @@ def run(model, requests: list[EngineRequest], *, overlap: bool, eos: frozenset[i
         if not scheduler.has_work():
             break
         if abort is not None and step == abort[1]:
-            assert scheduler.abort(abort[0])
+            scheduler.abort(abort[0])  # False where it has finished already
         for out in scheduler.step():
             outputs[out.request_id].append((out.token_id, out.finish_reason, out.logprobs))
+        if check is not None:
+            check(scheduler)
     assert not scheduler.has_work() and scheduler.blocks_in_use == 0
     return outputs, scheduler, engine
 
@@ -187,6 +189,45 @@ def test_a_draw_left_unresolved_is_rolled_back_and_drawn_again_in_plain_steps(mo
     after = engine.log.index(("read", 3))
     assert engine.overlapped() > 0 and engine.log[after + 1] == ("read", 4)  # the one in flight, then plain steps
     assert all(kind == ("launch" if i % 2 == 0 else "read") for i, (kind, _) in enumerate(engine.log[after + 2:]))
+
+
+def random_requests(rng: np.random.Generator, count: int, max_model_len: int) -> list[EngineRequest]:
+    prefix = rng.integers(0, 500, int(rng.integers(10, 50))).tolist()
+    kinds = [GREEDY, SamplingParams(temperature=1.0, seed=int(rng.integers(0, 100))),
+             SamplingParams(temperature=0.8, top_k=5, seed=3, logprobs=2)]
+    requests = []
+    for i in range(count):
+        params = replace(kinds[int(rng.integers(0, 3))], max_tokens=int(rng.integers(1, 15)),
+                         ignore_eos=bool(rng.integers(0, 2)))
+        prompt = (prefix if rng.integers(0, 2) else []) + rng.integers(0, 500, int(rng.integers(1, 40))).tolist()
+        requests.append(EngineRequest(f"r{i}", prompt[:max_model_len - 2], params))
+    return requests
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_loads_give_the_plain_steps_tokens_and_never_hash_a_pending_token(model, seed):
+    """Random prompts (some sharing a prefix), sampling, max_tokens, stops on a token drawn early, context limits,
+    pools small enough to preempt, the prefix cache on or off, an abort and an unresolved draw: the same tokens and
+    finish reasons as plain steps; after every step each PENDING token is one the sequence waits for, and no cached
+    block's tokens hold one."""
+    rng = np.random.default_rng(seed)
+    config = dict(prefix_cache=bool(rng.integers(0, 2)), max_model_len=int(rng.integers(30, 80)),
+                  max_num_seqs=int(rng.integers(1, 5)), kv_tokens=int(rng.choice([4096, 160])))
+    requests = random_requests(rng, int(rng.integers(2, 8)), config["max_model_len"])
+    plain, _, _ = run(model, requests, overlap=False, **config)
+    eos = frozenset(v[1][0] for v in plain.values() if len(v) > 1)
+    plain, _, _ = run(model, requests, overlap=False, eos=eos, **config)
+
+    def check(scheduler: Scheduler) -> None:
+        for state in scheduler.running:
+            tokens = state.seq.token_ids
+            assert [i for i, t in enumerate(tokens) if t == PENDING] == [i for i, _ in state.pending]
+            assert PENDING not in tokens[:len(state.block_hashes) * scheduler.block_size]
+    aborted = f"r{int(rng.integers(0, len(requests)))}"
+    ahead, _, _ = run(model, requests, overlap=True, eos=eos, check=check, abort=(aborted, int(rng.integers(1, 8))),
+                      unresolve=frozenset({int(rng.integers(2, 6))}), **config)
+    assert_same({k: v for k, v in ahead.items() if k != aborted}, {k: v for k, v in plain.items() if k != aborted})
+    assert_same({aborted: ahead[aborted]}, {aborted: plain[aborted][:len(ahead[aborted])]})
 
 
 def test_pending_rows_pair_each_pending_decode_row_with_its_draw():
