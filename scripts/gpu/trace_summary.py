@@ -1,7 +1,8 @@
 """Summarises a `pegainfer serve --trace-steps` file: where a serving run's time went. Decode-only steps (every
 sequence one token: CUDA-graph replays on the GPU) and steps holding prompt chunks (eager) are reported apart,
 beside the serving loop's own time between and around steps. With async scheduling a step's seconds span the loop's
-call that read it (the next step's scheduling and launch, then the wait): decode ms is then the wall per step.
+call that read it (the next step's scheduling and launch, then the wait): decode ms is then the wall per step; a
+call that only launched (nothing was in flight) writes no line, and its time falls in the next line's gap.
 
     python scripts/gpu/trace_summary.py TRACE.jsonl [--label c32]"""
 
