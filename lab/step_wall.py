@@ -13,8 +13,6 @@ from cuda.bindings import driver as cu
 
 from pegainfer.runtime import bench
 from pegainfer.runtime.batch import Chunk
-from pegainfer.runtime.device import visible_sm
-from pegainfer.runtime.gpu.start import ensure_manifest
 
 
 def median_ms(samples: list[float]) -> float:
@@ -65,10 +63,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
-    loaded = bench.bench_model("qwen3-4b")
-    manifest = ensure_manifest(loaded.spec, visible_sm(), None, label="qwen3-4b")
-    engine = bench.engine_for(loaded, manifest, max_tokens=max(args.batch), max_batch=max(args.batch),
-                              max_model_len=128 + 4 * args.steps + 64)
+    engine = bench.random_engine("qwen3-4b", max_tokens=max(args.batch), max_batch=max(args.batch),
+                                 max_model_len=128 + 4 * args.steps + 64)
     print(f"{'batch':>5} {'run+sync':>9} {'host':>7} {'replay+sync':>12} {'replay gpu':>11}  ms")
     for batch in args.batch:
         r = measure(engine, batch, args.steps)

@@ -249,3 +249,14 @@ def engine_for(model: LoadedModel, manifest: Path, *, max_tokens: int, max_batch
     return GpuEngine(model, manifest, EngineOptions(max_tokens=max_tokens, max_batch=max_batch,
                                                     max_model_len=max_model_len,
                                                     kv_tokens=max_batch * max_model_len))
+
+
+def random_engine(name: str, *, max_tokens: int, max_batch: int, max_model_len: int) -> GpuEngine:
+    """A GPU engine of the named model's random weights (bench_model), its kernels compiled where missing: what
+    the GPU check scripts measure on."""
+    from pegainfer.runtime.device import visible_sm
+    from pegainfer.runtime.gpu.start import ensure_manifest
+
+    model = bench_model(name)
+    manifest = ensure_manifest(model.spec, visible_sm(), None, label=name)
+    return engine_for(model, manifest, max_tokens=max_tokens, max_batch=max_batch, max_model_len=max_model_len)

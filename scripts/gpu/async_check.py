@@ -18,7 +18,6 @@ import numpy as np
 
 from pegainfer.runtime import bench
 from pegainfer.runtime.device import visible_sm
-from pegainfer.runtime.gpu.start import ensure_manifest
 from pegainfer.runtime.requests import EngineRequest
 from pegainfer.runtime.sampler import SamplingParams
 from pegainfer.runtime.scheduler import Scheduler, SchedulerConfig
@@ -94,10 +93,8 @@ def main() -> None:
     if visible_sm() is None:
         parser.error("needs a visible GPU")
     args.out.mkdir(parents=True, exist_ok=True)
-    loaded = bench.bench_model(args.model)
-    manifest = ensure_manifest(loaded.spec, visible_sm(), None, label=args.model)
-    engine = bench.engine_for(loaded, manifest, max_tokens=2048, max_batch=64, max_model_len=2048)
-    vocab = loaded.spec.config.vocab_size
+    engine = bench.random_engine(args.model, max_tokens=2048, max_batch=64, max_model_len=2048)
+    vocab = engine.vocab_size
     report: dict = {}
     check_tokens(engine, vocab, report)
     time_sweep_shape(engine, vocab, report, args.rounds)

@@ -15,10 +15,8 @@ from pegainfer.ir.step import SAMPLING_INPUTS, sampler_outputs
 from pegainfer.passes.fusion import TAIL_TOP_K
 from pegainfer.runtime import bench
 from pegainfer.runtime.batch import Chunk, Sequence
-from pegainfer.runtime.device import visible_sm
 from pegainfer.runtime.device_sampling import sampling_inputs
 from pegainfer.runtime.gpu.engine import GpuEngine, bucket_for
-from pegainfer.runtime.gpu.start import ensure_manifest
 from pegainfer.runtime.sampler import SamplingParams
 
 MIXED = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=20),
@@ -109,9 +107,7 @@ def run(small: GpuEngine, large: GpuEngine | None, results: dict) -> None:
 
 def main() -> None:
     """The Qwen3-4B-shape checks alone, on random weights: `python3 scripts/gpu/sampling_check.py` (after env.sh)."""
-    loaded = bench.bench_model("qwen3-4b", None, "auto")
-    manifest = ensure_manifest(loaded.spec, visible_sm(), None, label="qwen3-4b")
-    engine = bench.engine_for(loaded, manifest, max_tokens=2048, max_batch=64, max_model_len=512)
+    engine = bench.random_engine("qwen3-4b", max_tokens=2048, max_batch=64, max_model_len=512)
     results = {"sampling_qwen3_4b": check_tokens(engine, steps=3), "decode": time_decode(engine)}
     print(json.dumps(results, indent=1))
 

@@ -21,7 +21,6 @@ from pegainfer.runtime import bench
 from pegainfer.runtime.batch import Chunk, Sequence
 from pegainfer.runtime.device import visible_sm
 from pegainfer.runtime.gpu.engine import GpuEngine
-from pegainfer.runtime.gpu.start import ensure_manifest
 from pegainfer.runtime.sampler import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
@@ -166,9 +165,7 @@ def main() -> None:
     if visible_sm() is None:
         parser.error("needs a visible GPU")
     args.out.mkdir(parents=True, exist_ok=True)
-    loaded = bench.bench_model(args.model)
-    manifest = ensure_manifest(loaded.spec, visible_sm(), None, label=args.model)
-    engine = bench.engine_for(loaded, manifest, max_tokens=2048, max_batch=256, max_model_len=2200)
+    engine = bench.random_engine(args.model, max_tokens=2048, max_batch=256, max_model_len=2200)
     decode_seqs = bench._sequences(engine, 64, 1024, 4 * (args.reps + 2))
     cases = shapes(engine, decode_seqs)
     rows = []
