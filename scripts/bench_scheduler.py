@@ -29,11 +29,13 @@ class InstantEngine:
     def __init__(self, num_blocks: int, overlaps: bool) -> None:
         self.allocator = BlockAllocator(num_blocks, 16, reserved=1)
         self.pack_seconds, self.overlaps = 0.0, overlaps
+        self.drawn: dict[int, int] = {}  # the last launch's draws by sequence, as the engines keep them
 
     def launch(self, chunks: list[Chunk], params, token_index, constraints=None) -> Callable[[], SampleResult]:
         started = time.perf_counter()
         step = pack_step(chunks, self.allocator)
-        pending_rows(chunks, step["seq_starts"], {c.seq.seq_id: row for row, c in enumerate(chunks)})
+        pending_rows(chunks, step["seq_starts"], self.drawn)
+        self.drawn = {c.seq.seq_id: row for row, c in enumerate(chunks)}
         self.pack_seconds += time.perf_counter() - started
         commit_step(chunks)
         result = SampleResult([7] * len(chunks), [None] * len(chunks))
