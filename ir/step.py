@@ -123,6 +123,7 @@ def mask_words(vocab: int) -> int:
 # within a row) and terms (bias, repetition factor, subtrahend). A step without penalties passes counts of 0.
 PENALTY_START, PENALTY_COUNT, PENALTY_IDS, PENALTY_TERMS = ("penalty_start", "penalty_count", "penalty_ids",
                                                             "penalty_terms")
+PENALTY_ENTRIES = 65536  # a step's penalty entries at most (1 MB of ids and terms); rows past them: on the host
 
 
 def penalty_input_types(rows: str) -> dict[str, TensorType]:

@@ -27,7 +27,7 @@ class SampleResult:
     logprobs: list[dict[int, float] | None]  # per row: the top-K tokens' logprobs, then the chosen one's (if not in)
     host_rows: list[int] = field(default_factory=list)  # rows drawn on the host from their full logits
     features: np.ndarray | None = None  # a row for every token of the step, where a drafter reads them
-    stale: list[int] = field(default_factory=list)  # rows left undrawn: their logits were gone (GpuEngine.launch)
+    stale: list[int] = field(default_factory=list)  # rows left undrawn: their logits were gone (finish)
 
 
 def greedy_inputs(rows: int) -> dict[str, np.ndarray]:
@@ -150,12 +150,14 @@ def wants_top_logprobs(params: list[SamplingParams]) -> bool:
 
 def finish(outputs: dict[str, np.ndarray], inputs: dict[str, np.ndarray], params: list[SamplingParams],
            row_logits: Callable[[int], np.ndarray], constraints: list[TokenConstraint | None] | None = None,
-           masks: dict[int, np.ndarray] | None = None, penalized: set[int] | None = None) -> SampleResult:
+           masks: dict[int, np.ndarray] | None = None, penalized: set[int] | None = None,
+           logits_gone: bool = False) -> SampleResult:
     """The tokens and logprobs of a step's rows from its sampler outputs (`top_values`, `top_ids`, `logsumexp`
     may be left out when no row asks for top logprobs). `masks`: the rows the tail drew under a grammar bitmask
     (device_masks); `penalized`: those it drew under their penalties (penalty_inputs). `row_logits(r)`: row r's
     float32 logits, fetched only for rows the device left unresolved and for constrained rows it could not take
-    (drawn on the host: runtime/constraint.py)."""
+    (drawn on the host: runtime/constraint.py). `logits_gone`: a later step has overwritten the logits, so such a
+    row is left undrawn: `stale`, its token UNRESOLVED, its constraint not told."""
     result, masks, penalized = SampleResult([], []), masks or {}, penalized or set()
     for r, p in enumerate(params):
         token, logprob = int(outputs["sampled_ids"][r]), float(outputs["sampled_logprobs"][r])
@@ -163,6 +165,11 @@ def finish(outputs: dict[str, np.ndarray], inputs: dict[str, np.ndarray], params
         sampling = tuple(inputs[name][r].item() for name in SAMPLING_INPUTS)
         on_device = constraint is None or ((r in masks or not has_grammar(constraint))
                                            and (r in penalized or not adjusts(constraint)))
+        if logits_gone and (token == UNRESOLVED or not on_device):
+            result.stale.append(r)
+            result.tokens.append(UNRESOLVED)
+            result.logprobs.append(None)
+            continue
         if constraint is not None and (not on_device or token == UNRESOLVED):
             x = np.asarray(row_logits(r), dtype=np.float32)
             allowed = unpack_mask(masks[r], x.size) if r in masks else None

@@ -3,15 +3,19 @@
 overlapped schedulers do. A draw not read yet is a PENDING token of its sequence (runtime/pending_tokens.py), which
 the next step's engine copies into its input on the device.
 
-A request takes part only where its draws need no token history on the host: no grammar or penalties (its
-constraint), no prompt logprobs. Anything else (and speculation, recurrent state, a host KV tier, a step that would
-preempt) runs the plain steps of runtime/scheduler.py. A sequence that stops on a token learnt one step late has one
-wasted row in the step after; its blocks are freed while that step runs, and reused only by steps queued after it on
-the same stream. A draw the device left unresolved (a top-p, min-p or wide top-k cut reaching past the tail's
-candidates, or logits not finite) whose logits a later step has overwritten is rolled back: its last token runs
-again in a plain step, where the host reads its logits, and its request takes plain steps from then on. A step's
-trace line (StepRecord) spans the call that reads it: the next step's scheduling and launch, then the wait and the
-read."""
+A request takes part only where the device draws all its rows: no prompt logprobs, and a constraint, if any, the
+sampler tail takes (grammars with bitmasks, penalties without top logprobs: constraint.drawn_in_tail). The masks
+and penalties of a step holding such a row depend on the token drawn just before, so that step's layers are
+launched first and the step in flight is read between them and its sampler tail (the engine's `before_masks`),
+while the GPU runs the layers; a row whose request that read ended or rolled back draws without its constraint.
+Anything else (and speculation, recurrent state, a host KV tier, a step that would preempt) runs the plain steps of
+runtime/scheduler.py. A sequence that stops on a token learnt one step late has one wasted row in the step after;
+its blocks are freed while that step runs, and reused only by steps queued after it on the same stream. A draw
+whose logits the host needs (one the device left unresolved: a top-p, min-p or wide top-k cut reaching past the
+tail's candidates, logits not finite; a grammar that failed or allows nothing; penalties past the tail's capacity)
+and a later step has overwritten is rolled back: its last token runs again in a plain step, where the host reads
+its logits, and its request takes plain steps from then on. A step's trace line (StepRecord) spans the call that
+reads it: the next step's scheduling and launch, then the wait and the read."""
 
 import time
 from collections.abc import Callable
@@ -20,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from pegainfer.runtime.batch import Chunk
 from pegainfer.runtime.block_records import record_blocks
+from pegainfer.runtime.constraint import drawn_in_tail
 from pegainfer.runtime.device_sampling import SampleResult
 from pegainfer.runtime.pending_tokens import PENDING
 from pegainfer.runtime.request_state import RequestState
@@ -31,8 +36,9 @@ if TYPE_CHECKING:
 
 
 def overlappable(request: EngineRequest) -> bool:
-    """Whether the request's draws need no host state (see the module's docstring)."""
-    return request.constraint is None and request.params.prompt_logprobs is None
+    """Whether the device draws all the request's rows (see the module's docstring)."""
+    constraint, params = request.constraint, request.params
+    return params.prompt_logprobs is None and (constraint is None or drawn_in_tail(constraint, bool(params.logprobs)))
 
 
 @dataclass
@@ -52,6 +58,7 @@ class Overlap:
         self.scheduler = scheduler
         self.in_flight: InFlight | None = None
         self.plain_next = False  # after a roll-back: the next step is a plain one
+        self.rolling_back: list[tuple[RequestState, int, int]] = []  # found by a read, undone once no launch is open
 
     def step(self, launched: Callable[[], None] | None) -> list[TokenOutput]:
         """Launches the next step where it may go ahead, then reads the step before it; the tokens returned are
@@ -65,7 +72,7 @@ class Overlap:
             if chunks and not all(s.state_of(c).overlappable for c in chunks):  # an admission that cannot overlap
                 return s.run_step(chunks, launched)
             if chunks:
-                self.in_flight = self._launch(chunks)
+                self.in_flight, _ = self._launch(chunks)
                 if launched is not None:
                     launched()
             return []
@@ -73,39 +80,56 @@ class Overlap:
         head = s.waiting.peek() if s.waiting and len(s.running) < s.config.max_num_seqs else None
         chunks = None if self.plain_next or (head is not None and not head.overlappable) \
             else s.schedule(ahead=True)  # a request that cannot overlap and may be admitted: a plain step next
-        newer = self._launch(chunks) if chunks else None
+        newer, outputs = self._launch(chunks, self.in_flight, began) if chunks else (None, None)
         if newer is not None and launched is not None:
             launched()
-        outputs = self._read(self.in_flight, began)
+        if outputs is None:  # not read inside the launch: no constrained row in it
+            outputs = self._read(self.in_flight, began)
+        for state, index, generated in self.rolling_back:
+            self._roll_back(state, index, generated)
+        self.rolling_back.clear()
         self.in_flight = newer
         return outputs
 
-    def _launch(self, chunks: list[Chunk]) -> InFlight:
+    def _launch(self, chunks: list[Chunk], flight: InFlight | None = None, began: float = 0.0
+                ) -> tuple[InFlight, list[TokenOutput] | None]:
         """Queues the step; each chunk that reaches its sequence's end draws a PENDING token, and one whose draw
-        ends it by length is scheduled no more."""
+        ends it by length is scheduled no more. With constrained rows, `flight` is read between the step's layers
+        and its tail (the outputs returned; else None)."""
         s = self.scheduler
         states = [s.state_of(c) for c in chunks]
+        drew = [c.seq.num_cached + c.num_tokens == len(c.seq.token_ids) for c in chunks]  # short prompt chunks: none
+        constraints = [st.request.constraint if d else None for st, d in zip(states, drew)]
+        read: list[list[TokenOutput]] = []
+
+        def before_masks() -> list[int]:
+            """The step in flight read: its draws move the grammars and penalties this step's masks come from."""
+            read.append(self._read(flight, began))
+            undone = {id(state) for state, _, _ in self.rolling_back}
+            return [row for row, (c, st) in enumerate(zip(chunks, states))
+                    if s.state_of(c) is not st or id(st) in undone]
+        constrained = any(c is not None for c in constraints)
+        result = s.engine.launch(chunks, [st.request.params for st in states], [st.num_generated for st in states],
+                                 constraints if constrained else None,
+                                 before_masks=before_masks if constrained and flight is not None else None)
         tokens = sum(c.num_tokens for c in chunks)
         prefill = sum(c.num_tokens for c, st in zip(chunks, states) if not (c.num_tokens == 1 and st.num_generated))
-        result = s.engine.launch(chunks, [st.request.params for st in states], [st.num_generated for st in states])
         s.stats.prefill_tokens += prefill
         s.stats.steps += 1
         s.stats.step_tokens[tokens] += 1
-        drew = []
-        for chunk, st in zip(chunks, states):
-            seq = chunk.seq
-            drew.append(seq.num_cached == len(seq.token_ids))  # a prompt chunk short of the end draws no token
-            if drew[-1]:
+        for chunk, st, d in zip(chunks, states, drew):
+            if d and s.state_of(chunk) is st:  # not ended by the read inside the launch
+                seq = chunk.seq
                 seq.token_ids.append(PENDING)
                 st.num_generated += 1
                 st.pending.append((len(seq.token_ids) - 1, st.num_generated))
                 st.ending = st.num_generated >= st.request.params.max_tokens or \
                     len(seq.token_ids) >= s.config.max_model_len
-        return InFlight(chunks, states, result, drew, tokens, prefill)
+        return InFlight(chunks, states, result, drew, tokens, prefill), (read[0] if read else None)
 
     def _read(self, flight: InFlight, began: float) -> list[TokenOutput]:
         """The step's tokens into their sequences, in order, as the plain step's do; a sequence finished or aborted
-        since its launch is passed over."""
+        since its launch is passed over, and one whose draw is stale is rolled back once no launch is open."""
         s = self.scheduler
         result = flight.result()
         outputs, now, stale = [], time.monotonic(), set(result.stale)
@@ -119,7 +143,7 @@ class Overlap:
                 continue  # rolled back: this row read a token that was never drawn
             index, generated = st.pending.popleft()
             if row in stale:
-                self._roll_back(st, index, generated)
+                self.rolling_back.append((st, index, generated))
                 continue
             chunk.seq.token_ids[index] = result.tokens[row]
             record_blocks(st, s.cache, s.snapshots, s.engine)

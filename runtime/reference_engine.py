@@ -2,7 +2,7 @@
 It is the oracle for the GPU runtime and the `--device cpu` path of generate and serve."""
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import numpy as np
 
@@ -11,12 +11,13 @@ from pegainfer.frontends.features import FEATURES
 from pegainfer.frontends.load import LoadedModel
 from pegainfer.ir.graph import Graph
 from pegainfer.ir.interpreter import run_graph
-from pegainfer.ir.step import LORA_SLOTS, SLOT_POOL, has_recurrent_state, sampler_outputs
+from pegainfer.ir.step import (LORA_SLOTS, PENALTY_ENTRIES, PENALTY_START, SLOT_POOL, has_recurrent_state,
+                               sampler_outputs)
 from pegainfer.passes.fusion import TAIL_TOP_K
 from pegainfer.runtime.batch import Chunk, Sequence, commit_step, pack_step, release_sequence
 from pegainfer.runtime.constraint import TokenConstraint
 from pegainfer.runtime.device_sampling import (SampleResult, device_masks, finish, mask_inputs, masked_logits,
-                                               sampling_inputs, tail_reference)
+                                               penalty_inputs, sampling_inputs, tail_reference)
 from pegainfer.runtime.kv_blocks import BlockAllocator
 from pegainfer.runtime.pending_tokens import pending_rows
 from pegainfer.runtime.sampler import SamplingParams
@@ -50,6 +51,7 @@ class ReferenceEngine:
         self.states = {name: np.zeros(t.concrete(sizes), dtype=t.dtype.np_dtype) for name, t in states.items()}
         self.pooled = [name for name, t in states.items() if t.shape[0] == SLOT_POOL]  # copy_state's
         self.drawn: tuple[dict[int, int], list[int]] = ({}, [])  # the last launch's draws: seq_id -> row, tokens
+        self.launches = 0
 
     def step(self, chunks: list[Chunk], *, all_logits: bool = False) -> np.ndarray:
         """Runs one packed step and returns float32 logits, one row per chunk (or per token with all_logits)."""
@@ -69,14 +71,25 @@ class ReferenceEngine:
 
     def launch(self, chunks: list[Chunk], params: list[SamplingParams], token_index: list[int],
                constraints: list[TokenConstraint | None] | None = None,
-               launched: Callable[[], None] | None = None) -> Callable[[], SampleResult]:
-        """`sample`, its result handed back through a call as the GPU engine's launch does (here the step has run
-        by then); a PENDING token (runtime/pending_tokens.py) is the one the last launch drew."""
-        sampling = sampling_inputs(params, token_index, self.rng)
-        masks = device_masks(constraints, self.vocab_size)
-        inputs = pack_step(chunks, self.allocator, lora=self.lora) | sampling | mask_inputs(len(params), masks)
+               launched: Callable[[], None] | None = None,
+               before_masks: Callable[[], Collection[int]] | None = None) -> Callable[[], SampleResult]:
+        """`sample`, its result handed back through a call as the GPU engine's launch does: the step has run by then,
+        but a row drawn on the host from its logits and read after a later launch is `stale` (the GPU's logits are
+        overwritten by then). A PENDING token (runtime/pending_tokens.py) is the one the last launch's tail drew.
+        `before_masks()`, with constraints: called before the masks are filled; the rows it gives draw without their
+        constraints. A lowered graph draws penalties in its tail, as the GPU's does."""
+        self.launches += 1  # before the read inside it: that step's logits count as gone
+        launch, sampling = self.launches, sampling_inputs(params, token_index, self.rng)
+        inputs = pack_step(chunks, self.allocator, lora=self.lora) | sampling
         for row, draw in pending_rows(chunks, inputs["seq_starts"], self.drawn[0]):
             inputs["input_ids"][row] = self.drawn[1][draw]
+        if constraints is not None and any(c is not None for c in constraints) and before_masks is not None:
+            dead = set(before_masks())  # once the step is packed, as the GPU engine calls it
+            constraints = [None if row in dead else c for row, c in enumerate(constraints)]
+        masks = device_masks(constraints, self.vocab_size)
+        penalties, penalized = penalty_inputs(constraints, params, len(params), PENALTY_ENTRIES) \
+            if constraints and PENALTY_START in self.graph.inputs else ({}, set())
+        inputs |= mask_inputs(len(params), masks) | (penalties if penalized else {})
         if launched is not None:
             launched()
         outputs = dict(zip(self.graph.outputs, self.execute(inputs)))
@@ -85,11 +98,16 @@ class ReferenceEngine:
         names = sampler_outputs(self.graph)  # a lowered graph samples itself (under the masks)
         tail = {role: outputs[name] for role, name in names.items()} if names else \
             tail_reference(masked_logits(logits, masks), sampling, TAIL_TOP_K)
-        result = finish(tail, sampling, params, lambda row: logits[row], constraints, masks)
-        result.features = outputs.get(FEATURES)
         rows = range(len(chunks)) if len(params) == len(chunks) else range(0)  # one draw a chunk: rows as chunks
-        self.drawn = ({chunks[r].seq.seq_id: r for r in rows}, list(result.tokens))
-        return lambda: result
+        self.drawn = ({chunks[r].seq.seq_id: r for r in rows}, [int(t) for t in tail["sampled_ids"]])
+
+        def result() -> SampleResult:
+            assert self.launches - launch <= 1, "a step is read before a second launch after it"
+            drawn = finish(tail, sampling, params, lambda row: logits[row], constraints, masks, penalized,
+                           logits_gone=self.launches != launch)
+            drawn.features = outputs.get(FEATURES)
+            return drawn
+        return result
 
     def execute(self, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
         """The graph's outputs for one packed step, its KV and recurrent states updated in place."""

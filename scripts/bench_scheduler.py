@@ -31,7 +31,8 @@ class InstantEngine:
         self.pack_seconds, self.overlaps = 0.0, overlaps
         self.drawn: dict[int, int] = {}  # the last launch's draws by sequence, as the engines keep them
 
-    def launch(self, chunks: list[Chunk], params, token_index, constraints=None) -> Callable[[], SampleResult]:
+    def launch(self, chunks: list[Chunk], params, token_index, constraints=None,
+               before_masks=None) -> Callable[[], SampleResult]:
         started = time.perf_counter()
         step = pack_step(chunks, self.allocator)
         pending_rows(chunks, step["seq_starts"], self.drawn)

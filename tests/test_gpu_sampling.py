@@ -25,8 +25,9 @@ from pegainfer.ir.graph import KERNEL
 from pegainfer.ir.ops.penalties import Penalties
 from pegainfer.ir.ops.sampling import UNRESOLVED, gumbel, philox4x32, sample_row
 from pegainfer.ir.registry import get_op
-from pegainfer.ir.step import (PENALTY_COUNT, PENALTY_IDS, PENALTY_START, PENALTY_TERMS, SAMPLING_INPUTS,
-                                TOKEN_BITMASK, TOKEN_MASK_INDEX, TOP_LOGPROBS, mask_words, sampler_outputs)
+from pegainfer.ir.step import (PENALTY_COUNT, PENALTY_ENTRIES, PENALTY_IDS, PENALTY_START, PENALTY_TERMS,
+                                SAMPLING_INPUTS, TOKEN_BITMASK, TOKEN_MASK_INDEX, TOP_LOGPROBS, mask_words,
+                                sampler_outputs)
 from pegainfer.passes.pipeline import lower
 from pegainfer.runtime.batch import Chunk, Sequence, pack_step
 from pegainfer.runtime.constraint import PenaltyState, pack_mask
@@ -34,7 +35,6 @@ from pegainfer.runtime.device_sampling import finish, greedy_inputs, no_penaltie
 from pegainfer.runtime.gpu.abi import DeviceTensor
 from pegainfer.runtime.gpu.engine import GpuEngine
 from pegainfer.runtime.gpu.step_padding import pad_decode_step
-from pegainfer.runtime.gpu.executor import PENALTY_ENTRIES
 from pegainfer.runtime.kv_blocks import BlockAllocator
 from pegainfer.runtime.offline import generate_one
 from pegainfer.runtime.reference_engine import ReferenceEngine

@@ -14,7 +14,6 @@ import numpy as np
 from pegainfer.errors import PegainferError
 from pegainfer.frontends.features import FEATURES
 from pegainfer.frontends.load import LoadedModel
-from pegainfer.ir.ops.sampling import UNRESOLVED
 from pegainfer.ir.step import LORA_SLOTS, TOKEN_BITMASK, has_recurrent_state, mask_words, sampler_outputs
 from pegainfer.passes.pipeline import lower
 from pegainfer.runtime.batch import Chunk, Sequence, commit_step, pack_step, release_sequence
@@ -173,23 +172,29 @@ class GpuEngine:
 
     def launch(self, chunks: list[Chunk], params: list[SamplingParams], token_index: list[int],
                constraints: list[TokenConstraint | None] | None = None,
-               inputs: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None
-               ) -> Callable[[], SampleResult]:
+               inputs: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None,
+               before_masks: Callable[[], Collection[int]] | None = None) -> Callable[[], SampleResult]:
         """Queues a step drawing a token per chunk (the tail's `sample` op, under grammar bitmasks and penalties)
         and its downloads; the call it returns waits for those: tokens, logprobs, top-k candidates where a row asks
         top logprobs, a logits row only for a row the device left unresolved or whose constraint the tail cannot
         take (device_sampling.finish draws it), or `stale` where a later launch overwrote the logits. `inputs(step)`:
-        graph inputs of its own (a draft head's features; token_output rows back as `features`)."""
+        graph inputs of its own (a draft head's features; token_output rows back as `features`). `before_masks()`,
+        with constraints: called once the layers are queued, before the masks are filled (the step before is read
+        there); it gives the rows whose draws will not be read, their constraints left out."""
         sampling = sampling_inputs(params, token_index, self.rng)
         masks: dict[int, np.ndarray] = {}
         penalized: set[int] = set()
+        live = list(constraints or [])
 
         def fill_late(rows: int) -> dict[str, np.ndarray]:  # while the GPU runs the layers
-            masks.update(device_masks(constraints, self.vocab_size))
-            penalties, on_device = penalty_inputs(constraints, params, rows, self.executor.limits.penalties)
+            for row in before_masks() if before_masks is not None else ():
+                live[row] = None
+            masks.update(device_masks(live, self.vocab_size))
+            penalties, on_device = penalty_inputs(live, params, rows, self.executor.limits.penalties)
             penalized.update(on_device)
             return mask_inputs(rows, masks) | (penalties if on_device else {})
-        constrained = constraints is not None and any(c is not None for c in constraints)
+        self.launches += 1  # before the layers: a step read inside this one's fill_late finds its logits gone
+        launch, constrained = self.launches, any(c is not None for c in live)
         outputs, draws, tokens = self._run(chunks, False, sampling, fill_late if constrained else None, verify=True,
                                            inputs=inputs)
         rows = np.arange(len(params)) if draws is None else draws  # the draws' rows of the step's outputs
@@ -201,20 +206,14 @@ class GpuEngine:
         features = outputs[self.token_output] if self.token_output is not None else None
         together = features is not None and features.nbytes <= FEATURES_WITH_TOKENS and features.dense
         download = self.executor.fetch_later([outputs[names[role]] for role in wanted] + [features] * together)
-        self.launches += 1
-        launch = self.launches
 
         def result() -> SampleResult:
             assert self.launches - launch <= 1, "a step's downloads are read before a second launch reuses them"
             fetched = download()
             logits = outputs[self.executor.graph.outputs[0]]
-            stale = [r for r, token in enumerate(fetched[0][rows]) if token == UNRESOLVED] \
-                if self.launches != launch else []  # a later step has overwritten the logits
-            row_logits = (lambda row: np.zeros(self.vocab_size, np.float32)) if stale else \
-                (lambda row: self.executor.fetch(logits.row(int(rows[row])))[0].astype(np.float32))
-            result = finish({role: array[rows] for role, array in zip(wanted, fetched)}, sampling, params, row_logits,
-                            constraints, masks, penalized)
-            result.stale = stale
+            result = finish({role: array[rows] for role, array in zip(wanted, fetched)}, sampling, params,
+                            lambda row: self.executor.fetch(logits.row(int(rows[row])))[0].astype(np.float32),
+                            live or None, masks, penalized, logits_gone=self.launches != launch)
             if features is not None:  # a decode or verify step's rows come back with its tokens, in one wait
                 result.features = (fetched[-1] if together else self.executor.fetch(features))[tokens]
             return result

@@ -16,7 +16,7 @@ from pegainfer.backends.spec import ParamKind, first_serving, planes_of, runtime
 from pegainfer.errors import PegainferError
 from pegainfer.ir.graph import KERNEL, REPEAT, Graph, instantiate
 from pegainfer.ir.kernel import in_place_outputs
-from pegainfer.ir.step import SLOT_POOL, launch_sizes, mask_words
+from pegainfer.ir.step import PENALTY_ENTRIES, SLOT_POOL, launch_sizes, mask_words
 from pegainfer.ir.types import TensorType
 from pegainfer.passes.kernels import is_collective
 from pegainfer.runtime.cuda import driver
@@ -33,7 +33,6 @@ from pegainfer.runtime.gpu.upload import params_bytes, upload_weights
 # decode tiles were chosen launched so (docs/BENCHMARKS.md); larger steps launch every kernel plainly.
 PDL_MAX_TOKENS = 16
 TAIL_KINDS = ("lm_head_tail", "sampler_tail")  # the kernel that draws the tokens (fusion.py's plan_sampler_tail)
-PENALTY_ENTRIES = 65536  # a step's penalty entries on the device: 1 MB of ids and terms
 
 
 @dataclass(frozen=True)

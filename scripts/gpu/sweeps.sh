@@ -20,7 +20,8 @@
 #       max_position_embeddings pass 40960 get --max-model-len 4096 (the sweep needs 1152)
 #   structured: a Qwen3-4B-shape checkpoint with a byte-level BPE tokenizer (JSON needs punctuation), served with
 #       xgrammar (.gpu/xg), and scripts/gpu/structured_sweep.py at concurrency $STRUCTURED_CONC (32): the same load
-#       with a JSON schema on every request against none, two rounds each
+#       with a JSON schema on every request against none, two rounds each; structured:plain: the same server with
+#       --no-async-scheduling
 #   async:CONFIG: scripts/gpu/async_check.py, async scheduling against plain steps in-process (tokens, wall time)
 #   gate:CASE,CASE,..: the 4B golden gate against Hugging Face bf16 (scripts/gpu/check.py's gate4b), those cases
 #       (batch4, batch1, graph_batch9, graph_batch17/33/65/129, mixed_steps, ...)
@@ -91,17 +92,19 @@ PY
             grep -E 'startup_seconds|random_checkpoint' "$OUT/serve_$config-$variant.txt"; } \
             >>"$OUT/summary.txt"
         ;;
-    structured)
+    structured|structured:plain)
         python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_xg .gpu/xg/*.whl || exit 1
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
             .gpu/wheels/*.whl || exit 1
         export PYTHONPATH=$PYTHONPATH:/tmp/site:/tmp/site_xg
         [ -f /tmp/qwen3-4b-bpe/config.json ] || python3 scripts/gpu/random_checkpoint.py qwen3-4b /tmp/qwen3-4b-bpe \
             --tokenizer bpe 2>&1 | tee "$OUT/structured_checkpoint.txt"
-        python3 -m pegainfer.cli serve --model-path /tmp/qwen3-4b-bpe --device cuda --port 8000 \
-            --served-model-name qwen3-4b --trace-steps "$OUT/structured_trace.jsonl" >"$OUT/structured_serve.log" 2>&1 &
+        way=$([ "$part" = structured:plain ] && echo --no-async-scheduling); tag=${way:+_plain}
+        python3 -m pegainfer.cli serve --model-path /tmp/qwen3-4b-bpe --device cuda --port 8000 $way \
+            --served-model-name qwen3-4b --trace-steps "$OUT/structured_trace$tag.jsonl" \
+            >"$OUT/structured_serve$tag.log" 2>&1 &
         pid=$!
-        python3 - "$pid" <<'PY' || { tail -30 "$OUT/structured_serve.log"; kill $pid; continue; }
+        python3 - "$pid" <<'PY' || { tail -30 "$OUT/structured_serve$tag.log"; kill $pid; continue; }
 import os, sys, time, httpx
 for _ in range(1200):
     try:
@@ -115,11 +118,12 @@ for _ in range(1200):
 sys.exit(1)
 PY
         timeout 300 python3 scripts/gpu/structured_sweep.py --model qwen3-4b --tokenizer /tmp/qwen3-4b-bpe \
-            --concurrency "${STRUCTURED_CONC:-32}" --trace "$OUT/structured_trace.jsonl" --out "$OUT" 2>&1 \
-            | tee "$OUT/structured.txt"
+            --concurrency "${STRUCTURED_CONC:-32}" --trace "$OUT/structured_trace$tag.jsonl" \
+            --out "$OUT/structured$tag" 2>&1 | tee "$OUT/structured$tag.txt"
         kill $pid; wait $pid
-        { echo "structured outputs, concurrency ${STRUCTURED_CONC:-32}:"; tail -6 "$OUT/structured.txt"; } >>"$OUT/summary.txt"
-        grep -c Traceback "$OUT/structured_serve.log"
+        { echo "structured outputs, concurrency ${STRUCTURED_CONC:-32}${way:+ ($way)}:"
+          tail -6 "$OUT/structured$tag.txt"; } >>"$OUT/summary.txt"
+        grep -c Traceback "$OUT/structured_serve$tag.log"
         ;;
     async:*)
         timeout 300 python3 "$PEGAINFER_SRC/scripts/gpu/async_check.py" "${part#async:}" --out "$OUT/async" 2>&1 \
