@@ -8,8 +8,10 @@ sampler tail takes (grammars with bitmasks, penalties without top logprobs: cons
 and penalties of a step holding such a row depend on the token drawn just before, so that step's layers are
 launched first and the step in flight is read between them and its sampler tail (the engine's `before_masks`),
 while the GPU runs the layers; a row whose request that read ended or rolled back draws without its constraint.
-Anything else (and speculation, recurrent state, a host KV tier, a step that would preempt) runs the plain steps of
-runtime/scheduler.py. A sequence that stops on a token learnt one step late has one wasted row in the step after;
+Anything else (and speculation, a host KV tier, a step that would preempt) runs the plain steps of
+runtime/scheduler.py. A model with recurrent layers takes part: its state snapshots are copied as the step ending on
+a block boundary is launched (runtime/block_records.py), and a sequence rolled back is preempted, its state having
+run the rows after the draw. A sequence that stops on a token learnt one step late has one wasted row in the step after;
 its blocks are freed while that step runs, and reused only by steps queued after it on the same stream. A draw
 whose logits the host needs (one the device left unresolved: a top-p, min-p or wide top-k cut reaching past the
 tail's candidates, logits not finite; a grammar that failed or allows nothing; penalties past the tail's capacity)
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pegainfer.runtime.batch import Chunk
-from pegainfer.runtime.block_records import record_blocks
+from pegainfer.runtime.block_records import record_blocks, snapshot_at_launch
 from pegainfer.runtime.constraint import drawn_in_tail
 from pegainfer.runtime.device_sampling import SampleResult
 from pegainfer.runtime.pending_tokens import PENDING
@@ -118,7 +120,10 @@ class Overlap:
         s.stats.steps += 1
         s.stats.step_tokens[tokens] += 1
         for chunk, st, d in zip(chunks, states, drew):
-            if d and s.state_of(chunk) is st:  # not ended by the read inside the launch
+            if s.state_of(chunk) is not st:  # ended by the read inside the launch
+                continue
+            snapshot_at_launch(st, s.snapshots, s.engine, s.block_size)
+            if d:
                 seq = chunk.seq
                 seq.token_ids.append(PENDING)
                 st.num_generated += 1
@@ -137,7 +142,7 @@ class Overlap:
             if s.state_of(chunk) is not st:
                 continue
             if not drew:
-                record_blocks(st, s.cache, s.snapshots, s.engine)
+                record_blocks(st, s.cache, s.snapshots, s.engine, copy=False)
                 continue
             if not st.pending:
                 continue  # rolled back: this row read a token that was never drawn
@@ -146,7 +151,7 @@ class Overlap:
                 self.rolling_back.append((st, index, generated))
                 continue
             chunk.seq.token_ids[index] = result.tokens[row]
-            record_blocks(st, s.cache, s.snapshots, s.engine)
+            record_blocks(st, s.cache, s.snapshots, s.engine, copy=False)
             outputs.append(s.emit(st, result.tokens[row], result.logprobs[row], now, generated, index + 1))
         s.last_step = StepRecord(began, time.monotonic() - began, len(flight.chunks), flight.tokens, flight.prefill,
                                  len(outputs))
@@ -154,10 +159,13 @@ class Overlap:
 
     def _roll_back(self, state: RequestState, index: int, generated: int) -> None:
         """Forgets the unresolved draw at `index` and anything after it; the token before runs again, and the
-        request's steps are plain from now on (its draws may need their logits on the host again)."""
+        request's steps are plain from now on (its draws may need their logits on the host again). A recurrent
+        layer's state has run the rows after it: the sequence is preempted, to be recomputed."""
         seq = state.seq
         del seq.token_ids[index:]
         seq.num_cached = index - 1
         state.num_generated, state.ending, state.overlappable = generated - 1, False, False
         state.pending.clear()
         self.plain_next = True
+        if self.scheduler.allocator.state_slots:
+            self.scheduler.preempt(state)

@@ -17,6 +17,7 @@ class RequestState:
     num_generated: int = 0
     num_cached_tokens: int = 0
     generated_snapshot: bytes | None = None  # the boundary of its latest state snapshot past the prompt
+    unnamed_snapshots: list[tuple[int, int]] = field(default_factory=list)  # (boundary, row): copied at launches
     admitted: bool = False
     first_scheduled: float = 0.0
     prompt_steps: list[dict[int, float]] | None = None  # prompt logprobs so far, where the request asks

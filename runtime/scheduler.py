@@ -105,7 +105,7 @@ class Scheduler:
         self._reserved = 0
         self.last_step: StepRecord | None = None
         self.overlap = Overlap(self) if config.async_scheduling and getattr(engine, "overlaps", False) and not \
-            (speculator or slots or host) else None
+            (speculator or host) else None
 
     # --- requests in and out ---------------------------------------------------------------------------------
 
@@ -241,7 +241,7 @@ class Scheduler:
             if ahead:
                 return None
             victim = next(s for s in reversed(self.running) if s.seq.seq_id not in scheduled)
-            self._preempt(victim)
+            self.preempt(victim)
             if victim is state:
                 return False
         return True
@@ -314,7 +314,8 @@ class Scheduler:
         self._reserved += need
         return True
 
-    def _preempt(self, state: RequestState) -> None:
+    def preempt(self, state: RequestState) -> None:
+        """Back to the head of the queue, its blocks freed: recomputed from its tokens when admitted again."""
         self._stop(state)
         self._free(state)
         self.waiting.appendleft(state)
@@ -330,6 +331,9 @@ class Scheduler:
             state.seq.table.blocks = self.cache.release(state.seq.table.blocks)
         self.engine.release(state.seq)
         state.block_hashes = []
+        for _, row in state.unnamed_snapshots:  # copied at launches whose reads never named them
+            self.snapshots.release(row)
+        state.unnamed_snapshots = []
         if self.spec:
             self.spec.release(state.seq.seq_id)
         if state.seq.lora_slot >= 0:

@@ -5,7 +5,9 @@ of its last step. So the scheduler copies a sequence's state row into a snapshot
 block boundary whose block is cached (prompt chunks are cut to end on one), keyed by that block's hash; a hit is
 then cut back to the deepest cached block with a snapshot, which is copied into the sequence's own row before its
 first step. Rows are few and large (megabytes a layer), so they are reused least recently used first, and a
-snapshot goes with its block when the prefix cache evicts that.
+snapshot goes with its block when the prefix cache evicts that. Under async scheduling the copy is queued when the
+step ending on the boundary is launched (a later step moves the state on before that one is read) into a row
+reserved without a name, named once the read knows the block's tokens and so its hash.
 """
 
 from collections import OrderedDict
@@ -36,13 +38,30 @@ class StateSnapshots:
         self.restored += 1
         return self._row_of[block_hash]
 
-    def take(self, block_hash: bytes) -> int:
-        """A row to copy the state at `block_hash`'s boundary into: a free one, else the least recently used."""
-        assert block_hash not in self._row_of and self.capacity > 0, "one snapshot a boundary, in rows kept for them"
-        row = self._free.pop() if self._free else self._row_of.popitem(last=False)[1]
+    def take(self, block_hash: bytes) -> int | None:
+        """A row to copy the state at `block_hash`'s boundary into (reserve, then name); None while every row is
+        reserved."""
+        row = self.reserve()
+        if row is not None:
+            self.name(row, block_hash)
+        return row
+
+    def reserve(self) -> int | None:
+        """A row for a state whose boundary's hash is not known yet: a free one, else the least recently used
+        snapshot's; None while every row is reserved. It is `name`d or `release`d later."""
+        if self._free:
+            return self._free.pop()
+        return self._row_of.popitem(last=False)[1] if self._row_of else None
+
+    def name(self, row: int, block_hash: bytes) -> None:
+        """A reserved row now holds the state at `block_hash`'s boundary."""
+        assert block_hash not in self._row_of, "one snapshot a boundary"
         self._row_of[block_hash] = row
         self.taken += 1
-        return row
+
+    def release(self, row: int) -> None:
+        """A reserved row given back unnamed (its sequence ended before its boundary's hash was known)."""
+        self._free.append(row)
 
     def drop(self, block_hash: bytes) -> None:
         """Forgets the snapshot at `block_hash`'s boundary, if any (its block was evicted, or superseded)."""

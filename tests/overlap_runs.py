@@ -46,6 +46,9 @@ class Tracing:
     def release(self, seq) -> None:
         self.engine.release(seq)
 
+    def copy_state(self, src: int, dst: int) -> None:
+        self.engine.copy_state(src, dst)
+
     def overlapped(self) -> int:
         """Launches made while the step before was still unread."""
         unread, count = set(), 0

@@ -29,6 +29,11 @@ def model(tiny_checkpoint):
     return load_model(tiny_checkpoint)
 
 
+@pytest.fixture(scope="module")
+def hybrid(checkpoint_factory):
+    return load_model(checkpoint_factory("qwen3_5_hybrid"))
+
+
 def mixed_requests(count: int = 7) -> list[EngineRequest]:
     """Prompts of several lengths (two sharing a prefix), greedy and seeded sampling, top-k, top-p (whose kept set
     may reach past the tail's candidates: drawn on the host), logprobs, and max_tokens of each request's own."""
@@ -127,12 +132,13 @@ def random_requests(rng: np.random.Generator, count: int, max_model_len: int) ->
     return requests
 
 
-@pytest.mark.parametrize("seed", range(12))
-def test_random_loads_give_the_plain_steps_tokens_and_never_hash_a_pending_token(model, seed):
+@pytest.mark.parametrize("kind, seed", [("model", s) for s in range(12)] + [("hybrid", s) for s in range(4)])
+def test_random_loads_give_the_plain_steps_tokens_and_never_hash_a_pending_token(request, kind, seed):
     """Random prompts (some sharing a prefix), sampling, max_tokens, stops on a token drawn early, context limits,
     pools small enough to preempt, the prefix cache on or off, an abort and an unresolved draw: the same tokens and
     finish reasons as plain steps; after every step each PENDING token is one the sequence waits for, and no cached
-    block's tokens hold one."""
+    block's tokens hold one. On the dense model and on a recurrent one (state snapshots at launch)."""
+    model = request.getfixturevalue(kind)
     rng = np.random.default_rng(seed)
     config = dict(prefix_cache=bool(rng.integers(0, 2)), max_model_len=int(rng.integers(30, 80)),
                   max_num_seqs=int(rng.integers(1, 5)), kv_tokens=int(rng.choice([4096, 160])))
@@ -151,6 +157,31 @@ def test_random_loads_give_the_plain_steps_tokens_and_never_hash_a_pending_token
                       unresolve=frozenset({int(rng.integers(2, 6))}), **config)
     assert_same({k: v for k, v in ahead.items() if k != aborted}, {k: v for k, v in plain.items() if k != aborted})
     assert_same({aborted: ahead[aborted]}, {aborted: plain[aborted][:len(ahead[aborted])]})
+
+
+def test_a_recurrent_model_goes_ahead_and_its_snapshots_taken_at_launch_serve_prefix_hits(hybrid):
+    """Qwen3.5's layers keep a state row a sequence, moved on by the next step before this one is read: a snapshot
+    at a block boundary is copied as the step ending there is launched and named at its read. One sequence at a
+    time, so the second request hits the first one's prefix in both ways."""
+    prefix = list(range(100, 150))
+    requests = [EngineRequest("a", prefix + [7, 8, 9], replace(GREEDY, max_tokens=20)),
+                EngineRequest("b", prefix + [3], SamplingParams(temperature=1.0, seed=2, max_tokens=9))]
+    plain, plain_scheduler, _ = run(hybrid, requests, overlap=False, max_num_seqs=1)
+    ahead, scheduler, engine = run(hybrid, requests, overlap=True, max_num_seqs=1)
+    assert_same(ahead, plain)
+    assert engine.overlapped() >= 10 and scheduler.overlap is not None
+    assert scheduler.snapshots.taken == plain_scheduler.snapshots.taken >= 3
+    assert scheduler.snapshots.restored == plain_scheduler.snapshots.restored == 1
+    assert ahead["b"] and scheduler.stats.prompt_tokens > 0
+
+
+def test_a_recurrent_sequence_rolled_back_is_recomputed(hybrid):
+    """Its state has run the rows after the unresolved draw: it is preempted and recomputed from its tokens."""
+    requests = mixed_requests(3)
+    plain, _, _ = run(hybrid, requests, overlap=False, max_num_seqs=8)
+    ahead, scheduler, _ = run(hybrid, requests, overlap=True, max_num_seqs=8, unresolve=frozenset({3}))
+    assert_same(ahead, plain)
+    assert scheduler.stats.preemptions == 1
 
 
 def test_pending_rows_pair_each_pending_decode_row_with_its_draw():
