@@ -22,9 +22,10 @@ class Engine(Protocol):
 
     def release(self, seq: Sequence) -> None: ...
 
-    # Where an engine also has `launch(chunks, params, token_index) -> Callable[[], SampleResult]` and `overlaps`
-    # (both engines; not a sharded GPU engine), the scheduler may launch a step before it reads the one before
-    # (runtime/overlap.py).
+    # Where an engine also has `launch(chunks, params, token_index, constraints, before_masks=...) ->
+    # Callable[[], SampleResult]` and `overlaps` (both engines; not a sharded GPU engine), the scheduler may launch a
+    # step before it reads the one before (runtime/overlap.py); `before_masks()` is called between the step's layers
+    # and its sampler tail, before its grammar masks and penalties are filled.
 
     def step(self, chunks: list[Chunk], *, all_logits: bool = False) -> np.ndarray: ...
 

@@ -8,16 +8,18 @@ sampler tail takes (grammars with bitmasks, penalties without top logprobs: cons
 and penalties of a step holding such a row depend on the token drawn just before, so that step's layers are
 launched first and the step in flight is read between them and its sampler tail (the engine's `before_masks`),
 while the GPU runs the layers; a row whose request that read ended or rolled back draws without its constraint.
-Anything else (and speculation, a host KV tier, a step that would preempt) runs the plain steps of
-runtime/scheduler.py. A model with recurrent layers takes part: its state snapshots are copied as the step ending on
-a block boundary is launched (runtime/block_records.py), and a sequence rolled back is preempted, its state having
-run the rows after the draw. A sequence that stops on a token learnt one step late has one wasted row in the step after;
-its blocks are freed while that step runs, and reused only by steps queued after it on the same stream. A draw
-whose logits the host needs (one the device left unresolved: a top-p, min-p or wide top-k cut reaching past the
-tail's candidates, logits not finite; a grammar that failed or allows nothing; penalties past the tail's capacity)
-and a later step has overwritten is rolled back: its last token runs again in a plain step, where the host reads
-its logits, and its request takes plain steps from then on. A step's trace line (StepRecord) spans the call that
-reads it: the next step's scheduling and launch, then the wait and the read."""
+Models with recurrent layers take part too: a state snapshot is copied as the step ending on its block boundary is
+launched (runtime/block_records.py). Anything else (speculation, a host KV tier, a step that would preempt) runs
+the plain steps of runtime/scheduler.py.
+
+A sequence that stops on a token learnt one step late has one wasted row in the step after; its blocks are freed
+while that step runs, and reused only by steps queued after it on the same stream. A draw whose logits the host
+needs (one the device left unresolved: a top-p, min-p or wide top-k cut reaching past the tail's candidates, logits
+not finite; a grammar that failed or allows nothing; penalties past the tail's capacity) read after a later step
+has overwritten them is rolled back: its last token runs again in a plain step, where the host reads its logits,
+and its request takes plain steps from then on (a recurrent sequence, whose state has run the rows after the draw,
+is preempted and recomputed). A step's trace line (StepRecord) spans the call that reads it: the next step's
+scheduling and launch, then the wait and the read."""
 
 import time
 from collections.abc import Callable
@@ -159,8 +161,7 @@ class Overlap:
 
     def _roll_back(self, state: RequestState, index: int, generated: int) -> None:
         """Forgets the unresolved draw at `index` and anything after it; the token before runs again, and the
-        request's steps are plain from now on (its draws may need their logits on the host again). A recurrent
-        layer's state has run the rows after it: the sequence is preempted, to be recomputed."""
+        request's steps are plain from now on (its draws may need their logits on the host again)."""
         seq = state.seq
         del seq.token_ids[index:]
         seq.num_cached = index - 1

@@ -1,8 +1,9 @@
 """Async scheduling (runtime/overlap.py) on the reference engine: the next step is launched before the tokens of
 the one in flight are read, its pending tokens filled from that step's draws, and every request gets the tokens,
 logprobs and finish reasons the plain steps give (sampling, stops learnt a step late, chunked prefill, admissions,
-prefix hits, preemption, aborts, a draw the device left unresolved; and over seeded random loads); the GPU engine's
-device copies of pending tokens and its downloads; an embedding of an id outside the table reads zeros."""
+prefix hits, preemption, aborts, a draw the device left unresolved; and over seeded random loads), on a dense model
+and on a recurrent one (state snapshots copied at launch); the GPU engine's device copies of pending tokens and its
+downloads; an embedding of an id outside the table reads zeros."""
 
 from dataclasses import replace
 from types import SimpleNamespace
