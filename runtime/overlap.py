@@ -9,8 +9,8 @@ and penalties of a step holding such a row depend on the token drawn just before
 launched first and the step in flight is read between them and its sampler tail (the engine's `before_masks`),
 while the GPU runs the layers; a row whose request that read ended or rolled back draws without its constraint.
 Models with recurrent layers take part too: a state snapshot is copied as the step ending on its block boundary is
-launched (runtime/block_records.py). Anything else (speculation, a host KV tier, a step that would preempt) runs
-the plain steps of runtime/scheduler.py.
+launched (runtime/block_records.py); so does a host KV tier, whose copies follow the steps queued before them.
+Speculation, and a step that would preempt, run the plain steps of runtime/scheduler.py.
 
 A sequence that stops on a token learnt one step late has one wasted row in the step after; its blocks are freed
 while that step runs, and reused only by steps queued after it on the same stream. A draw whose logits the host

@@ -105,7 +105,7 @@ class Scheduler:
         self._reserved = 0
         self.last_step: StepRecord | None = None
         self.overlap = Overlap(self) if config.async_scheduling and getattr(engine, "overlaps", False) and not \
-            (speculator or host) else None
+            speculator else None
 
     # --- requests in and out ---------------------------------------------------------------------------------
 

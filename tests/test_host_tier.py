@@ -1,7 +1,7 @@
 """The host KV tier on the CPU engine: a prefix the device pool had to evict is copied back from host blocks instead
 of recomputed, giving a cold run's tokens and logprobs; under pressure on both tiers with random aborts every output
-equals the request alone and every block of both tiers ends free or cached; a tier past the host's memory is
-refused with the numbers."""
+equals the request alone and every block of both tiers ends free or cached; async scheduling gives the plain steps'
+tokens; a tier past the host's memory is refused with the numbers."""
 
 import numpy as np
 import pytest
@@ -62,11 +62,13 @@ class LateRestores(ReferenceEngine):
             super().restore_blocks(handle[0])
 
 
-def make(model, device_tokens: int, host_blocks: int, max_seqs: int = 4, late: bool = False):
+def make(model, device_tokens: int, host_blocks: int, max_seqs: int = 4, late: bool = False,
+         async_scheduling: bool = True):
     engine = (LateRestores if late else ReferenceEngine)(model, max_tokens=device_tokens, block_size=BLOCK,
                                                          max_seqs=max_seqs)
     host = HostTier(engine, host_blocks, BLOCK) if host_blocks else None
-    config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=256, max_model_len=256)
+    config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=256, max_model_len=256,
+                             async_scheduling=async_scheduling)
     return Scheduler(engine, frozenset(), config, host=host), host
 
 
@@ -140,6 +142,31 @@ def test_both_tiers_under_pressure_with_aborts_give_every_request_its_own_output
     cache, allocator = scheduler.cache, scheduler.allocator
     assert allocator.num_free + cache.num_evictable == allocator.num_blocks  # device: every block free or cached
     assert host.used <= host.capacity and not host.pinned  # host: every block cached, none left pinned
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_async_scheduling_restores_from_the_host_as_plain_steps_do(model, late):
+    """Steps launched before the last one is read: copies down and back still follow the steps queued before them
+    (the device's stream order; here, the order of the calls), and every request gets the plain steps' tokens."""
+    rng = np.random.default_rng(1)
+    prefixes = [rng.integers(0, 500, int(n)).tolist() for n in (24, 36, 16)]
+    work = [request(f"r{i}", prefixes[i % 3] + rng.integers(0, 500, int(rng.integers(1, 9))).tolist(),
+                    int(rng.integers(2, 8))) for i in range(24)]
+    outputs, launched_ahead = [], 0
+    for overlap in (False, True):
+        scheduler, host = make(model, device_tokens=96, host_blocks=12, max_seqs=3, late=late,
+                               async_scheduling=overlap)
+        for r in work:
+            scheduler.add(r)
+        made: dict[str, list[int]] = {r.request_id: [] for r in work}
+        while scheduler.has_work():
+            for token in scheduler.step():
+                made[token.request_id].append(token.token_id)
+            launched_ahead += scheduler.in_flight
+        outputs.append(made)
+        assert host.restored > 0 and (scheduler.overlap is not None) == overlap
+    assert outputs[0] == outputs[1]
+    assert launched_ahead > 10
 
 
 def test_a_preempted_sequence_needing_the_blocks_a_restoring_request_holds_is_not_stuck_behind_it(model):
