@@ -123,7 +123,13 @@ def mask_words(vocab: int) -> int:
 # within a row) and terms (bias, repetition factor, subtrahend). A step without penalties passes counts of 0.
 PENALTY_START, PENALTY_COUNT, PENALTY_IDS, PENALTY_TERMS = ("penalty_start", "penalty_count", "penalty_ids",
                                                             "penalty_terms")
-PENALTY_ENTRIES = 65536  # a step's penalty entries at most (1 MB of ids and terms); rows past them: on the host
+PENALTY_ENTRIES = 65536  # a step's penalty entries at least (1 MB of ids and terms); rows past them: on the host
+PENALTY_ENTRIES_PER_ROW = 2048  # and as many a row of logits: a repetition penalty counts its prompt's ids
+
+
+def penalty_capacity(rows: int) -> int:
+    """The penalty entries a step of `rows` rows of logits holds on the device."""
+    return max(PENALTY_ENTRIES, PENALTY_ENTRIES_PER_ROW * rows)
 
 
 def penalty_input_types(rows: str) -> dict[str, TensorType]:

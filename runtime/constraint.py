@@ -151,11 +151,12 @@ def penalty_state(constraint: TokenConstraint | None) -> "PenaltyState | None":
     return constraint if isinstance(constraint, PenaltyState) else None
 
 
-def drawn_in_tail(constraint: TokenConstraint, top_logprobs: bool) -> bool:
+def drawn_in_tail(constraint: TokenConstraint, top_logprobs: bool, penalties: bool) -> bool:
     """Whether the sampler tail draws every row of the constraint, so that no draw needs its logits on the host:
-    each part a grammar with a bitmask, or penalties where no top logprobs are asked (device_sampling.finish)."""
+    each part a grammar with a bitmask, or penalties where the tail takes them (`penalties`: the engine's does)
+    and no top logprobs are asked (device_sampling.finish)."""
     parts = constraint.parts if isinstance(constraint, Chain) else (constraint,)
-    return all((isinstance(part, PenaltyState) and not top_logprobs) or
+    return all((isinstance(part, PenaltyState) and penalties and not top_logprobs) or
                (getattr(part, "bitmask", None) is not None and getattr(part, "adjust", None) is None)
                for part in parts)
 

@@ -39,10 +39,12 @@ if TYPE_CHECKING:
     from pegainfer.runtime.scheduler import Scheduler
 
 
-def overlappable(request: EngineRequest) -> bool:
-    """Whether the device draws all the request's rows (see the module's docstring)."""
+def overlappable(request: EngineRequest, penalties_in_tail: bool) -> bool:
+    """Whether the device draws all the request's rows (see the module's docstring); `penalties_in_tail`: the
+    engine's sampler tail applies penalties (the GPU's; the reference engine's on a lowered graph)."""
     constraint, params = request.constraint, request.params
-    return params.prompt_logprobs is None and (constraint is None or drawn_in_tail(constraint, bool(params.logprobs)))
+    return params.prompt_logprobs is None and \
+        (constraint is None or drawn_in_tail(constraint, bool(params.logprobs), penalties_in_tail))
 
 
 @dataclass
@@ -121,10 +123,12 @@ class Overlap:
         s.stats.prefill_tokens += prefill
         s.stats.steps += 1
         s.stats.step_tokens[tokens] += 1
+        undone = {id(state) for state, _, _ in self.rolling_back}
         for chunk, st, d in zip(chunks, states, drew):
             if s.state_of(chunk) is not st:  # ended by the read inside the launch
                 continue
-            snapshot_at_launch(st, s.snapshots, s.engine, s.block_size)
+            if id(st) not in undone:  # a roll-back's state is recomputed: no snapshot of its wasted row
+                snapshot_at_launch(st, s.snapshots, s.engine, s.block_size)
             if d:
                 seq = chunk.seq
                 seq.token_ids.append(PENDING)

@@ -1,6 +1,6 @@
 """A plain step of the scheduler (runtime/scheduler.py): launch, wait, read the tokens into their sequences. Every
 step runs so but those async scheduling overlaps (runtime/overlap.py): prompt chunks scored for their logprobs,
-speculative steps, grammars and penalties, recurrent models, a host KV tier."""
+speculative steps, rows the host draws from their logits, a step that would preempt."""
 
 import time
 from collections.abc import Callable

@@ -52,6 +52,7 @@ class ReferenceEngine:
         self.pooled = [name for name, t in states.items() if t.shape[0] == SLOT_POOL]  # copy_state's
         self.drawn: tuple[dict[int, int], list[int]] = ({}, [])  # the last launch's draws: seq_id -> row, tokens
         self.launches = 0
+        self.penalties_in_tail = PENALTY_START in self.graph.inputs  # a lowered graph's tail applies them
 
     def step(self, chunks: list[Chunk], *, all_logits: bool = False) -> np.ndarray:
         """Runs one packed step and returns float32 logits, one row per chunk (or per token with all_logits)."""

@@ -122,7 +122,7 @@ class Scheduler:
         seq = Sequence(next(self._seq_ids), list(request.prompt_ids))
         root = root_for(self.lora.cache_key(request.lora)) if request.lora is not None else ROOT
         state = RequestState(request, seq, root=root,  # a block's KV is its adapter's: hits never cross adapters
-                             overlappable=overlappable(request))
+                             overlappable=overlappable(request, getattr(self.engine, "penalties_in_tail", False)))
         self._states[request.request_id] = state
         self._by_seq[seq.seq_id] = state
         self.waiting.append(state)

@@ -156,8 +156,10 @@ def test_random_loads_give_the_plain_steps_tokens_and_never_hash_a_pending_token
     aborted = f"r{int(rng.integers(0, len(requests)))}"
     ahead, _, _ = run(model, requests, overlap=True, eos=eos, check=check, abort=(aborted, int(rng.integers(1, 8))),
                       unresolve=frozenset({int(rng.integers(2, 6))}), **config)
-    assert_same({k: v for k, v in ahead.items() if k != aborted}, {k: v for k, v in plain.items() if k != aborted})
-    assert_same({aborted: ahead[aborted]}, {aborted: plain[aborted][:len(ahead[aborted])]})
+    atol = 5e-4 if kind == "hybrid" else 1e-4  # a rolled-back recurrent sequence is recomputed in other chunks
+    assert_same({k: v for k, v in ahead.items() if k != aborted}, {k: v for k, v in plain.items() if k != aborted},
+                atol)
+    assert_same({aborted: ahead[aborted]}, {aborted: plain[aborted][:len(ahead[aborted])]}, atol)
 
 
 def test_a_recurrent_model_goes_ahead_and_its_snapshots_taken_at_launch_serve_prefix_hits(hybrid):

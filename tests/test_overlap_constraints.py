@@ -145,12 +145,13 @@ def test_which_requests_may_overlap(vocab):
         def accept(self, token: int) -> None:
             pass
     penalties = PenaltyState(Penalties(presence=0.5), [1], vocab, [])
-    assert overlappable(EngineRequest("a", [1], GREEDY))
-    assert overlappable(EngineRequest("a", [1], replace(GREEDY, logprobs=3), constraint=Walk(vocab)))
-    assert overlappable(EngineRequest("a", [1], GREEDY, constraint=penalties))
-    assert not overlappable(EngineRequest("a", [1], replace(GREEDY, logprobs=3), constraint=penalties))
-    assert not overlappable(EngineRequest("a", [1], GREEDY, constraint=AllowedOnly()))
-    assert not overlappable(EngineRequest("a", [1], replace(GREEDY, prompt_logprobs=1)))
+    assert overlappable(EngineRequest("a", [1], GREEDY), False)
+    assert overlappable(EngineRequest("a", [1], replace(GREEDY, logprobs=3), constraint=Walk(vocab)), False)
+    assert overlappable(EngineRequest("a", [1], GREEDY, constraint=penalties), True)
+    assert not overlappable(EngineRequest("a", [1], GREEDY, constraint=penalties), False)  # the engine's tail cannot
+    assert not overlappable(EngineRequest("a", [1], replace(GREEDY, logprobs=3), constraint=penalties), True)
+    assert not overlappable(EngineRequest("a", [1], GREEDY, constraint=AllowedOnly()), True)
+    assert not overlappable(EngineRequest("a", [1], replace(GREEDY, prompt_logprobs=1)), True)
 
 
 def test_rows_whose_logits_are_gone_are_left_undrawn_and_their_grammars_untold(vocab):

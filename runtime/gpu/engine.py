@@ -14,7 +14,8 @@ import numpy as np
 from pegainfer.errors import PegainferError
 from pegainfer.frontends.features import FEATURES
 from pegainfer.frontends.load import LoadedModel
-from pegainfer.ir.step import LORA_SLOTS, TOKEN_BITMASK, has_recurrent_state, mask_words, sampler_outputs
+from pegainfer.ir.step import (LORA_SLOTS, TOKEN_BITMASK, has_recurrent_state, mask_words, penalty_capacity,
+                               sampler_outputs)
 from pegainfer.passes.pipeline import lower
 from pegainfer.runtime.batch import Chunk, Sequence, commit_step, pack_step, release_sequence
 from pegainfer.runtime.constraint import TokenConstraint
@@ -81,7 +82,7 @@ StepHook = Callable[[dict[str, np.ndarray], StepPlan], None]  # a step's packed 
 
 class GpuEngine:
     token_output: str | None = None  # the output of a row per token that sample() brings back: a drafter's features
-    overlaps = True  # the scheduler may launch a step before it reads the last one (runtime/overlap.py)
+    overlaps = penalties_in_tail = True  # launches ahead of reads (runtime/overlap.py); the tail draws penalties
     launches = 0  # steps launched by `launch`, and the last one's draws (seq_id -> row, the device ids)
     drawn: tuple[dict[int, int], DeviceTensor | None] = ({}, None)
 
@@ -101,7 +102,8 @@ class GpuEngine:
         self.communicator = communicator
         lowered, _ = lower(model.spec.graph)
         limits = Limits(options.max_tokens, options.max_batch, -(-options.max_model_len // options.block_size),
-                        0, options.block_size, max_samples=options.max_samples)
+                        0, options.block_size, max_samples=options.max_samples,
+                        penalties=penalty_capacity(options.max_samples or options.max_batch))
         self.executor = GpuExecutor(self.ctx, lowered, manifest, model.weights, limits, communicator,
                                     borrowed_params(lowered, [(e.executor, names) for e, names in lenders]))
         slots = options.max_batch + PADDING_SLOT + 1 if has_recurrent_state(lowered) else 0  # one per sequence
@@ -178,9 +180,8 @@ class GpuEngine:
         and its downloads; the call it returns waits for those: tokens, logprobs, top-k candidates where a row asks
         top logprobs, a logits row only for a row the device left unresolved or whose constraint the tail cannot
         take (device_sampling.finish draws it), or `stale` where a later launch overwrote the logits. `inputs(step)`:
-        graph inputs of its own (a draft head's features; token_output rows back as `features`). `before_masks()`,
-        with constraints: called once the layers are queued, before the masks are filled (the step before is read
-        there); it gives the rows whose draws will not be read, their constraints left out."""
+        graph inputs of its own (a draft head's features; token_output rows back as `features`). `before_masks()`:
+        called once the layers are queued, before the masks are filled; the rows it gives draw unconstrained."""
         sampling = sampling_inputs(params, token_index, self.rng)
         masks: dict[int, np.ndarray] = {}
         penalized: set[int] = set()
