@@ -125,9 +125,9 @@ class Overlap:
         s.stats.step_tokens[tokens] += 1
         undone = {id(state) for state, _, _ in self.rolling_back}
         for chunk, st, d in zip(chunks, states, drew):
-            if s.state_of(chunk) is not st:  # ended by the read inside the launch
+            if read and s.state_of(chunk) is not st:  # ended by the read inside the launch
                 continue
-            if id(st) not in undone:  # a roll-back's state is recomputed: no snapshot of its wasted row
+            if s.snapshots is not None and id(st) not in undone:  # a roll-back's state is recomputed
                 snapshot_at_launch(st, s.snapshots, s.engine, s.block_size)
             if d:
                 seq = chunk.seq
