@@ -36,8 +36,12 @@ class PenaltyState:
         self.counts = np.zeros(vocab_size, dtype=np.float32)
         self.produced = 0
         self.output: list[int] = []
-        # the ids seen and output, kept as they come so that `terms` never scans the vocabulary
-        self.seen_ids, self.output_ids = set(np.flatnonzero(self.seen).tolist()), set()
+        # the ids that carry terms at every draw (biased; seen under a repetition penalty), ascending, kept as
+        # tokens come so that `terms` neither scans the vocabulary nor sorts a long prompt's ids each step
+        biased = [j for j, _ in penalties.logit_bias]
+        self._ids = np.unique(np.concatenate([np.array(biased, np.int64), np.flatnonzero(self.seen)
+                                              if penalties.repetition != 1.0 else np.zeros(0, np.int64)]))
+        self._ids = self._ids.astype(np.int32)
 
     def allowed(self, vocab_size: int) -> np.ndarray:
         return np.ones(vocab_size, dtype=bool)
@@ -52,29 +56,30 @@ class PenaltyState:
         `adjust` gives): the ids any penalty touches, ascending, and per id (bias, repetition factor, subtrahend,
         +inf where masked)."""
         p = self.penalties
-        biased = np.array([j for j, _ in p.logit_bias], dtype=np.int64)
-        masked = np.array(masked_ids(p, self.produced, self.stop_ids, self.output, self.counts.size), np.int64)
-        parts = [biased, masked]
-        if p.repetition != 1.0:
-            parts.append(np.fromiter(self.seen_ids, np.int64, len(self.seen_ids)))
-        if p.presence or p.frequency:
-            parts.append(np.fromiter(self.output_ids, np.int64, len(self.output_ids)))
-        ids = np.unique(np.concatenate(parts)).astype(np.int32)
+        masked = masked_ids(p, self.produced, self.stop_ids, self.output, self.counts.size)
+        ids = np.union1d(self._ids, np.array(masked, np.int32)).astype(np.int32) if masked else self._ids
         counts = self.counts[ids]
         terms = np.zeros((ids.size, 3), dtype=np.float32)
         if p.logit_bias:  # as penalize's fancy-indexed add: the last bias of an id given twice
+            biased = np.array([j for j, _ in p.logit_bias], dtype=np.int64)
             terms[np.searchsorted(ids, biased), 0] = np.array([b for _, b in p.logit_bias], dtype=np.float32)
         terms[:, 1] = np.where(self.seen[ids], np.float32(p.repetition), np.float32(1.0))
         terms[:, 2] = np.float32(p.presence) * (counts > 0) + np.float32(p.frequency) * counts
-        terms[np.searchsorted(ids, masked), 2] = np.inf
+        if masked:
+            terms[np.searchsorted(ids, masked), 2] = np.inf
         return ids, terms
 
     def accept(self, token: int) -> None:
         if token < self.counts.size:
+            p = self.penalties
+            new = (p.repetition != 1.0 and not self.seen[token]) or \
+                ((p.presence or p.frequency) and not self.counts[token])
+            if new:
+                at = int(np.searchsorted(self._ids, token))
+                if at == self._ids.size or self._ids[at] != token:
+                    self._ids = np.insert(self._ids, at, np.int32(token))
             self.seen[token] = True
             self.counts[token] += 1
-            self.seen_ids.add(token)
-            self.output_ids.add(token)
         self.produced += 1
         self.output.append(token)
 

@@ -76,14 +76,14 @@ def test_sparse_terms_give_exactly_what_the_dense_penalties_give(seed):
                           repetition=float(rng.uniform(0.5, 2)), logit_bias=((3, 5.0), (40, -100.0), (9, 0.5)),
                           min_tokens=4, bad_words=((7,), (11, 12, 13)))
     state = PenaltyState(penalties, rng.integers(0, VOCAB, 10).tolist(), VOCAB, stop_ids=[0, 1])
-    for token in [11, 12, *rng.integers(0, VOCAB, int(rng.integers(0, 6))).tolist()]:
-        state.accept(token)
-    x = (rng.standard_normal(VOCAB) * 4).astype(np.float32)
-    x[rng.integers(0, VOCAB, 3)] = -np.inf  # a grammar's mask
-    ids, terms = state.terms()
-    assert (np.diff(ids) > 0).all()
-    got = penalize_tokens(x[None], np.array([0], np.int32), np.array([ids.size], np.int32), ids, terms)[0]
-    np.testing.assert_array_equal(got, state.adjust(x))
+    for token in [11, 12, *rng.integers(0, VOCAB, int(rng.integers(0, 6))).tolist(), 3, 11]:
+        state.accept(token)  # the terms after each draw: the ids they carry are kept as tokens come
+        x = (rng.standard_normal(VOCAB) * 4).astype(np.float32)
+        x[rng.integers(0, VOCAB, 3)] = -np.inf  # a grammar's mask
+        ids, terms = state.terms()
+        assert (np.diff(ids) > 0).all()
+        got = penalize_tokens(x[None], np.array([0], np.int32), np.array([ids.size], np.int32), ids, terms)[0]
+        np.testing.assert_array_equal(got, state.adjust(x))
 
 
 def test_logit_bias_keeps_a_token_out_and_forces_another(server):
