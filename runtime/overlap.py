@@ -107,11 +107,12 @@ class Overlap:
         drew = [c.seq.num_cached + c.num_tokens == len(c.seq.token_ids) for c in chunks]  # short prompt chunks: none
         constraints = [st.request.constraint if d else None for st, d in zip(states, drew)]
         read: list[list[TokenOutput]] = []
+        undone: set[int] = set()  # the states that read rolls back (ids)
 
         def before_masks() -> list[int]:
             """The step in flight read: its draws move the grammars and penalties this step's masks come from."""
             read.append(self._read(flight, began))
-            undone = {id(state) for state, _, _ in self.rolling_back}
+            undone.update(id(state) for state, _, _ in self.rolling_back)
             return [row for row, (c, st) in enumerate(zip(chunks, states))
                     if s.state_of(c) is not st or id(st) in undone]
         constrained = any(c is not None for c in constraints)
@@ -123,7 +124,6 @@ class Overlap:
         s.stats.prefill_tokens += prefill
         s.stats.steps += 1
         s.stats.step_tokens[tokens] += 1
-        undone = {id(state) for state, _, _ in self.rolling_back}
         for chunk, st, d in zip(chunks, states, drew):
             if read and s.state_of(chunk) is not st:  # ended by the read inside the launch
                 continue

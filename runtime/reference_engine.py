@@ -11,7 +11,7 @@ from pegainfer.frontends.features import FEATURES
 from pegainfer.frontends.load import LoadedModel
 from pegainfer.ir.graph import Graph
 from pegainfer.ir.interpreter import run_graph
-from pegainfer.ir.step import (LORA_SLOTS, PENALTY_ENTRIES, PENALTY_START, SLOT_POOL, has_recurrent_state,
+from pegainfer.ir.step import (LORA_SLOTS, PENALTY_START, SLOT_POOL, has_recurrent_state, penalty_capacity,
                                sampler_outputs)
 from pegainfer.passes.fusion import TAIL_TOP_K
 from pegainfer.runtime.batch import Chunk, Sequence, commit_step, pack_step, release_sequence
@@ -88,7 +88,7 @@ class ReferenceEngine:
             dead = set(before_masks())  # once the step is packed, as the GPU engine calls it
             constraints = [None if row in dead else c for row, c in enumerate(constraints)]
         masks = device_masks(constraints, self.vocab_size)
-        penalties, penalized = penalty_inputs(constraints, params, len(params), PENALTY_ENTRIES) \
+        penalties, penalized = penalty_inputs(constraints, params, len(params), penalty_capacity(len(params))) \
             if constraints and PENALTY_START in self.graph.inputs else ({}, set())
         inputs |= mask_inputs(len(params), masks) | (penalties if penalized else {})
         if launched is not None:

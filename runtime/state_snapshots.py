@@ -38,14 +38,6 @@ class StateSnapshots:
         self.restored += 1
         return self._row_of[block_hash]
 
-    def take(self, block_hash: bytes) -> int | None:
-        """A row to copy the state at `block_hash`'s boundary into (reserve, then name); None while every row is
-        reserved."""
-        row = self.reserve()
-        if row is not None:
-            self.name(row, block_hash)
-        return row
-
     def reserve(self) -> int | None:
         """A row for a state whose boundary's hash is not known yet: a free one, else the least recently used
         snapshot's; None while every row is reserved. It is `name`d or `release`d later."""
