@@ -15,7 +15,7 @@ import pytest
 
 from live_server import NAME, start_server, stop_server
 from pegainfer.ir.ops.sampling import sample_row
-from pegainfer.runtime.constraint import draw_constrained, draw_masked
+from pegainfer.runtime.constraint import draw_constrained, draw_masked, unpack_mask
 
 pytest.importorskip("xgrammar")
 
@@ -233,3 +233,43 @@ def test_masks_filled_together_equal_each_filled_alone_and_follow_each_accepted_
             token = int(np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little"))[0])
             together[row].accept(token)
             alone[row].accept(token)
+
+
+def test_masks_over_a_tokenizer_smaller_than_the_vocabulary_equal_those_compiled_over_every_id(tmp_path: Path):
+    """A model vocabulary padded past its tokenizer (742 tokens under 2000 ids): the grammars are compiled over the
+    tokenizer's ids (xgrammar's fill clears every other id one by one) and widened; each mask, filled alone or with
+    others, equals the one of the same grammar compiled over all 2000 ids, and allows no id past the tokenizer."""
+    import xgrammar
+    from transformers import PreTrainedTokenizerFast
+    from pegainfer.fixtures.checkpoint import make_checkpoint
+    from pegainfer.runtime.device_sampling import device_masks
+    from pegainfer.runtime.tokenizer import load_tokenizer
+    from pegainfer.server.structured import GrammarConstraint, GrammarSpec, Grammars
+
+    shape = {"vocab_size": 2000, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+             "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}
+    tokenizer = load_tokenizer(make_checkpoint(tmp_path / "c", overrides=shape, seed=2))
+    vocab, stops = 2000, sorted(tokenizer.eos_token_ids)
+    grammars = Grammars(tokenizer, vocab)
+    narrow = grammars.constraint_factory(GrammarSpec("json", json.dumps(SCHEMA), "response_format"))
+    assert grammars._tokens == tokenizer.tokenizer.get_vocab_size(with_added_tokens=True) < vocab
+    info = xgrammar.TokenizerInfo.from_huggingface(PreTrainedTokenizerFast(tokenizer_object=tokenizer.tokenizer),
+                                                   vocab_size=vocab, stop_token_ids=stops)
+    compiled = xgrammar.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMA), any_whitespace=False)
+    prefixes = ['{"name": "', "{", "", '{"name": "ab", "age": 1', '{"name": "a", "age": 3, "admin": true, "tier": ']
+    together, alone = [narrow() for _ in prefixes], [narrow() for _ in prefixes]
+    wide = [GrammarConstraint(xgrammar.GrammarMatcher(compiled), grammars._control_tokens, stops) for _ in prefixes]
+    for row, prefix in enumerate(prefixes):
+        for token in tokenizer.encode(prefix, add_special_tokens=False):
+            for constraints in (together, alone, wide):
+                constraints[row].accept(token)
+    for step in range(4):
+        masks = device_masks(together, vocab)
+        for row in range(len(prefixes)):
+            expected = wide[row].bitmask(vocab)
+            np.testing.assert_array_equal(masks[row], expected, err_msg=f"row {row}, step {step}")
+            np.testing.assert_array_equal(alone[row].bitmask(vocab), expected)
+            allowed = np.flatnonzero(unpack_mask(expected, vocab))
+            assert allowed.size and allowed.max() < grammars._tokens
+            for constraints in (together, alone, wide):
+                constraints[row].accept(int(allowed[-1]))
