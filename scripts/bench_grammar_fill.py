@@ -28,7 +28,8 @@ def main() -> None:
     parser.add_argument("checkpoint", type=Path, help="a folder with config.json and the tokenizer's files")
     parser.add_argument("--rows", type=int, default=31)
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--padded", action="store_true", help="grammars over the model's vocabulary, not the tokenizer's")
+    parser.add_argument("--padded", action="store_true",
+                        help="grammars over the model's vocabulary, not the tokenizer's")
     args = parser.parse_args()
     config = json.loads((args.checkpoint / "config.json").read_text())
     vocab = config.get("text_config", config)["vocab_size"]
