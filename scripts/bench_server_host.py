@@ -76,8 +76,11 @@ def serve(args: argparse.Namespace) -> tuple[TimedEngine, "object"]:
     ctx = ServerContext(loop, tokenizer, None, "bench", str(args.checkpoint), args.prompt + args.output + 1, vocab,
                         Metrics("bench"))
     server = uvicorn.Server(uvicorn.Config(build_app(ctx), port=PORT, log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
     while not server.started:
+        if not thread.is_alive():  # uvicorn gave up (its reason, such as the port in use, is on stderr)
+            sys.exit(f"the server did not start on port {PORT}")
         time.sleep(0.05)
     return engine, server
 

@@ -235,10 +235,14 @@ def test_masks_filled_together_equal_each_filled_alone_and_follow_each_accepted_
             alone[row].accept(token)
 
 
-def test_masks_over_a_tokenizer_smaller_than_the_vocabulary_equal_those_compiled_over_every_id(tmp_path: Path):
+@pytest.mark.parametrize("extra_stop", [None, 1500, 2500])
+def test_masks_over_a_tokenizer_smaller_than_the_vocabulary_equal_those_compiled_over_every_id(
+        tmp_path: Path, extra_stop: int | None):
     """A model vocabulary padded past its tokenizer (742 tokens under 2000 ids): the grammars are compiled over the
     tokenizer's ids (xgrammar's fill clears every other id one by one) and widened; each mask, filled alone or with
-    others, equals the one of the same grammar compiled over all 2000 ids, and allows no id past the tokenizer."""
+    others, equals the one of the same grammar compiled over all 2000 ids, and allows no id past the tokenizer's
+    (or a stop id past them: generation_config's eos 1500, the grammars then covering 1501 ids; an eos past the
+    vocabulary, 2500, is left out)."""
     import xgrammar
     from transformers import PreTrainedTokenizerFast
     from pegainfer.fixtures.checkpoint import make_checkpoint
@@ -248,11 +252,18 @@ def test_masks_over_a_tokenizer_smaller_than_the_vocabulary_equal_those_compiled
 
     shape = {"vocab_size": 2000, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}
-    tokenizer = load_tokenizer(make_checkpoint(tmp_path / "c", overrides=shape, seed=2))
-    vocab, stops = 2000, sorted(tokenizer.eos_token_ids)
+    checkpoint = make_checkpoint(tmp_path / "c", overrides=shape, seed=2)
+    if extra_stop is not None:
+        generation = json.loads((checkpoint / "generation_config.json").read_text())
+        generation["eos_token_id"] = [*generation["eos_token_id"], extra_stop]
+        (checkpoint / "generation_config.json").write_text(json.dumps(generation))
+    tokenizer = load_tokenizer(checkpoint)
+    vocab = 2000
     grammars = Grammars(tokenizer, vocab)
     narrow = grammars.constraint_factory(GrammarSpec("json", json.dumps(SCHEMA), "response_format"))
-    assert grammars._tokens == tokenizer.tokenizer.get_vocab_size(with_added_tokens=True) < vocab
+    tokens = tokenizer.tokenizer.get_vocab_size(with_added_tokens=True)
+    assert grammars._tokens == (extra_stop + 1 if extra_stop == 1500 else tokens) < vocab
+    stops = sorted(t for t in tokenizer.eos_token_ids if t < vocab)
     info = xgrammar.TokenizerInfo.from_huggingface(PreTrainedTokenizerFast(tokenizer_object=tokenizer.tokenizer),
                                                    vocab_size=vocab, stop_token_ids=stops)
     compiled = xgrammar.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMA), any_whitespace=False)
