@@ -14,8 +14,9 @@ cd "$(dirname "$0")/../.."
 export PEGAINFER_CACHE=$PWD/.gpu/cache_async
 if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
     DECODE_BATCH=1,16,32,64,128,256 SGLANG_CONC="8 32 64" bash scripts/gpu/sweeps.sh card decode:qwen3-4b \
-        serve:qwen3-4b:bf16:1,8,32,64,128,256 serve:qwen3-4b:plain:1,8,32,64,128,256 \
-        gate:batch4,batch1,graph_batch9,graph_batch17,graph_batch33,graph_batch65,graph_batch129 2>&1 | tail -80
+        serve:qwen3-4b:bf16:1,8,32,64,128,256 \
+        gate:batch4,batch1,graph_batch9,graph_batch17,graph_batch33,graph_batch65,graph_batch129 \
+        serve:qwen3-4b:plain:1,8,32,64,128,256 2>&1 | tail -80  # in the order they matter: a call cut short keeps them
 else
     bash scripts/gpu/sweeps.sh card async:qwen3-4b structured structured:plain 2>&1 | tail -60
     OUT=${OUT:-/tmp/out}
