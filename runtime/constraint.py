@@ -38,10 +38,10 @@ class PenaltyState:
         self.output: list[int] = []
         # the ids that carry terms at every draw (biased; seen under a repetition penalty), ascending, kept as
         # tokens come so that `terms` neither scans the vocabulary nor sorts a long prompt's ids each step
-        biased = [j for j, _ in penalties.logit_bias]
-        self._ids = np.unique(np.concatenate([np.array(biased, np.int64), np.flatnonzero(self.seen)
-                                              if penalties.repetition != 1.0 else np.zeros(0, np.int64)]))
-        self._ids = self._ids.astype(np.int32)
+        self._bias_ids = np.array([j for j, _ in penalties.logit_bias], dtype=np.int64)
+        self._bias_values = np.array([b for _, b in penalties.logit_bias], dtype=np.float32)
+        seen = np.flatnonzero(self.seen) if penalties.repetition != 1.0 else np.zeros(0, np.int64)
+        self._ids = np.unique(np.concatenate([self._bias_ids, seen])).astype(np.int32)
 
     def allowed(self, vocab_size: int) -> np.ndarray:
         return np.ones(vocab_size, dtype=bool)
@@ -61,8 +61,7 @@ class PenaltyState:
         counts = self.counts[ids]
         terms = np.zeros((ids.size, 3), dtype=np.float32)
         if p.logit_bias:  # as penalize's fancy-indexed add: the last bias of an id given twice
-            biased = np.array([j for j, _ in p.logit_bias], dtype=np.int64)
-            terms[np.searchsorted(ids, biased), 0] = np.array([b for _, b in p.logit_bias], dtype=np.float32)
+            terms[np.searchsorted(ids, self._bias_ids), 0] = self._bias_values
         terms[:, 1] = np.where(self.seen[ids], np.float32(p.repetition), np.float32(1.0))
         terms[:, 2] = np.float32(p.presence) * (counts > 0) + np.float32(p.frequency) * counts
         if masked:

@@ -35,7 +35,7 @@ def main() -> None:
     vocab = config.get("text_config", config)["vocab_size"]
     tokenizer = load_tokenizer(args.checkpoint)
     if args.padded:
-        structured.tokenizer_ids = lambda tokenizer, vocab_size: vocab_size
+        structured.tokenizer_ids = lambda tokenizer, stops, vocab_size: vocab_size
     grammars = structured.Grammars(tokenizer, vocab)
     make = grammars.constraint_factory(structured.GrammarSpec("json", json.dumps(SCHEMA), "response_format"))
     word = tokenizer.encode(" token", add_special_tokens=False)

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import uvicorn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_scheduler import InstantEngine  # noqa: E402
@@ -60,9 +61,7 @@ class TimedEngine(InstantEngine):
         return read
 
 
-def serve(args: argparse.Namespace) -> tuple[TimedEngine, "object"]:
-    import uvicorn
-
+def serve(args: argparse.Namespace) -> tuple[TimedEngine, "uvicorn.Server"]:
     tokenizer = load_tokenizer(args.checkpoint)
     config = json.loads((args.checkpoint / "config.json").read_text())
     vocab = config.get("text_config", config)["vocab_size"]

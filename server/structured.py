@@ -170,7 +170,7 @@ class Grammars:
             except ImportError:
                 raise ApiError(400, INSTALL, param) from None
             fast = PreTrainedTokenizerFast(tokenizer_object=self.tokenizer.tokenizer)
-            self._tokens = tokenizer_ids(self.tokenizer, self.vocab_size)
+            self._tokens = tokenizer_ids(self.tokenizer, self._stops(), self.vocab_size)
             info = xgrammar.TokenizerInfo.from_huggingface(fast, vocab_size=self._tokens,
                                                            stop_token_ids=self._stops())
             self._compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)  # ours is bounded
@@ -186,11 +186,10 @@ class Grammars:
         return sorted(t for t in self.tokenizer.eos_token_ids if t < self.vocab_size)
 
 
-def tokenizer_ids(tokenizer: TextTokenizer, vocab_size: int) -> int:
-    """How many ids a grammar's masks cover: the tokenizer's (and its stop ids), not the model's padded vocabulary.
+def tokenizer_ids(tokenizer: TextTokenizer, stops: list[int], vocab_size: int) -> int:
+    """How many ids a grammar's masks cover: the tokenizer's and its `stops`, not the model's padded vocabulary.
     xgrammar counts every id past the tokenizer as a special token and clears it bit by bit at every fill: 0.16 ms a
     row for a 742-token tokenizer under 151,936 ids, against 2.4 us over its own ids."""
-    stops = [t for t in tokenizer.eos_token_ids if t < vocab_size]
     return min(vocab_size, max([*tokenizer.tokenizer.get_vocab(with_added_tokens=True).values(), *stops]) + 1)
 
 
