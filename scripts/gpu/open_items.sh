@@ -6,7 +6,8 @@
 #   QWEN3_ONLY=1 bash scripts/gpu/prepare_sweeps.sh && bash scripts/gpu/serve_wheels.sh
 #   .venv/bin/python scripts/gpu/slim_cache.py .gpu/aot_cache .gpu/cache_async Qwen3ForCausalLM-009ff5ea75fd
 #   .venv/bin/python -m pegainfer.cli compile qwen3.5-4b --sm 90 --cache-dir .gpu/aot_cache
-#   .venv/bin/python scripts/gpu/slim_cache.py .gpu/aot_cache .gpu/cache_q35 'Qwen3_5ForConditionalGeneration-1d2435264b2c'
+#   .venv/bin/python scripts/gpu/slim_cache.py .gpu/aot_cache .gpu/cache_q35 \
+#       Qwen3_5ForConditionalGeneration-1d2435264b2c
 # then run `bash scripts/gpu/open_items.sh`, carrying [".gpu/src", ".gpu/wheels", ".gpu/cache_async", ".gpu/xg",
 # ".gpu/cache_q35"] (about 42 MB).
 set -uo pipefail
