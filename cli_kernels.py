@@ -11,8 +11,8 @@ from pathlib import Path
 
 from pegainfer.argtypes import int_list, non_negative_int, positive_int
 from pegainfer.errors import PegainferError
-from pegainfer.server.cli import (DTYPE_CHOICES, DTYPE_HELP, add_bench_serve_args, add_quantization_args,
-                                  run_bench_serve)
+from pegainfer.server.bench_cli import add_bench_serve_args, run_bench_serve
+from pegainfer.server.cli import DTYPE_CHOICES, DTYPE_HELP, add_quantization_args
 from pegainfer.server.engines import add_lora_args, add_parallel_args, add_speculative_arg, served_graphs
 
 MODEL_HELP = "checkpoint folder, config.json, or an embedded config such as qwen3-4b"

@@ -29,7 +29,7 @@ from pegainfer.runtime.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from pegainfer.runtime.tokenizer import load_tokenizer  # noqa: E402
 from pegainfer.server.app import ServerContext, build_app  # noqa: E402
 from pegainfer.server.bench import whole_tokens  # noqa: E402
-from pegainfer.server.cli import SWITCH_INTERVAL_S  # noqa: E402
+from pegainfer.server.cli import KEEP_ALIVE_S, SWITCH_INTERVAL_S  # noqa: E402
 from pegainfer.server.metrics import Metrics  # noqa: E402
 
 PORT = 8321
@@ -74,7 +74,8 @@ def serve(args: argparse.Namespace) -> tuple[TimedEngine, "uvicorn.Server"]:
     loop = EngineLoop(scheduler, None, args.trace.open("w") if args.trace else None).start()
     ctx = ServerContext(loop, tokenizer, None, "bench", str(args.checkpoint), args.prompt + args.output + 1, vocab,
                         Metrics("bench"))
-    server = uvicorn.Server(uvicorn.Config(build_app(ctx), port=PORT, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(build_app(ctx), port=PORT, log_level="warning",
+                                           timeout_keep_alive=args.timeout_keep_alive))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
@@ -94,10 +95,12 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=20.0)
     parser.add_argument("--plain", action="store_true", help="--no-async-scheduling")
     parser.add_argument("--trace", type=Path, help="the engine loop's trace, a JSON line a step (--trace-steps)")
+    parser.add_argument("--share-cores", action="store_true", help="server and client free on every core")
+    parser.add_argument("--timeout-keep-alive", type=float, default=KEEP_ALIVE_S, help="as `pegainfer serve`'s")
     args = parser.parse_args()
     cores = sorted(os.sched_getaffinity(0))
-    client_cores = cores[len(cores) // 2:]  # the client's own: it must not take the server's cores
-    os.sched_setaffinity(0, cores[:len(cores) // 2] or cores)
+    client_cores = cores if args.share_cores else cores[len(cores) // 2:]  # the client must not take the server's
+    os.sched_setaffinity(0, cores if args.share_cores else cores[:len(cores) // 2] or cores)
     engine, server = serve(args)
     requests = args.requests or 2 * args.concurrency
     cpu = time.process_time()

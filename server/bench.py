@@ -148,7 +148,9 @@ async def one_request(client, config: BenchConfig, prompt: list[int] | str) -> R
                         result.itl.append(now - last)
                     last, chunks = now, chunks + 1
     except Exception as error:  # noqa: BLE001  any transport failure is one failed request, reported
-        result.error = f"{type(error).__name__}: {error}"
+        cause = f", from {error.__cause__!r}" if error.__cause__ else ""  # httpx's ReadError says nothing itself
+        result.error = f"{type(error).__name__}: {error} ({time.perf_counter() - started:.2f} s in, {chunks} " \
+                       f"chunks read{cause})"
         return result
     result.latency = time.perf_counter() - started
     result.output_tokens = result.output_tokens or chunks
