@@ -1,11 +1,13 @@
 """The server's host cost per output token, without a GPU: the real app (HTTP, detokenizing, streaming) over the
 scheduler and an engine whose steps take a fixed time (a sleep without the GIL, as a step's wait on the device),
-driven by `pegainfer bench serve` in another process on cores of its own (half the machine's). Prints the output
+driven by `pegainfer bench serve` in another process on cores of its own (half the machine's, unless
+--share-cores). Prints the output
 tok/s against what the steps alone allow (steps x step time), the server process's CPU time per output token
 (streaming, detokenizing, the scheduler, and each request's prompt encoded), and the steps' shapes.
 
     python3 scripts/gpu/random_checkpoint.py qwen3-4b /tmp/qwen3-4b-words --config-only
-    python3 scripts/bench_server_host.py /tmp/qwen3-4b-words [--concurrency 256] [--step-ms 20] [--plain]
+    python3 scripts/bench_server_host.py /tmp/qwen3-4b-words [--concurrency 256] [--step-ms 20] [--plain] \
+        [--share-cores] [--timeout-keep-alive 5]
 """
 
 import argparse
@@ -23,6 +25,7 @@ import uvicorn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_scheduler import InstantEngine  # noqa: E402
 
+from pegainfer.argtypes import positive_float  # noqa: E402
 from pegainfer.runtime.device_sampling import SampleResult  # noqa: E402
 from pegainfer.runtime.engine_loop import EngineLoop  # noqa: E402
 from pegainfer.runtime.scheduler import Scheduler, SchedulerConfig  # noqa: E402
@@ -96,7 +99,8 @@ def main() -> None:
     parser.add_argument("--plain", action="store_true", help="--no-async-scheduling")
     parser.add_argument("--trace", type=Path, help="the engine loop's trace, a JSON line a step (--trace-steps)")
     parser.add_argument("--share-cores", action="store_true", help="server and client free on every core")
-    parser.add_argument("--timeout-keep-alive", type=float, default=KEEP_ALIVE_S, help="as `pegainfer serve`'s")
+    parser.add_argument("--timeout-keep-alive", type=positive_float, default=KEEP_ALIVE_S,
+                        help="as `pegainfer serve`'s")
     args = parser.parse_args()
     cores = sorted(os.sched_getaffinity(0))
     client_cores = cores if args.share_cores else cores[len(cores) // 2:]  # the client must not take the server's

@@ -149,8 +149,9 @@ async def one_request(client, config: BenchConfig, prompt: list[int] | str) -> R
                     last, chunks = now, chunks + 1
     except Exception as error:  # noqa: BLE001  any transport failure is one failed request, reported
         cause = f", from {error.__cause__!r}" if error.__cause__ else ""  # httpx's ReadError says nothing itself
-        result.error = f"{type(error).__name__}: {error} ({time.perf_counter() - started:.2f} s in, {chunks} " \
-                       f"chunks read{cause})"
+        said = f": {error}" if str(error) else ""
+        result.error = f"{type(error).__name__}{said} ({time.perf_counter() - started:.2f} s in, {chunks} chunks " \
+                       f"read{cause})"
         return result
     result.latency = time.perf_counter() - started
     result.output_tokens = result.output_tokens or chunks

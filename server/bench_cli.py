@@ -38,6 +38,7 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_bench_serve(args: argparse.Namespace) -> int:
+    """The load, its report printed (or written with --result-file); 1 when any request failed."""
     import asyncio
 
     from pegainfer.server.bench import BenchConfig, format_report, run_bench

@@ -111,7 +111,7 @@ def add_serve(commands) -> None:
                    help="uvicorn's log level (default warning)")
     p.add_argument("--timeout-keep-alive", type=argtypes.positive_float, default=KEEP_ALIVE_S,
                    help=f"seconds an idle connection stays open (default {KEEP_ALIVE_S:g}: past a load balancer's "
-                        f"60, so no request is sent on a connection the server is closing)")
+                        f"60, so a client reusing it seldom sends a request as the server closes it)")
     p.set_defaults(run=run_serve)
 
 
@@ -201,10 +201,11 @@ def start_serving(args: argparse.Namespace, trace: TextIO | None, listener: sock
         ctx.metrics.startup_seconds = process_age()
         phases["http"] = ctx.metrics.startup_seconds - sum(phases.values())
         cache_dtype = " in fp8" if args.kv_cache_dtype != "auto" else ""
+        overlap = "on" if scheduler.overlap else "off"
         return (f"pegainfer: serving {name} on http://{_address(listener)} (device {device}: {reason}; dtype "
-                f"{model.spec.config.torch_dtype}{ranks_note}; {allocator.num_blocks} KV blocks of {allocator.block_size} "
-                f"tokens{cache_dtype}; max_model_len {max_model_len}{clamp_note}; prefix cache "
-                f"{scheduler.prefix_cache_status()}; async scheduling {'on' if scheduler.overlap else 'off'}{spec_note}); "
+                f"{model.spec.config.torch_dtype}{ranks_note}; {allocator.num_blocks} KV blocks of "
+                f"{allocator.block_size} tokens{cache_dtype}; max_model_len {max_model_len}{clamp_note}; prefix cache "
+                f"{scheduler.prefix_cache_status()}; async scheduling {overlap}{spec_note}); "
                 f"ready {ctx.metrics.startup_seconds:.2f} s after start "
                 f"({', '.join(f'{k} {v:.2f} s' for k, v in phases.items())})")
     return loop, ctx, ready_line
