@@ -3,7 +3,7 @@
 import time
 from typing import Any
 
-from pegainfer.runtime.detokenize import token_bytes, token_text
+from pegainfer.runtime.detokenize import IncrementalDetokenizer, token_bytes, token_text
 from pegainfer.runtime.tokenizer import TextTokenizer
 from pegainfer.server.chat_output import ChatOutput
 from pegainfer.server.generation import Choice, Delta
@@ -44,7 +44,7 @@ def completion_choice(tokenizer: TextTokenizer, choice: Choice, prefix: str, wan
     if want_logprobs:
         logprobs = completion_logprobs(tokenizer, choice.token_ids, choice.logprobs, len(prefix))
         if prefix and choice.prompt_logprobs is not None:
-            logprobs = _prepend_prompt(tokenizer, prompt_ids, choice.prompt_logprobs, logprobs)
+            logprobs = _prepend_prompt(tokenizer, prompt_ids, choice.prompt_logprobs, logprobs, len(prefix))
     body = {"index": choice.index, "text": prefix + choice.text, "logprobs": logprobs,
             "finish_reason": choice.finish_reason}
     return body | prompt_logprobs_field(tokenizer, choice, prompt_ids, prompt_top)
@@ -59,13 +59,22 @@ def prompt_logprobs_field(tokenizer: TextTokenizer, choice: Choice, prompt_ids: 
 
 
 def _prepend_prompt(tokenizer: TextTokenizer, prompt_ids: list[int], steps: list[dict[int, float]],
-                    logprobs: dict[str, Any]) -> dict[str, Any]:
-    first = token_text(tokenizer, prompt_ids[0])
-    prompt = completion_logprobs(tokenizer, prompt_ids[1:], steps, len(first))
-    return {"tokens": [first, *prompt["tokens"], *logprobs["tokens"]],
+                    logprobs: dict[str, Any], echoed: int) -> dict[str, Any]:
+    prompt = completion_logprobs(tokenizer, prompt_ids[1:], steps, 0)
+    return {"tokens": [token_text(tokenizer, prompt_ids[0]), *prompt["tokens"], *logprobs["tokens"]],
             "token_logprobs": [None, *prompt["token_logprobs"], *logprobs["token_logprobs"]],
             "top_logprobs": [None, *prompt["top_logprobs"], *logprobs["top_logprobs"]],
-            "text_offset": [0, *prompt["text_offset"], *logprobs["text_offset"]]}
+            "text_offset": [*prompt_offsets(tokenizer, prompt_ids, echoed), *logprobs["text_offset"]]}
+
+
+def prompt_offsets(tokenizer: TextTokenizer, prompt_ids: list[int], echoed: int) -> list[int]:
+    """Where each prompt token starts in the echoed text: a token inside a character starts where the character
+    does (its own text, U+FFFD, would count one character each), at most the echo's length."""
+    detokenizer, offsets, at = IncrementalDetokenizer(tokenizer), [], 0
+    for token in prompt_ids:
+        offsets.append(min(at, echoed))
+        at += len(detokenizer.add(token))
+    return offsets
 
 
 def prompt_logprobs(tokenizer: TextTokenizer, prompt_ids: list[int], steps: list[dict[int, float]],
@@ -87,7 +96,7 @@ def completion_chunk(tokenizer: TextTokenizer, base: dict, delta: Delta, prefix:
     logprobs = None if delta.logprobs is None else \
         completion_logprobs(tokenizer, [delta.token_id], [delta.logprobs], offset)
     if logprobs is not None and prefix and prompt is not None:
-        logprobs = _prepend_prompt(tokenizer, *prompt, logprobs)
+        logprobs = _prepend_prompt(tokenizer, *prompt, logprobs, len(prefix))
     return {**base, "choices": [{"index": delta.index, "text": prefix + delta.text, "logprobs": logprobs,
                                  "finish_reason": delta.finish_reason}]}
 

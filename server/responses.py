@@ -32,8 +32,8 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # an echoed prompt's first token has none
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

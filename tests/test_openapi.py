@@ -55,9 +55,13 @@ def test_every_answer_matches_the_published_schema(api, mode):
 
 @pytest.mark.parametrize("label, body", [
     ("POST /v1/completions", {"prompt": "hello there", "max_tokens": 4, "stream": True}),
+    ("POST /v1/completions", {"prompt": "hello there", "max_tokens": 2, "echo": True, "logprobs": 1}),
+    ("POST /v1/completions", {"prompt": "hello there", "max_tokens": 2, "echo": True, "logprobs": 1,
+                              "stream": True}),
     ("POST /v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True,
                                    "stream_options": {"include_usage": True}})])
-def test_a_streamed_answer_matches_the_published_event_schema(api, label, body):
-    """The examples above rarely ask for a stream: each server-sent event is checked against the document here."""
+def test_answers_the_examples_seldom_ask_for_match_the_document(api, label, body):
+    """The examples above rarely ask for a stream or an echo with logprobs (whose first entries are null): those
+    answers, and each server-sent event, are checked against the document here."""
     operations(api)[label].Case(body=body, media_type="application/json").call_and_validate(checks=CHECKS,
                                                                                             timeout=60)

@@ -130,3 +130,24 @@ def test_chat_gives_prompt_logprobs_too(server):
     entries, prompt_len = body["prompt_logprobs"], body["usage"]["prompt_tokens"]
     assert len(entries) == prompt_len and entries[0] is None
     assert all(len(entry) == 1 for entry in entries[1:])  # 0: the prompt's own token alone
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echoed_offsets_are_where_each_token_starts_in_the_text(server, stream):
+    """Characters of several bytes split over byte tokens: each whole token's offset is where its text stands in
+    the echoed prompt, so the offsets never go back and the first generated one is the prompt's length."""
+    prompt = "caf\u00e9 \u65e5\u672c \U0001f642 ok"
+    body = {"model": NAME, "prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True, "echo": True,
+            "logprobs": 0, "stream": stream}
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=120, json=body) as reply:
+        assert reply.status_code == 200
+        lines = [json.loads(line.removeprefix("data: ")) for line in reply.iter_lines()
+                 if line.startswith(("{", "data: {"))]
+    logprobs = [choice["logprobs"] or {} for line in lines for choice in line["choices"]]
+    tokens = [t for lp in logprobs for t in lp.get("tokens", [])]
+    offsets = [o for lp in logprobs for o in lp.get("text_offset", [])]
+    count = len(tokens) - 2
+    assert "\ufffd" in "".join(tokens[:count]), tokens  # some characters were split over byte tokens
+    assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[count] == len(prompt), offsets
+    whole = [(t, o) for t, o in zip(tokens[:count], offsets) if "\ufffd" not in t]
+    assert len(whole) >= 6 and all(prompt[o:o + len(t)] == t for t, o in whole), list(zip(tokens, offsets))
