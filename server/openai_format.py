@@ -25,16 +25,24 @@ def envelope(request_id: str, kind: str, model: str, created: int | None = None)
 # --- completions -------------------------------------------------------------------------------------------------
 
 def completion_logprobs(tokenizer: TextTokenizer, token_ids: list[int], steps: list[dict[int, float]],
-                        offset: int) -> dict[str, Any]:
+                        offsets: list[int]) -> dict[str, Any]:
     """The legacy completions form: parallel lists, top logprobs keyed by token text."""
-    tokens = [token_text(tokenizer, t) for t in token_ids]
-    offsets = []
-    for text in tokens:
-        offsets.append(offset)
-        offset += len(text)
-    return {"tokens": tokens, "token_logprobs": [step[t] for t, step in zip(token_ids, steps)],
+    return {"tokens": [token_text(tokenizer, t) for t in token_ids],
+            "token_logprobs": [step[t] for t, step in zip(token_ids, steps)],
             "top_logprobs": [{token_text(tokenizer, t): lp for t, lp in step.items()} for step in steps],
             "text_offset": offsets}
+
+
+def text_offsets(tokenizer: TextTokenizer, token_ids: list[int], start: int, end: int,
+                 context: list[int] | tuple = ()) -> list[int]:
+    """Where each token's text starts in the response's text (from `start`, at most `end`), as the incremental
+    detokenizer releases it after `context`: the byte tokens of one character share the offset where it starts,
+    instead of counting a U+FFFD each."""
+    detokenizer, offsets, at = IncrementalDetokenizer(tokenizer, context), [], start
+    for token in token_ids:
+        offsets.append(min(at, end))
+        at += len(detokenizer.add(token))
+    return offsets
 
 
 def completion_choice(tokenizer: TextTokenizer, choice: Choice, prefix: str, want_logprobs: bool,
@@ -42,7 +50,8 @@ def completion_choice(tokenizer: TextTokenizer, choice: Choice, prefix: str, wan
     """An echoed prompt's tokens lead the logprobs where they were computed (the first null, as vLLM gives it)."""
     logprobs = None
     if want_logprobs:
-        logprobs = completion_logprobs(tokenizer, choice.token_ids, choice.logprobs, len(prefix))
+        offsets = text_offsets(tokenizer, choice.token_ids, len(prefix), len(prefix) + len(choice.text), prompt_ids)
+        logprobs = completion_logprobs(tokenizer, choice.token_ids, choice.logprobs, offsets)
         if prefix and choice.prompt_logprobs is not None:
             logprobs = _prepend_prompt(tokenizer, prompt_ids, choice.prompt_logprobs, logprobs, len(prefix))
     body = {"index": choice.index, "text": prefix + choice.text, "logprobs": logprobs,
@@ -60,21 +69,11 @@ def prompt_logprobs_field(tokenizer: TextTokenizer, choice: Choice, prompt_ids: 
 
 def _prepend_prompt(tokenizer: TextTokenizer, prompt_ids: list[int], steps: list[dict[int, float]],
                     logprobs: dict[str, Any], echoed: int) -> dict[str, Any]:
-    prompt = completion_logprobs(tokenizer, prompt_ids[1:], steps, 0)
+    prompt = completion_logprobs(tokenizer, prompt_ids[1:], steps, [])
     return {"tokens": [token_text(tokenizer, prompt_ids[0]), *prompt["tokens"], *logprobs["tokens"]],
             "token_logprobs": [None, *prompt["token_logprobs"], *logprobs["token_logprobs"]],
             "top_logprobs": [None, *prompt["top_logprobs"], *logprobs["top_logprobs"]],
-            "text_offset": [*prompt_offsets(tokenizer, prompt_ids, echoed), *logprobs["text_offset"]]}
-
-
-def prompt_offsets(tokenizer: TextTokenizer, prompt_ids: list[int], echoed: int) -> list[int]:
-    """Where each prompt token starts in the echoed text: a token inside a character starts where the character
-    does (its own text, U+FFFD, would count one character each), at most the echo's length."""
-    detokenizer, offsets, at = IncrementalDetokenizer(tokenizer), [], 0
-    for token in prompt_ids:
-        offsets.append(min(at, echoed))
-        at += len(detokenizer.add(token))
-    return offsets
+            "text_offset": [*text_offsets(tokenizer, prompt_ids, 0, echoed), *logprobs["text_offset"]]}
 
 
 def prompt_logprobs(tokenizer: TextTokenizer, prompt_ids: list[int], steps: list[dict[int, float]],
@@ -94,7 +93,7 @@ def completion_chunk(tokenizer: TextTokenizer, base: dict, delta: Delta, prefix:
     """A streamed token; the choice's first carries the echoed prompt (`prefix`) and, where it has them, the
     prompt's logprobs (`prompt`: its ids and steps) before its own, as the whole response has them."""
     logprobs = None if delta.logprobs is None else \
-        completion_logprobs(tokenizer, [delta.token_id], [delta.logprobs], offset)
+        completion_logprobs(tokenizer, [delta.token_id], [delta.logprobs], [offset])
     if logprobs is not None and prefix and prompt is not None:
         logprobs = _prepend_prompt(tokenizer, *prompt, logprobs, len(prefix))
     return {**base, "choices": [{"index": delta.index, "text": prefix + delta.text, "logprobs": logprobs,

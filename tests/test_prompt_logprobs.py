@@ -57,7 +57,7 @@ def test_echo_with_logprobs_scores_the_prompt_as_hugging_face_does(server, tiny_
 
 def test_streamed_echo_with_logprobs_assembles_into_the_whole_response(server):
     """The first chunk carries the echoed prompt and its logprobs (the first null), each later one its token's:
-    joined, the text, the tokens, their logprobs and the prompt's offsets are the non-streamed response's."""
+    joined, the text, the tokens, their logprobs and offsets are the non-streamed response's."""
     whole = completion(server, echo=True, logprobs=2)
     joined = {"text": "", "tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     with httpx.stream("POST", server.url + "/v1/completions", timeout=120, json={
@@ -72,8 +72,7 @@ def test_streamed_echo_with_logprobs_assembles_into_the_whole_response(server):
             for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
                 joined[key] += (choice["logprobs"] or {}).get(key, [])
     assert joined["text"] == whole["text"] and joined["tokens"] == whole["logprobs"]["tokens"]
-    # the prompt's offsets (a generated token's follows the streamed text, which may hold a partial character back)
-    assert joined["text_offset"][:len(PROMPT)] == whole["logprobs"]["text_offset"][:len(PROMPT)]
+    assert joined["text_offset"] == whole["logprobs"]["text_offset"]
     assert joined["token_logprobs"][0] is None
     assert joined["token_logprobs"][1:] == pytest.approx(whole["logprobs"]["token_logprobs"][1:], abs=1e-5)
     assert joined["top_logprobs"][0] is None and len(joined["top_logprobs"]) == len(PROMPT) + 3
@@ -132,12 +131,11 @@ def test_chat_gives_prompt_logprobs_too(server):
     assert all(len(entry) == 1 for entry in entries[1:])  # 0: the prompt's own token alone
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_echoed_offsets_are_where_each_token_starts_in_the_text(server, stream):
-    """Characters of several bytes split over byte tokens: each whole token's offset is where its text stands in
-    the echoed prompt, so the offsets never go back and the first generated one is the prompt's length."""
-    prompt = "caf\u00e9 \u65e5\u672c \U0001f642 ok"
-    body = {"model": NAME, "prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True, "echo": True,
+MULTIBYTE = "caf\u00e9 \u65e5\u672c \U0001f642 ok"
+
+
+def echoed_offsets(server, stream: bool) -> tuple[list[str], list[int]]:
+    body = {"model": NAME, "prompt": MULTIBYTE, "max_tokens": 2, "temperature": 0, "ignore_eos": True, "echo": True,
             "logprobs": 0, "stream": stream}
     with httpx.stream("POST", server.url + "/v1/completions", timeout=120, json=body) as reply:
         assert reply.status_code == 200
@@ -145,9 +143,17 @@ def test_echoed_offsets_are_where_each_token_starts_in_the_text(server, stream):
                  if line.startswith(("{", "data: {"))]
     logprobs = [choice["logprobs"] or {} for line in lines for choice in line["choices"]]
     tokens = [t for lp in logprobs for t in lp.get("tokens", [])]
-    offsets = [o for lp in logprobs for o in lp.get("text_offset", [])]
+    return tokens, [o for lp in logprobs for o in lp.get("text_offset", [])]
+
+
+def test_echoed_offsets_are_where_each_token_starts_in_the_text(server):
+    """Characters of several bytes split over byte tokens: each whole token's offset is where its text stands in
+    the echoed prompt, so the offsets never go back and the first generated one is the prompt's length; streamed
+    or not, the same offsets."""
+    tokens, offsets = echoed_offsets(server, stream=False)
     count = len(tokens) - 2
     assert "\ufffd" in "".join(tokens[:count]), tokens  # some characters were split over byte tokens
-    assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[count] == len(prompt), offsets
+    assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[count] == len(MULTIBYTE), offsets
     whole = [(t, o) for t, o in zip(tokens[:count], offsets) if "\ufffd" not in t]
-    assert len(whole) >= 6 and all(prompt[o:o + len(t)] == t for t, o in whole), list(zip(tokens, offsets))
+    assert len(whole) >= 6 and all(MULTIBYTE[o:o + len(t)] == t for t, o in whole), list(zip(tokens, offsets))
+    assert echoed_offsets(server, stream=True) == (tokens, offsets)
