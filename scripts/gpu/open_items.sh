@@ -2,7 +2,7 @@
 # One device call for what issues 29 and 38 still lack, whichever card comes (a call for nvidia-h200 may get an
 # H100): on an H200, issue 29's acceptance (decode table, the serving sweep with and without async scheduling and
 # SGLang's client, the 4B gate past the bucket edges; about 470 s); on any other card, the in-process async check
-# of Qwen3.5-4B (recurrent state under async scheduling; about 60 s). Prepare here first:
+# of Qwen3.5-4B (recurrent state under async scheduling; 72 s, done at 82c063f). Prepare here first:
 #   QWEN3_ONLY=1 bash scripts/gpu/prepare_sweeps.sh && bash scripts/gpu/serve_wheels.sh
 #   .venv/bin/python scripts/gpu/slim_cache.py .gpu/aot_cache .gpu/cache_async Qwen3ForCausalLM-009ff5ea75fd
 #   .venv/bin/python -m pegainfer.cli compile qwen3.5-4b --sm 90 --cache-dir .gpu/aot_cache
