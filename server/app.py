@@ -263,7 +263,6 @@ async def stream_events(ctx: ServerContext, prepared: Prepared, request_id: str,
         for index in range(len(choices)):
             yield _sse(fmt.chat_role_chunk(base, index))
     echoed: set[int] = set()
-    sent = [0] * len(choices)  # characters of each choice's text streamed so far: where its next delta starts
     outputs = [prepared.output.stream() for _ in choices] if chat else []
     try:
         async for delta in merged(ctx, prepared, request_id, choices):
@@ -276,8 +275,7 @@ async def stream_events(ctx: ServerContext, prepared: Prepared, request_id: str,
             else:
                 prefix = "" if delta.index in echoed else echo[delta.index // n]
                 echoed.add(delta.index)
-                offset = len(echo[delta.index // n]) + sent[delta.index]
-                sent[delta.index] += len(delta.text)
+                offset = len(echo[delta.index // n]) + delta.offset
                 steps = choices[delta.index].prompt_logprobs
                 prompt = None if steps is None else (prepared.prompts[delta.index // n], steps)
                 chunk = fmt.completion_chunk(ctx.tokenizer, base, delta, prefix, offset, prompt)

@@ -45,12 +45,14 @@ class RequestStream:
 
 @dataclass
 class Delta:
-    """What one engine token adds to a choice: text (possibly empty: held back), the token, its logprobs."""
+    """What one engine token adds to a choice: text (possibly empty: held back), the token, its logprobs, and where
+    its text starts in the choice's text (the token's text_offset)."""
     index: int
     text: str
     token_id: int
     logprobs: dict[int, float] | None
     finish_reason: str | None
+    offset: int
 
 
 @dataclass
@@ -59,6 +61,7 @@ class Choice:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)  # each token's Delta.offset
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, float]] | None = None  # positions 1 on, where the request asked
@@ -84,7 +87,9 @@ async def run_choice(engine: EngineLoop, request: EngineRequest, tokenizer: Text
             if finish and not checker.stopped:
                 text += checker.feed(detokenizer.flush())
                 text += "" if checker.stopped else checker.flush()
+            offset = len(choice.text)
             choice.text += text
+            choice.offsets.append(offset)
             choice.token_ids.append(out.token_id)
             choice.num_cached_tokens = out.num_cached_tokens
             if out.prompt_logprobs is not None:
@@ -94,7 +99,7 @@ async def run_choice(engine: EngineLoop, request: EngineRequest, tokenizer: Text
             if finish:
                 choice.finish_reason = finish
                 metrics.observe_finished(request, out, first_token, len(choice.token_ids), finish)
-            yield Delta(index, text, out.token_id, out.logprobs, finish)
+            yield Delta(index, text, out.token_id, out.logprobs, finish, offset)
             if finish:
                 return
     finally:

@@ -33,14 +33,13 @@ def completion_logprobs(tokenizer: TextTokenizer, token_ids: list[int], steps: l
             "text_offset": offsets}
 
 
-def text_offsets(tokenizer: TextTokenizer, token_ids: list[int], start: int, end: int,
-                 context: list[int] | tuple = ()) -> list[int]:
-    """Where each token's text starts in the response's text (from `start`, at most `end`), as the incremental
-    detokenizer releases it after `context`: the byte tokens of one character share the offset where it starts,
-    instead of counting a U+FFFD each."""
-    detokenizer, offsets, at = IncrementalDetokenizer(tokenizer, context), [], start
-    for token in token_ids:
-        offsets.append(min(at, end))
+def prompt_offsets(tokenizer: TextTokenizer, prompt_ids: list[int], echoed: int) -> list[int]:
+    """Where each prompt token's text starts in the echoed prompt (at most its length), as the incremental
+    detokenizer releases it: the byte tokens of one character share the offset where it starts, instead of
+    counting a U+FFFD each. A generated token's offset is its Delta's."""
+    detokenizer, offsets, at = IncrementalDetokenizer(tokenizer), [], 0
+    for token in prompt_ids:
+        offsets.append(min(at, echoed))
         at += len(detokenizer.add(token))
     return offsets
 
@@ -50,7 +49,7 @@ def completion_choice(tokenizer: TextTokenizer, choice: Choice, prefix: str, wan
     """An echoed prompt's tokens lead the logprobs where they were computed (the first null, as vLLM gives it)."""
     logprobs = None
     if want_logprobs:
-        offsets = text_offsets(tokenizer, choice.token_ids, len(prefix), len(prefix) + len(choice.text), prompt_ids)
+        offsets = [len(prefix) + offset for offset in choice.offsets]
         logprobs = completion_logprobs(tokenizer, choice.token_ids, choice.logprobs, offsets)
         if prefix and choice.prompt_logprobs is not None:
             logprobs = _prepend_prompt(tokenizer, prompt_ids, choice.prompt_logprobs, logprobs, len(prefix))
@@ -69,11 +68,12 @@ def prompt_logprobs_field(tokenizer: TextTokenizer, choice: Choice, prompt_ids: 
 
 def _prepend_prompt(tokenizer: TextTokenizer, prompt_ids: list[int], steps: list[dict[int, float]],
                     logprobs: dict[str, Any], echoed: int) -> dict[str, Any]:
-    prompt = completion_logprobs(tokenizer, prompt_ids[1:], steps, [])
+    offsets = prompt_offsets(tokenizer, prompt_ids, echoed)
+    prompt = completion_logprobs(tokenizer, prompt_ids[1:], steps, offsets[1:])
     return {"tokens": [token_text(tokenizer, prompt_ids[0]), *prompt["tokens"], *logprobs["tokens"]],
             "token_logprobs": [None, *prompt["token_logprobs"], *logprobs["token_logprobs"]],
             "top_logprobs": [None, *prompt["top_logprobs"], *logprobs["top_logprobs"]],
-            "text_offset": [*text_offsets(tokenizer, prompt_ids, 0, echoed), *logprobs["text_offset"]]}
+            "text_offset": [offsets[0], *prompt["text_offset"], *logprobs["text_offset"]]}
 
 
 def prompt_logprobs(tokenizer: TextTokenizer, prompt_ids: list[int], steps: list[dict[int, float]],
