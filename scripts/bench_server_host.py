@@ -103,8 +103,10 @@ def main() -> None:
                         help="as `pegainfer serve`'s")
     args = parser.parse_args()
     cores = sorted(os.sched_getaffinity(0))
-    client_cores = cores if args.share_cores else cores[len(cores) // 2:]  # the client must not take the server's
-    os.sched_setaffinity(0, cores if args.share_cores else cores[:len(cores) // 2] or cores)
+    half = len(cores) // 2
+    # the client must not take the server's cores, unless told to share them
+    server_cores, client_cores = (cores, cores) if args.share_cores else (cores[:half] or cores, cores[half:])
+    os.sched_setaffinity(0, server_cores)
     engine, server = serve(args)
     requests = args.requests or 2 * args.concurrency
     cpu = time.process_time()
