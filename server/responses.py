@@ -6,6 +6,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 FinishReason = Literal["stop", "length"]
+ChatFinishReason = Literal["stop", "length", "tool_calls"]  # "tool_calls": stopped after calling tools
 
 
 class ErrorDetail(BaseModel):
@@ -67,16 +68,30 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI's
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None  # null where the answer is only tool calls
+    reasoning_content: str | None = None  # with --reasoning-parser; `reasoning` is vLLM's newer name for it
+    reasoning: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None
-    finish_reason: FinishReason | None
+    finish_reason: ChatFinishReason | None
 
 
 class ChatCompletion(BaseModel):

@@ -190,3 +190,26 @@ def test_a_conversation_carries_the_calls_and_their_results_back(server):
                {"role": "tool", "tool_call_id": call.id, "content": '{"forecast": "rain"}'}]
     (second,) = create(server, seed=4, messages=history, tool_choice="required").choices
     assert second.finish_reason == "tool_calls" and second.message.tool_calls
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("body", [
+    {"tools": TOOLS, "tool_choice": "required", "seed": 4, "max_tokens": 160},
+    {"structured_outputs": {"regex": "Sure\\. <tool_call>\n\\{\"name\": \"ping\", \"arguments\": \\{\\}\\}\n"
+                                     "</tool_call>"}, "tools": TOOLS, "tool_choice": "auto", "max_tokens": 64},
+    {"structured_outputs": {"regex": "<think>\nweigh it\n</think>\n\nThe answer"}, "max_tokens": 64}],
+    ids=["required", "auto", "reasoning"])
+def test_tool_calls_and_reasoning_match_the_published_schema(server, body, stream):
+    """/openapi.json describes the answers with tool calls (content null, finish_reason "tool_calls") and
+    reasoning, whole and streamed, as schemathesis reads it."""
+    schemathesis = pytest.importorskip("schemathesis")
+    from schemathesis.checks import not_a_server_error
+    from schemathesis.specs.openapi.checks import (content_type_conformance, response_schema_conformance,
+                                                   status_code_conformance)
+    api = schemathesis.openapi.from_url(server.url + "/openapi.json")
+    operation = api["/v1/chat/completions"]["POST"]
+    case = operation.Case(body={"model": NAME, "messages": MESSAGES, **NO_THINKING, **body, "stream": stream},
+                          media_type="application/json")
+    response = case.call_and_validate(checks=[not_a_server_error, status_code_conformance, content_type_conformance,
+                                              response_schema_conformance], timeout=60)
+    assert ("tool_calls" in response.text) == ("tools" in body), response.text[:400]
