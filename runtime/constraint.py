@@ -83,6 +83,26 @@ class PenaltyState:
         self.output.append(token)
 
 
+class AllowedTokens:
+    """vLLM's allowed_token_ids: every token drawn from these ids alone; a fixed bitmask, so the sampler tail draws
+    its rows on the device."""
+
+    def __init__(self, ids: list[int], vocab_size: int) -> None:
+        mask = np.zeros(vocab_size, dtype=bool)
+        mask[ids] = True
+        self.mask, self.words = mask, pack_mask(mask)
+
+    def allowed(self, vocab_size: int) -> np.ndarray:
+        return self.mask
+
+    def bitmask(self, vocab_size: int) -> np.ndarray:
+        return self.words
+
+    def accept(self, token: int) -> None:
+        if not self.mask[token]:
+            raise ValueError(f"token {token} is not among the request's allowed_token_ids")
+
+
 class Chain:
     """Several constraints on one sequence: every mask must allow a token; adjustments in order."""
 

@@ -18,8 +18,8 @@ class IncrementalDetokenizer:
     Starting from the prompt's tail (vLLM's prefix and read offsets) keeps the space a SentencePiece or word-level
     tokenizer puts before the first generated word, which decoding that token alone drops."""
 
-    def __init__(self, tokenizer: TextTokenizer, prompt_ids: Sequence[int] = ()) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: TextTokenizer, prompt_ids: Sequence[int] = (), skip_special: bool = True) -> None:
+        self.tokenizer, self.skip_special = tokenizer, skip_special
         self._window: list[int] = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
         self._read = len(self._window)  # the window's tokens before this one have been emitted (or are prompt)
 
@@ -32,8 +32,8 @@ class IncrementalDetokenizer:
         return self._advance(final=True)
 
     def _advance(self, final: bool) -> str:
-        emitted = self.tokenizer.decode(self._window[:self._read])
-        text = self.tokenizer.decode(self._window)
+        emitted = self.tokenizer.decode(self._window[:self._read], self.skip_special)
+        text = self.tokenizer.decode(self._window, self.skip_special)
         # a prompt that ends inside a character: the token completing it emits the whole character
         start = len(emitted) if text.startswith(emitted) else len(emitted.rstrip(REPLACEMENT))
         if len(text) <= start or (text.endswith(REPLACEMENT) and not final):
@@ -50,23 +50,28 @@ def decode_completion(tokenizer: TextTokenizer, prompt_ids: Sequence[int], token
 
 
 class StopChecker:
-    """Holds back text that might be the start of a stop string; cuts the text before the first stop string found.
-    Emitted text never contains the start of a stop string that could still complete, so only held-back text needs
-    searching."""
+    """Holds back text that might be the start of a stop string; cuts the text before the first stop string found
+    (after it, with `include`: vLLM's include_stop_str_in_output). Emitted text never contains the start of a stop
+    string that could still complete, so only held-back text needs searching."""
 
-    def __init__(self, stops: list[str]) -> None:
+    def __init__(self, stops: list[str], include: bool = False) -> None:
         self.stops = [s for s in stops if s]
+        self.include = include
         self.pending = ""
-        self.stopped = False
+        self.matched: str | None = None  # the stop string found
+
+    @property
+    def stopped(self) -> bool:
+        return self.matched is not None
 
     def feed(self, text: str) -> str:
-        """Returns the text that is safe to emit now; sets `stopped` once a stop string has appeared."""
+        """Returns the text that is safe to emit now; sets `matched` once a stop string has appeared."""
         assert not self.stopped, "fed after a stop string was found"
         self.pending += text
-        found = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        found = [(i, s) for i, s in ((self.pending.find(s), s) for s in self.stops) if i >= 0]
         if found:
-            self.stopped = True
-            out, self.pending = self.pending[:min(found)], ""
+            at, self.matched = min(found, key=lambda hit: (hit[0], -len(hit[1])))
+            out, self.pending = self.pending[:at + (len(self.matched) if self.include else 0)], ""
             return out
         hold = max((n for s in self.stops for n in range(min(len(s) - 1, len(self.pending)), 0, -1)
                     if self.pending.endswith(s[:n])), default=0)

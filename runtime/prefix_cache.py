@@ -18,10 +18,15 @@ from pegainfer.runtime.kv_blocks import BlockAllocator, BlockTable
 ROOT = b""  # the hash before a sequence's first block
 
 
-def root_for(adapter: str | None) -> bytes:
+def root_for(adapter: str | None, salt: str | None = None) -> bytes:
     """The hash before a sequence's first block: the base model's, or one loaded LoRA adapter's own (its KV
-    differs; `adapter` is LoraSlots.cache_key, new at each load, so a name loaded again never hits the old KV)."""
-    return ROOT if adapter is None else hashlib.sha256(b"lora\0" + adapter.encode()).digest()
+    differs; `adapter` is LoraSlots.cache_key, new at each load, so a name loaded again never hits the old KV);
+    with a request's cache_salt, one only requests with the same salt share (vLLM's: no prompt guessed from
+    another user's hits)."""
+    if adapter is None and salt is None:
+        return ROOT
+    root = ROOT if adapter is None else hashlib.sha256(b"lora\0" + adapter.encode()).digest()
+    return root if salt is None else hashlib.sha256(root + b"salt\0" + salt.encode()).digest()
 
 
 def chain_hashes(token_ids: Seq[int], block_size: int, parent: bytes = ROOT, start_block: int = 0,

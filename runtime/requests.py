@@ -17,6 +17,7 @@ class EngineRequest:
     group: str | None = None  # requests sharing admission fairness (an API request's choices); None: its own
     constraint: TokenConstraint | None = None  # what its tokens may be (a grammar); its own, never shared
     lora: str | None = None  # the LoRA adapter it runs with (runtime/lora.py); None: the base model
+    cache_salt: str | None = None  # its prefix-cache hits only from requests with the same salt
 
 
 @dataclass(frozen=True)

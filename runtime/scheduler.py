@@ -43,7 +43,7 @@ from pegainfer.runtime.kv_blocks import check_fits
 from pegainfer.runtime.lora import LoraSlots
 from pegainfer.runtime.overlap import Overlap, overlappable
 from pegainfer.runtime.plain_step import run_plain_step
-from pegainfer.runtime.prefix_cache import ROOT, PrefixCache, root_for
+from pegainfer.runtime.prefix_cache import PrefixCache, root_for
 from pegainfer.runtime.request_state import RequestState
 from pegainfer.runtime.requests import EngineRequest, TokenOutput
 from pegainfer.runtime.spec_steps import SpecSteps
@@ -120,8 +120,8 @@ class Scheduler:
         request.params.validate()
         self.check(len(request.prompt_ids), request.params.max_tokens)
         seq = Sequence(next(self._seq_ids), list(request.prompt_ids))
-        root = root_for(self.lora.cache_key(request.lora)) if request.lora is not None else ROOT
-        state = RequestState(request, seq, root=root,  # a block's KV is its adapter's: hits never cross adapters
+        root = root_for(self.lora.cache_key(request.lora) if request.lora is not None else None, request.cache_salt)
+        state = RequestState(request, seq, root=root,  # hits never cross adapters, nor salts
                              overlappable=overlappable(request, getattr(self.engine, "penalties_in_tail", False)))
         self._states[request.request_id] = state
         self._by_seq[seq.seq_id] = state

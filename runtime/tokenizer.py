@@ -24,14 +24,22 @@ class TextTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def without_added_specials(self, token_ids: list[int]) -> list[int]:
         """Ids encoded with special tokens, less those the post-processor added (a BOS that a chat template writes
         itself): the ids of add_special_tokens=False. Special tokens written in the text itself stay."""
         before, after = self._added_specials
         return token_ids[before:len(token_ids) - after]
+
+    def keep_last(self, token_ids: list[int], keep: int) -> list[int]:
+        """The last `keep` ids of an encoding with special tokens, those the post-processor added kept in their
+        places (transformers' truncation from the left: a BOS stays first)."""
+        before, after = self._added_specials
+        core = token_ids[before:len(token_ids) - after]
+        room = max(keep - before - after, 0)
+        return token_ids[:before] + (core[-room:] if room else []) + token_ids[len(token_ids) - after:]
 
     @cached_property
     def _added_specials(self) -> tuple[int, int]:

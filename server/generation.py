@@ -43,6 +43,15 @@ class RequestStream:
             self._queue.put_nowait(_CANCELLED)
 
 
+@dataclass(frozen=True)
+class TextOptions:
+    """How a choice's tokens become its text: stop strings, and vLLM's include_stop_str_in_output (the stop string,
+    or the stop token's text, kept) and skip_special_tokens."""
+    stops: list[str] = field(default_factory=list)
+    include_stop: bool = False
+    skip_special: bool = True
+
+
 @dataclass
 class Delta:
     """What one engine token adds to a choice: text (possibly empty: held back), the token, its logprobs, and where
@@ -63,16 +72,19 @@ class Choice:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)  # each token's Delta.offset
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop_token_ids id that ended the choice
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, float]] | None = None  # positions 1 on, where the request asked
 
 
-async def run_choice(engine: EngineLoop, request: EngineRequest, tokenizer: TextTokenizer, stops: list[str],
+async def run_choice(engine: EngineLoop, request: EngineRequest, tokenizer: TextTokenizer, options: TextOptions,
                      index: int, metrics: Metrics, choice: Choice) -> AsyncIterator[Delta]:
     """Yields a Delta per generated token and fills `choice` as it goes; the last Delta has the finish_reason.
     A stop string ends the choice with "stop", cut before the stop string; it is looked for only once min_tokens
-    tokens are out, as vLLM does."""
-    detokenizer, checker = IncrementalDetokenizer(tokenizer, request.prompt_ids), StopChecker(stops)
+    tokens are out, as vLLM does. The text of the token that stops a choice (an end-of-sequence or stop_token_ids
+    id) is left out, as vLLM leaves it, unless the request includes stop strings."""
+    detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_ids, options.skip_special)
+    checker = StopChecker(options.stops, options.include_stop)
     stream = RequestStream(engine, request)
     last = first_token = request.arrival
     try:
@@ -81,7 +93,8 @@ async def run_choice(engine: EngineLoop, request: EngineRequest, tokenizer: Text
             if not choice.token_ids:
                 first_token = out.time
             last = out.time
-            piece = detokenizer.add(out.token_id)
+            stop_token = out.finish_reason == "stop"
+            piece = "" if stop_token and not options.include_stop else detokenizer.add(out.token_id)
             text = piece if len(choice.token_ids) + 1 < request.params.min_tokens else checker.feed(piece)
             finish = "stop" if checker.stopped else out.finish_reason
             if finish and not checker.stopped:
@@ -98,6 +111,8 @@ async def run_choice(engine: EngineLoop, request: EngineRequest, tokenizer: Text
                 choice.logprobs.append(out.logprobs)
             if finish:
                 choice.finish_reason = finish
+                choice.stop_reason = checker.matched if checker.stopped else \
+                    out.token_id if stop_token and out.token_id in request.stop_token_ids else None
                 metrics.observe_finished(request, out, first_token, len(choice.token_ids), finish)
             yield Delta(index, text, out.token_id, out.logprobs, finish, offset)
             if finish:

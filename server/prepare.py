@@ -9,10 +9,11 @@ from typing import TYPE_CHECKING, Any
 
 from pegainfer.errors import RequestError
 from pegainfer.ir.ops.penalties import Penalties
-from pegainfer.runtime.constraint import Chain, PenaltyState, TokenConstraint
+from pegainfer.runtime.constraint import AllowedTokens, Chain, PenaltyState, TokenConstraint
 from pegainfer.runtime.sampler import SamplingParams
 from pegainfer.server.chat_output import ChatOutput
 from pegainfer.server.errors import ApiError
+from pegainfer.server.generation import TextOptions
 from pegainfer.server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling, unused_field_set
 from pegainfer.server.structured import GrammarSpec, after_reasoning, requested_spec
 from pegainfer.server.tools import call_grammar, resolve_tool_choice
@@ -27,13 +28,15 @@ class Prepared:
     prompts: list[list[int]]
     prompt_texts: list[str]
     params: list[SamplingParams]  # one per choice of each prompt
-    stops: list[str]
+    text: TextOptions
     stop_token_ids: frozenset[int]
     # a fresh one per choice, from its prompt's ids: its grammar (structured outputs, tool calls), its penalties
     constraint: Callable[[list[int]], TokenConstraint] | None = None
     output: ChatOutput = ChatOutput()  # how a chat choice's text becomes its message
     score_only: bool = False  # max_tokens 0 with echo: the one token drawn is not answered
     lora: str | None = None  # the LoRA adapter the request's model names
+    cache_salt: str | None = None
+    echo_message: str = ""  # a chat answer's start with echo: the last message's content
 
 
 # --- preparing a request -----------------------------------------------------------------------------------------
@@ -132,11 +135,11 @@ async def prepare_completion(ctx: "ServerContext", body: CompletionRequest) -> P
     if score_only and (not body.echo or body.stream):
         raise ApiError(400, "max_tokens 0 scores the prompt: it needs echo, and is answered whole (no stream)",
                        "max_tokens")
+    keep = truncation(ctx, body)
     if texts is not None:
-        prompts = [await ctx.encoder.encode(text, ctx.max_model_len - 1, "prompt", ctx.max_model_len)
-                   for text in texts]
+        prompts = [await encode_prompt(ctx, text, "prompt", body.add_special_tokens, keep) for text in texts]
     else:
-        prompts = id_prompts
+        prompts = id_prompts if keep is None else [ids[-keep:] if keep else [] for ids in id_prompts]
         for ids in prompts:
             if len(ids) < ctx.max_model_len:  # longer ones are refused with their length below, unread
                 check_ids(ctx, ids, "prompt")
@@ -147,11 +150,37 @@ async def prepare_completion(ctx: "ServerContext", body: CompletionRequest) -> P
     for ids in prompts:
         params += sampling_params(ctx, body, len(ids), 1 if score_only else body.max_tokens, "max_tokens", "prompt",
                                   body.logprobs)
-    return Prepared(prompts, texts, params, body.stop, frozenset(body.stop_token_ids or []),
-                    await constraint_factory(ctx, body), score_only=score_only, lora=lora)
+    return Prepared(prompts, texts, params, text_options(body), frozenset(body.stop_token_ids or []),
+                    await constraint_factory(ctx, body), score_only=score_only, lora=lora, cache_salt=body.cache_salt)
 
 
-def render_chat(ctx: "ServerContext", messages, add_generation_prompt: bool, kwargs: dict | None) -> str:
+def text_options(body: _Sampling) -> TextOptions:
+    return TextOptions(body.stop, body.include_stop_str_in_output, body.skip_special_tokens)
+
+
+def truncation(ctx: "ServerContext", body: _Sampling) -> int | None:
+    """How many of the prompt's last tokens truncate_prompt_tokens keeps (-1: the context length); None: all."""
+    keep = body.truncate_prompt_tokens
+    if keep is not None and keep > ctx.max_model_len:
+        raise ApiError(400, f"truncate_prompt_tokens ({keep}) exceeds this model's maximum context length "
+                            f"({ctx.max_model_len})", "truncate_prompt_tokens")
+    return ctx.max_model_len if keep == -1 else keep
+
+
+async def encode_prompt(ctx: "ServerContext", text: str, param: str, specials: bool, keep: int | None) -> list[int]:
+    """A prompt text's ids, with or without the tokenizer's added special tokens, its last `keep` where given."""
+    if keep is None:
+        ids = await ctx.encoder.encode(text, ctx.max_model_len - 1, param, ctx.max_model_len)
+    else:
+        ids = await ctx.encoder.encode_tail(text, keep)
+    if specials:
+        return ids if keep is None else ctx.tokenizer.keep_last(ids, keep)
+    ids = ctx.tokenizer.without_added_specials(ids)
+    return ids if keep is None else ids[-keep:] if keep else []
+
+
+def render_chat(ctx: "ServerContext", messages, add_generation_prompt: bool, kwargs: dict | None,
+                continue_final: bool = False) -> str:
     if ctx.chat_template is None:
         raise ApiError(400, "this model's checkpoint has no chat template (tokenizer_config.json chat_template): "
                             "use /v1/completions", "messages")
@@ -159,23 +188,50 @@ def render_chat(ctx: "ServerContext", messages, add_generation_prompt: bool, kwa
     clash = {"messages", "add_generation_prompt"} & kwargs.keys()
     if clash:
         raise ApiError(400, f"chat_template_kwargs may not set {sorted(clash)[0]}", "chat_template_kwargs")
+    inputs = [m.as_template_input() for m in messages]
     try:
-        return ctx.chat_template.render([m.as_template_input() for m in messages],
-                                        add_generation_prompt=add_generation_prompt, **kwargs)
+        text = ctx.chat_template.render(inputs, add_generation_prompt=add_generation_prompt, **kwargs)
     except RequestError as error:
         raise ApiError(400, str(error), "messages") from None
+    return open_final_message(text, inputs[-1]["content"]) if continue_final else text
+
+
+def open_final_message(text: str, final: str) -> str:
+    """The rendered chat cut just after the last message's content (continue_final_message: the answer goes on
+    with it), as transformers cuts it: where the template kept the content's leading spaces, with them."""
+    if not final.strip():
+        raise ApiError(400, "continue_final_message needs a last message with text to continue", "messages")
+    at = text.rfind(final.strip())
+    if at < 0:
+        raise ApiError(400, "continue_final_message: the chat template does not write the last message's content "
+                            "as it is, so there is no place to continue it", "messages")
+    kept = final.lstrip()
+    return text[:at + len(kept)] if text[at:at + len(kept)] == kept else text[:at + len(final.strip())]
+
+
+def echoed_message(body: ChatCompletionRequest) -> str:
+    """vLLM's chat echo: the last message's content, where it has the answer's role (the assistant's, or with no
+    generation prompt the last message's own)."""
+    last = body.messages[-1]
+    if not body.echo or (body.add_generation_prompt and last.role != "assistant"):
+        return ""
+    return last.as_template_input()["content"]
 
 
 async def prepare_chat(ctx: "ServerContext", body: ChatCompletionRequest) -> Prepared:
     lora = check_common(ctx, body, 1)
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    if body.continue_final_message and body.add_generation_prompt:
+        raise ApiError(400, "continue_final_message continues the last message: set add_generation_prompt to "
+                            "false with it", "continue_final_message")
     choice = resolve_tool_choice(body.tools, body.tool_choice, body.parallel_tool_calls,
                                  ctx.auto_tool_choice and ctx.tool_call_parser is not None)
-    tools = {"tools": body.tools} if choice.functions else {}
-    text = render_chat(ctx, body.messages, body.add_generation_prompt, tools | (body.chat_template_kwargs or {}))
-    ids = await ctx.encoder.encode(text, ctx.max_model_len - 1, "messages", ctx.max_model_len)
-    ids = ctx.tokenizer.without_added_specials(ids)  # the template writes its own (a BOS), as vLLM's chat does
+    kwargs = ({"tools": body.tools} if choice.functions else {}) | \
+        ({"documents": body.documents} if body.documents is not None else {}) | (body.chat_template_kwargs or {})
+    text = render_chat(ctx, body.messages, body.add_generation_prompt, kwargs, body.continue_final_message)
+    # the template writes its own special tokens (a BOS), as vLLM's chat has it, unless add_special_tokens
+    ids = await encode_prompt(ctx, text, "messages", body.add_special_tokens, truncation(ctx, body))
     if not ids:
         raise ApiError(400, "the messages render to an empty prompt", "messages")
     name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
@@ -186,33 +242,46 @@ async def prepare_chat(ctx: "ServerContext", body: ChatCompletionRequest) -> Pre
                         choice.mode == "named")
     thinking = (body.chat_template_kwargs or {}).get("enable_thinking") is not False  # the template's default: on
     thinking = thinking and ctx.reasoning_parser is not None
-    return Prepared([ids], [text], params, body.stop, frozenset(body.stop_token_ids or []),
+    return Prepared([ids], [text], params, text_options(body), frozenset(body.stop_token_ids or []),
                     await constraint_factory(ctx, body, calls, ctx.reasoning_parser if thinking else None), output,
-                    lora=lora)
+                    lora=lora, cache_salt=body.cache_salt, echo_message=echoed_message(body))
 
 
 async def constraint_factory(ctx: "ServerContext", body: _Sampling, calls: GrammarSpec | None = None,
                              reasoning: str | None = None) -> Callable[[list[int]], TokenConstraint] | None:
     """The maker of a choice's constraint: the request's structured output or required tool calls (after the
     reasoning, where the model thinks), compiled off the event loop (a first grammar builds the tokenizer's
-    tables), and its penalties; None when it has none."""
+    tables), or its allowed_token_ids; and its penalties; None when it has none."""
     spec = requested_spec(body)
     if spec is not None and calls is not None:
         raise ApiError(400, f"{spec.param} and tool_choice {body.tool_choice!r} both constrain the output: "
                             f"choose one", spec.param)
     spec = spec or calls
+    allowed = allowed_tokens(ctx, body.allowed_token_ids)
+    if allowed is not None and spec is not None:  # a grammar's mask and the list could leave no id at all
+        raise ApiError(400, f"allowed_token_ids and {spec.param} both constrain the output: choose one",
+                       "allowed_token_ids")
     if spec is not None and reasoning is not None:  # the model thinks freely first
         spec = after_reasoning(spec, reasoning)
     grammar = None if spec is None else await asyncio.to_thread(ctx.grammars.constraint_factory, spec)
     penalties = request_penalties(ctx, body)
-    if grammar is None and not penalties.active:
+    if grammar is None and allowed is None and not penalties.active:
         return None
     stops = sorted(ctx.tokenizer.eos_token_ids | set(body.stop_token_ids or []))
 
     def make(prompt_ids: list[int]) -> TokenConstraint:
         parts = [PenaltyState(penalties, prompt_ids, ctx.vocab_size, stops)] if penalties.active else []
-        return Chain(*parts, *([grammar()] if grammar is not None else []))
+        grammars = [grammar()] if grammar is not None else [allowed] if allowed is not None else []
+        return Chain(*parts, *grammars)
     return make
+
+
+def allowed_tokens(ctx: "ServerContext", ids: list[int] | None) -> AllowedTokens | None:
+    """The request's allowed_token_ids as a fixed mask (immutable: its choices share it)."""
+    if ids is None:
+        return None
+    check_ids(ctx, ids, "allowed_token_ids")
+    return AllowedTokens(ids, ctx.vocab_size)
 
 
 def request_penalties(ctx: "ServerContext", body: _Sampling) -> Penalties:

@@ -43,6 +43,12 @@ class PromptEncoder:
             probe *= 4
         return await loop.run_in_executor(self._pool, self._encode, text)
 
+    async def encode_tail(self, text: str, keep: int) -> list[int]:
+        """The ids of the text's end, at least its last `keep` tokens (truncate_prompt_tokens): only the characters
+        `keep` tokens and the slack around the cut can cover are encoded, so a huge text costs what `keep` does."""
+        chars = (keep + PROBE_TOKENS_SLACK) * self.longest_token
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._encode, text[-chars:])
+
     def _encode(self, text: str) -> list[int]:
         (encoding,) = self.tokenizer.tokenizer.encode_batch([text])
         ids = encoding.ids

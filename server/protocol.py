@@ -47,8 +47,24 @@ class _Sampling(BaseModel):
     logit_bias: dict[str, float] | None = None
     min_tokens: int = Field(0, ge=0)
     bad_words: list[str] | None = Field(None, max_length=64)  # vLLM's: words the output may not contain
+    allowed_token_ids: list[int] | None = Field(None, min_length=1)  # vLLM's: the only ids a token may be
+    # vLLM's text and token options (server/generation.py's TextOptions, server/openai_format.py)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # a fast tokenizer's decoding (all pegainfer loads) ignores it
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep the prompt's last k tokens; -1: the context
+    return_tokens_as_token_ids: bool = False  # logprobs' tokens as "token_id:N"
+    return_token_ids: bool = False  # the prompt's and each choice's token ids beside the text
+    request_id: str | None = Field(None, min_length=1, max_length=256)  # the answer's id, after its cmpl- prefix
+    cache_salt: str | None = Field(None, min_length=1)  # prefix-cache hits only among requests with this salt
     # known, not implemented: refused unless their value means nothing (UNUSED)
     guided_decoding_backend: Any = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    priority: int = 0
+    logits_processors: list[Any] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # runtime/prompt_logprobs.py
     # structured outputs (server/structured.py): one of these at a time
     response_format: dict[str, Any] | None = None
@@ -80,6 +96,8 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
+    add_special_tokens: bool = True  # the tokenizer's own (a BOS) around a text prompt
+    prompt_embeds: Any = None  # known, not implemented (UNUSED)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -139,6 +157,10 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last message left open, for the answer to go on with it
+    echo: bool = False  # the answer starts with the last message's content, where it has the answer's role
+    add_special_tokens: bool = False  # the template writes its own
+    documents: list[dict[str, Any]] | None = None  # for templates that read them (retrieval)
     chat_template_kwargs: dict[str, Any] | None = None
     # tool calls (server/tools.py): checked there, so that a malformed one gets a 400 naming it
     tools: list[Any] | None = None
@@ -152,6 +174,8 @@ class ChatCompletionRequest(_Sampling):
     audio: Any = None
     prediction: Any = None
     web_search_options: Any = None
+    chat_template: str | None = None  # vLLM, too, takes one only from a server that trusts its clients' templates
+    mm_processor_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeRequest(BaseModel):
@@ -193,7 +217,10 @@ UNUSED: dict[str, Callable[[Any], bool]] = {
     "suffix": lambda v: v in (None, ""),
     "functions": _empty, "guided_decoding_backend": lambda v: v in (None, "auto", "xgrammar"),
     "function_call": lambda v: v in (None, "none", "auto"), "modalities": lambda v: v in (None, ["text"]),
-    **{name: _nothing for name in ("reasoning_effort", "audio", "prediction", "web_search_options")},
+    **{name: _nothing for name in ("reasoning_effort", "audio", "prediction", "web_search_options", "prompt_embeds",
+                                   "chat_template")},
+    **{name: _empty for name in ("logits_processors", "kv_transfer_params", "vllm_xargs", "mm_processor_kwargs")},
+    "use_beam_search": lambda v: v is False, "length_penalty": lambda v: v == 1.0, "priority": lambda v: v == 0,
 }
 
 

@@ -43,6 +43,9 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: FinishReason | None
+    stop_reason: str | int | None = None  # the stop string or stop_token_ids id that ended it
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
+    token_ids: list[int] | None = None
 
 
 class Completion(BaseModel):
@@ -92,6 +95,8 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None
     finish_reason: ChatFinishReason | None
+    stop_reason: str | int | None = None
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class ChatCompletion(BaseModel):
@@ -101,6 +106,7 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
 
 
 class ModelCard(BaseModel):
