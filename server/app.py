@@ -22,10 +22,12 @@ from pegainfer.server.metrics import Metrics
 from pegainfer.server.openapi import openapi_document
 from pegainfer.server.lora_routes import LoraService, add_lora_routes
 from pegainfer.server.respond import respond
-from pegainfer.server.prepare import check_ids, check_model, prepare_chat, prepare_completion, render_chat
+from pegainfer.server.prepare import (check_ids, check_model, prepare_chat, prepare_completion, render_chat,
+                                      template_kwargs)
 from pegainfer.server.prompts import PromptEncoder
 from pegainfer.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from pegainfer.server.structured import Grammars
+from pegainfer.server.tools import check_tools
 
 MAX_SEQS_PER_REQUEST = 256  # prompts x n of one request, by default (--max-seqs-per-request)
 
@@ -110,8 +112,11 @@ def add_info_routes(app: FastAPI, ctx: ServerContext) -> None:
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "give exactly one of prompt and messages", "prompt")
         add_special = body.messages is None if body.add_special_tokens is None else body.add_special_tokens
-        text, param = (body.prompt, "prompt") if body.prompt is not None else \
-            (render_chat(ctx, body.messages, body.add_generation_prompt, body.chat_template_kwargs), "messages")
+        text, param = body.prompt, "prompt"
+        if body.messages is not None:
+            kwargs = template_kwargs(body, body.tools if check_tools(body.tools) else None)
+            text = render_chat(ctx, body.messages, body.add_generation_prompt, kwargs, body.continue_final_message)
+            param = "messages"
         ids = await ctx.encoder.encode(text, ctx.max_model_len, param, ctx.max_model_len)
         ids = ids if add_special else ctx.tokenizer.without_added_specials(ids)
         return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}

@@ -14,7 +14,8 @@ from pegainfer.runtime.sampler import SamplingParams
 from pegainfer.server.chat_output import ChatOutput
 from pegainfer.server.errors import ApiError
 from pegainfer.server.generation import TextOptions
-from pegainfer.server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling, unused_field_set
+from pegainfer.server.protocol import (ChatCompletionRequest, CompletionRequest, TokenizeRequest, _Sampling,
+                                       unused_field_set)
 from pegainfer.server.structured import GrammarSpec, after_reasoning, requested_spec
 from pegainfer.server.tools import call_grammar, resolve_tool_choice
 
@@ -184,6 +185,9 @@ def render_chat(ctx: "ServerContext", messages, add_generation_prompt: bool, kwa
     if ctx.chat_template is None:
         raise ApiError(400, "this model's checkpoint has no chat template (tokenizer_config.json chat_template): "
                             "use /v1/completions", "messages")
+    if continue_final and add_generation_prompt:
+        raise ApiError(400, "continue_final_message continues the last message: set add_generation_prompt to "
+                            "false with it", "continue_final_message")
     kwargs = kwargs or {}
     clash = {"messages", "add_generation_prompt"} & kwargs.keys()
     if clash:
@@ -194,6 +198,12 @@ def render_chat(ctx: "ServerContext", messages, add_generation_prompt: bool, kwa
     except RequestError as error:
         raise ApiError(400, str(error), "messages") from None
     return open_final_message(text, inputs[-1]["content"]) if continue_final else text
+
+
+def template_kwargs(body: ChatCompletionRequest | TokenizeRequest, tools: list | None) -> dict[str, Any]:
+    """What the chat template reads beside the messages: the tools (checked), documents, chat_template_kwargs."""
+    return ({"tools": tools} if tools else {}) | \
+        ({"documents": body.documents} if body.documents is not None else {}) | (body.chat_template_kwargs or {})
 
 
 def open_final_message(text: str, final: str) -> str:
@@ -222,13 +232,9 @@ async def prepare_chat(ctx: "ServerContext", body: ChatCompletionRequest) -> Pre
     lora = check_common(ctx, body, 1)
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-    if body.continue_final_message and body.add_generation_prompt:
-        raise ApiError(400, "continue_final_message continues the last message: set add_generation_prompt to "
-                            "false with it", "continue_final_message")
     choice = resolve_tool_choice(body.tools, body.tool_choice, body.parallel_tool_calls,
                                  ctx.auto_tool_choice and ctx.tool_call_parser is not None)
-    kwargs = ({"tools": body.tools} if choice.functions else {}) | \
-        ({"documents": body.documents} if body.documents is not None else {}) | (body.chat_template_kwargs or {})
+    kwargs = template_kwargs(body, body.tools if choice.functions else None)
     text = render_chat(ctx, body.messages, body.add_generation_prompt, kwargs, body.continue_final_message)
     # the template writes its own special tokens (a BOS), as vLLM's chat has it, unless add_special_tokens
     ids = await encode_prompt(ctx, text, "messages", body.add_special_tokens, truncation(ctx, body))

@@ -184,6 +184,9 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: StrictBool | None = None  # None: vLLM's defaults, true for a prompt, false for messages
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    documents: list[dict[str, Any]] | None = None
+    tools: list[Any] | None = None  # as the chat route writes them into the template (server/tools.py checks)
     chat_template_kwargs: dict[str, Any] | None = None
 
 

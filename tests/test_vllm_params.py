@@ -209,3 +209,13 @@ def test_what_pegainfer_lacks_or_cannot_do_is_a_400_naming_it(server, path, body
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == param, reply.json()
     assert complete(server, max_tokens=1)["choices"][0]["finish_reason"] == "length"
+
+
+def test_tokenize_renders_chat_as_the_chat_route_does(server):
+    messages = [{"role": "user", "content": "Say it"}, {"role": "assistant", "content": "It is"}]
+    body = {"messages": messages, "add_generation_prompt": False, "continue_final_message": True,
+            "documents": [{"text": "alpha"}]}
+    tokens = server.post("/tokenize", {"model": NAME, **body}).json()["tokens"]
+    assert tokens == chat(server, **body, return_token_ids=True)["prompt_token_ids"]
+    both = server.post("/tokenize", {"model": NAME, **body, "add_generation_prompt": True})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
