@@ -19,6 +19,7 @@ Prompt = str | list[str] | list[int] | list[list[int]]
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
 class _Sampling(BaseModel):

@@ -127,6 +127,8 @@ async def stream_events(ctx: "ServerContext", prepared: Prepared, body: _Samplin
     base = fmt.envelope(answer_id, "chat.completion.chunk" if chat else "text_completion",
                         prepared.lora or ctx.model_name)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    continuous = include_usage and body.stream_options.continuous_usage_stats
+    prompt_tokens = sum(len(ids) for ids in prepared.prompts)
     if include_usage:
         base["usage"] = None
     names, n, ids = fmt.TokenNames(ctx.tokenizer, body.return_tokens_as_token_ids), body.n, body.return_token_ids
@@ -149,13 +151,14 @@ async def stream_events(ctx: "ServerContext", prepared: Prepared, body: _Samplin
                                            delta.index not in started, ids)]
             started.add(delta.index)
             for chunk in chunks:
+                if continuous:
+                    chunk["usage"] = fmt.usage(prompt_tokens, choices, n)
                 yield _sse(_finished(chunk, delta, choices))
     except (EngineDead, RequestError) as error:
         status = 503 if isinstance(error, EngineDead) else 400
         yield _sse(error_body(status, str(error)))
     else:
         if include_usage:
-            prompt_tokens = sum(len(ids) for ids in prepared.prompts)
             yield _sse({**base, "choices": [], "usage": fmt.usage(prompt_tokens, choices, n)})
     yield "data: [DONE]\n\n"
 

@@ -219,3 +219,13 @@ def test_tokenize_renders_chat_as_the_chat_route_does(server):
     assert tokens == chat(server, **body, return_token_ids=True)["prompt_token_ids"]
     both = server.post("/tokenize", {"model": NAME, **body, "add_generation_prompt": True})
     assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
+
+
+def test_continuous_usage_stats_count_as_tokens_come(server):
+    chunks = events(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 6, "temperature": 0,
+                                                "ignore_eos": True, "return_token_ids": True,
+                                                "stream_options": {"include_usage": True,
+                                                                   "continuous_usage_stats": True}})
+    counted = [chunk["usage"]["completion_tokens"] for chunk in chunks if chunk["choices"]]
+    assert counted == list(range(1, 7)) and chunks[-1]["usage"]["completion_tokens"] == 6
+    assert all(chunk["usage"]["prompt_tokens"] == chunks[-1]["usage"]["prompt_tokens"] for chunk in chunks)
