@@ -84,19 +84,18 @@ class PenaltyState:
 
 
 class AllowedTokens:
-    """vLLM's allowed_token_ids: every token drawn from these ids alone; a fixed bitmask, so the sampler tail draws
-    its rows on the device."""
+    """vLLM's allowed_token_ids: every token drawn from these ids alone. An adjustment of the logits (the others
+    to -inf), not a grammar's mask, so that its logprobs stay the model's, over the whole vocabulary, as vLLM's."""
 
     def __init__(self, ids: list[int], vocab_size: int) -> None:
-        mask = np.zeros(vocab_size, dtype=bool)
-        mask[ids] = True
-        self.mask, self.words = mask, pack_mask(mask)
+        self.mask = np.zeros(vocab_size, dtype=bool)
+        self.mask[ids] = True
 
     def allowed(self, vocab_size: int) -> np.ndarray:
-        return self.mask
+        return np.ones(vocab_size, dtype=bool)
 
-    def bitmask(self, vocab_size: int) -> np.ndarray:
-        return self.words
+    def adjust(self, x: np.ndarray) -> np.ndarray:
+        return np.where(self.mask, x, np.float32(-np.inf)).astype(x.dtype)
 
     def accept(self, token: int) -> None:
         if not self.mask[token]:

@@ -39,7 +39,8 @@ class TextTokenizer:
         before, after = self._added_specials
         core = token_ids[before:len(token_ids) - after]
         room = max(keep - before - after, 0)
-        return token_ids[:before] + (core[-room:] if room else []) + token_ids[len(token_ids) - after:]
+        kept = token_ids[:before] + (core[-room:] if room else []) + token_ids[len(token_ids) - after:]
+        return kept[-keep:]  # never more than asked, where the specials alone are more
 
     @cached_property
     def _added_specials(self) -> tuple[int, int]:

@@ -100,6 +100,7 @@ async def run_choice(engine: EngineLoop, request: EngineRequest, tokenizer: Text
             if finish and not checker.stopped:
                 text += checker.feed(detokenizer.flush())
                 text += "" if checker.stopped else checker.flush()
+                finish = "stop" if checker.stopped else finish  # a stop string in the last held-back text
             offset = len(choice.text)
             choice.text += text
             choice.offsets.append(offset)
@@ -112,7 +113,7 @@ async def run_choice(engine: EngineLoop, request: EngineRequest, tokenizer: Text
             if finish:
                 choice.finish_reason = finish
                 choice.stop_reason = checker.matched if checker.stopped else \
-                    out.token_id if stop_token and out.token_id in request.stop_token_ids else None
+                    stop_token_reason(out.token_id, request, tokenizer) if stop_token else None
                 metrics.observe_finished(request, out, first_token, len(choice.token_ids), finish)
             yield Delta(index, text, out.token_id, out.logprobs, finish, offset)
             if finish:
@@ -121,3 +122,10 @@ async def run_choice(engine: EngineLoop, request: EngineRequest, tokenizer: Text
         if choice.finish_reason is None:
             metrics.finished["abort"] += 1
         stream.cancel()
+
+
+def stop_token_reason(token: int, request: EngineRequest, tokenizer: TextTokenizer) -> int | None:
+    """A stop_token_ids id that ended the choice; None for an end-of-sequence token, even one listed there
+    (vLLM checks EOS first)."""
+    eos = token in tokenizer.eos_token_ids and not request.params.ignore_eos
+    return token if token in request.stop_token_ids and not eos else None

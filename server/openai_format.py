@@ -24,10 +24,10 @@ class TokenNames:
         return list(token_bytes(self.tokenizer, token_id))
 
 
-def usage(prompt_tokens: int, choices: list[Choice], n: int) -> dict[str, Any]:
+def usage(prompt_tokens: int, choices: list[Choice], n: int, completion: int | None = None) -> dict[str, Any]:
     """Prompt tokens count once per prompt (not per choice), and so do the cached ones: the most any of the
-    prompt's n choices found in the prefix cache."""
-    completion = sum(len(c.token_ids) for c in choices)
+    prompt's n choices found in the prefix cache. `completion`: the tokens streamed so far, where not all."""
+    completion = sum(len(c.token_ids) for c in choices) if completion is None else completion
     cached = sum(max(c.num_cached_tokens for c in choices[i:i + n]) for i in range(0, len(choices), n))
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
             "total_tokens": prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached}}

@@ -139,6 +139,8 @@ async def prepare_completion(ctx: "ServerContext", body: CompletionRequest) -> P
     keep = truncation(ctx, body)
     if texts is not None:
         prompts = [await encode_prompt(ctx, text, "prompt", body.add_special_tokens, keep) for text in texts]
+        if keep is not None:  # the echo is what the model read: the kept tokens' text
+            texts = [ctx.tokenizer.decode(ids) for ids in prompts]
     else:
         prompts = id_prompts if keep is None else [ids[-keep:] if keep else [] for ids in id_prompts]
         for ids in prompts:
@@ -162,6 +164,9 @@ def text_options(body: _Sampling) -> TextOptions:
 def truncation(ctx: "ServerContext", body: _Sampling) -> int | None:
     """How many of the prompt's last tokens truncate_prompt_tokens keeps (-1: the context length); None: all."""
     keep = body.truncate_prompt_tokens
+    if keep == 0:
+        raise ApiError(400, "truncate_prompt_tokens 0 would leave no prompt: give at least 1, or -1 for the "
+                            "context length", "truncate_prompt_tokens")
     if keep is not None and keep > ctx.max_model_len:
         raise ApiError(400, f"truncate_prompt_tokens ({keep}) exceeds this model's maximum context length "
                             f"({ctx.max_model_len})", "truncate_prompt_tokens")
@@ -247,7 +252,8 @@ async def prepare_chat(ctx: "ServerContext", body: ChatCompletionRequest) -> Pre
     output = ChatOutput(ctx.reasoning_parser, ctx.tool_call_parser if choice.mode != "none" else None,
                         choice.mode == "named")
     thinking = (body.chat_template_kwargs or {}).get("enable_thinking") is not False  # the template's default: on
-    thinking = thinking and ctx.reasoning_parser is not None
+    # a continued last message is past the template's thinking block: the answer's constraint holds from its start
+    thinking = thinking and ctx.reasoning_parser is not None and not body.continue_final_message
     return Prepared([ids], [text], params, text_options(body), frozenset(body.stop_token_ids or []),
                     await constraint_factory(ctx, body, calls, ctx.reasoning_parser if thinking else None), output,
                     lora=lora, cache_salt=body.cache_salt, echo_message=echoed_message(body))
@@ -263,7 +269,8 @@ async def constraint_factory(ctx: "ServerContext", body: _Sampling, calls: Gramm
         raise ApiError(400, f"{spec.param} and tool_choice {body.tool_choice!r} both constrain the output: "
                             f"choose one", spec.param)
     spec = spec or calls
-    allowed = allowed_tokens(ctx, body.allowed_token_ids)
+    stops = sorted(ctx.tokenizer.eos_token_ids | set(body.stop_token_ids or []))
+    allowed = allowed_tokens(ctx, body.allowed_token_ids, body.min_tokens, set(stops))
     if allowed is not None and spec is not None:  # a grammar's mask and the list could leave no id at all
         raise ApiError(400, f"allowed_token_ids and {spec.param} both constrain the output: choose one",
                        "allowed_token_ids")
@@ -273,7 +280,6 @@ async def constraint_factory(ctx: "ServerContext", body: _Sampling, calls: Gramm
     penalties = request_penalties(ctx, body)
     if grammar is None and allowed is None and not penalties.active:
         return None
-    stops = sorted(ctx.tokenizer.eos_token_ids | set(body.stop_token_ids or []))
 
     def make(prompt_ids: list[int]) -> TokenConstraint:
         parts = [PenaltyState(penalties, prompt_ids, ctx.vocab_size, stops)] if penalties.active else []
@@ -282,11 +288,15 @@ async def constraint_factory(ctx: "ServerContext", body: _Sampling, calls: Gramm
     return make
 
 
-def allowed_tokens(ctx: "ServerContext", ids: list[int] | None) -> AllowedTokens | None:
+def allowed_tokens(ctx: "ServerContext", ids: list[int] | None, min_tokens: int,
+                   stops: set[int]) -> AllowedTokens | None:
     """The request's allowed_token_ids as a fixed mask (immutable: its choices share it)."""
     if ids is None:
         return None
     check_ids(ctx, ids, "allowed_token_ids")
+    if min_tokens and set(ids) <= stops:
+        raise ApiError(400, f"allowed_token_ids holds only stop tokens, which min_tokens ({min_tokens}) forbids "
+                            f"at first: no token could be drawn", "allowed_token_ids")
     return AllowedTokens(ids, ctx.vocab_size)
 
 

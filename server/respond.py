@@ -69,19 +69,28 @@ async def respond(ctx: "ServerContext", request: Request, body: _Sampling, prepa
     if body.stream:
         events = stream_events(ctx, prepared, body, engine_id, answer_id, choices, chat, echo, top)
         return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(events.aclose))
-    task = asyncio.ensure_future(_drain(merged(ctx, prepared, engine_id, choices)))
-    watcher = asyncio.ensure_future(_disconnected(request))
-    await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    watcher.cancel()
-    if not task.done():  # the client is gone: abort its requests (their KV blocks are freed) and answer nobody
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+    if not await run_whole(ctx, request, prepared, engine_id, choices):
         return Response(status_code=499)
-    _raise_engine_errors(task.exception())
     if prepared.score_only:  # max_tokens 0: the prompt's logprobs alone
         for choice in choices:
             choice.text, choice.token_ids, choice.logprobs, choice.finish_reason = "", [], [], "length"
     return JSONResponse(whole_answer(ctx, prepared, body, answer_id, choices, chat, echo, top))
+
+
+async def run_whole(ctx: "ServerContext", request: Request, prepared: Prepared, engine_id: str,
+                    choices: list[Choice]) -> bool:
+    """Runs every choice to its end; False where the client left first (its requests aborted, their KV blocks
+    freed, nobody to answer). An engine's error is raised as the API error it means."""
+    task = asyncio.ensure_future(_drain(merged(ctx, prepared, engine_id, choices)))
+    watcher = asyncio.ensure_future(_disconnected(request))
+    await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    watcher.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return False
+    raise_engine_errors(task.exception())
+    return True
 
 
 def whole_answer(ctx: "ServerContext", prepared: Prepared, body: _Sampling, answer_id: str, choices: list[Choice],
@@ -112,7 +121,7 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def _raise_engine_errors(error: BaseException | None) -> None:
+def raise_engine_errors(error: BaseException | None) -> None:
     if error is None:
         return
     if isinstance(error, EngineDead):
@@ -134,14 +143,16 @@ async def stream_events(ctx: "ServerContext", prepared: Prepared, body: _Samplin
     names, n, ids = fmt.TokenNames(ctx.tokenizer, body.return_tokens_as_token_ids), body.n, body.return_token_ids
     if chat:
         for index in range(len(choices)):
-            yield _sse(fmt.chat_role_chunk(base, index) | ({"prompt_token_ids": prepared.prompts[0]} if ids else {}))
+            yield sse(fmt.chat_role_chunk(base, index) | ({"prompt_token_ids": prepared.prompts[0]} if ids else {}))
             if prepared.echo_message:
-                yield _sse(fmt.chat_chunk(names, base, Delta(index, "", -1, None, None, 0), None,
+                yield sse(fmt.chat_chunk(names, base, Delta(index, "", -1, None, None, 0), None,
                                           {"content": prepared.echo_message}, None))
     started: set[int] = set()
+    sent = 0  # tokens streamed: the choices run ahead of the stream
     outputs = [prepared.output.stream() for _ in choices] if chat else []
     try:
         async for delta in merged(ctx, prepared, engine_id, choices):
+            sent += 1
             if not (delta.text or delta.finish_reason or delta.logprobs is not None or ids):
                 continue  # held-back text with nothing else to say
             if chat:
@@ -152,14 +163,14 @@ async def stream_events(ctx: "ServerContext", prepared: Prepared, body: _Samplin
             started.add(delta.index)
             for chunk in chunks:
                 if continuous:
-                    chunk["usage"] = fmt.usage(prompt_tokens, choices, n)
-                yield _sse(_finished(chunk, delta, choices))
+                    chunk["usage"] = fmt.usage(prompt_tokens, choices, n, sent)
+                yield sse(_finished(chunk, delta, choices))
     except (EngineDead, RequestError) as error:
         status = 503 if isinstance(error, EngineDead) else 400
-        yield _sse(error_body(status, str(error)))
+        yield sse(error_body(status, str(error)))
     else:
         if include_usage:
-            yield _sse({**base, "choices": [], "usage": fmt.usage(prompt_tokens, choices, n)})
+            yield sse({**base, "choices": [], "usage": fmt.usage(prompt_tokens, choices, n)})
     yield "data: [DONE]\n\n"
 
 
@@ -201,5 +212,5 @@ def _finished(chunk: dict, delta: Delta, choices: list[Choice]) -> dict:
     return chunk
 
 
-def _sse(payload: dict[str, Any]) -> str:
+def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
