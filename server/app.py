@@ -1,5 +1,5 @@
-"""The OpenAI-compatible HTTP API over the engine loop: /v1/completions, /v1/chat/completions, /v1/models,
-/tokenize, /detokenize, /tokenizer_info, /health, /metrics, /version and /openapi.json."""
+"""The OpenAI-compatible HTTP API over the engine loop: /v1/completions, /v1/chat/completions, /v1/responses,
+/v1/models, /tokenize, /detokenize, /tokenizer_info, /health, /metrics, /version and /openapi.json."""
 
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -22,6 +22,7 @@ from pegainfer.server.metrics import Metrics
 from pegainfer.server.openapi import openapi_document
 from pegainfer.server.lora_routes import LoraService, add_lora_routes
 from pegainfer.server.respond import respond
+from pegainfer.server.responses_route import add_responses_routes
 from pegainfer.server.prepare import (check_ids, check_model, prepare_chat, prepare_completion, render_chat,
                                       template_kwargs)
 from pegainfer.server.prompts import PromptEncoder
@@ -75,6 +76,7 @@ def build_app(ctx: ServerContext) -> Guard:
     add_info_routes(app, ctx)
     add_generation_routes(app, ctx)
     add_lora_routes(app, ctx)
+    add_responses_routes(app, ctx)
     app.openapi = lambda: openapi_document(app, secured=ctx.api_key is not None)
     return Guard(app, ctx)
 

@@ -109,6 +109,20 @@ class ChatCompletion(BaseModel):
     prompt_token_ids: list[int] | None = None  # with return_token_ids
 
 
+class ResponseObject(BaseModel):
+    """The Responses API's answer (server/responses_output.py): output items of type reasoning, message and
+    function_call."""
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["completed", "incomplete"]
+    model: str
+    output: list[dict[str, Any]]
+    usage: dict[str, Any] | None
+    incomplete_details: dict[str, str] | None
+    store: bool
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"]
