@@ -24,6 +24,14 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
+class ContextTooLong(ApiError):
+    """A prompt (with the tokens asked for) past the context length: a 400, which /v1/responses's truncation auto
+    answers by dropping the input's first turns."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(400, message, param)
+
+
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": TYPES.get(status, "invalid_request_error"), "param": param,
                       "code": code if code is not None else status}}

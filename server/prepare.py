@@ -12,7 +12,7 @@ from pegainfer.ir.ops.penalties import Penalties
 from pegainfer.runtime.constraint import AllowedTokens, Chain, PenaltyState, TokenConstraint
 from pegainfer.runtime.sampler import SamplingParams
 from pegainfer.server.chat_output import ChatOutput
-from pegainfer.server.errors import ApiError
+from pegainfer.server.errors import ApiError, ContextTooLong
 from pegainfer.server.generation import TextOptions
 from pegainfer.server.protocol import (ChatCompletionRequest, CompletionRequest, TokenizeRequest, _Sampling,
                                        unused_field_set)
@@ -85,14 +85,14 @@ def resolve_max_tokens(ctx: "ServerContext", prompt_len: int, requested: int | N
                        prompt_param: str) -> int:
     limit = ctx.max_model_len
     if prompt_len >= limit:
-        raise ApiError(400, f"This model's maximum context length is {limit} tokens; the prompt has {prompt_len} "
-                            f"tokens, which leaves none to generate. Shorten the prompt.", prompt_param)
+        raise ContextTooLong(f"This model's maximum context length is {limit} tokens; the prompt has {prompt_len} "
+                             f"tokens, which leaves none to generate. Shorten the prompt.", prompt_param)
     if requested is None:
         return limit - prompt_len
     if prompt_len + requested > limit:
-        raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
-                            f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the "
-                            f"completion). Reduce the prompt or {param}.", param)
+        raise ContextTooLong(f"This model's maximum context length is {limit} tokens. However, you requested "
+                             f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the "
+                             f"completion). Reduce the prompt or {param}.", param)
     return requested
 
 

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 
 from pegainfer.runtime.tokenizer import TextTokenizer
-from pegainfer.server.errors import ApiError
+from pegainfer.server.errors import ContextTooLong
 
 PROBE_TOKENS_SLACK = 64  # a prefix's encoding can differ from the whole text's only around the cut
 PROBE_CHARS_PER_TOKEN = 8  # first probe: 8 characters a token, past what natural text averages
@@ -29,17 +29,17 @@ class PromptEncoder:
         """The ids of `text`; a 400 naming `param` once the text surely has more than `max_tokens` tokens
         (`context`, the model's context length, is what the message quotes)."""
         if len(text) > max_tokens * self.longest_token:
-            raise ApiError(400, f"This model's maximum context length is {context} tokens; the prompt has "
-                                f"{len(text)} characters, more than {max_tokens} tokens can hold (this tokenizer's "
-                                f"longest token has {self.longest_token} characters). Shorten the prompt.", param)
+            raise ContextTooLong(f"This model's maximum context length is {context} tokens; the prompt has "
+                                 f"{len(text)} characters, more than {max_tokens} tokens can hold (this tokenizer's "
+                                 f"longest token has {self.longest_token} characters). Shorten the prompt.", param)
         loop = asyncio.get_running_loop()
         probe = max_tokens * PROBE_CHARS_PER_TOKEN
         while probe * 2 < len(text):  # growing prefixes: refuse before encoding all of a text far past the limit
             count = len(await loop.run_in_executor(self._pool, self._encode, text[:probe]))
             if count > max_tokens + PROBE_TOKENS_SLACK:
-                raise ApiError(400, f"This model's maximum context length is {context} tokens; the prompt has more "
-                                    f"than {count - PROBE_TOKENS_SLACK} tokens in its first {probe} characters "
-                                    f"alone. Shorten the prompt.", param)
+                raise ContextTooLong(f"This model's maximum context length is {context} tokens; the prompt has more "
+                                     f"than {count - PROBE_TOKENS_SLACK} tokens in its first {probe} characters "
+                                     f"alone. Shorten the prompt.", param)
             probe *= 4
         return await loop.run_in_executor(self._pool, self._encode, text)
 

@@ -7,6 +7,7 @@ import uuid
 from typing import Any
 
 from pegainfer.runtime.tokenizer import TextTokenizer
+from pegainfer.server.chat_output import ChatOutput
 from pegainfer.server.generation import Choice
 from pegainfer.server.responses_request import ResponsesRequest
 
@@ -41,17 +42,14 @@ def usage(tokenizer: TextTokenizer, prompt_tokens: int, choice: Choice, reasonin
             "total_tokens": prompt_tokens + output}
 
 
-def output_items(message: dict[str, Any]) -> list[dict[str, Any]]:
-    """A chat message's parts as output items, in the order the model wrote them."""
-    items = []
-    if message.get("reasoning_content"):
-        items.append(reasoning_item(new_id("rs"), message["reasoning_content"], "completed"))
-    calls = message.get("tool_calls") or []
-    if message.get("content") or not (calls or items):
-        items.append(message_item(new_id("msg"), message.get("content") or "", "completed"))
-    items += [call_item(new_id("fc"), call["id"], call["function"]["name"], call["function"]["arguments"],
-                        "completed") for call in calls]
-    return items
+def whole_items(output: ChatOutput, text: str, status: str) -> tuple[list[dict[str, Any]], str]:
+    """A whole answer's items (and its reasoning, for the usage): the stream's, from the text in one piece, so
+    that the two never differ."""
+    events, parts = ResponseEvents(), output.stream()
+    for piece in parts.feed(text) + parts.finish():
+        events.feed(piece)
+    events.end(status)
+    return events.items, events.reasoning
 
 
 def reasoning_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
@@ -75,7 +73,8 @@ def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str
 
 class ResponseEvents:
     """A stream's events from the chat output stream's pieces: each event numbered; an item opened when its first
-    piece comes, closed (its done events) when another kind of piece, or the end, comes."""
+    piece comes, closed (its done events) when another kind of piece, or the end, comes. Whitespace before any
+    message text is held: the "\n\n" a thinking model writes between its reasoning and its calls is no message."""
 
     def __init__(self) -> None:
         self.sequence = 0
@@ -84,6 +83,7 @@ class ResponseEvents:
         self.item_id = ""
         self.text = ""  # the open item's text (or arguments)
         self.call: tuple[str, str] = ("", "")  # the open call's (call_id, name)
+        self.held = ""  # whitespace not yet in a message
         self.reasoning = ""  # all the reasoning, for the usage
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
@@ -99,7 +99,13 @@ class ResponseEvents:
             return self._open("reasoning") + [self._delta("response.reasoning_text.delta",
                                                           piece["reasoning_content"])]
         if piece.get("content"):
-            return self._open("message") + [self._delta("response.output_text.delta", piece["content"])]
+            text = piece["content"]
+            if self.kind != "message":
+                if not (self.held + text).strip():
+                    self.held += text
+                    return []
+                text, self.held = self.held + text, ""
+            return self._open("message") + [self._delta("response.output_text.delta", text)]
         events = []
         for call in piece.get("tool_calls") or []:
             if "id" in call:  # a new call: its id and name come first
@@ -118,8 +124,8 @@ class ResponseEvents:
     def _open(self, kind: str, call: tuple[str, str] = ("", "")) -> list[dict[str, Any]]:
         if self.kind == kind and kind != "function_call":
             return []
-        events = self._close()
-        self.kind, self.text, self.call = kind, "", call
+        events = self._close("completed")
+        self.kind, self.text, self.call, self.held = kind, "", call, ""
         self.item_id = new_id({"reasoning": "rs", "message": "msg", "function_call": "fc"}[kind])
         events.append(self.event("response.output_item.added", output_index=len(self.items),
                                  item=self._item("in_progress", None)))
@@ -128,7 +134,7 @@ class ResponseEvents:
                                      part=self._part("")))
         return events
 
-    def _close(self) -> list[dict[str, Any]]:
+    def _close(self, status: str) -> list[dict[str, Any]]:
         if self.kind is None:
             return []
         if self.kind == "function_call":
@@ -140,7 +146,7 @@ class ResponseEvents:
                                  **({"logprobs": []} if self.kind == "message" else {})),
                       self.event("response.content_part.done", **self.at(), content_index=0,
                                  part=self._part(self.text))]
-        item = self._item("completed", self.text)
+        item = self._item(status, self.text)
         events.append(self.event("response.output_item.done", output_index=len(self.items), item=item))
         self.items.append(item)
         self.kind = None
@@ -156,9 +162,17 @@ class ResponseEvents:
     def _part(self, text: str) -> dict[str, Any]:
         return {"type": "reasoning_text", "text": text} if self.kind == "reasoning" else output_text(text)
 
+    def end(self, status: str) -> list[dict[str, Any]]:
+        """The open item closed with the answer's status (a cut-off item is incomplete, as the response is); an
+        answer with no item at all gets its (empty) message."""
+        held, events = self.held, [] if self.items or self.kind else self._open("message")
+        if events and held:
+            events.append(self._delta("response.output_text.delta", held))
+        return events + self._close(status)
+
     def finish(self, response: dict[str, Any]) -> list[dict[str, Any]]:
-        """The open item closed, then response.completed with every item, whatever its status says (as vLLM ends
-        a stream: the openai client's stream helper waits for that event alone)."""
-        events = self._close()
+        """The end, then response.completed with every item, whatever its status says (as vLLM ends a stream: the
+        openai client's stream helper waits for that event alone)."""
+        events = self.end(response["status"])
         response["output"] = self.items
         return events + [self.event("response.completed", response=response)]

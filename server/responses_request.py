@@ -14,6 +14,7 @@ from pegainfer.server.protocol import MAX_LOGPROBS, ChatCompletionRequest, Strea
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 # include values that ask for nothing pegainfer has (no encrypted reasoning; no hosted tools' results)
 HARMLESS_INCLUDES = ("reasoning.encrypted_content",)
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")  # the openai client's ReasoningEffort
 
 
 class ResponsesRequest(BaseModel):
@@ -28,7 +29,7 @@ class ResponsesRequest(BaseModel):
     top_k: int | None = Field(None, ge=-1)
     seed: int | None = Field(None, ge=0, lt=2**63)
     stream: bool = False
-    tools: list[dict[str, Any]] = Field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None
     tool_choice: Any = "auto"
     parallel_tool_calls: bool | None = True
     text: dict[str, Any] | None = None
@@ -48,6 +49,7 @@ class ResponsesRequest(BaseModel):
     request_id: str | None = Field(None, min_length=1, max_length=256)
     # known, not implemented
     previous_response_id: str | None = None
+    conversation: Any = None
     background: bool | None = False
     prompt: dict[str, Any] | None = None
     max_tool_calls: int | None = None
@@ -55,9 +57,10 @@ class ResponsesRequest(BaseModel):
 
 def refused(body: ResponsesRequest) -> None:
     """A 400 naming the first field set to something pegainfer does not do."""
-    if body.previous_response_id is not None:
-        raise ApiError(400, "previous_response_id needs stored responses, which pegainfer does not keep: send the "
-                            "whole conversation as input", "previous_response_id")
+    for name in ("previous_response_id", "conversation"):
+        if getattr(body, name) is not None:
+            raise ApiError(400, f"{name} needs stored responses, which pegainfer does not keep: send the whole "
+                                f"conversation as input", name)
     if body.background:
         raise ApiError(400, "background responses are not supported by pegainfer: leave background out",
                        "background")
@@ -68,6 +71,9 @@ def refused(body: ResponsesRequest) -> None:
     for name in body.include or []:
         if name not in HARMLESS_INCLUDES:
             raise ApiError(400, f"include {name!r} is not supported by pegainfer yet", "include")
+    if body.top_logprobs:
+        raise ApiError(400, "logprobs are not supported on /v1/responses yet: use /v1/chat/completions",
+                       "top_logprobs")
 
 
 def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
@@ -78,11 +84,11 @@ def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
     if not messages:
         raise ApiError(400, "input holds no message", "input")
     fields: dict[str, Any] = {
-        "model": body.model, "messages": messages, "stream": body.stream, "tools": chat_tools(body.tools) or None,
-        "tool_choice": chat_tool_choice(body.tool_choice) if body.tools else None,
+        "model": body.model, "messages": messages, "stream": body.stream,
+        "tools": chat_tools(body.tools or []) or None, "tool_choice": chat_tool_choice(body.tool_choice),
         "parallel_tool_calls": body.parallel_tool_calls, "max_completion_tokens": body.max_output_tokens,
         "seed": body.seed, "stop": body.stop, "ignore_eos": body.ignore_eos, "cache_salt": body.cache_salt,
-        "truncate_prompt_tokens": -1 if body.truncation == "auto" else None, "user": body.user,
+        "user": body.user,
         "response_format": response_format(body.text), "structured_outputs": body.structured_outputs,
         "chat_template_kwargs": thinking(body.reasoning),
         "stream_options": StreamOptions(include_usage=True) if body.stream else None}
@@ -111,23 +117,32 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             call = {"id": _text(item, "call_id", index), "type": "function",
                     "function": {"name": _text(item, "name", index), "arguments": _text(item, "arguments", index)}}
             last = messages[-1] if messages else None
-            if last is None or last["role"] != "assistant" or "tool_calls" not in last or reasoning:
-                messages.append({"role": "assistant", "content": "", "tool_calls": []} |
+            if last is None or last["role"] != "assistant" or reasoning:  # a turn's message and calls: one message
+                messages.append({"role": "assistant", "content": ""} |
                                 ({"reasoning_content": reasoning} if reasoning else {}))
-            messages[-1]["tool_calls"].append(call)
+            messages[-1].setdefault("tool_calls", []).append(call)
         elif kind == "function_call_output":
             output = item.get("output")
             messages.append({"role": "tool", "tool_call_id": _text(item, "call_id", index),
                              "content": output if isinstance(output, str) else _parts(output, index)})
         elif kind == "reasoning":
-            reasoning = "".join(p.get("text", "") for p in (item.get("content") or item.get("summary") or [])
-                                if isinstance(p, dict))
+            reasoning = _reasoning_text(item, index)
             continue
         else:
             raise ApiError(400, f"input[{index}]: items of type {kind!r} are not supported; pegainfer takes "
                                 f"messages, function_call, function_call_output and reasoning items", "input")
         reasoning = None
     return messages
+
+
+def _reasoning_text(item: dict[str, Any], index: int) -> str:
+    """A reasoning item's text: its content's parts, else its summary's."""
+    parts = item.get("content") or item.get("summary") or []
+    if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str)
+                                              for p in parts):
+        raise ApiError(400, f"input[{index}]: a reasoning item's content and summary are lists of "
+                            f'{{"type": ..., "text": "..."}} parts', "input")
+    return "".join(p["text"] for p in parts)
 
 
 def _message(item: dict[str, Any], index: int) -> dict[str, Any]:
@@ -198,7 +213,6 @@ def thinking(reasoning: dict[str, Any] | None) -> dict[str, Any] | None:
     effort = (reasoning or {}).get("effort")
     if effort is None:
         return None
-    if effort not in ("none", "minimal", "low", "medium", "high"):
-        raise ApiError(400, f"reasoning.effort must be none, minimal, low, medium or high, found {effort!r}",
-                       "reasoning")
+    if effort not in EFFORTS:
+        raise ApiError(400, f"reasoning.effort must be one of {', '.join(EFFORTS)}, found {effort!r}", "reasoning")
     return {"enable_thinking": effort != "none"}

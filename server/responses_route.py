@@ -13,12 +13,12 @@ from starlette.background import BackgroundTask
 from pegainfer.errors import RequestError
 from pegainfer.runtime.engine_loop import EngineDead
 from pegainfer.server import responses as schema
-from pegainfer.server.errors import ApiError
+from pegainfer.server.errors import ApiError, ContextTooLong
 from pegainfer.server.generation import Choice
 from pegainfer.server.prepare import Prepared, prepare_chat
 from pegainfer.server.respond import merged, run_whole
-from pegainfer.server.responses_output import (ResponseEvents, new_id, output_items, response_object, status_of,
-                                               usage)
+from pegainfer.server.responses_output import (ResponseEvents, new_id, response_object, status_of, usage,
+                                               whole_items)
 from pegainfer.server.responses_request import ResponsesRequest, to_chat
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ def add_responses_routes(app: FastAPI, ctx: "ServerContext") -> None:
               responses={200: {"model": schema.ResponseObject, "content": STREAM}, **errors})
     async def responses(body: ResponsesRequest, request: Request) -> Response:
         try:
-            prepared = await prepare_chat(ctx, to_chat(body))
+            prepared = await prepare(ctx, body)
         except ApiError as error:  # named as this route's request names it
             error.param = RENAMED.get(error.param, error.param)
             raise
@@ -58,10 +58,31 @@ def add_responses_routes(app: FastAPI, ctx: "ServerContext") -> None:
                                      background=BackgroundTask(events.aclose))
         if not await run_whole(ctx, request, prepared, engine_id, choices):
             return Response(status_code=499)
-        message, _ = prepared.output.message(choices[0].text)
-        counts = usage(ctx.tokenizer, len(prepared.prompts[0]), choices[0], message.get("reasoning_content") or "")
-        return JSONResponse(response_object(response_id, body, model, output_items(message), status_of(choices[0]),
-                                            counts))
+        status = status_of(choices[0])
+        items, reasoning = whole_items(prepared.output, choices[0].text, status)
+        counts = usage(ctx.tokenizer, len(prepared.prompts[0]), choices[0], reasoning)
+        return JSONResponse(response_object(response_id, body, model, items, status, counts))
+
+
+async def prepare(ctx: "ServerContext", body: ResponsesRequest) -> Prepared:
+    """The request prepared as a chat request; with truncation auto, an input past the context loses its first
+    turns (up to its next user message) until it fits, as OpenAI's does."""
+    items = body.input
+    while True:
+        try:
+            return await prepare_chat(ctx, to_chat(body.model_copy(update={"input": items})))
+        except ContextTooLong:
+            items = without_first_turn(items) if body.truncation == "auto" else None
+            if not items:
+                raise
+
+
+def without_first_turn(items: str | list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """The input less its first item and what follows it up to the next user message; None where nothing is left."""
+    if isinstance(items, str):
+        return None
+    later = [i for i, item in enumerate(items) if i > 0 and isinstance(item, dict) and item.get("role") == "user"]
+    return items[later[0]:] if later else None
 
 
 async def stream(ctx: "ServerContext", body: ResponsesRequest, prepared: Prepared, engine_id: str,

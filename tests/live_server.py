@@ -1,5 +1,6 @@
 """A `pegainfer serve --device cpu` process on loopback for the server tests, and what they ask of it."""
 
+import json
 import socket
 import subprocess
 import sys
@@ -43,6 +44,17 @@ class Server:
                 reason = labels.split('finished_reason="')[1].split('"')[0] if "finished_reason" in labels else None
                 values[f"{name}:{reason}" if reason else name] = float(value)
         return values
+
+
+QWEN3_TEMPLATE = Path(__file__).parent / "qwen3_chat_template.jinja"  # Qwen3's published one: tools, thinking
+
+
+def with_chat_template(checkpoint: Path, template: str | None = None) -> Path:
+    """The checkpoint with `template` (Qwen3's by default) as its tokenizer_config.json's chat template."""
+    path = checkpoint / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    path.write_text(json.dumps(config | {"chat_template": template or QWEN3_TEMPLATE.read_text()}))
+    return checkpoint
 
 
 def free_port() -> int:

@@ -6,17 +6,15 @@ reasoning.effort reach the grammar and the template; the stream's events build t
 pegainfer does not do is a 400 naming it."""
 
 import json
-from pathlib import Path
 
 import httpx
 import jsonschema
 import pytest
 
-from live_server import NAME, start_server, stop_server
+from live_server import with_chat_template, NAME, start_server, stop_server
 
 pytest.importorskip("xgrammar")
 
-TEMPLATE = Path(__file__).parent / "qwen3_chat_template.jinja"
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city"],
            "properties": {"city": {"type": "string", "maxLength": 12}}}
 TOOLS = [{"type": "function", "name": "get_weather", "description": "The forecast", "parameters": WEATHER}]
@@ -28,8 +26,7 @@ NO_THINKING = {"reasoning": {"effort": "none"}}
 @pytest.fixture(scope="module")
 def server(checkpoint_factory, tmp_path_factory):
     checkpoint = checkpoint_factory("tools_bpe", seed=7)
-    config = json.loads((checkpoint / "tokenizer_config.json").read_text())
-    (checkpoint / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": TEMPLATE.read_text()}))
+    with_chat_template(checkpoint)
     log = tmp_path_factory.mktemp("responses") / "serve.log"
     server = start_server(checkpoint, "--max-model-len", "2048", "--enable-auto-tool-choice",
                           "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3", log=log)

@@ -6,13 +6,12 @@ assemble into the non-streamed calls; auto parses what the model wrote; reasonin
 streamed too; and every bad tools or tool_choice is a 400 naming it while the server keeps serving."""
 
 import json
-from pathlib import Path
 
 import httpx
 import jsonschema
 import pytest
 
-from live_server import NAME, start_server, stop_server
+from live_server import with_chat_template, NAME, start_server, stop_server
 from pegainfer.server.errors import ApiError
 from pegainfer.server.tools import call_grammar, resolve_tool_choice
 
@@ -28,14 +27,12 @@ TOOLS = [{"type": "function",
 SCHEMAS = {"get_weather": WEATHER, "ping": PING}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
-TEMPLATE = Path(__file__).parent / "qwen3_chat_template.jinja"
 
 
 @pytest.fixture(scope="module")
 def server(checkpoint_factory, tmp_path_factory):
     checkpoint = checkpoint_factory("tools_bpe", seed=7)
-    config = json.loads((checkpoint / "tokenizer_config.json").read_text())
-    (checkpoint / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": TEMPLATE.read_text()}))
+    with_chat_template(checkpoint)
     log = tmp_path_factory.mktemp("tools") / "serve.log"
     server = start_server(checkpoint, "--max-model-len", "2048", "--enable-auto-tool-choice",
                           "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3", log=log)

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from tokenizers import Tokenizer
 
-from live_server import NAME, start_server, stop_server
+from live_server import with_chat_template, NAME, start_server, stop_server
 
 DOCUMENTS_TEMPLATE = ("{% if documents %}{% for d in documents %}<doc>{{ d['text'] }}</doc>\n{% endfor %}{% endif %}"
                       "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
@@ -21,8 +21,7 @@ PROMPT = "The quick brown fox"
 @pytest.fixture(scope="module")
 def server(checkpoint_factory, tmp_path_factory):
     checkpoint = checkpoint_factory("vllm_params", seed=3)
-    config = json.loads((checkpoint / "tokenizer_config.json").read_text())
-    (checkpoint / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": DOCUMENTS_TEMPLATE}))
+    with_chat_template(checkpoint, DOCUMENTS_TEMPLATE)
     server = start_server(checkpoint, "--max-model-len", "256", log=tmp_path_factory.mktemp("params") / "serve.log")
     yield server
     stop_server(server)

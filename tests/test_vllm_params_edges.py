@@ -2,23 +2,20 @@
 qwen3 reasoning parser and hermes tool calls, its tokenizer putting a BOS before a text (add_special_tokens)."""
 
 import json
-from pathlib import Path
 
 import httpx
 import pytest
 from tokenizers import Tokenizer, processors
 
-from live_server import NAME, start_server, stop_server
+from live_server import with_chat_template, NAME, start_server, stop_server
 
-TEMPLATE = Path(__file__).parent / "qwen3_chat_template.jinja"
 PROMPT = "The quick brown fox"
 
 
 @pytest.fixture(scope="module")
 def server(checkpoint_factory, tmp_path_factory):
     checkpoint = checkpoint_factory("vllm_edges", seed=5)
-    config = json.loads((checkpoint / "tokenizer_config.json").read_text())
-    (checkpoint / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": TEMPLATE.read_text()}))
+    with_chat_template(checkpoint)
     tok = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
     bos = tok.token_to_id("<|endoftext|>")
     tok.post_processor = processors.TemplateProcessing(single="<|endoftext|> $A", special_tokens=[("<|endoftext|>",
