@@ -82,7 +82,7 @@ async def run_choice(engine: EngineLoop, request: EngineRequest, tokenizer: Text
     """Yields a Delta per generated token and fills `choice` as it goes; the last Delta has the finish_reason.
     A stop string ends the choice with "stop", cut before the stop string; it is looked for only once min_tokens
     tokens are out, as vLLM does. The text of the token that stops a choice (an end-of-sequence or stop_token_ids
-    id) is left out, as vLLM leaves it, unless the request includes stop strings."""
+    id) is left out, as vLLM leaves it, unless the request asks for include_stop_str_in_output."""
     detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_ids, options.skip_special)
     checker = StopChecker(options.stops, options.include_stop)
     stream = RequestStream(engine, request)

@@ -142,7 +142,7 @@ async def prepare_completion(ctx: "ServerContext", body: CompletionRequest) -> P
         if keep is not None:  # the echo is what the model read: the kept tokens' text
             texts = [ctx.tokenizer.decode(ids) for ids in prompts]
     else:
-        prompts = id_prompts if keep is None else [ids[-keep:] if keep else [] for ids in id_prompts]
+        prompts = id_prompts if keep is None else [ids[-keep:] for ids in id_prompts]
         for ids in prompts:
             if len(ids) < ctx.max_model_len:  # longer ones are refused with their length below, unread
                 check_ids(ctx, ids, "prompt")
@@ -182,7 +182,7 @@ async def encode_prompt(ctx: "ServerContext", text: str, param: str, specials: b
     if specials:
         return ids if keep is None else ctx.tokenizer.keep_last(ids, keep)
     ids = ctx.tokenizer.without_added_specials(ids)
-    return ids if keep is None else ids[-keep:] if keep else []
+    return ids if keep is None else ids[-keep:]
 
 
 def render_chat(ctx: "ServerContext", messages, add_generation_prompt: bool, kwargs: dict | None,
@@ -283,8 +283,8 @@ async def constraint_factory(ctx: "ServerContext", body: _Sampling, calls: Gramm
 
     def make(prompt_ids: list[int]) -> TokenConstraint:
         parts = [PenaltyState(penalties, prompt_ids, ctx.vocab_size, stops)] if penalties.active else []
-        grammars = [grammar()] if grammar is not None else [allowed] if allowed is not None else []
-        return Chain(*parts, *grammars)
+        limits = [grammar()] if grammar is not None else [allowed] if allowed is not None else []
+        return Chain(*parts, *limits)
     return make
 
 
