@@ -26,7 +26,7 @@ def response_object(response_id: str, body: ResponsesRequest, model: str, output
             "model": model, "output": output, "usage": usage, "error": None, "previous_response_id": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "text": body.text or {"format": {"type": "text"}}, "store": False,
-            **{name: getattr(body, name) for name in ECHOED}}
+            **{name: getattr(body, name) for name in ECHOED}, "tools": body.tools or []}
 
 
 def status_of(choice: Choice) -> str:
