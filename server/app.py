@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP API over the engine loop: /v1/completions, /v1/chat/completions, /v1/responses,
-/v1/models, /tokenize, /detokenize, /tokenizer_info, /health, /metrics, /version and /openapi.json."""
+Anthropic's /v1/messages, /v1/models, /tokenize, /detokenize, /tokenizer_info, /health, /metrics, /version and
+/openapi.json."""
 
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from pegainfer.server import responses as schema
 from pegainfer.server.errors import (ApiError, api_error_handler, error_body, http_error_handler,
                                      internal_error_handler, validation_error_handler)
 from pegainfer.server.guard import Guard
+from pegainfer.server.messages_route import add_messages_routes
 from pegainfer.server.metrics import Metrics
 from pegainfer.server.openapi import openapi_document
 from pegainfer.server.lora_routes import LoraService, add_lora_routes
@@ -77,6 +79,7 @@ def build_app(ctx: ServerContext) -> Guard:
     add_generation_routes(app, ctx)
     add_lora_routes(app, ctx)
     add_responses_routes(app, ctx)
+    add_messages_routes(app, ctx)
     app.openapi = lambda: openapi_document(app, secured=ctx.api_key is not None)
     return Guard(app, ctx)
 

@@ -1,6 +1,6 @@
-"""OpenAI error objects: `{"error": {"message", "type", "param", "code"}}` with the HTTP status, for every way a
-request can go wrong, so that a client library raises its usual exception with a message that names the
-parameter."""
+"""OpenAI error objects: `{"error": {"message", "type", "param", "code"}, "type": "error"}` (Anthropic's
+shape too) with the HTTP status, for every way a request can go wrong, so that a client library raises its usual
+exception with a message that names the parameter."""
 
 from typing import Any
 
@@ -12,7 +12,8 @@ from starlette.exceptions import HTTPException
 TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
          405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
          500: "server_error", 503: "server_error"}
-ROUTES = ("POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /v1/models/{model}",
+ROUTES = ("POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses", "POST /v1/messages",
+          "POST /v1/messages/count_tokens", "GET /v1/models", "GET /v1/models/{model}",
           "POST /tokenize", "POST /detokenize", "GET /tokenizer_info", "GET /health", "GET /metrics", "GET /version",
           "GET /openapi.json")
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "function-before"}
@@ -33,8 +34,9 @@ class ContextTooLong(ApiError):
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object, with Anthropic's `"type": "error"` beside it (Anthropic clients read that shape)."""
     return {"error": {"message": message, "type": TYPES.get(status, "invalid_request_error"), "param": param,
-                      "code": code if code is not None else status}}
+                      "code": code if code is not None else status}, "type": "error"}
 
 
 def error_response(error: ApiError) -> JSONResponse:

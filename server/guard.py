@@ -26,9 +26,12 @@ class Guard:
         headers = dict(scope["headers"])
         if self.ctx.api_key is not None and scope["path"] not in PUBLIC_PATHS:
             given = headers.get(b"authorization", b"").decode("latin-1")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.ctx.api_key}".encode()):
+            anthropic = headers.get(b"x-api-key", b"").decode("latin-1")  # how Anthropic's clients send it
+            if not (hmac.compare_digest(given.encode(), f"Bearer {self.ctx.api_key}".encode()) or
+                    hmac.compare_digest(anthropic.encode(), self.ctx.api_key.encode())):
                 return await reply(send, 401, "invalid API key: send the server's --api-key as "
-                                              "'Authorization: Bearer KEY'", code="invalid_api_key")
+                                              "'Authorization: Bearer KEY' (or 'x-api-key: KEY')",
+                                   code="invalid_api_key")
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
         limit = self.ctx.max_request_bytes

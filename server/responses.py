@@ -18,6 +18,7 @@ class ErrorDetail(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorDetail
+    type: Literal["error"]  # Anthropic's error shape too, for /v1/messages clients
 
 
 class PromptTokensDetails(BaseModel):
@@ -121,6 +122,23 @@ class ResponseObject(BaseModel):
     usage: dict[str, Any] | None
     incomplete_details: dict[str, str] | None
     store: bool
+
+
+class AnthropicMessage(BaseModel):
+    """The Messages API's answer (server/messages_output.py): content blocks of type thinking, text and
+    tool_use."""
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: list[dict[str, Any]]
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+    stop_sequence: str | None
+    usage: dict[str, int]
+
+
+class InputTokens(BaseModel):
+    input_tokens: int
 
 
 class ModelCard(BaseModel):

@@ -33,8 +33,8 @@ def test_the_document_lists_every_route(api):
     assert set(operations(api)) == {
         "GET /health", "GET /metrics", "GET /version", "GET /v1/models", "GET /v1/models/{model_id}",
         "POST /tokenize", "POST /detokenize", "GET /tokenizer_info", "POST /v1/completions",
-        "POST /v1/chat/completions", "POST /v1/responses", "POST /v1/load_lora_adapter",
-        "POST /v1/unload_lora_adapter"}
+        "POST /v1/chat/completions", "POST /v1/responses", "POST /v1/messages", "POST /v1/messages/count_tokens",
+        "POST /v1/load_lora_adapter", "POST /v1/unload_lora_adapter"}
 
 
 @pytest.mark.slow
@@ -61,7 +61,8 @@ def test_every_answer_matches_the_published_schema(api, mode):
                               "stream": True}),
     ("POST /v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True,
                                    "stream_options": {"include_usage": True}}),
-    ("POST /v1/responses", {"input": "hi", "max_output_tokens": 4, "stream": True})])
+    ("POST /v1/responses", {"input": "hi", "max_output_tokens": 4, "stream": True}),
+    ("POST /v1/messages", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True})])
 def test_answers_the_examples_seldom_ask_for_match_the_document(api, label, body):
     """The examples above rarely ask for a stream or an echo with logprobs (whose first entries are null): those
     answers, and each server-sent event, are checked against the document here."""
