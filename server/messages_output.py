@@ -40,8 +40,8 @@ def usage(prompt_tokens: int, choice: Choice) -> dict[str, int]:
             "cache_read_input_tokens": choice.num_cached_tokens, "cache_creation_input_tokens": 0}
 
 
-def whole_content(output: ChatOutput, text: str) -> list[dict[str, Any]]:
-    events, parts = MessageEvents(), output.stream()
+def whole_content(output: ChatOutput, text: str, single_call: bool) -> list[dict[str, Any]]:
+    events, parts = MessageEvents(single_call), output.stream()
     for piece in parts.feed(text) + parts.finish():
         events.feed(piece)
     events.end()
@@ -53,7 +53,8 @@ class MessageEvents:
     stopped when another kind of piece or the end comes. Whitespace before any text is held: the "\\n\\n" a
     thinking model writes between its thinking and its tool calls is no text block."""
 
-    def __init__(self) -> None:
+    def __init__(self, single_call: bool = False) -> None:
+        self.single_call = single_call  # disable_parallel_tool_use: a call past the first is dropped
         self.blocks: list[dict[str, Any]] = []  # every block started, the open one last
         self.open = False
         self.held = ""
@@ -73,6 +74,8 @@ class MessageEvents:
             return self._start({"type": "text", "text": ""}) + self._delta(text)
         events = []
         for call in piece.get("tool_calls") or []:
+            if self.single_call and call.get("index", 0) > 0:
+                continue
             if "id" in call:  # a new call: its id and name come first
                 events += self._start({"type": "tool_use", "id": call["id"],
                                        "name": call["function"].get("name", ""), "input": {}}, new=True)
@@ -111,8 +114,10 @@ class MessageEvents:
 
     def end(self) -> list[dict[str, Any]]:
         """The open block stopped; an answer with no block at all gets its (possibly empty) text block."""
-        held, events = self.held, [] if self.blocks else self._start({"type": "text", "text": ""})
-        return events + self._delta(held) + self._stop()
+        if self.blocks:  # whitespace after the last block is no part of it
+            return self._stop()
+        held = self.held
+        return self._start({"type": "text", "text": ""}) + self._delta(held) + self._stop()
 
 
 def tool_input(arguments: str) -> dict[str, Any]:

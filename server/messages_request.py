@@ -49,9 +49,11 @@ def to_chat(body: MessagesRequest) -> ChatCompletionRequest:
     for name in ("mcp_servers", "container"):
         if getattr(body, name):
             raise ApiError(400, f"{name} is not supported by pegainfer: leave it out", name)
+    prefill = is_prefill(body.messages[-1])
     fields: dict[str, Any] = {
         "model": body.model, "messages": system_messages(body.system) + chat_messages(body.messages),
         "max_completion_tokens": body.max_tokens, "stop": body.stop_sequences, "stream": body.stream,
+        "add_generation_prompt": not prefill, "continue_final_message": prefill,
         "tools": chat_tools(body.tools) or None, "chat_template_kwargs": thinking(body.thinking),
         "structured_outputs": body.structured_outputs,
         **chat_tool_choice(body.tool_choice)}
@@ -64,6 +66,15 @@ def to_chat(body: MessagesRequest) -> ChatCompletionRequest:
         where = ".".join(str(part) for part in first["loc"])
         raise ApiError(400, f"{where}: {first['msg']}", RENAMED.get(str(first["loc"][0]), str(first["loc"][0]))) \
             from None
+
+
+def is_prefill(last: Any) -> bool:
+    """A last assistant message that ends in text: the start of the answer, which the model continues."""
+    if not isinstance(last, dict) or last.get("role") != "assistant":
+        return False
+    content = last.get("content")
+    return isinstance(content, str) or (isinstance(content, list) and bool(content) and
+                                        isinstance(content[-1], dict) and content[-1].get("type") == "text")
 
 
 def system_messages(system: str | list[dict[str, Any]] | None) -> list[dict[str, Any]]:
@@ -97,13 +108,14 @@ def _user_blocks(blocks: list[Any], index: int) -> list[dict[str, Any]]:
         kind = _kind(block, index)
         if kind == "tool_result":
             result = block.get("content", "")
+            text = result if isinstance(result, str) else _texts(result, f"messages[{index}]")
             tools.append({"role": "tool", "tool_call_id": _string(block, "tool_use_id", index),
-                          "content": result if isinstance(result, str) else _texts(result, f"messages[{index}]")})
+                          "content": f"Error: {text}" if block.get("is_error") else text})
         elif kind == "text":
             texts.append(_string(block, "text", index))
         else:
             _refuse(kind, index)
-    return tools + ([{"role": "user", "content": "".join(texts)}] if texts or not tools else [])
+    return tools + ([{"role": "user", "content": "\n".join(texts)}] if texts or not tools else [])
 
 
 def _assistant_blocks(blocks: list[Any], index: int) -> dict[str, Any]:
@@ -115,6 +127,8 @@ def _assistant_blocks(blocks: list[Any], index: int) -> dict[str, Any]:
         elif kind == "thinking":
             message["reasoning_content"] = message.get("reasoning_content", "") + _string(block, "thinking", index)
         elif kind == "tool_use":
+            if not isinstance(block.get("input", {}), dict):
+                raise ApiError(400, f"messages[{index}]: a tool_use block's input must be an object", "messages")
             arguments = json.dumps(block.get("input", {}), ensure_ascii=False)
             message.setdefault("tool_calls", []).append({"id": _string(block, "id", index), "type": "function",
                                                          "function": {"name": _string(block, "name", index),
@@ -143,12 +157,12 @@ def _string(block: dict[str, Any], key: str, index: int) -> str:
 
 
 def _texts(blocks: Any, where: str) -> str:
-    """Text blocks' text joined (a system prompt, a tool result)."""
+    """Text blocks' text, a line apart (a system prompt, a tool result)."""
     if not isinstance(blocks, list) or not all(isinstance(b, dict) and b.get("type") == "text"
                                                and isinstance(b.get("text"), str) for b in blocks):
         raise ApiError(400, f'{where}: expected a string or a list of {{"type": "text", "text": ...}} blocks',
                        "system" if where == "system" else "messages")
-    return "".join(b["text"] for b in blocks)
+    return "\n".join(b["text"] for b in blocks)
 
 
 def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
@@ -171,7 +185,9 @@ def chat_tool_choice(choice: dict[str, Any] | None) -> dict[str, Any]:
     kind = choice.get("type")
     chosen = {"auto": "auto", "any": "required", "none": "none"}.get(kind)
     if kind == "tool":
-        chosen = {"type": "function", "function": {"name": choice.get("name")}}
+        if not isinstance(choice.get("name"), str):
+            raise ApiError(400, 'tool_choice {"type": "tool"} needs the tool\'s "name"', "tool_choice")
+        chosen = {"type": "function", "function": {"name": choice["name"]}}
     if chosen is None:
         raise ApiError(400, 'tool_choice must be {"type": "auto" | "any" | "none"} or {"type": "tool", "name": ...}',
                        "tool_choice")
@@ -179,11 +195,12 @@ def chat_tool_choice(choice: dict[str, Any] | None) -> dict[str, Any]:
     return {"tool_choice": chosen} | parallel
 
 
-def thinking(config: dict[str, Any] | None) -> dict[str, Any] | None:
-    """thinking enabled (or adaptive) or disabled as a thinking template's enable_thinking; its budget_tokens is
-    not enforced: max_tokens bounds the thinking and the answer together."""
+def thinking(config: dict[str, Any] | None) -> dict[str, Any]:
+    """thinking enabled (or adaptive) or disabled as a thinking template's enable_thinking, off where the request
+    leaves it out, as Anthropic's is; its budget_tokens is not enforced: max_tokens bounds the thinking and the
+    answer together."""
     if config is None:
-        return None
+        return {"enable_thinking": False}
     if config.get("type") not in ("enabled", "adaptive", "disabled"):
         raise ApiError(400, 'thinking must be {"type": "enabled", "budget_tokens": N} or {"type": "disabled"}',
                        "thinking")

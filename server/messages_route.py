@@ -44,13 +44,14 @@ def add_messages_routes(app: FastAPI, ctx: "ServerContext") -> None:
         message_id, engine_id = new_id(), f"msg-{uuid.uuid4().hex}"
         choices = [Choice(0)]
         model = prepared.lora or ctx.model_name
+        single = bool((body.tool_choice or {}).get("disable_parallel_tool_use"))
         if body.stream:
-            events = stream(ctx, prepared, engine_id, message_id, model, choices[0])
+            events = stream(ctx, prepared, engine_id, message_id, model, choices[0], single)
             return StreamingResponse(events, media_type="text/event-stream",
                                      background=BackgroundTask(events.aclose))
         if not await run_whole(ctx, request, prepared, engine_id, choices):
             return Response(status_code=499)
-        content = whole_content(prepared.output, choices[0].text)
+        content = whole_content(prepared.output, choices[0].text, single)
         counts = usage(len(prepared.prompts[0]), choices[0])
         return JSONResponse(message_object(message_id, model, content, choices[0], counts))
 
@@ -69,13 +70,17 @@ async def prepare(ctx: "ServerContext", body: MessagesRequest) -> Prepared:
 
 
 async def stream(ctx: "ServerContext", prepared: Prepared, engine_id: str, message_id: str, model: str,
-                 choice: Choice) -> AsyncIterator[str]:
-    events, parts = MessageEvents(), prepared.output.stream()
-    prompt_tokens = len(prepared.prompts[0])
-    start = message_object(message_id, model, [], None, {"input_tokens": prompt_tokens, "output_tokens": 0})
-    yield sse({"type": "message_start", "message": start})
+                 choice: Choice, single_call: bool) -> AsyncIterator[str]:
+    """message_start goes with the first token, once the prefix cache's share of the prompt is known: its usage
+    is the final one's split (cache reads apart), less the output."""
+    events, parts = MessageEvents(single_call), prepared.output.stream()
+    prompt_tokens, started = len(prepared.prompts[0]), False
     try:
         async for delta in merged(ctx, prepared, engine_id, [choice]):
+            if not started:
+                start = message_object(message_id, model, [], None, usage(prompt_tokens, choice) | {"output_tokens": 0})
+                yield sse({"type": "message_start", "message": start})
+                started = True
             pieces = parts.feed(delta.text) + (parts.finish() if delta.finish_reason else [])
             for piece in pieces:
                 for event in events.feed(piece):
