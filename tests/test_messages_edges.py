@@ -9,44 +9,11 @@ import anthropic
 import httpx
 import pytest
 
-from live_server import NAME, start_server, stop_server, with_chat_template
+from live_server import NAME
+from test_messages_api import (CHAT_TOOLS, NO_THINKING, TOOLS, USER, WEATHER, chat, client, create,  # noqa: F401
+                               server, streamed)
 
 pytest.importorskip("xgrammar")
-
-WEATHER = {"type": "object", "additionalProperties": False, "required": ["city"],
-           "properties": {"city": {"type": "string", "maxLength": 12}}}
-TOOLS = [{"name": "get_weather", "description": "The forecast", "input_schema": WEATHER}]
-CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The forecast",
-                                                "parameters": WEATHER}}]
-NO_THINKING = {"type": "disabled"}
-USER = [{"role": "user", "content": "What is the weather?"}]
-
-
-@pytest.fixture(scope="module")
-def server(checkpoint_factory, tmp_path_factory):
-    checkpoint = with_chat_template(checkpoint_factory("tools_bpe", seed=7))
-    log = tmp_path_factory.mktemp("messages_edges") / "serve.log"
-    server = start_server(checkpoint, "--max-model-len", "2048", "--enable-auto-tool-choice", "--tool-call-parser",
-                          "hermes", "--reasoning-parser", "qwen3", "--api-key", "secret", log=log)
-    yield server
-    stop_server(server)
-
-
-def client(server) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=server.url, api_key="secret", max_retries=0, timeout=120)
-
-
-def create(server, **body):
-    args = dict(model=NAME, max_tokens=12, messages=USER, thinking=NO_THINKING, extra_body={"temperature": 0})
-    return client(server).messages.create(**(args | body))
-
-
-def streamed(server, **body):
-    args = dict(model=NAME, max_tokens=12, messages=USER, thinking=NO_THINKING, extra_body={"temperature": 0})
-    with client(server).messages.stream(**(args | body)) as stream:
-        events = list(stream)
-        return events, stream.get_final_message()
-
 
 def raw_events(server, body: dict) -> list[dict]:
     """The stream's events as sent (data of each SSE event), checked against their event: lines."""
@@ -65,14 +32,6 @@ def raw_events(server, body: dict) -> list[dict]:
                 assert event["type"] == name
                 events.append(event)
     return events
-
-
-def chat(server, **body) -> dict:
-    reply = server.post("/v1/chat/completions", {"model": NAME, "max_completion_tokens": 12, "temperature": 0,
-                                                 "chat_template_kwargs": {"enable_thinking": False}, **body},
-                        key="secret")
-    assert reply.status_code == 200, reply.text
-    return reply.json()
 
 
 def count(server, **body) -> int:

@@ -6,42 +6,14 @@ must be a 400 naming a field (never a 500: stop_server checks the log for traceb
 import httpx
 import pytest
 
-from live_server import with_chat_template, NAME, start_server, stop_server
+from live_server import NAME
+from test_responses_api import CHAT_TOOLS, TOOLS, respond, server, streamed  # noqa: F401  (server: a fixture)
 
 pytest.importorskip("xgrammar")
 
-WEATHER = {"type": "object", "additionalProperties": False, "required": ["city"],
-           "properties": {"city": {"type": "string", "maxLength": 12}}}
-TOOLS = [{"type": "function", "name": "get_weather", "description": "The forecast", "parameters": WEATHER,
-          "strict": True}]
-CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The forecast",
-                                                "parameters": WEATHER}}]
-NO_THINKING = {"reasoning": {"effort": "none"}}
+TOOLS = [tool | {"strict": True} for tool in TOOLS]
 CALL_A = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "A"}}\n</tool_call>'
 CALL_B = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "B"}}\n</tool_call>'
-
-
-@pytest.fixture(scope="module")
-def server(checkpoint_factory, tmp_path_factory):
-    checkpoint = checkpoint_factory("tools_bpe", seed=7)
-    with_chat_template(checkpoint)
-    log = tmp_path_factory.mktemp("responses_edges") / "serve.log"
-    server = start_server(checkpoint, "--max-model-len", "2048", "--enable-auto-tool-choice",
-                          "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3", log=log)
-    yield server
-    stop_server(server)
-
-
-def respond(server, **body):
-    args = dict(model=NAME, max_output_tokens=12, temperature=0) | NO_THINKING
-    return server.client().responses.create(**(args | body))
-
-
-def streamed(server, **body):
-    args = dict(model=NAME, max_output_tokens=12, temperature=0) | NO_THINKING
-    with server.client().responses.stream(**(args | body)) as stream:
-        events = list(stream)
-        return events, stream.get_final_response()
 
 
 def prompt_tokens_of_chat(server, **body) -> int:
