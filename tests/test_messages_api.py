@@ -11,7 +11,7 @@ import anthropic
 import jsonschema
 import pytest
 
-from live_server import NAME, start_server, stop_server, with_chat_template
+from live_server import NAME, start_tools_server, stop_server
 
 pytest.importorskip("xgrammar")
 
@@ -26,10 +26,8 @@ USER = [{"role": "user", "content": "What is the weather?"}]
 
 @pytest.fixture(scope="module")
 def server(checkpoint_factory, tmp_path_factory):
-    checkpoint = with_chat_template(checkpoint_factory("tools_bpe", seed=7))
     log = tmp_path_factory.mktemp("messages") / "serve.log"
-    server = start_server(checkpoint, "--max-model-len", "2048", "--enable-auto-tool-choice", "--tool-call-parser",
-                          "hermes", "--reasoning-parser", "qwen3", "--api-key", "secret", log=log)
+    server = start_tools_server(checkpoint_factory("tools_bpe", seed=7), log, "--api-key", "secret")
     yield server
     stop_server(server)
 

@@ -11,7 +11,7 @@ import httpx
 import jsonschema
 import pytest
 
-from live_server import with_chat_template, NAME, start_server, stop_server
+from live_server import NAME, start_tools_server, stop_server
 
 pytest.importorskip("xgrammar")
 
@@ -25,11 +25,8 @@ NO_THINKING = {"reasoning": {"effort": "none"}}
 
 @pytest.fixture(scope="module")
 def server(checkpoint_factory, tmp_path_factory):
-    checkpoint = checkpoint_factory("tools_bpe", seed=7)
-    with_chat_template(checkpoint)
     log = tmp_path_factory.mktemp("responses") / "serve.log"
-    server = start_server(checkpoint, "--max-model-len", "2048", "--enable-auto-tool-choice",
-                          "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3", log=log)
+    server = start_tools_server(checkpoint_factory("tools_bpe", seed=7), log)
     yield server
     stop_server(server)
 
