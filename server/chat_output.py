@@ -52,6 +52,10 @@ class ChatOutputStream:
             return self._content(text, final=False)
         return self._split(self._reasoning.feed(text), final=False)
 
+    def take(self, text: str, last: bool) -> list[dict[str, Any]]:
+        """The pieces a text delta settles; with `last` (the output's end), what was held back as well."""
+        return self.feed(text) + (self.finish() if last else [])
+
     def finish(self) -> list[dict[str, Any]]:
         if self._reasoning is None:
             return self._content("", final=True)

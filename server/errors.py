@@ -2,6 +2,8 @@
 shape too) with the HTTP status, for every way a request can go wrong, so that a client library raises its usual
 exception with a message that names the parameter."""
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from fastapi import Request
@@ -31,6 +33,17 @@ class ContextTooLong(ApiError):
 
     def __init__(self, message: str, param: str) -> None:
         super().__init__(400, message, param)
+
+
+@contextmanager
+def params_renamed(names: dict[str, str]) -> Iterator[None]:
+    """An ApiError raised inside names its parameter as `names` maps it: a route whose request names the chat
+    request's fields otherwise."""
+    try:
+        yield
+    except ApiError as error:
+        error.param = names.get(error.param, error.param)
+        raise
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:

@@ -42,7 +42,7 @@ def usage(prompt_tokens: int, choice: Choice) -> dict[str, int]:
 
 def whole_content(output: ChatOutput, text: str, single_call: bool) -> list[dict[str, Any]]:
     events, parts = MessageEvents(single_call), output.stream()
-    for piece in parts.feed(text) + parts.finish():
+    for piece in parts.take(text, last=True):
         events.feed(piece)
     events.end()
     return events.blocks

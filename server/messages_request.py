@@ -6,10 +6,10 @@ tool_choice any as required, thinking enabled or disabled as the template's enab
 import json
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from pegainfer.server.errors import ApiError
-from pegainfer.server.protocol import ChatCompletionRequest
+from pegainfer.server.protocol import ChatCompletionRequest, chat_request
 
 # the chat request's fields that this route's request names otherwise
 RENAMED = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences", "chat_template_kwargs": "thinking"}
@@ -59,13 +59,7 @@ def to_chat(body: MessagesRequest) -> ChatCompletionRequest:
         **chat_tool_choice(body.tool_choice)}
     given = {name: getattr(body, name) for name in ("temperature", "top_p", "top_k", "seed")
              if getattr(body, name) is not None}
-    try:
-        return ChatCompletionRequest(**{k: v for k, v in fields.items() if v is not None}, **given)
-    except ValidationError as error:  # what the chat route's checks find in the blocks
-        first = error.errors()[0]
-        where = ".".join(str(part) for part in first["loc"])
-        raise ApiError(400, f"{where}: {first['msg']}", RENAMED.get(str(first["loc"][0]), str(first["loc"][0]))) \
-            from None
+    return chat_request({k: v for k, v in fields.items() if v is not None} | given)
 
 
 def is_prefill(last: Any) -> bool:

@@ -6,9 +6,10 @@ import json
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator
 
 from pegainfer.runtime.sampler import MAX_LOGPROBS
+from pegainfer.server.errors import ApiError
 
 MAX_N = 16  # choices per prompt
 MAX_STOP = 16  # stop strings per request
@@ -236,3 +237,14 @@ def unused_field_set(body: BaseModel) -> str | None:
 
 def _is_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def chat_request(fields: dict[str, Any]) -> ChatCompletionRequest:
+    """The chat request another API's request amounts to (/v1/responses, /v1/messages); what its checks find is a
+    400 naming the chat field, which the route renames as its own request names it."""
+    try:
+        return ChatCompletionRequest(**fields)
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise ApiError(400, f"{where}: {first['msg']}", str(first["loc"][0])) from None

@@ -58,17 +58,25 @@ async def merged(ctx: "ServerContext", prepared: Prepared, prefix: str,
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def respond(ctx: "ServerContext", request: Request, body: _Sampling, prepared: Prepared, *, chat: bool,
-                  echo: list[str], top: int | None) -> Response:
+def require_healthy(ctx: "ServerContext") -> None:
     if not ctx.engine.healthy:
         raise ApiError(503, f"the engine has failed: {ctx.engine.error}")
+
+
+def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
+    """Server-sent events, closed (the engine's requests aborted) when the client leaves."""
+    return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(events.aclose))
+
+
+async def respond(ctx: "ServerContext", request: Request, body: _Sampling, prepared: Prepared, *, chat: bool,
+                  echo: list[str], top: int | None) -> Response:
+    require_healthy(ctx)
     kind = "chatcmpl" if chat else "cmpl"
     engine_id = f"{kind}-{uuid.uuid4().hex}"  # unique whatever request_id a client sends
     answer_id = f"{kind}-{body.request_id}" if body.request_id else engine_id
     choices = [Choice(i) for i in range(len(prepared.params))]
     if body.stream:
-        events = stream_events(ctx, prepared, body, engine_id, answer_id, choices, chat, echo, top)
-        return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(events.aclose))
+        return event_stream(stream_events(ctx, prepared, body, engine_id, answer_id, choices, chat, echo, top))
     if not await run_whole(ctx, request, prepared, engine_id, choices):
         return Response(status_code=499)
     if prepared.score_only:  # max_tokens 0: the prompt's logprobs alone
@@ -192,7 +200,7 @@ def chat_chunks(names: fmt.TokenNames, base: dict, delta: Delta, top: int | None
     """A delta's chunks: its text through the choice's reasoning and tool-call parsers (which may hold text back,
     or send it as several pieces); the last one carries the finish_reason, "tool_calls" after a call. With
     return_token_ids the first carries the delta's token."""
-    pieces = output.feed(delta.text) + (output.finish() if delta.finish_reason else [])
+    pieces = output.take(delta.text, delta.finish_reason is not None)
     if not pieces and (delta.finish_reason or delta.logprobs is not None or ids):
         pieces = [{"content": ""}]
     chunks = [fmt.chat_chunk(names, base, delta, top if i == 0 else None, piece, None)
@@ -214,3 +222,8 @@ def _finished(chunk: dict, delta: Delta, choices: list[Choice]) -> dict:
 
 def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def typed_sse(event: dict[str, Any]) -> str:
+    """An event of a typed stream (the Responses and Messages APIs): its type also on the event line."""
+    return f"event: {event['type']}\n{sse(event)}"

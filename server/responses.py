@@ -177,12 +177,15 @@ class Version(BaseModel):
 ERROR_STATUSES = {400: "Bad input: the message names the parameter", 401: "Missing or wrong API key",
                   404: "No such model or route", 413: "Request body too large",
                   415: "Request body not sent as application/json", 503: "The engine has failed"}
-# the schema of one server-sent event (Open API before 3.2 has a stream's `schema` describe each event)
-STREAM = {"text/event-stream": {"schema": {
-    "type": "object", "required": ["data"],
-    "description": "server-sent events: one chunk object of the route (a text_completion or chat.completion.chunk) "
-                   "as JSON in each event's data, then data: [DONE]",
-    "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}}}
+def event_stream(description: str) -> dict[str, Any]:
+    """The schema of one server-sent event (Open API before 3.2 has a stream's `schema` describe each event)."""
+    return {"text/event-stream": {"schema": {
+        "type": "object", "required": ["data"], "description": f"server-sent events: {description}",
+        "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}}}
+
+
+STREAM = event_stream("one chunk object of the route (a text_completion or chat.completion.chunk) as JSON in each "
+                      "event's data, then data: [DONE]")
 
 
 def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:

@@ -46,7 +46,7 @@ def whole_items(output: ChatOutput, text: str, status: str) -> tuple[list[dict[s
     """A whole answer's items (and its reasoning, for the usage): the stream's, from the text in one piece, so
     that the two never differ."""
     events, parts = ResponseEvents(), output.stream()
-    for piece in parts.feed(text) + parts.finish():
+    for piece in parts.take(text, last=True):
         events.feed(piece)
     events.end(status)
     return events.items, events.reasoning

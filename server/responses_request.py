@@ -6,10 +6,10 @@ and the answer says store false."""
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from pegainfer.server.errors import ApiError
-from pegainfer.server.protocol import MAX_LOGPROBS, ChatCompletionRequest, StreamOptions
+from pegainfer.server.protocol import MAX_LOGPROBS, ChatCompletionRequest, StreamOptions, chat_request
 
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 # include values that ask for nothing pegainfer has (no encrypted reasoning; no hosted tools' results)
@@ -94,13 +94,7 @@ def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
         "stream_options": StreamOptions(include_usage=True) if body.stream else None}
     given = {name: getattr(body, name) for name in ("temperature", "top_p", "top_k", "repetition_penalty")
              if getattr(body, name) is not None}
-    try:
-        return ChatCompletionRequest(**{k: v for k, v in fields.items() if v is not None}, **given)
-    except ValidationError as error:  # what the chat route's checks find in the items, named as it names them
-        first = error.errors()[0]
-        where = ".".join(str(part) for part in first["loc"])
-        raise ApiError(400, f"{where}: {first['msg']}", "input" if first["loc"][0] == "messages" else
-                       str(first["loc"][0])) from None
+    return chat_request({k: v for k, v in fields.items() if v is not None} | given)
 
 
 def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:

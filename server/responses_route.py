@@ -1,22 +1,20 @@
 """POST /v1/responses: OpenAI's Responses API over the chat route's machinery (server/responses_request.py reads
 the request as a chat completion, server/responses_output.py writes the answer), whole or streamed."""
 
-import json
 import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.background import BackgroundTask
+from fastapi.responses import JSONResponse, Response
 
 from pegainfer.errors import RequestError
 from pegainfer.runtime.engine_loop import EngineDead
 from pegainfer.server import responses as schema
-from pegainfer.server.errors import ApiError, ContextTooLong
+from pegainfer.server.errors import ContextTooLong, params_renamed
 from pegainfer.server.generation import Choice
 from pegainfer.server.prepare import Prepared, prepare_chat
-from pegainfer.server.respond import merged, run_whole
+from pegainfer.server.respond import event_stream, merged, require_healthy, run_whole, typed_sse
 from pegainfer.server.responses_output import (ResponseEvents, new_id, response_object, status_of, usage,
                                                whole_items)
 from pegainfer.server.responses_request import ResponsesRequest, to_chat
@@ -27,12 +25,9 @@ if TYPE_CHECKING:
 # the chat request's fields that this route's request names otherwise
 RENAMED = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text",
            "chat_template_kwargs": "reasoning", "truncate_prompt_tokens": "truncation"}
-STREAM = {"text/event-stream": {"schema": {
-    "type": "object", "required": ["data"],
-    "description": "server-sent events: each a typed Responses API event (response.created, "
-                   "response.output_item.added, response.output_text.delta, ..., response.completed) as JSON in "
-                   "its data, its type also in its event field",
-    "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}}}
+STREAM = schema.event_stream("each a typed Responses API event (response.created, response.output_item.added, "
+                             "response.output_text.delta, ..., response.completed) as JSON in its data, its type "
+                             "also in its event field")
 
 
 def add_responses_routes(app: FastAPI, ctx: "ServerContext") -> None:
@@ -41,21 +36,15 @@ def add_responses_routes(app: FastAPI, ctx: "ServerContext") -> None:
     @app.post("/v1/responses", response_model=None,
               responses={200: {"model": schema.ResponseObject, "content": STREAM}, **errors})
     async def responses(body: ResponsesRequest, request: Request) -> Response:
-        try:
+        with params_renamed(RENAMED):
             prepared = await prepare(ctx, body)
-        except ApiError as error:  # named as this route's request names it
-            error.param = RENAMED.get(error.param, error.param)
-            raise
-        if not ctx.engine.healthy:
-            raise ApiError(503, f"the engine has failed: {ctx.engine.error}")
+        require_healthy(ctx)
         response_id = f"resp_{body.request_id}" if body.request_id else new_id("resp")
         engine_id = f"resp-{uuid.uuid4().hex}"
         choices = [Choice(0)]
         model = prepared.lora or ctx.model_name
         if body.stream:
-            events = stream(ctx, body, prepared, engine_id, response_id, model, choices[0])
-            return StreamingResponse(events, media_type="text/event-stream",
-                                     background=BackgroundTask(events.aclose))
+            return event_stream(stream(ctx, body, prepared, engine_id, response_id, model, choices[0]))
         if not await run_whole(ctx, request, prepared, engine_id, choices):
             return Response(status_code=499)
         status = status_of(choices[0])
@@ -89,23 +78,18 @@ async def stream(ctx: "ServerContext", body: ResponsesRequest, prepared: Prepare
                  response_id: str, model: str, choice: Choice) -> AsyncIterator[str]:
     events, parts = ResponseEvents(), prepared.output.stream()
     started = response_object(response_id, body, model, [], "in_progress", None)
-    yield sse(events.event("response.created", response=started))
-    yield sse(events.event("response.in_progress", response=started))
+    yield typed_sse(events.event("response.created", response=started))
+    yield typed_sse(events.event("response.in_progress", response=started))
     try:
         async for delta in merged(ctx, prepared, engine_id, [choice]):
-            pieces = parts.feed(delta.text) + (parts.finish() if delta.finish_reason else [])
-            for piece in pieces:
+            for piece in parts.take(delta.text, delta.finish_reason is not None):
                 for event in events.feed(piece):
-                    yield sse(event)
+                    yield typed_sse(event)
     except (EngineDead, RequestError) as error:
-        yield sse(events.event("error", code="engine_failed" if isinstance(error, EngineDead) else "bad_request",
+        yield typed_sse(events.event("error", code="engine_failed" if isinstance(error, EngineDead) else "bad_request",
                                message=str(error), param=None))
         return
     counts = usage(ctx.tokenizer, len(prepared.prompts[0]), choice, events.reasoning)
     final = response_object(response_id, body, model, [], status_of(choice), counts)
     for event in events.finish(final):
-        yield sse(event)
-
-
-def sse(event: dict[str, Any]) -> str:
-    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+        yield typed_sse(event)
