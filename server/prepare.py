@@ -139,7 +139,7 @@ async def prepare_completion(ctx: "ServerContext", body: CompletionRequest) -> P
     keep = truncation(ctx, body)
     if texts is not None:
         prompts = [await encode_prompt(ctx, text, "prompt", body.add_special_tokens, keep) for text in texts]
-        if keep is not None:  # the echo is what the model read: the kept tokens' text
+        if keep is not None and body.echo:  # the echo is what the model read: the kept tokens' text
             texts = [ctx.tokenizer.decode(ids) for ids in prompts]
     else:
         prompts = id_prompts if keep is None else [ids[-keep:] for ids in id_prompts]

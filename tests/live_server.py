@@ -35,6 +35,19 @@ class Server:
             return httpx.post(self.url + path, content=body, headers=headers, timeout=60, **kwargs)
         return httpx.post(self.url + path, json=body, headers=headers, timeout=60, **kwargs)
 
+    def events(self, path: str, body: dict, key: str | None = KEY) -> list[dict]:
+        """A streamed answer's server-sent events, each data object in order; it ends with [DONE] and holds no
+        error object."""
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        with httpx.stream("POST", self.url + path, json={"model": NAME, "stream": True, **body}, headers=headers,
+                          timeout=60) as reply:
+            assert reply.status_code == 200, reply.read()
+            lines = [line[6:] for line in reply.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "[DONE]"
+        chunks = [json.loads(line) for line in lines[:-1]]
+        assert not any("error" in c for c in chunks), chunks
+        return chunks
+
     def metrics(self) -> dict[str, float]:
         values = {}
         for line in httpx.get(self.url + "/metrics", timeout=30).text.splitlines():

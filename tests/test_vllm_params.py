@@ -4,13 +4,10 @@ skip_special_tokens, truncate_prompt_tokens, allowed_token_ids, return_token_ids
 request_id, cache_salt, add_special_tokens, and chat's continue_final_message, echo and documents; whole and
 streamed the same; the ones pegainfer lacks refused with a 400 naming them."""
 
-import json
-
-import httpx
 import pytest
 from tokenizers import Tokenizer
 
-from live_server import with_chat_template, NAME, start_server, stop_server
+from live_server import NAME, start_server, stop_server, with_chat_template
 
 DOCUMENTS_TEMPLATE = ("{% if documents %}{% for d in documents %}<doc>{{ d['text'] }}</doc>\n{% endfor %}{% endif %}"
                       "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
@@ -46,18 +43,10 @@ def chat(server, messages: list[dict], **body) -> dict:
     return reply.json()
 
 
-def events(server, path: str, body: dict) -> list[dict]:
-    with httpx.stream("POST", server.url + path, json={"model": NAME, "stream": True, **body}, timeout=60) as reply:
-        assert reply.status_code == 200
-        lines = [line[6:] for line in reply.iter_lines() if line.startswith("data: ")]
-    assert lines[-1] == "[DONE]"
-    return [json.loads(line) for line in lines[:-1]]
-
-
 def streamed_completion(server, **body) -> tuple[str, list[int], dict]:
     """The streamed text, token ids (return_token_ids) and last choice object of a completion."""
-    chunks = events(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 12, "temperature": 0,
-                                                "ignore_eos": True, "return_token_ids": True, **body})
+    chunks = server.events("/v1/completions", {"prompt": PROMPT, "max_tokens": 12, "temperature": 0,
+                                               "ignore_eos": True, "return_token_ids": True, **body})
     choices = [chunk["choices"][0] for chunk in chunks]
     return "".join(c["text"] for c in choices), [t for c in choices for t in c["token_ids"]], choices[-1]
 
@@ -137,8 +126,8 @@ def test_return_token_ids_whole_and_streamed_agree(server, tokenizer):
     assert (text, ids) == (whole["text"], whole["token_ids"]) and len(ids) == 12
     messages = [{"role": "user", "content": PROMPT}]
     answer = chat(server, messages, return_token_ids=True, ignore_eos=True)
-    chunks = events(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 8, "temperature": 0,
-                                                     "ignore_eos": True, "return_token_ids": True})
+    chunks = server.events("/v1/chat/completions", {"messages": messages, "max_tokens": 8, "temperature": 0,
+                                                    "ignore_eos": True, "return_token_ids": True})
     assert chunks[0]["prompt_token_ids"] == answer["prompt_token_ids"]
     assert [t for c in chunks for t in c["choices"][0].get("token_ids", [])] == answer["choices"][0]["token_ids"]
 
@@ -169,9 +158,9 @@ def test_continue_final_message_leaves_the_last_message_open(server, tokenizer):
     assert prompt.endswith("<|im_start|>assistant\nIt is")
     echoed = chat(server, messages, add_generation_prompt=False, continue_final_message=True, echo=True)
     assert echoed["choices"][0]["message"]["content"] == "It is" + answer["choices"][0]["message"]["content"]
-    chunks = events(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 8, "temperature": 0,
-                                                     "add_generation_prompt": False, "continue_final_message": True,
-                                                     "echo": True})
+    chunks = server.events("/v1/chat/completions", {"messages": messages, "max_tokens": 8, "temperature": 0,
+                                                    "add_generation_prompt": False, "continue_final_message": True,
+                                                    "echo": True})
     streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
     assert streamed == echoed["choices"][0]["message"]["content"]
     user_last = chat(server, messages[:1], echo=True)  # the answer's role is not the last message's: no echo
@@ -221,10 +210,10 @@ def test_tokenize_renders_chat_as_the_chat_route_does(server):
 
 
 def test_continuous_usage_stats_count_as_tokens_come(server):
-    chunks = events(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 6, "temperature": 0,
-                                                "ignore_eos": True, "return_token_ids": True,
-                                                "stream_options": {"include_usage": True,
-                                                                   "continuous_usage_stats": True}})
+    chunks = server.events("/v1/completions", {"prompt": PROMPT, "max_tokens": 6, "temperature": 0,
+                                               "ignore_eos": True, "return_token_ids": True,
+                                               "stream_options": {"include_usage": True,
+                                                                  "continuous_usage_stats": True}})
     counted = [chunk["usage"]["completion_tokens"] for chunk in chunks if chunk["choices"]]
     assert counted == list(range(1, 7)) and chunks[-1]["usage"]["completion_tokens"] == 6
     assert all(chunk["usage"]["prompt_tokens"] == chunks[-1]["usage"]["prompt_tokens"] for chunk in chunks)

@@ -1,13 +1,10 @@
 """Edge cases of vLLM's request parameters against a live `serve --device cpu` carrying Qwen3's chat template, the
 qwen3 reasoning parser and hermes tool calls, its tokenizer putting a BOS before a text (add_special_tokens)."""
 
-import json
-
-import httpx
 import pytest
 from tokenizers import Tokenizer, processors
 
-from live_server import with_chat_template, NAME, start_server, stop_server
+from live_server import NAME, start_server, stop_server, with_chat_template
 
 PROMPT = "The quick brown fox"
 
@@ -49,21 +46,11 @@ def chat(server, **body) -> dict:
                                                     "max_tokens": 8, "temperature": 0} | body))
 
 
-def events(server, path: str, body: dict) -> list[dict]:
-    with httpx.stream("POST", server.url + path, json={"model": NAME, "stream": True, **body}, timeout=60) as reply:
-        assert reply.status_code == 200, reply.read()
-        lines = [line[6:] for line in reply.iter_lines() if line.startswith("data: ")]
-    assert lines[-1] == "[DONE]"
-    chunks = [json.loads(line) for line in lines[:-1]]
-    assert not any("error" in c for c in chunks), chunks
-    return chunks
-
-
 def streamed_completions(server, **body) -> dict[int, dict]:
     """Per choice index: the streamed text, token ids, finish_reason and stop_reason."""
     body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True} | body
     out: dict[int, dict] = {}
-    for chunk in events(server, "/v1/completions", body):
+    for chunk in server.events("/v1/completions", body):
         for c in chunk["choices"]:
             got = out.setdefault(c["index"], {"text": "", "token_ids": [], "finish_reason": None,
                                               "stop_reason": None})
@@ -77,7 +64,7 @@ def streamed_completions(server, **body) -> dict[int, dict]:
 def streamed_chat(server, **body) -> dict[int, dict]:
     body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 8, "temperature": 0} | body
     out: dict[int, dict] = {}
-    for chunk in events(server, "/v1/chat/completions", body):
+    for chunk in server.events("/v1/chat/completions", body):
         for c in chunk["choices"]:
             got = out.setdefault(c["index"], {"content": "", "reasoning": "", "token_ids": [], "finish_reason": None,
                                               "stop_reason": None})
@@ -268,6 +255,6 @@ def test_chat_skip_special_tokens_false_keeps_them(server, tokenizer):
 
 
 def test_request_id_names_every_streamed_chunk(server):
-    chunks = events(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                                                     "max_tokens": 3, "request_id": "abc"})
+    chunks = server.events("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                    "max_tokens": 3, "request_id": "abc"})
     assert {c["id"] for c in chunks} == {"chatcmpl-abc"}
